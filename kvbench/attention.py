@@ -1,0 +1,131 @@
+"""One causal GQA self-attention layer with seeded weights, and path A (recompute).
+
+Shapes (SPEC §1): x [B, T, H]; q [B, H_q, T, D]; k, v [B, H_kv, T, D];
+W_q [H, H_q·D], W_k and W_v [H, H_kv·D], W_o [H_q·D, H]. Query head h reads KV head
+h // (H_q / H_kv), the mapping of `repeat_interleave` along the head dimension.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from kvbench.config import LayerShape, RunConfig
+from kvbench.device import torch_dtype
+
+ROPE_BASE = 10000.0
+
+
+class AttentionLayer:
+    """Fixed random weights and the per-position work shared by every decode path."""
+
+    def __init__(self, shape: LayerShape, dtype: torch.dtype, device: str, seed: int,
+                 rope: bool):
+        self.shape, self.dtype, self.device, self.rope = shape, dtype, device, rope
+        g = torch.Generator().manual_seed(seed)
+        H, Hq, Hkv, D = shape.hidden, shape.q_heads, shape.kv_heads, shape.head_dim
+
+        def weight(n_in: int, n_out: int) -> torch.Tensor:
+            # Drawn in float32 on the CPU so every dtype and device sees the same values.
+            w = torch.randn(n_in, n_out, generator=g) / math.sqrt(n_in)
+            return w.to(device=device, dtype=dtype)
+
+        self.w_q = weight(H, Hq * D)
+        self.w_k = weight(H, Hkv * D)
+        self.w_v = weight(H, Hkv * D)
+        self.w_o = weight(Hq * D, H)
+        self.scale = 1.0 / math.sqrt(D)
+
+    @classmethod
+    def from_config(cls, config: RunConfig) -> AttentionLayer:
+        return cls(config.shape, torch_dtype(config.dtype), config.device, config.seed,
+                   config.rope)
+
+    def to(self, dtype: torch.dtype) -> AttentionLayer:
+        """The same weights in another dtype (the float64 reference uses this)."""
+        other = object.__new__(AttentionLayer)
+        other.__dict__.update(self.__dict__)
+        other.dtype = dtype
+        for name in ("w_q", "w_k", "w_v", "w_o"):
+            setattr(other, name, getattr(self, name).to(dtype))
+        return other
+
+    @property
+    def weight_bytes(self) -> int:
+        return sum(w.numel() * w.element_size() for w in (self.w_q, self.w_k, self.w_v, self.w_o))
+
+    def project(self, x: torch.Tensor, start: int):
+        """x [B, T, H] at positions start..start+T-1 -> q [B,H_q,T,D], k, v [B,H_kv,T,D].
+
+        RoPE (when on) rotates q and k here, so the cache stores k after rotation.
+        """
+        B, T, _ = x.shape
+        D = self.shape.head_dim
+        q = (x @ self.w_q).view(B, T, self.shape.q_heads, D).transpose(1, 2)  # [B, H_q, T, D]
+        k = (x @ self.w_k).view(B, T, self.shape.kv_heads, D).transpose(1, 2)  # [B, H_kv, T, D]
+        v = (x @ self.w_v).view(B, T, self.shape.kv_heads, D).transpose(1, 2)  # [B, H_kv, T, D]
+        if self.rope:
+            positions = torch.arange(start, start + T, device=x.device)
+            q, k = apply_rope(q, positions), apply_rope(k, positions)
+        return q, k, v
+
+    def output(self, attn: torch.Tensor) -> torch.Tensor:
+        """attn [B, H_q, T, D] -> [B, T, H]."""
+        B, _, T, _ = attn.shape
+        return attn.transpose(1, 2).reshape(B, T, -1) @ self.w_o  # [B, T, H_q·D] @ W_o
+
+
+def make_inputs(config: RunConfig) -> torch.Tensor:
+    """Hidden states for the prompt and the G continuation positions: [B, T_p + G, H]."""
+    s = config.shape
+    g = torch.Generator().manual_seed(config.seed + 1)
+    x = torch.randn(s.batch, s.total_len, s.hidden, generator=g)
+    return x.to(device=config.device, dtype=torch_dtype(config.dtype))
+
+
+def apply_rope(x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE. x [B, heads, T, D], positions [T]; angles computed in float32+."""
+    D = x.shape[-1]
+    compute = torch.float64 if x.dtype == torch.float64 else torch.float32
+    inv_freq = ROPE_BASE ** (-torch.arange(0, D, 2, device=x.device, dtype=compute) / D)
+    angles = positions.to(compute)[:, None] * inv_freq[None, :]  # [T, D/2]
+    angles = torch.cat((angles, angles), dim=-1)  # [T, D]
+    cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
+    x1, x2 = x[..., : D // 2], x[..., D // 2:]
+    rotated = torch.cat((-x2, x1), dim=-1)
+    return x * cos + rotated * sin
+
+
+def dense_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                           scale: float) -> torch.Tensor:
+    """The reference: q [B,H_q,T,D], k, v [B,H_kv,T,D] -> [B,H_q,T,D].
+
+    Materialises the T×T score matrix per head and copies K/V per query group.
+    """
+    group = q.shape[1] // k.shape[1]
+    k = k.repeat_interleave(group, dim=1)  # [B, H_q, T, D]
+    v = v.repeat_interleave(group, dim=1)
+    T = q.shape[2]
+    scores = (q @ k.transpose(-2, -1)) * scale  # [B, H_q, T, T]
+    visible = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()
+    scores = scores.masked_fill(~visible, float("-inf"))
+    return torch.softmax(scores, dim=-1) @ v
+
+
+def full_forward(layer: AttentionLayer, x: torch.Tensor) -> torch.Tensor:
+    """Causal attention over the whole of x: [B, T, H] -> [B, T, H]."""
+    q, k, v = layer.project(x, start=0)
+    return layer.output(dense_causal_attention(q, k, v, layer.scale))
+
+
+def recompute_step(layer: AttentionLayer, prefix: torch.Tensor) -> torch.Tensor:
+    """Path A, one step: the whole prefix [B, T, H] through causal attention; last position."""
+    q, k, v = layer.project(prefix, start=0)
+    attn = dense_causal_attention(q, k, v, layer.scale)  # [B, H_q, T, D]
+    return layer.output(attn[:, :, -1:])  # [B, 1, H]
+
+
+def recompute_decode(layer: AttentionLayer, x: torch.Tensor, prompt_len: int) -> list[torch.Tensor]:
+    """Path A: step j (1..G) recomputes the prefix x[:, :T_p + j]; returns G outputs [B, 1, H]."""
+    return [recompute_step(layer, x[:, : prompt_len + j]) for j in range(1, x.shape[1] - prompt_len + 1)]

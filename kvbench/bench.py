@@ -1,0 +1,140 @@
+"""bench: time prefill, the G-step recompute decode and each G-step cached decode."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+import torch
+
+from kvbench import costs
+from kvbench.attention import AttentionLayer, make_inputs, recompute_decode
+from kvbench.bandwidth import measure_copy_gbps
+from kvbench.cache import IMPLEMENTATIONS
+from kvbench.config import RunConfig
+from kvbench.errors import KvbenchError
+from kvbench.timing import Stats, time_samples
+from kvbench.verify import VerifyReport, verify
+
+# With --no-recompute, implementations are checked against path A on a prefix this long.
+NO_RECOMPUTE_VERIFY_PROMPT = 128
+NO_RECOMPUTE_VERIFY_DECODE = 4
+
+
+class VerificationFailed(Exception):
+    """Raised instead of timing a configuration whose cached output disagrees with path A."""
+
+    def __init__(self, report: VerifyReport):
+        super().__init__("verification failed")
+        self.report = report
+
+
+@dataclass(frozen=True)
+class BenchOptions:
+    warmup: int = 3
+    rounds: int = 9
+    recompute: bool = True
+    copy_gbps: float | None = None  # measured once per run and shared by its configurations
+
+    def __post_init__(self) -> None:
+        if self.warmup < 0:
+            raise KvbenchError(f"--warmup must be 0 or more, got {self.warmup}")
+        if self.rounds < 1:
+            raise KvbenchError(f"--rounds must be at least 1, got {self.rounds}")
+
+
+@dataclass
+class ImplTiming:
+    impl: str
+    prefill: Stats
+    decode: Stats  # all G cached steps, prompt cache already built
+    min_bytes_per_step: float
+    flops_per_step: float
+    copy_gbps: float
+    decode_len: int
+    stats: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def ms_per_step(self) -> float:
+        return self.decode.median_ms / self.decode_len
+
+    @property
+    def achieved_gbps(self) -> float:
+        return self.min_bytes_per_step / (self.ms_per_step * 1e-3) / 1e9
+
+    @property
+    def bandwidth_fraction(self) -> float:
+        return self.achieved_gbps / self.copy_gbps
+
+    @property
+    def achieved_gflops(self) -> float:
+        return self.flops_per_step / (self.ms_per_step * 1e-3) / 1e9
+
+
+@dataclass
+class BenchResult:
+    config: RunConfig
+    options: BenchOptions
+    verified: str  # how the implementations were verified before timing
+    recompute: Stats | None
+    timings: list[ImplTiming]
+
+    def speedup(self, t: ImplTiming) -> float | None:
+        return self.recompute.median_ms / t.decode.median_ms if self.recompute else None
+
+
+def verification_config(config: RunConfig, recompute: bool) -> RunConfig:
+    if recompute:
+        return config
+    s = config.shape
+    short = replace(s, prompt_len=min(s.prompt_len, NO_RECOMPUTE_VERIFY_PROMPT),
+                    decode_len=min(s.decode_len, NO_RECOMPUTE_VERIFY_DECODE))
+    return replace(config, shape=short)
+
+
+def bench(config: RunConfig, impls: tuple[str, ...], options: BenchOptions) -> BenchResult:
+    """Verify, then time. Raises VerificationFailed rather than time a wrong answer."""
+    classes = {name: IMPLEMENTATIONS[name] for name in impls}
+    check = verification_config(config, options.recompute)
+    report = verify(check, classes)
+    if not report.passed:
+        raise VerificationFailed(report)
+    s = check.shape
+    verified = ("against recompute at this configuration" if options.recompute else
+                f"against recompute at prompt {s.prompt_len}, decode {s.decode_len} "
+                "(--no-recompute)")
+
+    s = config.shape
+    layer = AttentionLayer.from_config(config)
+    x = make_inputs(config)
+    prompt = x[:, : s.prompt_len]
+    copy_gbps = options.copy_gbps or measure_copy_gbps(config.device)
+    min_bytes = costs.decode_min_bytes_per_step(s, config.dtype_bytes)
+    flops = costs.decode_flops_per_step(s)
+
+    with torch.no_grad():
+        recompute = None
+        if options.recompute:
+            recompute = time_samples(lambda _: recompute_decode(layer, x, s.prompt_len),
+                                     config.device, options.warmup, options.rounds)
+        timings = []
+        for name, cls in classes.items():
+            def fresh(cls=cls):
+                return cls(layer, s.batch, s.total_len)
+
+            def prefilled(cls=cls):
+                impl = fresh(cls)
+                impl.prefill(prompt)
+                return impl
+
+            def decode(impl):
+                for t in range(s.prompt_len, s.total_len):
+                    impl.step(x[:, t:t + 1])
+                return impl
+
+            prefill_stats = time_samples(lambda impl: impl.prefill(prompt), config.device,
+                                         options.warmup, options.rounds, setup=fresh)
+            decode_stats = time_samples(decode, config.device, options.warmup, options.rounds,
+                                        setup=prefilled)
+            timings.append(ImplTiming(name, prefill_stats, decode_stats, min_bytes, flops,
+                                      copy_gbps, s.decode_len, decode(prefilled()).stats()))
+    return BenchResult(config, options, verified, recompute, timings)

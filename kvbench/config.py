@@ -1,0 +1,123 @@
+"""Typed configurations for one attention-layer experiment. Importing this module needs no torch."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvbench.errors import KvbenchError
+
+# Accepted spellings of the compute dtypes -> torch's canonical name.
+DTYPE_ALIASES = {
+    "float32": "float32", "fp32": "float32", "float": "float32",
+    "float16": "float16", "fp16": "float16", "half": "float16",
+    "bfloat16": "bfloat16", "bf16": "bfloat16",
+}
+DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
+
+
+def canonical_dtype(name: str) -> str:
+    try:
+        return DTYPE_ALIASES[name.strip().lower()]
+    except KeyError:
+        known = ", ".join(sorted(DTYPE_ALIASES))
+        raise KvbenchError(f"unknown dtype {name!r}; use one of {known}") from None
+
+
+@dataclass(frozen=True)
+class LayerShape:
+    """Shapes of one causal GQA attention layer and the sequence it decodes."""
+
+    batch: int = 2
+    prompt_len: int = 64
+    decode_len: int = 8
+    hidden: int = 512
+    q_heads: int = 8
+    kv_heads: int = 2
+    head_dim: int = 64
+
+    def __post_init__(self) -> None:
+        for name in ("batch", "prompt_len", "decode_len", "hidden", "q_heads", "kv_heads",
+                     "head_dim"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                flag = "--" + name.replace("_", "-")
+                raise KvbenchError(f"{flag} must be a positive integer, got {value!r}")
+        if self.q_heads % self.kv_heads:
+            raise KvbenchError(
+                f"--q-heads {self.q_heads} is not a multiple of --kv-heads {self.kv_heads}; "
+                "each KV head must serve a whole number of query heads"
+            )
+
+    @property
+    def group(self) -> int:
+        """Query heads served by one KV head (H_q / H_kv)."""
+        return self.q_heads // self.kv_heads
+
+    @property
+    def total_len(self) -> int:
+        return self.prompt_len + self.decode_len
+
+    @property
+    def cache_shape(self) -> tuple[int, int, int, int]:
+        """Final cache shape [B, H_kv, T_p + G, D]."""
+        return (self.batch, self.kv_heads, self.total_len, self.head_dim)
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """One measured configuration: a layer shape plus how to run it."""
+
+    shape: LayerShape
+    dtype: str = "float32"  # canonical torch name
+    device: str = "cpu"  # resolved: "cpu" or "cuda:N"
+    seed: int = 0
+    rope: bool = False
+
+    def __post_init__(self) -> None:
+        if self.rope and self.shape.head_dim % 2:
+            raise KvbenchError(
+                f"--rope needs an even --head-dim, got {self.shape.head_dim}; "
+                "use an even head dim or --no-rope"
+            )
+
+    @property
+    def dtype_bytes(self) -> int:
+        return DTYPE_BYTES[self.dtype]
+
+
+# The reference cases of the source material (SPEC §1).
+SMALL_CASE = LayerShape(batch=1, prompt_len=8, decode_len=5, hidden=16, q_heads=4, kv_heads=2,
+                        head_dim=4)
+CPU_TIMING_CASE = LayerShape(batch=2, prompt_len=64, decode_len=8, hidden=512, q_heads=8,
+                             kv_heads=2, head_dim=64)
+CUDA_TIMING_CASE = LayerShape(batch=2, prompt_len=256, decode_len=32, hidden=512, q_heads=8,
+                              kv_heads=2, head_dim=64)
+
+
+def timing_case(device: str) -> LayerShape:
+    return CUDA_TIMING_CASE if device.startswith("cuda") else CPU_TIMING_CASE
+
+
+SHAPE_FIELDS = ("batch", "prompt_len", "decode_len", "hidden", "q_heads", "kv_heads", "head_dim")
+
+
+def parse_int_list(flag: str, text: str) -> list[int]:
+    """"256,1024" -> [256, 1024]; every value a positive integer."""
+    values = []
+    for part in text.split(","):
+        part = part.strip().replace("_", "")
+        if not part.isdigit() or int(part) < 1:
+            raise KvbenchError(f"{flag} takes positive integers separated by commas, "
+                               f"got {text!r}")
+        values.append(int(part))
+    return values
+
+
+def expand_shapes(base: LayerShape, lists: dict[str, list[int]]) -> list[LayerShape]:
+    """The Cartesian product of the given per-field value lists over a base shape."""
+    from dataclasses import replace
+    from itertools import product
+
+    fields = [f for f in SHAPE_FIELDS if f in lists]
+    return [replace(base, **dict(zip(fields, combo)))
+            for combo in product(*(lists[f] for f in fields))]

@@ -1,0 +1,46 @@
+"""What one decode step must cost at least (SPEC §4). No torch needed.
+
+Per layer per step the minimum traffic is the four weight matrices read once, the whole cache
+read once (2·B·T·H_kv·D·s), the new k and v written, and the activations in and out. Decode
+attention's intensity is about 2·(H_q/H_kv)/s FLOP per byte, far below any ridge point, so
+time >= bytes / bandwidth is its floor.
+"""
+
+from __future__ import annotations
+
+from kvbench.config import LayerShape
+
+
+def weight_elements(s: LayerShape) -> int:
+    """W_q [H, H_q·D] + W_k, W_v [H, H_kv·D] + W_o [H_q·D, H]."""
+    return 2 * s.hidden * s.q_heads * s.head_dim + 2 * s.hidden * s.kv_heads * s.head_dim
+
+
+def kv_bytes(s: LayerShape, length: int, dtype_bytes: int) -> int:
+    """K and V for `length` positions of every sequence: 2·B·T·H_kv·D·s."""
+    return 2 * s.batch * length * s.kv_heads * s.head_dim * dtype_bytes
+
+
+def step_min_bytes(s: LayerShape, length: int, dtype_bytes: int) -> int:
+    """Minimum bytes moved by the decode step whose cache holds `length` positions after it."""
+    weights = weight_elements(s) * dtype_bytes
+    cache_read = kv_bytes(s, length, dtype_bytes)
+    new_kv = kv_bytes(s, 1, dtype_bytes)
+    activations = 2 * s.batch * s.hidden * dtype_bytes  # x_t in, output out
+    return weights + cache_read + new_kv + activations
+
+
+def step_flops(s: LayerShape, length: int) -> int:
+    """Projections 2·B·(weight elements) plus attention 4·B·H_q·T·D (QK^T and PV)."""
+    return 2 * s.batch * weight_elements(s) + 4 * s.batch * s.q_heads * length * s.head_dim
+
+
+def decode_min_bytes_per_step(s: LayerShape, dtype_bytes: int) -> float:
+    """Mean over the G steps of a decode from T_p + 1 to T_p + G cached positions."""
+    lengths = range(s.prompt_len + 1, s.total_len + 1)
+    return sum(step_min_bytes(s, t, dtype_bytes) for t in lengths) / len(lengths)
+
+
+def decode_flops_per_step(s: LayerShape) -> float:
+    lengths = range(s.prompt_len + 1, s.total_len + 1)
+    return sum(step_flops(s, t) for t in lengths) / len(lengths)

@@ -1,0 +1,43 @@
+"""Device and dtype resolution, and device synchronisation."""
+
+from __future__ import annotations
+
+import torch
+
+from kvbench.errors import KvbenchError
+
+
+def resolve_device(name: str) -> str:
+    """auto|cpu|cuda|cuda:N -> "cpu" or "cuda:N"; refuses CUDA where there is none."""
+    name = name.strip().lower()
+    if name == "auto":
+        return "cuda:0" if torch.cuda.is_available() else "cpu"
+    if name == "cpu":
+        return "cpu"
+    if name == "cuda" or name.startswith("cuda:"):
+        if not torch.cuda.is_available():
+            raise KvbenchError(f"--device {name}: no CUDA device is available here; "
+                               "use --device cpu or --device auto")
+        index = 0 if name == "cuda" else name.split(":", 1)[1]
+        if not str(index).isdigit() or int(index) >= torch.cuda.device_count():
+            raise KvbenchError(f"--device {name}: this machine has CUDA devices "
+                               f"0..{torch.cuda.device_count() - 1}; pick one of those")
+        return f"cuda:{int(index)}"
+    raise KvbenchError(f"unknown device {name!r}; use auto, cpu, cuda or cuda:N")
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    return getattr(torch, name)
+
+
+def synchronize(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize(device)
+
+
+def device_name(device: str) -> str:
+    if device.startswith("cuda"):
+        return torch.cuda.get_device_name(device)
+    import platform
+
+    return platform.processor() or platform.machine() or "cpu"

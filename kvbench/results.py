@@ -1,0 +1,182 @@
+"""Results files: tidy CSV, one row per measured configuration (SPEC §5).
+
+Rows are appended atomically: the new file (old bytes + new rows) is written beside the old
+one and moved over it, so an interrupted or failing run never leaves a partial row. A file
+whose header differs from this command's columns is refused and left untouched.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import os
+import tempfile
+from datetime import datetime, timezone
+from pathlib import Path
+
+from kvbench.env import ENV_COLUMNS
+from kvbench.errors import KvbenchError
+
+DEFAULT_DIR = Path("results")
+
+
+def default_csv(command: str) -> Path:
+    return DEFAULT_DIR / f"{command}.csv"
+
+
+def timestamp() -> str:
+    return datetime.now(timezone.utc).isoformat(timespec="seconds")
+
+
+def _read_header(path: Path) -> list[str] | None:
+    try:
+        with path.open(newline="") as f:
+            return next(csv.reader(f), None)
+    except OSError as err:
+        raise KvbenchError(f"cannot read {path}: {err.strerror}; pass another --csv path") from None
+    except (UnicodeDecodeError, csv.Error):
+        raise KvbenchError(f"{path} is not a CSV file; pass another --csv path") from None
+
+
+def check_csv(path: Path, columns: list[str]) -> None:
+    """Refuse early, before any work, a path that cannot take these rows."""
+    if path.exists():
+        if path.is_dir():
+            raise KvbenchError(f"--csv {path} is a directory; give a file path")
+        header = _read_header(path)
+        if header is not None and header != columns:
+            missing = [c for c in columns if c not in header]
+            extra = [c for c in header if c not in columns]
+            detail = f" (missing {', '.join(missing[:4])})" if missing else (
+                f" (unexpected {', '.join(extra[:4])})" if extra else " (order differs)")
+            raise KvbenchError(f"{path} has a different header{detail}; "
+                               "write to a new file with --csv PATH")
+        if not os.access(path, os.W_OK):
+            raise KvbenchError(f"cannot write {path}: permission denied; pass another --csv path")
+        return
+    parent = path.parent
+    while not parent.exists():
+        parent = parent.parent
+    try:  # a real probe: os.access says yes to root even where nothing can be created
+        tempfile.TemporaryFile(dir=parent).close()
+    except OSError:
+        raise KvbenchError(f"cannot create {path}: {parent} is not a writable directory; "
+                           "pass another --csv path") from None
+
+
+def append_csv(path: Path, rows: list[dict[str, object]], columns: list[str]) -> None:
+    """Append rows (keys ⊆ columns) to path, creating it and its folders as needed."""
+    check_csv(path, columns)
+    buf = io.StringIO()
+    writer = csv.DictWriter(buf, fieldnames=columns, extrasaction="raise", lineterminator="\n")
+    existing = path.read_bytes() if path.exists() else b""
+    if not existing:
+        writer.writeheader()
+    elif not existing.endswith(b"\n"):
+        existing += b"\n"
+    writer.writerows({c: _cell(row.get(c)) for c in columns} for row in rows)
+    tmp = None
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+        with os.fdopen(fd, "wb") as f:
+            f.write(existing + buf.getvalue().encode())
+            f.flush()
+            os.fsync(f.fileno())
+        mode = path.stat().st_mode & 0o777 if path.exists() else 0o666 & ~_umask()
+        os.chmod(tmp, mode)
+        os.replace(tmp, path)
+    except OSError as err:
+        raise KvbenchError(f"cannot write {path}: {err.strerror}; pass another --csv path") from None
+    finally:
+        if tmp and os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def _cell(value: object) -> object:
+    if value is None:
+        return ""
+    if isinstance(value, float):
+        return repr(value) if value == value and abs(value) != float("inf") else ""
+    return value
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+# Column order is part of the interface: users' spreadsheets and scripts depend on it.
+CONFIG_COLUMNS = ["timestamp", "command", "impl", "batch", "prompt_len", "decode_len", "hidden",
+                  "q_heads", "kv_heads", "head_dim", "dtype", "device", "rope", "seed"]
+VERIFY_COLUMNS = CONFIG_COLUMNS + [
+    "passed", "max_abs_err", "mean_abs_err", "prefill_max_abs_err", "fp64_max_abs_err",
+    "recompute_fp64_max_abs_err", "first_bad_step", "cache_shape", "rtol", "atol",
+] + ENV_COLUMNS
+
+
+def _stats_columns(name: str) -> list[str]:
+    return [name, f"{name}_min", f"{name}_max", f"{name}_iqr"]
+
+
+BENCH_COLUMNS = CONFIG_COLUMNS + [
+    "warmup", "rounds", "verified",
+    *_stats_columns("prefill_ms"), *_stats_columns("decode_recompute_ms"),
+    *_stats_columns("decode_cached_ms"),
+    "speedup", "recompute_ms_per_step", "cached_ms_per_step", "noisy",
+    "min_bytes_per_step", "flops_per_step", "copy_gbps", "achieved_gbps", "bandwidth_fraction",
+    "achieved_gflops", "blocks_used", "blocks_allocated", "sdpa_backend", "compile_ms",
+] + ENV_COLUMNS
+
+
+def config_cells(command: str, impl: str, config) -> dict[str, object]:
+    s = config.shape
+    return {"timestamp": timestamp(), "command": command, "impl": impl, "batch": s.batch,
+            "prompt_len": s.prompt_len, "decode_len": s.decode_len, "hidden": s.hidden,
+            "q_heads": s.q_heads, "kv_heads": s.kv_heads, "head_dim": s.head_dim,
+            "dtype": config.dtype, "device": config.device, "rope": config.rope,
+            "seed": config.seed}
+
+
+def _stats_cells(name: str, stats) -> dict[str, object]:
+    if stats is None:
+        return {}
+    return {name: stats.median_ms, f"{name}_min": stats.min_ms, f"{name}_max": stats.max_ms,
+            f"{name}_iqr": stats.iqr_ms}
+
+
+def verify_rows(report, env: dict[str, object]) -> list[dict[str, object]]:
+    return [{
+        **config_cells("verify", c.impl, report.config),
+        "passed": c.passed, "max_abs_err": c.max_abs_err, "mean_abs_err": c.mean_abs_err,
+        "prefill_max_abs_err": c.prefill_max_abs_err, "fp64_max_abs_err": c.fp64_max_abs_err,
+        "recompute_fp64_max_abs_err": report.recompute_fp64_max_abs_err,
+        "first_bad_step": c.first_bad_step, "cache_shape": "x".join(map(str, c.cache_shape)),
+        "rtol": report.rtol, "atol": report.atol, **env,
+    } for c in report.checks]
+
+
+def bench_rows(result, env: dict[str, object]) -> list[dict[str, object]]:
+    rows = []
+    g = result.config.shape.decode_len
+    for t in result.timings:
+        rec = result.recompute
+        rows.append({
+            **config_cells("bench", t.impl, result.config),
+            "warmup": result.options.warmup, "rounds": result.options.rounds,
+            "verified": result.verified,
+            **_stats_cells("prefill_ms", t.prefill),
+            **_stats_cells("decode_recompute_ms", rec),
+            **_stats_cells("decode_cached_ms", t.decode),
+            "speedup": result.speedup(t),
+            "recompute_ms_per_step": rec.median_ms / g if rec else None,
+            "cached_ms_per_step": t.ms_per_step,
+            "noisy": t.decode.noisy or t.prefill.noisy or bool(rec and rec.noisy),
+            "min_bytes_per_step": t.min_bytes_per_step, "flops_per_step": t.flops_per_step,
+            "copy_gbps": t.copy_gbps, "achieved_gbps": t.achieved_gbps,
+            "bandwidth_fraction": t.bandwidth_fraction, "achieved_gflops": t.achieved_gflops,
+            **{k: v for k, v in t.stats.items() if k in BENCH_COLUMNS},
+            **env,
+        })
+    return rows

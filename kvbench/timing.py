@@ -1,0 +1,56 @@
+"""Timing the way careful harnesses do: warm up, synchronise around every sample, median + spread."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+from kvbench.device import synchronize
+
+NOISY_IQR_FRACTION = 0.10  # torch.utils.benchmark flags IQR/median above 10%
+
+
+@dataclass(frozen=True)
+class Stats:
+    """Summary of timed samples, in milliseconds."""
+
+    median_ms: float
+    min_ms: float
+    max_ms: float
+    iqr_ms: float
+    rounds: int
+
+    @property
+    def noisy(self) -> bool:
+        return self.median_ms > 0 and self.iqr_ms / self.median_ms > NOISY_IQR_FRACTION
+
+    @classmethod
+    def of(cls, samples_ms: list[float]) -> Stats:
+        if len(samples_ms) >= 2:
+            q1, _, q3 = statistics.quantiles(samples_ms, n=4, method="inclusive")
+        else:
+            q1 = q3 = samples_ms[0]
+        return cls(statistics.median(samples_ms), min(samples_ms), max(samples_ms), q3 - q1,
+                   len(samples_ms))
+
+
+def time_samples(work: Callable[[object], object], device: str, warmup: int, rounds: int,
+                 setup: Callable[[], object] = lambda: None) -> Stats:
+    """Time `work(setup())`: `warmup` untimed runs, then `rounds` samples.
+
+    `setup` runs untimed before each sample (e.g. building a fresh prompt cache). The device is
+    synchronised before the clock starts and after the work, so queued kernels count.
+    """
+    for _ in range(warmup):
+        work(setup())
+    samples = []
+    for _ in range(rounds):
+        state = setup()
+        synchronize(device)
+        start = time.perf_counter()
+        work(state)
+        synchronize(device)
+        samples.append((time.perf_counter() - start) * 1e3)
+    return Stats.of(samples)

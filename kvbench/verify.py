@@ -1,0 +1,130 @@
+"""verify: path B (each implementation) against path A, token by token.
+
+A step passes when every element satisfies |B - A| <= atol + rtol·|A| (torch.isclose).
+float32 uses the reference's tolerances. float16 and bfloat16 compare two computations that
+each round at every op, so their tolerances are about five units of the format's epsilon
+(2**-10 and 2**-7): on random layers the two paths differed by at most two.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from kvbench.attention import AttentionLayer, full_forward, make_inputs, recompute_decode
+from kvbench.cache import IMPLEMENTATIONS, CachedAttention
+from kvbench.config import RunConfig
+
+TOLERANCES = {  # dtype -> (rtol, atol)
+    "float32": (1e-4, 1e-5),
+    "float16": (5e-3, 5e-3),
+    "bfloat16": (4e-2, 4e-2),
+}
+
+
+@dataclass
+class ImplCheck:
+    """How one implementation compares with path A."""
+
+    impl: str
+    passed: bool
+    max_abs_err: float  # over prefill and every decode step, against path A
+    mean_abs_err: float  # over the decode steps
+    prefill_max_abs_err: float
+    fp64_max_abs_err: float  # path B against the float64 computation of the same layer
+    cache_shape: tuple[int, ...]
+    first_bad_step: int | None = None  # 0 = prefill, j = decode step j (1-based)
+    message: str = ""
+    stats: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass
+class VerifyReport:
+    config: RunConfig
+    rtol: float
+    atol: float
+    recompute_fp64_max_abs_err: float  # path A against the float64 computation
+    checks: list[ImplCheck]
+
+    @property
+    def passed(self) -> bool:
+        return all(c.passed for c in self.checks)
+
+
+def run_cached(impl: CachedAttention, x: torch.Tensor, prompt_len: int):
+    """Prefill then decode every remaining position: (prefill out, [step outs])."""
+    prefill = impl.prefill(x[:, :prompt_len])
+    steps = [impl.step(x[:, t:t + 1]) for t in range(prompt_len, x.shape[1])]
+    return prefill, steps
+
+
+def _max_abs(a: torch.Tensor, b: torch.Tensor) -> float:
+    return (a.double() - b.double()).abs().max().item()
+
+
+def verify(config: RunConfig, impls: dict[str, type[CachedAttention]] | None = None) -> VerifyReport:
+    """Run path A, a float64 reference and every implementation on the same inputs."""
+    impls = impls if impls is not None else IMPLEMENTATIONS
+    s = config.shape
+    rtol, atol = TOLERANCES[config.dtype]
+    layer = AttentionLayer.from_config(config)
+    x = make_inputs(config)
+
+    with torch.no_grad():
+        ref_prefill = full_forward(layer, x[:, : s.prompt_len])
+        ref_steps = recompute_decode(layer, x, s.prompt_len)
+        layer64 = layer.to(torch.float64)
+        x64 = x.double()
+        exact_prefill = full_forward(layer64, x64[:, : s.prompt_len])
+        exact_steps = recompute_decode(layer64, x64, s.prompt_len)
+        recompute_fp64 = max(_max_abs(a, e) for a, e in zip(ref_steps, exact_steps))
+
+        checks = [_check(name, cls, layer, x, config, ref_prefill, ref_steps, exact_steps,
+                         rtol, atol) for name, cls in impls.items()]
+    del exact_prefill
+    return VerifyReport(config, rtol, atol, recompute_fp64, checks)
+
+
+def _check(name, cls, layer, x, config, ref_prefill, ref_steps, exact_steps, rtol, atol):
+    s = config.shape
+    impl = cls(layer, s.batch, s.total_len)
+    try:
+        prefill, steps = run_cached(impl, x, s.prompt_len)
+        cache_shape = tuple(impl.kv()[0].shape)
+    except RuntimeError as err:  # e.g. a broken append that makes shapes disagree
+        first_line = str(err).strip().splitlines()[0]
+        return ImplCheck(name, False, float("inf"), float("inf"), float("inf"), float("inf"),
+                         (), impl.length - s.prompt_len + 1 if impl.length else 0,
+                         f"raised: {first_line}")
+
+    first_bad, message = None, ""
+    pairs = [(prefill, ref_prefill)] + list(zip(steps, ref_steps))
+    step_errs, max_err = [], 0.0
+    for j, (got, want) in enumerate(pairs):
+        if got.shape != want.shape:
+            first_bad = first_bad if first_bad is not None else j
+            message = message or f"output shape {tuple(got.shape)} != {tuple(want.shape)}"
+            max_err = float("inf")
+            continue
+        diff = (got.double() - want.double()).abs()
+        max_err = max(max_err, diff.max().item())
+        if j:
+            step_errs.append(diff.mean().item())
+        if first_bad is None and not torch.isclose(got, want, rtol=rtol, atol=atol).all():
+            first_bad = j
+            where = "prefill" if j == 0 else f"step {j}"
+            message = f"{where}: max |A-B| = {diff.max().item():.3e} exceeds rtol {rtol:g}, atol {atol:g}"
+    if cache_shape != s.cache_shape and first_bad is None:
+        first_bad = len(pairs) - 1
+        message = f"final cache shape {list(cache_shape)} != expected {list(s.cache_shape)}"
+
+    fp64 = max((_max_abs(b, e) for b, e in zip(steps, exact_steps) if b.shape == e.shape),
+               default=float("inf"))
+    return ImplCheck(
+        impl=name, passed=first_bad is None, max_abs_err=max_err,
+        mean_abs_err=sum(step_errs) / len(step_errs) if step_errs else float("inf"),
+        prefill_max_abs_err=_max_abs(prefill, ref_prefill) if prefill.shape == ref_prefill.shape
+        else float("inf"),
+        fp64_max_abs_err=fp64, cache_shape=cache_shape, first_bad_step=first_bad,
+        message=message, stats=impl.stats())
