@@ -28,13 +28,12 @@ class AttentionLayer:
 
         def weight(n_in: int, n_out: int) -> torch.Tensor:
             # Drawn in float32 on the CPU so every dtype and device sees the same values.
-            w = torch.randn(n_in, n_out, generator=g) / math.sqrt(n_in)
-            return w.to(device=device, dtype=dtype)
+            return torch.randn(n_in, n_out, generator=g) / math.sqrt(n_in)
 
-        self.w_q = weight(H, Hq * D)
-        self.w_k = weight(H, Hkv * D)
-        self.w_v = weight(H, Hkv * D)
-        self.w_o = weight(Hq * D, H)
+        w_q, w_k, w_v = weight(H, Hq * D), weight(H, Hkv * D), weight(H, Hkv * D)
+        # One GEMM projects q, k and v together: [H, (H_q + 2·H_kv)·D].
+        self.w_qkv = torch.cat((w_q, w_k, w_v), dim=1).to(device=device, dtype=dtype)
+        self.w_o = weight(Hq * D, H).to(device=device, dtype=dtype)
         self.scale = 1.0 / math.sqrt(D)
 
     @classmethod
@@ -47,24 +46,24 @@ class AttentionLayer:
         other = object.__new__(AttentionLayer)
         other.__dict__.update(self.__dict__)
         other.dtype = dtype
-        for name in ("w_q", "w_k", "w_v", "w_o"):
-            setattr(other, name, getattr(self, name).to(dtype))
+        other.w_qkv, other.w_o = self.w_qkv.to(dtype), self.w_o.to(dtype)
         return other
 
     @property
     def weight_bytes(self) -> int:
-        return sum(w.numel() * w.element_size() for w in (self.w_q, self.w_k, self.w_v, self.w_o))
+        return sum(w.numel() * w.element_size() for w in (self.w_qkv, self.w_o))
 
     def project(self, x: torch.Tensor, start: int):
         """x [B, T, H] at positions start..start+T-1 -> q [B,H_q,T,D], k, v [B,H_kv,T,D].
 
         RoPE (when on) rotates q and k here, so the cache stores k after rotation.
         """
-        B, T, _ = x.shape
-        D = self.shape.head_dim
-        q = (x @ self.w_q).view(B, T, self.shape.q_heads, D).transpose(1, 2)  # [B, H_q, T, D]
-        k = (x @ self.w_k).view(B, T, self.shape.kv_heads, D).transpose(1, 2)  # [B, H_kv, T, D]
-        v = (x @ self.w_v).view(B, T, self.shape.kv_heads, D).transpose(1, 2)  # [B, H_kv, T, D]
+        B, T, H = x.shape
+        Hq, Hkv, D = self.shape.q_heads, self.shape.kv_heads, self.shape.head_dim
+        # 2-D so matmul is one GEMM, not a batched one over copies of the weight.
+        qkv = (x.reshape(B * T, H) @ self.w_qkv).view(B, T, Hq + 2 * Hkv, D)
+        qkv = qkv.transpose(1, 2)  # [B, H_q + 2·H_kv, T, D]
+        q, k, v = qkv.split((Hq, Hkv, Hkv), dim=1)  # [B,H_q,T,D], [B,H_kv,T,D], [B,H_kv,T,D]
         if self.rope:
             positions = torch.arange(start, start + T, device=x.device)
             q, k = apply_rope(q, positions), apply_rope(k, positions)
@@ -73,7 +72,8 @@ class AttentionLayer:
     def output(self, attn: torch.Tensor) -> torch.Tensor:
         """attn [B, H_q, T, D] -> [B, T, H]."""
         B, _, T, _ = attn.shape
-        return attn.transpose(1, 2).reshape(B, T, -1) @ self.w_o  # [B, T, H_q·D] @ W_o
+        flat = attn.transpose(1, 2).reshape(B * T, -1)  # [B·T, H_q·D]
+        return (flat @ self.w_o).view(B, T, -1)
 
 
 def make_inputs(config: RunConfig) -> torch.Tensor:

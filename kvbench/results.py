@@ -67,8 +67,12 @@ def check_csv(path: Path, columns: list[str]) -> None:
 def append_csv(path: Path, rows: list[dict[str, object]], columns: list[str]) -> None:
     """Append rows (keys ⊆ columns) to path, creating it and its folders as needed."""
     check_csv(path, columns)
+    for row in rows:
+        unknown = set(row) - set(columns)
+        if unknown:
+            raise ValueError(f"row has columns outside the header: {sorted(unknown)}")
     buf = io.StringIO()
-    writer = csv.DictWriter(buf, fieldnames=columns, extrasaction="raise", lineterminator="\n")
+    writer = csv.DictWriter(buf, fieldnames=columns, lineterminator="\n")
     existing = path.read_bytes() if path.exists() else b""
     if not existing:
         writer.writeheader()

@@ -1,0 +1,155 @@
+"""memory: theoretical KV payload vs allocated vs reserved, per phase (SPEC §2).
+
+allocated = bytes held by live tensors; reserved = bytes the CUDA caching allocator holds from
+the device (allocated plus cached free blocks). Every figure is measured above a baseline taken
+when its window opens, after collecting garbage and emptying the allocator cache.
+
+On the CPU there is no caching allocator, so reserved is not measured. Allocated is counted by
+a dispatch mode that sees every tensor an operator returns: each new storage is counted once,
+and subtracted when it is freed. Scratch memory inside a fused kernel (e.g. the blocks of
+SDPA's CPU flash kernel) never becomes a tensor and is not seen.
+"""
+
+from __future__ import annotations
+
+import gc
+import weakref
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+from kvbench import costs
+from kvbench.attention import AttentionLayer, make_inputs, recompute_decode
+from kvbench.cache import IMPLEMENTATIONS
+from kvbench.config import RunConfig
+from kvbench.device import synchronize
+
+
+class CpuMemoryTracker(TorchDispatchMode):
+    """Live bytes of tensor storages created while active, and their peak."""
+
+    def __init__(self):
+        super().__init__()
+        self.current_bytes = 0
+        self.peak_bytes = 0
+        self._live: dict[int, int] = {}  # StorageImpl address -> nbytes
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        # Views and in-place results share an input's storage, which may predate the tracker.
+        inputs = {t.untyped_storage()._cdata for t in tree_leaves((args, kwargs))
+                  if isinstance(t, torch.Tensor)}
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor) and t.device.type == "cpu":
+                self._track(t.untyped_storage(), inputs)
+        return out
+
+    def _track(self, storage, inputs: set[int]) -> None:
+        key = storage._cdata  # one per StorageImpl; views share it
+        if key in self._live or key in inputs:
+            return
+        nbytes = storage.nbytes()
+        self._live[key] = nbytes
+        self.current_bytes += nbytes
+        self.peak_bytes = max(self.peak_bytes, self.current_bytes)
+        # Storages keep their Python object while the C++ storage lives, so this fires on free.
+        weakref.finalize(storage, self._free, key)
+
+    def _free(self, key: int) -> None:
+        self.current_bytes -= self._live.pop(key, 0)
+
+
+@contextmanager
+def track_cpu_peak():
+    gc.collect()
+    tracker = CpuMemoryTracker()
+    with tracker:
+        yield tracker
+
+
+@dataclass
+class Window:
+    """Memory of one measured phase, in bytes above the baseline at its start."""
+
+    peak_allocated_bytes: int = 0
+    peak_reserved_bytes: int | None = None  # None where there is no caching allocator
+    end_allocated_bytes: int = 0
+    end_reserved_bytes: int | None = None
+
+
+@contextmanager
+def measure(device: str):
+    """Collect garbage, empty the cache, synchronise, reset peaks; then measure the body."""
+    window = Window()
+    if device.startswith("cuda"):
+        gc.collect()
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+        base_alloc = torch.cuda.memory_allocated(device)
+        base_res = torch.cuda.memory_reserved(device)
+        yield window
+        torch.cuda.synchronize(device)
+        window.peak_allocated_bytes = torch.cuda.max_memory_allocated(device) - base_alloc
+        window.peak_reserved_bytes = torch.cuda.max_memory_reserved(device) - base_res
+        window.end_allocated_bytes = torch.cuda.memory_allocated(device) - base_alloc
+        window.end_reserved_bytes = torch.cuda.memory_reserved(device) - base_res
+    else:
+        with track_cpu_peak() as tracker:
+            yield window
+            synchronize(device)
+            gc.collect()
+        window.peak_allocated_bytes = tracker.peak_bytes
+        window.end_allocated_bytes = tracker.current_bytes
+
+
+@dataclass
+class ImplMemory:
+    impl: str
+    cached: Window  # prefill + decode from nothing; its end is what the finished cache holds
+    decode: Window  # decode above an already-built prompt cache
+
+
+@dataclass
+class MemoryResult:
+    config: RunConfig
+    theoretical_kv_bytes: int
+    weight_bytes: int
+    recompute: Window
+    impls: list[ImplMemory]
+
+
+def memory(config: RunConfig, impls: tuple[str, ...]) -> MemoryResult:
+    s = config.shape
+    layer = AttentionLayer.from_config(config)
+    x = make_inputs(config)
+    prompt = x[:, : s.prompt_len]
+
+    def decode(impl):
+        for t in range(s.prompt_len, s.total_len):
+            impl.step(x[:, t:t + 1])
+
+    with torch.no_grad():
+        with measure(config.device) as recompute:
+            out = recompute_decode(layer, x, s.prompt_len)
+            del out
+        results = []
+        for name in impls:
+            cls = IMPLEMENTATIONS[name]
+            with measure(config.device) as cached:
+                impl = cls(layer, s.batch, s.total_len)
+                impl.prefill(prompt)
+                decode(impl)
+            del impl
+            impl = cls(layer, s.batch, s.total_len)
+            impl.prefill(prompt)
+            with measure(config.device) as decoded:
+                decode(impl)
+            del impl
+            results.append(ImplMemory(name, cached, decoded))
+    theoretical = costs.kv_bytes(s, s.total_len, config.dtype_bytes)
+    return MemoryResult(config, theoretical, layer.weight_bytes, recompute, results)

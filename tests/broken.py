@@ -1,0 +1,88 @@
+"""Deliberately broken cached implementations: verify must reject every one of them."""
+
+import torch
+
+from kvbench.attention import dense_causal_attention
+from kvbench.cache import ConcatCache, StaticCache
+
+
+class RopeOffByOne(StaticCache):
+    """Rotates the new key and query at position + 1."""
+
+    name = "rope-off-by-one"
+
+    def step(self, x_t):
+        q, k, v = self.layer.project(x_t, start=self.length + 1)
+        self.write(k, v)
+        keys, values = self.kv()
+        return self.layer.output(self.attend(q, keys, values))
+
+
+class ShiftedMask(StaticCache):
+    """Prefill whose causal mask lets each position see the next one."""
+
+    name = "shifted-mask"
+
+    def prefill(self, x):
+        q, k, v = self.layer.project(x, start=0)
+        self.write(k, v)
+        group = q.shape[1] // k.shape[1]
+        keys, values = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+        T = x.shape[1]
+        scores = (q @ keys.transpose(-2, -1)) * self.layer.scale
+        visible = torch.ones(T, T, dtype=torch.bool).tril(diagonal=1)
+        attn = torch.softmax(scores.masked_fill(~visible, float("-inf")), -1) @ values
+        return self.layer.output(attn)
+
+
+class WrongGqaMapping(ConcatCache):
+    """repeat instead of repeat_interleave: query head h reads KV head h % H_kv."""
+
+    name = "wrong-gqa"
+
+    def step(self, x_t):
+        q, k, v = self.layer.project(x_t, start=self.length)
+        self.k = torch.cat((self.k, k), dim=2)
+        self.v = torch.cat((self.v, v), dim=2)
+        self.length += 1
+        group = self.layer.shape.group
+        keys, values = self.k.repeat(1, group, 1, 1), self.v.repeat(1, group, 1, 1)
+        scores = (q @ keys.transpose(-2, -1)) * self.layer.scale
+        return self.layer.output(torch.softmax(scores, dim=-1) @ values)
+
+
+class WrongAppendDim(ConcatCache):
+    """Appends the new k, v along the head dimension instead of the time dimension."""
+
+    name = "wrong-append-dim"
+
+    def step(self, x_t):
+        q, k, v = self.layer.project(x_t, start=self.length)
+        self.k = torch.cat((self.k, k), dim=1)
+        self.v = torch.cat((self.v, v), dim=1)
+        self.length += 1
+        return self.layer.output(dense_causal_attention(q, self.k, self.v, self.layer.scale))
+
+
+class LossyCast(StaticCache):
+    """Stores K and V through float16 in a float32 run."""
+
+    name = "lossy-cast"
+
+    def write(self, k, v):
+        super().write(k.half().to(k.dtype), v.half().to(v.dtype))
+
+
+class ShortCache(StaticCache):
+    """Attends correctly but reports one position too few in its cache."""
+
+    name = "short-cache"
+
+    def kv(self):
+        return self.k_cache[:, :, : self.length - 1], self.v_cache[:, :, : self.length - 1]
+
+    def step(self, x_t):
+        q, k, v = self.layer.project(x_t, start=self.length)
+        self.write(k, v)
+        keys, values = self.k_cache[:, :, : self.length], self.v_cache[:, :, : self.length]
+        return self.layer.output(self.attend(q, keys, values))

@@ -1,0 +1,130 @@
+import pandas as pd
+import pytest
+from typer.testing import CliRunner
+
+from kvbench import __version__
+from kvbench.cli import app
+from kvbench.results import BENCH_COLUMNS, VERIFY_COLUMNS
+
+runner = CliRunner()
+TINY = ["--device", "cpu", "--batch", "1", "--prompt-len", "6", "--decode-len", "3",
+        "--hidden", "32", "--q-heads", "4", "--kv-heads", "2", "--head-dim", "8"]
+
+
+def run(*args):
+    return runner.invoke(app, list(args))
+
+
+def test_version_and_help():
+    assert run("--version").stdout.strip() == f"kvbench {__version__}"
+    help_text = run("--help").stdout
+    for command in ("verify", "bench", "memory", "capacity"):
+        assert command in help_text
+
+
+def test_verify_default_runs_small_case_and_timing_case(tmp_path):
+    out = tmp_path / "v.csv"
+    result = run("verify", "--device", "cpu", "--csv", str(out))
+    assert result.exit_code == 0, result.output
+    df = pd.read_csv(out)
+    assert list(df.columns) == VERIFY_COLUMNS
+    assert set(df["cache_shape"]) == {"1x2x13x4", "2x2x72x64"}
+    assert df["passed"].all()
+    assert "1×2×13×4" in result.stdout
+
+
+def test_bench_writes_then_appends_rows(tmp_path):
+    out = tmp_path / "sub" / "b.csv"
+    args = ["bench", *TINY, "--warmup", "0", "--rounds", "2", "--csv", str(out)]
+    assert run(*args).exit_code == 0
+    result = run(*args, "--impl", "static")
+    assert result.exit_code == 0, result.output
+    df = pd.read_csv(out)
+    assert list(df.columns) == BENCH_COLUMNS
+    assert df["impl"].tolist()[-1] == "static"
+    assert len(df) == len(df["impl"].tolist()) and df["impl"].tolist().count("static") == 2
+    assert (df["speedup"] > 0).all() and (df["decode_cached_ms"] > 0).all()
+    assert df["timestamp"].str.match(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d").all()
+    for col in ("kvbench_version", "python_version", "torch_version", "device_name",
+                "torch_threads"):
+        assert df[col].notna().all(), col
+
+
+def test_bench_no_recompute_says_how_it_verified(tmp_path):
+    out = tmp_path / "b.csv"
+    result = run("bench", *TINY, "--rounds", "1", "--warmup", "0", "--no-recompute",
+                 "--csv", str(out))
+    assert result.exit_code == 0, result.output
+    df = pd.read_csv(out)
+    assert df["decode_recompute_ms"].isna().all() and df["speedup"].isna().all()
+    assert df["verified"].str.contains("--no-recompute").all()
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--q-heads", "6", "--kv-heads", "4"], "not a multiple"),
+    (["--batch", "0"], "--batch"),
+    (["--head-dim", "-3"], "--head-dim"),
+    (["--dtype", "fp8"], "unknown dtype"),
+    (["--device", "tpu"], "unknown device"),
+    (["--impl", "nope"], "unknown implementation"),
+    (["--rounds", "0"], "--rounds"),
+    (["--warmup", "many"], "--warmup"),
+    (["--bogus"], "No such option"),
+])
+def test_bad_input_is_one_line_exit_2(tmp_path, args, message):
+    out = tmp_path / "b.csv"
+    result = run("bench", "--device", "cpu", *args, "--csv", str(out))
+    assert result.exit_code == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0], result.stderr
+    assert "Traceback" not in result.output
+    assert not out.exists()
+
+
+def test_cuda_absent_is_refused(monkeypatch):
+    import torch
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    result = run("verify", "--device", "cuda")
+    assert result.exit_code == 2
+    assert "no CUDA device" in result.stderr
+
+
+def test_header_mismatch_is_refused_and_file_byte_identical(tmp_path):
+    out = tmp_path / "b.csv"
+    out.write_text("impl,speedup\nstatic,3.0\n")
+    before = out.read_bytes()
+    result = run("bench", *TINY, "--csv", str(out))
+    assert result.exit_code == 2
+    assert "different header" in result.stderr
+    assert out.read_bytes() == before
+
+
+def test_unwritable_csv_is_refused(tmp_path):
+    (tmp_path / "file").write_text("")
+    result = run("verify", *TINY, "--csv", str(tmp_path / "file" / "r.csv"))
+    assert result.exit_code == 2
+    assert "cannot create" in result.stderr
+
+
+def test_verify_mismatch_exits_1_naming_the_step(tmp_path, monkeypatch):
+    from broken import WrongGqaMapping
+
+    from kvbench import cache
+    monkeypatch.setitem(cache.IMPLEMENTATIONS, "wrong-gqa", WrongGqaMapping)
+    out = tmp_path / "v.csv"
+    result = run("verify", *TINY, "--impl", "wrong-gqa", "--csv", str(out))
+    assert result.exit_code == 1
+    assert "wrong-gqa at step 1" in result.stderr
+    assert pd.read_csv(out)["passed"].tolist() == [False]
+
+
+def test_bench_refuses_to_time_a_mismatch(tmp_path, monkeypatch):
+    from broken import LossyCast
+
+    from kvbench import cache
+    monkeypatch.setitem(cache.IMPLEMENTATIONS, "lossy-cast", LossyCast)
+    out = tmp_path / "b.csv"
+    result = run("bench", *TINY, "--impl", "lossy-cast", "--csv", str(out))
+    assert result.exit_code == 1
+    assert "refusing to time lossy-cast" in result.stderr
+    assert not out.exists()

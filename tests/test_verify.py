@@ -1,0 +1,97 @@
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvbench.cache import IMPLEMENTATIONS
+from kvbench.config import SMALL_CASE, LayerShape, RunConfig
+from kvbench.verify import verify
+
+from broken import (LossyCast, RopeOffByOne, ShiftedMask, ShortCache, WrongAppendDim,
+                    WrongGqaMapping)
+
+GQA = LayerShape(batch=2, prompt_len=7, decode_len=4, hidden=32, q_heads=4, kv_heads=2,
+                 head_dim=8)
+
+
+def test_small_reference_case_passes_with_final_cache_1_2_13_4():
+    report = verify(RunConfig(SMALL_CASE))
+    assert report.passed
+    for check in report.checks:
+        assert check.cache_shape == (1, 2, 13, 4)
+        assert check.max_abs_err < 1e-5
+        assert check.first_bad_step is None
+    assert report.recompute_fp64_max_abs_err < 1e-5
+
+
+@st.composite
+def shapes(draw):
+    kv_heads = draw(st.integers(1, 3))
+    return LayerShape(
+        batch=draw(st.integers(1, 3)), prompt_len=draw(st.integers(1, 12)),
+        decode_len=draw(st.integers(1, 5)), hidden=draw(st.sampled_from([8, 24, 48])),
+        q_heads=kv_heads * draw(st.integers(1, 4)), kv_heads=kv_heads,
+        head_dim=draw(st.sampled_from([2, 4, 8, 16])))
+
+
+@settings(max_examples=30, deadline=None, derandomize=True)
+@given(shape=shapes(), rope=st.booleans(), dtype=st.sampled_from(["float32", "bfloat16"]),
+       seed=st.integers(0, 1000))
+def test_every_implementation_equals_recompute(shape, rope, dtype, seed):
+    report = verify(RunConfig(shape, dtype, "cpu", seed, rope))
+    assert [c.impl for c in report.checks] == list(IMPLEMENTATIONS)
+    for check in report.checks:
+        assert check.passed, (check.impl, check.message)
+        assert check.cache_shape == shape.cache_shape
+
+
+@pytest.mark.parametrize("kv_heads", [4, 2, 1], ids=["mha", "gqa", "mqa"])
+@pytest.mark.parametrize("rope", [False, True])
+def test_mha_gqa_mqa_with_and_without_rope(kv_heads, rope):
+    shape = LayerShape(batch=2, prompt_len=9, decode_len=5, hidden=32, q_heads=4,
+                       kv_heads=kv_heads, head_dim=8)
+    assert verify(RunConfig(shape, rope=rope)).passed
+
+
+@pytest.mark.parametrize("broken, rope, where", [
+    (RopeOffByOne, True, 1),
+    (ShiftedMask, False, 0),
+    (WrongGqaMapping, False, 1),
+    (WrongAppendDim, False, 1),
+    (LossyCast, False, 1),
+    (ShortCache, False, 4),
+])
+def test_verify_rejects_broken_implementations(broken, rope, where):
+    report = verify(RunConfig(GQA, rope=rope), {broken.name: broken})
+    assert not report.passed
+    (check,) = report.checks
+    assert check.first_bad_step == where
+    assert check.message
+
+
+def test_verify_passes_the_same_shape_for_the_correct_ones():
+    # The broken cases above fail because of the bug, not because the shape is hard.
+    assert verify(RunConfig(GQA, rope=True)).passed
+
+
+def test_reports_float64_error_of_both_paths():
+    report = verify(RunConfig(GQA))
+    assert 0 < report.recompute_fp64_max_abs_err < 1e-5
+    assert all(0 < c.fp64_max_abs_err < 1e-5 for c in report.checks)
+
+
+def test_long_prompt_prefill_does_not_build_the_square_score_matrix():
+    # 8192 tokens x 8 heads of fp32 scores would be 2 GiB; the cached prefill must not need it.
+    shape = LayerShape(batch=1, prompt_len=8192, decode_len=1, hidden=64, q_heads=8,
+                       kv_heads=2, head_dim=8)
+    from kvbench.attention import AttentionLayer, make_inputs
+    from kvbench.memory import track_cpu_peak
+
+    config = RunConfig(shape)
+    layer, x = AttentionLayer.from_config(config), make_inputs(config)
+    for name, cls in IMPLEMENTATIONS.items():
+        if name == "concat":
+            continue
+        with torch.no_grad(), track_cpu_peak() as tracker:
+            cls(layer, 1, shape.total_len).prefill(x[:, :8192])
+        assert tracker.peak_bytes < 256 * 2**20, name
