@@ -185,15 +185,146 @@ def bench(device: Device = "auto", dtype: Dtype = "float32", batch: Batch = None
 
 
 @app.command()
-def memory():
-    """Theoretical KV payload vs allocated vs reserved memory (not available yet)."""
-    raise KvbenchError("memory is not available yet")
+def memory(device: Device = "auto", dtype: Dtype = "float32", batch: Batch = None,
+           prompt_len: PromptLen = None, decode_len: DecodeLen = None, hidden: Hidden = None,
+           q_heads: QHeads = None, kv_heads: KvHeads = None, head_dim: HeadDim = None,
+           seed: Seed = 0, impl: Impl = "all", rope: Rope = False, csv: CsvPath = None):
+    """Theoretical KV payload vs allocated vs reserved memory, per phase."""
+    from kvbench import render
+    from kvbench.cache import parse_impls
+    from kvbench.env import environment
+    from kvbench.memory import memory as run_memory
+    from kvbench.results import MEMORY_COLUMNS, append_csv, memory_rows
+
+    shape_opts = dict(batch=batch, prompt_len=prompt_len, decode_len=decode_len, hidden=hidden,
+                      q_heads=q_heads, kv_heads=kv_heads, head_dim=head_dim)
+    configs = _configs(device, dtype, seed, rope, shape_opts)
+    names = parse_impls(impl)
+    path = _csv_target(csv, "memory", MEMORY_COLUMNS)
+    env = environment(configs[0].device)
+    rows = []
+    try:
+        for config in configs:
+            result = run_memory(config, names)
+            render.show_memory(result)
+            rows += memory_rows(result, env)
+    finally:
+        if rows:
+            append_csv(path, rows, MEMORY_COLUMNS)
+            render.note(f"{len(rows)} rows appended to {path}")
+
+
+def _positive(flag: str, value: int | None) -> int | None:
+    if value is not None and value < 1:
+        raise KvbenchError(f"{flag} must be a positive integer, got {value}")
+    return value
 
 
 @app.command()
-def capacity():
-    """Plan the KV cache of a real model on a real GPU (not available yet)."""
-    raise KvbenchError("capacity is not available yet")
+def capacity(
+    model: Annotated[Optional[str], typer.Option(help="A preset (see --list-models).")] = None,
+    list_models: Annotated[bool, typer.Option("--list-models", help="Show the presets and exit.")] = False,
+    from_config: Annotated[Optional[Path], typer.Option(help="A Hugging Face config.json.")] = None,
+    layers: Annotated[Optional[int], typer.Option(help="Layers L.")] = None,
+    kv_heads: Annotated[Optional[int], typer.Option(help="KV heads H_kv.")] = None,
+    head_dim: Annotated[Optional[int], typer.Option(help="Head dim D.")] = None,
+    q_heads: Annotated[Optional[int], typer.Option(help="Query heads (for context).")] = None,
+    mla_latent: Annotated[Optional[int], typer.Option(help="MLA latent width d_c.")] = None,
+    mla_rope: Annotated[Optional[int], typer.Option(help="MLA decoupled RoPE key width.")] = None,
+    batch: Annotated[int, typer.Option(help="Sequences, each --seq-len long.")] = 1,
+    seq_len: Annotated[Optional[int], typer.Option(help="Tokens per sequence. [default: 4096]")] = None,
+    seq_lens: Annotated[Optional[str], typer.Option(help="A variable-length batch: 512,4096,...")] = None,
+    kv_dtype: Annotated[str, typer.Option(help="fp32, fp16, bf16, fp8, int8, int4, int2.")] = "fp16",
+    group_size: Annotated[int, typer.Option(help="Elements per fp16 scale + zero-point (quantized).")] = 64,
+    tp: Annotated[int, typer.Option(help="Tensor-parallel ranks (KV heads split across them).")] = 1,
+    block_size: Annotated[Optional[int], typer.Option(help="Paged blocks: round each sequence up to whole blocks.")] = None,
+    window: Annotated[Optional[int], typer.Option(help="Sliding window W: sliding layers cache at most W tokens.")] = None,
+    gpu_mem: Annotated[Optional[str], typer.Option(help="Memory of one GPU, e.g. 80GiB or 80GB.")] = None,
+    weight_dtype: Annotated[str, typer.Option(help="dtype of the preset's weights.")] = "bf16",
+    weights_bytes: Annotated[Optional[str], typer.Option(help="Weights size instead, e.g. 16GB.")] = None,
+    margin: Annotated[str, typer.Option(help="Memory kept free for activations and workspaces.")] = "4GiB",
+    utilization: Annotated[float, typer.Option(help="Fraction of GPU memory the runtime may use.")] = 0.9,
+    allocate: Annotated[bool, typer.Option("--allocate", help="CUDA: allocate and check the cache for real.")] = False,
+    case: Annotated[str, typer.Option(help="--allocate cases: gqa, mha or both.")] = "both",
+    device: Device = "cuda",
+    csv: CsvPath = None,
+):
+    """Plan the KV cache of a real model on a real GPU; --allocate checks it on CUDA."""
+    from kvbench import capacity as cap
+    from kvbench import render
+    from kvbench.env import environment
+    from kvbench.results import CAPACITY_COLUMNS, append_csv, capacity_rows
+
+    if list_models:
+        render.out.print(render.models_table(cap.presets()))
+        return
+    margin_bytes = cap.parse_size(margin, "--margin")
+    if allocate:
+        return _allocate(case, device, margin_bytes, csv)
+    for flag, value in (("--layers", layers), ("--kv-heads", kv_heads), ("--head-dim", head_dim),
+                        ("--q-heads", q_heads), ("--mla-latent", mla_latent),
+                        ("--mla-rope", mla_rope), ("--batch", batch), ("--seq-len", seq_len),
+                        ("--window", window)):
+        _positive(flag, value)
+    if model and from_config:
+        raise KvbenchError("give --model or --from-config, not both")
+    if seq_len is not None and seq_lens is not None:
+        raise KvbenchError("give --seq-len (with --batch) or --seq-lens, not both")
+    if seq_lens is not None and batch != 1:
+        raise KvbenchError("--seq-lens sets the batch itself; drop --batch")
+    from kvbench.config import parse_int_list
+
+    lens = (tuple(parse_int_list("--seq-lens", seq_lens)) if seq_lens is not None
+            else (seq_len or 4096,) * batch)
+    base = cap.preset(model) if model else cap.from_hf_config(from_config) if from_config else None
+    spec = cap.merge_dimensions(base, dict(
+        layers=layers, kv_heads=kv_heads, head_dim=head_dim, q_heads=q_heads,
+        mla_latent=mla_latent, mla_rope=mla_rope, sliding_window=window))
+    fmt = cap.CacheFormat(cap.kv_dtype(kv_dtype), group_size, tp, block_size)
+    gpu_bytes = cap.parse_size(gpu_mem, "--gpu-mem") if gpu_mem else None
+    weights = None
+    if gpu_bytes is not None:
+        if weights_bytes is not None:
+            weights = cap.parse_size(weights_bytes, "--weights-bytes")
+        elif spec.params:
+            dt = cap.kv_dtype(weight_dtype, "--weight-dtype", cap.WEIGHT_DTYPE_BYTES)
+            weights = int(spec.params * cap.WEIGHT_DTYPE_BYTES[dt])
+        else:
+            raise KvbenchError("--gpu-mem needs the weights' size: pass --weights-bytes "
+                               "(e.g. 16GB) or use a --model preset")
+    path = _csv_target(csv, "capacity", CAPACITY_COLUMNS)
+    result = cap.plan(spec, fmt, lens, gpu_bytes, weights, margin_bytes, utilization)
+    render.show_capacity(result)
+    append_csv(path, capacity_rows(result, environment(None)), CAPACITY_COLUMNS)
+    render.note(f"1 row appended to {path}")
+
+
+def _allocate(case: str, device: str, margin_bytes: int, csv: Path | None):
+    from kvbench import render
+    from kvbench.allocation import CASES, check_allocation
+    from kvbench.device import resolve_device
+    from kvbench.env import environment
+    from kvbench.results import ALLOCATION_COLUMNS, allocation_rows, append_csv
+
+    names = list(CASES) if case == "both" else [case]
+    if any(n not in CASES for n in names):
+        raise KvbenchError(f"unknown --case {case!r}; use gqa, mha or both")
+    dev = resolve_device(device)
+    if not dev.startswith("cuda"):
+        raise KvbenchError("the allocation check needs CUDA; run it with --device cuda on a "
+                           "GPU machine (the planner itself runs anywhere)")
+    path = _csv_target(csv, "allocation", ALLOCATION_COLUMNS)
+    results = [check_allocation(n, **CASES[n], device=dev, margin_bytes=margin_bytes)
+               for n in names]
+    render.out.print(render.allocation_table(results))
+    append_csv(path, allocation_rows(results, environment(dev)), ALLOCATION_COLUMNS)
+    render.note(f"{len(results)} rows appended to {path}")
+    if not all(r.passed for r in results):
+        bad = next(r for r in results if not r.passed)
+        print(f"kvbench: allocation check failed: case {bad.case}: allocated grew by "
+              f"{bad.allocated_increase_bytes} bytes, expected {bad.expected_increase_bytes}",
+              file=sys.stderr)
+        raise typer.Exit(1)
 
 
 def main() -> None:

@@ -119,3 +119,100 @@ def warn(message: str) -> None:
 
 def note(message: str) -> None:
     err.print(message)
+
+
+def memory_table(result) -> Table:
+    t = _table(f"memory  {describe(result.config)}")
+    for col in ("impl", "phase", "allocated MiB", "reserved MiB"):
+        t.add_column(col, justify="left" if col in ("impl", "phase") else "right", no_wrap=True)
+    rec = result.recompute
+    t.add_row("—", "theoretical final KV", mib(result.theoretical_kv_bytes), "")
+    t.add_row("—", "weights (not in the peaks)", mib(result.weight_bytes), "")
+    t.add_row("recompute", "peak, all G steps", mib(rec.peak_allocated_bytes),
+              mib(rec.peak_reserved_bytes))
+    for m in result.impls:
+        t.add_row(m.impl, "peak, prefill + decode", mib(m.cached.peak_allocated_bytes),
+                  mib(m.cached.peak_reserved_bytes))
+        t.add_row(m.impl, "peak, decode above prompt cache", mib(m.decode.peak_allocated_bytes),
+                  mib(m.decode.peak_reserved_bytes))
+        t.add_row(m.impl, "held after the run", mib(m.cached.end_allocated_bytes),
+                  mib(m.cached.end_reserved_bytes))
+    t.caption = ("MiB = 2**20 bytes, each above the baseline when its phase began (weights and "
+                 "inputs are in the baseline). allocated: live tensors; reserved: what the "
+                 "CUDA caching allocator holds (n/a on CPU).")
+    return t
+
+
+def show_memory(result) -> None:
+    out.print(memory_table(result))
+
+
+def capacity_table(p) -> Table:
+    m, fmt = p.model, p.fmt
+    quant = f", groups of {fmt.group_size}" if fmt.kv_dtype in ("fp8", "int8", "int4", "int2") else ""
+    t = _table(f"capacity  {m.name}: L={m.layers} {m.attention_summary}, window "
+               f"{m.window_summary}; {fmt.kv_dtype}{quant}, tp={fmt.tp}"
+               + (f", blocks of {fmt.block_size}" if fmt.block_size else ""))
+    t.add_column("quantity", no_wrap=True)
+    t.add_column("value", justify="right", no_wrap=True)
+    lens = p.seq_lens
+    what = (f"B={p.batch} × T={lens[0]}" if len(set(lens)) == 1 else
+            f"{p.batch} sequences, Σ T = {sum(lens)}")
+    t.add_row("bytes per token (one sequence, all layers)", human_bytes(p.bytes_per_token))
+    t.add_row(f"per sequence (T={max(lens)})", human_bytes(p.bytes_per_sequence))
+    t.add_row(f"payload ({what})", human_bytes(p.payload_bytes))
+    if fmt.tp > 1 or fmt.block_size:
+        t.add_row("per TP rank" + (" (block-rounded)" if fmt.block_size else ""),
+                  human_bytes(p.per_rank_bytes))
+    if fmt.block_size:
+        t.add_row("wasted in partly filled blocks (per rank)", human_bytes(p.wasted_bytes))
+    f = p.fit
+    if f:
+        t.add_row("", "")
+        t.add_row(f"GPU memory × utilization {f.utilization:g}",
+                  human_bytes(f.gpu_bytes * f.utilization))
+        t.add_row("− weights (per rank)", human_bytes(f.weights_bytes))
+        t.add_row("− margin", human_bytes(f.margin_bytes))
+        t.add_row("= budget for the cache", human_bytes(f.budget_bytes))
+        t.add_row(f"largest batch at T={max(lens)}", f"{f.max_batch:,}")
+        t.add_row(f"longest T at batch {p.batch}",
+                  "unbounded (windows cap every layer)" if f.max_seq_len is None
+                  else f"{f.max_seq_len:,}")
+        t.add_row("tokens of full cache that fit", f"{f.max_tokens:,}")
+    for n in p.notes:
+        t.add_row("note", n)
+    return t
+
+
+def show_capacity(p) -> None:
+    out.print(capacity_table(p))
+    f = p.fit
+    if f:
+        verdict = (f"[green]fits[/], {human_bytes(f.headroom_bytes)} to spare" if f.fits else
+                   f"[red]does not fit[/], short by {human_bytes(-f.headroom_bytes)}")
+        out.print(f"{p.model.name} at {p.batch} × {max(p.seq_lens)} tokens on "
+                  f"{human_bytes(f.gpu_bytes)} per GPU: {verdict}")
+
+
+def models_table(models) -> Table:
+    t = _table("model presets (configs/models/)")
+    for col in ("name", "layers", "attention", "sliding window", "params"):
+        t.add_column(col, no_wrap=True)
+    for m in models.values():
+        t.add_row(m.name, str(m.layers), m.attention_summary, m.window_summary,
+                  f"{m.params / 1e9:.1f}B" if m.params else "—")
+    t.caption = "each preset's TOML names its public source"
+    return t
+
+
+def allocation_table(results) -> Table:
+    t = _table("capacity --allocate  one fp16 tensor [L, 2, B, H_kv, T, D] per case")
+    for col in ("case", "shape", "formula", "numel × size", "expected Δallocated",
+                "measured Δallocated", "Δreserved", "result"):
+        t.add_column(col, justify="left" if col in ("case", "shape", "result") else "right")
+    for r in results:
+        t.add_row(r.case, "×".join(map(str, r.shape)), human_bytes(r.formula_bytes),
+                  human_bytes(r.requested_bytes), human_bytes(r.expected_increase_bytes),
+                  human_bytes(r.allocated_increase_bytes), human_bytes(r.reserved_increase_bytes),
+                  "[green]PASS[/]" if r.passed else "[red bold]FAIL[/]")
+    return t

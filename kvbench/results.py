@@ -184,3 +184,81 @@ def bench_rows(result, env: dict[str, object]) -> list[dict[str, object]]:
             **env,
         })
     return rows
+
+
+MEMORY_COLUMNS = CONFIG_COLUMNS + [
+    "theoretical_kv_bytes", "weight_bytes",
+    "recompute_peak_allocated_bytes", "recompute_peak_reserved_bytes",
+    "cached_peak_allocated_bytes", "cached_peak_reserved_bytes",
+    "decode_peak_allocated_bytes", "decode_peak_reserved_bytes",
+    "after_allocated_bytes", "after_reserved_bytes",
+] + ENV_COLUMNS
+
+
+def memory_rows(result, env: dict[str, object]) -> list[dict[str, object]]:
+    rec = result.recompute
+    return [{
+        **config_cells("memory", m.impl, result.config),
+        "theoretical_kv_bytes": result.theoretical_kv_bytes, "weight_bytes": result.weight_bytes,
+        "recompute_peak_allocated_bytes": rec.peak_allocated_bytes,
+        "recompute_peak_reserved_bytes": rec.peak_reserved_bytes,
+        "cached_peak_allocated_bytes": m.cached.peak_allocated_bytes,
+        "cached_peak_reserved_bytes": m.cached.peak_reserved_bytes,
+        "decode_peak_allocated_bytes": m.decode.peak_allocated_bytes,
+        "decode_peak_reserved_bytes": m.decode.peak_reserved_bytes,
+        "after_allocated_bytes": m.cached.end_allocated_bytes,
+        "after_reserved_bytes": m.cached.end_reserved_bytes,
+        **env,
+    } for m in result.impls]
+
+
+CAPACITY_COLUMNS = [
+    "timestamp", "command", "model", "attention", "layers", "q_heads", "kv_heads", "head_dim",
+    "mla_latent", "mla_rope", "sliding_window", "kv_dtype", "group_size", "tp", "block_size",
+    "batch", "seq_len", "seq_lens", "bytes_per_token", "bytes_per_sequence", "payload_bytes",
+    "per_rank_bytes", "wasted_bytes", "gpu_bytes", "utilization", "margin_bytes",
+    "weights_bytes", "budget_bytes", "fits", "headroom_bytes", "max_batch", "max_seq_len",
+    "max_tokens",
+] + ENV_COLUMNS
+
+
+def capacity_rows(p, env: dict[str, object]) -> list[dict[str, object]]:
+    m, f = p.model, p.fit
+    row = {
+        "timestamp": timestamp(), "command": "capacity", "model": m.name,
+        "attention": "mla" if m.is_mla else "kv", "layers": m.layers, "q_heads": m.q_heads,
+        "kv_heads": m.kv_heads or None, "head_dim": m.head_dim or None,
+        "mla_latent": m.mla_latent, "mla_rope": m.mla_rope, "sliding_window": m.sliding_window,
+        "kv_dtype": p.fmt.kv_dtype, "group_size": p.fmt.group_size, "tp": p.fmt.tp,
+        "block_size": p.fmt.block_size, "batch": p.batch, "seq_len": max(p.seq_lens),
+        "seq_lens": " ".join(map(str, p.seq_lens)) if len(set(p.seq_lens)) > 1 else None,
+        "bytes_per_token": p.bytes_per_token, "bytes_per_sequence": p.bytes_per_sequence,
+        "payload_bytes": p.payload_bytes, "per_rank_bytes": p.per_rank_bytes,
+        "wasted_bytes": p.wasted_bytes, **env,
+    }
+    if f:
+        row |= {"gpu_bytes": f.gpu_bytes, "utilization": f.utilization,
+                "margin_bytes": f.margin_bytes, "weights_bytes": f.weights_bytes,
+                "budget_bytes": f.budget_bytes, "fits": f.fits,
+                "headroom_bytes": f.headroom_bytes, "max_batch": f.max_batch,
+                "max_seq_len": f.max_seq_len, "max_tokens": f.max_tokens}
+    return [row]
+
+
+ALLOCATION_COLUMNS = [
+    "timestamp", "command", "case", "shape", "formula_bytes", "requested_bytes",
+    "expected_increase_bytes", "allocated_increase_bytes", "reserved_increase_bytes",
+    "free_before_bytes", "passed",
+] + ENV_COLUMNS
+
+
+def allocation_rows(results, env: dict[str, object]) -> list[dict[str, object]]:
+    return [{
+        "timestamp": timestamp(), "command": "capacity --allocate", "case": r.case,
+        "shape": "x".join(map(str, r.shape)), "formula_bytes": r.formula_bytes,
+        "requested_bytes": r.requested_bytes,
+        "expected_increase_bytes": r.expected_increase_bytes,
+        "allocated_increase_bytes": r.allocated_increase_bytes,
+        "reserved_increase_bytes": r.reserved_increase_bytes,
+        "free_before_bytes": r.free_before_bytes, "passed": r.passed, **env,
+    } for r in results]
