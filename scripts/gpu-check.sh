@@ -21,6 +21,8 @@ for dtype in float32 float16 bfloat16; do
     step kvbench bench --device cuda --dtype "$dtype" --prompt-len 32768 --decode-len 32 \
         --batch 4 --hidden 4096 --q-heads 32 --kv-heads 8 --head-dim 128 --no-recompute \
         --csv "$out/bench-long.csv"
+    step kvbench memory --device cuda --dtype "$dtype" --csv "$out/memory.csv"
 done
+step python -W error -m kvbench capacity --allocate --case both --csv "$out/allocation.csv"
 echo "gpu-check finished with status $status" | tee -a "$log"
 exit $status

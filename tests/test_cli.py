@@ -128,3 +128,19 @@ def test_bench_refuses_to_time_a_mismatch(tmp_path, monkeypatch):
     assert result.exit_code == 1
     assert "refusing to time lossy-cast" in result.stderr
     assert not out.exists()
+
+
+def test_memory_writes_bytes_and_leaves_reserved_empty_on_cpu(tmp_path):
+    from kvbench.results import MEMORY_COLUMNS
+
+    out = tmp_path / "m.csv"
+    result = run("memory", *TINY, "--csv", str(out))
+    assert result.exit_code == 0, result.output
+    df = pd.read_csv(out)
+    assert list(df.columns) == MEMORY_COLUMNS
+    payload = 2 * 1 * 9 * 2 * 8 * 4
+    assert (df["theoretical_kv_bytes"] == payload).all()
+    assert (df["cached_peak_allocated_bytes"] >= payload).all()
+    assert (df["after_allocated_bytes"] == payload).all()
+    assert df["cached_peak_reserved_bytes"].isna().all()
+    assert "n/a" in result.stdout

@@ -1,0 +1,280 @@
+import json
+import subprocess
+import sys
+
+import pandas as pd
+import pytest
+from typer.testing import CliRunner
+
+from kvbench import capacity as cap
+from kvbench.capacity import CacheFormat, ModelSpec, parse_size, plan
+from kvbench.cli import app
+from kvbench.errors import KvbenchError
+
+GIB, MIB, KIB = 2**30, 2**20, 2**10
+runner = CliRunner()
+
+
+def spec(kv_heads, layers=32, head_dim=128, **kw):
+    return ModelSpec(name="t", layers=layers, kv_heads=kv_heads, head_dim=head_dim, **kw)
+
+
+# --- SPEC §3 worked figures, exactly -------------------------------------------------------
+
+def test_gqa_2_gib_and_512_kib_per_new_token_for_4_sequences():
+    p = plan(spec(8), CacheFormat("fp16"), (4096,) * 4)
+    assert p.payload_bytes == 2 * GIB
+    assert 4 * p.bytes_per_token == 512 * KIB
+
+
+@pytest.mark.parametrize("kv_heads, expected", [(32, 8 * GIB), (8, 2 * GIB), (1, 256 * MIB)],
+                         ids=["mha", "gqa", "mqa"])
+def test_mha_gqa_mqa(kv_heads, expected):
+    p = plan(spec(kv_heads, q_heads=32), CacheFormat("fp16"), (4096,) * 4)
+    assert p.payload_bytes == expected
+
+
+def test_mla_576_mib():
+    mla = ModelSpec(name="mla", layers=32, mla_latent=512, mla_rope=64)
+    assert plan(mla, CacheFormat("fp16"), (4096,) * 4).payload_bytes == 576 * MIB
+
+
+def test_variable_length_batch_sums_lengths():
+    p = plan(spec(8), CacheFormat("fp16"), (512, 4096, 1000))
+    assert p.payload_bytes == 2 * 32 * 8 * 128 * 2 * (512 + 4096 + 1000)
+
+
+# --- quantized, TP, blocks, windows ---------------------------------------------------------
+
+def test_quantized_counts_scale_and_zero_point_per_group():
+    # one head vector of 128 int4 values = 64 bytes + 2 groups x (2 + 2) bytes = 72 bytes
+    assert CacheFormat("int4", group_size=64).vector_bytes(128) == 72
+    assert CacheFormat("int8", group_size=32).vector_bytes(128) == 128 + 4 * 4
+    assert CacheFormat("int2", group_size=64).vector_bytes(100) == 25 + 2 * 4
+    assert CacheFormat("fp8", group_size=128).vector_bytes(128) == 132
+    assert CacheFormat("bf16").vector_bytes(128) == 256  # no groups for float types
+    p = plan(spec(8), CacheFormat("int4", 64), (4096,) * 4)
+    assert p.payload_bytes == 2 * GIB * 72 // 256
+
+
+def test_tensor_parallel_splits_kv_heads_and_replicates_below_one_head_per_rank():
+    p = plan(spec(8), CacheFormat("fp16", tp=4), (4096,) * 4)
+    assert (p.payload_bytes, p.per_rank_bytes) == (2 * GIB, GIB // 2)
+    p16 = plan(spec(8), CacheFormat("fp16", tp=16), (4096,) * 4)
+    assert p16.per_rank_bytes == 2 * GIB // 8  # one whole head per rank
+    assert p16.notes
+    with pytest.raises(KvbenchError, match="does not divide"):
+        plan(spec(8), CacheFormat("fp16", tp=3), (16,))
+
+
+def test_mla_is_replicated_on_every_rank():
+    mla = ModelSpec(name="mla", layers=32, mla_latent=512, mla_rope=64)
+    p = plan(mla, CacheFormat("fp16", tp=8), (4096,) * 4)
+    assert p.per_rank_bytes == p.payload_bytes == 576 * MIB
+
+
+def test_block_rounding_reports_waste():
+    # T=100 in blocks of 16 -> 7 blocks = 112 slots, 12 wasted per layer
+    s = spec(1, layers=2, head_dim=4)
+    per_token_layer = 2 * 1 * 4 * 2
+    p = plan(s, CacheFormat("fp16", block_size=16), (100,))
+    assert p.payload_bytes == 2 * 100 * per_token_layer
+    assert p.per_rank_bytes == 2 * 112 * per_token_layer
+    assert p.wasted_bytes == 2 * 12 * per_token_layer
+
+
+def test_sliding_windows_cap_sliding_layers_only():
+    mistral = cap.preset("mistral-7b")
+    p = plan(mistral, CacheFormat("fp16"), (8192,))
+    assert p.payload_bytes == 32 * 4096 * 2 * 8 * 128 * 2
+    gemma = cap.preset("gemma-2-9b")
+    assert gemma.layer_types[:3] == ("sliding", "full", "sliding")
+    per_token_layer = 2 * 8 * 256 * 2
+    p = plan(gemma, CacheFormat("fp16"), (8192,))
+    assert p.payload_bytes == (21 * 4096 + 21 * 8192) * per_token_layer
+
+
+def test_window_option_caps_every_layer_of_a_model_without_types():
+    s = cap.merge_dimensions(None, dict(layers=2, kv_heads=1, head_dim=4, sliding_window=10))
+    assert plan(s, CacheFormat("fp16"), (50,)).payload_bytes == 2 * 10 * 16
+
+
+# --- fitting on a GPU -------------------------------------------------------------------------
+
+def test_fit_by_hand():
+    # 1 layer, 1 head, D=64, fp16: 256 bytes per token. GPU 1 MiB, utilization 1,
+    # weights 256 KiB, margin 256 KiB -> budget 512 KiB = 2048 tokens.
+    s = spec(1, layers=1, head_dim=64)
+    p = plan(s, CacheFormat("fp16"), (1000,) * 2, gpu_bytes=MIB, weights_bytes=256 * KIB,
+             margin_bytes=256 * KIB, utilization=1.0)
+    f = p.fit
+    assert f.budget_bytes == 512 * KIB
+    assert f.required_bytes == 2000 * 256
+    assert f.fits and f.headroom_bytes == 48 * 256
+    assert f.max_batch == 2  # 2048 // 1000
+    assert f.max_seq_len == 1024  # batch 2
+    assert f.max_tokens == 2048
+    tight = plan(s, CacheFormat("fp16"), (1100,) * 2, gpu_bytes=MIB, weights_bytes=256 * KIB,
+                 margin_bytes=256 * KIB, utilization=1.0).fit
+    assert not tight.fits and tight.headroom_bytes == -152 * 256
+
+
+def test_all_sliding_model_has_unbounded_length():
+    p = plan(cap.preset("mistral-7b"), CacheFormat("fp16"), (4096,), gpu_bytes=80 * GIB,
+             weights_bytes=15 * 10**9)
+    assert p.fit.max_seq_len is None
+
+
+def test_sizes_tell_gib_from_gb():
+    assert parse_size("80GiB", "--gpu-mem") == 80 * 2**30
+    assert parse_size("80GB", "--gpu-mem") == 80 * 10**9
+    assert parse_size("0.5 TiB", "--gpu-mem") == 2**39
+    for bad in ("eighty", "80", "80 parsecs", ""):
+        with pytest.raises(KvbenchError, match="not a size"):
+            parse_size(bad, "--gpu-mem")
+
+
+# --- presets and Hugging Face configs ----------------------------------------------------------
+
+def test_every_preset_loads_and_names_its_source():
+    models = cap.presets()
+    assert {"llama-2-7b", "llama-2-13b", "llama-2-70b", "llama-3-8b", "llama-3.1-70b",
+            "llama-3.1-405b", "mistral-7b", "mixtral-8x7b", "qwen2.5-7b", "qwen2.5-72b",
+            "gemma-2-9b", "deepseek-v2", "deepseek-v3", "phi-3-mini"} <= set(models)
+    for m in models.values():
+        assert m.source.startswith("https://") and m.params
+    assert models["deepseek-v3"].is_mla
+
+
+def test_llama_3_8b_at_8k_is_1_gib_per_sequence():
+    p = plan(cap.preset("llama-3-8b"), CacheFormat("fp16"), (8192,))
+    assert p.payload_bytes == GIB  # 2·32·8·128·2 bytes = 128 KiB per token
+
+
+def write(tmp_path, cfg):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(cfg))
+    return path
+
+
+def test_hf_config_llama_like(tmp_path):
+    m = cap.from_hf_config(write(tmp_path, {
+        "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
+        "hidden_size": 4096}))
+    assert (m.layers, m.q_heads, m.kv_heads, m.head_dim, m.sliding_window) == (32, 32, 8, 128, None)
+
+
+def test_hf_config_mha_default_head_dim_and_disabled_window(tmp_path):
+    m = cap.from_hf_config(write(tmp_path, {
+        "num_hidden_layers": 28, "num_attention_heads": 28, "hidden_size": 3584,
+        "head_dim": 100, "sliding_window": 131072, "use_sliding_window": False}))
+    assert (m.kv_heads, m.head_dim, m.sliding_window) == (28, 100, None)
+
+
+def test_hf_config_gemma2_and_layer_types(tmp_path):
+    g = cap.from_hf_config(write(tmp_path, {
+        "model_type": "gemma2", "num_hidden_layers": 4, "num_attention_heads": 8,
+        "num_key_value_heads": 4, "head_dim": 256, "hidden_size": 2048, "sliding_window": 4096}))
+    assert g.layer_types == ("sliding", "full", "sliding", "full")
+    t = cap.from_hf_config(write(tmp_path, {
+        "num_hidden_layers": 3, "num_attention_heads": 8, "hidden_size": 512,
+        "sliding_window": 512, "layer_types": ["full_attention", "sliding_attention",
+                                               "full_attention"]}))
+    assert t.layer_types == ("full", "sliding", "full")
+
+
+def test_hf_config_mla(tmp_path):
+    m = cap.from_hf_config(write(tmp_path, {
+        "num_hidden_layers": 61, "num_attention_heads": 128, "kv_lora_rank": 512,
+        "qk_rope_head_dim": 64}))
+    assert m.is_mla and (m.mla_latent, m.mla_rope) == (512, 64)
+
+
+@pytest.mark.parametrize("cfg, field", [
+    ({"num_attention_heads": 8, "hidden_size": 64}, "num_hidden_layers"),
+    ({"num_hidden_layers": "32", "num_attention_heads": 8, "hidden_size": 64}, "num_hidden_layers"),
+    ({"num_hidden_layers": 2, "num_attention_heads": 8}, "hidden_size"),
+    ({"num_hidden_layers": 2, "num_attention_heads": 8, "hidden_size": 64,
+      "layer_types": ["local"] * 2}, "layer_types"),
+])
+def test_hf_config_malformed_names_the_field(tmp_path, cfg, field):
+    with pytest.raises(KvbenchError, match=field):
+        cap.from_hf_config(write(tmp_path, cfg))
+
+
+# --- the CLI ----------------------------------------------------------------------------------
+
+def run(*args):
+    return runner.invoke(app, ["capacity", *args])
+
+
+def test_cli_plan_with_fit_writes_a_row(tmp_path):
+    out = tmp_path / "c.csv"
+    result = run("--model", "llama-3.1-70b", "--batch", "8", "--seq-len", "32768",
+                 "--gpu-mem", "80GiB", "--tp", "4", "--csv", str(out))
+    assert result.exit_code == 0, result.output
+    assert "fits" in result.stdout
+    row = pd.read_csv(out).iloc[0]
+    assert row["payload_bytes"] == 80 * GIB
+    assert row["per_rank_bytes"] == 20 * GIB
+    assert row["gpu_bytes"] == 80 * GIB and bool(row["fits"])
+
+
+def test_cli_explicit_dimensions_reproduce_spec(tmp_path):
+    result = run("--layers", "32", "--kv-heads", "1", "--head-dim", "128", "--batch", "4",
+                 "--seq-len", "4096", "--csv", str(tmp_path / "c.csv"))
+    assert result.exit_code == 0
+    assert "256 MiB" in result.stdout
+
+
+def test_cli_list_models():
+    result = run("--list-models")
+    assert result.exit_code == 0 and "deepseek-v3" in result.stdout
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--model", "llama-9"], "known presets"),
+    (["--model", "llama-3-8b", "--layers", "40"], "disagrees"),
+    (["--layers", "32", "--kv-heads", "8", "--head-dim", "128", "--seq-len", "8",
+      "--seq-lens", "1,2"], "not both"),
+    (["--model", "llama-3-8b", "--gpu-mem", "eighty"], "not a size"),
+    (["--model", "llama-3-8b", "--batch", "0"], "--batch"),
+    (["--model", "llama-3-8b", "--kv-dtype", "int3"], "--kv-dtype"),
+    (["--model", "llama-3-8b", "--tp", "3"], "does not divide"),
+    (["--model", "llama-3-8b", "--seq-len", "-5"], "--seq-len"),
+    (["--layers", "32"], "--kv-heads"),
+    ([], "say which model"),
+])
+def test_cli_bad_input_one_line_exit_2(tmp_path, args, message):
+    out = tmp_path / "c.csv"
+    result = run(*args, "--csv", str(out))
+    assert result.exit_code == 2, result.output
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0], result.stderr
+    assert not out.exists()
+
+
+def test_cli_malformed_config_names_the_field(tmp_path):
+    path = write(tmp_path, {"num_hidden_layers": 0, "num_attention_heads": 8, "hidden_size": 64})
+    result = run("--from-config", str(path), "--csv", str(tmp_path / "c.csv"))
+    assert result.exit_code == 2 and "num_hidden_layers" in result.stderr
+
+
+def test_allocate_without_cuda_is_refused(monkeypatch, tmp_path):
+    import torch
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    result = run("--allocate", "--csv", str(tmp_path / "a.csv"))
+    assert result.exit_code == 2 and "CUDA" in result.stderr
+
+
+def test_planner_does_not_import_torch(tmp_path):
+    code = (
+        "import sys\n"
+        "from typer.testing import CliRunner\n"
+        "from kvbench.cli import app\n"
+        f"r = CliRunner().invoke(app, ['capacity', '--model', 'gemma-2-9b', '--gpu-mem', "
+        f"'24GiB', '--csv', {str(tmp_path / 'c.csv')!r}])\n"
+        "assert r.exit_code == 0, r.output\n"
+        "assert 'torch' not in sys.modules, 'torch was imported'\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
