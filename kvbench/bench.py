@@ -9,7 +9,7 @@ import torch
 from kvbench import costs
 from kvbench.attention import AttentionLayer, make_inputs, recompute_decode
 from kvbench.bandwidth import measure_copy_gbps
-from kvbench.cache import IMPLEMENTATIONS
+from kvbench.cache import IMPLEMENTATIONS, ImplOptions
 from kvbench.config import RunConfig
 from kvbench.errors import KvbenchError
 from kvbench.timing import Stats, time_samples
@@ -33,6 +33,7 @@ class BenchOptions:
     warmup: int = 3
     rounds: int = 9
     recompute: bool = True
+    prefill: bool = True  # time the prefill (one cached prefill per sample)
     copy_gbps: float | None = None  # measured once per run and shared by its configurations
 
     def __post_init__(self) -> None:
@@ -45,7 +46,7 @@ class BenchOptions:
 @dataclass
 class ImplTiming:
     impl: str
-    prefill: Stats
+    prefill: Stats | None  # None with --no-prefill
     decode: Stats  # all G cached steps, prompt cache already built
     min_bytes_per_step: float
     flops_per_step: float
@@ -91,11 +92,13 @@ def verification_config(config: RunConfig, recompute: bool) -> RunConfig:
     return replace(config, shape=short)
 
 
-def bench(config: RunConfig, impls: tuple[str, ...], options: BenchOptions) -> BenchResult:
+def bench(config: RunConfig, impls: tuple[str, ...], options: BenchOptions,
+          impl_options: ImplOptions | None = None) -> BenchResult:
     """Verify, then time. Raises VerificationFailed rather than time a wrong answer."""
+    impl_options = impl_options or ImplOptions()
     classes = {name: IMPLEMENTATIONS[name] for name in impls}
     check = verification_config(config, options.recompute)
-    report = verify(check, classes)
+    report = verify(check, classes, impl_options)
     if not report.passed:
         raise VerificationFailed(report)
     s = check.shape
@@ -111,6 +114,10 @@ def bench(config: RunConfig, impls: tuple[str, ...], options: BenchOptions) -> B
     min_bytes = costs.decode_min_bytes_per_step(s, config.dtype_bytes)
     flops = costs.decode_flops_per_step(s)
 
+    def decode(impl):
+        for t in range(s.prompt_len, s.total_len):
+            impl.step(x[:, t:t + 1])
+
     with torch.no_grad():
         recompute = None
         if options.recompute:
@@ -119,22 +126,23 @@ def bench(config: RunConfig, impls: tuple[str, ...], options: BenchOptions) -> B
         timings = []
         for name, cls in classes.items():
             def fresh(cls=cls):
-                return cls(layer, s.batch, s.total_len)
+                return cls(layer, s.batch, s.total_len, impl_options)
 
-            def prefilled(cls=cls):
-                impl = fresh(cls)
-                impl.prefill(prompt)
+            prefill_stats = None
+            if options.prefill:
+                prefill_stats = time_samples(lambda impl: impl.prefill(prompt), config.device,
+                                             options.warmup, options.rounds, setup=fresh)
+            # One prompt cache per implementation; every sample decodes from it again.
+            impl = fresh()
+            impl.prefill(prompt)
+
+            def rewound(impl=impl):
+                impl.rewind(s.prompt_len)
                 return impl
 
-            def decode(impl):
-                for t in range(s.prompt_len, s.total_len):
-                    impl.step(x[:, t:t + 1])
-                return impl
-
-            prefill_stats = time_samples(lambda impl: impl.prefill(prompt), config.device,
-                                         options.warmup, options.rounds, setup=fresh)
             decode_stats = time_samples(decode, config.device, options.warmup, options.rounds,
-                                        setup=prefilled)
+                                        setup=rewound)
             timings.append(ImplTiming(name, prefill_stats, decode_stats, min_bytes, flops,
-                                      copy_gbps, s.decode_len, decode(prefilled()).stats()))
+                                      copy_gbps, s.decode_len, impl.stats()))
+            del impl
     return BenchResult(config, options, verified, recompute, timings)

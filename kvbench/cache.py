@@ -7,14 +7,39 @@ New implementations register themselves in IMPLEMENTATIONS with `@register`.
 
 from __future__ import annotations
 
+import math
 from abc import ABC, abstractmethod
+from collections import deque
+from contextlib import nullcontext
+from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from kvbench.attention import AttentionLayer, dense_causal_attention
+from kvbench.config import RunConfig
 from kvbench.errors import KvbenchError
+
+SDPA_BACKENDS = ("auto", "math", "flash", "efficient", "cudnn")
+_BACKENDS = {"math": SDPBackend.MATH, "flash": SDPBackend.FLASH_ATTENTION,
+             "efficient": SDPBackend.EFFICIENT_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION}
+
+
+@dataclass(frozen=True)
+class ImplOptions:
+    """Options some implementations take; the others ignore them."""
+
+    block_size: int = 16  # paged: positions per block
+    sdpa_backend: str = "auto"  # sdpa: pin one backend, or let torch choose
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1:
+            raise KvbenchError(f"--block-size must be a positive integer, got {self.block_size}")
+        if self.sdpa_backend not in SDPA_BACKENDS:
+            raise KvbenchError(f"unknown --sdpa-backend {self.sdpa_backend!r}; use one of "
+                               f"{', '.join(SDPA_BACKENDS)}")
 
 IMPLEMENTATIONS: dict[str, type[CachedAttention]] = {}
 
@@ -22,6 +47,24 @@ IMPLEMENTATIONS: dict[str, type[CachedAttention]] = {}
 def register(cls: type[CachedAttention]) -> type[CachedAttention]:
     IMPLEMENTATIONS[cls.name] = cls
     return cls
+
+
+def select_impls(spec: str, config: RunConfig, options: ImplOptions | None = None):
+    """Names to run for this configuration, and notes on those of "all" that cannot run here.
+
+    An implementation named explicitly that cannot run here is an error.
+    """
+    options = options or ImplOptions()
+    names, notes = [], []
+    for name in parse_impls(spec):
+        reason = IMPLEMENTATIONS[name].unavailable(config, options)
+        if reason is None:
+            names.append(name)
+        elif spec.strip().lower() == "all":
+            notes.append(f"skipping {name}: {reason}")
+        else:
+            raise KvbenchError(f"--impl {name} cannot run here: {reason}")
+    return tuple(names), notes
 
 
 def parse_impls(spec: str) -> tuple[str, ...]:
@@ -42,9 +85,16 @@ class CachedAttention(ABC):
     name: ClassVar[str]
     description: ClassVar[str]
 
-    def __init__(self, layer: AttentionLayer, batch: int, max_len: int):
+    def __init__(self, layer: AttentionLayer, batch: int, max_len: int,
+                 options: ImplOptions | None = None):
         self.layer, self.batch, self.max_len = layer, batch, max_len
+        self.options = options or ImplOptions()
         self.length = 0  # positions cached so far
+
+    @classmethod
+    def unavailable(cls, config: RunConfig, options: ImplOptions) -> str | None:
+        """Why this implementation cannot run this configuration here, or None."""
+        return None
 
     @abstractmethod
     def prefill(self, x: torch.Tensor) -> torch.Tensor:
@@ -58,7 +108,11 @@ class CachedAttention(ABC):
     def kv(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The cached K, V as logical tensors [B, H_kv, length, D] (may be views or copies)."""
 
-    def stats(self) -> dict[str, int]:
+    @abstractmethod
+    def rewind(self, length: int) -> None:
+        """Forget every position from `length` on (e.g. back to the prompt for a new sample)."""
+
+    def stats(self) -> dict[str, object]:
         """Implementation-specific counters for the report (e.g. blocks used)."""
         return {}
 
@@ -115,12 +169,17 @@ class ConcatCache(CachedAttention):
     def kv(self):
         return self.k, self.v
 
+    def rewind(self, length):
+        # torch.cat never writes in place, so a slice still holds the original positions.
+        self.k, self.v = self.k[:, :, :length], self.v[:, :, :length]
+        self.length = length
+
 
 class PreallocatedCache(CachedAttention):
     """Storage preallocated for prompt + decode, [B, H_kv, T_max, D], written in place."""
 
-    def __init__(self, layer, batch, max_len):
-        super().__init__(layer, batch, max_len)
+    def __init__(self, layer, batch, max_len, options=None):
+        super().__init__(layer, batch, max_len, options)
         s = layer.shape
         shape = (batch, s.kv_heads, max_len, s.head_dim)  # [B, H_kv, T_max, D]
         self.k_cache = torch.empty(shape, dtype=layer.dtype, device=layer.device)
@@ -153,6 +212,9 @@ class PreallocatedCache(CachedAttention):
     def kv(self):
         return self.k_cache[:, :, : self.length], self.v_cache[:, :, : self.length]
 
+    def rewind(self, length):
+        self.length = length
+
 
 @register
 class StaticCache(PreallocatedCache):
@@ -160,3 +222,144 @@ class StaticCache(PreallocatedCache):
 
     name = "static"
     description = "preallocated cache, in-place write, grouped view GQA, dense attention"
+
+
+@register
+class SdpaCache(PreallocatedCache):
+    """The static cache read by scaled_dot_product_attention with enable_gqa."""
+
+    name = "sdpa"
+    description = "static cache, SDPA with enable_gqa on the valid slice"
+
+    @classmethod
+    def unavailable(cls, config, options):
+        if options.sdpa_backend == "auto":
+            return None
+        s = config.shape
+        from kvbench.device import torch_dtype
+
+        dt, dev = torch_dtype(config.dtype), config.device
+        q = torch.zeros(s.batch, s.q_heads, 1, s.head_dim, dtype=dt, device=dev)
+        k = torch.zeros(s.batch, s.kv_heads, 8, s.head_dim, dtype=dt, device=dev)
+        usable = []
+        for name in SDPA_BACKENDS[1:]:
+            try:
+                with sdpa_kernel(_BACKENDS[name]):
+                    F.scaled_dot_product_attention(q, k, k, enable_gqa=True)
+                usable.append(name)
+            except RuntimeError:
+                pass
+        if options.sdpa_backend not in usable:
+            return (f"SDPA backend {options.sdpa_backend} is not available for this shape, "
+                    f"dtype and device; available: {', '.join(usable) or 'none'}")
+        return None
+
+    def attend(self, q, keys, values):
+        # Pitfall: is_causal=True would align the mask top-left, letting the one new query see
+        # only key 0. The query may see the whole valid slice, so no mask at all.
+        pinned = self.options.sdpa_backend
+        with sdpa_kernel(_BACKENDS[pinned]) if pinned != "auto" else nullcontext():
+            return F.scaled_dot_product_attention(q, keys, values, scale=self.layer.scale,
+                                                  enable_gqa=True)
+
+    def stats(self):
+        return {"sdpa_backend": self.backend()}
+
+    def backend(self) -> str:
+        """Which SDPA backend runs the decode step, where torch lets us tell."""
+        if self.options.sdpa_backend != "auto":
+            return self.options.sdpa_backend
+        s = self.layer.shape
+        q = torch.zeros(self.batch, s.q_heads, 1, s.head_dim, dtype=self.layer.dtype,
+                        device=self.layer.device)
+        keys, values = self.kv()
+        try:  # private, but the dispatcher's own choice
+            choice = torch._fused_sdp_choice(q, keys, values, None, 0.0, False,
+                                             scale=self.layer.scale, enable_gqa=True)
+            return {v: k for k, v in _BACKENDS.items()}.get(SDPBackend(choice), "unknown")
+        except (AttributeError, RuntimeError, TypeError, ValueError):
+            return "unknown"
+
+
+@register
+class PagedCache(CachedAttention):
+    """vLLM-style paging: a pool of fixed-size blocks and a block table per sequence.
+
+    Pool [N_blocks, H_kv, block_size, D] for K and for V. A sequence takes blocks from the free
+    list as it grows; its table lists them in order. Attention gathers the sequence's blocks
+    (a copy; a production kernel reads them in place) and attends like `static`.
+    """
+
+    name = "paged"
+    description = "block pool + per-sequence block tables, gather + grouped attention"
+
+    def __init__(self, layer, batch, max_len, options=None):
+        super().__init__(layer, batch, max_len, options)
+        s, bs = layer.shape, self.options.block_size
+        self.blocks_per_seq = math.ceil(max_len / bs)
+        n_blocks = batch * self.blocks_per_seq
+        shape = (n_blocks, s.kv_heads, bs, s.head_dim)  # [N_blocks, H_kv, block_size, D]
+        self.k_pool = torch.empty(shape, dtype=layer.dtype, device=layer.device)
+        self.v_pool = torch.empty(shape, dtype=layer.dtype, device=layer.device)
+        self.free = deque(range(n_blocks))
+        self.tables: list[list[int]] = [[] for _ in range(batch)]
+        # [B, blocks_per_seq] block ids, for gathering on the device; -1 = none yet
+        self.table = torch.full((batch, self.blocks_per_seq), -1, dtype=torch.long,
+                                device=layer.device)
+
+    def _grow(self, length: int) -> None:
+        need = math.ceil(length / self.options.block_size)
+        for b, blocks in enumerate(self.tables):
+            while len(blocks) < need:
+                if not self.free:
+                    raise KvbenchError("paged cache: the block pool is exhausted")
+                blocks.append(self.free.popleft())
+                self.table[b, len(blocks) - 1] = blocks[-1]
+
+    def write(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        """k, v [B, H_kv, n, D] at positions length..length+n-1."""
+        n, bs = k.shape[2], self.options.block_size
+        self._grow(self.length + n)
+        pos = torch.arange(self.length, self.length + n, device=k.device)
+        blocks = self.table[:, pos // bs]  # [B, n]
+        offsets = pos % bs  # [n]
+        # pool[blocks, :, offsets] has shape [B, n, H_kv, D]
+        self.k_pool[blocks, :, offsets] = k.transpose(1, 2)
+        self.v_pool[blocks, :, offsets] = v.transpose(1, 2)
+        self.length += n
+
+    def _gather(self, pool: torch.Tensor) -> torch.Tensor:
+        s, bs = self.layer.shape, self.options.block_size
+        n = math.ceil(self.length / bs)
+        blocks = pool[self.table[:, :n]]  # [B, n, H_kv, bs, D]
+        seq = blocks.transpose(1, 2).reshape(self.batch, s.kv_heads, n * bs, s.head_dim)
+        return seq[:, :, : self.length]  # [B, H_kv, T, D]
+
+    def kv(self):
+        return self._gather(self.k_pool), self._gather(self.v_pool)
+
+    def prefill(self, x):
+        q, k, v = self.layer.project(x, start=0)
+        self.write(k, v)
+        return self.layer.output(causal_prefill(self.layer, q, k, v))
+
+    def step(self, x_t):
+        q, k, v = self.layer.project(x_t, start=self.length)
+        self.write(k, v)
+        keys, values = self.kv()
+        return self.layer.output(grouped_decode_attention(q, keys, values, self.layer.scale))
+
+    def rewind(self, length):
+        keep = math.ceil(length / self.options.block_size)
+        for b, blocks in enumerate(self.tables):
+            while len(blocks) > keep:
+                self.free.appendleft(blocks.pop())
+            self.table[b, keep:] = -1
+        self.length = length
+
+    def stats(self):
+        return {"blocks_used": sum(len(t) for t in self.tables),
+                "blocks_allocated": self.k_pool.shape[0]}
+
+
+from kvbench import splitk  # noqa: E402, F401  (registers `splitk`; it builds on this module)

@@ -72,6 +72,8 @@ HeadDim = Annotated[Optional[str], typer.Option(help="Head dim D. [default: 64]"
 Seed = Annotated[int, typer.Option(help="Seed of the weights and inputs.")]
 Impl = Annotated[str, typer.Option(help="Cached implementations: 'all' or a comma list.")]
 Rope = Annotated[bool, typer.Option(help="Rotary position embedding on q and k (k rotated before caching).")]
+BlockSize = Annotated[int, typer.Option(help="paged: positions per block.")]
+SdpaBackend = Annotated[str, typer.Option(help="sdpa: auto, math, flash, efficient or cudnn.")]
 CsvPath = Annotated[Optional[Path], typer.Option("--csv", help="Append rows to this CSV. [default: results/COMMAND.csv]")]
 
 
@@ -92,6 +94,22 @@ def _configs(device: str, dtype: str, seed: int, rope: bool, shape_opts: dict[st
     return [RunConfig(shape, dt, dev, seed, rope) for shape in shapes for dt in dtypes]
 
 
+def _runs(configs, impl: str, block_size: int, sdpa_backend: str):
+    """[(config, implementation names)] and the options; notes on skipped ones go to stderr."""
+    from kvbench import render
+    from kvbench.cache import ImplOptions, select_impls
+
+    options = ImplOptions(block_size, sdpa_backend)
+    runs, notes = [], []
+    for config in configs:
+        names, skipped = select_impls(impl, config, options)
+        runs.append((config, names))
+        notes += [n for n in skipped if n not in notes]
+    for line in notes:
+        render.note(line)
+    return runs, options
+
+
 def _csv_target(csv: Path | None, command: str, columns: list[str]) -> Path:
     from kvbench.results import check_csv, default_csv
 
@@ -104,14 +122,15 @@ def _csv_target(csv: Path | None, command: str, columns: list[str]) -> Path:
 def verify(device: Device = "auto", dtype: Dtype = "float32", batch: Batch = None,
            prompt_len: PromptLen = None, decode_len: DecodeLen = None, hidden: Hidden = None,
            q_heads: QHeads = None, kv_heads: KvHeads = None, head_dim: HeadDim = None,
-           seed: Seed = 0, impl: Impl = "all", rope: Rope = False, csv: CsvPath = None):
+           seed: Seed = 0, impl: Impl = "all", rope: Rope = False, csv: CsvPath = None,
+           block_size: BlockSize = 16, sdpa_backend: SdpaBackend = "auto"):
     """Prove that every cached implementation equals recompute, token by token.
 
     With no shape option it runs the small reference case and the device's timing case.
     Exit status 1 on any mismatch.
     """
     from kvbench import render
-    from kvbench.cache import IMPLEMENTATIONS, parse_impls
+    from kvbench.cache import IMPLEMENTATIONS
     from kvbench.env import environment
     from kvbench.results import VERIFY_COLUMNS, append_csv, verify_rows
     from kvbench.verify import verify as run_verify
@@ -119,12 +138,12 @@ def verify(device: Device = "auto", dtype: Dtype = "float32", batch: Batch = Non
     shape_opts = dict(batch=batch, prompt_len=prompt_len, decode_len=decode_len, hidden=hidden,
                       q_heads=q_heads, kv_heads=kv_heads, head_dim=head_dim)
     configs = _configs(device, dtype, seed, rope, shape_opts, reference_cases=True)
-    names = parse_impls(impl)
+    runs, options = _runs(configs, impl, block_size, sdpa_backend)
     path = _csv_target(csv, "verify", VERIFY_COLUMNS)
     env = environment(configs[0].device)
     reports, rows = [], []
-    for config in configs:
-        report = run_verify(config, {n: IMPLEMENTATIONS[n] for n in names})
+    for config, names in runs:
+        report = run_verify(config, {n: IMPLEMENTATIONS[n] for n in names}, options)
         render.show_verify(report)
         reports.append(report)
         rows += verify_rows(report, env)
@@ -148,28 +167,30 @@ def bench(device: Device = "auto", dtype: Dtype = "float32", batch: Batch = None
           rounds: Annotated[int, typer.Option(help="Timed samples; the median is reported.")] = 9,
           recompute: Annotated[bool, typer.Option(
               help="Time path A (quadratic). --no-recompute for long prompts; implementations "
-                   "are then verified on a shorter prompt.")] = True):
+                   "are then verified on a shorter prompt.")] = True,
+          prefill: Annotated[bool, typer.Option(
+              help="Time the prefill. --no-prefill saves minutes at long prompts.")] = True,
+          block_size: BlockSize = 16, sdpa_backend: SdpaBackend = "auto"):
     """Time prefill, the recompute decode and each cached decode; verify first."""
     from kvbench import render
     from kvbench.bandwidth import measure_copy_gbps
     from kvbench.bench import BenchOptions, VerificationFailed
     from kvbench.bench import bench as run_bench
-    from kvbench.cache import parse_impls
     from kvbench.env import environment
     from kvbench.results import BENCH_COLUMNS, append_csv, bench_rows
 
     shape_opts = dict(batch=batch, prompt_len=prompt_len, decode_len=decode_len, hidden=hidden,
                       q_heads=q_heads, kv_heads=kv_heads, head_dim=head_dim)
     configs = _configs(device, dtype, seed, rope, shape_opts)
-    names = parse_impls(impl)
-    options = BenchOptions(warmup, rounds, recompute)
+    runs, impl_options = _runs(configs, impl, block_size, sdpa_backend)
+    options = BenchOptions(warmup, rounds, recompute, prefill)
     path = _csv_target(csv, "bench", BENCH_COLUMNS)
     env = environment(configs[0].device)
     options = replace(options, copy_gbps=measure_copy_gbps(configs[0].device))
     rows = []
     try:
-        for config in configs:
-            result = run_bench(config, names, options)
+        for config, names in runs:
+            result = run_bench(config, names, options, impl_options)
             render.show_bench(result)
             rows += bench_rows(result, env)
     except VerificationFailed as failed:
@@ -188,10 +209,10 @@ def bench(device: Device = "auto", dtype: Dtype = "float32", batch: Batch = None
 def memory(device: Device = "auto", dtype: Dtype = "float32", batch: Batch = None,
            prompt_len: PromptLen = None, decode_len: DecodeLen = None, hidden: Hidden = None,
            q_heads: QHeads = None, kv_heads: KvHeads = None, head_dim: HeadDim = None,
-           seed: Seed = 0, impl: Impl = "all", rope: Rope = False, csv: CsvPath = None):
+           seed: Seed = 0, impl: Impl = "all", rope: Rope = False, csv: CsvPath = None,
+           block_size: BlockSize = 16, sdpa_backend: SdpaBackend = "auto"):
     """Theoretical KV payload vs allocated vs reserved memory, per phase."""
     from kvbench import render
-    from kvbench.cache import parse_impls
     from kvbench.env import environment
     from kvbench.memory import memory as run_memory
     from kvbench.results import MEMORY_COLUMNS, append_csv, memory_rows
@@ -199,13 +220,13 @@ def memory(device: Device = "auto", dtype: Dtype = "float32", batch: Batch = Non
     shape_opts = dict(batch=batch, prompt_len=prompt_len, decode_len=decode_len, hidden=hidden,
                       q_heads=q_heads, kv_heads=kv_heads, head_dim=head_dim)
     configs = _configs(device, dtype, seed, rope, shape_opts)
-    names = parse_impls(impl)
+    runs, impl_options = _runs(configs, impl, block_size, sdpa_backend)
     path = _csv_target(csv, "memory", MEMORY_COLUMNS)
     env = environment(configs[0].device)
     rows = []
     try:
-        for config in configs:
-            result = run_memory(config, names)
+        for config, names in runs:
+            result = run_memory(config, names, impl_options)
             render.show_memory(result)
             rows += memory_rows(result, env)
     finally:

@@ -23,7 +23,7 @@ from torch.utils._pytree import tree_leaves
 
 from kvbench import costs
 from kvbench.attention import AttentionLayer, make_inputs, recompute_decode
-from kvbench.cache import IMPLEMENTATIONS
+from kvbench.cache import IMPLEMENTATIONS, ImplOptions
 from kvbench.config import RunConfig
 from kvbench.device import synchronize
 
@@ -123,8 +123,10 @@ class MemoryResult:
     impls: list[ImplMemory]
 
 
-def memory(config: RunConfig, impls: tuple[str, ...]) -> MemoryResult:
+def memory(config: RunConfig, impls: tuple[str, ...],
+           impl_options: ImplOptions | None = None) -> MemoryResult:
     s = config.shape
+    impl_options = impl_options or ImplOptions()
     layer = AttentionLayer.from_config(config)
     x = make_inputs(config)
     prompt = x[:, : s.prompt_len]
@@ -141,11 +143,11 @@ def memory(config: RunConfig, impls: tuple[str, ...]) -> MemoryResult:
         for name in impls:
             cls = IMPLEMENTATIONS[name]
             with measure(config.device) as cached:
-                impl = cls(layer, s.batch, s.total_len)
+                impl = cls(layer, s.batch, s.total_len, impl_options)
                 impl.prefill(prompt)
                 decode(impl)
             del impl
-            impl = cls(layer, s.batch, s.total_len)
+            impl = cls(layer, s.batch, s.total_len, impl_options)
             impl.prefill(prompt)
             with measure(config.device) as decoded:
                 decode(impl)

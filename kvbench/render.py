@@ -80,7 +80,7 @@ def bench_table(result) -> Table:
     rec = result.recompute
     for timing in result.timings:
         speedup = result.speedup(timing)
-        t.add_row(timing.impl, f"{timing.prefill.median_ms:.3f}",
+        t.add_row(timing.impl, f"{timing.prefill.median_ms:.3f}" if timing.prefill else "skipped",
                   f"{rec.median_ms:.3f}" if rec else "skipped",
                   f"{timing.decode.median_ms:.3f}", _spread(timing.decode),
                   f"{speedup:.2f}×" if speedup else "—", f"{timing.ms_per_step:.4f}",
@@ -107,7 +107,7 @@ def bench_warnings(result) -> list[str]:
         measured += [(f"{timing.impl} prefill", timing.prefill),
                      (f"{timing.impl} cached decode", timing.decode)]
     for label, stats in measured:
-        if stats.noisy:
+        if stats is not None and stats.noisy:
             lines.append(f"{label}: IQR is {100 * stats.iqr_ms / stats.median_ms:.0f}% of the "
                          "median; the machine is noisy: consider more --rounds or --warmup")
     return lines

@@ -176,7 +176,7 @@ def bench_rows(result, env: dict[str, object]) -> list[dict[str, object]]:
             "speedup": result.speedup(t),
             "recompute_ms_per_step": rec.median_ms / g if rec else None,
             "cached_ms_per_step": t.ms_per_step,
-            "noisy": t.decode.noisy or t.prefill.noisy or bool(rec and rec.noisy),
+            "noisy": any(x is not None and x.noisy for x in (t.decode, t.prefill, rec)),
             "min_bytes_per_step": t.min_bytes_per_step, "flops_per_step": t.flops_per_step,
             "copy_gbps": t.copy_gbps, "achieved_gbps": t.achieved_gbps,
             "bandwidth_fraction": t.bandwidth_fraction, "achieved_gflops": t.achieved_gflops,

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kvbench.attention import AttentionLayer, full_forward, make_inputs, recompute_decode
-from kvbench.cache import IMPLEMENTATIONS, CachedAttention
+from kvbench.cache import IMPLEMENTATIONS, CachedAttention, ImplOptions
 from kvbench.config import RunConfig
 
 TOLERANCES = {  # dtype -> (rtol, atol)
@@ -63,9 +63,16 @@ def _max_abs(a: torch.Tensor, b: torch.Tensor) -> float:
     return (a.double() - b.double()).abs().max().item()
 
 
-def verify(config: RunConfig, impls: dict[str, type[CachedAttention]] | None = None) -> VerifyReport:
-    """Run path A, a float64 reference and every implementation on the same inputs."""
-    impls = impls if impls is not None else IMPLEMENTATIONS
+def verify(config: RunConfig, impls: dict[str, type[CachedAttention]] | None = None,
+           options: ImplOptions | None = None) -> VerifyReport:
+    """Run path A, a float64 reference and each implementation on the same inputs.
+
+    impls: name -> class; by default every registered implementation that can run here.
+    """
+    options = options or ImplOptions()
+    if impls is None:
+        impls = {name: cls for name, cls in IMPLEMENTATIONS.items()
+                 if cls.unavailable(config, options) is None}
     s = config.shape
     rtol, atol = TOLERANCES[config.dtype]
     layer = AttentionLayer.from_config(config)
@@ -80,15 +87,15 @@ def verify(config: RunConfig, impls: dict[str, type[CachedAttention]] | None = N
         exact_steps = recompute_decode(layer64, x64, s.prompt_len)
         recompute_fp64 = max(_max_abs(a, e) for a, e in zip(ref_steps, exact_steps))
 
-        checks = [_check(name, cls, layer, x, config, ref_prefill, ref_steps, exact_steps,
-                         rtol, atol) for name, cls in impls.items()]
+        checks = [_check(name, cls(layer, s.batch, s.total_len, options), x, config,
+                         ref_prefill, ref_steps, exact_steps, rtol, atol)
+                  for name, cls in impls.items()]
     del exact_prefill
     return VerifyReport(config, rtol, atol, recompute_fp64, checks)
 
 
-def _check(name, cls, layer, x, config, ref_prefill, ref_steps, exact_steps, rtol, atol):
+def _check(name, impl, x, config, ref_prefill, ref_steps, exact_steps, rtol, atol):
     s = config.shape
-    impl = cls(layer, s.batch, s.total_len)
     try:
         prefill, steps = run_cached(impl, x, s.prompt_len)
         cache_shape = tuple(impl.kv()[0].shape)

@@ -46,7 +46,7 @@ def test_tracker_sees_the_dense_prefill_score_matrix():
 def test_memory_phases_on_cpu():
     shape = LayerShape(batch=2, prompt_len=32, decode_len=4, hidden=64, q_heads=4, kv_heads=2,
                        head_dim=16)
-    result = memory(RunConfig(shape), ("concat", "static"))
+    result = memory(RunConfig(shape), ("concat", "static", "sdpa", "splitk"))
     payload = 2 * 2 * 36 * 2 * 16 * 4
     assert result.theoretical_kv_bytes == payload
     assert result.recompute.peak_reserved_bytes is None

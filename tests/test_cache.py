@@ -1,0 +1,96 @@
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from kvbench.attention import AttentionLayer, make_inputs
+from kvbench.cache import IMPLEMENTATIONS, ImplOptions, PagedCache, SdpaCache
+from kvbench.cli import app
+from kvbench.config import LayerShape, RunConfig
+from kvbench.verify import verify
+
+SHAPE = LayerShape(batch=2, prompt_len=21, decode_len=6, hidden=32, q_heads=4, kv_heads=2,
+                   head_dim=8)
+runner = CliRunner()
+
+
+@pytest.mark.parametrize("name", list(IMPLEMENTATIONS))
+def test_rewind_then_decode_equals_a_fresh_decode(name):
+    config = RunConfig(SHAPE)
+    layer, x = AttentionLayer.from_config(config), make_inputs(config)
+    cls = IMPLEMENTATIONS[name]
+    with torch.no_grad():
+        impl = cls(layer, 2, SHAPE.total_len)
+        impl.prefill(x[:, :21])
+        first = [impl.step(x[:, t:t + 1]) for t in range(21, 27)]
+        impl.rewind(21)
+        again = [impl.step(x[:, t:t + 1]) for t in range(21, 27)]
+    for a, b in zip(first, again):
+        assert torch.equal(a, b)
+    assert impl.length == 27
+
+
+def test_paged_takes_blocks_as_sequences_grow():
+    config = RunConfig(SHAPE)
+    layer, x = AttentionLayer.from_config(config), make_inputs(config)
+    with torch.no_grad():
+        paged = PagedCache(layer, 2, SHAPE.total_len, ImplOptions(block_size=8))
+        paged.prefill(x[:, :21])  # 21 positions -> 3 blocks per sequence
+        assert paged.stats() == {"blocks_used": 6, "blocks_allocated": 8}
+        for t in range(21, 25):  # 25 positions -> 4 blocks
+            paged.step(x[:, t:t + 1])
+        assert paged.stats()["blocks_used"] == 8
+        assert len(paged.free) == 0
+        # The two sequences' blocks interleave in the pool: tables, not contiguity, hold order.
+        assert paged.tables[0] != list(range(4))
+        paged.rewind(21)
+        assert paged.stats()["blocks_used"] == 6 and len(paged.free) == 2
+
+
+@pytest.mark.parametrize("block_size", [1, 3, 16, 64])
+def test_paged_is_exact_for_any_block_size(block_size):
+    report = verify(RunConfig(SHAPE, rope=True), {"paged": PagedCache},
+                    ImplOptions(block_size=block_size))
+    assert report.passed
+
+
+@pytest.mark.parametrize("backend", ["math", "flash"])
+def test_sdpa_with_a_pinned_cpu_backend(backend):
+    report = verify(RunConfig(SHAPE), {"sdpa": SdpaCache}, ImplOptions(sdpa_backend=backend))
+    assert report.passed
+    assert report.checks[0].stats == {"sdpa_backend": backend}
+
+
+def test_sdpa_reports_the_backend_torch_chose():
+    report = verify(RunConfig(SHAPE), {"sdpa": SdpaCache})
+    assert report.checks[0].stats["sdpa_backend"] in ("math", "flash", "efficient", "cudnn")
+
+
+def test_splitk_merges_chunks_exactly():
+    # One sequence, one KV head and 1500 positions: the kernel splits the context into chunks.
+    shape = LayerShape(batch=1, prompt_len=1500, decode_len=3, hidden=32, q_heads=4,
+                       kv_heads=1, head_dim=16)
+    report = verify(RunConfig(shape, rope=True), {"splitk": IMPLEMENTATIONS["splitk"]})
+    assert report.passed, report.checks[0].message
+
+
+TINY = ["--device", "cpu", "--batch", "1", "--prompt-len", "6", "--decode-len", "2",
+        "--hidden", "32", "--q-heads", "4", "--kv-heads", "2", "--head-dim", "8"]
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--block-size", "0"], "--block-size"),
+    (["--sdpa-backend", "fastest"], "unknown --sdpa-backend"),
+    (["--impl", "sdpa", "--sdpa-backend", "efficient"], "available: math, flash"),
+    (["--impl", "splitk", "--dtype", "bf16"], "float32 only"),
+])
+def test_bad_implementation_options(tmp_path, args, message):
+    result = runner.invoke(app, ["verify", *TINY, *args, "--csv", str(tmp_path / "v.csv")])
+    assert result.exit_code == 2
+    assert message in result.stderr and len(result.stderr.strip().splitlines()) == 1
+
+
+def test_all_skips_what_cannot_run_here_with_a_note(tmp_path):
+    out = tmp_path / "v.csv"
+    result = runner.invoke(app, ["verify", *TINY, "--dtype", "bf16", "--csv", str(out)])
+    assert result.exit_code == 0, result.output
+    assert "skipping splitk: float32 only" in result.stderr
