@@ -53,15 +53,16 @@ class AttentionLayer:
     def weight_bytes(self) -> int:
         return sum(w.numel() * w.element_size() for w in (self.w_qkv, self.w_o))
 
-    def project(self, x: torch.Tensor, start: int):
+    def project(self, x: torch.Tensor, start: int, gemm=torch.mm):
         """x [B, T, H] at positions start..start+T-1 -> q [B,H_q,T,D], k, v [B,H_kv,T,D].
 
         RoPE (when on) rotates q and k here, so the cache stores k after rotation.
+        `gemm(a, w)` computes a @ w for a 2-D a; an implementation may bring its own.
         """
         B, T, H = x.shape
         Hq, Hkv, D = self.shape.q_heads, self.shape.kv_heads, self.shape.head_dim
         # 2-D so matmul is one GEMM, not a batched one over copies of the weight.
-        qkv = (x.reshape(B * T, H) @ self.w_qkv).view(B, T, Hq + 2 * Hkv, D)
+        qkv = gemm(x.reshape(B * T, H), self.w_qkv).view(B, T, Hq + 2 * Hkv, D)
         qkv = qkv.transpose(1, 2)  # [B, H_q + 2·H_kv, T, D]
         q, k, v = qkv.split((Hq, Hkv, Hkv), dim=1)  # [B,H_q,T,D], [B,H_kv,T,D], [B,H_kv,T,D]
         if self.rope:
@@ -69,11 +70,11 @@ class AttentionLayer:
             q, k = apply_rope(q, positions), apply_rope(k, positions)
         return q, k, v
 
-    def output(self, attn: torch.Tensor) -> torch.Tensor:
+    def output(self, attn: torch.Tensor, gemm=torch.mm) -> torch.Tensor:
         """attn [B, H_q, T, D] -> [B, T, H]."""
         B, _, T, _ = attn.shape
         flat = attn.transpose(1, 2).reshape(B * T, -1)  # [B·T, H_q·D]
-        return (flat @ self.w_o).view(B, T, -1)
+        return gemm(flat, self.w_o).view(B, T, -1)
 
 
 def make_inputs(config: RunConfig) -> torch.Tensor:
