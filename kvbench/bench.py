@@ -12,7 +12,7 @@ from kvbench.bandwidth import measure_copy_gbps
 from kvbench.cache import IMPLEMENTATIONS, ImplOptions
 from kvbench.config import RunConfig
 from kvbench.errors import KvbenchError
-from kvbench.timing import Stats, time_samples
+from kvbench.timing import Stats, time_interleaved
 from kvbench.verify import VerifyReport, verify
 
 # With --no-recompute, implementations are checked against path A on a prefix this long.
@@ -83,6 +83,11 @@ class BenchResult:
         return self.recompute.median_ms / t.decode.median_ms if self.recompute else None
 
 
+def _rewound(impl, prompt_len: int):
+    impl.rewind(prompt_len)
+    return impl
+
+
 def verification_config(config: RunConfig, recompute: bool) -> RunConfig:
     if recompute:
         return config
@@ -118,31 +123,29 @@ def bench(config: RunConfig, impls: tuple[str, ...], options: BenchOptions,
         for t in range(s.prompt_len, s.total_len):
             impl.step(x[:, t:t + 1])
 
+    def fresh(cls):
+        return cls(layer, s.batch, s.total_len, impl_options)
+
     with torch.no_grad():
-        recompute = None
+        # Every task of this point, timed round-robin.
+        tasks = {}
         if options.recompute:
-            recompute = time_samples(lambda _: recompute_decode(layer, x, s.prompt_len),
-                                     config.device, options.warmup, options.rounds)
-        timings = []
+            tasks["recompute"] = (lambda _: recompute_decode(layer, x, s.prompt_len),
+                                  lambda: None)
+        prompt_caches = {}
         for name, cls in classes.items():
-            def fresh(cls=cls):
-                return cls(layer, s.batch, s.total_len, impl_options)
-
-            prefill_stats = None
             if options.prefill:
-                prefill_stats = time_samples(lambda impl: impl.prefill(prompt), config.device,
-                                             options.warmup, options.rounds, setup=fresh)
+                tasks[f"prefill:{name}"] = (lambda impl: impl.prefill(prompt),
+                                            lambda cls=cls: fresh(cls))
             # One prompt cache per implementation; every sample decodes from it again.
-            impl = fresh()
+            impl = prompt_caches[name] = fresh(cls)
             impl.prefill(prompt)
-
-            def rewound(impl=impl):
-                impl.rewind(s.prompt_len)
-                return impl
-
-            decode_stats = time_samples(decode, config.device, options.warmup, options.rounds,
-                                        setup=rewound)
-            timings.append(ImplTiming(name, prefill_stats, decode_stats, min_bytes, flops,
-                                      copy_gbps, s.decode_len, impl.stats()))
-            del impl
+            tasks[f"decode:{name}"] = (decode, lambda impl=impl: _rewound(impl, s.prompt_len))
+        stats = time_interleaved(tasks, config.device, options.warmup, options.rounds)
+        timings = [ImplTiming(name, stats.get(f"prefill:{name}"), stats[f"decode:{name}"],
+                              min_bytes, flops, copy_gbps, s.decode_len,
+                              prompt_caches[name].stats())
+                   for name in classes]
+        recompute = stats.get("recompute")
+        del prompt_caches, tasks
     return BenchResult(config, options, verified, recompute, timings)

@@ -77,53 +77,118 @@ SdpaBackend = Annotated[str, typer.Option(help="sdpa: auto, math, flash, efficie
 CsvPath = Annotated[Optional[Path], typer.Option("--csv", help="Append rows to this CSV. [default: results/COMMAND.csv]")]
 
 
-def _configs(device: str, dtype: str, seed: int, rope: bool, shape_opts: dict[str, str | None],
-             reference_cases: bool = False):
-    """Options -> RunConfigs. With no shape option, verify also runs the small reference case."""
-    from kvbench.config import (SMALL_CASE, RunConfig, canonical_dtype, expand_shapes,
-                                parse_int_list, timing_case)
+Format = Annotated[str, typer.Option("--format", help="stdout: table (Rich), csv or json rows for pipes.")]
+Quiet = Annotated[bool, typer.Option("--quiet", "-q", help="No table, notes or progress; errors only.")]
+NoCsv = Annotated[bool, typer.Option("--no-csv", help="Write no results file.")]
+SweepFile = Annotated[Optional[Path], typer.Option("--config", help="A sweep file (TOML) of option values; see configs/sweeps/.")]
+FORMATS = ("table", "csv", "json")
+
+
+def _options(ctx: typer.Context) -> dict[str, object]:
+    """The command's option values, with a sweep file's filling those not given explicitly."""
+    from kvbench.sweep import load_sweep
+
+    values = dict(ctx.params)
+    if values.get("format") not in FORMATS:
+        raise KvbenchError(f"--format {values.get('format')!r}: use table, csv or json")
+    path = values.pop("config", None)
+    if path is None:
+        return values
+    allowed = set(values) - {"config", "csv", "no_csv", "format", "quiet"}
+    for key, value in load_sweep(path, ctx.info_name, allowed).items():
+        source = ctx.get_parameter_source(key)
+        if source is not None and source.name != "DEFAULT":
+            continue  # the command line wins
+        default = values[key]
+        if default is not None and type(value) is not type(default):
+            raise KvbenchError(f"sweep file {path}: {key} = {value!r} should be a "
+                               f"{type(default).__name__}")
+        values[key] = value
+    return values
+
+
+def _points(o: dict[str, object], reference_cases: bool = False):
+    """Options -> [(RunConfig, implementation names)] and the implementation options.
+
+    With no shape option, verify also runs the small reference case.
+    """
+    from kvbench import render
+    from kvbench.cache import ImplOptions, select_impls
+    from kvbench.config import (SHAPE_FIELDS, SMALL_CASE, RunConfig, canonical_dtype,
+                                expand_shapes, parse_int_list, timing_case)
     from kvbench.device import resolve_device
 
-    dev = resolve_device(device)
-    dtypes = [canonical_dtype(d) for d in dtype.split(",")]
-    lists = {name: parse_int_list("--" + name.replace("_", "-"), text)
-             for name, text in shape_opts.items() if text is not None}
+    dev = resolve_device(o["device"])
+    dtypes = [canonical_dtype(d) for d in o["dtype"].split(",")]
+    lists = {name: parse_int_list("--" + name.replace("_", "-"), o[name])
+             for name in SHAPE_FIELDS if o[name] is not None}
     shapes = expand_shapes(timing_case(dev), lists)
     if reference_cases and not lists:
         shapes = [SMALL_CASE] + shapes
-    return [RunConfig(shape, dt, dev, seed, rope) for shape in shapes for dt in dtypes]
+    options = ImplOptions(o["block_size"], o["sdpa_backend"])
+    points, notes = [], []
+    for shape in shapes:
+        for dt in dtypes:
+            config = RunConfig(shape, dt, dev, o["seed"], o["rope"])
+            names, skipped = select_impls(o["impl"], config, options)
+            points.append((config, names))
+            notes += [n for n in skipped if n not in notes]
+    if not o["quiet"]:
+        for line in notes:
+            render.note(line)
+    return points, options
 
 
-def _runs(configs, impl: str, block_size: int, sdpa_backend: str):
-    """[(config, implementation names)] and the options; notes on skipped ones go to stderr."""
+def _sweep(o: dict[str, object], command: str, columns: list[str], points, run_point):
+    """Run every point with a progress bar; write rows; print machine formats; handle Ctrl-C.
+
+    run_point(config, names) -> (result, rows). Returns the results of the points that ran.
+    """
     from kvbench import render
-    from kvbench.cache import ImplOptions, select_impls
+    from kvbench.env import environment
+    from kvbench.results import append_csv, check_csv, default_csv
 
-    options = ImplOptions(block_size, sdpa_backend)
-    runs, notes = [], []
-    for config in configs:
-        names, skipped = select_impls(impl, config, options)
-        runs.append((config, names))
-        notes += [n for n in skipped if n not in notes]
-    for line in notes:
-        render.note(line)
-    return runs, options
-
-
-def _csv_target(csv: Path | None, command: str, columns: list[str]) -> Path:
-    from kvbench.results import check_csv, default_csv
-
-    path = csv or default_csv(command)
-    check_csv(path, columns)
-    return path
+    path = None if o["no_csv"] else (o["csv"] or default_csv(command))
+    if path is not None:
+        check_csv(path, columns)
+    env = environment(points[0][0].device)
+    results, rows = [], []
+    interrupted = False
+    with render.progress(len(points), enabled=not o["quiet"]) as bar:
+        try:
+            for config, names in points:
+                bar.point(render.describe(config))
+                result, new_rows = run_point(config, names, env)
+                results.append(result)
+                rows += new_rows
+                if o["format"] == "table" and not o["quiet"]:
+                    render.show(command, result)
+                bar.advance()
+        except KeyboardInterrupt:
+            interrupted = True
+        finally:
+            if rows and path is not None:
+                append_csv(path, rows, columns)
+    if o["format"] != "table":
+        render.machine_output(rows, columns, o["format"])
+    where = f" in {path}" if path is not None else ""
+    if interrupted:
+        print(f"kvbench: interrupted after {len(results)} of {len(points)} points; "
+              f"{len(rows)} rows kept{where}", file=sys.stderr)
+        raise typer.Exit(130)
+    if not o["quiet"] and path is not None:
+        render.note(f"{len(rows)} rows appended to {path}")
+    return results
 
 
 @app.command()
-def verify(device: Device = "auto", dtype: Dtype = "float32", batch: Batch = None,
-           prompt_len: PromptLen = None, decode_len: DecodeLen = None, hidden: Hidden = None,
-           q_heads: QHeads = None, kv_heads: KvHeads = None, head_dim: HeadDim = None,
-           seed: Seed = 0, impl: Impl = "all", rope: Rope = False, csv: CsvPath = None,
-           block_size: BlockSize = 16, sdpa_backend: SdpaBackend = "auto"):
+def verify(ctx: typer.Context, device: Device = "auto", dtype: Dtype = "float32",
+           batch: Batch = None, prompt_len: PromptLen = None, decode_len: DecodeLen = None,
+           hidden: Hidden = None, q_heads: QHeads = None, kv_heads: KvHeads = None,
+           head_dim: HeadDim = None, seed: Seed = 0, impl: Impl = "all", rope: Rope = False,
+           block_size: BlockSize = 16, sdpa_backend: SdpaBackend = "auto",
+           config: SweepFile = None, csv: CsvPath = None, no_csv: NoCsv = False,
+           format: Format = "table", quiet: Quiet = False):
     """Prove that every cached implementation equals recompute, token by token.
 
     With no shape option it runs the small reference case and the device's timing case.
@@ -131,24 +196,17 @@ def verify(device: Device = "auto", dtype: Dtype = "float32", batch: Batch = Non
     """
     from kvbench import render
     from kvbench.cache import IMPLEMENTATIONS
-    from kvbench.env import environment
-    from kvbench.results import VERIFY_COLUMNS, append_csv, verify_rows
+    from kvbench.results import VERIFY_COLUMNS, verify_rows
     from kvbench.verify import verify as run_verify
 
-    shape_opts = dict(batch=batch, prompt_len=prompt_len, decode_len=decode_len, hidden=hidden,
-                      q_heads=q_heads, kv_heads=kv_heads, head_dim=head_dim)
-    configs = _configs(device, dtype, seed, rope, shape_opts, reference_cases=True)
-    runs, options = _runs(configs, impl, block_size, sdpa_backend)
-    path = _csv_target(csv, "verify", VERIFY_COLUMNS)
-    env = environment(configs[0].device)
-    reports, rows = [], []
-    for config, names in runs:
+    o = _options(ctx)
+    points, options = _points(o, reference_cases=True)
+
+    def run_point(config, names, env):
         report = run_verify(config, {n: IMPLEMENTATIONS[n] for n in names}, options)
-        render.show_verify(report)
-        reports.append(report)
-        rows += verify_rows(report, env)
-    append_csv(path, rows, VERIFY_COLUMNS)
-    render.note(f"{len(rows)} rows appended to {path}")
+        return report, verify_rows(report, env)
+
+    reports = _sweep(o, "verify", VERIFY_COLUMNS, points, run_point)
     failures = [(r, c) for r in reports for c in r.checks if not c.passed]
     if failures:
         r, c = failures[0]
@@ -159,10 +217,11 @@ def verify(device: Device = "auto", dtype: Dtype = "float32", batch: Batch = Non
 
 
 @app.command()
-def bench(device: Device = "auto", dtype: Dtype = "float32", batch: Batch = None,
-          prompt_len: PromptLen = None, decode_len: DecodeLen = None, hidden: Hidden = None,
-          q_heads: QHeads = None, kv_heads: KvHeads = None, head_dim: HeadDim = None,
-          seed: Seed = 0, impl: Impl = "all", rope: Rope = False, csv: CsvPath = None,
+def bench(ctx: typer.Context, device: Device = "auto", dtype: Dtype = "float32",
+          batch: Batch = None, prompt_len: PromptLen = None, decode_len: DecodeLen = None,
+          hidden: Hidden = None, q_heads: QHeads = None, kv_heads: KvHeads = None,
+          head_dim: HeadDim = None, seed: Seed = 0, impl: Impl = "all", rope: Rope = False,
+          block_size: BlockSize = 16, sdpa_backend: SdpaBackend = "auto",
           warmup: Annotated[int, typer.Option(help="Untimed runs before the samples.")] = 3,
           rounds: Annotated[int, typer.Option(help="Timed samples; the median is reported.")] = 9,
           recompute: Annotated[bool, typer.Option(
@@ -170,69 +229,69 @@ def bench(device: Device = "auto", dtype: Dtype = "float32", batch: Batch = None
                    "are then verified on a shorter prompt.")] = True,
           prefill: Annotated[bool, typer.Option(
               help="Time the prefill. --no-prefill saves minutes at long prompts.")] = True,
-          block_size: BlockSize = 16, sdpa_backend: SdpaBackend = "auto"):
-    """Time prefill, the recompute decode and each cached decode; verify first."""
+          config: SweepFile = None, csv: CsvPath = None, no_csv: NoCsv = False,
+          format: Format = "table", quiet: Quiet = False):
+    """Time prefill, the recompute decode and each cached decode; verify first.
+
+    Within a point, recompute and the implementations are timed interleaved, round by round,
+    so drift on a shared machine hits each alike.
+    """
     from kvbench import render
     from kvbench.bandwidth import measure_copy_gbps
     from kvbench.bench import BenchOptions, VerificationFailed
     from kvbench.bench import bench as run_bench
-    from kvbench.env import environment
-    from kvbench.results import BENCH_COLUMNS, append_csv, bench_rows
+    from kvbench.results import BENCH_COLUMNS, bench_rows
 
-    shape_opts = dict(batch=batch, prompt_len=prompt_len, decode_len=decode_len, hidden=hidden,
-                      q_heads=q_heads, kv_heads=kv_heads, head_dim=head_dim)
-    configs = _configs(device, dtype, seed, rope, shape_opts)
-    runs, impl_options = _runs(configs, impl, block_size, sdpa_backend)
-    options = BenchOptions(warmup, rounds, recompute, prefill)
-    path = _csv_target(csv, "bench", BENCH_COLUMNS)
-    env = environment(configs[0].device)
-    options = replace(options, copy_gbps=measure_copy_gbps(configs[0].device))
-    rows = []
+    o = _options(ctx)
+    points, impl_options = _points(o)
+    options = BenchOptions(o["warmup"], o["rounds"], o["recompute"], o["prefill"])
+    options = replace(options, copy_gbps=measure_copy_gbps(points[0][0].device))
+
+    def run_point(config, names, env):
+        result = run_bench(config, names, options, impl_options)
+        if o["format"] != "table" and not o["quiet"]:  # the table prints its own
+            for line in render.bench_warnings(result):
+                render.warn(line)
+        return result, bench_rows(result, env)
+
     try:
-        for config, names in runs:
-            result = run_bench(config, names, options, impl_options)
-            render.show_bench(result)
-            rows += bench_rows(result, env)
+        _sweep(o, "bench", BENCH_COLUMNS, points, run_point)
     except VerificationFailed as failed:
-        render.show_verify(failed.report)
+        render.show_verify(failed.report, stderr=True)
         bad = next(c for c in failed.report.checks if not c.passed)
         print(f"kvbench: refusing to time {bad.impl}: it disagrees with recompute "
-              f"({bad.message})", file=sys.stderr)
+              f"({render.describe(failed.report.config)}: {bad.message})", file=sys.stderr)
         raise typer.Exit(1)
-    finally:
-        if rows:
-            append_csv(path, rows, BENCH_COLUMNS)
-            render.note(f"{len(rows)} rows appended to {path}")
 
 
 @app.command()
-def memory(device: Device = "auto", dtype: Dtype = "float32", batch: Batch = None,
-           prompt_len: PromptLen = None, decode_len: DecodeLen = None, hidden: Hidden = None,
-           q_heads: QHeads = None, kv_heads: KvHeads = None, head_dim: HeadDim = None,
-           seed: Seed = 0, impl: Impl = "all", rope: Rope = False, csv: CsvPath = None,
-           block_size: BlockSize = 16, sdpa_backend: SdpaBackend = "auto"):
+def memory(ctx: typer.Context, device: Device = "auto", dtype: Dtype = "float32",
+           batch: Batch = None, prompt_len: PromptLen = None, decode_len: DecodeLen = None,
+           hidden: Hidden = None, q_heads: QHeads = None, kv_heads: KvHeads = None,
+           head_dim: HeadDim = None, seed: Seed = 0, impl: Impl = "all", rope: Rope = False,
+           block_size: BlockSize = 16, sdpa_backend: SdpaBackend = "auto",
+           config: SweepFile = None, csv: CsvPath = None, no_csv: NoCsv = False,
+           format: Format = "table", quiet: Quiet = False):
     """Theoretical KV payload vs allocated vs reserved memory, per phase."""
-    from kvbench import render
-    from kvbench.env import environment
     from kvbench.memory import memory as run_memory
-    from kvbench.results import MEMORY_COLUMNS, append_csv, memory_rows
+    from kvbench.results import MEMORY_COLUMNS, memory_rows
 
-    shape_opts = dict(batch=batch, prompt_len=prompt_len, decode_len=decode_len, hidden=hidden,
-                      q_heads=q_heads, kv_heads=kv_heads, head_dim=head_dim)
-    configs = _configs(device, dtype, seed, rope, shape_opts)
-    runs, impl_options = _runs(configs, impl, block_size, sdpa_backend)
-    path = _csv_target(csv, "memory", MEMORY_COLUMNS)
-    env = environment(configs[0].device)
-    rows = []
-    try:
-        for config, names in runs:
-            result = run_memory(config, names, impl_options)
-            render.show_memory(result)
-            rows += memory_rows(result, env)
-    finally:
-        if rows:
-            append_csv(path, rows, MEMORY_COLUMNS)
-            render.note(f"{len(rows)} rows appended to {path}")
+    o = _options(ctx)
+    points, options = _points(o)
+
+    def run_point(config, names, env):
+        result = run_memory(config, names, options)
+        return result, memory_rows(result, env)
+
+    _sweep(o, "memory", MEMORY_COLUMNS, points, run_point)
+
+
+def _csv_target(csv: Path | None, command: str, columns: list[str]) -> Path:
+    from kvbench.results import check_csv, default_csv
+
+    path = csv or default_csv(command)
+    check_csv(path, columns)
+    return path
 
 
 def _positive(flag: str, value: int | None) -> int | None:

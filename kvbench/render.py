@@ -7,7 +7,15 @@ MiB = 2**20 bytes, GiB = 2**30 bytes, GB/s = 1e9 bytes per second.
 from __future__ import annotations
 
 from rich.console import Console
+import csv
+import io
+import json
+import math
+from contextlib import contextmanager
+
 from rich import box
+from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn,
+                           TimeElapsedColumn, TimeRemainingColumn)
 from rich.table import Table
 
 out = Console(highlight=False)
@@ -60,8 +68,8 @@ def verify_table(report) -> Table:
     return t
 
 
-def show_verify(report) -> None:
-    out.print(verify_table(report))
+def show_verify(report, stderr: bool = False) -> None:
+    (err if stderr else out).print(verify_table(report))
 
 
 def _spread(stats) -> str:
@@ -216,3 +224,51 @@ def allocation_table(results) -> Table:
                   human_bytes(r.allocated_increase_bytes), human_bytes(r.reserved_increase_bytes),
                   "[green]PASS[/]" if r.passed else "[red bold]FAIL[/]")
     return t
+
+
+def show(command: str, result) -> None:
+    {"verify": show_verify, "bench": show_bench, "memory": show_memory}[command](result)
+
+
+class _Bar:
+    def __init__(self, progress: Progress | None, task):
+        self.progress, self.task = progress, task
+
+    def point(self, description: str) -> None:
+        if self.progress is not None:
+            self.progress.update(self.task, description=description)
+
+    def advance(self) -> None:
+        if self.progress is not None:
+            self.progress.advance(self.task)
+
+
+@contextmanager
+def progress(total: int, enabled: bool = True):
+    """A progress bar on stderr over the points of a sweep: current point, elapsed, remaining."""
+    if not enabled or total < 2 or not err.is_terminal:
+        yield _Bar(None, None)
+        return
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                  TimeElapsedColumn(), TextColumn("left"), TimeRemainingColumn(),
+                  console=err, transient=True) as bar:
+        yield _Bar(bar, bar.add_task("", total=total))
+
+
+def machine_output(rows: list[dict], columns: list[str], fmt: str) -> None:
+    """Rows on stdout as CSV or JSON, no markup: for pipes."""
+    import sys
+
+    def clean(v):
+        return None if isinstance(v, float) and not math.isfinite(v) else v
+
+    if fmt == "json":
+        data = [{c: clean(row.get(c)) for c in columns} for row in rows]
+        sys.stdout.write(json.dumps(data, indent=1) + "\n")
+    else:
+        buf = io.StringIO()
+        writer = csv.DictWriter(buf, fieldnames=columns, lineterminator="\n")
+        writer.writeheader()
+        writer.writerows({c: "" if clean(row.get(c)) is None else row.get(c) for c in columns}
+                         for row in rows)
+        sys.stdout.write(buf.getvalue())

@@ -43,6 +43,9 @@ def check_csv(path: Path, columns: list[str]) -> None:
     if path.exists():
         if path.is_dir():
             raise KvbenchError(f"--csv {path} is a directory; give a file path")
+        if not path.is_file():
+            raise KvbenchError(f"--csv {path} is not a regular file; give a file path "
+                               "(or --no-csv to write none)")
         header = _read_header(path)
         if header is not None and header != columns:
             missing = [c for c in columns if c not in header]

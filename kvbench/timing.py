@@ -36,21 +36,33 @@ class Stats:
                    len(samples_ms))
 
 
-def time_samples(work: Callable[[object], object], device: str, warmup: int, rounds: int,
-                 setup: Callable[[], object] = lambda: None) -> Stats:
-    """Time `work(setup())`: `warmup` untimed runs, then `rounds` samples.
+Task = tuple[Callable[[object], object], Callable[[], object]]  # (work, setup)
 
-    `setup` runs untimed before each sample (e.g. building a fresh prompt cache). The device is
-    synchronised before the clock starts and after the work, so queued kernels count.
+
+def time_interleaved(tasks: dict[str, Task], device: str, warmup: int,
+                     rounds: int) -> dict[str, Stats]:
+    """Time several tasks round-robin (A B C A B C ...), so drift hits each alike.
+
+    For each task, `setup()` runs untimed before every run (e.g. rewinding a cache to the
+    prompt) and `work(setup())` is timed: the device is synchronised before the clock starts
+    and after the work, so queued kernels count. `warmup` untimed rounds come first.
     """
     for _ in range(warmup):
-        work(setup())
-    samples = []
+        for work, setup in tasks.values():
+            work(setup())
+    samples: dict[str, list[float]] = {name: [] for name in tasks}
     for _ in range(rounds):
-        state = setup()
-        synchronize(device)
-        start = time.perf_counter()
-        work(state)
-        synchronize(device)
-        samples.append((time.perf_counter() - start) * 1e3)
-    return Stats.of(samples)
+        for name, (work, setup) in tasks.items():
+            state = setup()
+            synchronize(device)
+            start = time.perf_counter()
+            work(state)
+            synchronize(device)
+            samples[name].append((time.perf_counter() - start) * 1e3)
+    return {name: Stats.of(s) for name, s in samples.items()}
+
+
+def time_samples(work: Callable[[object], object], device: str, warmup: int, rounds: int,
+                 setup: Callable[[], object] = lambda: None) -> Stats:
+    """Time one task: `warmup` untimed runs, then `rounds` samples (see time_interleaved)."""
+    return time_interleaved({"task": (work, setup)}, device, warmup, rounds)["task"]

@@ -1,0 +1,50 @@
+"""Sweeps: option values (from the command line or a TOML file) -> the points to run.
+
+A sweep file sets any option of the command it is given to, by name (`prompt_len` or
+`prompt-len`); a list runs every value, and shape lists combine as a Cartesian product.
+Options given on the command line win over the file. No torch here.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from kvbench.config import SHAPE_FIELDS
+from kvbench.errors import KvbenchError
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+LIST_OPTIONS = set(SHAPE_FIELDS) | {"dtype"}  # options that take a comma list
+
+
+def load_sweep(path: Path, command: str, allowed: set[str]) -> dict[str, object]:
+    """Read a sweep file into option values, as the command line would give them."""
+    try:
+        data = tomllib.loads(Path(path).read_text())
+    except OSError as err:
+        raise KvbenchError(f"cannot read sweep file {path}: {err.strerror}") from None
+    except tomllib.TOMLDecodeError as err:
+        raise KvbenchError(f"sweep file {path} is not valid TOML: {err}") from None
+    except UnicodeDecodeError:
+        raise KvbenchError(f"sweep file {path} is not a text file") from None
+    intended = data.pop("command", command)
+    if intended != command:
+        raise KvbenchError(f"sweep file {path} is for `kvbench {intended}`, not `{command}`")
+    data.pop("description", None)
+    values = {key.replace("-", "_"): value for key, value in data.items()}
+    unknown = sorted(k for k in values if k not in allowed)
+    if unknown:
+        raise KvbenchError(f"sweep file {path}: unknown keys {', '.join(unknown)}; "
+                           f"`kvbench {command}` takes {', '.join(sorted(allowed))}")
+    for key, value in values.items():
+        if isinstance(value, list):
+            if key not in LIST_OPTIONS:
+                raise KvbenchError(f"sweep file {path}: {key} takes one value, not a list")
+            values[key] = ",".join(str(v) for v in value)
+        elif key in LIST_OPTIONS:
+            values[key] = str(value)
+    return values

@@ -1,0 +1,136 @@
+import json
+from io import StringIO
+from pathlib import Path
+
+import pandas as pd
+import pytest
+from typer.testing import CliRunner
+
+from kvbench.cli import app
+from kvbench.results import BENCH_COLUMNS, VERIFY_COLUMNS
+from kvbench.timing import time_interleaved
+
+runner = CliRunner()
+SMALL = ["--device", "cpu", "--batch", "1", "--hidden", "32", "--q-heads", "4", "--kv-heads",
+         "2", "--head-dim", "8", "--decode-len", "2"]
+SWEEPS = Path(__file__).resolve().parent.parent / "configs" / "sweeps"
+
+
+def run(*args):
+    return runner.invoke(app, list(args))
+
+
+def test_comma_lists_run_the_cartesian_product(tmp_path):
+    out = tmp_path / "v.csv"
+    result = run("verify", *SMALL, "--prompt-len", "4,9", "--kv-heads", "1,2", "--impl",
+                 "static,concat", "--csv", str(out))
+    assert result.exit_code == 0, result.output
+    df = pd.read_csv(out)
+    assert len(df) == 2 * 2 * 2
+    assert set(zip(df.prompt_len, df.kv_heads)) == {(4, 1), (4, 2), (9, 1), (9, 2)}
+
+
+def test_sweep_file_fills_options_and_the_command_line_wins(tmp_path):
+    sweep = tmp_path / "s.toml"
+    sweep.write_text('command = "verify"\nprompt_len = [3, 5]\nimpl = "static"\nhidden = 16\n')
+    out = tmp_path / "v.csv"
+    result = run("verify", "--device", "cpu", "--config", str(sweep), "--hidden", "32",
+                 "--csv", str(out))
+    assert result.exit_code == 0, result.output
+    df = pd.read_csv(out)
+    assert sorted(df.prompt_len) == [3, 5]
+    assert set(df.impl) == {"static"} and set(df.hidden) == {32}
+
+
+@pytest.mark.parametrize("text, message", [
+    ('prompt_len = [4]\nwarmups = 3\nflavour = "x"\n', "unknown keys flavour, warmups"),
+    ('command = "bench"\n', "is for `kvbench bench`"),
+    ("rope = 3\n", "should be a bool"),
+    ("seed = [1, 2]\n", "takes one value"),
+    ("prompt_len = [4, \n", "not valid TOML"),
+])
+def test_bad_sweep_files(tmp_path, text, message):
+    sweep = tmp_path / "s.toml"
+    sweep.write_text(text)
+    result = run("verify", "--device", "cpu", "--config", str(sweep), "--no-csv")
+    assert result.exit_code == 2
+    assert message in result.stderr and len(result.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("path", sorted(SWEEPS.glob("*.toml")), ids=lambda p: p.stem)
+def test_shipped_sweep_files_parse(path):
+    from kvbench.sweep import load_sweep
+
+    command = "verify" if "verify" in path.stem else "bench"
+    allowed = {"device", "dtype", "batch", "prompt_len", "decode_len", "hidden", "q_heads",
+               "kv_heads", "head_dim", "seed", "impl", "rope", "block_size", "sdpa_backend",
+               "warmup", "rounds", "recompute", "prefill"}
+    assert load_sweep(path, command, allowed)
+
+
+def test_malformed_list_is_refused():
+    result = run("verify", "--device", "cpu", "--prompt-len", "4,,8", "--no-csv")
+    assert result.exit_code == 2 and "--prompt-len" in result.stderr
+
+
+def test_format_json_and_csv_put_plain_rows_on_stdout(tmp_path):
+    result = run("verify", *SMALL, "--prompt-len", "4,6", "--format", "json", "--no-csv")
+    assert result.exit_code == 0
+    rows = json.loads(result.stdout)
+    assert len(rows) == 2 * 5  # two points x five implementations
+    assert set(rows[0]) == set(VERIFY_COLUMNS)
+    result = run("bench", *SMALL, "--prompt-len", "4", "--rounds", "1", "--warmup", "0",
+                 "--impl", "static", "--format", "csv", "--no-csv")
+    assert result.exit_code == 0, result.output
+    df = pd.read_csv(StringIO(result.stdout))
+    assert list(df.columns) == BENCH_COLUMNS and len(df) == 1
+    assert "\x1b[" not in result.stdout
+
+
+def test_quiet_prints_nothing_but_still_writes(tmp_path):
+    out = tmp_path / "v.csv"
+    result = run("verify", *SMALL, "--prompt-len", "4", "--quiet", "--csv", str(out))
+    assert result.exit_code == 0
+    assert result.stdout == "" and result.stderr == ""
+    assert len(pd.read_csv(out)) > 0
+
+
+def test_no_csv_writes_nothing(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert run("verify", *SMALL, "--prompt-len", "4", "--no-csv").exit_code == 0
+    assert not (tmp_path / "results").exists()
+
+
+def test_a_device_file_is_refused_not_replaced(tmp_path):
+    result = run("verify", *SMALL, "--prompt-len", "4", "--csv", "/dev/null")
+    assert result.exit_code == 2 and "not a regular file" in result.stderr
+    assert Path("/dev/null").is_char_device()
+
+
+def test_ctrl_c_keeps_completed_rows_and_exits_130(tmp_path, monkeypatch):
+    import kvbench.verify as v
+
+    real, calls = v.verify, []
+
+    def interrupted_on_third(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(v, "verify", interrupted_on_third)
+    out = tmp_path / "v.csv"
+    result = run("verify", *SMALL, "--prompt-len", "3,4,5,6", "--impl", "static",
+                 "--csv", str(out))
+    assert result.exit_code == 130
+    assert "interrupted after 2 of 4 points; 2 rows kept" in result.stderr
+    assert sorted(pd.read_csv(out).prompt_len) == [3, 4]
+
+
+def test_tasks_are_timed_round_robin():
+    order = []
+    tasks = {name: (lambda state, name=name: order.append(name), lambda: None)
+             for name in ("a", "b", "c")}
+    stats = time_interleaved(tasks, "cpu", warmup=1, rounds=2)
+    assert order == ["a", "b", "c"] * 3
+    assert set(stats) == {"a", "b", "c"} and stats["a"].rounds == 2
