@@ -407,5 +407,43 @@ def _allocate(case: str, device: str, margin_bytes: int, csv: Path | None):
         raise typer.Exit(1)
 
 
+@app.command()
+def plot(results: Annotated[Path, typer.Argument(help="A CSV that kvbench wrote.")],
+         output: Annotated[Optional[Path], typer.Option("-o", "--output",
+                           help="Image to write. [default: RESULTS with .png]")] = None):
+    """Draw what the results allow: decode time, speedup and bandwidth against context;
+    memory bars; the largest batch against context for capacity rows."""
+    from kvbench import render
+    from kvbench.load import read_results
+    from kvbench.plot import plot as draw
+
+    kind, df = read_results(results)
+    written = draw(kind, df, output or results.with_suffix(".png"))
+    render.note(f"wrote {written}")
+
+
+@app.command()
+def compare(baseline: Annotated[Path, typer.Argument(help="Baseline results CSV.")],
+            new: Annotated[Path, typer.Argument(help="New results CSV.")],
+            fail_above: Annotated[Optional[str], typer.Option(
+                help="Exit 1 when a metric is slower beyond this and beyond the noise, e.g. 10%.")] = None):
+    """Compare results with a baseline, configuration by configuration."""
+    from kvbench import render
+    from kvbench.compare import compare as run_compare
+    from kvbench.compare import parse_threshold
+    from kvbench.load import read_results
+
+    threshold = parse_threshold(fail_above) if fail_above is not None else None
+    kind, base_df = read_results(baseline)
+    other, new_df = read_results(new)
+    result = run_compare(kind, base_df, new_df, other, threshold)
+    render.show_comparison(result)
+    if result.regressions:
+        worst = max(result.regressions, key=lambda c: c.ratio)
+        print(f"kvbench: {len(result.regressions)} regressions above {fail_above}; worst "
+              f"{worst.metric} of {worst.config['impl']} {worst.ratio:.2f}×", file=sys.stderr)
+        raise typer.Exit(1)
+
+
 def main() -> None:
     app()

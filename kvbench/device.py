@@ -40,4 +40,11 @@ def device_name(device: str) -> str:
         return torch.cuda.get_device_name(device)
     import platform
 
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
     return platform.processor() or platform.machine() or "cpu"

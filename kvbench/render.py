@@ -272,3 +272,32 @@ def machine_output(rows: list[dict], columns: list[str], fmt: str) -> None:
         writer.writerows({c: "" if clean(row.get(c)) is None else row.get(c) for c in columns}
                          for row in rows)
         sys.stdout.write(buf.getvalue())
+
+
+def show_comparison(c) -> None:
+    for line in c.env_differences:
+        warn(f"environments differ: {line}")
+    if c.only_base or c.only_new:
+        note(f"{c.only_base} configurations only in the baseline, {c.only_new} only in the new file")
+    t = _table(f"compare  {c.kind}: new / baseline per configuration")
+    for col in ("impl", "configuration", "metric", "baseline", "new", "ratio", "verdict"):
+        t.add_column(col, justify="right" if col in ("baseline", "new", "ratio") else "left")
+    unit = (lambda x: f"{x:.3f}") if c.kind == "bench" else (lambda x: mib(x))
+    for ch in c.changes:
+        k = ch.config
+        config = (f"B={k['batch']} T={k['prompt_len']}+{k['decode_len']} H_q={k['q_heads']} "
+                  f"H_kv={k['kv_heads']} D={k['head_dim']} {k['dtype']}")
+        spread = (lambda s: f" ±{s:.3f}" if s else "")
+        if ch.regression:
+            verdict = "[red bold]REGRESSION[/]"
+        elif ch.noise:
+            verdict = "noise"
+        else:
+            verdict = "[green]better[/]" if ch.ratio < 1 else "[yellow]worse[/]"
+        t.add_row(str(k["impl"]), config, ch.metric, unit(ch.base) + spread(ch.base_spread),
+                  unit(ch.new) + spread(ch.new_spread), f"{ch.ratio:.3f}×", verdict)
+    unit_note = "ms, ± IQR" if c.kind == "bench" else "MiB"
+    t.caption = (f"{unit_note}; noise = change within the two spreads added together"
+                 + (f"; regression = worse by more than {100 * c.threshold:g}% and beyond noise"
+                    if c.threshold is not None else ""))
+    out.print(t)

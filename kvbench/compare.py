@@ -1,0 +1,108 @@
+"""compare: a new results file against a baseline, configuration by configuration.
+
+Rows join on their configuration columns (the most recent row of each configuration on both
+sides). For each metric: the ratio new / baseline, both spreads (IQR where the file has one),
+and a verdict. A change no larger than the two spreads added together is noise. A slower
+(or bigger) result beyond the threshold and beyond the noise is a regression.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import pandas as pd
+
+from kvbench.errors import KvbenchError
+from kvbench.load import KEY_COLUMNS, latest
+
+# kind -> [(metric, spread column or None)]; for all of them lower is better.
+METRICS = {
+    "bench": [("prefill_ms", "prefill_ms_iqr"),
+              ("decode_recompute_ms", "decode_recompute_ms_iqr"),
+              ("decode_cached_ms", "decode_cached_ms_iqr")],
+    "memory": [(c, None) for c in ("recompute_peak_allocated_bytes",
+                                   "recompute_peak_reserved_bytes",
+                                   "cached_peak_allocated_bytes", "cached_peak_reserved_bytes",
+                                   "decode_peak_allocated_bytes", "decode_peak_reserved_bytes",
+                                   "after_allocated_bytes", "after_reserved_bytes")],
+}
+ENV_CHECKED = ("device_name", "torch_version", "torch_threads")
+
+
+def parse_threshold(text: str) -> float:
+    """"10%" or "0.1" -> 0.1."""
+    t = text.strip()
+    try:
+        value = float(t[:-1]) / 100 if t.endswith("%") else float(t)
+    except ValueError:
+        raise KvbenchError(f"--fail-above {text!r}: write a percentage like 10% (or 0.1)") from None
+    if not 0 <= value < 100:
+        raise KvbenchError(f"--fail-above {text!r} is out of range")
+    return value
+
+
+@dataclass
+class Change:
+    config: dict[str, object]
+    metric: str
+    base: float
+    new: float
+    base_spread: float | None
+    new_spread: float | None
+    ratio: float
+    noise: bool
+    regression: bool
+
+
+@dataclass
+class Comparison:
+    kind: str
+    changes: list[Change]
+    only_base: int  # configurations without a partner
+    only_new: int
+    env_differences: list[str] = field(default_factory=list)
+    threshold: float | None = None
+
+    @property
+    def regressions(self) -> list[Change]:
+        return [c for c in self.changes if c.regression]
+
+
+def compare(kind: str, base: pd.DataFrame, new: pd.DataFrame, other_kind: str,
+            threshold: float | None = None) -> Comparison:
+    if kind != other_kind:
+        raise KvbenchError(f"cannot compare {kind} results with {other_kind} results")
+    if kind not in METRICS:
+        raise KvbenchError(f"compare works on bench and memory results, not {kind}")
+    base, new = latest(base, KEY_COLUMNS), latest(new, KEY_COLUMNS)
+    joined = base.merge(new, on=KEY_COLUMNS, suffixes=("_base", "_new"))
+    if joined.empty:
+        raise KvbenchError("the two files share no configuration (same command, impl, shape, "
+                           "dtype, device, rope and seed); nothing to compare")
+    env = []
+    for col in ENV_CHECKED:
+        b, n = set(base[col].dropna().astype(str)), set(new[col].dropna().astype(str))
+        if b != n:
+            env.append(f"{col}: {', '.join(sorted(b)) or '—'} -> {', '.join(sorted(n)) or '—'}")
+    changes = []
+    for _, row in joined.iterrows():
+        config = {c: row[c] for c in KEY_COLUMNS}
+        for metric, spread in METRICS[kind]:
+            b, n = row[f"{metric}_base"], row[f"{metric}_new"]
+            if pd.isna(b) or pd.isna(n):
+                continue
+            bs = row[f"{spread}_base"] if spread else None
+            ns = row[f"{spread}_new"] if spread else None
+            allowed = sum(x for x in (bs, ns) if x is not None and not pd.isna(x))
+            noise = abs(n - b) <= allowed
+            ratio = n / b if b else (1.0 if n == b else math.inf)
+            regression = (threshold is not None and not noise and ratio > 1 + threshold)
+            changes.append(Change(config, metric, float(b), float(n), _num(bs), _num(ns),
+                                  ratio, noise, regression))
+    return Comparison(kind, changes, len(base) - len(joined), len(new) - len(joined), env,
+                      threshold)
+
+
+def _num(x) -> float | None:
+    return None if x is None or pd.isna(x) else float(x)

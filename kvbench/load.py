@@ -1,0 +1,50 @@
+"""Reading kvbench results files back, for plot and compare."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pandas as pd
+
+from kvbench.errors import KvbenchError
+from kvbench.results import (ALLOCATION_COLUMNS, BENCH_COLUMNS, CAPACITY_COLUMNS,
+                             CONFIG_COLUMNS, MEMORY_COLUMNS, VERIFY_COLUMNS)
+
+KINDS = {"bench": BENCH_COLUMNS, "memory": MEMORY_COLUMNS, "verify": VERIFY_COLUMNS,
+         "capacity": CAPACITY_COLUMNS, "allocation": ALLOCATION_COLUMNS}
+# The columns that identify a measured configuration (not when, not what was measured).
+KEY_COLUMNS = [c for c in CONFIG_COLUMNS if c != "timestamp"]
+
+
+def read_results(path: Path) -> tuple[str, pd.DataFrame]:
+    """A kvbench CSV -> (kind, rows). Refuses files that are not kvbench's, saying why."""
+    path = Path(path)
+    if not path.is_file():
+        raise KvbenchError(f"{path}: no such file")
+    if path.stat().st_size == 0:
+        raise KvbenchError(f"{path} is empty; give a results file kvbench wrote")
+    try:
+        df = pd.read_csv(path)
+    except (pd.errors.ParserError, UnicodeDecodeError, pd.errors.EmptyDataError) as err:
+        raise KvbenchError(f"{path} is not a readable CSV: {str(err).splitlines()[0]}") from None
+    columns = list(df.columns)
+    for kind, expected in KINDS.items():
+        if columns == expected:
+            if df.empty:
+                raise KvbenchError(f"{path} has a header but no rows")
+            return kind, df
+    best = max(KINDS, key=lambda k: len(set(KINDS[k]) & set(columns)))
+    missing = [c for c in KINDS[best] if c not in columns]
+    if len(missing) > len(KINDS[best]) // 2:
+        raise KvbenchError(f"{path} is not a kvbench results file (no {', '.join(missing[:5])}"
+                           f"{' …' if len(missing) > 5 else ''})")
+    if missing:
+        raise KvbenchError(f"{path} looks like kvbench {best} results but lacks columns "
+                           f"{', '.join(missing[:8])}{' …' if len(missing) > 8 else ''}")
+    raise KvbenchError(f"{path}: columns differ from kvbench {best} results "
+                       f"(unexpected {', '.join(c for c in columns if c not in KINDS[best])})")
+
+
+def latest(df: pd.DataFrame, keys: list[str]) -> pd.DataFrame:
+    """The most recent row of each configuration (files accumulate reruns)."""
+    return df.drop_duplicates(subset=keys, keep="last").reset_index(drop=True)

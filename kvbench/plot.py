@@ -1,0 +1,160 @@
+"""plot: draw what a results file's columns allow (matplotlib, headless)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pandas as pd
+
+from kvbench.errors import KvbenchError
+from kvbench.load import KEY_COLUMNS, latest
+
+MIB = 2**20
+
+
+def _pyplot():
+    try:
+        import matplotlib
+    except ImportError:
+        raise KvbenchError("plot needs matplotlib: pip install 'kvbench[plot]' "
+                           "(or pip install matplotlib)") from None
+    matplotlib.use("Agg")  # headless: files only
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _title(df: pd.DataFrame, what: str) -> str:
+    devices = ", ".join(sorted(set(df["device_name"].dropna().astype(str)))) or "unknown device"
+    dtypes = ", ".join(sorted(set(df["dtype"].dropna().astype(str)))) if "dtype" in df else ""
+    return f"kvbench {what} — {devices}" + (f" — {dtypes}" if dtypes else "")
+
+
+def _series(df: pd.DataFrame, x: str):
+    """Group rows into lines: one per implementation and per other column that varies."""
+    varying = [c for c in KEY_COLUMNS if c not in (x, "command", "impl")
+               and df[c].nunique(dropna=False) > 1]
+    for key, group in df.groupby(["impl", *varying], sort=False, dropna=False):
+        key = key if isinstance(key, tuple) else (key,)
+        label = " ".join([str(key[0])] + [f"{c}={v}" for c, v in zip(varying, key[1:])])
+        yield label, group.sort_values(x)
+
+
+def plot_bench(df: pd.DataFrame, plt):
+    df = latest(df, KEY_COLUMNS)
+    x = "prompt_len"
+    panels = [("cached_ms_per_step", "decode time per step (ms)", True)]
+    if df["speedup"].notna().any():
+        panels.append(("speedup", "speedup: recompute / cached", False))
+    panels.append(("bandwidth_fraction", "achieved / copy bandwidth", False))
+    fig, axes = plt.subplots(1, len(panels), figsize=(6 * len(panels), 4.8), squeeze=False)
+    for ax, (col, label, loglog) in zip(axes[0], panels):
+        for name, g in _series(df, x):
+            ax.plot(g[x], g[col], marker="o", label=name)
+        if col == "cached_ms_per_step" and df["recompute_ms_per_step"].notna().any():
+            rec = df.dropna(subset=["recompute_ms_per_step"]).drop_duplicates(
+                subset=[c for c in KEY_COLUMNS if c != "impl"]).sort_values(x)
+            ax.plot(rec[x], rec["recompute_ms_per_step"], "k--", marker="x",
+                    label="recompute (path A)")
+        ax.set_xscale("log", base=2)
+        if loglog:
+            ax.set_yscale("log")
+        if col == "speedup":
+            ax.axhline(1.0, color="grey", lw=0.8)
+        if col == "bandwidth_fraction":
+            ax.axhline(1.0, color="grey", lw=0.8, ls=":")
+        ax.set_xlabel("context: prompt length (tokens)")
+        ax.set_ylabel(label)
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle(_title(df, "bench"))
+    return fig
+
+
+def plot_memory(df: pd.DataFrame, plt):
+    import numpy as np
+
+    df = latest(df, KEY_COLUMNS)
+    bars = [("theoretical_kv_bytes", "theoretical KV"),
+            ("cached_peak_allocated_bytes", "cached peak, allocated"),
+            ("cached_peak_reserved_bytes", "cached peak, reserved"),
+            ("decode_peak_allocated_bytes", "decode peak, allocated"),
+            ("decode_peak_reserved_bytes", "decode peak, reserved"),
+            ("after_allocated_bytes", "after, allocated")]
+    bars = [(c, label) for c, label in bars if df[c].notna().any()]
+    labels = [name for name, _ in _series(df, "prompt_len")]
+    groups = [g for _, g in _series(df, "prompt_len")]
+    # one group of bars per (implementation, configuration) row
+    rows = [(f"{lab}\nT={int(r.prompt_len) + int(r.decode_len)}", r)
+            for lab, g in zip(labels, groups) for _, r in g.iterrows()]
+    fig, ax = plt.subplots(figsize=(max(6, 1.6 * len(rows)), 4.8))
+    width = 0.8 / len(bars)
+    xs = np.arange(len(rows))
+    for i, (col, label) in enumerate(bars):
+        ax.bar(xs + i * width, [r[col] / MIB for _, r in rows], width, label=label)
+    recompute = df["recompute_peak_allocated_bytes"].max() / MIB
+    ax.axhline(recompute, color="k", ls="--", lw=1, label="recompute peak, allocated")
+    ax.set_xticks(xs + width * (len(bars) - 1) / 2, [name for name, _ in rows], fontsize=8)
+    ax.set_ylabel("MiB (2**20 bytes)")
+    ax.legend(fontsize=8)
+    ax.grid(True, axis="y", alpha=0.3)
+    fig.suptitle(_title(df, "memory: theoretical vs allocated vs reserved"))
+    return fig
+
+
+def plot_capacity(df: pd.DataFrame, plt):
+    fit = df.dropna(subset=["max_batch"])
+    fit = fit[fit["max_batch"] > 0]  # on a log axis; a batch of 0 means nothing fits
+    if fit.empty:
+        raise KvbenchError("these capacity rows have no fit columns (max_batch): rerun "
+                           "`kvbench capacity` with --gpu-mem to plot the largest batch")
+    fig, ax = plt.subplots(figsize=(7, 4.8))
+    for model, g in fit.groupby("model", sort=False):
+        g = g.drop_duplicates(subset=["seq_len", "kv_dtype", "tp"], keep="last")
+        for (dt, tp), h in g.groupby(["kv_dtype", "tp"], sort=False):
+            h = h.sort_values("seq_len")
+            ax.plot(h["seq_len"], h["max_batch"], marker="o",
+                    label=f"{model} {dt}" + (f" tp={tp}" if tp > 1 else ""))
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("sequence length (tokens)")
+    ax.set_ylabel("largest batch that fits")
+    gpus = ", ".join(f"{b / 2**30:g} GiB" for b in sorted(set(fit["gpu_bytes"])))
+    ax.set_title(f"kvbench capacity — largest batch on {gpus} per GPU")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    return fig
+
+
+def plot_verify(df: pd.DataFrame, plt):
+    df = latest(df, KEY_COLUMNS)
+    fig, ax = plt.subplots(figsize=(7, 4.8))
+    for name, g in _series(df, "prompt_len"):
+        ax.plot(g["prompt_len"], g["max_abs_err"].clip(lower=1e-12), marker="o", label=name)
+    ax.axhline(df["atol"].max(), color="r", ls="--", lw=1, label="atol")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("context: prompt length (tokens)")
+    ax.set_ylabel("max |recompute − cached|")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.suptitle(_title(df, "verify"))
+    return fig
+
+
+def plot(kind: str, df: pd.DataFrame, output: Path) -> Path:
+    drawers = {"bench": plot_bench, "memory": plot_memory, "capacity": plot_capacity,
+               "verify": plot_verify}
+    if kind not in drawers:
+        raise KvbenchError(f"nothing to plot in {kind} results; plot takes bench, memory, "
+                           "capacity or verify results")
+    plt = _pyplot()
+    fig = drawers[kind](df, plt)
+    fig.tight_layout()
+    try:
+        fig.savefig(output, dpi=120)
+    except OSError as err:
+        raise KvbenchError(f"cannot write {output}: {err.strerror}; pass another -o") from None
+    finally:
+        plt.close(fig)
+    return output

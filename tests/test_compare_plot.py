@@ -1,0 +1,102 @@
+import pandas as pd
+import pytest
+from typer.testing import CliRunner
+
+from kvbench.cli import app
+from kvbench.results import BENCH_COLUMNS
+
+runner = CliRunner()
+TINY = ["--device", "cpu", "--batch", "1", "--decode-len", "2", "--hidden", "32",
+        "--q-heads", "4", "--kv-heads", "2", "--head-dim", "8", "--rounds", "2", "--warmup", "0",
+        "--impl", "concat,static"]
+
+
+@pytest.fixture(scope="module")
+def bench_csv(tmp_path_factory):
+    path = tmp_path_factory.mktemp("r") / "bench.csv"
+    result = runner.invoke(app, ["bench", *TINY, "--prompt-len", "4,16", "--csv", str(path)])
+    assert result.exit_code == 0, result.output
+    return path
+
+
+def scaled(src, dst, factor, **env):
+    df = pd.read_csv(src)
+    for col in ("decode_cached_ms", "decode_cached_ms_iqr"):
+        df[col] = df[col] * (factor if col == "decode_cached_ms" else 0.01)
+    df["decode_cached_ms_iqr"] = df["decode_cached_ms"] * 0.01
+    for k, v in env.items():
+        df[k] = v
+    df.to_csv(dst, index=False)
+    return dst
+
+
+def test_compare_same_file_is_all_noise(bench_csv):
+    result = runner.invoke(app, ["compare", str(bench_csv), str(bench_csv), "--fail-above", "10%"])
+    assert result.exit_code == 0, result.output
+    assert "REGRESSION" not in result.stdout and "noise" in result.stdout
+
+
+def test_compare_flags_a_regression_and_exits_1(bench_csv, tmp_path):
+    base = scaled(bench_csv, tmp_path / "base.csv", 1.0)
+    slow = scaled(bench_csv, tmp_path / "slow.csv", 1.5)
+    result = runner.invoke(app, ["compare", str(base), str(slow), "--fail-above", "10%"])
+    assert result.exit_code == 1
+    assert "REGRESSION" in result.stdout
+    assert "regressions above 10%" in result.stderr
+    # without a threshold it reports and passes
+    assert runner.invoke(app, ["compare", str(base), str(slow)]).exit_code == 0
+    # a 5% slowdown passes a 10% gate
+    slight = scaled(bench_csv, tmp_path / "slight.csv", 1.05)
+    assert runner.invoke(app, ["compare", str(base), str(slight), "--fail-above", "10%"]).exit_code == 0
+
+
+def test_compare_warns_when_environments_differ(bench_csv, tmp_path):
+    other = scaled(bench_csv, tmp_path / "other.csv", 1.0, torch_version="9.9.9", torch_threads=64)
+    result = runner.invoke(app, ["compare", str(bench_csv), str(other)])
+    assert result.exit_code == 0
+    assert "environments differ: torch_version" in result.stderr
+    assert "torch_threads" in result.stderr
+
+
+@pytest.mark.parametrize("content, message", [
+    ("", "is empty"),
+    ("a,b\n1,2\n", "not a kvbench results file"),
+    (",".join(BENCH_COLUMNS[:-3]) + "\n", "lacks columns"),
+    (",".join(BENCH_COLUMNS) + "\n", "no rows"),
+])
+def test_compare_and_plot_refuse_files_that_are_not_kvbench(tmp_path, bench_csv, content, message):
+    bad = tmp_path / "bad.csv"
+    bad.write_text(content)
+    for args in (["compare", str(bench_csv), str(bad)], ["plot", str(bad)]):
+        result = runner.invoke(app, args)
+        assert result.exit_code == 2, result.output
+        assert message in result.stderr and len(result.stderr.strip().splitlines()) == 1
+
+
+def test_compare_bad_threshold(bench_csv):
+    result = runner.invoke(app, ["compare", str(bench_csv), str(bench_csv), "--fail-above", "lots"])
+    assert result.exit_code == 2 and "--fail-above" in result.stderr
+
+
+def test_plot_bench_memory_capacity(tmp_path, bench_csv):
+    out = tmp_path / "b.png"
+    result = runner.invoke(app, ["plot", str(bench_csv), "-o", str(out)])
+    assert result.exit_code == 0, result.output
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    mem = tmp_path / "m.csv"
+    assert runner.invoke(app, ["memory", *TINY[:-6], "--prompt-len", "4",
+                               "--csv", str(mem)]).exit_code == 0
+    assert runner.invoke(app, ["plot", str(mem)]).exit_code == 0
+    assert (tmp_path / "m.png").exists()
+    cap = tmp_path / "c.csv"
+    for t in ("1024", "4096"):
+        assert runner.invoke(app, ["capacity", "--model", "llama-3-8b", "--seq-len", t,
+                                   "--gpu-mem", "24GiB", "--csv", str(cap)]).exit_code == 0
+    assert runner.invoke(app, ["plot", str(cap), "-o", str(tmp_path / "c.png")]).exit_code == 0
+
+
+def test_plot_capacity_without_fit_says_what_is_missing(tmp_path):
+    cap = tmp_path / "c.csv"
+    assert runner.invoke(app, ["capacity", "--model", "llama-3-8b", "--csv", str(cap)]).exit_code == 0
+    result = runner.invoke(app, ["plot", str(cap)])
+    assert result.exit_code == 2 and "--gpu-mem" in result.stderr
