@@ -19,8 +19,8 @@ from kvbench.errors import KvbenchError
 MIB = 2**20
 # The two worked cases of SPEC §3: L=32, B=4, T=4096, H_kv (8 or 32), D=128, fp16.
 CASES = {
-    "gqa": dict(layers=32, batch=4, seq_len=4096, kv_heads=8, head_dim=128),
-    "mha": dict(layers=32, batch=4, seq_len=4096, kv_heads=32, head_dim=128),
+    "gqa": {"layers": 32, "batch": 4, "seq_len": 4096, "kv_heads": 8, "head_dim": 128},
+    "mha": {"layers": 32, "batch": 4, "seq_len": 4096, "kv_heads": 32, "head_dim": 128},
 }
 
 

@@ -14,8 +14,7 @@ CUDA_COPY_BYTES = 1 * 2**30
 def measure_copy_gbps(device: str, rounds: int = 9, nbytes: int | None = None) -> float:
     """Median copy bandwidth in GB/s (1e9), counting bytes read plus bytes written."""
     nbytes = nbytes or (CUDA_COPY_BYTES if device.startswith("cuda") else CPU_COPY_BYTES)
-    src = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
-    dst = torch.empty_like(src)
+    buffers = torch.ones(2, nbytes // 4, dtype=torch.float32, device=device)
+    src, dst = buffers[0], buffers[1]
     stats: Stats = time_samples(lambda _: dst.copy_(src), device, warmup=2, rounds=rounds)
-    del src, dst
     return 2 * nbytes / (stats.median_ms * 1e-3) / 1e9

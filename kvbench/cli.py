@@ -5,14 +5,13 @@ from __future__ import annotations
 import sys
 from dataclasses import replace
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 from typer.core import TyperGroup
 
 from kvbench import __version__
 from kvbench.errors import KvbenchError
-
 
 # The usage-error class of whichever click typer runs on (its vendored copy in recent
 # releases, click itself before): typer.BadParameter's direct base.
@@ -62,25 +61,25 @@ def _root(version: Annotated[bool, typer.Option("--version", callback=_version, 
 # Options shared by verify, bench and memory. Shape options take one value or a comma list.
 Device = Annotated[str, typer.Option(help="auto, cpu, cuda or cuda:N (auto picks CUDA when present).")]
 Dtype = Annotated[str, typer.Option(help="float32|fp32, float16|fp16, bfloat16|bf16.")]
-Batch = Annotated[Optional[str], typer.Option(help="Batch size B. [default: 2]")]
-PromptLen = Annotated[Optional[str], typer.Option(help="Prompt tokens T_p. [default: 64 on CPU, 256 on CUDA]")]
-DecodeLen = Annotated[Optional[str], typer.Option(help="Decode steps G. [default: 8 on CPU, 32 on CUDA]")]
-Hidden = Annotated[Optional[str], typer.Option(help="Hidden size H. [default: 512]")]
-QHeads = Annotated[Optional[str], typer.Option(help="Query heads H_q. [default: 8]")]
-KvHeads = Annotated[Optional[str], typer.Option(help="KV heads H_kv; H_q must be a multiple. [default: 2]")]
-HeadDim = Annotated[Optional[str], typer.Option(help="Head dim D. [default: 64]")]
+Batch = Annotated[str | None, typer.Option(help="Batch size B. [default: 2]")]
+PromptLen = Annotated[str | None, typer.Option(help="Prompt tokens T_p. [default: 64 on CPU, 256 on CUDA]")]
+DecodeLen = Annotated[str | None, typer.Option(help="Decode steps G. [default: 8 on CPU, 32 on CUDA]")]
+Hidden = Annotated[str | None, typer.Option(help="Hidden size H. [default: 512]")]
+QHeads = Annotated[str | None, typer.Option(help="Query heads H_q. [default: 8]")]
+KvHeads = Annotated[str | None, typer.Option(help="KV heads H_kv; H_q must be a multiple. [default: 2]")]
+HeadDim = Annotated[str | None, typer.Option(help="Head dim D. [default: 64]")]
 Seed = Annotated[int, typer.Option(help="Seed of the weights and inputs.")]
 Impl = Annotated[str, typer.Option(help="Cached implementations: 'all' or a comma list.")]
 Rope = Annotated[bool, typer.Option(help="Rotary position embedding on q and k (k rotated before caching).")]
 BlockSize = Annotated[int, typer.Option(help="paged: positions per block.")]
 SdpaBackend = Annotated[str, typer.Option(help="sdpa: auto, math, flash, efficient or cudnn.")]
-CsvPath = Annotated[Optional[Path], typer.Option("--csv", help="Append rows to this CSV. [default: results/COMMAND.csv]")]
+CsvPath = Annotated[Path | None, typer.Option("--csv", help="Append rows to this CSV. [default: results/COMMAND.csv]")]
 
 
 Format = Annotated[str, typer.Option("--format", help="stdout: table (Rich), csv or json rows for pipes.")]
 Quiet = Annotated[bool, typer.Option("--quiet", "-q", help="No table, notes or progress; errors only.")]
 NoCsv = Annotated[bool, typer.Option("--no-csv", help="Write no results file.")]
-SweepFile = Annotated[Optional[Path], typer.Option("--config", help="A sweep file (TOML) of option values; see configs/sweeps/.")]
+SweepFile = Annotated[Path | None, typer.Option("--config", help="A sweep file (TOML) of option values; see configs/sweeps/.")]
 FORMATS = ("table", "csv", "json")
 
 
@@ -114,8 +113,15 @@ def _points(o: dict[str, object], reference_cases: bool = False):
     """
     from kvbench import render
     from kvbench.cache import ImplOptions, select_impls
-    from kvbench.config import (SHAPE_FIELDS, SMALL_CASE, RunConfig, canonical_dtype,
-                                expand_shapes, parse_int_list, timing_case)
+    from kvbench.config import (
+        SHAPE_FIELDS,
+        SMALL_CASE,
+        RunConfig,
+        canonical_dtype,
+        expand_shapes,
+        parse_int_list,
+        timing_case,
+    )
     from kvbench.device import resolve_device
 
     dev = resolve_device(o["device"])
@@ -302,26 +308,26 @@ def _positive(flag: str, value: int | None) -> int | None:
 
 @app.command()
 def capacity(
-    model: Annotated[Optional[str], typer.Option(help="A preset (see --list-models).")] = None,
+    model: Annotated[str | None, typer.Option(help="A preset (see --list-models).")] = None,
     list_models: Annotated[bool, typer.Option("--list-models", help="Show the presets and exit.")] = False,
-    from_config: Annotated[Optional[Path], typer.Option(help="A Hugging Face config.json.")] = None,
-    layers: Annotated[Optional[int], typer.Option(help="Layers L.")] = None,
-    kv_heads: Annotated[Optional[int], typer.Option(help="KV heads H_kv.")] = None,
-    head_dim: Annotated[Optional[int], typer.Option(help="Head dim D.")] = None,
-    q_heads: Annotated[Optional[int], typer.Option(help="Query heads (for context).")] = None,
-    mla_latent: Annotated[Optional[int], typer.Option(help="MLA latent width d_c.")] = None,
-    mla_rope: Annotated[Optional[int], typer.Option(help="MLA decoupled RoPE key width.")] = None,
+    from_config: Annotated[Path | None, typer.Option(help="A Hugging Face config.json.")] = None,
+    layers: Annotated[int | None, typer.Option(help="Layers L.")] = None,
+    kv_heads: Annotated[int | None, typer.Option(help="KV heads H_kv.")] = None,
+    head_dim: Annotated[int | None, typer.Option(help="Head dim D.")] = None,
+    q_heads: Annotated[int | None, typer.Option(help="Query heads (for context).")] = None,
+    mla_latent: Annotated[int | None, typer.Option(help="MLA latent width d_c.")] = None,
+    mla_rope: Annotated[int | None, typer.Option(help="MLA decoupled RoPE key width.")] = None,
     batch: Annotated[int, typer.Option(help="Sequences, each --seq-len long.")] = 1,
-    seq_len: Annotated[Optional[int], typer.Option(help="Tokens per sequence. [default: 4096]")] = None,
-    seq_lens: Annotated[Optional[str], typer.Option(help="A variable-length batch: 512,4096,...")] = None,
+    seq_len: Annotated[int | None, typer.Option(help="Tokens per sequence. [default: 4096]")] = None,
+    seq_lens: Annotated[str | None, typer.Option(help="A variable-length batch: 512,4096,...")] = None,
     kv_dtype: Annotated[str, typer.Option(help="fp32, fp16, bf16, fp8, int8, int4, int2.")] = "fp16",
     group_size: Annotated[int, typer.Option(help="Elements per fp16 scale + zero-point (quantized).")] = 64,
     tp: Annotated[int, typer.Option(help="Tensor-parallel ranks (KV heads split across them).")] = 1,
-    block_size: Annotated[Optional[int], typer.Option(help="Paged blocks: round each sequence up to whole blocks.")] = None,
-    window: Annotated[Optional[int], typer.Option(help="Sliding window W: sliding layers cache at most W tokens.")] = None,
-    gpu_mem: Annotated[Optional[str], typer.Option(help="Memory of one GPU, e.g. 80GiB or 80GB.")] = None,
+    block_size: Annotated[int | None, typer.Option(help="Paged blocks: round each sequence up to whole blocks.")] = None,
+    window: Annotated[int | None, typer.Option(help="Sliding window W: sliding layers cache at most W tokens.")] = None,
+    gpu_mem: Annotated[str | None, typer.Option(help="Memory of one GPU, e.g. 80GiB or 80GB.")] = None,
     weight_dtype: Annotated[str, typer.Option(help="dtype of the preset's weights.")] = "bf16",
-    weights_bytes: Annotated[Optional[str], typer.Option(help="Weights size instead, e.g. 16GB.")] = None,
+    weights_bytes: Annotated[str | None, typer.Option(help="Weights size instead, e.g. 16GB.")] = None,
     margin: Annotated[str, typer.Option(help="Memory kept free for activations and workspaces.")] = "4GiB",
     utilization: Annotated[float, typer.Option(help="Fraction of GPU memory the runtime may use.")] = 0.9,
     allocate: Annotated[bool, typer.Option("--allocate", help="CUDA: allocate and check the cache for real.")] = False,
@@ -357,9 +363,9 @@ def capacity(
     lens = (tuple(parse_int_list("--seq-lens", seq_lens)) if seq_lens is not None
             else (seq_len or 4096,) * batch)
     base = cap.preset(model) if model else cap.from_hf_config(from_config) if from_config else None
-    spec = cap.merge_dimensions(base, dict(
-        layers=layers, kv_heads=kv_heads, head_dim=head_dim, q_heads=q_heads,
-        mla_latent=mla_latent, mla_rope=mla_rope, sliding_window=window))
+    spec = cap.merge_dimensions(base, {
+        "layers": layers, "kv_heads": kv_heads, "head_dim": head_dim, "q_heads": q_heads,
+        "mla_latent": mla_latent, "mla_rope": mla_rope, "sliding_window": window})
     fmt = cap.CacheFormat(cap.kv_dtype(kv_dtype), group_size, tp, block_size)
     gpu_bytes = cap.parse_size(gpu_mem, "--gpu-mem") if gpu_mem else None
     weights = None
@@ -409,7 +415,7 @@ def _allocate(case: str, device: str, margin_bytes: int, csv: Path | None):
 
 @app.command()
 def plot(results: Annotated[Path, typer.Argument(help="A CSV that kvbench wrote.")],
-         output: Annotated[Optional[Path], typer.Option("-o", "--output",
+         output: Annotated[Path | None, typer.Option("-o", "--output",
                            help="Image to write. [default: RESULTS with .png]")] = None):
     """Draw what the results allow: decode time, speedup and bandwidth against context;
     memory bars; the largest batch against context for capacity rows."""
@@ -425,7 +431,7 @@ def plot(results: Annotated[Path, typer.Argument(help="A CSV that kvbench wrote.
 @app.command()
 def compare(baseline: Annotated[Path, typer.Argument(help="Baseline results CSV.")],
             new: Annotated[Path, typer.Argument(help="New results CSV.")],
-            fail_above: Annotated[Optional[str], typer.Option(
+            fail_above: Annotated[str | None, typer.Option(
                 help="Exit 1 when a metric is slower beyond this and beyond the noise, e.g. 10%.")] = None):
     """Compare results with a baseline, configuration by configuration."""
     from kvbench import render

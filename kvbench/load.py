@@ -7,8 +7,14 @@ from pathlib import Path
 import pandas as pd
 
 from kvbench.errors import KvbenchError
-from kvbench.results import (ALLOCATION_COLUMNS, BENCH_COLUMNS, CAPACITY_COLUMNS,
-                             CONFIG_COLUMNS, MEMORY_COLUMNS, VERIFY_COLUMNS)
+from kvbench.results import (
+    ALLOCATION_COLUMNS,
+    BENCH_COLUMNS,
+    CAPACITY_COLUMNS,
+    CONFIG_COLUMNS,
+    MEMORY_COLUMNS,
+    VERIFY_COLUMNS,
+)
 
 KINDS = {"bench": BENCH_COLUMNS, "memory": MEMORY_COLUMNS, "verify": VERIFY_COLUMNS,
          "capacity": CAPACITY_COLUMNS, "allocation": ALLOCATION_COLUMNS}

@@ -6,7 +6,6 @@ MiB = 2**20 bytes, GiB = 2**30 bytes, GB/s = 1e9 bytes per second.
 
 from __future__ import annotations
 
-from rich.console import Console
 import csv
 import io
 import json
@@ -14,8 +13,15 @@ import math
 from contextlib import contextmanager
 
 from rich import box
-from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn,
-                           TimeElapsedColumn, TimeRemainingColumn)
+from rich.console import Console
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+)
 from rich.table import Table
 
 out = Console(highlight=False)
@@ -42,7 +48,7 @@ def human_bytes(nbytes: float) -> str:
 
 
 def _sci(x: float) -> str:
-    return "—" if x != x or x == float("inf") else f"{x:.2e}"
+    return f"{x:.2e}" if math.isfinite(x) else "—"
 
 
 def describe(config) -> str:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import csv
 import io
+import math
 import os
 import tempfile
 from datetime import datetime, timezone
@@ -104,7 +105,7 @@ def _cell(value: object) -> object:
     if value is None:
         return ""
     if isinstance(value, float):
-        return repr(value) if value == value and abs(value) != float("inf") else ""
+        return repr(value) if math.isfinite(value) else ""
     return value
 
 

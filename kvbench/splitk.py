@@ -12,6 +12,7 @@ as compile_ms and verify makes that call before anything is timed.
 
 from __future__ import annotations
 
+import itertools
 import math
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -22,6 +23,7 @@ import torch
 from kvbench.cache import PreallocatedCache, register
 
 MIN_CHUNK = 256  # positions per work item: keeps per-item overhead small
+INLINE_BYTES = 1 << 20  # below this, one thread: the pool's hand-off costs ~0.1 ms
 _kernels = None  # (partial, merge, gemm_columns), compiled on first use
 _pool: ThreadPoolExecutor | None = None
 _compile_ms: float | None = None
@@ -143,12 +145,19 @@ def _kernels_and_pool():
     return _kernels, _pool
 
 
-def _parallel(fn, n: int, *args) -> None:
-    """fn(*args, first, last) over n items split evenly across the pool's threads."""
+def _parallel(fn, n: int, nbytes: int, *args) -> None:
+    """fn(*args, first, last) over n items split evenly across the pool's threads.
+
+    Work that reads less than INLINE_BYTES runs on the calling thread: handing it to the pool
+    would cost more than it saves.
+    """
     _, pool = _kernels_and_pool()
-    threads = pool._max_workers
+    threads = pool._max_workers if nbytes >= INLINE_BYTES else 1
+    if threads == 1:
+        fn(*args, 0, n)
+        return
     bounds = [n * i // threads for i in range(threads + 1)]
-    jobs = [pool.submit(fn, *args, lo, hi) for lo, hi in zip(bounds, bounds[1:]) if hi > lo]
+    jobs = [pool.submit(fn, *args, lo, hi) for lo, hi in itertools.pairwise(bounds) if hi > lo]
     for job in jobs:
         job.result()
 
@@ -158,7 +167,8 @@ def skinny_gemm(a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     (_, _, gemm_columns), _ = _kernels_and_pool()
     a = a.contiguous()
     out = torch.empty(a.shape[0], w.shape[1], dtype=a.dtype)
-    _parallel(gemm_columns, w.shape[1], a.numpy(), w.numpy(), out.numpy())
+    _parallel(gemm_columns, w.shape[1], w.numel() * w.element_size(), a.numpy(), w.numpy(),
+              out.numpy())
     return out
 
 
@@ -174,7 +184,8 @@ def decode_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, length: int,
     m_part = np.empty((B * Hkv, chunks, G), dtype=np.float32)
     l_part = np.empty((B * Hkv, chunks, G), dtype=np.float32)
     acc_part = np.empty((B * Hkv, chunks, G, D), dtype=np.float32)
-    _parallel(partial, items, q, k, v, length, chunks, m_part, l_part, acc_part)
+    nbytes = 2 * B * Hkv * length * D * q.itemsize
+    _parallel(partial, items, nbytes, q, k, v, length, chunks, m_part, l_part, acc_part)
     merge(m_part, l_part, acc_part, out)
     return out
 

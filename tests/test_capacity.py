@@ -95,7 +95,8 @@ def test_sliding_windows_cap_sliding_layers_only():
 
 
 def test_window_option_caps_every_layer_of_a_model_without_types():
-    s = cap.merge_dimensions(None, dict(layers=2, kv_heads=1, head_dim=4, sliding_window=10))
+    s = cap.merge_dimensions(None, {"layers": 2, "kv_heads": 1, "head_dim": 4,
+                                    "sliding_window": 10})
     assert plan(s, CacheFormat("fp16"), (50,)).payload_bytes == 2 * 10 * 16
 
 

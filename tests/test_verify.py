@@ -1,14 +1,12 @@
 import pytest
 import torch
+from broken import LossyCast, RopeOffByOne, ShiftedMask, ShortCache, WrongAppendDim, WrongGqaMapping
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvbench.cache import IMPLEMENTATIONS, ImplOptions
 from kvbench.config import SMALL_CASE, LayerShape, RunConfig
 from kvbench.verify import verify
-
-from broken import (LossyCast, RopeOffByOne, ShiftedMask, ShortCache, WrongAppendDim,
-                    WrongGqaMapping)
 
 GQA = LayerShape(batch=2, prompt_len=7, decode_len=4, hidden=32, q_heads=4, kv_heads=2,
                  head_dim=8)
