@@ -1,8 +1,9 @@
 """Path B: cached decode. One interface, several implementations (SPEC §1).
 
-An implementation owns its K/V storage and its attention. `prefill` runs the prompt and fills
-the cache; `step` projects one new position, appends its k, v and attends over the cache.
-New implementations register themselves in IMPLEMENTATIONS with `@register`.
+An implementation owns its K/V storage (`write`, `kv`, `rewind`) and may bring its own
+attention (`attend`). `prefill` runs the prompt and fills the cache; `step` projects one new
+position, writes its k, v and attends over the cache. New implementations register themselves
+in IMPLEMENTATIONS with `@register`.
 """
 
 from __future__ import annotations
@@ -97,12 +98,25 @@ class CachedAttention(ABC):
         return None
 
     @abstractmethod
+    def write(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Append k, v [B, H_kv, n, D] at positions length..length+n-1."""
+
     def prefill(self, x: torch.Tensor) -> torch.Tensor:
         """Run the prompt x [B, T_p, H]; fill the cache; return the outputs [B, T_p, H]."""
+        q, k, v = self.layer.project(x, start=0)
+        self.write(k, v)
+        return self.layer.output(causal_prefill(self.layer, q, k, v))
 
-    @abstractmethod
     def step(self, x_t: torch.Tensor) -> torch.Tensor:
         """One decode position x_t [B, 1, H] -> [B, 1, H]; the cache grows by one."""
+        q, k, v = self.layer.project(x_t, start=self.length)
+        self.write(k, v)
+        keys, values = self.kv()  # [B, H_kv, T, D]
+        return self.layer.output(self.attend(q, keys, values))
+
+    def attend(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+        """q [B, H_q, 1, D] over the whole cache -> [B, H_q, 1, D]."""
+        return grouped_decode_attention(q, keys, values, self.layer.scale)
 
     @abstractmethod
     def kv(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -155,16 +169,17 @@ class ConcatCache(CachedAttention):
         self.length = x.shape[1]
         return self.layer.output(dense_causal_attention(q, self.k, self.v, self.layer.scale))
 
-    def step(self, x_t):
-        q, k, v = self.layer.project(x_t, start=self.length)  # q [B,H_q,1,D]; k, v [B,H_kv,1,D]
+    def write(self, k, v):
         self.k = torch.cat((self.k, k), dim=2)  # re-allocates and copies the whole cache
         self.v = torch.cat((self.v, v), dim=2)
-        self.length += 1
+        self.length += k.shape[2]
+
+    def attend(self, q, keys, values):
         group = self.layer.shape.group
-        keys = self.k.repeat_interleave(group, dim=1)  # [B, H_q, T, D], a physical copy
-        values = self.v.repeat_interleave(group, dim=1)
+        keys = keys.repeat_interleave(group, dim=1)  # [B, H_q, T, D], a physical copy
+        values = values.repeat_interleave(group, dim=1)
         scores = (q @ keys.transpose(-2, -1)) * self.layer.scale  # [B, H_q, 1, T]
-        return self.layer.output(torch.softmax(scores, dim=-1) @ values)
+        return torch.softmax(scores, dim=-1) @ values
 
     def kv(self):
         return self.k, self.v
@@ -194,20 +209,6 @@ class PreallocatedCache(CachedAttention):
         self.k_cache[:, :, self.length:self.length + n] = k
         self.v_cache[:, :, self.length:self.length + n] = v
         self.length += n
-
-    def prefill(self, x):
-        q, k, v = self.layer.project(x, start=0)
-        self.write(k, v)
-        return self.layer.output(causal_prefill(self.layer, q, k, v))
-
-    def step(self, x_t):
-        q, k, v = self.layer.project(x_t, start=self.length)
-        self.write(k, v)
-        keys, values = self.kv()  # views [B, H_kv, T, D]
-        return self.layer.output(self.attend(q, keys, values))
-
-    def attend(self, q, keys, values) -> torch.Tensor:
-        return grouped_decode_attention(q, keys, values, self.layer.scale)
 
     def kv(self):
         return self.k_cache[:, :, : self.length], self.v_cache[:, :, : self.length]
@@ -337,17 +338,6 @@ class PagedCache(CachedAttention):
 
     def kv(self):
         return self._gather(self.k_pool), self._gather(self.v_pool)
-
-    def prefill(self, x):
-        q, k, v = self.layer.project(x, start=0)
-        self.write(k, v)
-        return self.layer.output(causal_prefill(self.layer, q, k, v))
-
-    def step(self, x_t):
-        q, k, v = self.layer.project(x_t, start=self.length)
-        self.write(k, v)
-        keys, values = self.kv()
-        return self.layer.output(grouped_decode_attention(q, keys, values, self.layer.scale))
 
     def rewind(self, length):
         keep = math.ceil(length / self.options.block_size)

@@ -2,7 +2,6 @@
 
 import torch
 
-from kvbench.attention import dense_causal_attention
 from kvbench.cache import ConcatCache, StaticCache
 
 
@@ -40,15 +39,11 @@ class WrongGqaMapping(ConcatCache):
 
     name = "wrong-gqa"
 
-    def step(self, x_t):
-        q, k, v = self.layer.project(x_t, start=self.length)
-        self.k = torch.cat((self.k, k), dim=2)
-        self.v = torch.cat((self.v, v), dim=2)
-        self.length += 1
+    def attend(self, q, keys, values):
         group = self.layer.shape.group
-        keys, values = self.k.repeat(1, group, 1, 1), self.v.repeat(1, group, 1, 1)
+        keys, values = keys.repeat(1, group, 1, 1), values.repeat(1, group, 1, 1)
         scores = (q @ keys.transpose(-2, -1)) * self.layer.scale
-        return self.layer.output(torch.softmax(scores, dim=-1) @ values)
+        return torch.softmax(scores, dim=-1) @ values
 
 
 class WrongAppendDim(ConcatCache):
@@ -56,12 +51,10 @@ class WrongAppendDim(ConcatCache):
 
     name = "wrong-append-dim"
 
-    def step(self, x_t):
-        q, k, v = self.layer.project(x_t, start=self.length)
+    def write(self, k, v):
         self.k = torch.cat((self.k, k), dim=1)
         self.v = torch.cat((self.v, v), dim=1)
-        self.length += 1
-        return self.layer.output(dense_causal_attention(q, self.k, self.v, self.layer.scale))
+        self.length += k.shape[2]
 
 
 class LossyCast(StaticCache):
