@@ -52,7 +52,7 @@ class ImplTiming:
     flops_per_step: float
     copy_gbps: float
     decode_len: int
-    stats: dict[str, int] = field(default_factory=dict)
+    stats: dict[str, object] = field(default_factory=dict)  # e.g. blocks_used, sdpa_backend
 
     @property
     def ms_per_step(self) -> float:

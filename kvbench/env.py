@@ -34,7 +34,7 @@ def environment(device: str | None) -> dict[str, object]:
 
     env["torch_version"] = torch.__version__
     env["device_name"] = device_name(device)
-    env["cuda_version"] = torch.version.cuda or "" if device.startswith("cuda") else ""
+    env["cuda_version"] = (torch.version.cuda or "") if device.startswith("cuda") else ""
     env["torch_threads"] = torch.get_num_threads()
     return env
 

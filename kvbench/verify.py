@@ -36,7 +36,7 @@ class ImplCheck:
     cache_shape: tuple[int, ...]
     first_bad_step: int | None = None  # 0 = prefill, j = decode step j (1-based)
     message: str = ""
-    stats: dict[str, int] = field(default_factory=dict)
+    stats: dict[str, object] = field(default_factory=dict)
 
 
 @dataclass
