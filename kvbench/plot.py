@@ -45,7 +45,7 @@ def plot_bench(df: pd.DataFrame, plt):
     x = "prompt_len"
     panels = [("cached_ms_per_step", "decode time per step (ms)", True)]
     if df["speedup"].notna().any():
-        panels.append(("speedup", "speedup: recompute / cached", False))
+        panels.append(("speedup", "speedup: recompute / cached", True))
     panels.append(("bandwidth_fraction", "achieved / copy bandwidth", False))
     fig, axes = plt.subplots(1, len(panels), figsize=(6 * len(panels), 4.8), squeeze=False)
     for ax, (col, label, loglog) in zip(axes[0], panels):
