@@ -296,6 +296,8 @@ def show_comparison(c) -> None:
         spread = (lambda s: f" ±{s:.3f}" if s else "")
         if ch.regression:
             verdict = "[red bold]REGRESSION[/]"
+        elif ch.new == ch.base:
+            verdict = "same"
         elif ch.noise:
             verdict = "noise"
         else:
