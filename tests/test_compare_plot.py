@@ -100,3 +100,17 @@ def test_plot_capacity_without_fit_says_what_is_missing(tmp_path):
     assert runner.invoke(app, ["capacity", "--model", "llama-3-8b", "--csv", str(cap)]).exit_code == 0
     result = runner.invoke(app, ["plot", str(cap)])
     assert result.exit_code == 2 and "--gpu-mem" in result.stderr
+
+
+def test_a_change_within_the_spreads_is_noise(bench_csv, tmp_path):
+    from kvbench.compare import compare
+    from kvbench.load import read_results
+
+    base = scaled(bench_csv, tmp_path / "base.csv", 1.0)  # IQR = 1% of the median
+    near = scaled(bench_csv, tmp_path / "near.csv", 1.015)
+    far = scaled(bench_csv, tmp_path / "far.csv", 1.3)
+    (kb, b), (kn, n), (kf, f) = map(read_results, (base, near, far))
+    cached = [c for c in compare(kb, b, n, kn, 0.01).changes if c.metric == "decode_cached_ms"]
+    assert cached and all(c.noise and not c.regression for c in cached)
+    cached = [c for c in compare(kb, b, f, kf, 0.1).changes if c.metric == "decode_cached_ms"]
+    assert all(not c.noise and c.regression for c in cached)
