@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from itertools import product
 
 from kvbench.errors import KvbenchError
 
@@ -115,9 +116,6 @@ def parse_int_list(flag: str, text: str) -> list[int]:
 
 def expand_shapes(base: LayerShape, lists: dict[str, list[int]]) -> list[LayerShape]:
     """The Cartesian product of the given per-field value lists over a base shape."""
-    from dataclasses import replace
-    from itertools import product
-
     fields = [f for f in SHAPE_FIELDS if f in lists]
     return [replace(base, **dict(zip(fields, combo)))
             for combo in product(*(lists[f] for f in fields))]
