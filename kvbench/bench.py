@@ -48,27 +48,7 @@ class ImplTiming:
     impl: str
     prefill: Stats | None  # None with --no-prefill
     decode: Stats  # all G cached steps, prompt cache already built
-    min_bytes_per_step: float
-    flops_per_step: float
-    copy_gbps: float
-    decode_len: int
     stats: dict[str, object] = field(default_factory=dict)  # e.g. blocks_used, sdpa_backend
-
-    @property
-    def ms_per_step(self) -> float:
-        return self.decode.median_ms / self.decode_len
-
-    @property
-    def achieved_gbps(self) -> float:
-        return self.min_bytes_per_step / (self.ms_per_step * 1e-3) / 1e9
-
-    @property
-    def bandwidth_fraction(self) -> float:
-        return self.achieved_gbps / self.copy_gbps
-
-    @property
-    def achieved_gflops(self) -> float:
-        return self.flops_per_step / (self.ms_per_step * 1e-3) / 1e9
 
 
 @dataclass
@@ -78,9 +58,24 @@ class BenchResult:
     verified: str  # how the implementations were verified before timing
     recompute: Stats | None
     timings: list[ImplTiming]
+    min_bytes_per_step: float  # mean over the G steps (costs.decode_min_bytes_per_step)
+    flops_per_step: float
+    copy_gbps: float  # measured in the same run
 
     def speedup(self, t: ImplTiming) -> float | None:
         return self.recompute.median_ms / t.decode.median_ms if self.recompute else None
+
+    def ms_per_step(self, t: ImplTiming) -> float:
+        return t.decode.median_ms / self.config.shape.decode_len
+
+    def achieved_gbps(self, t: ImplTiming) -> float:
+        return self.min_bytes_per_step / (self.ms_per_step(t) * 1e-3) / 1e9
+
+    def bandwidth_fraction(self, t: ImplTiming) -> float:
+        return self.achieved_gbps(t) / self.copy_gbps
+
+    def achieved_gflops(self, t: ImplTiming) -> float:
+        return self.flops_per_step / (self.ms_per_step(t) * 1e-3) / 1e9
 
 
 def _rewound(impl, prompt_len: int):
@@ -115,9 +110,6 @@ def bench(config: RunConfig, impls: tuple[str, ...], options: BenchOptions,
     layer = AttentionLayer.from_config(config)
     x = make_inputs(config)
     prompt = x[:, : s.prompt_len]
-    copy_gbps = options.copy_gbps or measure_copy_gbps(config.device)
-    min_bytes = costs.decode_min_bytes_per_step(s, config.dtype_bytes)
-    flops = costs.decode_flops_per_step(s)
 
     def decode(impl):
         for t in range(s.prompt_len, s.total_len):
@@ -143,9 +135,11 @@ def bench(config: RunConfig, impls: tuple[str, ...], options: BenchOptions,
             tasks[f"decode:{name}"] = (decode, lambda impl=impl: _rewound(impl, s.prompt_len))
         stats = time_interleaved(tasks, config.device, options.warmup, options.rounds)
         timings = [ImplTiming(name, stats.get(f"prefill:{name}"), stats[f"decode:{name}"],
-                              min_bytes, flops, copy_gbps, s.decode_len,
                               prompt_caches[name].stats())
                    for name in classes]
         recompute = stats.get("recompute")
         del prompt_caches, tasks
-    return BenchResult(config, options, verified, recompute, timings)
+    return BenchResult(config, options, verified, recompute, timings,
+                       costs.decode_min_bytes_per_step(s, config.dtype_bytes),
+                       costs.decode_flops_per_step(s),
+                       options.copy_gbps or measure_copy_gbps(config.device))

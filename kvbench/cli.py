@@ -148,15 +148,13 @@ def _points(o: dict[str, object], reference_cases: bool = False):
 def _sweep(o: dict[str, object], command: str, columns: list[str], points, run_point):
     """Run every point with a progress bar; write rows; print machine formats; handle Ctrl-C.
 
-    run_point(config, names) -> (result, rows). Returns the results of the points that ran.
+    run_point(config, names, env) -> (result, rows). Returns the results of the points that ran.
     """
     from kvbench import render
     from kvbench.env import environment
-    from kvbench.results import append_csv, check_csv, default_csv
+    from kvbench.results import append_csv
 
-    path = None if o["no_csv"] else (o["csv"] or default_csv(command))
-    if path is not None:
-        check_csv(path, columns)
+    path = None if o["no_csv"] else _csv_target(o["csv"], command, columns)
     env = environment(points[0][0].device)
     results, rows = [], []
     interrupted = False
@@ -396,9 +394,6 @@ def _allocate(case: str, device: str, margin_bytes: int, csv: Path | None):
     if any(n not in CASES for n in names):
         raise KvbenchError(f"unknown --case {case!r}; use gqa, mha or both")
     dev = resolve_device(device)
-    if not dev.startswith("cuda"):
-        raise KvbenchError("the allocation check needs CUDA; run it with --device cuda on a "
-                           "GPU machine (the planner itself runs anywhere)")
     path = _csv_target(csv, "allocation", ALLOCATION_COLUMNS)
     results = [check_allocation(n, **CASES[n], device=dev, margin_bytes=margin_bytes)
                for n in names]

@@ -97,9 +97,10 @@ def bench_table(result) -> Table:
         t.add_row(timing.impl, f"{timing.prefill.median_ms:.3f}" if timing.prefill else "skipped",
                   f"{rec.median_ms:.3f}" if rec else "skipped",
                   f"{timing.decode.median_ms:.3f}", _spread(timing.decode),
-                  f"{speedup:.2f}×" if speedup else "—", f"{timing.ms_per_step:.4f}",
-                  f"{timing.achieved_gbps:.1f}", f"{100 * timing.bandwidth_fraction:.0f}%")
-    copy = result.timings[0].copy_gbps if result.timings else float("nan")
+                  f"{speedup:.2f}×" if speedup else "—", f"{result.ms_per_step(timing):.4f}",
+                  f"{result.achieved_gbps(timing):.1f}",
+                  f"{100 * result.bandwidth_fraction(timing):.0f}%")
+    copy = result.copy_gbps
     t.caption = (f"times in ms; recompute and cached: all {g} decode steps, median of "
                  f"{result.options.rounds} rounds after {result.options.warmup} warmups; IQR of "
                  f"cached as % of median; GB/s = minimum bytes per step / cached step time; "
