@@ -111,10 +111,6 @@ def bench(config: RunConfig, impls: tuple[str, ...], options: BenchOptions,
     x = make_inputs(config)
     prompt = x[:, : s.prompt_len]
 
-    def decode(impl):
-        for t in range(s.prompt_len, s.total_len):
-            impl.step(x[:, t:t + 1])
-
     def fresh(cls):
         return cls(layer, s.batch, s.total_len, impl_options)
 
@@ -132,7 +128,8 @@ def bench(config: RunConfig, impls: tuple[str, ...], options: BenchOptions,
             # One prompt cache per implementation; every sample decodes from it again.
             impl = prompt_caches[name] = fresh(cls)
             impl.prefill(prompt)
-            tasks[f"decode:{name}"] = (decode, lambda impl=impl: _rewound(impl, s.prompt_len))
+            tasks[f"decode:{name}"] = (lambda impl: impl.decode(x, keep=False),
+                                       lambda impl=impl: _rewound(impl, s.prompt_len))
         stats = time_interleaved(tasks, config.device, options.warmup, options.rounds)
         timings = [ImplTiming(name, stats.get(f"prefill:{name}"), stats[f"decode:{name}"],
                               prompt_caches[name].stats())

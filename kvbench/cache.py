@@ -126,6 +126,19 @@ class CachedAttention(ABC):
     def rewind(self, length: int) -> None:
         """Forget every position from `length` on (e.g. back to the prompt for a new sample)."""
 
+    def decode(self, x: torch.Tensor, keep: bool = True) -> list[torch.Tensor]:
+        """Step through every position of x [B, T, H] after the cached ones.
+
+        Returns the G outputs [B, 1, H]; with keep=False none are held (timing, memory).
+        """
+        outputs = []
+        for t in range(self.length, x.shape[1]):
+            if keep:
+                outputs.append(self.step(x[:, t:t + 1]))
+            else:
+                self.step(x[:, t:t + 1])  # dropped at once: not counted in the next step's peak
+        return outputs
+
     def stats(self) -> dict[str, object]:
         """Implementation-specific counters for the report (e.g. blocks used)."""
         return {}

@@ -131,10 +131,6 @@ def memory(config: RunConfig, impls: tuple[str, ...],
     x = make_inputs(config)
     prompt = x[:, : s.prompt_len]
 
-    def decode(impl):
-        for t in range(s.prompt_len, s.total_len):
-            impl.step(x[:, t:t + 1])
-
     with torch.no_grad():
         with measure(config.device) as recompute:
             out = recompute_decode(layer, x, s.prompt_len)
@@ -145,12 +141,12 @@ def memory(config: RunConfig, impls: tuple[str, ...],
             with measure(config.device) as cached:
                 impl = cls(layer, s.batch, s.total_len, impl_options)
                 impl.prefill(prompt)
-                decode(impl)
+                impl.decode(x, keep=False)
             del impl
             impl = cls(layer, s.batch, s.total_len, impl_options)
             impl.prefill(prompt)
             with measure(config.device) as decoded:
-                decode(impl)
+                impl.decode(x, keep=False)
             del impl
             results.append(ImplMemory(name, cached, decoded))
     theoretical = costs.kv_bytes(s, s.total_len, config.dtype_bytes)
