@@ -73,6 +73,20 @@ def test_splitk_merges_chunks_exactly():
     assert report.passed, report.checks[0].message
 
 
+@pytest.mark.parametrize("inline_bytes", [0, 1 << 40])  # on the pool's threads; inline
+def test_splitk_kernels_on_threads_and_inline(monkeypatch, inline_bytes):
+    from kvbench import splitk
+
+    monkeypatch.setattr(splitk, "INLINE_BYTES", inline_bytes)
+    g = torch.Generator().manual_seed(0)
+    a, w = torch.randn(3, 1027, generator=g), torch.randn(1027, 70, generator=g)  # 1027 = 4·256 + 3
+    torch.testing.assert_close(splitk.skinny_gemm(a, w), a @ w, rtol=1e-4, atol=1e-4)
+    shape = LayerShape(batch=2, prompt_len=700, decode_len=2, hidden=32, q_heads=4,
+                       kv_heads=2, head_dim=8)
+    report = verify(RunConfig(shape), {"splitk": IMPLEMENTATIONS["splitk"]})
+    assert report.passed, report.checks[0].message
+
+
 TINY = ["--device", "cpu", "--batch", "1", "--prompt-len", "6", "--decode-len", "2",
         "--hidden", "32", "--q-heads", "4", "--kv-heads", "2", "--head-dim", "8"]
 
