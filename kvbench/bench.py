@@ -6,9 +6,8 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from kvbench import costs
+from kvbench import bandwidth, costs
 from kvbench.attention import AttentionLayer, make_inputs, recompute_decode
-from kvbench.bandwidth import measure_copy_gbps
 from kvbench.cache import IMPLEMENTATIONS, ImplOptions
 from kvbench.config import RunConfig
 from kvbench.errors import KvbenchError
@@ -34,7 +33,6 @@ class BenchOptions:
     rounds: int = 9
     recompute: bool = True
     prefill: bool = True  # time the prefill (one cached prefill per sample)
-    copy_gbps: float | None = None  # measured once per run and shared by its configurations
 
     def __post_init__(self) -> None:
         if self.warmup < 0:
@@ -60,7 +58,7 @@ class BenchResult:
     timings: list[ImplTiming]
     min_bytes_per_step: float  # mean over the G steps (costs.decode_min_bytes_per_step)
     flops_per_step: float
-    copy_gbps: float  # measured in the same run
+    copy_gbps: float  # a large tensor copy, timed in the same rounds as the decode
 
     def speedup(self, t: ImplTiming) -> float | None:
         return self.recompute.median_ms / t.decode.median_ms if self.recompute else None
@@ -115,8 +113,10 @@ def bench(config: RunConfig, impls: tuple[str, ...], options: BenchOptions,
         return cls(layer, s.batch, s.total_len, impl_options)
 
     with torch.no_grad():
-        # Every task of this point, timed round-robin.
-        tasks = {}
+        # Every task of this point, timed round-robin; the copy that gives the bandwidth
+        # limit too, so the decode and its limit are measured under the same conditions.
+        copy_bytes = bandwidth.copy_bytes(config.device)
+        tasks = {"copy": bandwidth.copy_task(config.device, copy_bytes)}
         if options.recompute:
             tasks["recompute"] = (lambda _: recompute_decode(layer, x, s.prompt_len),
                                   lambda: None)
@@ -139,4 +139,4 @@ def bench(config: RunConfig, impls: tuple[str, ...], options: BenchOptions,
     return BenchResult(config, options, verified, recompute, timings,
                        costs.decode_min_bytes_per_step(s, config.dtype_bytes),
                        costs.decode_flops_per_step(s),
-                       options.copy_gbps or measure_copy_gbps(config.device))
+                       bandwidth.copy_gbps(stats["copy"], copy_bytes))

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import sys
-from dataclasses import replace
 from pathlib import Path
 from typing import Annotated
 
@@ -241,7 +240,6 @@ def bench(ctx: typer.Context, device: Device = "auto", dtype: Dtype = "float32",
     so drift on a shared machine hits each alike.
     """
     from kvbench import render
-    from kvbench.bandwidth import measure_copy_gbps
     from kvbench.bench import BenchOptions, VerificationFailed
     from kvbench.bench import bench as run_bench
     from kvbench.results import BENCH_COLUMNS, bench_rows
@@ -249,7 +247,6 @@ def bench(ctx: typer.Context, device: Device = "auto", dtype: Dtype = "float32",
     o = _options(ctx)
     points, impl_options = _points(o)
     options = BenchOptions(o["warmup"], o["rounds"], o["recompute"], o["prefill"])
-    options = replace(options, copy_gbps=measure_copy_gbps(points[0][0].device))
 
     def run_point(config, names, env):
         result = run_bench(config, names, options, impl_options)

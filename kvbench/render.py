@@ -32,8 +32,9 @@ GIB = 2**30
 
 
 def _table(title: str) -> Table:
+    # One space of padding on the right only: the widest table (bench) fits 80 columns.
     return Table(title=title, title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False,
-                 caption_justify="left")
+                 padding=(0, 1, 0, 0), caption_justify="left")
 
 
 def mib(nbytes: float | None) -> str:
@@ -78,6 +79,11 @@ def show_verify(report, stderr: bool = False) -> None:
     (err if stderr else out).print(verify_table(report))
 
 
+def _ms(x: float) -> str:
+    """A time in ms to four significant digits (two decimals at least below 100)."""
+    return f"{x:.1f}" if x >= 100 else f"{x:.2f}" if x >= 10 else f"{x:.3f}" if x >= 1 else f"{x:.4f}"
+
+
 def _spread(stats) -> str:
     pct = 100 * stats.iqr_ms / stats.median_ms if stats.median_ms else 0.0
     flag = " [yellow]![/]" if stats.noisy else ""
@@ -94,10 +100,10 @@ def bench_table(result) -> Table:
     rec = result.recompute
     for timing in result.timings:
         speedup = result.speedup(timing)
-        t.add_row(timing.impl, f"{timing.prefill.median_ms:.3f}" if timing.prefill else "skipped",
-                  f"{rec.median_ms:.3f}" if rec else "skipped",
-                  f"{timing.decode.median_ms:.3f}", _spread(timing.decode),
-                  f"{speedup:.2f}×" if speedup else "—", f"{result.ms_per_step(timing):.4f}",
+        t.add_row(timing.impl, _ms(timing.prefill.median_ms) if timing.prefill else "skipped",
+                  _ms(rec.median_ms) if rec else "skipped",
+                  _ms(timing.decode.median_ms), _spread(timing.decode),
+                  f"{speedup:.2f}×" if speedup else "—", _ms(result.ms_per_step(timing)),
                   f"{result.achieved_gbps(timing):.1f}",
                   f"{100 * result.bandwidth_fraction(timing):.0f}%")
     copy = result.copy_gbps
