@@ -26,6 +26,7 @@ MIN_CHUNK = 256  # positions per work item: keeps per-item overhead small
 INLINE_BYTES = 1 << 20  # below this, one thread: the pool's hand-off costs ~0.1 ms
 _kernels = None  # (partial, merge, gemm_rows), compiled on first use
 _pool: ThreadPoolExecutor | None = None
+_cores = 1  # threads the kernels use, the caller's included: torch's thread count
 _compile_ms: float | None = None
 
 
@@ -147,18 +148,19 @@ def _build():
 
 
 def _kernels_and_pool():
-    global _kernels, _pool
+    global _kernels, _pool, _cores
     if _kernels is None:
         _kernels = _build()
-        _pool = ThreadPoolExecutor(max(1, torch.get_num_threads()))
+        _cores = max(1, torch.get_num_threads())
+        _pool = ThreadPoolExecutor(max(1, _cores - 1))  # plus the calling thread
     return _kernels, _pool
 
 
 def _threads(nbytes: int) -> int:
     """Threads for work that reads nbytes: below INLINE_BYTES, handing it to the pool would
     cost more than it saves, so it runs on the calling thread."""
-    _, pool = _kernels_and_pool()
-    return pool._max_workers if nbytes >= INLINE_BYTES else 1
+    _kernels_and_pool()
+    return _cores if nbytes >= INLINE_BYTES else 1
 
 
 def _ranges(n: int, parts: int) -> list[tuple[int, int]]:
@@ -168,13 +170,16 @@ def _ranges(n: int, parts: int) -> list[tuple[int, int]]:
 
 
 def _run(calls: list) -> None:
-    """Run (fn, args) calls on the pool's threads; a single call runs on this thread."""
+    """Run (fn, args) calls in parallel: the first on this thread, the rest on the pool's.
+
+    Each hand-off to a pool thread costs tens of microseconds here, so the caller keeps a
+    share instead of waiting idle.
+    """
     _, pool = _kernels_and_pool()
-    if len(calls) == 1:
-        fn, args = calls[0]
-        fn(*args)
-        return
-    for job in [pool.submit(fn, *args) for fn, args in calls]:
+    jobs = [pool.submit(fn, *args) for fn, args in calls[1:]]
+    fn, args = calls[0]
+    fn(*args)
+    for job in jobs:
         job.result()
 
 
@@ -197,11 +202,10 @@ def skinny_gemm(a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 def decode_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, length: int,
                      out: np.ndarray) -> np.ndarray:
     """Split-K decode attention over k, v[:, :, :length] with one thread per CPU core."""
-    (partial, merge, _), pool = _kernels_and_pool()
-    threads = pool._max_workers
+    (partial, merge, _), _ = _kernels_and_pool()
     B, Hkv, G, D = q.shape
     # Enough chunks that every thread has work, none shorter than MIN_CHUNK positions.
-    chunks = max(1, min(math.ceil(2 * threads / (B * Hkv)), length // MIN_CHUNK))
+    chunks = max(1, min(math.ceil(2 * _cores / (B * Hkv)), length // MIN_CHUNK))
     items = B * Hkv * chunks
     m_part = np.empty((B * Hkv, chunks, G), dtype=np.float32)
     l_part = np.empty((B * Hkv, chunks, G), dtype=np.float32)
