@@ -18,6 +18,7 @@ import sys
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from kvbench.config import divisors
 from kvbench.errors import KvbenchError
 
 if sys.version_info >= (3, 11):
@@ -69,7 +70,8 @@ class ModelSpec:
                                    f"(model {self.name})")
         if self.q_heads is not None and self.kv_heads and self.q_heads % self.kv_heads:
             raise KvbenchError(f"--q-heads {self.q_heads} is not a multiple of --kv-heads "
-                               f"{self.kv_heads}")
+                               f"{self.kv_heads}: use --kv-heads one of "
+                               f"{', '.join(map(str, divisors(self.q_heads)))}")
         if self.layer_types and len(self.layer_types) != self.layers:
             raise KvbenchError(f"model {self.name}: {len(self.layer_types)} layer types for "
                                f"{self.layers} layers")

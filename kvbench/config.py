@@ -46,7 +46,8 @@ class LayerShape:
         if self.q_heads % self.kv_heads:
             raise KvbenchError(
                 f"--q-heads {self.q_heads} is not a multiple of --kv-heads {self.kv_heads}; "
-                "each KV head must serve a whole number of query heads"
+                "each KV head must serve a whole number of query heads: use --kv-heads one of "
+                f"{', '.join(map(str, divisors(self.q_heads)))}"
             )
 
     @property
@@ -119,3 +120,8 @@ def expand_shapes(base: LayerShape, lists: dict[str, list[int]]) -> list[LayerSh
     fields = [f for f in SHAPE_FIELDS if f in lists]
     return [replace(base, **dict(zip(fields, combo)))
             for combo in product(*(lists[f] for f in fields))]
+
+
+def divisors(n: int) -> list[int]:
+    """The positive divisors of n, ascending (the --kv-heads that fit n query heads)."""
+    return [d for d in range(1, n + 1) if n % d == 0]
