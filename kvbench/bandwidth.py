@@ -15,9 +15,8 @@ def copy_bytes(device: str) -> int:
     return CUDA_COPY_BYTES if device.startswith("cuda") else CPU_COPY_BYTES
 
 
-def copy_task(device: str, nbytes: int | None = None) -> Task:
-    """A timing task (see timing.time_interleaved) that copies one large tensor into another."""
-    nbytes = nbytes or copy_bytes(device)
+def copy_task(device: str, nbytes: int) -> Task:
+    """A timing task (see timing.time_interleaved) that copies nbytes into another tensor."""
     buffers = torch.ones(2, nbytes // 4, dtype=torch.float32, device=device)
     src, dst = buffers[0], buffers[1]
     return (lambda _: dst.copy_(src)), (lambda: None)

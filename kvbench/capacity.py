@@ -14,17 +14,12 @@ from __future__ import annotations
 import json
 import math
 import re
-import sys
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from kvbench.config import divisors
 from kvbench.errors import KvbenchError
-
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover
-    import tomli as tomllib
+from kvbench.files import read_toml
 
 PRESET_DIR = Path(__file__).resolve().parent.parent / "configs" / "models"
 
@@ -114,10 +109,7 @@ def _pattern(layers: int, pattern: list[str]) -> tuple[str, ...]:
 
 
 def load_preset_file(path: Path) -> ModelSpec:
-    try:
-        data = tomllib.loads(path.read_text())
-    except (OSError, tomllib.TOMLDecodeError) as err:
-        raise KvbenchError(f"cannot read preset {path}: {err}") from None
+    data = read_toml(path, "preset")
     pattern = data.pop("layer_pattern", None)
     if pattern:
         data["layer_types"] = _pattern(data["layers"], pattern)

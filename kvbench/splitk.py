@@ -37,6 +37,33 @@ def _build():
     # measured to fight torch's OpenMP pool (torch's static decode slowed by up to half after
     # a splitk run), and their idle threads spin; Python pool threads sleep.
     @njit(nogil=True, fastmath=True, cache=True)
+    def gemm_rows(a, w, out, first, last):
+        """out = a[:, first:last] @ w[first:last]; a [M, K], w [K, N], M small.
+
+        Streams rows first..last-1 of w once, as one contiguous run (the hardware prefetcher
+        follows it; splitting by columns instead gave every thread short strided runs and
+        half the read rate). Four rows per pass: each load and store of `out` serves four.
+        """
+        M, N = out.shape
+        acc = np.zeros((M, N), dtype=a.dtype)  # private: lets LLVM vectorize
+        stop4 = first + (last - first) // 4 * 4
+        for k in range(first, stop4, 4):
+            r0, r1, r2, r3 = w[k], w[k + 1], w[k + 2], w[k + 3]
+            for m in range(M):
+                c0, c1, c2, c3 = a[m, k], a[m, k + 1], a[m, k + 2], a[m, k + 3]
+                acc_m = acc[m]
+                for j in range(N):
+                    acc_m[j] += c0 * r0[j] + c1 * r1[j] + c2 * r2[j] + c3 * r3[j]
+        for k in range(stop4, last):
+            row = w[k]
+            for m in range(M):
+                coef = a[m, k]
+                acc_m = acc[m]
+                for j in range(N):
+                    acc_m[j] += coef * row[j]
+        out[:, :] = acc
+
+    @njit(nogil=True, fastmath=True, cache=True)
     def chunk(qs, kk, vv, m_out, l_out, acc_out):
         """One chunk of one KV head. qs [G, D] (pre-scaled); kk, vv [n, D].
 
@@ -67,15 +94,7 @@ def _build():
                 total += e
             m_out[g] = m
             l_out[g] = total
-        acc = np.zeros((G, D), dtype=np.float32)
-        for t in range(n):  # one pass over V
-            row = vv[t]
-            for g in range(G):
-                p = scores[g, t]
-                acc_g = acc[g]
-                for d in range(D):
-                    acc_g[d] += p * row[d]
-        acc_out[:, :] = acc
+        gemm_rows(scores, vv, acc_out, 0, n)  # one pass over V: acc_out = P @ V
 
     @njit(nogil=True, fastmath=True, cache=True)
     def partial(q, k, v, length, chunks, m_part, l_part, acc_part, first, last):
@@ -116,33 +135,6 @@ def _build():
                             acc[d] += w * acc_part[bh, c, g, d]
                 for d in range(D):
                     out[b, h, g, d] = acc[d] / total
-
-    @njit(nogil=True, fastmath=True, cache=True)
-    def gemm_rows(a, w, out, first, last):
-        """out = a[:, first:last] @ w[first:last]; a [M, K], w [K, N], M small.
-
-        Streams rows first..last-1 of w once, as one contiguous run (the hardware prefetcher
-        follows it; splitting by columns instead gave every thread short strided runs and
-        half the read rate). Four rows per pass: each load and store of `out` serves four.
-        """
-        M, N = out.shape
-        acc = np.zeros((M, N), dtype=a.dtype)  # private: lets LLVM vectorize
-        stop4 = first + (last - first) // 4 * 4
-        for k in range(first, stop4, 4):
-            r0, r1, r2, r3 = w[k], w[k + 1], w[k + 2], w[k + 3]
-            for m in range(M):
-                c0, c1, c2, c3 = a[m, k], a[m, k + 1], a[m, k + 2], a[m, k + 3]
-                acc_m = acc[m]
-                for j in range(N):
-                    acc_m[j] += c0 * r0[j] + c1 * r1[j] + c2 * r2[j] + c3 * r3[j]
-        for k in range(stop4, last):
-            row = w[k]
-            for m in range(M):
-                coef = a[m, k]
-                acc_m = acc[m]
-                for j in range(N):
-                    acc_m[j] += coef * row[j]
-        out[:, :] = acc
 
     return partial, merge, gemm_rows
 

@@ -7,30 +7,18 @@ Options given on the command line win over the file. No torch here.
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 from kvbench.config import SHAPE_FIELDS
 from kvbench.errors import KvbenchError
-
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover
-    import tomli as tomllib
+from kvbench.files import read_toml
 
 LIST_OPTIONS = set(SHAPE_FIELDS) | {"dtype"}  # options that take a comma list
 
 
 def load_sweep(path: Path, command: str, allowed: set[str]) -> dict[str, object]:
     """Read a sweep file into option values, as the command line would give them."""
-    try:
-        data = tomllib.loads(Path(path).read_text())
-    except OSError as err:
-        raise KvbenchError(f"cannot read sweep file {path}: {err.strerror}") from None
-    except tomllib.TOMLDecodeError as err:
-        raise KvbenchError(f"sweep file {path} is not valid TOML: {err}") from None
-    except UnicodeDecodeError:
-        raise KvbenchError(f"sweep file {path} is not a text file") from None
+    data = read_toml(path, "sweep file")
     intended = data.pop("command", command)
     if intended != command:
         raise KvbenchError(f"sweep file {path} is for `kvbench {intended}`, not `{command}`")
