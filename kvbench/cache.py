@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from kvbench import footprint as fp
 from kvbench.attention import AttentionLayer, dense_causal_attention
 from kvbench.config import RunConfig
 from kvbench.errors import KvbenchError
@@ -96,6 +97,16 @@ class CachedAttention(ABC):
     def unavailable(cls, config: RunConfig, options: ImplOptions) -> str | None:
         """Why this implementation cannot run this configuration here, or None."""
         return None
+
+    @classmethod
+    def footprint(cls, config: RunConfig, options: ImplOptions) -> fp.ImplFootprint:
+        """Estimated peak bytes at this point, before anything is allocated (the preflight's
+        input). The default: storage for T_p + G positions, a fused prefill and grouped steps."""
+        s, b = config.shape, config.dtype_bytes
+        return fp.preallocated(
+            s, config.rope, b, fp.Sizes(s).kv(s.total_len) * b,
+            lambda t: fp.grouped_step(s, config.rope, t) * b,
+            fp.sdpa_is_fused(config.device, config.dtype, s.head_dim))
 
     @abstractmethod
     def write(self, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -177,6 +188,10 @@ class ConcatCache(CachedAttention):
     name = "concat"
     description = "torch.cat append, repeat_interleave GQA, dense matmul+softmax"
 
+    @classmethod
+    def footprint(cls, config, options):
+        return fp.concat(config.shape, config.rope, config.dtype_bytes)
+
     def prefill(self, x):
         q, self.k, self.v = self.layer.project(x, start=0)  # k, v [B, H_kv, T_p, D]
         self.length = x.shape[1]
@@ -246,6 +261,16 @@ class SdpaCache(PreallocatedCache):
     description = "static cache, SDPA with enable_gqa on the valid slice"
 
     @classmethod
+    def footprint(cls, config, options):
+        s, b = config.shape, config.dtype_bytes
+        fused = fp.sdpa_is_fused(config.device, config.dtype, s.head_dim)
+        step = fp.decode_step_small if fused else None
+        return fp.preallocated(
+            s, config.rope, b, fp.Sizes(s).kv(s.total_len) * b,
+            lambda t: (step(s, config.rope) if fused else fp.math_sdpa_step(s, config.rope, t)) * b,
+            fused)
+
+    @classmethod
     def unavailable(cls, config, options):
         if options.sdpa_backend == "auto":
             return None
@@ -306,6 +331,25 @@ class PagedCache(CachedAttention):
 
     name = "paged"
     description = "block pool + per-sequence block tables, gather + grouped attention"
+
+    @classmethod
+    def footprint(cls, config, options):
+        s, b, bs = config.shape, config.dtype_bytes, options.block_size
+        blocks = math.ceil(s.total_len / bs)  # per sequence
+        pool = fp.Sizes(s).kv(blocks * bs) * b
+        table = s.batch * blocks * fp.INDEX_BYTES
+
+        def step_at(t: int) -> int:
+            # The gather copies every block; with H_kv > 1 the [B, H_kv, T, D] view of it
+            # is a second copy, and both live while V is gathered beside K's result.
+            gathered = fp.Sizes(s).kv(math.ceil(t / bs) * bs) // 2
+            held, _ = fp.projection(s, 1, config.rope)
+            copies = 3 if s.kv_heads > 1 else 2
+            attend = fp.grouped_step(s, config.rope, t) + 2 * gathered
+            return max(held + copies * gathered, attend) * b
+
+        return fp.preallocated(s, config.rope, b, pool + table, step_at,
+                               fp.sdpa_is_fused(config.device, config.dtype, s.head_dim))
 
     def __init__(self, layer, batch, max_len, options=None):
         super().__init__(layer, batch, max_len, options)

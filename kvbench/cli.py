@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import sys
 from pathlib import Path
 from typing import Annotated
@@ -40,9 +41,24 @@ def _fail(message: str, code: int):
     sys.exit(code)
 
 
+EXIT_CODES = ("Exit status: 0 success; 1 a verification failed (or compare --fail-above found a "
+              "regression); 2 bad input, or refused before running (a point too big for the "
+              "memory available included); 3 a device or runtime error (out of memory, a "
+              "device-side assert); 130 interrupted.")
+
 app = typer.Typer(cls=_Group, add_completion=False, no_args_is_help=True,
-                  pretty_exceptions_show_locals=False,
+                  pretty_exceptions_show_locals=False, epilog=EXIT_CODES,
                   help="Prove, time and size the attention KV cache of decoder-only transformers.")
+
+
+def _unwrap(doc: str) -> str:
+    """A docstring's paragraphs as single lines: Typer's Rich help keeps hard line breaks."""
+    return "\n\n".join(" ".join(p.split()) for p in inspect.cleandoc(doc).split("\n\n"))
+
+
+def command(func):
+    """@app.command() with the docstring unwrapped and the exit codes as the epilog."""
+    return app.command(help=_unwrap(func.__doc__), epilog=EXIT_CODES)(func)
 
 
 def _version(value: bool):
@@ -60,19 +76,19 @@ def _root(version: Annotated[bool, typer.Option("--version", callback=_version, 
 # Options shared by verify, bench and memory. Shape options take one value or a comma list.
 Device = Annotated[str, typer.Option(help="auto, cpu, cuda or cuda:N (auto picks CUDA when present).")]
 Dtype = Annotated[str, typer.Option(help="float32|fp32, float16|fp16, bfloat16|bf16.")]
-Batch = Annotated[str | None, typer.Option(help="Batch size B. [default: 2]")]
-PromptLen = Annotated[str | None, typer.Option(help="Prompt tokens T_p. [default: 64 on CPU, 256 on CUDA]")]
-DecodeLen = Annotated[str | None, typer.Option(help="Decode steps G. [default: 8 on CPU, 32 on CUDA]")]
-Hidden = Annotated[str | None, typer.Option(help="Hidden size H. [default: 512]")]
-QHeads = Annotated[str | None, typer.Option(help="Query heads H_q. [default: 8]")]
-KvHeads = Annotated[str | None, typer.Option(help="KV heads H_kv; H_q must be a multiple. [default: 2]")]
-HeadDim = Annotated[str | None, typer.Option(help="Head dim D. [default: 64]")]
+Batch = Annotated[str | None, typer.Option(help="Batch size B. \\[default: 2]")]
+PromptLen = Annotated[str | None, typer.Option(help="Prompt tokens T_p. \\[default: 64 on CPU, 256 on CUDA]")]
+DecodeLen = Annotated[str | None, typer.Option(help="Decode steps G. \\[default: 8 on CPU, 32 on CUDA]")]
+Hidden = Annotated[str | None, typer.Option(help="Hidden size H. \\[default: 512]")]
+QHeads = Annotated[str | None, typer.Option(help="Query heads H_q. \\[default: 8]")]
+KvHeads = Annotated[str | None, typer.Option(help="KV heads H_kv; H_q must be a multiple. \\[default: 2]")]
+HeadDim = Annotated[str | None, typer.Option(help="Head dim D. \\[default: 64]")]
 Seed = Annotated[int, typer.Option(help="Seed of the weights and inputs.")]
 Impl = Annotated[str, typer.Option(help="Cached implementations: 'all' or a comma list.")]
 Rope = Annotated[bool, typer.Option(help="Rotary position embedding on q and k (k rotated before caching).")]
 BlockSize = Annotated[int, typer.Option(help="paged: positions per block.")]
 SdpaBackend = Annotated[str, typer.Option(help="sdpa: auto, math, flash, efficient or cudnn.")]
-CsvPath = Annotated[Path | None, typer.Option("--csv", help="Append rows to this CSV. [default: results/COMMAND.csv]")]
+CsvPath = Annotated[Path | None, typer.Option("--csv", help="Append rows to this CSV. \\[default: results/COMMAND.csv]")]
 
 
 Format = Annotated[str, typer.Option("--format", help="stdout: table (Rich), csv or json rows for pipes.")]
@@ -144,16 +160,17 @@ def _points(o: dict[str, object], reference_cases: bool = False):
     return points, options
 
 
-def _sweep(o: dict[str, object], command: str, columns: list[str], points, run_point):
+def _sweep(o: dict[str, object], command: str, points, run_point):
     """Run every point with a progress bar; write rows; print machine formats; handle Ctrl-C.
 
     run_point(config, names, env) -> (result, rows). Returns the results of the points that ran.
     """
     from kvbench import render
     from kvbench.env import environment
-    from kvbench.results import append_csv
+    from kvbench.results import FILE_KINDS, append_csv
 
-    path = None if o["no_csv"] else _csv_target(o["csv"], command, columns)
+    columns, first = FILE_KINDS[command]
+    path = None if o["no_csv"] else _csv_target(o["csv"], command)
     env = environment(points[0][0].device)
     results, rows = [], []
     interrupted = False
@@ -171,7 +188,7 @@ def _sweep(o: dict[str, object], command: str, columns: list[str], points, run_p
             interrupted = True
         finally:
             if rows and path is not None:
-                append_csv(path, rows, columns)
+                append_csv(path, rows, columns, first)
     if o["format"] != "table":
         render.machine_output(rows, columns, o["format"])
     where = f" in {path}" if path is not None else ""
@@ -184,7 +201,7 @@ def _sweep(o: dict[str, object], command: str, columns: list[str], points, run_p
     return results
 
 
-@app.command()
+@command
 def verify(ctx: typer.Context, device: Device = "auto", dtype: Dtype = "float32",
            batch: Batch = None, prompt_len: PromptLen = None, decode_len: DecodeLen = None,
            hidden: Hidden = None, q_heads: QHeads = None, kv_heads: KvHeads = None,
@@ -199,7 +216,7 @@ def verify(ctx: typer.Context, device: Device = "auto", dtype: Dtype = "float32"
     """
     from kvbench import render
     from kvbench.cache import IMPLEMENTATIONS
-    from kvbench.results import VERIFY_COLUMNS, verify_rows
+    from kvbench.results import verify_rows
     from kvbench.verify import verify as run_verify
 
     o = _options(ctx)
@@ -209,7 +226,7 @@ def verify(ctx: typer.Context, device: Device = "auto", dtype: Dtype = "float32"
         report = run_verify(config, {n: IMPLEMENTATIONS[n] for n in names}, options)
         return report, verify_rows(report, env)
 
-    reports = _sweep(o, "verify", VERIFY_COLUMNS, points, run_point)
+    reports = _sweep(o, "verify", points, run_point)
     failures = [(r, c) for r in reports for c in r.checks if not c.passed]
     if failures:
         r, c = failures[0]
@@ -219,7 +236,7 @@ def verify(ctx: typer.Context, device: Device = "auto", dtype: Dtype = "float32"
         raise typer.Exit(1)
 
 
-@app.command()
+@command
 def bench(ctx: typer.Context, device: Device = "auto", dtype: Dtype = "float32",
           batch: Batch = None, prompt_len: PromptLen = None, decode_len: DecodeLen = None,
           hidden: Hidden = None, q_heads: QHeads = None, kv_heads: KvHeads = None,
@@ -242,7 +259,7 @@ def bench(ctx: typer.Context, device: Device = "auto", dtype: Dtype = "float32",
     from kvbench import render
     from kvbench.bench import BenchOptions, VerificationFailed
     from kvbench.bench import bench as run_bench
-    from kvbench.results import BENCH_COLUMNS, bench_rows
+    from kvbench.results import bench_rows
 
     o = _options(ctx)
     points, impl_options = _points(o)
@@ -256,7 +273,7 @@ def bench(ctx: typer.Context, device: Device = "auto", dtype: Dtype = "float32",
         return result, bench_rows(result, env)
 
     try:
-        _sweep(o, "bench", BENCH_COLUMNS, points, run_point)
+        _sweep(o, "bench", points, run_point)
     except VerificationFailed as failed:
         render.show_verify(failed.report, stderr=True)
         bad = next(c for c in failed.report.checks if not c.passed)
@@ -265,7 +282,7 @@ def bench(ctx: typer.Context, device: Device = "auto", dtype: Dtype = "float32",
         raise typer.Exit(1)
 
 
-@app.command()
+@command
 def memory(ctx: typer.Context, device: Device = "auto", dtype: Dtype = "float32",
            batch: Batch = None, prompt_len: PromptLen = None, decode_len: DecodeLen = None,
            hidden: Hidden = None, q_heads: QHeads = None, kv_heads: KvHeads = None,
@@ -275,7 +292,7 @@ def memory(ctx: typer.Context, device: Device = "auto", dtype: Dtype = "float32"
            format: Format = "table", quiet: Quiet = False):
     """Theoretical KV payload vs allocated vs reserved memory, per phase."""
     from kvbench.memory import memory as run_memory
-    from kvbench.results import MEMORY_COLUMNS, memory_rows
+    from kvbench.results import memory_rows
 
     o = _options(ctx)
     points, options = _points(o)
@@ -284,14 +301,14 @@ def memory(ctx: typer.Context, device: Device = "auto", dtype: Dtype = "float32"
         result = run_memory(config, names, options)
         return result, memory_rows(result, env)
 
-    _sweep(o, "memory", MEMORY_COLUMNS, points, run_point)
+    _sweep(o, "memory", points, run_point)
 
 
-def _csv_target(csv: Path | None, command: str, columns: list[str]) -> Path:
-    from kvbench.results import check_csv, default_csv
+def _csv_target(csv: Path | None, kind: str) -> Path:
+    from kvbench.results import FILE_KINDS, check_csv, default_csv
 
-    path = csv or default_csv(command)
-    check_csv(path, columns)
+    path = csv or default_csv(kind)
+    check_csv(path, *FILE_KINDS[kind])
     return path
 
 
@@ -301,7 +318,7 @@ def _positive(flag: str, value: int | None) -> int | None:
     return value
 
 
-@app.command()
+@command
 def capacity(
     model: Annotated[str | None, typer.Option(help="A preset (see --list-models).")] = None,
     list_models: Annotated[bool, typer.Option("--list-models", help="Show the presets and exit.")] = False,
@@ -313,7 +330,7 @@ def capacity(
     mla_latent: Annotated[int | None, typer.Option(help="MLA latent width d_c.")] = None,
     mla_rope: Annotated[int | None, typer.Option(help="MLA decoupled RoPE key width.")] = None,
     batch: Annotated[int, typer.Option(help="Sequences, each --seq-len long.")] = 1,
-    seq_len: Annotated[int | None, typer.Option(help="Tokens per sequence. [default: 4096]")] = None,
+    seq_len: Annotated[int | None, typer.Option(help="Tokens per sequence. \\[default: 4096]")] = None,
     seq_lens: Annotated[str | None, typer.Option(help="A variable-length batch: 512,4096,...")] = None,
     kv_dtype: Annotated[str, typer.Option(help="fp32, fp16, bf16, fp8, int8, int4, int2.")] = "fp16",
     group_size: Annotated[int, typer.Option(help="Elements per fp16 scale + zero-point (quantized).")] = 64,
@@ -334,7 +351,7 @@ def capacity(
     from kvbench import capacity as cap
     from kvbench import render
     from kvbench.env import environment
-    from kvbench.results import CAPACITY_COLUMNS, append_csv, capacity_rows
+    from kvbench.results import FILE_KINDS, append_csv, capacity_rows
 
     if list_models:
         render.out.print(render.models_table(cap.presets()))
@@ -373,10 +390,10 @@ def capacity(
         else:
             raise KvbenchError("--gpu-mem needs the weights' size: pass --weights-bytes "
                                "(e.g. 16GB) or use a --model preset")
-    path = _csv_target(csv, "capacity", CAPACITY_COLUMNS)
+    path = _csv_target(csv, "capacity")
     result = cap.plan(spec, fmt, lens, gpu_bytes, weights, margin_bytes, utilization)
     render.show_capacity(result)
-    append_csv(path, capacity_rows(result, environment(None)), CAPACITY_COLUMNS)
+    append_csv(path, capacity_rows(result, environment(None)), *FILE_KINDS["capacity"])
     render.note(f"1 row appended to {path}")
 
 
@@ -385,17 +402,17 @@ def _allocate(case: str, device: str, margin_bytes: int, csv: Path | None):
     from kvbench.allocation import CASES, check_allocation
     from kvbench.device import resolve_device
     from kvbench.env import environment
-    from kvbench.results import ALLOCATION_COLUMNS, allocation_rows, append_csv
+    from kvbench.results import FILE_KINDS, allocation_rows, append_csv
 
     names = list(CASES) if case == "both" else [case]
     if any(n not in CASES for n in names):
         raise KvbenchError(f"unknown --case {case!r}; use gqa, mha or both")
     dev = resolve_device(device)
-    path = _csv_target(csv, "allocation", ALLOCATION_COLUMNS)
+    path = _csv_target(csv, "allocation")
     results = [check_allocation(n, **CASES[n], device=dev, margin_bytes=margin_bytes)
                for n in names]
     render.out.print(render.allocation_table(results))
-    append_csv(path, allocation_rows(results, environment(dev)), ALLOCATION_COLUMNS)
+    append_csv(path, allocation_rows(results, environment(dev)), *FILE_KINDS["allocation"])
     render.note(f"{len(results)} rows appended to {path}")
     if not all(r.passed for r in results):
         bad = next(r for r in results if not r.passed)
@@ -405,10 +422,10 @@ def _allocate(case: str, device: str, margin_bytes: int, csv: Path | None):
         raise typer.Exit(1)
 
 
-@app.command()
+@command
 def plot(results: Annotated[Path, typer.Argument(help="A CSV that kvbench wrote.")],
          output: Annotated[Path | None, typer.Option("-o", "--output",
-                           help="Image to write. [default: RESULTS with .png]")] = None):
+                           help="Image to write. \\[default: RESULTS with .png]")] = None):
     """Draw what the results allow: decode time, speedup and bandwidth against context;
     memory bars; the largest batch against context for capacity rows."""
     from kvbench import render
@@ -420,7 +437,7 @@ def plot(results: Annotated[Path, typer.Argument(help="A CSV that kvbench wrote.
     render.note(f"wrote {written}")
 
 
-@app.command()
+@command
 def compare(baseline: Annotated[Path, typer.Argument(help="Baseline results CSV.")],
             new: Annotated[Path, typer.Argument(help="New results CSV.")],
             fail_above: Annotated[str | None, typer.Option(

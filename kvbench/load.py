@@ -7,23 +7,18 @@ from pathlib import Path
 import pandas as pd
 
 from kvbench.errors import KvbenchError
-from kvbench.results import (
-    ALLOCATION_COLUMNS,
-    BENCH_COLUMNS,
-    CAPACITY_COLUMNS,
-    CONFIG_COLUMNS,
-    MEMORY_COLUMNS,
-    VERIFY_COLUMNS,
-)
+from kvbench.results import CONFIG_COLUMNS, FILE_KINDS, header_accepted
 
-KINDS = {"bench": BENCH_COLUMNS, "memory": MEMORY_COLUMNS, "verify": VERIFY_COLUMNS,
-         "capacity": CAPACITY_COLUMNS, "allocation": ALLOCATION_COLUMNS}
+KINDS = {kind: columns for kind, (columns, _) in FILE_KINDS.items()}
 # The columns that identify a measured configuration (not when, not what was measured).
 KEY_COLUMNS = [c for c in CONFIG_COLUMNS if c != "timestamp"]
 
 
 def read_results(path: Path) -> tuple[str, pd.DataFrame]:
-    """A kvbench CSV -> (kind, rows). Refuses files that are not kvbench's, saying why."""
+    """A kvbench CSV -> (kind, rows). Refuses files that are not kvbench's, saying why.
+
+    A file written by an earlier release gets this release's columns, empty where it had none.
+    """
     path = Path(path)
     if not path.is_file():
         raise KvbenchError(f"{path}: no such file")
@@ -34,13 +29,13 @@ def read_results(path: Path) -> tuple[str, pd.DataFrame]:
     except (pd.errors.ParserError, UnicodeDecodeError, pd.errors.EmptyDataError) as err:
         raise KvbenchError(f"{path} is not a readable CSV: {str(err).splitlines()[0]}") from None
     columns = list(df.columns)
-    for kind, expected in KINDS.items():
-        if columns == expected:
+    for kind, (expected, first) in FILE_KINDS.items():
+        if header_accepted(columns, expected, first):
             if df.empty:
                 raise KvbenchError(f"{path} has a header but no rows")
-            return kind, df
+            return kind, df.reindex(columns=expected)
     best = max(KINDS, key=lambda k: len(set(KINDS[k]) & set(columns)))
-    missing = [c for c in KINDS[best] if c not in columns]
+    missing = [c for c in FILE_KINDS[best][1] if c not in columns]
     if len(missing) > len(KINDS[best]) // 2:
         raise KvbenchError(f"{path} is not a kvbench results file (no {', '.join(missing[:5])}"
                            f"{' …' if len(missing) > 5 else ''})")

@@ -1,8 +1,13 @@
 """Results files: tidy CSV, one row per measured configuration (SPEC §5).
 
 Rows are appended atomically: the new file (old bytes + new rows) is written beside the old
-one and moved over it, so an interrupted or failing run never leaves a partial row. A file
-whose header differs from this command's columns is refused and left untouched.
+one and moved over it, so an interrupted or failing run never leaves a partial row.
+
+Files outlive versions. Each kind of file has the columns its first release wrote (`first`);
+later releases only add columns. A file of the same kind written by an earlier kvbench (its
+header holds every first-release column and nothing this release does not write) takes new rows:
+it is rewritten, atomically, with the union of the headers, old rows getting empty cells. Any
+other header is refused and the file left untouched.
 """
 
 from __future__ import annotations
@@ -39,8 +44,33 @@ def _read_header(path: Path) -> list[str] | None:
         raise KvbenchError(f"{path} is not a CSV file; pass another --csv path") from None
 
 
-def check_csv(path: Path, columns: list[str]) -> None:
-    """Refuse early, before any work, a path that cannot take these rows."""
+def merged_header(old: list[str], new: list[str]) -> list[str]:
+    """The old header with the columns only `new` has, each placed after its predecessor in
+    `new`: an old file's column order stays as it was, and a file already in `new`'s order
+    stays in it."""
+    out = list(old)
+    for i, column in enumerate(new):
+        if column not in out:
+            after = next((out.index(p) + 1 for p in reversed(new[:i]) if p in out), 0)
+            out.insert(after, column)
+    return out
+
+
+def header_accepted(header: list[str], columns: list[str], first: list[str] | None) -> bool:
+    """Whether a file with this header can take rows of `columns` (see the module doc)."""
+    if header == columns:
+        return True
+    required = set(columns if first is None else first)
+    return (len(set(header)) == len(header) and set(header) <= set(columns)
+            and required <= set(header))
+
+
+def check_csv(path: Path, columns: list[str], first: list[str] | None = None) -> None:
+    """Refuse early, before any work, a path that cannot take these rows.
+
+    `first`: the columns of the first release of this kind of file; None accepts only a file
+    whose header is exactly `columns`.
+    """
     if path.exists():
         if path.is_dir():
             raise KvbenchError(f"--csv {path} is a directory; give a file path")
@@ -48,8 +78,8 @@ def check_csv(path: Path, columns: list[str]) -> None:
             raise KvbenchError(f"--csv {path} is not a regular file; give a file path "
                                "(or --no-csv to write none)")
         header = _read_header(path)
-        if header is not None and header != columns:
-            missing = [c for c in columns if c not in header]
+        if header is not None and not header_accepted(header, columns, first):
+            missing = [c for c in (first or columns) if c not in header]
             extra = [c for c in header if c not in columns]
             detail = f" (missing {', '.join(missing[:4])})" if missing else (
                 f" (unexpected {', '.join(extra[:4])})" if extra else " (order differs)")
@@ -68,21 +98,36 @@ def check_csv(path: Path, columns: list[str]) -> None:
                            "pass another --csv path") from None
 
 
-def append_csv(path: Path, rows: list[dict[str, object]], columns: list[str]) -> None:
-    """Append rows (keys ⊆ columns) to path, creating it and its folders as needed."""
-    check_csv(path, columns)
+def append_csv(path: Path, rows: list[dict[str, object]], columns: list[str],
+               first: list[str] | None = None) -> None:
+    """Append rows (keys ⊆ columns) to path, creating it and its folders as needed.
+
+    A file written by an earlier release (see check_csv's `first`) is rewritten with the union
+    of the headers; otherwise the old bytes are kept as they are and the rows added.
+    """
+    check_csv(path, columns, first)
     for row in rows:
         unknown = set(row) - set(columns)
         if unknown:
             raise ValueError(f"row has columns outside the header: {sorted(unknown)}")
-    buf = io.StringIO()
-    writer = csv.DictWriter(buf, fieldnames=columns, lineterminator="\n")
     existing = path.read_bytes() if path.exists() else b""
-    if not existing:
+    header = _read_header(path) if existing else None
+    buf = io.StringIO()
+    if header is not None and header != columns:
+        fields = merged_header(header, columns)
+        writer = csv.DictWriter(buf, fieldnames=fields, lineterminator="\n")
         writer.writeheader()
-    elif not existing.endswith(b"\n"):
-        existing += b"\n"
-    writer.writerows({c: _cell(row.get(c)) for c in columns} for row in rows)
+        with path.open(newline="") as f:
+            writer.writerows(csv.DictReader(f))  # old rows: the new columns stay empty
+        existing = b""
+    else:
+        fields = columns
+        writer = csv.DictWriter(buf, fieldnames=fields, lineterminator="\n")
+        if not existing:
+            writer.writeheader()
+        elif not existing.endswith(b"\n"):
+            existing += b"\n"
+    writer.writerows({c: _cell(row.get(c)) for c in fields} for row in rows)
     tmp = None
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -128,7 +173,7 @@ def _stats_columns(name: str) -> list[str]:
     return [name, f"{name}_min", f"{name}_max", f"{name}_iqr"]
 
 
-BENCH_COLUMNS = CONFIG_COLUMNS + [
+BENCH_FIRST = CONFIG_COLUMNS + [
     "warmup", "rounds", "verified",
     *_stats_columns("prefill_ms"), *_stats_columns("decode_recompute_ms"),
     *_stats_columns("decode_cached_ms"),
@@ -136,6 +181,7 @@ BENCH_COLUMNS = CONFIG_COLUMNS + [
     "min_bytes_per_step", "flops_per_step", "copy_gbps", "achieved_gbps", "bandwidth_fraction",
     "achieved_gflops", "blocks_used", "blocks_allocated", "sdpa_backend", "compile_ms",
 ] + ENV_COLUMNS
+BENCH_COLUMNS = BENCH_FIRST
 
 
 def config_cells(command: str, impl: str, config) -> dict[str, object]:
@@ -192,13 +238,14 @@ def bench_rows(result, env: dict[str, object]) -> list[dict[str, object]]:
     return rows
 
 
-MEMORY_COLUMNS = CONFIG_COLUMNS + [
+MEMORY_FIRST = CONFIG_COLUMNS + [
     "theoretical_kv_bytes", "weight_bytes",
     "recompute_peak_allocated_bytes", "recompute_peak_reserved_bytes",
     "cached_peak_allocated_bytes", "cached_peak_reserved_bytes",
     "decode_peak_allocated_bytes", "decode_peak_reserved_bytes",
     "after_allocated_bytes", "after_reserved_bytes",
 ] + ENV_COLUMNS
+MEMORY_COLUMNS = MEMORY_FIRST
 
 
 def memory_rows(result, env: dict[str, object]) -> list[dict[str, object]]:
@@ -268,3 +315,14 @@ def allocation_rows(results, env: dict[str, object]) -> list[dict[str, object]]:
         "reserved_increase_bytes": r.reserved_increase_bytes,
         "free_before_bytes": r.free_before_bytes, "passed": r.passed, **env,
     } for r in results]
+
+
+# kind -> (the columns this release writes, the columns of the first release). Later releases
+# add columns, never remove one, so every file of a kind has its first release's columns.
+FILE_KINDS = {
+    "verify": (VERIFY_COLUMNS, VERIFY_COLUMNS),
+    "bench": (BENCH_COLUMNS, BENCH_FIRST),
+    "memory": (MEMORY_COLUMNS, MEMORY_FIRST),
+    "capacity": (CAPACITY_COLUMNS, CAPACITY_COLUMNS),
+    "allocation": (ALLOCATION_COLUMNS, ALLOCATION_COLUMNS),
+}

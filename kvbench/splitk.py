@@ -20,6 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import torch
 
+from kvbench import footprint as fp
 from kvbench.cache import PreallocatedCache, register
 
 MIN_CHUNK = 256  # positions per work item: keeps per-item overhead small
@@ -225,6 +226,28 @@ class SplitKCache(PreallocatedCache):
         except ImportError:
             return "numba is not installed (pip install numba)"
         return None
+
+    @classmethod
+    def footprint(cls, config, options):
+        s, b = config.shape, config.dtype_bytes
+        z = fp.Sizes(s)
+        threads = max(1, torch.get_num_threads())
+
+        def gemm(n_in: int, n_out: int) -> int:
+            """skinny_gemm's output elements: one partial per thread, then their sum."""
+            parallel = n_in * n_out * b >= INLINE_BYTES and threads > 1
+            return (threads + 1) * s.batch * n_out if parallel else s.batch * n_out
+
+        qkv_out = (s.q_heads + 2 * s.kv_heads) * s.head_dim
+        held, rope_peak = fp.projection(s, 1, config.rope)
+
+        def step_at(t: int) -> int:
+            project = max(fp.x_copy(s, 1) + gemm(s.hidden, qkv_out), rope_peak)
+            attend = held + 2 * z.q(1)  # the scaled queries and the output
+            output = held + z.q(1) + gemm(s.q_heads * s.head_dim, s.hidden)
+            return max(project, attend, output) * b
+
+        return fp.preallocated(s, config.rope, b, z.kv(s.total_len) * b, step_at)
 
     def step(self, x_t):
         global _compile_ms

@@ -36,6 +36,25 @@ def test_compare_same_file_is_all_noise(bench_csv):
     assert "REGRESSION" not in result.stdout and "same" in result.stdout
 
 
+def test_compare_ratios_by_hand(bench_csv, tmp_path):
+    from kvbench.compare import compare
+    from kvbench.load import read_results
+
+    base = scaled(bench_csv, tmp_path / "base.csv", 1.0)
+    slow = scaled(bench_csv, tmp_path / "slow.csv", 1.5)
+    (kb, b), (kn, n) = read_results(base), read_results(slow)
+    result = compare(kb, b, n, kn, 0.1)
+    cached = [c for c in result.changes if c.metric == "decode_cached_ms"]
+    # 2 prompt lengths x 2 implementations, each 1.5 times slower, beyond 1% + 1.5% IQRs
+    assert len(cached) == 4
+    for c in cached:
+        assert c.ratio == pytest.approx(1.5) and c.new == pytest.approx(1.5 * c.base)
+        assert c.regression and not c.noise
+    # prefill was not touched: same values, no regression
+    prefill = [c for c in result.changes if c.metric == "prefill_ms"]
+    assert len(prefill) == 4 and all(c.ratio == 1.0 and not c.regression for c in prefill)
+
+
 def test_compare_flags_a_regression_and_exits_1(bench_csv, tmp_path):
     base = scaled(bench_csv, tmp_path / "base.csv", 1.0)
     slow = scaled(bench_csv, tmp_path / "slow.csv", 1.5)
@@ -111,6 +130,6 @@ def test_a_change_within_the_spreads_is_noise(bench_csv, tmp_path):
     far = scaled(bench_csv, tmp_path / "far.csv", 1.3)
     (kb, b), (kn, n), (kf, f) = map(read_results, (base, near, far))
     cached = [c for c in compare(kb, b, n, kn, 0.01).changes if c.metric == "decode_cached_ms"]
-    assert cached and all(c.noise and not c.regression for c in cached)
+    assert len(cached) == 4 and all(c.noise and not c.regression for c in cached)
     cached = [c for c in compare(kb, b, f, kf, 0.1).changes if c.metric == "decode_cached_ms"]
-    assert all(not c.noise and c.regression for c in cached)
+    assert len(cached) == 4 and all(not c.noise and c.regression for c in cached)

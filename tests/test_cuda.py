@@ -2,7 +2,6 @@
 
 import pytest
 
-from kvbench.cache import IMPLEMENTATIONS, ImplOptions
 from kvbench.config import CUDA_TIMING_CASE, SMALL_CASE, RunConfig
 from kvbench.verify import verify
 
@@ -14,8 +13,8 @@ pytestmark = pytest.mark.cuda
 def test_every_implementation_equals_recompute_on_cuda(dtype, rope):
     for shape in (SMALL_CASE, CUDA_TIMING_CASE):
         report = verify(RunConfig(shape, dtype, "cuda:0", 0, rope))
-        assert [c.impl for c in report.checks] == [n for n, c in IMPLEMENTATIONS.items()
-                                               if c.unavailable(report.config, ImplOptions()) is None]
+        # splitk is the CPU kernel; every other implementation runs on CUDA
+        assert [c.impl for c in report.checks] == ["concat", "static", "sdpa", "paged"]
         assert report.passed, [(c.impl, c.message) for c in report.checks]
 
 

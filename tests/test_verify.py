@@ -4,7 +4,7 @@ from broken import LossyCast, RopeOffByOne, ShiftedMask, ShortCache, WrongAppend
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvbench.cache import IMPLEMENTATIONS, ImplOptions
+from kvbench.cache import IMPLEMENTATIONS
 from kvbench.config import SMALL_CASE, LayerShape, RunConfig
 from kvbench.verify import verify
 
@@ -37,8 +37,9 @@ def shapes(draw):
        seed=st.integers(0, 1000))
 def test_every_implementation_equals_recompute(shape, rope, dtype, seed):
     report = verify(RunConfig(shape, dtype, "cpu", seed, rope))
-    assert [c.impl for c in report.checks] == [n for n, c in IMPLEMENTATIONS.items()
-                                               if c.unavailable(report.config, ImplOptions()) is None]
+    # splitk is float32 only; everything else runs every shape here
+    expected = ["concat", "static", "sdpa", "paged"] + (["splitk"] if dtype == "float32" else [])
+    assert [c.impl for c in report.checks] == expected
     for check in report.checks:
         assert check.passed, (check.impl, check.message)
         assert check.cache_shape == shape.cache_shape
