@@ -10,7 +10,8 @@ from kvbench import bandwidth, costs
 from kvbench.attention import AttentionLayer, make_inputs, recompute_decode
 from kvbench.cache import IMPLEMENTATIONS, ImplOptions
 from kvbench.config import RunConfig
-from kvbench.errors import KvbenchError
+from kvbench.device import free_bytes
+from kvbench.errors import KvbenchError, device_errors
 from kvbench.timing import Stats, time_interleaved
 from kvbench.verify import VerifyReport, verify
 
@@ -76,6 +77,14 @@ class BenchResult:
         return self.flops_per_step / (self.ms_per_step(t) * 1e-3) / 1e9
 
 
+def _guarded(work, phase: str, impl: str | None, device: str):
+    """work, with a runtime error inside it reported as a DeviceError naming the phase."""
+    def run(state):
+        with device_errors(phase, impl, free=lambda: free_bytes(device)):
+            return work(state)
+    return run
+
+
 def _rewound(impl, prompt_len: int):
     impl.rewind(prompt_len)
     return impl
@@ -116,19 +125,25 @@ def bench(config: RunConfig, impls: tuple[str, ...], options: BenchOptions,
         # Every task of this point, timed round-robin; the copy that gives the bandwidth
         # limit too, so the decode and its limit are measured under the same conditions.
         copy_bytes = bandwidth.copy_bytes(config.device)
-        tasks = {"copy": bandwidth.copy_task(config.device, copy_bytes)}
+        dev = config.device
+        with device_errors("copy buffers", None, free=lambda: free_bytes(dev)):
+            tasks = {"copy": bandwidth.copy_task(dev, copy_bytes)}
         if options.recompute:
-            tasks["recompute"] = (lambda _: recompute_decode(layer, x, s.prompt_len),
-                                  lambda: None)
+            tasks["recompute"] = (_guarded(lambda _: recompute_decode(layer, x, s.prompt_len),
+                                           "recompute", None, dev), lambda: None)
         prompt_caches = {}
         for name, cls in classes.items():
             if options.prefill:
-                tasks[f"prefill:{name}"] = (lambda impl: impl.prefill(prompt),
-                                            lambda cls=cls: fresh(cls))
+                fresh_one = _guarded(lambda cls: fresh(cls), "prefill", name, dev)
+                tasks[f"prefill:{name}"] = (_guarded(lambda impl: impl.prefill(prompt),
+                                                     "prefill", name, dev),
+                                            lambda f=fresh_one, cls=cls: f(cls))
             # One prompt cache per implementation; every sample decodes from it again.
-            impl = prompt_caches[name] = fresh(cls)
-            impl.prefill(prompt)
-            tasks[f"decode:{name}"] = (lambda impl: impl.decode(x, keep=False),
+            with device_errors("prefill", name, free=lambda: free_bytes(dev)):
+                impl = prompt_caches[name] = fresh(cls)
+                impl.prefill(prompt)
+            tasks[f"decode:{name}"] = (_guarded(lambda impl: impl.decode(x, keep=False),
+                                                "decode", name, dev),
                                        lambda impl=impl: _rewound(impl, s.prompt_len))
         stats = time_interleaved(tasks, config.device, options.warmup, options.rounds)
         timings = [ImplTiming(name, stats.get(f"prefill:{name}"), stats[f"decode:{name}"],

@@ -51,21 +51,24 @@ def register(cls: type[CachedAttention]) -> type[CachedAttention]:
     return cls
 
 
-def select_impls(spec: str, config: RunConfig, options: ImplOptions | None = None):
-    """Names to run for this configuration, and notes on those of "all" that cannot run here.
+def select_impls(spec: str, config: RunConfig, options: ImplOptions | None = None,
+                 strict: bool = True):
+    """Names to run for this configuration, and notes on those that cannot run here.
 
-    An implementation named explicitly that cannot run here is an error.
+    An implementation named explicitly that cannot run here is an error when `strict`; a
+    sweep passes strict=False and refuses only one that can run none of its points.
     """
     options = options or ImplOptions()
     names, notes = [], []
+    explicit = spec.strip().lower() != "all"
     for name in parse_impls(spec):
         reason = IMPLEMENTATIONS[name].unavailable(config, options)
         if reason is None:
             names.append(name)
-        elif spec.strip().lower() == "all":
-            notes.append(f"skipping {name}: {reason}")
-        else:
+        elif explicit and strict:
             raise KvbenchError(f"--impl {name} cannot run here: {reason}")
+        else:
+            notes.append((name, reason))
     return tuple(names), notes
 
 

@@ -95,6 +95,8 @@ Format = Annotated[str, typer.Option("--format", help="stdout: table (Rich), csv
 Quiet = Annotated[bool, typer.Option("--quiet", "-q", help="No table, notes or progress; errors only.")]
 NoCsv = Annotated[bool, typer.Option("--no-csv", help="Write no results file.")]
 SweepFile = Annotated[Path | None, typer.Option("--config", help="A sweep file (TOML) of option values; see configs/sweeps/.")]
+DryRun = Annotated[bool, typer.Option("--dry-run", help="Show every point's phases with their estimated peak memory, and what would be skipped and why; allocate nothing, exit 0.")]
+Force = Annotated[bool, typer.Option("--force", help="Run points whose estimated peak memory does not fit in what is available.")]
 FORMATS = ("table", "csv", "json")
 
 
@@ -108,7 +110,7 @@ def _options(ctx: typer.Context) -> dict[str, object]:
     path = values.pop("config", None)
     if path is None:
         return values
-    allowed = set(values) - {"config", "csv", "no_csv", "format", "quiet"}
+    allowed = set(values) - {"config", "csv", "no_csv", "format", "quiet", "dry_run", "force"}
     for key, value in load_sweep(path, ctx.info_name, allowed).items():
         source = ctx.get_parameter_source(key)
         if source is not None and source.name != "DEFAULT":
@@ -147,38 +149,94 @@ def _points(o: dict[str, object], reference_cases: bool = False):
     if reference_cases and not lists:
         shapes = [SMALL_CASE] + shapes
     options = ImplOptions(o["block_size"], o["sdpa_backend"])
-    points, notes = [], []
+    points, notes, refused, ran = [], [], {}, set()
+    explicit = o["impl"].strip().lower() != "all"
     for shape in shapes:
         for dt in dtypes:
             config = RunConfig(shape, dt, dev, o["seed"], o["rope"])
-            names, skipped = select_impls(o["impl"], config, options)
-            points.append((config, names))
-            notes += [n for n in skipped if n not in notes]
+            names, skipped = select_impls(o["impl"], config, options, strict=False)
+            ran.update(names)
+            for name, reason in skipped:
+                refused.setdefault(name, reason)
+                where = f" at {render.describe(config)}" if explicit else ""
+                line = f"skipping {name}{where}: {reason}"
+                if line not in notes:
+                    notes.append(line)
+            if names:
+                points.append((config, names))
+    # Named explicitly and unable to run any point: an error, not a note.
+    for name, reason in refused.items():
+        if explicit and name not in ran:
+            raise KvbenchError(f"--impl {name} cannot run here: {reason}")
     if not o["quiet"]:
         for line in notes:
             render.note(line)
     return points, options
 
 
-def _sweep(o: dict[str, object], command: str, points, run_point):
-    """Run every point with a progress bar; write rows; print machine formats; handle Ctrl-C.
+def _preflight(o: dict[str, object], command: str, points, impl_options, bench_options=None):
+    """Each point's memory plan. --dry-run shows them all and exits 0. Otherwise the points
+    that fit are returned with the plans of those that do not (each named on stderr); when
+    none fits, one line and exit 2. --force runs them all."""
+    from kvbench import preflight, render
+
+    plans = [preflight.plan(command, config, names, impl_options, bench_options)
+             for config, names in points]
+    if o["dry_run"]:
+        render.show_plans(command, plans)
+        raise typer.Exit(0)
+    too_big = [p for p in plans if not p.fits]
+    if o["force"]:
+        for p in too_big:
+            render.warn(f"--force: running {render.refusal(p)}")
+        return points, []
+    if too_big and len(too_big) == len(plans):
+        if len(plans) == 1:
+            raise KvbenchError(render.refusal(too_big[0]))
+        smallest = min(too_big, key=lambda p: max(x.peak_bytes / p.budget(x.memory)
+                                                  for x in p.over))
+        raise KvbenchError(f"none of the {len(plans)} points fits in memory; the smallest, "
+                           + render.refusal(smallest))
+    for p in too_big:
+        render.warn(f"skipping {render.refusal(p)}")
+    for p in plans:
+        if p.fits and p.heavy is not None:
+            render.warn(render.heavy(p))
+    return [pt for pt, p in zip(points, plans) if p.fits], too_big
+
+
+def _sweep(o: dict[str, object], command: str, points, run_point, impl_options,
+           bench_options=None):
+    """Preflight, then run every point with a progress bar; write rows; print machine
+    formats; handle Ctrl-C, device errors and skipped points.
 
     run_point(config, names, env) -> (result, rows). Returns the results of the points that ran.
+    A point that hits a device error is reported and the rest run; the exit status is then 3.
+    Points skipped as too big give exit 2 once the others have run.
     """
     from kvbench import render
     from kvbench.env import environment
+    from kvbench.errors import DeviceError
     from kvbench.results import FILE_KINDS, append_csv
 
     columns, first = FILE_KINDS[command]
     path = None if o["no_csv"] else _csv_target(o["csv"], command)
+    points, skipped = _preflight(o, command, points, impl_options, bench_options)
     env = environment(points[0][0].device)
-    results, rows = [], []
+    results, rows, failed = [], [], []
     interrupted = False
     with render.progress(len(points), enabled=not o["quiet"]) as bar:
         try:
             for config, names in points:
                 bar.point(render.describe(config))
-                result, new_rows = run_point(config, names, env)
+                try:
+                    result, new_rows = run_point(config, names, env)
+                except DeviceError as err:
+                    failed.append(err)
+                    print(f"kvbench: {render.device_error(config, err)}", file=sys.stderr)
+                    _release(config.device)
+                    bar.advance()
+                    continue
                 results.append(result)
                 rows += new_rows
                 if o["format"] == "table" and not o["quiet"]:
@@ -198,7 +256,28 @@ def _sweep(o: dict[str, object], command: str, points, run_point):
         raise typer.Exit(130)
     if not o["quiet"] and path is not None:
         render.note(f"{len(rows)} rows appended to {path}")
+    total = len(points) + len(skipped)
+    if failed:
+        print(f"kvbench: error: {len(failed)} of {total} points failed with a device or runtime "
+              "error (above)", file=sys.stderr)
+        raise typer.Exit(3)
+    if skipped:
+        print(f"kvbench: error: {len(skipped)} of {total} points skipped: too big for the memory "
+              "available (above); --dry-run shows the estimates, --force runs them",
+              file=sys.stderr)
+        raise typer.Exit(2)
     return results
+
+
+def _release(device: str) -> None:
+    """Free what a failed point left, so the next point starts clean."""
+    import gc
+
+    gc.collect()
+    if device.startswith("cuda"):
+        import torch
+
+        torch.cuda.empty_cache()
 
 
 @command
@@ -208,7 +287,8 @@ def verify(ctx: typer.Context, device: Device = "auto", dtype: Dtype = "float32"
            head_dim: HeadDim = None, seed: Seed = 0, impl: Impl = "all", rope: Rope = False,
            block_size: BlockSize = 16, sdpa_backend: SdpaBackend = "auto",
            config: SweepFile = None, csv: CsvPath = None, no_csv: NoCsv = False,
-           format: Format = "table", quiet: Quiet = False):
+           format: Format = "table", quiet: Quiet = False, dry_run: DryRun = False,
+           force: Force = False):
     """Prove that every cached implementation equals recompute, token by token.
 
     With no shape option it runs the small reference case and the device's timing case.
@@ -226,7 +306,7 @@ def verify(ctx: typer.Context, device: Device = "auto", dtype: Dtype = "float32"
         report = run_verify(config, {n: IMPLEMENTATIONS[n] for n in names}, options)
         return report, verify_rows(report, env)
 
-    reports = _sweep(o, "verify", points, run_point)
+    reports = _sweep(o, "verify", points, run_point, options)
     failures = [(r, c) for r in reports for c in r.checks if not c.passed]
     if failures:
         r, c = failures[0]
@@ -250,7 +330,8 @@ def bench(ctx: typer.Context, device: Device = "auto", dtype: Dtype = "float32",
           prefill: Annotated[bool, typer.Option(
               help="Time the prefill. --no-prefill saves minutes at long prompts.")] = True,
           config: SweepFile = None, csv: CsvPath = None, no_csv: NoCsv = False,
-          format: Format = "table", quiet: Quiet = False):
+          format: Format = "table", quiet: Quiet = False, dry_run: DryRun = False,
+          force: Force = False):
     """Time prefill, the recompute decode and each cached decode; verify first.
 
     Within a point, recompute and the implementations are timed interleaved, round by round,
@@ -273,7 +354,7 @@ def bench(ctx: typer.Context, device: Device = "auto", dtype: Dtype = "float32",
         return result, bench_rows(result, env)
 
     try:
-        _sweep(o, "bench", points, run_point)
+        _sweep(o, "bench", points, run_point, impl_options, options)
     except VerificationFailed as failed:
         render.show_verify(failed.report, stderr=True)
         bad = next(c for c in failed.report.checks if not c.passed)
@@ -289,7 +370,8 @@ def memory(ctx: typer.Context, device: Device = "auto", dtype: Dtype = "float32"
            head_dim: HeadDim = None, seed: Seed = 0, impl: Impl = "all", rope: Rope = False,
            block_size: BlockSize = 16, sdpa_backend: SdpaBackend = "auto",
            config: SweepFile = None, csv: CsvPath = None, no_csv: NoCsv = False,
-           format: Format = "table", quiet: Quiet = False):
+           format: Format = "table", quiet: Quiet = False, dry_run: DryRun = False,
+           force: Force = False):
     """Theoretical KV payload vs allocated vs reserved memory, per phase."""
     from kvbench.memory import memory as run_memory
     from kvbench.results import memory_rows
@@ -301,7 +383,7 @@ def memory(ctx: typer.Context, device: Device = "auto", dtype: Dtype = "float32"
         result = run_memory(config, names, options)
         return result, memory_rows(result, env)
 
-    _sweep(o, "memory", points, run_point)
+    _sweep(o, "memory", points, run_point, options)
 
 
 def _csv_target(csv: Path | None, kind: str) -> Path:

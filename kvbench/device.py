@@ -48,3 +48,12 @@ def device_name(device: str) -> str:
     except OSError:
         pass
     return platform.processor() or platform.machine() or "cpu"
+
+
+def free_bytes(device: str) -> int:
+    """Bytes that can still be allocated on the device (the host's MemAvailable on CPU)."""
+    if device.startswith("cuda"):
+        return torch.cuda.mem_get_info(device)[0]
+    from kvbench.preflight import host_available
+
+    return host_available()

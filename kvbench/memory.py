@@ -21,11 +21,13 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from kvbench import costs
+from kvbench import costs, footprint
 from kvbench.attention import AttentionLayer, make_inputs, recompute_decode
 from kvbench.cache import IMPLEMENTATIONS, ImplOptions
 from kvbench.config import RunConfig
-from kvbench.device import synchronize
+from kvbench.device import free_bytes, synchronize
+from kvbench.errors import device_errors
+from kvbench.footprint import ImplFootprint
 
 
 class CpuMemoryTracker(TorchDispatchMode):
@@ -112,6 +114,7 @@ class ImplMemory:
     impl: str
     cached: Window  # prefill + decode from nothing; its end is what the finished cache holds
     decode: Window  # decode above an already-built prompt cache
+    estimate: ImplFootprint  # the preflight's figures for the same windows
 
 
 @dataclass
@@ -120,34 +123,70 @@ class MemoryResult:
     theoretical_kv_bytes: int
     weight_bytes: int
     recompute: Window
+    recompute_estimate_bytes: int
     impls: list[ImplMemory]
 
 
+PHASES = ("recompute", "cached", "decode")  # the measured windows, in the order they run
+
+
 def memory(config: RunConfig, impls: tuple[str, ...],
-           impl_options: ImplOptions | None = None) -> MemoryResult:
+           impl_options: ImplOptions | None = None, order: tuple[str, ...] = PHASES,
+           warm: bool = True) -> MemoryResult:
+    """Measure each phase's window. Every phase first runs once unmeasured (`warm`), so
+    workspaces that libraries create on first use (cuBLAS, cuDNN, SDPA) land in no window
+    and no figure depends on which phase ran first. `order` permutes the windows (tests)."""
     s = config.shape
     impl_options = impl_options or ImplOptions()
     layer = AttentionLayer.from_config(config)
     x = make_inputs(config)
     prompt = x[:, : s.prompt_len]
+    classes = {name: IMPLEMENTATIONS[name] for name in impls}
 
+    def run_recompute():
+        recompute_decode(layer, x, s.prompt_len)
+
+    def run_cached(cls):
+        impl = cls(layer, s.batch, s.total_len, impl_options)
+        impl.prefill(prompt)
+        impl.decode(x, keep=False)
+        return impl
+
+    def prompt_cache(cls):
+        impl = cls(layer, s.batch, s.total_len, impl_options)
+        impl.prefill(prompt)
+        return impl
+
+    def guard(phase: str, impl: str | None = None):
+        return device_errors(f"memory: {phase}", impl, free=lambda: free_bytes(config.device))
+
+    windows: dict[tuple[str, str | None], Window] = {}
     with torch.no_grad():
-        with measure(config.device) as recompute:
-            out = recompute_decode(layer, x, s.prompt_len)
-            del out
-        results = []
-        for name in impls:
-            cls = IMPLEMENTATIONS[name]
-            with measure(config.device) as cached:
-                impl = cls(layer, s.batch, s.total_len, impl_options)
-                impl.prefill(prompt)
-                impl.decode(x, keep=False)
-            del impl
-            impl = cls(layer, s.batch, s.total_len, impl_options)
-            impl.prefill(prompt)
-            with measure(config.device) as decoded:
-                impl.decode(x, keep=False)
-            del impl
-            results.append(ImplMemory(name, cached, decoded))
+        if warm:
+            with guard("recompute"):
+                run_recompute()
+            for name, cls in classes.items():
+                with guard("prefill + decode", name):
+                    run_cached(cls)
+        for phase in order:
+            if phase == "recompute":
+                with guard("recompute"), measure(config.device) as windows[phase, None]:
+                    run_recompute()
+            for name, cls in classes.items():
+                if phase == "cached":
+                    with guard("prefill + decode", name):
+                        with measure(config.device) as windows[phase, name]:
+                            impl = run_cached(cls)  # held to the window's end: "after the run"
+                        del impl
+                elif phase == "decode":
+                    with guard("decode", name):
+                        impl = prompt_cache(cls)
+                        with measure(config.device) as windows[phase, name]:
+                            impl.decode(x, keep=False)
+                        del impl
+    results = [ImplMemory(name, windows["cached", name], windows["decode", name],
+                          cls.footprint(config, impl_options))
+               for name, cls in classes.items()]
     theoretical = costs.kv_bytes(s, s.total_len, config.dtype_bytes)
-    return MemoryResult(config, theoretical, layer.weight_bytes, recompute, results)
+    return MemoryResult(config, theoretical, layer.weight_bytes, windows["recompute", None],
+                        footprint.recompute(s, config.rope, config.dtype_bytes), results)

@@ -144,23 +144,24 @@ def note(message: str) -> None:
 
 def memory_table(result) -> Table:
     t = _table(f"memory  {describe(result.config)}")
-    for col in ("impl", "phase", "allocated MiB", "reserved MiB"):
+    for col in ("impl", "phase", "allocated", "reserved", "estimate"):
         t.add_column(col, justify="left" if col in ("impl", "phase") else "right", no_wrap=True)
     rec = result.recompute
-    t.add_row("—", "theoretical final KV", mib(result.theoretical_kv_bytes), "")
-    t.add_row("—", "weights (not in the peaks)", mib(result.weight_bytes), "")
+    t.add_row("—", "theoretical final KV", mib(result.theoretical_kv_bytes), "", "")
+    t.add_row("—", "weights (not in the peaks)", mib(result.weight_bytes), "", "")
     t.add_row("recompute", "peak, all G steps", mib(rec.peak_allocated_bytes),
-              mib(rec.peak_reserved_bytes))
+              mib(rec.peak_reserved_bytes), mib(result.recompute_estimate_bytes))
     for m in result.impls:
         t.add_row(m.impl, "peak, prefill + decode", mib(m.cached.peak_allocated_bytes),
-                  mib(m.cached.peak_reserved_bytes))
-        t.add_row(m.impl, "peak, decode above prompt cache", mib(m.decode.peak_allocated_bytes),
-                  mib(m.decode.peak_reserved_bytes))
+                  mib(m.cached.peak_reserved_bytes), mib(m.estimate.cached))
+        t.add_row(m.impl, "peak, decode above the prompt", mib(m.decode.peak_allocated_bytes),
+                  mib(m.decode.peak_reserved_bytes), mib(m.estimate.decode))
         t.add_row(m.impl, "held after the run", mib(m.cached.end_allocated_bytes),
-                  mib(m.cached.end_reserved_bytes))
-    t.caption = ("MiB = 2**20 bytes, each above the baseline when its phase began (weights and "
+                  mib(m.cached.end_reserved_bytes), mib(m.estimate.storage))
+    t.caption = ("In MiB (2**20 bytes), each above the baseline when its phase began (weights and "
                  "inputs are in the baseline). allocated: live tensors; reserved: what the "
-                 "CUDA caching allocator holds (n/a on CPU).")
+                 "CUDA caching allocator holds (n/a on CPU); estimate: the preflight's figure "
+                 "for allocated. Every phase ran once unmeasured first.")
     return t
 
 
@@ -316,3 +317,66 @@ def show_comparison(c) -> None:
                  + (f"; regression = worse by more than {100 * c.threshold:g}% and beyond noise"
                     if c.threshold is not None else ""))
     out.print(t)
+
+
+def refusal(plan) -> str:
+    """One line: the point, the phase that does not fit, its estimate against the budget, and
+    what avoids it."""
+    phase = plan.over[0]
+    avail = plan.available_bytes[phase.memory]
+    where = "device" if phase.memory == "device" else "host"
+    return (f"{describe(plan.config)}: {phase.name} needs an estimated "
+            f"{human_bytes(phase.peak_bytes)} of {where} memory, more than the "
+            f"{human_bytes(plan.budget(phase.memory))} a point may use "
+            f"({100 * plan.budget(phase.memory) / avail:.0f}% of {human_bytes(avail)} available); "
+            f"{phase.remedy} (--dry-run shows every phase; --force runs it anyway)")
+
+
+def heavy(plan) -> str:
+    """One line for a point that fits but needs most of the memory available."""
+    phase = plan.heavy
+    avail = plan.available_bytes[phase.memory]
+    return (f"{describe(plan.config)}: {phase.name} needs an estimated "
+            f"{human_bytes(phase.peak_bytes)}, {100 * phase.peak_bytes / avail:.0f}% of the "
+            f"{human_bytes(avail)} of {phase.memory} memory available; if other work needs "
+            f"memory too: {phase.remedy}")
+
+
+def device_error(config, err) -> str:
+    """One line for a DeviceError: what kind, the point, the implementation and phase, and for
+    out-of-memory the bytes asked for and free."""
+    what = f"{err.impl} {err.phase}" if err.impl else err.phase
+    if err.out_of_memory:
+        asked = err.requested_bytes
+        detail = "out of memory" + (f": tried to allocate {human_bytes(asked)}" if asked else "")
+        if err.free_bytes is not None:
+            detail += f" with {human_bytes(err.free_bytes)} free"
+        detail += "; --dry-run shows the estimate, a smaller --batch or --prompt-len needs less"
+        kind = "device error"
+    else:
+        detail, kind = err.detail, "runtime error"
+    return f"{kind}: {describe(config)}: {what}: {detail}"
+
+
+def plan_table(command: str, plan) -> Table:
+    verdict = "[green]fits[/]" if plan.fits else "[red bold]too big[/]"
+    t = _table(f"{command} --dry-run  {describe(plan.config)}: {verdict}")
+    for col in ("phase", "memory", "estimated peak", "may use", ""):
+        t.add_column(col, justify="right" if col in ("estimated peak", "may use") else "left",
+                     no_wrap=col != "")
+    over = set(plan.over)
+    for p in plan.phases:
+        t.add_row(p.name, p.memory, human_bytes(p.peak_bytes), human_bytes(plan.budget(p.memory)),
+                  f"[red]too big: {p.remedy}[/]" if p in over else "")
+    t.caption = (f"implementations: {', '.join(plan.impls)}; each phase's estimated peak for "
+                 "the whole process above what it held before the point; a point may use "
+                 "80% of the memory available now")
+    return t
+
+
+def show_plans(command: str, plans) -> None:
+    for plan in plans:
+        out.print(plan_table(command, plan))
+    bad = [p for p in plans if not p.fits]
+    out.print(f"{len(plans) - len(bad)} of {len(plans)} points fit"
+              + (f"; {len(bad)} would be skipped (--force runs them)" if bad else ""))

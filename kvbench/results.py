@@ -245,7 +245,10 @@ MEMORY_FIRST = CONFIG_COLUMNS + [
     "decode_peak_allocated_bytes", "decode_peak_reserved_bytes",
     "after_allocated_bytes", "after_reserved_bytes",
 ] + ENV_COLUMNS
-MEMORY_COLUMNS = MEMORY_FIRST
+MEMORY_COLUMNS = MEMORY_FIRST[:-len(ENV_COLUMNS)] + [
+    "recompute_peak_estimated_bytes", "cached_peak_estimated_bytes",
+    "decode_peak_estimated_bytes",
+] + ENV_COLUMNS
 
 
 def memory_rows(result, env: dict[str, object]) -> list[dict[str, object]]:
@@ -261,6 +264,9 @@ def memory_rows(result, env: dict[str, object]) -> list[dict[str, object]]:
         "decode_peak_reserved_bytes": m.decode.peak_reserved_bytes,
         "after_allocated_bytes": m.cached.end_allocated_bytes,
         "after_reserved_bytes": m.cached.end_reserved_bytes,
+        "recompute_peak_estimated_bytes": result.recompute_estimate_bytes,
+        "cached_peak_estimated_bytes": m.estimate.cached,
+        "decode_peak_estimated_bytes": m.estimate.decode,
         **env,
     } for m in result.impls]
 

@@ -15,6 +15,8 @@ import torch
 from kvbench.attention import AttentionLayer, full_forward, make_inputs, recompute_decode
 from kvbench.cache import IMPLEMENTATIONS, CachedAttention, ImplOptions
 from kvbench.config import RunConfig
+from kvbench.device import free_bytes
+from kvbench.errors import DeviceError, device_errors, is_device_error, is_out_of_memory
 
 TOLERANCES = {  # dtype -> (rtol, atol)
     "float32": (1e-4, 1e-5),
@@ -78,28 +80,36 @@ def verify(config: RunConfig, impls: dict[str, type[CachedAttention]] | None = N
     x = make_inputs(config)
 
     with torch.no_grad():
-        ref_prefill = full_forward(layer, x[:, : s.prompt_len])
-        ref_steps = recompute_decode(layer, x, s.prompt_len)
-        layer64 = layer.to(torch.float64)
-        x64 = x.double()
-        exact_steps = recompute_decode(layer64, x64, s.prompt_len)
-        recompute_fp64 = max(_max_abs(a, e) for a, e in zip(ref_steps, exact_steps))
+        with device_errors("verify: path A", free=lambda: free_bytes(config.device)):
+            ref_prefill = full_forward(layer, x[:, : s.prompt_len])
+            ref_steps = recompute_decode(layer, x, s.prompt_len)
+            layer64 = layer.to(torch.float64)
+            x64 = x.double()
+            exact_steps = recompute_decode(layer64, x64, s.prompt_len)
+            recompute_fp64 = max(_max_abs(a, e) for a, e in zip(ref_steps, exact_steps))
 
-        checks = [_check(name, cls(layer, s.batch, s.total_len, options), x, config,
-                         ref_prefill, ref_steps, exact_steps, rtol, atol)
+        checks = [_check(name, cls, layer, options, x, config, ref_prefill, ref_steps,
+                         exact_steps, rtol, atol)
                   for name, cls in impls.items()]
     return VerifyReport(config, rtol, atol, recompute_fp64, checks)
 
 
-def _check(name, impl, x, config, ref_prefill, ref_steps, exact_steps, rtol, atol):
+def _check(name, cls, layer, options, x, config, ref_prefill, ref_steps, exact_steps, rtol,
+           atol):
     s = config.shape
+    impl = None
     try:
+        impl = cls(layer, s.batch, s.total_len, options)
         prefill, steps = run_cached(impl, x, s.prompt_len)
         cache_shape = tuple(impl.kv()[0].shape)
-    except RuntimeError as err:  # e.g. a broken append that makes shapes disagree
+    except (RuntimeError, MemoryError) as err:
+        if is_device_error(err):  # out of memory, a device-side assert: not a mismatch
+            free = free_bytes(config.device) if is_out_of_memory(err) else None
+            raise DeviceError("verify", name, err, free) from err
+        # a bug in the implementation, e.g. a broken append that makes shapes disagree
         first_line = str(err).strip().splitlines()[0]
         return ImplCheck(name, False, float("inf"), float("inf"), float("inf"), float("inf"),
-                         (), impl.length - s.prompt_len + 1 if impl.length else 0,
+                         (), impl.length - s.prompt_len + 1 if impl and impl.length else 0,
                          f"raised: {first_line}")
 
     first_bad, message = None, ""
