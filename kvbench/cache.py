@@ -9,6 +9,7 @@ in IMPLEMENTATIONS with `@register`.
 from __future__ import annotations
 
 import math
+import warnings
 from abc import ABC, abstractmethod
 from collections import deque
 from contextlib import nullcontext
@@ -82,6 +83,12 @@ def parse_impls(spec: str) -> tuple[str, ...]:
         raise KvbenchError(f"unknown implementation {', '.join(unknown) or repr(spec)}; "
                            f"use 'all' or a comma list of {', '.join(IMPLEMENTATIONS)}")
     return names
+
+
+def backend_declined(err: RuntimeError) -> bool:
+    """Whether SDPA refused the call because no enabled backend takes it (CUDA: "No available
+    kernel"; CPU: "No viable backend"), as opposed to failing while running it."""
+    return any(m in str(err) for m in ("No available kernel", "No viable backend"))
 
 
 class CachedAttention(ABC):
@@ -286,11 +293,14 @@ class SdpaCache(PreallocatedCache):
         usable = []
         for name in SDPA_BACKENDS[1:]:
             try:
-                with sdpa_kernel(_BACKENDS[name]):
+                # torch warns why each fused kernel declines: the answer is the list below
+                with warnings.catch_warnings(), sdpa_kernel(_BACKENDS[name]):
+                    warnings.simplefilter("ignore")
                     F.scaled_dot_product_attention(q, k, k, enable_gqa=True)
                 usable.append(name)
-            except RuntimeError:
-                pass
+            except RuntimeError as err:
+                if not backend_declined(err):  # out of memory, a device error: not "unavailable"
+                    raise
         if options.sdpa_backend not in usable:
             return (f"SDPA backend {options.sdpa_backend} is not available for this shape, "
                     f"dtype and device; available: {', '.join(usable) or 'none'}")
@@ -363,19 +373,33 @@ class PagedCache(CachedAttention):
         self.k_pool = torch.empty(shape, dtype=layer.dtype, device=layer.device)
         self.v_pool = torch.empty(shape, dtype=layer.dtype, device=layer.device)
         self.free = deque(range(n_blocks))
+        # The block tables live on the host, where blocks are handed out; the device holds a
+        # copy for the gather, uploaded whole (one copy, no host sync) when a block is taken.
         self.tables: list[list[int]] = [[] for _ in range(batch)]
-        # [B, blocks_per_seq] block ids, for gathering on the device; -1 = none yet
         self.table = torch.full((batch, self.blocks_per_seq), -1, dtype=torch.long,
-                                device=layer.device)
+                                device=layer.device)  # [B, blocks_per_seq] block ids; -1 = none
+        self.uploads = 0
+
+    def _upload(self) -> None:
+        rows = torch.tensor([t + [-1] * (self.blocks_per_seq - len(t)) for t in self.tables],
+                            dtype=torch.long)
+        if self.table.is_cuda:  # from pinned memory the copy is queued, not waited for
+            self.table.copy_(rows.pin_memory(), non_blocking=True)
+        else:
+            self.table.copy_(rows)
+        self.uploads += 1
 
     def _grow(self, length: int) -> None:
         need = math.ceil(length / self.options.block_size)
-        for b, blocks in enumerate(self.tables):
+        opened = False
+        for blocks in self.tables:
             while len(blocks) < need:
                 if not self.free:
                     raise KvbenchError("paged cache: the block pool is exhausted")
                 blocks.append(self.free.popleft())
-                self.table[b, len(blocks) - 1] = blocks[-1]
+                opened = True
+        if opened:
+            self._upload()
 
     def write(self, k: torch.Tensor, v: torch.Tensor) -> None:
         """k, v [B, H_kv, n, D] at positions length..length+n-1."""
@@ -401,10 +425,13 @@ class PagedCache(CachedAttention):
 
     def rewind(self, length):
         keep = math.ceil(length / self.options.block_size)
-        for b, blocks in enumerate(self.tables):
+        released = False
+        for blocks in self.tables:
             while len(blocks) > keep:
                 self.free.appendleft(blocks.pop())
-            self.table[b, keep:] = -1
+                released = True
+        if released:
+            self._upload()
         self.length = length
 
     def stats(self):

@@ -79,3 +79,13 @@ class ShortCache(StaticCache):
         self.write(k, v)
         keys, values = self.k_cache[:, :, : self.length], self.v_cache[:, :, : self.length]
         return self.layer.output(self.attend(q, keys, values))
+
+
+class ReadsOnHost(StaticCache):
+    """Reads a cached value back as a Python number every step: a host sync on a GPU."""
+
+    name = "reads-on-host"
+
+    def step(self, x_t):
+        if float(self.k_cache[0, 0, 0, 0]) != float("inf"):
+            return super().step(x_t)

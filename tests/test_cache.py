@@ -1,5 +1,6 @@
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 from typer.testing import CliRunner
 
 from kvbench.attention import AttentionLayer, make_inputs
@@ -108,3 +109,65 @@ def test_all_skips_what_cannot_run_here_with_a_note(tmp_path):
     result = runner.invoke(app, ["verify", *TINY, "--dtype", "bf16", "--csv", str(out)])
     assert result.exit_code == 0, result.output
     assert "skipping splitk: float32 only" in result.stderr
+
+
+class NoHostReads(TorchDispatchMode):
+    """Fails on any tensor read back as a Python number (.item(), int(), float(), .tolist()):
+    on a GPU each waits for every queued kernel. The CPU-side stand-in for the CUDA test's
+    torch.cuda.set_sync_debug_mode("error")."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten._local_scalar_dense.default:
+            raise AssertionError("a tensor was read on the host inside a timed step")
+        return func(*args, **(kwargs or {}))
+
+
+def _prefill_and_decode(cls, options=None):
+    config = RunConfig(SHAPE)
+    layer, x = AttentionLayer.from_config(config), make_inputs(config)
+    impl = cls(layer, 2, SHAPE.total_len, options)
+    with torch.no_grad(), NoHostReads():
+        impl.prefill(x[:, :21])
+        impl.decode(x, keep=False)
+    return impl
+
+
+@pytest.mark.parametrize("name", list(IMPLEMENTATIONS))
+def test_no_implementation_reads_a_tensor_on_the_host_in_prefill_or_decode(name):
+    _prefill_and_decode(IMPLEMENTATIONS[name])
+
+
+def test_a_host_read_in_a_step_is_caught():
+    from broken import ReadsOnHost
+
+    with pytest.raises(AssertionError, match="read on the host"):
+        _prefill_and_decode(ReadsOnHost)
+
+
+def test_paged_uploads_its_table_once_per_prefill_and_per_new_block():
+    # 21 prompt positions in blocks of 8 -> 3 blocks; steps to 22..27 open a 4th block at 25.
+    paged = _prefill_and_decode(PagedCache, ImplOptions(block_size=8))
+    assert paged.uploads == 2
+    assert paged.table.tolist() == [t + [-1] * (4 - len(t)) for t in paged.tables]
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("name", ["concat", "static", "sdpa", "paged"])
+def test_no_host_sync_in_prefill_or_decode_on_cuda(name):
+    config = RunConfig(SHAPE, device="cuda:0")
+    layer, x = AttentionLayer.from_config(config), make_inputs(config)
+    cls = IMPLEMENTATIONS[name]
+    with torch.no_grad():
+        warm = cls(layer, 2, SHAPE.total_len)  # first-use allocations and library handles
+        warm.prefill(x[:, :21])
+        warm.decode(x, keep=False)
+        impl = cls(layer, 2, SHAPE.total_len)
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            impl.prefill(x[:, :21])
+            impl.decode(x, keep=False)
+            impl.rewind(21)  # bench's setup between samples
+            impl.decode(x, keep=False)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
