@@ -2,14 +2,15 @@
 
 One merged fp16 tensor [L, 2, B, H_kv, T, D] (K and V side by side: a check of the payload,
 not a production layout) is allocated, zero-filled so its pages are really touched, read at
-its first and last element, and the increase of allocated memory is compared with the request
-as the caching allocator rounds it. It does not model weights, activations, a paged
+its first and last element, and the growth of allocated and of reserved memory is compared with
+a model of the caching allocator's rules (allocator_model), not with the formula itself. It does not model weights, activations, a paged
 allocator, CUDA graphs or scheduling, and it is not an OOM-limit test.
 """
 
 from __future__ import annotations
 
 import gc
+import os
 from dataclasses import dataclass
 
 import torch
@@ -24,17 +25,32 @@ CASES = {
 }
 
 
-def allocator_rounding(nbytes: int) -> int:
-    """Bytes the CUDA caching allocator hands out for a request of nbytes.
+# PyTorch's CUDA caching allocator with its default settings (no expandable segments, no
+# roundup_power2_divisions, max_split_size unlimited), c10/cuda/CUDACachingAllocator.cpp:
+MIN_BLOCK = 512  # kMinBlockSize: every request is rounded up to a multiple of this
+SMALL_SIZE = 1 * MIB  # kSmallSize: the largest request the small pool serves
+SMALL_BUFFER = 2 * MIB  # kSmallBuffer: the segment the small pool allocates
+MIN_LARGE_ALLOC = 10 * MIB  # kMinLargeAlloc: from here up a request gets a segment of its own
+LARGE_BUFFER = 20 * MIB  # kLargeBuffer: the segment shared by requests of 1 to 10 MiB
+ROUND_LARGE = 2 * MIB  # kRoundLarge: the rounding of a segment of its own
 
-    Requests round up to 512 bytes; blocks above 1 MiB come from segments rounded up to
-    2 MiB, and a request above 10 MiB gets a segment of its own size rounded to 2 MiB
-    (c10/cuda/CUDACachingAllocator.cpp: kMinBlockSize, kRoundLarge, kLargeBuffer).
+
+def allocator_model(nbytes: int) -> tuple[int, int]:
+    """(allocated, reserved) growth for one request of nbytes when no cached block can serve
+    it: round_size, get_allocation_size and should_split of CUDACachingAllocator.cpp.
+
+    A new segment is split when the remainder is worth keeping (small pool: at least
+    kMinBlockSize; large pool: more than kSmallSize); the request then holds its rounded size.
+    Unsplit, it holds the whole segment, and allocated grows by all of it.
     """
-    rounded = max(512, -(-nbytes // 512) * 512)
-    if rounded > 10 * MIB:
-        return -(-rounded // (2 * MIB)) * (2 * MIB)
-    return rounded
+    size = max(MIN_BLOCK, -(-nbytes // MIN_BLOCK) * MIN_BLOCK)
+    if size <= SMALL_SIZE:
+        segment = SMALL_BUFFER
+        split = segment - size >= MIN_BLOCK
+    else:
+        segment = LARGE_BUFFER if size < MIN_LARGE_ALLOC else -(-size // ROUND_LARGE) * ROUND_LARGE
+        split = segment - size > SMALL_SIZE
+    return (size if split else segment), segment
 
 
 @dataclass
@@ -43,17 +59,19 @@ class AllocationResult:
     shape: tuple[int, ...]
     formula_bytes: int  # 2·L·B·T·H_kv·D·2
     requested_bytes: int  # numel × element size
-    expected_increase_bytes: int  # the allocator's rounding of the request
+    expected_increase_bytes: int  # allocated growth, by the allocator model
     allocated_increase_bytes: int  # measured
-    reserved_increase_bytes: int
+    reserved_increase_bytes: int  # measured
     free_before_bytes: int
     first: float
     last: float
+    expected_reserved_increase_bytes: int = 0  # reserved growth, by the allocator model
 
     @property
     def passed(self) -> bool:
         return (self.requested_bytes == self.formula_bytes
                 and self.allocated_increase_bytes == self.expected_increase_bytes
+                and self.reserved_increase_bytes == self.expected_reserved_increase_bytes
                 and self.first == 0.0 and self.last == 0.0)
 
 
@@ -72,6 +90,9 @@ def check_allocation(case: str, layers: int, batch: int, seq_len: int, kv_heads:
             f"case {case}: {free / 2**30:.2f} GiB free on {device}, need "
             f"{(formula + margin_bytes) / 2**30:.2f} GiB (payload {formula / 2**30:.2f} GiB + "
             f"margin {margin_bytes / 2**30:.2f} GiB); free memory or lower --margin")
+    if os.environ.get("PYTORCH_CUDA_ALLOC_CONF"):
+        raise KvbenchError("the allocation check models the default CUDA caching allocator; "
+                           "unset PYTORCH_CUDA_ALLOC_CONF for it")
     allocate = allocate or (lambda s: torch.empty(s, dtype=torch.float16, device=device))
     _release(device)
     alloc0 = torch.cuda.memory_allocated(device)
@@ -81,10 +102,11 @@ def check_allocation(case: str, layers: int, batch: int, seq_len: int, kv_heads:
     first, last = cache.view(-1)[0].item(), cache.view(-1)[-1].item()
     torch.cuda.synchronize(device)
     requested = cache.numel() * cache.element_size()
+    allocated, reserved = allocator_model(formula)
     result = AllocationResult(
-        case, tuple(cache.shape), formula, requested, allocator_rounding(formula),
+        case, tuple(cache.shape), formula, requested, allocated,
         torch.cuda.memory_allocated(device) - alloc0, torch.cuda.memory_reserved(device) - res0,
-        free, first, last)
+        free, first, last, reserved)
     del cache
     _release(device)
     return result

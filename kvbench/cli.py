@@ -499,8 +499,9 @@ def _allocate(case: str, device: str, margin_bytes: int, csv: Path | None):
     if not all(r.passed for r in results):
         bad = next(r for r in results if not r.passed)
         print(f"kvbench: allocation check failed: case {bad.case}: allocated grew by "
-              f"{bad.allocated_increase_bytes} bytes, expected {bad.expected_increase_bytes}",
-              file=sys.stderr)
+              f"{bad.allocated_increase_bytes} bytes (model {bad.expected_increase_bytes}), "
+              f"reserved by {bad.reserved_increase_bytes} (model "
+              f"{bad.expected_reserved_increase_bytes})", file=sys.stderr)
         raise typer.Exit(1)
 
 

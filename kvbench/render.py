@@ -229,14 +229,19 @@ def models_table(models) -> Table:
 
 def allocation_table(results) -> Table:
     t = _table("capacity --allocate  one fp16 tensor [L, 2, B, H_kv, T, D] per case")
-    for col in ("case", "shape", "formula", "numel × size", "expected Δallocated",
-                "measured Δallocated", "Δreserved", "result"):
+    for col in ("case", "shape", "formula", "numel × size", "Δallocated model",
+                "Δallocated", "Δreserved model", "Δreserved", "result"):
         t.add_column(col, justify="left" if col in ("case", "shape", "result") else "right")
     for r in results:
         t.add_row(r.case, "×".join(map(str, r.shape)), human_bytes(r.formula_bytes),
                   human_bytes(r.requested_bytes), human_bytes(r.expected_increase_bytes),
-                  human_bytes(r.allocated_increase_bytes), human_bytes(r.reserved_increase_bytes),
+                  human_bytes(r.allocated_increase_bytes),
+                  human_bytes(r.expected_reserved_increase_bytes),
+                  human_bytes(r.reserved_increase_bytes),
                   "[green]PASS[/]" if r.passed else "[red bold]FAIL[/]")
+    t.caption = ("model: the CUDA caching allocator's rounding, segment and split rules "
+                 "(c10/cuda/CUDACachingAllocator.cpp); measured: memory_allocated and "
+                 "memory_reserved before and after")
     return t
 
 

@@ -304,11 +304,13 @@ def capacity_rows(p, env: dict[str, object]) -> list[dict[str, object]]:
     return [row]
 
 
-ALLOCATION_COLUMNS = [
+ALLOCATION_FIRST = [
     "timestamp", "command", "case", "shape", "formula_bytes", "requested_bytes",
     "expected_increase_bytes", "allocated_increase_bytes", "reserved_increase_bytes",
     "free_before_bytes", "passed",
 ] + ENV_COLUMNS
+ALLOCATION_COLUMNS = ALLOCATION_FIRST[:-len(ENV_COLUMNS) - 2] + [
+    "expected_reserved_increase_bytes", "free_before_bytes", "passed"] + ENV_COLUMNS
 
 
 def allocation_rows(results, env: dict[str, object]) -> list[dict[str, object]]:
@@ -319,6 +321,7 @@ def allocation_rows(results, env: dict[str, object]) -> list[dict[str, object]]:
         "expected_increase_bytes": r.expected_increase_bytes,
         "allocated_increase_bytes": r.allocated_increase_bytes,
         "reserved_increase_bytes": r.reserved_increase_bytes,
+        "expected_reserved_increase_bytes": r.expected_reserved_increase_bytes,
         "free_before_bytes": r.free_before_bytes, "passed": r.passed, **env,
     } for r in results]
 
@@ -330,5 +333,5 @@ FILE_KINDS = {
     "bench": (BENCH_COLUMNS, BENCH_FIRST),
     "memory": (MEMORY_COLUMNS, MEMORY_FIRST),
     "capacity": (CAPACITY_COLUMNS, CAPACITY_COLUMNS),
-    "allocation": (ALLOCATION_COLUMNS, ALLOCATION_COLUMNS),
+    "allocation": (ALLOCATION_COLUMNS, ALLOCATION_FIRST),
 }
