@@ -89,3 +89,26 @@ class ReadsOnHost(StaticCache):
     def step(self, x_t):
         if float(self.k_cache[0, 0, 0, 0]) != float("inf"):
             return super().step(x_t)
+
+
+_WORKSPACE = []
+
+
+class LazyWorkspace(StaticCache):
+    """Creates a 1 MiB workspace on its first step and keeps it, as cuBLAS and cuDNN do."""
+
+    name = "lazy-workspace"
+
+    def step(self, x_t):
+        if not _WORKSPACE:
+            _WORKSPACE.append(torch.empty(2**18))
+        return super().step(x_t)
+
+
+class OutOfMemory(StaticCache):
+    """Asks for far more than any machine has on its first step: a real allocator failure."""
+
+    name = "out-of-memory"
+
+    def step(self, x_t):
+        torch.empty(2**60, dtype=torch.uint8)

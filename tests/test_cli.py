@@ -148,3 +148,23 @@ def test_memory_writes_bytes_and_leaves_reserved_empty_on_cpu(tmp_path):
     assert (paged["after_allocated_bytes"] == payload // 9 * 16 + 8).all()
     assert df["cached_peak_reserved_bytes"].isna().all()
     assert "n/a" in result.stdout
+
+
+@pytest.mark.parametrize("command", ["verify", "bench", "memory", "capacity", "plot", "compare"])
+def test_help_shows_defaults_whole_sentences_and_exit_codes(command):
+    import inspect
+
+    from kvbench import cli
+
+    result = runner.invoke(app, [command, "--help"], env={"COLUMNS": "400"})
+    assert result.exit_code == 0
+    text = result.stdout
+    # the docstring's first paragraph on one line: no hard break mid-sentence
+    first = " ".join(inspect.cleandoc(getattr(cli, command).__doc__).split("\n\n")[0].split())
+    assert first in text
+    assert "Exit status: 0 success; 1 a verification failed" in text
+    if command in ("verify", "bench", "memory"):
+        for default in ("[default: 2]", "[default: 64 on CPU, 256 on CUDA]", "[default: 512]",
+                        "[default: results/COMMAND.csv]"):
+            assert default in text, default
+        assert "--dry-run" in text and "--force" in text

@@ -41,3 +41,69 @@ def test_unwritable_target_is_refused(tmp_path):
         check_csv(tmp_path, COLS)
     with pytest.raises(KvbenchError, match="cannot create"):
         check_csv(__import__("pathlib").Path("/proc/nope/r.csv"), COLS)
+
+
+def test_an_earlier_file_takes_rows_with_new_columns(tmp_path):
+    path = tmp_path / "r.csv"
+    append_csv(path, [{"a_ms": 1.5, "b_bytes": 10, "c": "x"}], COLS)
+    new = ["a_ms", "new_ms", "b_bytes", "c", "tail"]
+    append_csv(path, [{"a_ms": 2.0, "new_ms": 3.0, "b_bytes": 20, "c": "y", "tail": 1}], new,
+               first=COLS)
+    assert path.read_text() == "a_ms,new_ms,b_bytes,c,tail\n1.5,,10,x,\n2.0,3.0,20,y,1\n"
+    assert [p.name for p in tmp_path.iterdir()] == ["r.csv"]  # no temporary left behind
+
+
+def test_merged_header_keeps_the_old_order():
+    from kvbench.results import merged_header
+
+    assert merged_header(["a", "c"], ["a", "b", "c", "d"]) == ["a", "b", "c", "d"]
+    assert merged_header(["c", "a"], ["a", "b", "c"]) == ["c", "a", "b"]
+    assert merged_header([], ["x"]) == ["x"]
+
+
+def test_a_file_missing_a_first_release_column_is_refused_untouched(tmp_path):
+    path = tmp_path / "r.csv"
+    path.write_text("a_ms,c\n1,x\n")
+    with pytest.raises(KvbenchError, match="missing b_bytes"):
+        append_csv(path, [{"a_ms": 1}], COLS + ["new"], first=COLS)
+    assert path.read_text() == "a_ms,c\n1,x\n"
+
+
+def test_an_old_memory_file_is_upgraded_and_read_by_compare_and_plot(tmp_path):
+    import shutil
+    from pathlib import Path
+
+    from typer.testing import CliRunner
+
+    from kvbench.cli import app
+    from kvbench.results import MEMORY_COLUMNS, MEMORY_FIRST
+
+    old = Path(__file__).parent / "data" / "memory-0.1.0.csv"  # written by kvbench 0.1.0
+    path = tmp_path / "memory.csv"
+    shutil.copy(old, path)
+    assert pd.read_csv(path).columns.tolist() == MEMORY_FIRST
+    runner = CliRunner()
+    tiny = ["--device", "cpu", "--batch", "1", "--prompt-len", "6", "--decode-len", "3",
+            "--hidden", "32", "--q-heads", "4", "--kv-heads", "2", "--head-dim", "8",
+            "--impl", "concat,static"]
+    result = runner.invoke(app, ["memory", *tiny, "--csv", str(path)])
+    assert result.exit_code == 0, result.output
+    df = pd.read_csv(path)
+    assert df.columns.tolist() == MEMORY_COLUMNS
+    assert df["cached_peak_estimated_bytes"].isna().tolist() == [True, True, False, False]
+    assert df["kvbench_version"].notna().all()
+    # the old rows keep every value they had
+    pd.testing.assert_frame_equal(df[MEMORY_FIRST].iloc[:2], pd.read_csv(old))
+    assert runner.invoke(app, ["compare", str(old), str(path)]).exit_code == 0
+    assert runner.invoke(app, ["plot", str(old), "-o", str(tmp_path / "o.png")]).exit_code == 0
+    assert runner.invoke(app, ["plot", str(path)]).exit_code == 0
+
+
+def test_old_bench_and_verify_files_still_read(tmp_path):
+    from pathlib import Path
+
+    from kvbench.load import read_results
+
+    data = Path(__file__).parent / "data"
+    assert read_results(data / "bench-0.1.0.csv")[0] == "bench"
+    assert read_results(data / "verify-0.1.0.csv")[0] == "verify"
