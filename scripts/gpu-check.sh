@@ -1,43 +1,69 @@
 #!/usr/bin/env bash
-# Exercise every CUDA path of kvbench end to end in a few minutes and keep the results.
+# Exercise every CUDA path of kvbench end to end and summarise it on one screen.
 #   scripts/gpu-check.sh OUTDIR
-# Writes OUTDIR/*.csv, OUTDIR/*.png and OUTDIR/gpu-check.log; exits non-zero if a step fails.
+# Runs from the checkout (python3 -m kvbench, the repository on PYTHONPATH): nothing to install.
+# Writes OUTDIR/*.csv, OUTDIR/*.png, OUTDIR/gpu-check.log and OUTDIR/summary.txt; about 4 minutes
+# on one H200 (8 at most), and exits non-zero if any step or check failed.
 set -uo pipefail
 out=${1:?usage: scripts/gpu-check.sh OUTDIR}
+repo=$(cd "$(dirname "$0")/.." && pwd)
 mkdir -p "$out"
+out=$(cd "$out" && pwd)
 log="$out/gpu-check.log"
-status=0
-step() {
-    echo "\$ $*" | tee -a "$log"
-    if ! "$@" 2>&1 | tee -a "$log"; then status=1; echo "FAILED: $*" | tee -a "$log"; fi
+: > "$log"
+export PYTHONPATH="$repo${PYTHONPATH:+:$PYTHONPATH}" COLUMNS=140 PYTHONWARNINGS=ignore
+cd "$repo"
+py=${PYTHON:-python3}
+start=$(date +%s)
+failed=0
+step() {  # run one step, log it, and count it when it exits non-zero
+    echo "\$ $*" >> "$log"
+    echo "[$(( $(date +%s) - start ))s] $*"
+    if ! "$@" >> "$log" 2>&1; then failed=$((failed + 1)); echo "FAILED: $*" | tee -a "$log"; fi
 }
-export COLUMNS=140
-step nvidia-smi
-step python -c "import torch; print(torch.__version__, torch.version.cuda, torch.cuda.get_device_name())"
-step python -m pytest -q -m cuda tests
+kv() { step "$py" -m kvbench "$@"; }
+
+"$py" - <<'PY' 2>&1 | tee -a "$log" || { echo "gpu-check: torch sees no CUDA device here; run it where a GPU is lent"; exit 2; }
+import platform, sys
+import torch
+print(f"python {platform.python_version()}  torch {torch.__version__}  cuda {torch.version.cuda}")
+try:
+    import triton
+    print(f"triton {triton.__version__}")
+except ImportError:
+    print("triton: not installed")
+if not torch.cuda.is_available():
+    sys.exit(1)
+p = torch.cuda.get_device_properties(0)
+print(f"device {p.name}  {p.total_memory / 2**30:.1f} GiB  {p.multi_processor_count} SMs")
+PY
+nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.sm,clocks.mem --format=csv >> "$log" 2>&1
+
+step "$py" -m pytest -q -m cuda -p no:cacheprovider tests
 for dtype in float32 float16 bfloat16; do
-    # the reference cases, every implementation that runs on CUDA
-    step kvbench verify --device cuda --dtype "$dtype" --csv "$out/verify.csv"
-    step kvbench bench --device cuda --dtype "$dtype" --csv "$out/bench.csv"
-    step kvbench memory --device cuda --dtype "$dtype" --csv "$out/memory.csv"
+    # the reference cases (and with no shape option, the small case) on every CUDA implementation
+    kv verify --device cuda --dtype "$dtype" --csv "$out/verify.csv"
+    kv bench --device cuda --dtype "$dtype" --csv "$out/bench.csv"
+    kv memory --device cuda --dtype "$dtype" --csv "$out/memory.csv"
 done
-for dtype in float16 bfloat16; do
-    # long context, a Llama-3-8B-shaped layer: the bandwidth limit (concat's dense prefill
-    # would need a 32k x 32k score matrix per head, so it sits this one out)
-    step kvbench bench --device cuda --dtype "$dtype" --impl static,sdpa,paged \
-        --batch 4 --prompt-len 4096,32768 --decode-len 32 --hidden 4096 --q-heads 32 \
-        --kv-heads 8 --head-dim 128 --no-recompute --no-prefill --csv "$out/bench-long.csv"
-done
+# long context, a Llama-3-8B-shaped layer: how close each cache gets to the copy bandwidth
+# (concat's dense prefill would need 4 x 32 x 32k x 32k scores: the preflight refuses it)
+kv bench --device cuda --dtype float16,bfloat16 --impl static,sdpa,paged --batch 4 \
+    --prompt-len 32768 --decode-len 8 --hidden 4096 --q-heads 32 --kv-heads 8 --head-dim 128 \
+    --no-recompute --no-prefill --csv "$out/bench-long.csv"
 for backend in flash efficient cudnn math; do
-    # which SDPA backends this GPU offers for decode (unavailable ones exit 2 by design)
-    kvbench verify --device cuda --dtype float16 --impl sdpa --sdpa-backend "$backend" \
-        --csv "$out/verify-sdpa-backends.csv" >> "$log" 2>&1 \
-        && echo "sdpa backend $backend: ok" | tee -a "$log" \
-        || echo "sdpa backend $backend: not available (see log)" | tee -a "$log"
+    # which SDPA backends take decode here, at the reference shape (exit 2 = not available)
+    echo "\$ verify --impl sdpa --sdpa-backend $backend" >> "$log"
+    "$py" -m kvbench verify --device cuda --dtype float16 --impl sdpa --sdpa-backend "$backend" \
+        --batch 2 --prompt-len 256 --decode-len 32 --csv "$out/verify-sdpa-backends.csv" \
+        >> "$log" 2>&1
+    echo "sdpa backend $backend: exit $?" >> "$out/sdpa-backends.txt"
 done
-step kvbench bench --device cuda --dtype float16 --prompt-len 16,64,256,1024,4096 \
-    --decode-len 16 --csv "$out/bench-context.csv"
-step kvbench plot "$out/bench-context.csv" -o "$out/bench-context.png"
-step python -W error -m kvbench capacity --allocate --case both --csv "$out/allocation.csv"
-echo "gpu-check finished with status $status" | tee -a "$log"
-exit $status
+kv bench --device cuda --dtype float16 --prompt-len 16,64,256,1024,4096 --decode-len 16 \
+    --csv "$out/bench-context.csv"
+kv plot "$out/bench-context.csv" -o "$out/bench-context.png"
+step "$py" -W error -m kvbench capacity --allocate --case both --csv "$out/allocation.csv"
+
+echo "steps failed: $failed; $(( $(date +%s) - start ))s" >> "$log"
+"$py" scripts/gpu_summary.py "$out" "$failed" "$(( $(date +%s) - start ))" | tee "$out/summary.txt"
+exit "${PIPESTATUS[0]}"

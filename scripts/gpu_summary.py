@@ -1,0 +1,82 @@
+"""One screen from a gpu-check run: python3 scripts/gpu_summary.py OUTDIR STEPS_FAILED SECONDS.
+
+Exits 1 if a step failed, a verification failed or the allocation check failed.
+"""
+
+import sys
+from pathlib import Path
+
+import pandas as pd
+
+
+def read(out: Path, name: str) -> pd.DataFrame | None:
+    path = out / name
+    return pd.read_csv(path) if path.exists() and path.stat().st_size else None
+
+
+def grid(df: pd.DataFrame, value: str, fmt) -> str:
+    table = df.pivot_table(index="impl", columns="dtype", values=value, aggfunc="last",
+                           sort=False)
+    lines = ["  " + "impl".ljust(8) + "".join(c.rjust(18) for c in table.columns)]
+    for impl, row in table.iterrows():
+        lines.append("  " + impl.ljust(8) + "".join(
+            ("—" if pd.isna(v) else fmt(v)).rjust(18) for v in row))
+    return "\n".join(lines)
+
+
+def main() -> int:
+    out, failed, seconds = Path(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+    bad = failed
+    print(f"== kvbench gpu-check: {failed} steps failed, {seconds}s ==")
+    verify = read(out, "verify.csv")
+    if verify is not None:
+        verify["result"] = verify["passed"].map({True: "PASS", False: "FAIL"})
+        worst = verify.groupby(["impl", "dtype"], sort=False)["passed"].all().reset_index()
+        worst["result"] = worst["passed"].map({True: "PASS", False: "FAIL"})
+        print("verify (every shape):")
+        print(grid(worst, "result", str))
+        bad += int((~verify["passed"]).sum())
+    bench = read(out, "bench.csv")
+    if bench is not None:
+        print("bench, reference case: cached ms/step (speedup vs recompute)")
+        bench["cell"] = [f"{m:.4f} ({s:.1f}x)" for m, s in
+                         zip(bench["cached_ms_per_step"], bench["speedup"])]
+        print(grid(bench, "cell", str))
+    long = read(out, "bench-long.csv")
+    if long is not None:
+        r = long.iloc[0]
+        print(f"bench, long context B={r['batch']} T={r['prompt_len']}+{r['decode_len']}: "
+              f"ms/step, % of copy ({long['copy_gbps'].median():.0f} GB/s)")
+        long["cell"] = [f"{m:.3f} {100 * f:.0f}%" for m, f in
+                        zip(long["cached_ms_per_step"], long["bandwidth_fraction"])]
+        print(grid(long, "cell", str))
+    memory = read(out, "memory.csv")
+    if memory is not None:
+        print("memory, reference case: prefill + decode peak MiB, allocated / reserved "
+              "(estimate)")
+        memory["cell"] = [f"{a / 2**20:.2f}/{r / 2**20:.0f} ({e / 2**20:.2f})" for a, r, e in
+                          zip(memory["cached_peak_allocated_bytes"],
+                              memory["cached_peak_reserved_bytes"],
+                              memory["cached_peak_estimated_bytes"])]
+        print(grid(memory, "cell", str))
+    backends = out / "sdpa-backends.txt"
+    if backends.exists():
+        print("sdpa backends (exit 0 = runs decode): "
+              + "; ".join(backends.read_text().split("\n")).strip("; "))
+    alloc = read(out, "allocation.csv")
+    if alloc is not None:
+        for _, r in alloc.iterrows():
+            print(f"allocation {r['case']}: {'PASS' if r['passed'] else 'FAIL'} "
+                  f"(allocated +{r['allocated_increase_bytes']} model "
+                  f"{r['expected_increase_bytes']}; reserved +{r['reserved_increase_bytes']} "
+                  f"model {r['expected_reserved_increase_bytes']})")
+        bad += int((~alloc["passed"].astype(bool)).sum())
+    else:
+        bad += 1
+        print("allocation: no results")
+    print("RESULT: " + ("PASS" if bad == 0 else f"FAIL ({bad} problems; see gpu-check.log)"))
+    return 0 if bad == 0 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
