@@ -1,3 +1,4 @@
+import pandas as pd
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -171,3 +172,19 @@ def test_no_host_sync_in_prefill_or_decode_on_cuda(name):
             impl.decode(x, keep=False)
         finally:
             torch.cuda.set_sync_debug_mode("default")
+
+
+def test_a_named_implementation_skips_only_the_points_it_cannot_run(tmp_path, monkeypatch):
+    # As a pinned SDPA backend that needs D % 8 == 0: the small case (D=4) is skipped with a
+    # note, the timing case (D=64) runs. Refused only where it can run no point at all.
+    monkeypatch.setattr(SdpaCache, "unavailable", classmethod(
+        lambda cls, c, o: None if c.shape.head_dim % 8 == 0 else "needs D % 8 == 0"))
+    out = tmp_path / "v.csv"
+    result = runner.invoke(app, ["verify", "--device", "cpu", "--impl", "sdpa",
+                                 "--csv", str(out)])
+    assert result.exit_code == 0, result.output
+    assert "skipping sdpa at B=1 prompt=8" in result.stderr
+    assert pd.read_csv(out)["head_dim"].tolist() == [64]
+    result = runner.invoke(app, ["verify", *TINY, "--head-dim", "4", "--impl", "sdpa",
+                                 "--csv", str(out)])
+    assert result.exit_code == 2 and "--impl sdpa cannot run here" in result.stderr
