@@ -200,7 +200,7 @@ def _preflight(o: dict[str, object], command: str, points, impl_options, bench_o
     for p in too_big:
         render.warn(f"skipping {render.refusal(p)}")
     for p in plans:
-        if p.fits and p.heavy is not None:
+        if p.fits and p.heavy is not None and not o["quiet"]:
             render.warn(render.heavy(p))
     return [pt for pt, p in zip(points, plans) if p.fits], too_big
 
