@@ -254,7 +254,7 @@ def _sweep(o: dict[str, object], command: str, points, run_point, impl_options,
         print(f"kvbench: interrupted after {len(results)} of {len(points)} points; "
               f"{len(rows)} rows kept{where}", file=sys.stderr)
         raise typer.Exit(130)
-    if not o["quiet"] and path is not None:
+    if not o["quiet"] and path is not None and rows:
         render.note(f"{len(rows)} rows appended to {path}")
     total = len(points) + len(skipped)
     if failed:
