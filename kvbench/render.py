@@ -14,6 +14,7 @@ from contextlib import contextmanager
 
 from rich import box
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import (
     BarColumn,
     MofNCompleteColumn,
@@ -135,11 +136,11 @@ def bench_warnings(result) -> list[str]:
 
 
 def warn(message: str) -> None:
-    err.print(f"[yellow]warning:[/] {message}")
+    err.print(f"[yellow]warning:[/] {escape(message)}")
 
 
 def note(message: str) -> None:
-    err.print(message)
+    err.print(escape(message))  # plain text: brackets in it are not markup
 
 
 def memory_table(result) -> Table:

@@ -12,6 +12,7 @@ as compile_ms and verify makes that call before anything is timed.
 
 from __future__ import annotations
 
+import importlib.util
 import itertools
 import math
 import time
@@ -221,10 +222,8 @@ class SplitKCache(PreallocatedCache):
             return "a CPU kernel (on CUDA use sdpa)"
         if config.dtype != "float32":
             return "float32 only"
-        try:
-            import numba  # noqa: F401
-        except ImportError:
-            return "numba is not installed (pip install numba)"
+        if importlib.util.find_spec("numba") is None:
+            return "needs numba: pip install -e \".[cpu-kernel]\""
         return None
 
     @classmethod

@@ -219,3 +219,18 @@ def test_a_named_implementation_skips_only_the_points_it_cannot_run(tmp_path, mo
     result = runner.invoke(app, ["verify", *TINY, "--head-dim", "4", "--impl", "sdpa",
                                  "--csv", str(out)])
     assert result.exit_code == 2 and "--impl sdpa cannot run here" in result.stderr
+
+
+def test_without_numba_splitk_is_skipped_or_refused_naming_the_extra(tmp_path, monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "numba" else real(name, *a))
+    out = tmp_path / "v.csv"
+    result = runner.invoke(app, ["verify", *TINY, "--csv", str(out)])
+    assert result.exit_code == 0, result.output
+    assert 'skipping splitk: needs numba: pip install -e ".[cpu-kernel]"' in result.stderr
+    assert "splitk" not in pd.read_csv(out)["impl"].tolist()
+    result = runner.invoke(app, ["verify", *TINY, "--impl", "splitk", "--csv", str(out)])
+    assert result.exit_code == 2 and "[cpu-kernel]" in result.stderr
