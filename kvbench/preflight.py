@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 from kvbench import footprint as fp
 from kvbench.config import RunConfig
+from kvbench.costs import weight_elements
 
 BUDGET_FRACTION = 0.8
 HEAVY_FRACTION = 0.5
@@ -77,8 +78,6 @@ def _memory(config: RunConfig) -> str:
 def layer_bytes(config: RunConfig, dtype_bytes: int | None = None) -> int:
     """Weights and inputs as the layer holds them."""
     s, b = config.shape, dtype_bytes or config.dtype_bytes
-    from kvbench.costs import weight_elements
-
     return (weight_elements(s) + fp.Sizes(s).x(s.total_len)) * b
 
 
@@ -87,8 +86,6 @@ def host_draw_bytes(config: RunConfig) -> int:
     dtype and device): the four weights and their fused copy, then the inputs, and on the CPU
     their conversion to a narrower dtype."""
     s = config.shape
-    from kvbench.costs import weight_elements
-
     qkv = s.hidden * (s.q_heads + 2 * s.kv_heads) * s.head_dim
     draw = (weight_elements(s) + qkv + fp.Sizes(s).x(s.total_len)) * FP32_BYTES
     if _memory(config) == HOST and config.dtype_bytes != FP32_BYTES:

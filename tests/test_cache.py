@@ -148,9 +148,14 @@ class NoHostReads(TorchDispatchMode):
     on a GPU each waits for every queued kernel. The CPU-side stand-in for the CUDA test's
     torch.cuda.set_sync_debug_mode("error")."""
 
+    def __init__(self):
+        super().__init__()
+        self.checked = 0  # ops seen: the mode was really in the path
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func is torch.ops.aten._local_scalar_dense.default:
             raise AssertionError("a tensor was read on the host inside a timed step")
+        self.checked += 1
         return func(*args, **(kwargs or {}))
 
 
@@ -158,15 +163,18 @@ def _prefill_and_decode(cls, options=None):
     config = RunConfig(SHAPE)
     layer, x = AttentionLayer.from_config(config), make_inputs(config)
     impl = cls(layer, 2, SHAPE.total_len, options)
-    with torch.no_grad(), NoHostReads():
+    with torch.no_grad(), NoHostReads() as mode:
         impl.prefill(x[:, :21])
         impl.decode(x, keep=False)
+    impl.ops_checked = mode.checked
     return impl
 
 
 @pytest.mark.parametrize("name", list(IMPLEMENTATIONS))
 def test_no_implementation_reads_a_tensor_on_the_host_in_prefill_or_decode(name):
-    _prefill_and_decode(IMPLEMENTATIONS[name])
+    impl = _prefill_and_decode(IMPLEMENTATIONS[name])
+    assert impl.length == SHAPE.total_len  # every step ran under the mode
+    assert impl.ops_checked > 0
 
 
 def test_a_host_read_in_a_step_is_caught():
@@ -200,9 +208,14 @@ def test_no_host_sync_in_prefill_or_decode_on_cuda(name):
             impl.prefill(x[:, :21])
             impl.decode(x, keep=False)
             impl.rewind(21)  # bench's setup between samples
-            impl.decode(x, keep=False)
+            outputs = impl.decode(x)
         finally:
             torch.cuda.set_sync_debug_mode("default")
+        warm.rewind(21)
+        expected = warm.decode(x)
+    assert impl.length == SHAPE.total_len and len(outputs) == SHAPE.decode_len
+    for got, want in zip(outputs, expected):
+        assert torch.equal(got, want)
 
 
 def test_a_named_implementation_skips_only_the_points_it_cannot_run(tmp_path, monkeypatch):
