@@ -8,7 +8,7 @@ import torch
 
 from kvbench import bandwidth, costs
 from kvbench.attention import AttentionLayer, make_inputs, recompute_decode
-from kvbench.cache import IMPLEMENTATIONS, ImplOptions
+from kvbench.caches import IMPLEMENTATIONS, ImplOptions
 from kvbench.config import RunConfig
 from kvbench.device import free_bytes
 from kvbench.errors import KvbenchError, device_errors

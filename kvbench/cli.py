@@ -129,7 +129,7 @@ def _points(o: dict[str, object], reference_cases: bool = False):
     With no shape option, verify also runs the small reference case.
     """
     from kvbench import render
-    from kvbench.cache import ImplOptions, select_impls
+    from kvbench.caches import ImplOptions, select_impls
     from kvbench.config import (
         SHAPE_FIELDS,
         SMALL_CASE,
@@ -295,7 +295,7 @@ def verify(ctx: typer.Context, device: Device = "auto", dtype: Dtype = "float32"
     Exit status 1 on any mismatch.
     """
     from kvbench import render
-    from kvbench.cache import IMPLEMENTATIONS
+    from kvbench.caches import IMPLEMENTATIONS
     from kvbench.results import verify_rows
     from kvbench.verify import verify as run_verify
 

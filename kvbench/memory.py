@@ -23,7 +23,7 @@ from torch.utils._pytree import tree_leaves
 
 from kvbench import costs, footprint
 from kvbench.attention import AttentionLayer, make_inputs, recompute_decode
-from kvbench.cache import IMPLEMENTATIONS, ImplOptions
+from kvbench.caches import IMPLEMENTATIONS, ImplOptions
 from kvbench.config import RunConfig
 from kvbench.device import free_bytes, synchronize
 from kvbench.errors import device_errors

@@ -94,7 +94,7 @@ def host_draw_bytes(config: RunConfig) -> int:
 
 
 def _impl_footprints(config: RunConfig, impls, options) -> dict[str, fp.ImplFootprint]:
-    from kvbench.cache import IMPLEMENTATIONS
+    from kvbench.caches import IMPLEMENTATIONS
 
     return {name: IMPLEMENTATIONS[name].footprint(config, options) for name in impls}
 

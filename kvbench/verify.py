@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kvbench.attention import AttentionLayer, full_forward, make_inputs, recompute_decode
-from kvbench.cache import IMPLEMENTATIONS, CachedAttention, ImplOptions
+from kvbench.caches import IMPLEMENTATIONS, CachedAttention, ImplOptions
 from kvbench.config import RunConfig
 from kvbench.device import free_bytes
 from kvbench.errors import DeviceError, device_errors, is_device_error, is_out_of_memory

@@ -2,7 +2,7 @@
 
 import torch
 
-from kvbench.cache import ConcatCache, StaticCache
+from kvbench.caches import ConcatCache, StaticCache
 
 
 class RopeOffByOne(StaticCache):

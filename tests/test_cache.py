@@ -5,7 +5,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from typer.testing import CliRunner
 
 from kvbench.attention import AttentionLayer, make_inputs
-from kvbench.cache import IMPLEMENTATIONS, ImplOptions, PagedCache, SdpaCache
+from kvbench.caches import IMPLEMENTATIONS, ImplOptions, PagedCache, SdpaCache
 from kvbench.cli import app
 from kvbench.config import LayerShape, RunConfig
 from kvbench.verify import verify
@@ -108,7 +108,7 @@ def test_splitk_merges_chunks_exactly():
 
 @pytest.mark.parametrize("inline_bytes", [0, 1 << 40])  # on the pool's threads; inline
 def test_splitk_kernels_on_threads_and_inline(monkeypatch, inline_bytes):
-    from kvbench import splitk
+    from kvbench.kernels import numba_splitk as splitk
 
     monkeypatch.setattr(splitk, "INLINE_BYTES", inline_bytes)
     g = torch.Generator().manual_seed(0)

@@ -109,7 +109,7 @@ def test_unwritable_csv_is_refused(tmp_path):
 def test_verify_mismatch_exits_1_naming_the_step(tmp_path, monkeypatch):
     from broken import WrongGqaMapping
 
-    from kvbench import cache
+    from kvbench import caches as cache
     monkeypatch.setitem(cache.IMPLEMENTATIONS, "wrong-gqa", WrongGqaMapping)
     out = tmp_path / "v.csv"
     result = run("verify", *TINY, "--impl", "wrong-gqa", "--csv", str(out))
@@ -121,7 +121,7 @@ def test_verify_mismatch_exits_1_naming_the_step(tmp_path, monkeypatch):
 def test_bench_refuses_to_time_a_mismatch(tmp_path, monkeypatch):
     from broken import LossyCast
 
-    from kvbench import cache
+    from kvbench import caches as cache
     monkeypatch.setitem(cache.IMPLEMENTATIONS, "lossy-cast", LossyCast)
     out = tmp_path / "b.csv"
     result = run("bench", *TINY, "--impl", "lossy-cast", "--csv", str(out))

@@ -1,7 +1,7 @@
 import torch
 
 from kvbench.attention import AttentionLayer, make_inputs
-from kvbench.cache import ConcatCache
+from kvbench.caches import ConcatCache
 from kvbench.config import LayerShape, RunConfig
 from kvbench.memory import memory, track_cpu_peak
 

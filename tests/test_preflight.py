@@ -6,7 +6,7 @@ import pytest
 from typer.testing import CliRunner
 
 from kvbench import preflight
-from kvbench.cache import IMPLEMENTATIONS, ImplOptions
+from kvbench.caches import IMPLEMENTATIONS, ImplOptions
 from kvbench.cli import app
 from kvbench.config import LayerShape, RunConfig
 from kvbench.memory import PHASES, memory

@@ -4,7 +4,7 @@ from broken import LossyCast, RopeOffByOne, ShiftedMask, ShortCache, WrongAppend
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvbench.cache import IMPLEMENTATIONS
+from kvbench.caches import IMPLEMENTATIONS
 from kvbench.config import SMALL_CASE, LayerShape, RunConfig
 from kvbench.verify import verify
 

@@ -1,0 +1,26 @@
+"""Path B: cached decode. One interface (`base`), one module per implementation.
+
+Importing this package registers every implementation, in the order `--impl all` runs them.
+Adding one is a new module here that subclasses CachedAttention, decorates it with
+`@register`, and is listed below.
+"""
+
+# The import order below is the order `--impl all` runs them in.
+from kvbench.caches.base import (  # noqa: I001
+    IMPLEMENTATIONS,
+    SDPA_BACKENDS,
+    CachedAttention,
+    ImplOptions,
+    parse_impls,
+    register,
+    select_impls,
+)
+from kvbench.caches.concat import ConcatCache
+from kvbench.caches.static import PreallocatedCache, StaticCache
+from kvbench.caches.sdpa import SdpaCache
+from kvbench.caches.paged import PagedCache
+from kvbench.caches.splitk import SplitKCache
+
+__all__ = ["IMPLEMENTATIONS", "SDPA_BACKENDS", "CachedAttention", "ConcatCache", "ImplOptions",
+           "PagedCache", "PreallocatedCache", "SdpaCache", "SplitKCache", "StaticCache",
+           "parse_impls", "register", "select_impls"]

@@ -1,0 +1,184 @@
+"""The interface every cached implementation follows, and the registry (SPEC §1).
+
+An implementation owns its K/V storage (`write`, `kv`, `rewind`) and may bring its own
+attention (`attend`). `prefill` runs the prompt and fills the cache; `step` projects one new
+position, writes its k, v and attends over the cache. Each implementation is one module of
+this package that registers its class with `@register`.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+import torch.nn.functional as F
+
+from kvbench import footprint as fp
+from kvbench.attention import AttentionLayer
+from kvbench.config import RunConfig
+from kvbench.errors import KvbenchError
+
+SDPA_BACKENDS = ("auto", "math", "flash", "efficient", "cudnn")
+
+
+@dataclass(frozen=True)
+class ImplOptions:
+    """Options some implementations take; the others ignore them."""
+
+    block_size: int = 16  # paged: positions per block
+    sdpa_backend: str = "auto"  # sdpa: pin one backend, or let torch choose
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1:
+            raise KvbenchError(f"--block-size must be a positive integer, got {self.block_size}")
+        if self.sdpa_backend not in SDPA_BACKENDS:
+            raise KvbenchError(f"unknown --sdpa-backend {self.sdpa_backend!r}; use one of "
+                               f"{', '.join(SDPA_BACKENDS)}")
+
+IMPLEMENTATIONS: dict[str, type[CachedAttention]] = {}
+
+
+def register(cls: type[CachedAttention]) -> type[CachedAttention]:
+    IMPLEMENTATIONS[cls.name] = cls
+    return cls
+
+
+def select_impls(spec: str, config: RunConfig, options: ImplOptions | None = None,
+                 strict: bool = True):
+    """Names to run for this configuration, and notes on those that cannot run here.
+
+    An implementation named explicitly that cannot run here is an error when `strict`; a
+    sweep passes strict=False and refuses only one that can run none of its points.
+    """
+    options = options or ImplOptions()
+    names, notes = [], []
+    explicit = spec.strip().lower() != "all"
+    for name in parse_impls(spec):
+        reason = IMPLEMENTATIONS[name].unavailable(config, options)
+        if reason is None:
+            names.append(name)
+        elif explicit and strict:
+            raise KvbenchError(f"--impl {name} cannot run here: {reason}")
+        else:
+            notes.append((name, reason))
+    return tuple(names), notes
+
+
+def parse_impls(spec: str) -> tuple[str, ...]:
+    """"all" or a comma list of implementation names -> names, in the order given."""
+    if spec.strip().lower() == "all":
+        return tuple(IMPLEMENTATIONS)
+    names = tuple(dict.fromkeys(n.strip() for n in spec.split(",") if n.strip()))
+    unknown = [n for n in names if n not in IMPLEMENTATIONS]
+    if unknown or not names:
+        raise KvbenchError(f"unknown implementation {', '.join(unknown) or repr(spec)}; "
+                           f"use 'all' or a comma list of {', '.join(IMPLEMENTATIONS)}")
+    return names
+
+
+def backend_declined(err: RuntimeError) -> bool:
+    """Whether SDPA refused the call because no enabled backend takes it (CUDA: "No available
+    kernel"; CPU: "No viable backend"), as opposed to failing while running it."""
+    return any(m in str(err) for m in ("No available kernel", "No viable backend"))
+
+
+class CachedAttention(ABC):
+    """A KV cache and the attention that reads it, for one layer and one batch."""
+
+    name: ClassVar[str]
+    description: ClassVar[str]
+
+    def __init__(self, layer: AttentionLayer, batch: int, max_len: int,
+                 options: ImplOptions | None = None):
+        self.layer, self.batch, self.max_len = layer, batch, max_len
+        self.options = options or ImplOptions()
+        self.length = 0  # positions cached so far
+
+    @classmethod
+    def unavailable(cls, config: RunConfig, options: ImplOptions) -> str | None:
+        """Why this implementation cannot run this configuration here, or None."""
+        return None
+
+    @classmethod
+    def footprint(cls, config: RunConfig, options: ImplOptions) -> fp.ImplFootprint:
+        """Estimated peak bytes at this point, before anything is allocated (the preflight's
+        input). The default: storage for T_p + G positions, a fused prefill and grouped steps."""
+        s, b = config.shape, config.dtype_bytes
+        return fp.preallocated(
+            s, config.rope, b, fp.Sizes(s).kv(s.total_len) * b,
+            lambda t: fp.grouped_step(s, config.rope, t) * b,
+            fp.sdpa_is_fused(config.device, config.dtype, s.head_dim))
+
+    @abstractmethod
+    def write(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Append k, v [B, H_kv, n, D] at positions length..length+n-1."""
+
+    def prefill(self, x: torch.Tensor) -> torch.Tensor:
+        """Run the prompt x [B, T_p, H]; fill the cache; return the outputs [B, T_p, H]."""
+        q, k, v = self.layer.project(x, start=0)
+        self.write(k, v)
+        return self.layer.output(causal_prefill(self.layer, q, k, v))
+
+    def step(self, x_t: torch.Tensor) -> torch.Tensor:
+        """One decode position x_t [B, 1, H] -> [B, 1, H]; the cache grows by one."""
+        q, k, v = self.layer.project(x_t, start=self.length)
+        self.write(k, v)
+        keys, values = self.kv()  # [B, H_kv, T, D]
+        return self.layer.output(self.attend(q, keys, values))
+
+    def attend(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+        """q [B, H_q, 1, D] over the whole cache -> [B, H_q, 1, D]."""
+        return grouped_decode_attention(q, keys, values, self.layer.scale)
+
+    @abstractmethod
+    def kv(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The cached K, V as logical tensors [B, H_kv, length, D] (may be views or copies)."""
+
+    @abstractmethod
+    def rewind(self, length: int) -> None:
+        """Forget every position from `length` on (e.g. back to the prompt for a new sample)."""
+
+    def decode(self, x: torch.Tensor, keep: bool = True) -> list[torch.Tensor]:
+        """Step through every position of x [B, T, H] after the cached ones.
+
+        Returns the G outputs [B, 1, H]; with keep=False none are held (timing, memory).
+        """
+        outputs = []
+        for t in range(self.length, x.shape[1]):
+            if keep:
+                outputs.append(self.step(x[:, t:t + 1]))
+            else:
+                self.step(x[:, t:t + 1])  # dropped at once: not counted in the next step's peak
+        return outputs
+
+    def stats(self) -> dict[str, object]:
+        """Implementation-specific counters for the report (e.g. blocks used)."""
+        return {}
+
+
+def causal_prefill(layer: AttentionLayer, q, k, v) -> torch.Tensor:
+    """Exact causal attention for the square prefill without a T×T score matrix.
+
+    SDPA's causal mask is aligned top-left, which is exactly right when queries and keys are
+    the same T positions. q [B,H_q,T,D], k, v [B,H_kv,T,D] -> [B,H_q,T,D].
+    """
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=layer.scale,
+                                          enable_gqa=True)
+
+
+def grouped_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                             scale: float) -> torch.Tensor:
+    """One query per sequence over the valid cache, GQA without copying K/V.
+
+    q [B, H_q, 1, D]; k, v [B, H_kv, T, D] -> [B, H_q, 1, D]. Query heads h·G..h·G+G-1 share
+    KV head h (repeat_interleave's mapping), so a view groups them. No mask: the one new query
+    may see every cached position.
+    """
+    B, Hq, _, D = q.shape
+    Hkv = k.shape[1]
+    qg = q.reshape(B, Hkv, Hq // Hkv, D)  # [B, H_kv, G, D]
+    scores = (qg @ k.transpose(-2, -1)) * scale  # [B, H_kv, G, T]
+    out = torch.softmax(scores, dim=-1) @ v  # [B, H_kv, G, D]
+    return out.reshape(B, Hq, 1, D)
