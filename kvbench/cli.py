@@ -88,6 +88,10 @@ Impl = Annotated[str, typer.Option(help="Cached implementations: 'all' or a comm
 Rope = Annotated[bool, typer.Option(help="Rotary position embedding on q and k (k rotated before caching).")]
 BlockSize = Annotated[int, typer.Option(help="paged: positions per block.")]
 SdpaBackend = Annotated[str, typer.Option(help="sdpa: auto, math, flash, efficient or cudnn.")]
+Splits = Annotated[int | None, typer.Option(
+    help="triton: split the context into N parts per decode step. Default: enough that "
+         "B·H_kv·N programs give every SM (CPU core) two, at most one per 64 positions, "
+         "at most 64.", show_default=False)]
 CsvPath = Annotated[Path | None, typer.Option("--csv", help="Append rows to this CSV. \\[default: results/COMMAND.csv]")]
 
 
@@ -123,10 +127,11 @@ def _options(ctx: typer.Context) -> dict[str, object]:
     return values
 
 
-def _points(o: dict[str, object], reference_cases: bool = False):
+def _points(o: dict[str, object], reference_cases: bool = False, measure: bool = False):
     """Options -> [(RunConfig, implementation names)] and the implementation options.
 
-    With no shape option, verify also runs the small reference case.
+    With no shape option, verify also runs the small reference case. `measure` (bench,
+    memory) leaves out implementations whose figures would measure nothing here.
     """
     from kvbench import render
     from kvbench.caches import ImplOptions, select_impls
@@ -148,13 +153,14 @@ def _points(o: dict[str, object], reference_cases: bool = False):
     shapes = expand_shapes(timing_case(dev), lists)
     if reference_cases and not lists:
         shapes = [SMALL_CASE] + shapes
-    options = ImplOptions(o["block_size"], o["sdpa_backend"])
+    options = ImplOptions(o["block_size"], o["sdpa_backend"], o["splits"])
     points, notes, refused, ran = [], [], {}, set()
     explicit = o["impl"].strip().lower() != "all"
     for shape in shapes:
         for dt in dtypes:
             config = RunConfig(shape, dt, dev, o["seed"], o["rope"])
-            names, skipped = select_impls(o["impl"], config, options, strict=False)
+            names, skipped = select_impls(o["impl"], config, options, strict=False,
+                                          measure=measure)
             ran.update(names)
             for name, reason in skipped:
                 refused.setdefault(name, reason)
@@ -285,7 +291,7 @@ def verify(ctx: typer.Context, device: Device = "auto", dtype: Dtype = "float32"
            batch: Batch = None, prompt_len: PromptLen = None, decode_len: DecodeLen = None,
            hidden: Hidden = None, q_heads: QHeads = None, kv_heads: KvHeads = None,
            head_dim: HeadDim = None, seed: Seed = 0, impl: Impl = "all", rope: Rope = False,
-           block_size: BlockSize = 16, sdpa_backend: SdpaBackend = "auto",
+           block_size: BlockSize = 16, sdpa_backend: SdpaBackend = "auto", splits: Splits = None,
            config: SweepFile = None, csv: CsvPath = None, no_csv: NoCsv = False,
            format: Format = "table", quiet: Quiet = False, dry_run: DryRun = False,
            force: Force = False):
@@ -321,7 +327,7 @@ def bench(ctx: typer.Context, device: Device = "auto", dtype: Dtype = "float32",
           batch: Batch = None, prompt_len: PromptLen = None, decode_len: DecodeLen = None,
           hidden: Hidden = None, q_heads: QHeads = None, kv_heads: KvHeads = None,
           head_dim: HeadDim = None, seed: Seed = 0, impl: Impl = "all", rope: Rope = False,
-          block_size: BlockSize = 16, sdpa_backend: SdpaBackend = "auto",
+          block_size: BlockSize = 16, sdpa_backend: SdpaBackend = "auto", splits: Splits = None,
           warmup: Annotated[int, typer.Option(help="Untimed runs before the samples.")] = 3,
           rounds: Annotated[int, typer.Option(help="Timed samples; the median is reported.")] = 9,
           recompute: Annotated[bool, typer.Option(
@@ -343,7 +349,7 @@ def bench(ctx: typer.Context, device: Device = "auto", dtype: Dtype = "float32",
     from kvbench.results import bench_rows
 
     o = _options(ctx)
-    points, impl_options = _points(o)
+    points, impl_options = _points(o, measure=True)
     options = BenchOptions(o["warmup"], o["rounds"], o["recompute"], o["prefill"])
 
     def run_point(config, names, env):
@@ -368,7 +374,7 @@ def memory(ctx: typer.Context, device: Device = "auto", dtype: Dtype = "float32"
            batch: Batch = None, prompt_len: PromptLen = None, decode_len: DecodeLen = None,
            hidden: Hidden = None, q_heads: QHeads = None, kv_heads: KvHeads = None,
            head_dim: HeadDim = None, seed: Seed = 0, impl: Impl = "all", rope: Rope = False,
-           block_size: BlockSize = 16, sdpa_backend: SdpaBackend = "auto",
+           block_size: BlockSize = 16, sdpa_backend: SdpaBackend = "auto", splits: Splits = None,
            config: SweepFile = None, csv: CsvPath = None, no_csv: NoCsv = False,
            format: Format = "table", quiet: Quiet = False, dry_run: DryRun = False,
            force: Force = False):
@@ -377,7 +383,7 @@ def memory(ctx: typer.Context, device: Device = "auto", dtype: Dtype = "float32"
     from kvbench.results import memory_rows
 
     o = _options(ctx)
-    points, options = _points(o)
+    points, options = _points(o, measure=True)
 
     def run_point(config, names, env):
         result = run_memory(config, names, options)

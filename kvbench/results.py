@@ -181,7 +181,7 @@ BENCH_FIRST = CONFIG_COLUMNS + [
     "min_bytes_per_step", "flops_per_step", "copy_gbps", "achieved_gbps", "bandwidth_fraction",
     "achieved_gflops", "blocks_used", "blocks_allocated", "sdpa_backend", "compile_ms",
 ] + ENV_COLUMNS
-BENCH_COLUMNS = BENCH_FIRST
+BENCH_COLUMNS = BENCH_FIRST[:-len(ENV_COLUMNS)] + ["splits"] + ENV_COLUMNS
 
 
 def config_cells(command: str, impl: str, config) -> dict[str, object]:

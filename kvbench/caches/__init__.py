@@ -20,7 +20,8 @@ from kvbench.caches.static import PreallocatedCache, StaticCache
 from kvbench.caches.sdpa import SdpaCache
 from kvbench.caches.paged import PagedCache
 from kvbench.caches.splitk import SplitKCache
+from kvbench.caches.triton import TritonCache
 
 __all__ = ["IMPLEMENTATIONS", "SDPA_BACKENDS", "CachedAttention", "ConcatCache", "ImplOptions",
            "PagedCache", "PreallocatedCache", "SdpaCache", "SplitKCache", "StaticCache",
-           "parse_impls", "register", "select_impls"]
+           "TritonCache",            "parse_impls", "register", "select_impls"]

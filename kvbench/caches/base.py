@@ -29,10 +29,14 @@ class ImplOptions:
 
     block_size: int = 16  # paged: positions per block
     sdpa_backend: str = "auto"  # sdpa: pin one backend, or let torch choose
+    splits: int | None = None  # triton: pin the split-K count; None = chosen per step
 
     def __post_init__(self) -> None:
         if self.block_size < 1:
             raise KvbenchError(f"--block-size must be a positive integer, got {self.block_size}")
+        if self.splits is not None and (type(self.splits) is not int or self.splits < 1):
+            raise KvbenchError(f"--splits must be a positive integer, got {self.splits}; omit "
+                               "it to choose from the context length and the device")
         if self.sdpa_backend not in SDPA_BACKENDS:
             raise KvbenchError(f"unknown --sdpa-backend {self.sdpa_backend!r}; use one of "
                                f"{', '.join(SDPA_BACKENDS)}")
@@ -46,17 +50,19 @@ def register(cls: type[CachedAttention]) -> type[CachedAttention]:
 
 
 def select_impls(spec: str, config: RunConfig, options: ImplOptions | None = None,
-                 strict: bool = True):
+                 strict: bool = True, measure: bool = False):
     """Names to run for this configuration, and notes on those that cannot run here.
 
     An implementation named explicitly that cannot run here is an error when `strict`; a
-    sweep passes strict=False and refuses only one that can run none of its points.
+    sweep passes strict=False and refuses only one that can run none of its points. With
+    `measure` (bench, memory), one whose figures would measure nothing here is left out too.
     """
     options = options or ImplOptions()
     names, notes = [], []
     explicit = spec.strip().lower() != "all"
     for name in parse_impls(spec):
-        reason = IMPLEMENTATIONS[name].unavailable(config, options)
+        cls = IMPLEMENTATIONS[name]
+        reason = cls.unavailable(config, options) or (cls.unmeasured(config) if measure else None)
         if reason is None:
             names.append(name)
         elif explicit and strict:
@@ -99,6 +105,12 @@ class CachedAttention(ABC):
     @classmethod
     def unavailable(cls, config: RunConfig, options: ImplOptions) -> str | None:
         """Why this implementation cannot run this configuration here, or None."""
+        return None
+
+    @classmethod
+    def unmeasured(cls, config: RunConfig) -> str | None:
+        """Why bench and memory should not time or measure it here (it runs, but its figures
+        would describe something else, e.g. an interpreter), or None."""
         return None
 
     @classmethod
