@@ -53,9 +53,10 @@ class AttentionLayer:
     def weight_bytes(self) -> int:
         return sum(w.numel() * w.element_size() for w in (self.w_qkv, self.w_o))
 
-    def project(self, x: torch.Tensor, start: int, gemm=torch.mm):
+    def project(self, x: torch.Tensor, start: int | torch.Tensor, gemm=torch.mm):
         """x [B, T, H] at positions start..start+T-1 -> q [B,H_q,T,D], k, v [B,H_kv,T,D].
 
+        `start` may be a one-element device tensor (a compiled step's position).
         RoPE (when on) rotates q and k here, so the cache stores k after rotation.
         `gemm(a, w)` computes a @ w for a 2-D a; an implementation may bring its own.
         """
@@ -66,7 +67,7 @@ class AttentionLayer:
         qkv = qkv.transpose(1, 2)  # [B, H_q + 2·H_kv, T, D]
         q, k, v = qkv.split((Hq, Hkv, Hkv), dim=1)  # [B,H_q,T,D], [B,H_kv,T,D], [B,H_kv,T,D]
         if self.rope:
-            positions = torch.arange(start, start + T, device=x.device)
+            positions = torch.arange(T, device=x.device) + start
             q, k = apply_rope(q, positions), apply_rope(k, positions)
         return q, k, v
 

@@ -128,7 +128,8 @@ def _options(ctx: typer.Context) -> dict[str, object]:
 
 
 def _points(o: dict[str, object], reference_cases: bool = False, measure: bool = False):
-    """Options -> [(RunConfig, implementation names)] and the implementation options.
+    """Options -> [(RunConfig, implementation names)], the implementation options, and notes
+    on the implementations left out (printed once the preflight has passed).
 
     With no shape option, verify also runs the small reference case. `measure` (bench,
     memory) leaves out implementations whose figures would measure nothing here.
@@ -174,10 +175,7 @@ def _points(o: dict[str, object], reference_cases: bool = False, measure: bool =
     for name, reason in refused.items():
         if explicit and name not in ran:
             raise KvbenchError(f"--impl {name} cannot run here: {reason}")
-    if not o["quiet"]:
-        for line in notes:
-            render.note(line)
-    return points, options
+    return points, options, notes
 
 
 def _preflight(o: dict[str, object], command: str, points, impl_options, bench_options=None):
@@ -211,7 +209,7 @@ def _preflight(o: dict[str, object], command: str, points, impl_options, bench_o
     return [pt for pt, p in zip(points, plans) if p.fits], too_big
 
 
-def _sweep(o: dict[str, object], command: str, points, run_point, impl_options,
+def _sweep(o: dict[str, object], command: str, points, run_point, impl_options, notes,
            bench_options=None):
     """Preflight, then run every point with a progress bar; write rows; print machine
     formats; handle Ctrl-C, device errors and skipped points.
@@ -228,6 +226,9 @@ def _sweep(o: dict[str, object], command: str, points, run_point, impl_options,
     columns, first = FILE_KINDS[command]
     path = None if o["no_csv"] else _csv_target(o["csv"], command)
     points, skipped = _preflight(o, command, points, impl_options, bench_options)
+    if not o["quiet"]:
+        for line in notes:
+            render.note(line)
     env = environment(points[0][0].device)
     results, rows, failed = [], [], []
     interrupted = False
@@ -306,13 +307,13 @@ def verify(ctx: typer.Context, device: Device = "auto", dtype: Dtype = "float32"
     from kvbench.verify import verify as run_verify
 
     o = _options(ctx)
-    points, options = _points(o, reference_cases=True)
+    points, options, notes = _points(o, reference_cases=True)
 
     def run_point(config, names, env):
         report = run_verify(config, {n: IMPLEMENTATIONS[n] for n in names}, options)
         return report, verify_rows(report, env)
 
-    reports = _sweep(o, "verify", points, run_point, options)
+    reports = _sweep(o, "verify", points, run_point, options, notes)
     failures = [(r, c) for r in reports for c in r.checks if not c.passed]
     if failures:
         r, c = failures[0]
@@ -349,8 +350,8 @@ def bench(ctx: typer.Context, device: Device = "auto", dtype: Dtype = "float32",
     from kvbench.results import bench_rows
 
     o = _options(ctx)
-    points, impl_options = _points(o, measure=True)
     options = BenchOptions(o["warmup"], o["rounds"], o["recompute"], o["prefill"])
+    points, impl_options, notes = _points(o, measure=True)
 
     def run_point(config, names, env):
         result = run_bench(config, names, options, impl_options)
@@ -360,7 +361,7 @@ def bench(ctx: typer.Context, device: Device = "auto", dtype: Dtype = "float32",
         return result, bench_rows(result, env)
 
     try:
-        _sweep(o, "bench", points, run_point, impl_options, options)
+        _sweep(o, "bench", points, run_point, impl_options, notes, options)
     except VerificationFailed as failed:
         render.show_verify(failed.report, stderr=True)
         bad = next(c for c in failed.report.checks if not c.passed)
@@ -383,13 +384,13 @@ def memory(ctx: typer.Context, device: Device = "auto", dtype: Dtype = "float32"
     from kvbench.results import memory_rows
 
     o = _options(ctx)
-    points, options = _points(o, measure=True)
+    points, options, notes = _points(o, measure=True)
 
     def run_point(config, names, env):
         result = run_memory(config, names, options)
         return result, memory_rows(result, env)
 
-    _sweep(o, "memory", points, run_point, options)
+    _sweep(o, "memory", points, run_point, options, notes)
 
 
 def _csv_target(csv: Path | None, kind: str) -> Path:

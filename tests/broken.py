@@ -112,3 +112,64 @@ class OutOfMemory(StaticCache):
 
     def step(self, x_t):
         torch.empty(2**60, dtype=torch.uint8)
+
+
+# Faults of the Triton paged decode kernel (`triton`), injected where they enter the kernel.
+# Each subclass is the real kernel fed one wrong argument, or a merge that drops a step.
+
+from kvbench.caches.triton import TritonCache  # noqa: E402
+
+
+class _TritonFault(TritonCache):
+    """The real kernel with one argument of stage 1 replaced (see `fault`)."""
+
+    def attend(self, q, keys=None, values=None):
+        B, Hq, _, D = q.shape
+        self.splits = self.options.splits or 1
+        k_pool, v_pool, table, length = self.fault()
+        self.kernel.split_partials(q.reshape(B, Hq, D), k_pool, v_pool, table, length,
+                                   self.layer.scale, self.splits, self.partials)
+        out = torch.empty(B, Hq, D, dtype=q.dtype, device=q.device)
+        return self.merge(out).reshape(B, Hq, 1, D)
+
+
+class BlockOffByOne(_TritonFault):
+    """Logical block i is read from the table entry of block i - 1 (block 0 reads itself)."""
+
+    name = "block-off-by-one"
+
+    def fault(self):
+        table = self.table.clone()
+        table[:, 1:] = self.table[:, :-1]
+        return self.k_pool, self.v_pool, table, self.length
+
+
+class NoTailMask(_TritonFault):
+    """The last block is read whole: its positions past the end are not masked."""
+
+    name = "no-tail-mask"
+
+    def fault(self):
+        bs = self.options.block_size
+        return self.k_pool, self.v_pool, self.table, -(-self.length // bs) * bs
+
+
+class WrongKvHead(_TritonFault):
+    """Query group h reads KV head H_kv - 1 - h."""
+
+    name = "wrong-kv-head"
+
+    def fault(self):
+        return self.k_pool.flip(1), self.v_pool.flip(1), self.table, self.length
+
+
+class UnscaledMerge(TritonCache):
+    """Stage 2 adds the splits' sums without rescaling each by exp(its max - the max)."""
+
+    name = "unscaled-merge"
+
+    def merge(self, out):
+        acc, _, l = (p[:, :, : self.splits] for p in self.partials)
+        live = l > 0  # splits past the end hold nothing
+        total = (acc * live[..., None]).sum(2) / (l * live).sum(2)[..., None]
+        return out.copy_(total)

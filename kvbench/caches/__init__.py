@@ -21,7 +21,10 @@ from kvbench.caches.sdpa import SdpaCache
 from kvbench.caches.paged import PagedCache
 from kvbench.caches.splitk import SplitKCache
 from kvbench.caches.triton import TritonCache
+from kvbench.caches.flex import FlexCache
+from kvbench.caches.compiled import CompiledCache
 
-__all__ = ["IMPLEMENTATIONS", "SDPA_BACKENDS", "CachedAttention", "ConcatCache", "ImplOptions",
+__all__ = ["IMPLEMENTATIONS", "SDPA_BACKENDS", "CachedAttention", "CompiledCache", "ConcatCache",
+           "FlexCache", "ImplOptions",
            "PagedCache", "PreallocatedCache", "SdpaCache", "SplitKCache", "StaticCache",
            "TritonCache",            "parse_impls", "register", "select_impls"]

@@ -110,10 +110,13 @@ class TritonCache(PagedCache):
         B, Hq, _, D = q.shape
         self.splits = self.options.splits or self.kernel.choose_splits(
             self.length, B * self.layer.shape.kv_heads, self.processors)
+        self.kernel.split_partials(q.reshape(B, Hq, D), self.k_pool, self.v_pool, self.table,
+                                   self.length, self.layer.scale, self.splits, self.partials)
         out = torch.empty(B, Hq, D, dtype=q.dtype, device=q.device)
-        self.kernel.decode(q.reshape(B, Hq, D), self.k_pool, self.v_pool, self.table,
-                           self.length, self.layer.scale, self.splits, self.partials, out)
-        return out.reshape(B, Hq, 1, D)
+        return self.merge(out).reshape(B, Hq, 1, D)
+
+    def merge(self, out: torch.Tensor) -> torch.Tensor:
+        return self.kernel.merge(self.partials, self.splits, out)
 
     def stats(self):
         return {**super().stats(), "splits": self.splits}

@@ -145,12 +145,13 @@ def pad(n: int) -> int:
     return max(16, triton.next_power_of_2(n))
 
 
-def decode(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, table: torch.Tensor,
-           length: int, scale: float, splits: int, partials, out: torch.Tensor) -> torch.Tensor:
-    """Stage 1 then stage 2: q [B, H_q, D] over `length` positions -> out [B, H_q, D].
+def split_partials(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
+                   table: torch.Tensor, length: int, scale: float, splits: int, partials) -> None:
+    """Stage 1: each split's running max, exp-sum and exp-weighted V sum into `partials`.
 
-    k_pool, v_pool [N_blocks, H_kv, block_size, D]; table [B, blocks] block ids;
-    partials = (acc [B, H_q, S, D], m [B, H_q, S], l [B, H_q, S]) float32, S >= splits.
+    q [B, H_q, D]; k_pool, v_pool [N_blocks, H_kv, block_size, D]; table [B, blocks] block
+    ids; the first `length` positions of each sequence are read. partials = (acc [B, H_q, S, D],
+    m [B, H_q, S], l [B, H_q, S]) in float32, with S >= splits.
     """
     B, Hq, D = q.shape
     Hkv, page = k_pool.shape[1], k_pool.shape[2]
@@ -168,6 +169,13 @@ def decode(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, table: t
         table.stride(0), acc.stride(0), acc.stride(1), acc.stride(2), m.stride(0), m.stride(1),
         G=G, D=D, BLOCK_G=pad(G), BLOCK_D=pad(D), BLOCK_N=BLOCK_N, DOT_PRECISION=precision,
         WIDEN=widen)
+
+
+def merge(partials, splits: int, out: torch.Tensor) -> torch.Tensor:
+    """Stage 2: the first `splits` partials merged by log-sum-exp into out [B, H_q, D]."""
+    acc, m, l = partials
+    B, Hq, D = out.shape
+    assert out.stride(2) == 1
     stage2[(B, Hq)](
         acc, m, l, out, splits, acc.stride(0), acc.stride(1), acc.stride(2), m.stride(0),
         m.stride(1), out.stride(0), out.stride(1),

@@ -1,0 +1,81 @@
+"""`flex`: the static cache read by FlexAttention, with the block mask built once.
+
+torch.nn.attention.flex_attention runs attention as one generated kernel from a mask function,
+and skips the KV blocks a BlockMask marks empty. The causal BlockMask over [T_max, T_max] is
+built once per cache. Each step slices out the row of the query's block, with the position as
+a device tensor, and shifts the mask function by that position (gpt-fast's flex decode), so
+the shapes never change and the step compiles once. GQA goes through enable_gqa.
+
+The cache is the static one: torch's paged helper for FlexAttention
+(torch.nn.attention.experimental._paged_attention) is private and ties the page size to the
+mask's 128-position blocks, so `triton` is the paged GPU reader here.
+
+The step runs under torch.compile's default mode (the generated kernel, no CUDA graph), so it
+shows what the kernel brings; `compiled` shows what the graph replay brings.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvbench import footprint as fp
+from kvbench.caches.base import register
+from kvbench.caches.compiled import CompiledCache, compiler_missing
+
+
+def _flex_missing() -> str | None:
+    try:
+        from torch.nn.attention.flex_attention import create_block_mask, flex_attention  # noqa: F401
+    except ImportError:
+        return f"needs torch.nn.attention.flex_attention (torch {torch.__version__} lacks it)"
+    return None
+
+
+@register
+class FlexCache(CompiledCache):
+    name = "flex"
+    description = ("static cache, FlexAttention under torch.compile: causal block mask built "
+                   "once and sliced per step at a tensor position, enable_gqa")
+    mode = None  # the default mode on CUDA too
+
+    @classmethod
+    def unavailable(cls, config, options):
+        return _flex_missing() or compiler_missing(torch.device(config.device).type)
+
+    @classmethod
+    def footprint(cls, config, options):
+        s, b = config.shape, config.dtype_bytes
+        blocks = -(-s.total_len // 128)
+        mask = 2 * blocks * blocks * 4 + 2 * blocks * 4  # BlockMask: int32 indices and counts
+        return fp.preallocated(
+            s, config.rope, b, fp.Sizes(s).kv(s.total_len) * b + mask,
+            lambda t: fp.decode_step_small(s, config.rope) * b,
+            fp.sdpa_is_fused(config.device, config.dtype, s.head_dim))
+
+    def __init__(self, layer, batch, max_len, options=None):
+        super().__init__(layer, batch, max_len, options)
+        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+        def causal(b, h, q_idx, kv_idx):
+            return q_idx >= kv_idx
+
+        self.flex_attention = flex_attention
+        self.block_mask = create_block_mask(causal, B=None, H=None, Q_LEN=max_len,
+                                            KV_LEN=max_len, device=layer.device)
+
+    def attend_all(self, q):
+        full = self.block_mask
+        pos = self.pos
+
+        def at_position(b, h, q_idx, kv_idx):  # the one query sits at position pos
+            return q_idx + pos[0] >= kv_idx
+
+        mask = full[:, :, pos // full.BLOCK_SIZE[0]]  # the query's block row; no recompile
+        mask.mask_mod = at_position
+        mask.seq_lengths = (1, self.max_len)
+        # A 4-D buffer of q's own: inductor's CPU flex template cannot take a view of the
+        # projection's 2-D output, and folds a clone back into one (torch 2.13: "not enough
+        # values to unpack").
+        q = torch.empty(q.shape, dtype=q.dtype, device=q.device).copy_(q)
+        return self.flex_attention(q, self.k_cache, self.v_cache, block_mask=mask,
+                                   scale=self.layer.scale, enable_gqa=True)

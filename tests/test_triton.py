@@ -1,0 +1,80 @@
+"""The Triton paged decode kernel (`triton`), run on CPU tensors by Triton's interpreter."""
+
+import pytest
+import torch
+from broken import BlockOffByOne, NoTailMask, UnscaledMerge, WrongKvHead
+
+from kvbench.caches import ImplOptions, TritonCache
+from kvbench.config import LayerShape, RunConfig
+from kvbench.kernels import triton_decode
+from kvbench.verify import verify
+
+pytest.importorskip("triton")
+
+HEADS = {"mha": (8, 8), "gqa": (8, 2), "mqa": (8, 1)}  # (H_q, H_kv)
+
+
+def shape(heads: str, head_dim: int, prompt_len: int = 37, decode_len: int = 5, batch: int = 2):
+    q_heads, kv_heads = HEADS[heads]
+    return LayerShape(batch=batch, prompt_len=prompt_len, decode_len=decode_len, hidden=64,
+                      q_heads=q_heads, kv_heads=kv_heads, head_dim=head_dim)
+
+
+def check(config: RunConfig, impls, **options):
+    report = verify(config, impls, ImplOptions(**options))
+    return {c.impl: c for c in report.checks}
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("block_size", [1, 16, 64])
+@pytest.mark.parametrize("head_dim", [4, 64, 80, 96, 128])
+@pytest.mark.parametrize("heads", list(HEADS))
+def test_triton_equals_recompute(heads, head_dim, block_size, dtype):
+    # 37 + 5 positions: never a whole number of blocks of 16 or 64, so the last block is partial
+    config = RunConfig(shape(heads, head_dim), dtype)
+    (result,) = check(config, {"triton": TritonCache}, block_size=block_size).values()
+    assert result.passed, result.message
+    assert result.cache_shape == config.shape.cache_shape
+
+
+@pytest.mark.parametrize("splits", [1, 2, 3, 7])
+def test_any_split_count_gives_the_same_answer(splits):
+    # 7 splits of 42 positions at 64 per tile: most splits are empty, and merge must skip them
+    config = RunConfig(shape("gqa", 64, prompt_len=100, decode_len=3))
+    (result,) = check(config, {"triton": TritonCache}, splits=splits).values()
+    assert result.passed, result.message
+    assert result.stats["splits"] == splits
+
+
+def test_float16_passes():
+    (result,) = check(RunConfig(shape("gqa", 80), "float16"), {"triton": TritonCache}).values()
+    assert result.passed, result.message
+
+
+@pytest.mark.parametrize("broken, heads, options", [
+    (BlockOffByOne, "gqa", {"block_size": 4}),
+    (NoTailMask, "gqa", {"block_size": 16}),
+    (WrongKvHead, "gqa", {}),
+    (UnscaledMerge, "gqa", {"splits": 4}),
+])
+def test_verify_rejects_each_kernel_fault(broken, heads, options):
+    config = RunConfig(shape(heads, 64, prompt_len=150))
+    result = check(config, {broken.name: broken}, **options)[broken.name]
+    assert not result.passed
+    assert result.first_bad_step == 1  # the prefill is SDPA's; the first decode step fails
+
+
+def test_the_faults_fail_for_their_bug_not_the_shape():
+    config = RunConfig(shape("gqa", 64, prompt_len=150))
+    for options in ({"block_size": 4}, {"block_size": 16}, {"splits": 4}):
+        assert check(config, {"triton": TritonCache}, **options)["triton"].passed
+
+
+@pytest.mark.parametrize("length, programs, processors, expected", [
+    (32768, 64, 132, 5),  # B=8, H_kv=8 on an H200: two programs per SM
+    (100, 8, 132, 2),  # short context: at most one split per 64-position tile
+    (1 << 20, 1, 132, triton_decode.MAX_SPLITS),
+    (4096, 512, 132, 1),  # enough (sequence, head) programs already
+])
+def test_split_rule(length, programs, processors, expected):
+    assert triton_decode.choose_splits(length, programs, processors) == expected
