@@ -142,6 +142,9 @@ def bench(config: RunConfig, impls: tuple[str, ...], options: BenchOptions,
             with device_errors("prefill", name, free=lambda: free_bytes(dev)):
                 impl = prompt_caches[name] = fresh(cls)
                 impl.prefill(prompt)
+                if cls.compiles:  # its first steps compile: never inside a timed sample
+                    impl.decode(x, keep=False)
+                    impl.rewind(s.prompt_len)
             tasks[f"decode:{name}"] = (_guarded(lambda impl: impl.decode(x, keep=False),
                                                 "decode", name, dev),
                                        lambda impl=impl: _rewound(impl, s.prompt_len))

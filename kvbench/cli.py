@@ -127,12 +127,12 @@ def _options(ctx: typer.Context) -> dict[str, object]:
     return values
 
 
-def _points(o: dict[str, object], reference_cases: bool = False, measure: bool = False):
+def _points(o: dict[str, object], reference_cases: bool = False, measure: str | None = None):
     """Options -> [(RunConfig, implementation names)], the implementation options, and notes
     on the implementations left out (printed once the preflight has passed).
 
-    With no shape option, verify also runs the small reference case. `measure` (bench,
-    memory) leaves out implementations whose figures would measure nothing here.
+    With no shape option, verify also runs the small reference case. `measure` ("bench",
+    "memory") leaves out implementations that command cannot measure here.
     """
     from kvbench import render
     from kvbench.caches import ImplOptions, select_impls
@@ -351,7 +351,7 @@ def bench(ctx: typer.Context, device: Device = "auto", dtype: Dtype = "float32",
 
     o = _options(ctx)
     options = BenchOptions(o["warmup"], o["rounds"], o["recompute"], o["prefill"])
-    points, impl_options, notes = _points(o, measure=True)
+    points, impl_options, notes = _points(o, measure="bench")
 
     def run_point(config, names, env):
         result = run_bench(config, names, options, impl_options)
@@ -384,7 +384,7 @@ def memory(ctx: typer.Context, device: Device = "auto", dtype: Dtype = "float32"
     from kvbench.results import memory_rows
 
     o = _options(ctx)
-    points, options, notes = _points(o, measure=True)
+    points, options, notes = _points(o, measure="memory")
 
     def run_point(config, names, env):
         result = run_memory(config, names, options)

@@ -42,6 +42,11 @@ def main() -> int:
         bench["cell"] = [f"{m:.4f} ({s:.1f}x)" for m, s in
                          zip(bench["cached_ms_per_step"], bench["speedup"])]
         print(grid(bench, "cell", str))
+        steps = bench.pivot_table(index="dtype", columns="impl", values="cached_ms_per_step",
+                                  aggfunc="last")
+        if {"static", "compiled"} <= set(steps.columns):
+            print("CUDA graph step (compiled) vs eager static, x faster (target >= 3): " + ", ".join(
+                f"{dt} {r['static'] / r['compiled']:.1f}x" for dt, r in steps.iterrows()))
     long = read(out, "bench-long.csv")
     if long is not None:
         r = long.iloc[0]
@@ -50,6 +55,15 @@ def main() -> int:
         long["cell"] = [f"{m:.3f} {100 * f:.0f}%" for m, f in
                         zip(long["cached_ms_per_step"], long["bandwidth_fraction"])]
         print(grid(long, "cell", str))
+        splits = read(out, "bench-splits.csv")
+        triton = long[long["impl"] == "triton"]
+        if splits is not None:
+            triton = pd.concat([triton, splits])
+        if len(triton):
+            print("triton, splits chosen then pinned to 1 (ms/step, % of copy; target 80%): "
+                  + "; ".join(f"{r['dtype']} {r['splits']:.0f} splits "
+                              f"{r['cached_ms_per_step']:.3f} {100 * r['bandwidth_fraction']:.0f}%"
+                              for _, r in triton.iterrows()))
     memory = read(out, "memory.csv")
     if memory is not None:
         print("memory, reference case: prefill + decode peak MiB, allocated / reserved "

@@ -2,7 +2,7 @@
 
 import torch
 
-from kvbench.caches import ConcatCache, StaticCache
+from kvbench.caches import ConcatCache, FlexCache, StaticCache, TritonCache
 
 
 class RopeOffByOne(StaticCache):
@@ -117,9 +117,6 @@ class OutOfMemory(StaticCache):
 # Faults of the Triton paged decode kernel (`triton`), injected where they enter the kernel.
 # Each subclass is the real kernel fed one wrong argument, or a merge that drops a step.
 
-from kvbench.caches.triton import TritonCache  # noqa: E402
-
-
 class _TritonFault(TritonCache):
     """The real kernel with one argument of stage 1 replaced (see `fault`)."""
 
@@ -173,3 +170,25 @@ class UnscaledMerge(TritonCache):
         live = l > 0  # splits past the end hold nothing
         total = (acc * live[..., None]).sum(2) / (l * live).sum(2)[..., None]
         return out.copy_(total)
+
+
+# A compiled step that recompiles: the position reaches the graph as a Python int.
+
+class FlexIntPosition(FlexCache):
+    """Slices the block mask at the position as a Python int: every new block row is a new
+    graph (the fault the compile-count test must catch)."""
+
+    name = "flex-int-position"
+
+    def attend_all(self, q):
+        full, pos = self.block_mask, self.length
+
+        def at_position(b, h, q_idx, kv_idx):
+            return q_idx + pos >= kv_idx
+
+        mask = full[:, :, pos // full.BLOCK_SIZE[0]]
+        mask.mask_mod = at_position
+        mask.seq_lengths = (1, self.max_len)
+        q = torch.empty(q.shape, dtype=q.dtype, device=q.device).copy_(q)
+        return self.flex_attention(q, self.k_cache, self.v_cache, block_mask=mask,
+                                   scale=self.layer.scale, enable_gqa=True)

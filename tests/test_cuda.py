@@ -14,7 +14,8 @@ def test_every_implementation_equals_recompute_on_cuda(dtype, rope):
     for shape in (SMALL_CASE, CUDA_TIMING_CASE):
         report = verify(RunConfig(shape, dtype, "cuda:0", 0, rope))
         # splitk is the CPU kernel; every other implementation runs on CUDA
-        assert [c.impl for c in report.checks] == ["concat", "static", "sdpa", "paged"]
+        assert [c.impl for c in report.checks] == ["concat", "static", "sdpa", "paged",
+                                                   "triton", "compiled", "flex"]
         assert report.passed, [(c.impl, c.message) for c in report.checks]
 
 
@@ -23,3 +24,36 @@ def test_verify_rejects_a_lossy_cache_on_cuda():
 
     report = verify(RunConfig(CUDA_TIMING_CASE, device="cuda:0"), {"lossy": LossyCast})
     assert not report.passed
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
+@pytest.mark.parametrize("block_size", [1, 16, 64])
+@pytest.mark.parametrize("head_dim", [80, 96, 128])
+def test_triton_compiled_kernel_equals_recompute(dtype, block_size, head_dim):
+    from kvbench.caches import ImplOptions, TritonCache
+    from kvbench.config import LayerShape
+
+    shape = LayerShape(batch=3, prompt_len=300, decode_len=6, hidden=256, q_heads=8,
+                       kv_heads=2, head_dim=head_dim)
+    report = verify(RunConfig(shape, dtype, "cuda:0"), {"triton": TritonCache},
+                    ImplOptions(block_size=block_size))
+    assert report.passed, report.checks[0].message
+
+
+@pytest.mark.parametrize("name", ["compiled", "flex"])
+def test_compiled_steps_compile_once_on_cuda(name):
+    from torch._dynamo.utils import counters
+
+    from kvbench.attention import AttentionLayer, make_inputs
+    from kvbench.caches import IMPLEMENTATIONS
+    from kvbench.config import LayerShape
+
+    shape = LayerShape(batch=2, prompt_len=100, decode_len=40, hidden=256, q_heads=8,
+                       kv_heads=2, head_dim=64)
+    config = RunConfig(shape, "float16", "cuda:0")
+    layer, x = AttentionLayer.from_config(config), make_inputs(config)
+    impl = IMPLEMENTATIONS[name](layer, 2, shape.total_len)
+    counters.clear()
+    impl.prefill(x[:, :100])
+    impl.decode(x)
+    assert counters["stats"]["unique_graphs"] == 1

@@ -50,19 +50,20 @@ def register(cls: type[CachedAttention]) -> type[CachedAttention]:
 
 
 def select_impls(spec: str, config: RunConfig, options: ImplOptions | None = None,
-                 strict: bool = True, measure: bool = False):
+                 strict: bool = True, measure: str | None = None):
     """Names to run for this configuration, and notes on those that cannot run here.
 
     An implementation named explicitly that cannot run here is an error when `strict`; a
     sweep passes strict=False and refuses only one that can run none of its points. With
-    `measure` (bench, memory), one whose figures would measure nothing here is left out too.
+    `measure` ("bench" or "memory"), one that command cannot measure here is left out too.
     """
     options = options or ImplOptions()
     names, notes = [], []
     explicit = spec.strip().lower() != "all"
     for name in parse_impls(spec):
         cls = IMPLEMENTATIONS[name]
-        reason = cls.unavailable(config, options) or (cls.unmeasured(config) if measure else None)
+        reason = cls.unavailable(config, options) or (cls.unmeasured(config, measure)
+                                                      if measure else None)
         if reason is None:
             names.append(name)
         elif explicit and strict:
@@ -95,6 +96,7 @@ class CachedAttention(ABC):
 
     name: ClassVar[str]
     description: ClassVar[str]
+    compiles: ClassVar[bool] = False  # its first step compiles (reported as compile_ms)
 
     def __init__(self, layer: AttentionLayer, batch: int, max_len: int,
                  options: ImplOptions | None = None):
@@ -108,9 +110,9 @@ class CachedAttention(ABC):
         return None
 
     @classmethod
-    def unmeasured(cls, config: RunConfig) -> str | None:
-        """Why bench and memory should not time or measure it here (it runs, but its figures
-        would describe something else, e.g. an interpreter), or None."""
+    def unmeasured(cls, config: RunConfig, command: str) -> str | None:
+        """Why `command` (bench or memory) cannot measure it here, though it runs: its figures
+        would describe something else (an interpreter) or miss what it holds. None if it can."""
         return None
 
     @classmethod

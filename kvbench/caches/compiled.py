@@ -44,10 +44,18 @@ class CompiledCache(PreallocatedCache):
     description = ("static cache, gpt-fast decode step under torch.compile: fixed shapes, "
                    "position as a device tensor; a CUDA graph on CUDA (reduce-overhead)")
     mode = "reduce-overhead"  # torch.compile's mode on CUDA
+    compiles = True
 
     @classmethod
     def unavailable(cls, config, options):
         return compiler_missing(torch.device(config.device).type)
+
+    @classmethod
+    def unmeasured(cls, config, command):
+        if command == "memory" and torch.device(config.device).type == "cpu":
+            return ("on the CPU memory counts tensors through a dispatch mode, which "
+                    "torch.compile refuses and its graphs bypass (memory measures it on CUDA)")
+        return None
 
     @classmethod
     def footprint(cls, config, options):
@@ -62,6 +70,10 @@ class CompiledCache(PreallocatedCache):
     def __init__(self, layer, batch, max_len, options=None):
         super().__init__(layer, batch, max_len, options)
         device = torch.device(layer.device)
+        # The step reads every position, weighting those past pos by zero: zero times a NaN
+        # left in uninitialised memory would still be NaN (gpt-fast's cache is torch.zeros).
+        self.k_cache.zero_()
+        self.v_cache.zero_()
         self.pos = torch.zeros(1, dtype=torch.long, device=device)  # the step's position
         self.positions = torch.arange(max_len, device=device)  # what the mask compares with
         self.cuda = device.type == "cuda"

@@ -22,6 +22,7 @@ _compile_ms: float | None = None
 @register
 class SplitKCache(PreallocatedCache):
     name = "splitk"
+    compiles = True
     description = "static cache, split-K decode kernel (numba, CPU float32): K and V read once"
 
     @classmethod

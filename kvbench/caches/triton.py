@@ -51,6 +51,7 @@ def prepare(device_type: str) -> str | None:
 @register
 class TritonCache(PagedCache):
     name = "triton"
+    compiles = True  # on CUDA the first launch compiles the kernels
     description = ("paged pool read in place by a Triton split-K decode kernel (GQA through "
                    "tl.dot, log-sum-exp merge); CUDA, and CPU through Triton's interpreter "
                    "(verify only)")
@@ -60,7 +61,7 @@ class TritonCache(PagedCache):
         return prepare(torch.device(config.device).type)
 
     @classmethod
-    def unmeasured(cls, config):
+    def unmeasured(cls, config, command):
         if torch.device(config.device).type == "cpu":
             return ("on the CPU it runs in Triton's interpreter, whose time and memory measure "
                     "nothing (verify checks it here; bench it with --device cuda)")
