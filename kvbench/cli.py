@@ -84,7 +84,15 @@ QHeads = Annotated[str | None, typer.Option(help="Query heads H_q. \\[default: 8
 KvHeads = Annotated[str | None, typer.Option(help="KV heads H_kv; H_q must be a multiple. \\[default: 2]")]
 HeadDim = Annotated[str | None, typer.Option(help="Head dim D. \\[default: 64]")]
 Seed = Annotated[int, typer.Option(help="Seed of the weights and inputs.")]
-Impl = Annotated[str, typer.Option(help="Cached implementations: 'all' or a comma list.")]
+# Where each implementation runs, for --help without importing torch (a test checks that it
+# names every registered implementation).
+IMPL_HELP = (
+    "Cached implementations: 'all' or a comma list of concat, static, sdpa, paged (eager "
+    "PyTorch: CPU and CUDA); splitk (CPU, float32: a numba kernel); triton (CUDA; on the CPU "
+    "verify only, in Triton's interpreter); compiled (gpt-fast's step: a CUDA graph on CUDA, "
+    "inductor C++ on the CPU) and flex (FlexAttention under torch.compile): CUDA and CPU, "
+    "memory on CUDA only. One that cannot run a point is skipped with a note.")
+Impl = Annotated[str, typer.Option(help=IMPL_HELP)]
 Rope = Annotated[bool, typer.Option(help="Rotary position embedding on q and k (k rotated before caching).")]
 BlockSize = Annotated[int, typer.Option(help="paged: positions per block.")]
 SdpaBackend = Annotated[str, typer.Option(help="sdpa: auto, math, flash, efficient or cudnn.")]
