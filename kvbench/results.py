@@ -163,10 +163,13 @@ def _umask() -> int:
 # Column order is part of the interface: users' spreadsheets and scripts depend on it.
 CONFIG_COLUMNS = ["timestamp", "command", "impl", "batch", "prompt_len", "decode_len", "hidden",
                   "q_heads", "kv_heads", "head_dim", "dtype", "device", "rope", "seed"]
-VERIFY_COLUMNS = CONFIG_COLUMNS + [
+VERIFY_FIRST = CONFIG_COLUMNS + [
     "passed", "max_abs_err", "mean_abs_err", "prefill_max_abs_err", "fp64_max_abs_err",
     "recompute_fp64_max_abs_err", "first_bad_step", "cache_shape", "rtol", "atol",
 ] + ENV_COLUMNS
+# implementation details where they apply (paged, triton; the compiled ones), else empty
+VERIFY_COLUMNS = VERIFY_FIRST[:-len(ENV_COLUMNS)] + [
+    "block_size", "splits", "compile_ms"] + ENV_COLUMNS
 
 
 def _stats_columns(name: str) -> list[str]:
@@ -181,7 +184,7 @@ BENCH_FIRST = CONFIG_COLUMNS + [
     "min_bytes_per_step", "flops_per_step", "copy_gbps", "achieved_gbps", "bandwidth_fraction",
     "achieved_gflops", "blocks_used", "blocks_allocated", "sdpa_backend", "compile_ms",
 ] + ENV_COLUMNS
-BENCH_COLUMNS = BENCH_FIRST[:-len(ENV_COLUMNS)] + ["splits"] + ENV_COLUMNS
+BENCH_COLUMNS = BENCH_FIRST[:-len(ENV_COLUMNS)] + ["splits", "block_size"] + ENV_COLUMNS
 
 
 def config_cells(command: str, impl: str, config) -> dict[str, object]:
@@ -207,7 +210,8 @@ def verify_rows(report, env: dict[str, object]) -> list[dict[str, object]]:
         "prefill_max_abs_err": c.prefill_max_abs_err, "fp64_max_abs_err": c.fp64_max_abs_err,
         "recompute_fp64_max_abs_err": report.recompute_fp64_max_abs_err,
         "first_bad_step": c.first_bad_step, "cache_shape": "x".join(map(str, c.cache_shape)),
-        "rtol": report.rtol, "atol": report.atol, **env,
+        "rtol": report.rtol, "atol": report.atol,
+        **{k: v for k, v in c.stats.items() if k in VERIFY_COLUMNS}, **env,
     } for c in report.checks]
 
 
@@ -329,7 +333,7 @@ def allocation_rows(results, env: dict[str, object]) -> list[dict[str, object]]:
 # kind -> (the columns this release writes, the columns of the first release). Later releases
 # add columns, never remove one, so every file of a kind has its first release's columns.
 FILE_KINDS = {
-    "verify": (VERIFY_COLUMNS, VERIFY_COLUMNS),
+    "verify": (VERIFY_COLUMNS, VERIFY_FIRST),
     "bench": (BENCH_COLUMNS, BENCH_FIRST),
     "memory": (MEMORY_COLUMNS, MEMORY_FIRST),
     "capacity": (CAPACITY_COLUMNS, CAPACITY_COLUMNS),

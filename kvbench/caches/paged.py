@@ -115,4 +115,4 @@ class PagedCache(CachedAttention):
 
     def stats(self):
         return {"blocks_used": sum(len(t) for t in self.tables),
-                "blocks_allocated": self.k_pool.shape[0]}
+                "blocks_allocated": self.k_pool.shape[0], "block_size": self.options.block_size}
