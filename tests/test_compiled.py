@@ -90,3 +90,15 @@ def test_without_a_compiler_all_skips_them_with_a_note(monkeypatch):
 def test_both_are_registered_after_the_eager_ones():
     names = list(IMPLEMENTATIONS)
     assert names.index("compiled") > names.index("sdpa") and "flex" in names
+
+
+def test_flex_names_what_its_cuda_kernel_refuses():
+    from kvbench.caches.flex import cuda_limits
+
+    def shape(q_heads, head_dim):
+        return LayerShape(batch=1, prompt_len=8, decode_len=2, hidden=32, q_heads=q_heads,
+                          kv_heads=2, head_dim=head_dim)
+
+    assert "power of two" in cuda_limits(shape(6, 64))  # G = 3
+    assert "D >= 16" in cuda_limits(shape(4, 4))
+    assert cuda_limits(shape(8, 80)) is None

@@ -13,9 +13,10 @@ pytestmark = pytest.mark.cuda
 def test_every_implementation_equals_recompute_on_cuda(dtype, rope):
     for shape in (SMALL_CASE, CUDA_TIMING_CASE):
         report = verify(RunConfig(shape, dtype, "cuda:0", 0, rope))
-        # splitk is the CPU kernel; every other implementation runs on CUDA
-        assert [c.impl for c in report.checks] == ["concat", "static", "sdpa", "paged",
-                                                   "triton", "compiled", "flex"]
+        # splitk is the CPU kernel; flex's CUDA kernels need D >= 16 (the small case has 4)
+        expected = ["concat", "static", "sdpa", "paged", "triton", "compiled"]
+        assert [c.impl for c in report.checks] == expected + (["flex"] if shape.head_dim >= 16
+                                                              else [])
         assert report.passed, [(c.impl, c.message) for c in report.checks]
 
 

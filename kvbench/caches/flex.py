@@ -31,6 +31,17 @@ def _flex_missing() -> str | None:
     return None
 
 
+def cuda_limits(s) -> str | None:
+    """What FlexAttention's CUDA decode kernel (inductor's flex_decoding template) refuses."""
+    if s.group & (s.group - 1):
+        return (f"FlexAttention's CUDA decode kernel packs the G = H_q/H_kv = {s.group} query "
+                "heads of a KV head into one tile, so G must be a power of two")
+    if s.head_dim < 16:
+        return (f"head dim {s.head_dim}: FlexAttention's CUDA kernels multiply [.., D] tiles "
+                "with tl.dot, which needs D >= 16")
+    return None
+
+
 @register
 class FlexCache(CompiledCache):
     name = "flex"
@@ -40,7 +51,9 @@ class FlexCache(CompiledCache):
 
     @classmethod
     def unavailable(cls, config, options):
-        return _flex_missing() or compiler_missing(torch.device(config.device).type)
+        device = torch.device(config.device).type
+        return _flex_missing() or compiler_missing(device) or (
+            cuda_limits(config.shape) if device == "cuda" else None)
 
     @classmethod
     def footprint(cls, config, options):
