@@ -254,3 +254,17 @@ def test_without_numba_splitk_is_skipped_or_refused_naming_the_extra(tmp_path, m
     assert "splitk" not in pd.read_csv(out)["impl"].tolist()
     result = runner.invoke(app, ["verify", *TINY, "--impl", "splitk", "--csv", str(out)])
     assert result.exit_code == 2 and "[cpu-kernel]" in result.stderr
+
+
+def test_without_triton_the_kernel_is_skipped_or_refused_naming_the_extra(tmp_path,
+                                                                           monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "triton" else real(name, *a))
+    result = runner.invoke(app, ["verify", *TINY, "--impl", "concat,triton", "--no-csv"])
+    assert result.exit_code == 2 and "needs triton" in result.stderr
+    assert '".[dev]"' in result.stderr
+    result = runner.invoke(app, ["verify", *TINY, "--no-csv"])
+    assert result.exit_code == 0 and "skipping triton: needs triton" in result.stderr
