@@ -4,9 +4,12 @@ Standard MHA/GQA/MQA, per layer per token, K and V:    2 · H_kv · D · s bytes
 MLA (latent plus decoupled RoPE key), per layer per token: (d_c + d_rope) · s bytes
 A batch sums over its sequences; a sliding-window layer caches at most W positions.
 
-Quantized caches (fp8, int8, int4, int2) are not "s = 1": every group of --group-size
-elements of a cached vector (one head's k or v, or one MLA latent) also stores an fp16 scale
-and an fp16 zero-point, 4 bytes per group, and a vector's packed bits round up to whole bytes.
+Quantized caches are not "s = 1". The integer formats (int8, int4, int2) store, for every
+group of --group-size elements of a cached vector (one head's k or v, or one MLA latent), an
+fp16 scale and an fp16 zero point (4 bytes per group; a last group may be partial), and a
+vector's packed bits round up to whole bytes. fp8 (e4m3) stores no per-token metadata: one
+float32 scale per KV head for K and one for V (one for an MLA latent) per layer, as vLLM's fp8
+cache keeps per-layer scales.
 """
 
 from __future__ import annotations
@@ -25,7 +28,9 @@ PRESET_DIR = Path(__file__).resolve().parent.parent / "configs" / "models"
 
 KV_DTYPE_BITS = {"fp32": 32, "fp16": 16, "bf16": 16, "fp8": 8, "int8": 8, "int4": 4, "int2": 2}
 QUANTIZED = {"fp8", "int8", "int4", "int2"}
+GROUPED = {"int8", "int4", "int2"}  # per-group scale and zero point
 GROUP_META_BYTES = 4  # one fp16 scale + one fp16 zero-point per group
+FP8_SCALE_BYTES = 4  # one float32 scale per KV head (K and V each) per layer
 WEIGHT_DTYPE_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2, "fp8": 1, "int8": 1, "int4": 0.5}
 _ALIASES = {"float32": "fp32", "float16": "fp16", "half": "fp16", "bfloat16": "bf16"}
 
@@ -226,9 +231,14 @@ class CacheFormat:
     def vector_bytes(self, elements: int) -> int:
         """Bytes of one cached vector: packed values plus per-group scale and zero-point."""
         payload = math.ceil(elements * KV_DTYPE_BITS[self.kv_dtype] / 8)
-        if self.kv_dtype in QUANTIZED:
+        if self.kv_dtype in GROUPED:
             payload += math.ceil(elements / self.group_size) * GROUP_META_BYTES
         return payload
+
+    def scale_bytes(self, vectors: int) -> int:
+        """Per-layer bytes that do not grow with tokens: fp8's one scale per cached vector
+        kind (each KV head's K and V, or the MLA latent)."""
+        return vectors * FP8_SCALE_BYTES if self.kv_dtype == "fp8" else 0
 
 
 def kv_heads_per_rank(model: ModelSpec, tp: int) -> int:
@@ -250,6 +260,14 @@ def token_bytes_per_layer(model: ModelSpec, fmt: CacheFormat, per_rank: bool) ->
         return fmt.vector_bytes(model.mla_latent + model.mla_rope)
     heads = kv_heads_per_rank(model, fmt.tp) if per_rank else model.kv_heads
     return 2 * heads * fmt.vector_bytes(model.head_dim)
+
+
+def layer_scale_bytes(model: ModelSpec, fmt: CacheFormat, per_rank: bool) -> int:
+    """Bytes per layer that do not grow with tokens or sequences (fp8's scales)."""
+    if model.is_mla:
+        return fmt.scale_bytes(1)
+    heads = kv_heads_per_rank(model, fmt.tp) if per_rank else model.kv_heads
+    return fmt.scale_bytes(2 * heads)
 
 
 def cached_len(model: ModelSpec, layer: int, seq_len: int) -> int:
@@ -319,10 +337,13 @@ def plan(model: ModelSpec, fmt: CacheFormat, seq_lens: tuple[int, ...],
     if not 0 < utilization <= 1:
         raise KvbenchError(f"--utilization must be in (0, 1], got {utilization}")
     per_token_layer = token_bytes_per_layer(model, fmt, per_rank=False)
-    payload = sum(sequence_bytes(model, fmt, t, per_rank=False, paged=False) for t in seq_lens)
-    per_rank = sum(sequence_bytes(model, fmt, t, per_rank=True) for t in seq_lens)
-    per_rank_exact = sum(sequence_bytes(model, fmt, t, per_rank=True, paged=False)
-                         for t in seq_lens)
+    scales, scales_rank = (model.layers * layer_scale_bytes(model, fmt, per_rank=r)
+                           for r in (False, True))
+    payload = scales + sum(sequence_bytes(model, fmt, t, per_rank=False, paged=False)
+                           for t in seq_lens)
+    per_rank = scales_rank + sum(sequence_bytes(model, fmt, t, per_rank=True) for t in seq_lens)
+    per_rank_exact = scales_rank + sum(sequence_bytes(model, fmt, t, per_rank=True, paged=False)
+                                       for t in seq_lens)
     result = Plan(model, fmt, tuple(seq_lens), model.layers * per_token_layer,
                   sequence_bytes(model, fmt, max(seq_lens), per_rank=False, paged=False),
                   payload, per_rank, per_rank - per_rank_exact)

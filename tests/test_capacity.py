@@ -51,10 +51,17 @@ def test_quantized_counts_scale_and_zero_point_per_group():
     assert CacheFormat("int4", group_size=64).vector_bytes(128) == 72
     assert CacheFormat("int8", group_size=32).vector_bytes(128) == 128 + 4 * 4
     assert CacheFormat("int2", group_size=64).vector_bytes(100) == 25 + 2 * 4
-    assert CacheFormat("fp8", group_size=128).vector_bytes(128) == 132
+    assert CacheFormat("fp8", group_size=128).vector_bytes(128) == 128  # no groups
     assert CacheFormat("bf16").vector_bytes(128) == 256  # no groups for float types
     p = plan(spec(8), CacheFormat("int4", 64), (4096,) * 4)
     assert p.payload_bytes == 2 * GIB * 72 // 256
+
+
+def test_fp8_counts_one_float32_scale_per_kv_head_for_k_and_v_per_layer():
+    p = plan(spec(8), CacheFormat("fp8"), (4096,) * 4)
+    assert p.payload_bytes == GIB + 32 * 2 * 8 * 4  # half of fp16, plus 32 layers' scales
+    assert plan(spec(8), CacheFormat("fp8", tp=4), (4096,) * 4).per_rank_bytes == \
+        GIB // 4 + 32 * 2 * 2 * 4
 
 
 def test_tensor_parallel_splits_kv_heads_and_replicates_below_one_head_per_rank():
