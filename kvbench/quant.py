@@ -1,0 +1,199 @@
+"""Quantized K/V storage: the byte layouts `kvbench capacity --kv-dtype` counts.
+
+- int8, int4, int2: asymmetric, per group of `group_size` elements along D of each cached
+  vector (one head's k or v at one position), as KIVI and Hugging Face's quanto-backed
+  QuantizedCache do. Each group stores an fp16 scale s = (max - min) / (2^bits - 1) and an
+  fp16 zero point z = min; an element x is stored as q = round((x - z) / s) in [0, 2^bits - 1]
+  and read back as q·s + z. When group_size does not divide D the last group is partial (it
+  covers the remaining elements), so a vector has ceil(D / group_size) groups. Codes are packed
+  8/bits to a byte, the element with the lower index in the lower bits; a vector's codes round
+  up to whole bytes.
+- fp8: e4m3 (float8_e4m3fn), one float32 scale per KV head for K and one for V, set from the
+  prompt's absolute maximum (amax / 448) when the cache is first written, as vLLM's fp8 cache
+  keeps per-layer scales. Later tokens are scaled by the same number and saturate at ±448.
+
+QuantizedStore holds one layer's quantized K and V for [B, H_kv, T_max] positions.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from kvbench.capacity import GROUPED, KV_DTYPE_BITS, QUANTIZED, CacheFormat, kv_dtype
+
+FP8_MAX = 448.0  # the largest finite float8_e4m3fn
+
+
+@dataclass(frozen=True)
+class KvFormat:
+    """How K/V are stored: `name` is a capacity --kv-dtype; None = the activation dtype."""
+
+    name: str | None = None
+    group_size: int = 64
+
+    @property
+    def quantized(self) -> bool:
+        return self.name in QUANTIZED
+
+    @property
+    def bits(self) -> int:
+        return KV_DTYPE_BITS[self.name]
+
+    @property
+    def grouped(self) -> bool:
+        return self.name in GROUPED
+
+    def vector_bytes(self, head_dim: int) -> int:
+        return CacheFormat(self.name, self.group_size).vector_bytes(head_dim)
+
+    def groups(self, head_dim: int) -> int:
+        return math.ceil(head_dim / self.group_size)
+
+
+def parse_kv_dtype(name: str | None, activation: str) -> str | None:
+    """--kv-dtype -> a quantized format name, or None for the activation dtype."""
+    if name is None:
+        return None
+    key = kv_dtype(name)
+    if key not in QUANTIZED:
+        act = kv_dtype(activation)
+        if key != act:
+            raise ValueError(f"--kv-dtype {name}: an unquantized cache is stored in the "
+                             f"activation dtype ({activation}); use --dtype {name} for it")
+        return None
+    return key
+
+
+def pack(q: torch.Tensor, bits: int) -> torch.Tensor:
+    """uint8 codes [..., D] < 2^bits -> [..., ceil(D·bits/8)], low bits first."""
+    per_byte = 8 // bits
+    if per_byte == 1:
+        return q
+    D = q.shape[-1]
+    q = torch.nn.functional.pad(q, (0, -D % per_byte)).view(*q.shape[:-1], -1, per_byte)
+    packed = torch.zeros(q.shape[:-1], dtype=torch.uint8, device=q.device)
+    for i in range(per_byte):
+        packed |= q[..., i] << (bits * i)
+    return packed
+
+
+def unpack(packed: torch.Tensor, bits: int, D: int) -> torch.Tensor:
+    """pack's inverse: [..., ceil(D·bits/8)] -> uint8 codes [..., D]."""
+    per_byte = 8 // bits
+    if per_byte == 1:
+        return packed
+    mask = (1 << bits) - 1
+    parts = [(packed >> (bits * i)) & mask for i in range(per_byte)]
+    return torch.stack(parts, dim=-1).flatten(-2)[..., :D]
+
+
+def _grouped_view(x: torch.Tensor, group: int, fill: float) -> torch.Tensor:
+    """[..., D] -> [..., G, group], the partial last group padded with `fill`."""
+    D = x.shape[-1]
+    padded = torch.nn.functional.pad(x, (0, -D % group), value=fill)
+    return padded.view(*x.shape[:-1], -1, group)
+
+
+def quantize_grouped(x: torch.Tensor, bits: int, group: int):
+    """x [..., D] -> (codes uint8 [..., ceil(D·bits/8)], scale fp16 [..., G], zero fp16 [..., G])."""
+    D = x.shape[-1]
+    xf = x.float()
+    lo = _grouped_view(xf, group, math.inf).amin(-1)
+    hi = _grouped_view(xf, group, -math.inf).amax(-1)
+    scale = ((hi - lo) / ((1 << bits) - 1)).half()
+    zero = lo.half()
+    s = scale.float().repeat_interleave(group, -1)[..., :D]
+    z = zero.float().repeat_interleave(group, -1)[..., :D]
+    q = torch.where(s > 0, (xf - z) / torch.where(s > 0, s, 1.0), 0.0)
+    q = q.round().clamp(0, (1 << bits) - 1).to(torch.uint8)
+    return pack(q, bits), scale, zero
+
+
+def dequantize_grouped(codes, scale, zero, bits: int, group: int, D: int,
+                       dtype: torch.dtype) -> torch.Tensor:
+    """quantize_grouped's stored form -> [..., D] in dtype (computed in float32, or float64
+    when dtype is float64)."""
+    compute = torch.float64 if dtype == torch.float64 else torch.float32
+    q = unpack(codes, bits, D).to(compute)
+    s = scale.to(compute).repeat_interleave(group, -1)[..., :D]
+    z = zero.to(compute).repeat_interleave(group, -1)[..., :D]
+    return (q * s + z).to(dtype)
+
+
+def fp8_scale(x: torch.Tensor) -> torch.Tensor:
+    """Per KV head scale [H_kv] (float32) of x [B, H_kv, T, D]: amax / 448."""
+    amax = x.float().abs().amax(dim=(0, 2, 3))
+    return (amax / FP8_MAX).clamp(min=torch.finfo(torch.float32).tiny)
+
+
+def quantize_fp8(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """x [B, H_kv, n, D] / scale [H_kv] -> float8_e4m3fn, saturating at ±448."""
+    y = x.float() / scale[None, :, None, None]
+    return y.clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+
+
+def dequantize_fp8(codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    compute = torch.float64 if dtype == torch.float64 else torch.float32
+    return (codes.to(compute) * scale.to(compute)[None, :, None, None]).to(dtype)
+
+
+class QuantizedStore:
+    """One layer's K and V for [B, H_kv, T_max] positions in a quantized format."""
+
+    def __init__(self, fmt: KvFormat, batch: int, kv_heads: int, max_len: int, head_dim: int,
+                 device):
+        self.fmt, self.head_dim = fmt, head_dim
+        lead = (batch, kv_heads, max_len)
+        self.tensors: dict[str, torch.Tensor] = {}
+        for kv in ("k", "v"):
+            if fmt.grouped:
+                nbytes = math.ceil(head_dim * fmt.bits / 8)
+                groups = fmt.groups(head_dim)
+                self.tensors[f"{kv}_codes"] = torch.zeros(*lead, nbytes, dtype=torch.uint8,
+                                                          device=device)
+                self.tensors[f"{kv}_scale"] = torch.zeros(*lead, groups, dtype=torch.float16,
+                                                          device=device)
+                self.tensors[f"{kv}_zero"] = torch.zeros(*lead, groups, dtype=torch.float16,
+                                                         device=device)
+            else:  # fp8
+                self.tensors[f"{kv}_codes"] = torch.zeros(*lead, head_dim,
+                                                          dtype=torch.float8_e4m3fn,
+                                                          device=device)
+                self.tensors[f"{kv}_scale"] = torch.zeros(kv_heads, dtype=torch.float32,
+                                                          device=device)
+        self.scaled = False  # fp8: scales set by the first write
+
+    @property
+    def nbytes(self) -> int:
+        """Every byte the store holds: codes, scales and zero points of K and V."""
+        return sum(t.numel() * t.element_size() for t in self.tensors.values())
+
+    def write(self, k: torch.Tensor, v: torch.Tensor, start: int) -> None:
+        """k, v [B, H_kv, n, D] at positions start..start+n-1."""
+        n = k.shape[2]
+        at = slice(start, start + n)
+        for name, x in (("k", k), ("v", v)):
+            t = self.tensors
+            if self.fmt.grouped:
+                codes, scale, zero = quantize_grouped(x, self.fmt.bits, self.fmt.group_size)
+                t[f"{name}_codes"][:, :, at] = codes
+                t[f"{name}_scale"][:, :, at] = scale
+                t[f"{name}_zero"][:, :, at] = zero
+            else:
+                if not self.scaled:
+                    t[f"{name}_scale"].copy_(fp8_scale(x))
+                t[f"{name}_codes"][:, :, at] = quantize_fp8(x, t[f"{name}_scale"])
+        self.scaled = True
+
+    def read(self, name: str, length: int, dtype: torch.dtype) -> torch.Tensor:
+        """The first `length` positions of K or V ("k", "v"), dequantized: [B, H_kv, T, D]."""
+        t = self.tensors
+        if self.fmt.grouped:
+            return dequantize_grouped(t[f"{name}_codes"][:, :, :length],
+                                      t[f"{name}_scale"][:, :, :length],
+                                      t[f"{name}_zero"][:, :, :length], self.fmt.bits,
+                                      self.fmt.group_size, self.head_dim, dtype)
+        return dequantize_fp8(t[f"{name}_codes"][:, :, :length], t[f"{name}_scale"], dtype)
