@@ -1,6 +1,12 @@
 """verify: path B (each implementation) against path A, token by token.
 
 A step passes when every element satisfies |B - A| <= atol + rtol·|A| (torch.isclose).
+
+With a quantized --kv-dtype the gate is a different reference: the float64 attention over the
+cache as a correct implementation stores it (each position projected as the implementations
+project it, quantized with kvbench.quant, dequantized in float64). That separates bugs (the
+gate) from quantization error, which is reported against path A: max and mean |A−B| and the
+cosine similarity of the outputs, never failing the check.
 float32 uses the reference's tolerances. float16 and bfloat16 compare two computations that
 each round at every op, so their tolerances are about five units of the format's epsilon
 (2**-10 and 2**-7): on random layers the two paths differed by at most two.
@@ -17,6 +23,7 @@ from kvbench.caches import IMPLEMENTATIONS, CachedAttention, ImplOptions
 from kvbench.config import RunConfig
 from kvbench.device import free_bytes
 from kvbench.errors import DeviceError, device_errors, is_device_error, is_out_of_memory
+from kvbench.quant import KvFormat, QuantizedStore
 
 TOLERANCES = {  # dtype -> (rtol, atol)
     "float32": (1e-4, 1e-5),
@@ -39,6 +46,7 @@ class ImplCheck:
     first_bad_step: int | None = None  # 0 = prefill, j = decode step j (1-based)
     message: str = ""
     stats: dict[str, object] = field(default_factory=dict)
+    cosine: float | None = None  # quantized: the lowest cosine(A, B) over the decode steps
 
 
 @dataclass
@@ -48,6 +56,7 @@ class VerifyReport:
     atol: float
     recompute_fp64_max_abs_err: float  # path A against the float64 computation
     checks: list[ImplCheck]
+    kv_format: KvFormat = field(default_factory=KvFormat)
 
     @property
     def passed(self) -> bool:
@@ -87,15 +96,50 @@ def verify(config: RunConfig, impls: dict[str, type[CachedAttention]] | None = N
             x64 = x.double()
             exact_steps = recompute_decode(layer64, x64, s.prompt_len)
             recompute_fp64 = max(_max_abs(a, e) for a, e in zip(ref_steps, exact_steps))
+            fmt = options.kv_format
+            gate_steps = (quantized_reference(layer, x, s.prompt_len, fmt) if fmt.quantized
+                          else None)
 
         checks = [_check(name, cls, layer, options, x, config, ref_prefill, ref_steps,
-                         exact_steps, rtol, atol)
+                         exact_steps, rtol, atol, gate_steps)
                   for name, cls in impls.items()]
-    return VerifyReport(config, rtol, atol, recompute_fp64, checks)
+    return VerifyReport(config, rtol, atol, recompute_fp64, checks, options.kv_format)
+
+
+def quantized_reference(layer: AttentionLayer, x: torch.Tensor, prompt_len: int,
+                        fmt: KvFormat) -> list[torch.Tensor]:
+    """Float64 decode outputs [B, 1, H] over the cache a correct implementation stores in `fmt`.
+
+    k and v are projected exactly as the implementations project them (the prompt in one
+    call, then one position per step), so the same values are quantized; attention and the
+    output projection then run in float64 over the dequantized cache.
+    """
+    s = layer.shape
+    B, T = x.shape[0], x.shape[1]
+    store = QuantizedStore(fmt, B, s.kv_heads, T, s.head_dim, x.device)
+    _, k, v = layer.project(x[:, :prompt_len], start=0)
+    store.write(k, v, 0)
+    w_o = layer.w_o.double()
+    outputs = []
+    for t in range(prompt_len, T):
+        q, k, v = layer.project(x[:, t:t + 1], start=t)
+        store.write(k, v, t)
+        keys = store.read("k", t + 1, torch.float64).repeat_interleave(s.group, dim=1)
+        values = store.read("v", t + 1, torch.float64).repeat_interleave(s.group, dim=1)
+        scores = (q.double() @ keys.transpose(-2, -1)) * layer.scale  # [B, H_q, 1, t+1]
+        attn = torch.softmax(scores, dim=-1) @ values  # [B, H_q, 1, D]
+        outputs.append(attn.transpose(1, 2).reshape(B, 1, -1) @ w_o)
+    return outputs
+
+
+def _cosine(a: torch.Tensor, b: torch.Tensor) -> float:
+    return torch.nn.functional.cosine_similarity(a.double().flatten(), b.double().flatten(),
+                                                 dim=0).item()
 
 
 def _check(name, cls, layer, options, x, config, ref_prefill, ref_steps, exact_steps, rtol,
-           atol):
+           atol, gate_steps=None):
+    """gate_steps: the quantized reference the steps must match (None: path A itself)."""
     s = config.shape
     impl = None
     try:
@@ -114,8 +158,9 @@ def _check(name, cls, layer, options, x, config, ref_prefill, ref_steps, exact_s
 
     first_bad, message = None, ""
     pairs = [(prefill, ref_prefill)] + list(zip(steps, ref_steps))
+    gates = [ref_prefill] + (gate_steps if gate_steps is not None else ref_steps)
     step_errs, max_err = [], 0.0
-    for j, (got, want) in enumerate(pairs):
+    for j, ((got, want), gate) in enumerate(zip(pairs, gates)):
         if got.shape != want.shape:
             first_bad = first_bad if first_bad is not None else j
             message = message or f"output shape {tuple(got.shape)} != {tuple(want.shape)}"
@@ -125,20 +170,29 @@ def _check(name, cls, layer, options, x, config, ref_prefill, ref_steps, exact_s
         max_err = max(max_err, diff.max().item())
         if j:
             step_errs.append(diff.mean().item())
-        if first_bad is None and not torch.isclose(got, want, rtol=rtol, atol=atol).all():
+        if first_bad is None and not torch.isclose(got.to(gate.dtype), gate, rtol=rtol,
+                                                   atol=atol).all():
             first_bad = j
             where = "prefill" if j == 0 else f"step {j}"
-            message = f"{where}: max |A-B| = {diff.max().item():.3e} exceeds rtol {rtol:g}, atol {atol:g}"
+            against = "A" if gate is want else "the dequantized-cache reference"
+            worst = (got.double() - gate.double()).abs().max().item()
+            message = (f"{where}: max |{against} - B| = {worst:.3e} exceeds rtol {rtol:g}, "
+                       f"atol {atol:g}")
     if cache_shape != s.cache_shape and first_bad is None:
         first_bad = len(pairs) - 1
         message = f"final cache shape {list(cache_shape)} != expected {list(s.cache_shape)}"
 
-    fp64 = max((_max_abs(b, e) for b, e in zip(steps, exact_steps) if b.shape == e.shape),
+    exact = gate_steps if gate_steps is not None else exact_steps
+    fp64 = max((_max_abs(b, e) for b, e in zip(steps, exact) if b.shape == e.shape),
                default=float("inf"))
+    cosine = None
+    if gate_steps is not None:
+        cosine = min((_cosine(b, a) for b, a in zip(steps, ref_steps) if b.shape == a.shape),
+                     default=float("nan"))
     return ImplCheck(
         impl=name, passed=first_bad is None, max_abs_err=max_err,
         mean_abs_err=sum(step_errs) / len(step_errs) if step_errs else float("inf"),
         prefill_max_abs_err=_max_abs(prefill, ref_prefill) if prefill.shape == ref_prefill.shape
         else float("inf"),
         fp64_max_abs_err=fp64, cache_shape=cache_shape, first_bad_step=first_bad,
-        message=message, stats=impl.stats())
+        message=message, stats=impl.stats(), cosine=cosine)

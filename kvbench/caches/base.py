@@ -17,8 +17,10 @@ import torch.nn.functional as F
 
 from kvbench import footprint as fp
 from kvbench.attention import AttentionLayer
+from kvbench.capacity import QUANTIZED
 from kvbench.config import RunConfig
 from kvbench.errors import KvbenchError
+from kvbench.quant import KvFormat
 
 SDPA_BACKENDS = ("auto", "math", "flash", "efficient", "cudnn")
 
@@ -30,6 +32,8 @@ class ImplOptions:
     block_size: int = 16  # paged: positions per block
     sdpa_backend: str = "auto"  # sdpa: pin one backend, or let torch choose
     splits: int | None = None  # triton: pin the split-K count; None = chosen per step
+    kv_dtype: str | None = None  # a quantized K/V format (fp8, int8, int4, int2); None = as x
+    group_size: int = 64  # int formats: elements per scale and zero point
 
     def __post_init__(self) -> None:
         if self.block_size < 1:
@@ -37,9 +41,19 @@ class ImplOptions:
         if self.splits is not None and (type(self.splits) is not int or self.splits < 1):
             raise KvbenchError(f"--splits must be a positive integer, got {self.splits}; omit "
                                "it to choose from the context length and the device")
+        if type(self.group_size) is not int or self.group_size < 1:
+            raise KvbenchError(f"--group-size must be a positive integer, got {self.group_size}")
+        if self.kv_dtype is not None and self.kv_dtype not in QUANTIZED:
+            raise KvbenchError(f"--kv-dtype {self.kv_dtype!r} is not a quantized format; use "
+                               f"one of {', '.join(sorted(QUANTIZED))}, or omit it")
         if self.sdpa_backend not in SDPA_BACKENDS:
             raise KvbenchError(f"unknown --sdpa-backend {self.sdpa_backend!r}; use one of "
                                f"{', '.join(SDPA_BACKENDS)}")
+
+    @property
+    def kv_format(self) -> KvFormat:
+        return KvFormat(self.kv_dtype, self.group_size)
+
 
 IMPLEMENTATIONS: dict[str, type[CachedAttention]] = {}
 
@@ -62,8 +76,8 @@ def select_impls(spec: str, config: RunConfig, options: ImplOptions | None = Non
     explicit = spec.strip().lower() != "all"
     for name in parse_impls(spec):
         cls = IMPLEMENTATIONS[name]
-        reason = cls.unavailable(config, options) or (cls.unmeasured(config, measure)
-                                                      if measure else None)
+        reason = (cls.unstorable(options) or cls.unavailable(config, options)
+                  or (cls.unmeasured(config, measure) if measure else None))
         if reason is None:
             names.append(name)
         elif explicit and strict:
@@ -97,6 +111,7 @@ class CachedAttention(ABC):
     name: ClassVar[str]
     description: ClassVar[str]
     compiles: ClassVar[bool] = False  # its first step compiles (reported as compile_ms)
+    kv_dtypes: ClassVar[frozenset[str]] = frozenset()  # the quantized formats it can store
 
     def __init__(self, layer: AttentionLayer, batch: int, max_len: int,
                  options: ImplOptions | None = None):
@@ -108,6 +123,15 @@ class CachedAttention(ABC):
     def unavailable(cls, config: RunConfig, options: ImplOptions) -> str | None:
         """Why this implementation cannot run this configuration here, or None."""
         return None
+
+    @classmethod
+    def unstorable(cls, options: ImplOptions) -> str | None:
+        """Why it cannot store K/V in options.kv_dtype, or None."""
+        if options.kv_dtype is None or options.kv_dtype in cls.kv_dtypes:
+            return None
+        able = [n for n, c in IMPLEMENTATIONS.items() if options.kv_dtype in c.kv_dtypes]
+        return (f"it stores K/V in the activation dtype only (--kv-dtype {options.kv_dtype} "
+                f"runs on {', '.join(able) or 'none'})")
 
     @classmethod
     def unmeasured(cls, config: RunConfig, command: str) -> str | None:
@@ -149,6 +173,12 @@ class CachedAttention(ABC):
     @abstractmethod
     def kv(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The cached K, V as logical tensors [B, H_kv, length, D] (may be views or copies)."""
+
+    def cache_tensors(self) -> list[torch.Tensor]:
+        """Every tensor the cache itself holds: K, V and, quantized, their scales and zero
+        points (not block tables or workspaces). memory adds up their bytes."""
+        k, v = self.kv()
+        return [k, v]
 
     @abstractmethod
     def rewind(self, length: int) -> None:

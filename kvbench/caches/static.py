@@ -5,18 +5,34 @@ from __future__ import annotations
 import torch
 
 from kvbench.caches.base import CachedAttention, register
+from kvbench.capacity import QUANTIZED
 from kvbench.errors import KvbenchError
+from kvbench.quant import QuantizedStore
 
 
 class PreallocatedCache(CachedAttention):
-    """Storage preallocated for prompt + decode, [B, H_kv, T_max, D], written in place."""
+    """Storage preallocated for prompt + decode, [B, H_kv, T_max, D], written in place.
+
+    With a quantized --kv-dtype (where the subclass takes one) the positions are stored in a
+    QuantizedStore instead, and read back dequantized: the valid prefix, then attention.
+    """
 
     def __init__(self, layer, batch, max_len, options=None):
         super().__init__(layer, batch, max_len, options)
         s = layer.shape
+        self.store = None
+        if self.options.kv_dtype is not None:
+            self.store = QuantizedStore(self.options.kv_format, batch, s.kv_heads, max_len,
+                                        s.head_dim, layer.device)
+            return
         shape = (batch, s.kv_heads, max_len, s.head_dim)  # [B, H_kv, T_max, D]
         self.k_cache = torch.empty(shape, dtype=layer.dtype, device=layer.device)
         self.v_cache = torch.empty(shape, dtype=layer.dtype, device=layer.device)
+
+    def cache_tensors(self):
+        if self.store is not None:
+            return list(self.store.tensors.values())
+        return [self.k_cache, self.v_cache]
 
     def write(self, k: torch.Tensor, v: torch.Tensor) -> None:
         """k, v [B, H_kv, n, D] at positions length..length+n-1."""
@@ -24,11 +40,17 @@ class PreallocatedCache(CachedAttention):
         if self.length + n > self.max_len:
             raise KvbenchError(f"cache holds {self.max_len} positions; cannot append "
                                f"{n} at {self.length}")
-        self.k_cache[:, :, self.length:self.length + n] = k
-        self.v_cache[:, :, self.length:self.length + n] = v
+        if self.store is not None:
+            self.store.write(k, v, self.length)
+        else:
+            self.k_cache[:, :, self.length:self.length + n] = k
+            self.v_cache[:, :, self.length:self.length + n] = v
         self.length += n
 
     def kv(self):
+        if self.store is not None:
+            return (self.store.read("k", self.length, self.layer.dtype),
+                    self.store.read("v", self.length, self.layer.dtype))
         return self.k_cache[:, :, : self.length], self.v_cache[:, :, : self.length]
 
     def rewind(self, length):
@@ -41,3 +63,4 @@ class StaticCache(PreallocatedCache):
 
     name = "static"
     description = "preallocated cache, in-place write, grouped view GQA, dense attention"
+    kv_dtypes = frozenset(QUANTIZED)
