@@ -96,6 +96,13 @@ Impl = Annotated[str, typer.Option(help=IMPL_HELP)]
 Rope = Annotated[bool, typer.Option(help="Rotary position embedding on q and k (k rotated before caching).")]
 BlockSize = Annotated[int, typer.Option(help="paged: positions per block.")]
 SdpaBackend = Annotated[str, typer.Option(help="sdpa: auto, math, flash, efficient or cudnn.")]
+KvDtypeOpt = Annotated[str | None, typer.Option(
+    "--kv-dtype", help="Store K/V quantized: fp8 (e4m3, a float32 scale per KV head), int8, "
+    "int4 or int2 (an fp16 scale and zero point per --group-size elements). Default: the "
+    "activation --dtype. Runs on the implementations that can store it.",
+    show_default=False)]
+GroupSizeOpt = Annotated[int, typer.Option(
+    "--group-size", help="int8/int4/int2: elements of a head vector per scale and zero point.")]
 Splits = Annotated[int | None, typer.Option(
     help="triton: split the context into N parts per decode step. Default: enough that "
          "B·H_kv·N programs give every SM (CPU core) two, at most one per 64 positions, "
@@ -160,9 +167,16 @@ def _points(o: dict[str, object], reference_cases: bool = False, measure: str | 
     lists = {name: parse_int_list("--" + name.replace("_", "-"), o[name])
              for name in SHAPE_FIELDS if o[name] is not None}
     shapes = expand_shapes(timing_case(dev), lists)
-    if reference_cases and not lists:
-        shapes = [SMALL_CASE] + shapes
-    options = ImplOptions(o["block_size"], o["sdpa_backend"], o["splits"])
+    options = ImplOptions(o["block_size"], o["sdpa_backend"], o["splits"],
+                          _kv_dtype(o["kv_dtype"], dtypes), o["group_size"])
+    grouped = options.kv_format.grouped
+    if reference_cases and not lists and not (grouped and o["group_size"] > SMALL_CASE.head_dim):
+        shapes = [SMALL_CASE] + shapes  # (its D = 4 holds no larger group)
+    for shape in shapes if grouped else ():
+        if options.group_size > shape.head_dim:
+            raise KvbenchError(f"--group-size {options.group_size} does not fit in a head "
+                               f"vector of D = {shape.head_dim} elements; use --group-size "
+                               f"{shape.head_dim} or less")
     points, notes, refused, ran = [], [], {}, set()
     explicit = o["impl"].strip().lower() != "all"
     for shape in shapes:
@@ -171,10 +185,13 @@ def _points(o: dict[str, object], reference_cases: bool = False, measure: str | 
             names, skipped = select_impls(o["impl"], config, options, strict=False,
                                           measure=measure)
             ran.update(names)
+            by_reason: dict[str, list[str]] = {}
             for name, reason in skipped:
                 refused.setdefault(name, reason)
+                by_reason.setdefault(reason, []).append(name)
+            for reason, names_ in by_reason.items():  # one line per reason
                 where = f" at {render.describe(config)}" if explicit else ""
-                line = f"skipping {name}{where}: {reason}"
+                line = f"skipping {', '.join(names_)}{where}: {reason}"
                 if line not in notes:
                     notes.append(line)
             if names:
@@ -184,6 +201,22 @@ def _points(o: dict[str, object], reference_cases: bool = False, measure: str | 
         if explicit and name not in ran:
             raise KvbenchError(f"--impl {name} cannot run here: {reason}")
     return points, options, notes
+
+
+def _kv_dtype(name: str | None, dtypes: list[str]) -> str | None:
+    """--kv-dtype -> a quantized format, or None when K/V stay in the activation dtype."""
+    from kvbench.capacity import QUANTIZED, kv_dtype
+
+    if name is None:
+        return None
+    key = kv_dtype(name)
+    if key in QUANTIZED:
+        return key
+    if any(kv_dtype(d) != key for d in dtypes):
+        raise KvbenchError(f"--kv-dtype {name}: an unquantized cache is stored in the "
+                           f"activation dtype; use --dtype {name}, or a quantized --kv-dtype "
+                           f"({', '.join(sorted(QUANTIZED))})")
+    return None
 
 
 def _preflight(o: dict[str, object], command: str, points, impl_options, bench_options=None):
@@ -301,6 +334,7 @@ def verify(ctx: typer.Context, device: Device = "auto", dtype: Dtype = "float32"
            hidden: Hidden = None, q_heads: QHeads = None, kv_heads: KvHeads = None,
            head_dim: HeadDim = None, seed: Seed = 0, impl: Impl = "all", rope: Rope = False,
            block_size: BlockSize = 16, sdpa_backend: SdpaBackend = "auto", splits: Splits = None,
+           kv_dtype: KvDtypeOpt = None, group_size: GroupSizeOpt = 64,
            config: SweepFile = None, csv: CsvPath = None, no_csv: NoCsv = False,
            format: Format = "table", quiet: Quiet = False, dry_run: DryRun = False,
            force: Force = False):
@@ -337,6 +371,7 @@ def bench(ctx: typer.Context, device: Device = "auto", dtype: Dtype = "float32",
           hidden: Hidden = None, q_heads: QHeads = None, kv_heads: KvHeads = None,
           head_dim: HeadDim = None, seed: Seed = 0, impl: Impl = "all", rope: Rope = False,
           block_size: BlockSize = 16, sdpa_backend: SdpaBackend = "auto", splits: Splits = None,
+          kv_dtype: KvDtypeOpt = None, group_size: GroupSizeOpt = 64,
           warmup: Annotated[int, typer.Option(help="Untimed runs before the samples.")] = 3,
           rounds: Annotated[int, typer.Option(help="Timed samples; the median is reported.")] = 9,
           recompute: Annotated[bool, typer.Option(
@@ -384,6 +419,7 @@ def memory(ctx: typer.Context, device: Device = "auto", dtype: Dtype = "float32"
            hidden: Hidden = None, q_heads: QHeads = None, kv_heads: KvHeads = None,
            head_dim: HeadDim = None, seed: Seed = 0, impl: Impl = "all", rope: Rope = False,
            block_size: BlockSize = 16, sdpa_backend: SdpaBackend = "auto", splits: Splits = None,
+           kv_dtype: KvDtypeOpt = None, group_size: GroupSizeOpt = 64,
            config: SweepFile = None, csv: CsvPath = None, no_csv: NoCsv = False,
            format: Format = "table", quiet: Quiet = False, dry_run: DryRun = False,
            force: Force = False):

@@ -61,18 +61,51 @@ def describe(config) -> str:
 
 
 def verify_table(report) -> Table:
+    if report.kv_format.quantized:
+        return _quantized_verify_table(report)
     t = _table(f"verify  {describe(report.config)}")
     for col in ("impl", "result", "max|A−B|", "mean|A−B|", "prefill", "max|B−f64|",
                 "cache", "failure"):
         t.add_column(col, justify="left" if col in ("impl", "result", "failure") else "right",
                      no_wrap=col != "failure")
     for c in report.checks:
-        t.add_row(c.impl, "[green]PASS[/]" if c.passed else "[red bold]FAIL[/]",
-                  _sci(c.max_abs_err), _sci(c.mean_abs_err), _sci(c.prefill_max_abs_err),
-                  _sci(c.fp64_max_abs_err), "×".join(map(str, c.cache_shape)) or "—", c.message or "—")
+        t.add_row(c.impl, _result(c), _sci(c.max_abs_err), _sci(c.mean_abs_err),
+                  _sci(c.prefill_max_abs_err), _sci(c.fp64_max_abs_err), _cache(c),
+                  c.message or "—")
     t.caption = (f"A = recompute, B = cached; prefill = max |A−B| of the prompt outputs; "
                  f"tolerance rtol={report.rtol:g} atol={report.atol:g}; "
                  f"max |A−f64| = {_sci(report.recompute_fp64_max_abs_err)}")
+    return t
+
+
+def _result(c) -> str:
+    return "[green]PASS[/]" if c.passed else "[red bold]FAIL[/]"
+
+
+def _cache(c) -> str:
+    return "×".join(map(str, c.cache_shape)) or "—"
+
+
+def kv_label(fmt) -> str:
+    return f"kv {fmt.name}" + (f" g={fmt.group_size}" if fmt.grouped else "")
+
+
+def _quantized_verify_table(report) -> Table:
+    """The exact check (pass/fail) and the quantization error, side by side but apart."""
+    t = _table(f"verify  {describe(report.config)}  {kv_label(report.kv_format)}")
+    cols = ("impl", "result", "max|R−B|", "quant max|A−B|", "mean|A−B|", "cos(A,B)", "cache",
+            "failure")
+    for col in cols:
+        t.add_column(col, justify="left" if col in ("impl", "result", "failure") else "right",
+                     no_wrap=col != "failure")
+    for c in report.checks:
+        cos = "—" if c.cosine is None or not math.isfinite(c.cosine) else f"{c.cosine:.5f}"
+        t.add_row(c.impl, _result(c), _sci(c.fp64_max_abs_err), _sci(c.max_abs_err),
+                  _sci(c.mean_abs_err), cos, _cache(c), c.message or "—")
+    t.caption = (f"result: B against R, float64 attention over the dequantized stored cache "
+                 f"(rtol={report.rtol:g} atol={report.atol:g}); quantization error, reported "
+                 f"only: B against A = recompute in {report.config.dtype}; cos = the lowest "
+                 "cosine similarity of a decode step's outputs")
     return t
 
 

@@ -169,7 +169,10 @@ VERIFY_FIRST = CONFIG_COLUMNS + [
 ] + ENV_COLUMNS
 # implementation details where they apply (paged, triton; the compiled ones), else empty
 VERIFY_COLUMNS = VERIFY_FIRST[:-len(ENV_COLUMNS)] + [
-    "block_size", "splits", "compile_ms"] + ENV_COLUMNS
+    "block_size", "splits", "compile_ms",
+    # quantized K/V: the format; fp64_max_abs_err is then against the dequantized-cache
+    # reference (the gate) and max/mean_abs_err and cosine against path A (reported only)
+    "kv_dtype", "group_size", "cosine"] + ENV_COLUMNS
 
 
 def _stats_columns(name: str) -> list[str]:
@@ -203,6 +206,13 @@ def _stats_cells(name: str, stats) -> dict[str, object]:
             f"{name}_iqr": stats.iqr_ms}
 
 
+def kv_cells(fmt) -> dict[str, object]:
+    """The K/V storage format of a row: empty kv_dtype means the activation dtype."""
+    if not fmt.quantized:
+        return {}
+    return {"kv_dtype": fmt.name, "group_size": fmt.group_size if fmt.grouped else None}
+
+
 def verify_rows(report, env: dict[str, object]) -> list[dict[str, object]]:
     return [{
         **config_cells("verify", c.impl, report.config),
@@ -211,7 +221,8 @@ def verify_rows(report, env: dict[str, object]) -> list[dict[str, object]]:
         "recompute_fp64_max_abs_err": report.recompute_fp64_max_abs_err,
         "first_bad_step": c.first_bad_step, "cache_shape": "x".join(map(str, c.cache_shape)),
         "rtol": report.rtol, "atol": report.atol,
-        **{k: v for k, v in c.stats.items() if k in VERIFY_COLUMNS}, **env,
+        **{k: v for k, v in c.stats.items() if k in VERIFY_COLUMNS},
+        **kv_cells(report.kv_format), "cosine": c.cosine, **env,
     } for c in report.checks]
 
 

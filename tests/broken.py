@@ -192,3 +192,73 @@ class FlexIntPosition(FlexCache):
         q = torch.empty(q.shape, dtype=q.dtype, device=q.device).copy_(q)
         return self.flex_attention(q, self.k_cache, self.v_cache, block_mask=mask,
                                    scale=self.layer.scale, enable_gqa=True)
+
+
+# Faults of a quantized cache (`static` with --kv-dtype): each reads its stored codes wrongly,
+# or never stores the new tokens.
+
+class _QuantizedFault(StaticCache):
+    """static with a quantized store, whose reads go through `dequantize` (see subclasses)."""
+
+    def kv(self):
+        return self.read("k"), self.read("v")
+
+    def read(self, name):
+        t, fmt, D = self.store.tensors, self.store.fmt, self.layer.shape.head_dim
+        n = self.length
+        codes, scale, zero = (t[f"{name}_{part}"][:, :, :n] for part in ("codes", "scale", "zero"))
+        q = self.unpack(codes, fmt.bits, D).float()
+        s = self.group_values(scale, fmt.group_size, D)
+        z = self.group_values(zero, fmt.group_size, D)
+        return self.combine(q, s, z).to(self.layer.dtype)
+
+    def unpack(self, codes, bits, D):
+        from kvbench.quant import unpack
+
+        return unpack(codes, bits, D)
+
+    def group_values(self, values, group, D):
+        return values.float().repeat_interleave(group, -1)[..., :D]
+
+    def combine(self, q, s, z):
+        return q * s + z
+
+
+class ScaleFromWrongGroup(_QuantizedFault):
+    """Each element takes the scale of the next group along D (the last takes the first)."""
+
+    name = "scale-from-wrong-group"
+
+    def group_values(self, values, group, D):
+        return values.float().roll(-1, dims=-1).repeat_interleave(group, -1)[..., :D]
+
+
+class ZeroPointWrongSign(_QuantizedFault):
+    """x = q·s − z instead of q·s + z."""
+
+    name = "zero-point-wrong-sign"
+
+    def combine(self, q, s, z):
+        return q * s - z
+
+
+class NibblesSwapped(_QuantizedFault):
+    """int4 codes unpacked high nibble first."""
+
+    name = "nibbles-swapped"
+
+    def unpack(self, codes, bits, D):
+        parts = [(codes >> 4) & 0xF, codes & 0xF]
+        return torch.stack(parts, dim=-1).flatten(-2)[..., :D]
+
+
+class QuantizedOnce(StaticCache):
+    """Quantizes the prompt, then never stores the new tokens (their slots stay as allocated)."""
+
+    name = "quantized-once"
+
+    def write(self, k, v):
+        if self.length == 0:
+            super().write(k, v)
+        else:
+            self.length += k.shape[2]

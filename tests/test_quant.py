@@ -2,8 +2,11 @@
 
 import pytest
 import torch
+from broken import NibblesSwapped, QuantizedOnce, ScaleFromWrongGroup, ZeroPointWrongSign
 
+from kvbench.caches import ImplOptions, StaticCache
 from kvbench.capacity import CacheFormat, ModelSpec, plan
+from kvbench.config import LayerShape, RunConfig
 from kvbench.quant import (
     KvFormat,
     QuantizedStore,
@@ -12,6 +15,7 @@ from kvbench.quant import (
     quantize_grouped,
     unpack,
 )
+from kvbench.verify import verify
 
 
 @pytest.mark.parametrize("bits", [8, 4, 2])
@@ -55,3 +59,37 @@ def test_store_reads_back_what_it_wrote(name):
     tol = {"fp8": 0.3, "int8": 0.02, "int4": 0.3}[name]  # e4m3 keeps 3 mantissa bits
     assert (got[:, :, :6] - k).abs().max() < tol
     assert (got[:, :, 6:] - 0.5 * k[:, :, :1]).abs().max() < tol
+
+
+# --- verify on quantized caches -------------------------------------------------------------
+
+GQA = LayerShape(batch=2, prompt_len=30, decode_len=4, hidden=64, q_heads=8, kv_heads=2,
+                 head_dim=64)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("name, group", [("fp8", 64), ("int8", 32), ("int4", 64), ("int4", 48),
+                                         ("int2", 32)])
+def test_static_passes_the_exact_check_and_reports_the_quantization_error(name, group, dtype):
+    report = verify(RunConfig(GQA, dtype), {"static": StaticCache},
+                    ImplOptions(kv_dtype=name, group_size=group))
+    (c,) = report.checks
+    assert c.passed, c.message
+    # the gate is exact; the quantization error is what the format costs, never zero
+    assert c.max_abs_err > c.fp64_max_abs_err
+    assert 0.8 < c.cosine < 1.0
+
+
+@pytest.mark.parametrize("broken, name", [
+    (ScaleFromWrongGroup, "int4"),
+    (ZeroPointWrongSign, "int8"),
+    (NibblesSwapped, "int4"),
+    (QuantizedOnce, "int4"),
+    (QuantizedOnce, "fp8"),
+])
+def test_verify_rejects_each_quantized_cache_fault(broken, name):
+    report = verify(RunConfig(GQA), {broken.name: broken},
+                    ImplOptions(kv_dtype=name, group_size=32))
+    (c,) = report.checks
+    assert not c.passed
+    assert c.first_bad_step == 1 and "dequantized-cache reference" in c.message

@@ -130,7 +130,7 @@ class CachedAttention(ABC):
         if options.kv_dtype is None or options.kv_dtype in cls.kv_dtypes:
             return None
         able = [n for n, c in IMPLEMENTATIONS.items() if options.kv_dtype in c.kv_dtypes]
-        return (f"it stores K/V in the activation dtype only (--kv-dtype {options.kv_dtype} "
+        return (f"K/V stored in the activation dtype only (--kv-dtype {options.kv_dtype} "
                 f"runs on {', '.join(able) or 'none'})")
 
     @classmethod
