@@ -172,6 +172,16 @@ def preallocated(s: LayerShape, rope: bool, dtype_bytes: int, storage: int,
     return ImplFootprint(storage, max(prefill, storage + decode), prefill, decode)
 
 
+DEQUANT_BYTES_PER_ELEMENT = 20  # unpacked codes, and float32 codes, scales, zeros, products
+
+
+def dequantized_read(s: LayerShape, t: int, dtype_bytes: int) -> int:
+    """Bytes of reading a quantized cache of t positions back: K and V dequantized to the
+    activation dtype, while one of them passes through float32 temporaries."""
+    elements = Sizes(s).kv(t) // 2  # one of K, V
+    return 2 * elements * dtype_bytes + elements * DEQUANT_BYTES_PER_ELEMENT
+
+
 def grouped_step(s: LayerShape, rope: bool, t: int) -> int:
     """Elements of a decode step through grouped matmul attention (static): two [B, H_q, 1, t]
     score tensors at once, then the output."""

@@ -15,19 +15,20 @@ from __future__ import annotations
 import gc
 import weakref
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from kvbench import costs, footprint
+from kvbench import capacity, footprint
 from kvbench.attention import AttentionLayer, make_inputs, recompute_decode
 from kvbench.caches import IMPLEMENTATIONS, ImplOptions
 from kvbench.config import RunConfig
 from kvbench.device import free_bytes, synchronize
 from kvbench.errors import device_errors
 from kvbench.footprint import ImplFootprint
+from kvbench.quant import KvFormat
 
 
 class CpuMemoryTracker(TorchDispatchMode):
@@ -115,19 +116,40 @@ class ImplMemory:
     cached: Window  # prefill + decode from nothing; its end is what the finished cache holds
     decode: Window  # decode above an already-built prompt cache
     estimate: ImplFootprint  # the preflight's figures for the same windows
+    cache_bytes: int = 0  # the finished cache's own tensors: K, V, scales and zero points
+    planner_bytes: int = 0  # kvbench capacity's figure for this layout (1 layer)
 
 
 @dataclass
 class MemoryResult:
-    config: RunConfig
+    config: RunConfig  # theoretical_kv_bytes: the planner's payload in the stored format
     theoretical_kv_bytes: int
     weight_bytes: int
     recompute: Window
     recompute_estimate_bytes: int
     impls: list[ImplMemory]
+    kv_format: KvFormat = field(default_factory=KvFormat)
 
 
 PHASES = ("recompute", "cached", "decode")  # the measured windows, in the order they run
+
+
+def storage_bytes(tensors) -> int:
+    """Bytes of the distinct storages behind `tensors` (views counted once)."""
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
+    return sum(storages.values())
+
+
+def planner_bytes(config: RunConfig, options: ImplOptions, blocked: bool) -> int:
+    """`kvbench capacity`'s bytes for this layer's cache: one layer, B sequences of T_p + G
+    positions, the stored format; rounded up to whole blocks for a block pool."""
+    s = config.shape
+    fmt = options.kv_format
+    model = capacity.ModelSpec(name="layer", layers=1, kv_heads=s.kv_heads,
+                               head_dim=s.head_dim)
+    layout = capacity.CacheFormat(fmt.name or capacity.kv_dtype(config.dtype), fmt.group_size,
+                                  block_size=options.block_size if blocked else None)
+    return capacity.plan(model, layout, (s.total_len,) * s.batch).per_rank_bytes
 
 
 def memory(config: RunConfig, impls: tuple[str, ...],
@@ -161,6 +183,7 @@ def memory(config: RunConfig, impls: tuple[str, ...],
         return device_errors(f"memory: {phase}", impl, free=lambda: free_bytes(config.device))
 
     windows: dict[tuple[str, str | None], Window] = {}
+    cache_bytes: dict[str, int] = {}
     with torch.no_grad():
         if warm:
             with guard("recompute"):
@@ -177,6 +200,7 @@ def memory(config: RunConfig, impls: tuple[str, ...],
                     with guard("prefill + decode", name):
                         with measure(config.device) as windows[phase, name]:
                             impl = run_cached(cls)  # held to the window's end: "after the run"
+                        cache_bytes[name] = storage_bytes(impl.cache_tensors())
                         del impl
                 elif phase == "decode":
                     with guard("decode", name):
@@ -185,8 +209,10 @@ def memory(config: RunConfig, impls: tuple[str, ...],
                             impl.decode(x, keep=False)
                         del impl
     results = [ImplMemory(name, windows["cached", name], windows["decode", name],
-                          cls.footprint(config, impl_options))
+                          cls.footprint(config, impl_options), cache_bytes.get(name, 0),
+                          planner_bytes(config, impl_options, cls.blocked))
                for name, cls in classes.items()]
-    theoretical = costs.kv_bytes(s, s.total_len, config.dtype_bytes)
+    theoretical = planner_bytes(config, impl_options, blocked=False)
     return MemoryResult(config, theoretical, layer.weight_bytes, windows["recompute", None],
-                        footprint.recompute(s, config.rope, config.dtype_bytes), results)
+                        footprint.recompute(s, config.rope, config.dtype_bytes), results,
+                        impl_options.kv_format)

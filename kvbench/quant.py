@@ -164,7 +164,6 @@ class QuantizedStore:
                                                           device=device)
                 self.tensors[f"{kv}_scale"] = torch.zeros(kv_heads, dtype=torch.float32,
                                                           device=device)
-        self.scaled = False  # fp8: scales set by the first write
 
     @property
     def nbytes(self) -> int:
@@ -183,10 +182,9 @@ class QuantizedStore:
                 t[f"{name}_scale"][:, :, at] = scale
                 t[f"{name}_zero"][:, :, at] = zero
             else:
-                if not self.scaled:
+                if start == 0:  # the prompt sets the scales
                     t[f"{name}_scale"].copy_(fp8_scale(x))
                 t[f"{name}_codes"][:, :, at] = quantize_fp8(x, t[f"{name}_scale"])
-        self.scaled = True
 
     def read(self, name: str, length: int, dtype: torch.dtype) -> torch.Tensor:
         """The first `length` positions of K or V ("k", "v"), dequantized: [B, H_kv, T, D]."""

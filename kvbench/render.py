@@ -181,7 +181,9 @@ def memory_table(result) -> Table:
     for col in ("impl", "phase", "allocated", "reserved", "estimate"):
         t.add_column(col, justify="left" if col in ("impl", "phase") else "right", no_wrap=True)
     rec = result.recompute
-    t.add_row("—", "theoretical final KV", mib(result.theoretical_kv_bytes), "", "")
+    if result.kv_format.quantized:
+        t.title += f"  {kv_label(result.kv_format)}"
+    t.add_row("—", "theoretical final KV (planner)", mib(result.theoretical_kv_bytes), "", "")
     t.add_row("—", "weights (not in the peaks)", mib(result.weight_bytes), "", "")
     t.add_row("recompute", "peak, all G steps", mib(rec.peak_allocated_bytes),
               mib(rec.peak_reserved_bytes), mib(result.recompute_estimate_bytes))
@@ -192,10 +194,15 @@ def memory_table(result) -> Table:
                   mib(m.decode.peak_reserved_bytes), mib(m.estimate.decode))
         t.add_row(m.impl, "held after the run", mib(m.cached.end_allocated_bytes),
                   mib(m.cached.end_reserved_bytes), mib(m.estimate.storage))
+        same = "=" if m.cache_bytes == m.planner_bytes else "≠"
+        t.add_row(m.impl, f"cache tensors {same} planner", f"{m.cache_bytes:,} B",
+                  "", f"{m.planner_bytes:,} B")
     t.caption = ("In MiB (2**20 bytes), each above the baseline when its phase began (weights and "
                  "inputs are in the baseline). allocated: live tensors; reserved: what the "
                  "CUDA caching allocator holds (n/a on CPU); estimate: the preflight's figure "
-                 "for allocated. Every phase ran once unmeasured first.")
+                 "for allocated. Every phase ran once unmeasured first. cache tensors: the bytes of the "
+                 "finished cache's K, V, scales and zero points, beside kvbench capacity's "
+                 "figure for the same layout (block-rounded for a block pool).")
     return t
 
 

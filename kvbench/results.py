@@ -263,6 +263,8 @@ MEMORY_FIRST = CONFIG_COLUMNS + [
 MEMORY_COLUMNS = MEMORY_FIRST[:-len(ENV_COLUMNS)] + [
     "recompute_peak_estimated_bytes", "cached_peak_estimated_bytes",
     "decode_peak_estimated_bytes",
+    # the finished cache's own tensors against kvbench capacity's figure for the layout
+    "kv_dtype", "group_size", "kv_cache_bytes", "kv_planner_bytes",
 ] + ENV_COLUMNS
 
 
@@ -282,7 +284,8 @@ def memory_rows(result, env: dict[str, object]) -> list[dict[str, object]]:
         "recompute_peak_estimated_bytes": result.recompute_estimate_bytes,
         "cached_peak_estimated_bytes": m.estimate.cached,
         "decode_peak_estimated_bytes": m.estimate.decode,
-        **env,
+        **kv_cells(result.kv_format), "kv_cache_bytes": m.cache_bytes,
+        "kv_planner_bytes": m.planner_bytes, **env,
     } for m in result.impls]
 
 

@@ -4,7 +4,7 @@ import pytest
 import torch
 from broken import NibblesSwapped, QuantizedOnce, ScaleFromWrongGroup, ZeroPointWrongSign
 
-from kvbench.caches import ImplOptions, StaticCache
+from kvbench.caches import ImplOptions, PagedCache, StaticCache
 from kvbench.capacity import CacheFormat, ModelSpec, plan
 from kvbench.config import LayerShape, RunConfig
 from kvbench.quant import (
@@ -93,3 +93,28 @@ def test_verify_rejects_each_quantized_cache_fault(broken, name):
     (c,) = report.checks
     assert not c.passed
     assert c.first_bad_step == 1 and "dequantized-cache reference" in c.message
+
+
+@pytest.mark.parametrize("name", ["fp8", "int8", "int4", "int2"])
+@pytest.mark.parametrize("group", [32, 64, 128])
+@pytest.mark.parametrize("head_dim", [96, 128])  # 96 with groups of 64: a partial last group
+def test_memory_measures_the_planners_bytes_for_every_format(name, group, head_dim):
+    from kvbench.memory import memory
+
+    shape = LayerShape(batch=2, prompt_len=21, decode_len=3, hidden=64, q_heads=4,
+                       kv_heads=2, head_dim=head_dim)
+    options = ImplOptions(kv_dtype=name, group_size=group, block_size=16)
+    result = memory(RunConfig(shape), ("static", "paged"), options)
+    for m in result.impls:
+        assert m.cache_bytes == m.planner_bytes > 0, m.impl
+    static, paged = result.impls
+    assert static.cache_bytes == result.theoretical_kv_bytes
+    assert paged.cache_bytes > static.cache_bytes  # 24 positions in blocks of 16 -> 32
+
+
+@pytest.mark.parametrize("name", ["fp8", "int4"])
+def test_paged_passes_the_exact_check_for_any_block_size(name):
+    for block_size in (1, 5, 16):
+        report = verify(RunConfig(GQA), {"paged": PagedCache},
+                        ImplOptions(kv_dtype=name, group_size=32, block_size=block_size))
+        assert report.passed, report.checks[0].message

@@ -112,6 +112,7 @@ class CachedAttention(ABC):
     description: ClassVar[str]
     compiles: ClassVar[bool] = False  # its first step compiles (reported as compile_ms)
     kv_dtypes: ClassVar[frozenset[str]] = frozenset()  # the quantized formats it can store
+    blocked: ClassVar[bool] = False  # stores whole blocks of --block-size positions
 
     def __init__(self, layer: AttentionLayer, batch: int, max_len: int,
                  options: ImplOptions | None = None):
@@ -144,10 +145,17 @@ class CachedAttention(ABC):
         """Estimated peak bytes at this point, before anything is allocated (the preflight's
         input). The default: storage for T_p + G positions, a fused prefill and grouped steps."""
         s, b = config.shape, config.dtype_bytes
+        fused = fp.sdpa_is_fused(config.device, config.dtype, s.head_dim)
+        if options.kv_dtype is not None:  # a quantized store, read back dequantized each step
+            from kvbench.memory import planner_bytes
+
+            return fp.preallocated(
+                s, config.rope, b, planner_bytes(config, options, cls.blocked),
+                lambda t: fp.grouped_step(s, config.rope, t) * b + fp.dequantized_read(s, t, b),
+                fused)
         return fp.preallocated(
             s, config.rope, b, fp.Sizes(s).kv(s.total_len) * b,
-            lambda t: fp.grouped_step(s, config.rope, t) * b,
-            fp.sdpa_is_fused(config.device, config.dtype, s.head_dim))
+            lambda t: fp.grouped_step(s, config.rope, t) * b, fused)
 
     @abstractmethod
     def write(self, k: torch.Tensor, v: torch.Tensor) -> None:

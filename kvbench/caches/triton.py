@@ -52,6 +52,7 @@ def prepare(device_type: str) -> str | None:
 class TritonCache(PagedCache):
     name = "triton"
     compiles = True  # on CUDA the first launch compiles the kernels
+    kv_dtypes = frozenset()  # the kernel reads activation-dtype pools only, so far
     description = ("paged pool read in place by a Triton split-K decode kernel (GQA through "
                    "tl.dot, log-sum-exp merge); CUDA, and CPU through Triton's interpreter "
                    "(verify only)")
