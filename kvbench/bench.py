@@ -102,7 +102,7 @@ def verification_config(config: RunConfig, recompute: bool) -> RunConfig:
 def bench(config: RunConfig, impls: tuple[str, ...], options: BenchOptions,
           impl_options: ImplOptions | None = None) -> BenchResult:
     """Verify, then time. Raises VerificationFailed rather than time a wrong answer."""
-    impl_options = impl_options or ImplOptions()
+    impl_options = (impl_options or ImplOptions()).at(config)
     classes = {name: IMPLEMENTATIONS[name] for name in impls}
     check = verification_config(config, options.recompute)
     report = verify(check, classes, impl_options)
@@ -114,6 +114,8 @@ def bench(config: RunConfig, impls: tuple[str, ...], options: BenchOptions,
                 "(--no-recompute)")
 
     s = config.shape
+    fmt = impl_options.kv_format
+    kv_vector = fmt.vector_bytes(s.head_dim) if fmt.quantized else None  # what a step reads
     layer = AttentionLayer.from_config(config)
     x = make_inputs(config)
     prompt = x[:, : s.prompt_len]
@@ -155,6 +157,6 @@ def bench(config: RunConfig, impls: tuple[str, ...], options: BenchOptions,
         recompute = stats.get("recompute")
         del prompt_caches, tasks
     return BenchResult(config, options, verified, recompute, timings,
-                       costs.decode_min_bytes_per_step(s, config.dtype_bytes),
+                       costs.decode_min_bytes_per_step(s, config.dtype_bytes, kv_vector),
                        costs.decode_flops_per_step(s),
                        bandwidth.copy_gbps(stats["copy"], copy_bytes))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import inspect
+import itertools
 import sys
 from pathlib import Path
 from typing import Annotated
@@ -151,6 +152,7 @@ def _points(o: dict[str, object], reference_cases: bool = False, measure: str | 
     """
     from kvbench import render
     from kvbench.caches import ImplOptions, select_impls
+    from kvbench.capacity import GROUPED
     from kvbench.config import (
         SHAPE_FIELDS,
         SMALL_CASE,
@@ -168,8 +170,9 @@ def _points(o: dict[str, object], reference_cases: bool = False, measure: str | 
              for name in SHAPE_FIELDS if o[name] is not None}
     shapes = expand_shapes(timing_case(dev), lists)
     options = ImplOptions(o["block_size"], o["sdpa_backend"], o["splits"],
-                          _kv_dtype(o["kv_dtype"], dtypes), o["group_size"])
-    grouped = options.kv_format.grouped
+                          group_size=o["group_size"])
+    kv_dtypes = _kv_dtypes(o["kv_dtype"], dtypes)
+    grouped = any(k in GROUPED for k in kv_dtypes)
     if reference_cases and not lists and not (grouped and o["group_size"] > SMALL_CASE.head_dim):
         shapes = [SMALL_CASE] + shapes  # (its D = 4 holds no larger group)
     for shape in shapes if grouped else ():
@@ -179,23 +182,22 @@ def _points(o: dict[str, object], reference_cases: bool = False, measure: str | 
                                f"{shape.head_dim} or less")
     points, notes, refused, ran = [], [], {}, set()
     explicit = o["impl"].strip().lower() != "all"
-    for shape in shapes:
-        for dt in dtypes:
-            config = RunConfig(shape, dt, dev, o["seed"], o["rope"])
-            names, skipped = select_impls(o["impl"], config, options, strict=False,
-                                          measure=measure)
-            ran.update(names)
-            by_reason: dict[str, list[str]] = {}
-            for name, reason in skipped:
-                refused.setdefault(name, reason)
-                by_reason.setdefault(reason, []).append(name)
-            for reason, names_ in by_reason.items():  # one line per reason
-                where = f" at {render.describe(config)}" if explicit else ""
-                line = f"skipping {', '.join(names_)}{where}: {reason}"
-                if line not in notes:
-                    notes.append(line)
-            if names:
-                points.append((config, names))
+    for shape, dt, kv in itertools.product(shapes, dtypes, kv_dtypes):
+        config = RunConfig(shape, dt, dev, o["seed"], o["rope"], kv, o["group_size"])
+        names, skipped = select_impls(o["impl"], config, options, strict=False,
+                                      measure=measure)
+        ran.update(names)
+        by_reason: dict[str, list[str]] = {}
+        for name, reason in skipped:
+            refused.setdefault(name, reason)
+            by_reason.setdefault(reason, []).append(name)
+        for reason, names_ in by_reason.items():  # one line per reason
+            where = f" at {render.describe(config)}" if explicit else ""
+            line = f"skipping {', '.join(names_)}{where}: {reason}"
+            if line not in notes:
+                notes.append(line)
+        if names:
+            points.append((config, names))
     # Named explicitly and unable to run any point: an error, not a note.
     for name, reason in refused.items():
         if explicit and name not in ran:
@@ -203,20 +205,30 @@ def _points(o: dict[str, object], reference_cases: bool = False, measure: str | 
     return points, options, notes
 
 
-def _kv_dtype(name: str | None, dtypes: list[str]) -> str | None:
-    """--kv-dtype -> a quantized format, or None when K/V stay in the activation dtype."""
+def _kv_dtypes(spec: str | None, dtypes: list[str]) -> list[str | None]:
+    """--kv-dtype (one or a comma list) -> the storage formats to run; None = the activation
+    dtype ("none", or the --dtype's own name)."""
     from kvbench.capacity import QUANTIZED, kv_dtype
 
-    if name is None:
-        return None
-    key = kv_dtype(name)
-    if key in QUANTIZED:
-        return key
-    if any(kv_dtype(d) != key for d in dtypes):
-        raise KvbenchError(f"--kv-dtype {name}: an unquantized cache is stored in the "
-                           f"activation dtype; use --dtype {name}, or a quantized --kv-dtype "
-                           f"({', '.join(sorted(QUANTIZED))})")
-    return None
+    if spec is None:
+        return [None]
+    formats = []
+    for name in (n.strip() for n in spec.split(",") if n.strip()):
+        if name.lower() == "none":
+            formats.append(None)
+            continue
+        key = kv_dtype(name)
+        if key in QUANTIZED:
+            formats.append(key)
+        elif all(kv_dtype(d) == key for d in dtypes):
+            formats.append(None)
+        else:
+            raise KvbenchError(f"--kv-dtype {name}: an unquantized cache is stored in the "
+                               f"activation dtype; use --dtype {name}, or a quantized "
+                               f"--kv-dtype ({', '.join(sorted(QUANTIZED))}; none for unquantized)")
+    if not formats:
+        raise KvbenchError("--kv-dtype is empty; give fp8, int8, int4, int2 or none")
+    return list(dict.fromkeys(formats))
 
 
 def _preflight(o: dict[str, object], command: str, points, impl_options, bench_options=None):

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import pandas as pd
 
 from kvbench.errors import KvbenchError
-from kvbench.load import KEY_COLUMNS, latest
+from kvbench.load import key_columns, latest
 
 # kind -> [(metric, spread column or None)]; for all of them lower is better.
 METRICS = {
@@ -75,8 +75,9 @@ def compare(kind: str, base: pd.DataFrame, new: pd.DataFrame, other_kind: str,
         raise KvbenchError(f"cannot compare {kind} results with {other_kind} results")
     if kind not in METRICS:
         raise KvbenchError(f"compare works on bench and memory results, not {kind}")
-    base, new = latest(base, KEY_COLUMNS), latest(new, KEY_COLUMNS)
-    joined = base.merge(new, on=KEY_COLUMNS, suffixes=("_base", "_new"))
+    keys = key_columns(base)
+    base, new = latest(base, keys), latest(new, keys)
+    joined = base.merge(new, on=keys, suffixes=("_base", "_new"))
     if joined.empty:
         raise KvbenchError("the two files share no configuration (same command, impl, shape, "
                            "dtype, device, rope and seed); nothing to compare")
@@ -87,7 +88,7 @@ def compare(kind: str, base: pd.DataFrame, new: pd.DataFrame, other_kind: str,
             env.append(f"{col}: {', '.join(sorted(b)) or '—'} -> {', '.join(sorted(n)) or '—'}")
     changes = []
     for _, row in joined.iterrows():
-        config = {c: row[c] for c in KEY_COLUMNS}
+        config = {c: row[c] for c in keys}
         for metric, spread in METRICS[kind]:
             b, n = row[f"{metric}_base"], row[f"{metric}_new"]
             if pd.isna(b) or pd.isna(n):

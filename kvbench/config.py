@@ -74,6 +74,8 @@ class RunConfig:
     device: str = "cpu"  # resolved: "cpu" or "cuda:N"
     seed: int = 0
     rope: bool = False
+    kv_dtype: str | None = None  # K/V stored quantized (fp8, int8, int4, int2); None = dtype
+    group_size: int = 64  # int formats: elements per scale and zero point
 
     def __post_init__(self) -> None:
         if self.rope and self.shape.head_dim % 2:

@@ -21,11 +21,17 @@ def kv_bytes(s: LayerShape, length: int, dtype_bytes: int) -> int:
     return 2 * s.batch * length * s.kv_heads * s.head_dim * dtype_bytes
 
 
-def step_min_bytes(s: LayerShape, length: int, dtype_bytes: int) -> int:
-    """Minimum bytes moved by the decode step whose cache holds `length` positions after it."""
+def step_min_bytes(s: LayerShape, length: int, dtype_bytes: int,
+                   kv_vector_bytes: int | None = None) -> int:
+    """Minimum bytes moved by the decode step whose cache holds `length` positions after it.
+
+    kv_vector_bytes: bytes of one head's k (or v) at one position in a quantized cache (codes,
+    scales and zero points); by default D·s.
+    """
     weights = weight_elements(s) * dtype_bytes
-    cache_read = kv_bytes(s, length, dtype_bytes)
-    new_kv = kv_bytes(s, 1, dtype_bytes)
+    vector = kv_vector_bytes if kv_vector_bytes is not None else s.head_dim * dtype_bytes
+    cache_read = 2 * s.batch * length * s.kv_heads * vector
+    new_kv = 2 * s.batch * s.kv_heads * vector
     activations = 2 * s.batch * s.hidden * dtype_bytes  # x_t in, output out
     return weights + cache_read + new_kv + activations
 
@@ -35,10 +41,11 @@ def step_flops(s: LayerShape, length: int) -> int:
     return 2 * s.batch * weight_elements(s) + 4 * s.batch * s.q_heads * length * s.head_dim
 
 
-def decode_min_bytes_per_step(s: LayerShape, dtype_bytes: int) -> float:
+def decode_min_bytes_per_step(s: LayerShape, dtype_bytes: int,
+                              kv_vector_bytes: int | None = None) -> float:
     """Mean over the G steps of a decode from T_p + 1 to T_p + G cached positions."""
     lengths = range(s.prompt_len + 1, s.total_len + 1)
-    return sum(step_min_bytes(s, t, dtype_bytes) for t in lengths) / len(lengths)
+    return sum(step_min_bytes(s, t, dtype_bytes, kv_vector_bytes) for t in lengths) / len(lengths)
 
 
 def decode_flops_per_step(s: LayerShape) -> float:

@@ -12,6 +12,13 @@ from kvbench.results import CONFIG_COLUMNS, FILE_KINDS, header_accepted
 KINDS = {kind: columns for kind, (columns, _) in FILE_KINDS.items()}
 # The columns that identify a measured configuration (not when, not what was measured).
 KEY_COLUMNS = [c for c in CONFIG_COLUMNS if c != "timestamp"]
+# Later columns that tell configurations apart too, in the files that have them.
+OPTION_KEYS = ["kv_dtype", "group_size", "block_size"]
+
+
+def key_columns(df: pd.DataFrame) -> list[str]:
+    """The columns that identify a configuration in this file."""
+    return KEY_COLUMNS + [c for c in OPTION_KEYS if c in df.columns]
 
 
 def read_results(path: Path) -> tuple[str, pd.DataFrame]:

@@ -28,7 +28,7 @@ from kvbench.config import RunConfig
 from kvbench.device import free_bytes, synchronize
 from kvbench.errors import device_errors
 from kvbench.footprint import ImplFootprint
-from kvbench.quant import KvFormat
+from kvbench.kvformat import KvFormat
 
 
 class CpuMemoryTracker(TorchDispatchMode):
@@ -159,7 +159,7 @@ def memory(config: RunConfig, impls: tuple[str, ...],
     workspaces that libraries create on first use (cuBLAS, cuDNN, SDPA) land in no window
     and no figure depends on which phase ran first. `order` permutes the windows (tests)."""
     s = config.shape
-    impl_options = impl_options or ImplOptions()
+    impl_options = (impl_options or ImplOptions()).at(config)
     layer = AttentionLayer.from_config(config)
     x = make_inputs(config)
     prompt = x[:, : s.prompt_len]

@@ -7,7 +7,7 @@ from pathlib import Path
 import pandas as pd
 
 from kvbench.errors import KvbenchError
-from kvbench.load import KEY_COLUMNS, latest
+from kvbench.load import key_columns, latest
 
 MIB = 2**20
 
@@ -32,8 +32,9 @@ def _title(df: pd.DataFrame, what: str) -> str:
 
 def _series(df: pd.DataFrame, x: str):
     """Group rows into lines: one per implementation and per other column that varies."""
-    varying = [c for c in KEY_COLUMNS if c not in (x, "command", "impl")
-               and df[c].nunique(dropna=False) > 1]
+    # columns that vary within an implementation (block_size varies only with it)
+    varying = [c for c in key_columns(df) if c not in (x, "command", "impl")
+               and df.groupby("impl")[c].nunique(dropna=False).max() > 1]
     for key, group in df.groupby(["impl", *varying], sort=False, dropna=False):
         key = key if isinstance(key, tuple) else (key,)
         label = " ".join([str(key[0])] + [f"{c}={v}" for c, v in zip(varying, key[1:])])
@@ -41,7 +42,7 @@ def _series(df: pd.DataFrame, x: str):
 
 
 def plot_bench(df: pd.DataFrame, plt):
-    df = latest(df, KEY_COLUMNS)
+    df = latest(df, key_columns(df))
     x = "prompt_len"
     panels = [("cached_ms_per_step", "decode time per step (ms)", True)]
     if df["speedup"].notna().any():
@@ -53,7 +54,7 @@ def plot_bench(df: pd.DataFrame, plt):
             ax.plot(g[x], g[col], marker="o", label=name)
         if col == "cached_ms_per_step" and df["recompute_ms_per_step"].notna().any():
             rec = df.dropna(subset=["recompute_ms_per_step"]).drop_duplicates(
-                subset=[c for c in KEY_COLUMNS if c != "impl"]).sort_values(x)
+                subset=[c for c in key_columns(df) if c != "impl"]).sort_values(x)
             ax.plot(rec[x], rec["recompute_ms_per_step"], "k--", marker="x",
                     label="recompute (path A)")
         ax.set_xscale("log", base=2)
@@ -74,7 +75,7 @@ def plot_bench(df: pd.DataFrame, plt):
 def plot_memory(df: pd.DataFrame, plt):
     import numpy as np
 
-    df = latest(df, KEY_COLUMNS)
+    df = latest(df, key_columns(df))
     bars = [("theoretical_kv_bytes", "theoretical KV"),
             ("cached_peak_allocated_bytes", "cached peak, allocated"),
             ("cached_peak_reserved_bytes", "cached peak, reserved"),
@@ -127,7 +128,7 @@ def plot_capacity(df: pd.DataFrame, plt):
 
 
 def plot_verify(df: pd.DataFrame, plt):
-    df = latest(df, KEY_COLUMNS)
+    df = latest(df, key_columns(df))
     fig, ax = plt.subplots(figsize=(7, 4.8))
     for name, g in _series(df, "prompt_len"):
         ax.plot(g["prompt_len"], g["max_abs_err"].clip(lower=1e-12), marker="o", label=name)

@@ -166,6 +166,7 @@ def memory_phases(config: RunConfig, impls, options) -> list[Phase]:
 def plan(command: str, config: RunConfig, impls, options, bench_options=None,
          available: dict[str, int] | None = None) -> Plan:
     """The phases of `command` at this point against the memory available now."""
+    options = options.at(config)
     phases = [Phase("weights and inputs", host_draw_bytes(config), HOST, _LAYER)]
     if _memory(config) == DEVICE:
         phases.append(Phase("weights and inputs", layer_bytes(config), DEVICE, _LAYER))

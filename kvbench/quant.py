@@ -18,53 +18,12 @@ QuantizedStore holds one layer's quantized K and V for [B, H_kv, T_max] position
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import torch
 
-from kvbench.capacity import GROUPED, KV_DTYPE_BITS, QUANTIZED, CacheFormat, kv_dtype
+from kvbench.kvformat import KvFormat
 
 FP8_MAX = 448.0  # the largest finite float8_e4m3fn
-
-
-@dataclass(frozen=True)
-class KvFormat:
-    """How K/V are stored: `name` is a capacity --kv-dtype; None = the activation dtype."""
-
-    name: str | None = None
-    group_size: int = 64
-
-    @property
-    def quantized(self) -> bool:
-        return self.name in QUANTIZED
-
-    @property
-    def bits(self) -> int:
-        return KV_DTYPE_BITS[self.name]
-
-    @property
-    def grouped(self) -> bool:
-        return self.name in GROUPED
-
-    def vector_bytes(self, head_dim: int) -> int:
-        return CacheFormat(self.name, self.group_size).vector_bytes(head_dim)
-
-    def groups(self, head_dim: int) -> int:
-        return math.ceil(head_dim / self.group_size)
-
-
-def parse_kv_dtype(name: str | None, activation: str) -> str | None:
-    """--kv-dtype -> a quantized format name, or None for the activation dtype."""
-    if name is None:
-        return None
-    key = kv_dtype(name)
-    if key not in QUANTIZED:
-        act = kv_dtype(activation)
-        if key != act:
-            raise ValueError(f"--kv-dtype {name}: an unquantized cache is stored in the "
-                             f"activation dtype ({activation}); use --dtype {name} for it")
-        return None
-    return key
 
 
 def pack(q: torch.Tensor, bits: int) -> torch.Tensor:

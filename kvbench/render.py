@@ -25,6 +25,8 @@ from rich.progress import (
 )
 from rich.table import Table
 
+from kvbench.kvformat import KvFormat
+
 out = Console(highlight=False)
 err = Console(stderr=True, highlight=False)
 
@@ -57,7 +59,9 @@ def describe(config) -> str:
     s = config.shape
     return (f"B={s.batch} prompt={s.prompt_len} decode={s.decode_len} H={s.hidden} "
             f"H_q={s.q_heads} H_kv={s.kv_heads} D={s.head_dim} {config.dtype} "
-            f"{config.device}{' rope' if config.rope else ''} seed={config.seed}")
+            f"{config.device}{' rope' if config.rope else ''} seed={config.seed}"
+            + (f" {kv_label(KvFormat(config.kv_dtype, config.group_size))}"
+               if config.kv_dtype else ""))
 
 
 def verify_table(report) -> Table:
@@ -92,7 +96,7 @@ def kv_label(fmt) -> str:
 
 def _quantized_verify_table(report) -> Table:
     """The exact check (pass/fail) and the quantization error, side by side but apart."""
-    t = _table(f"verify  {describe(report.config)}  {kv_label(report.kv_format)}")
+    t = _table(f"verify  {describe(report.config)}")
     cols = ("impl", "result", "max|R−B|", "quant max|A−B|", "mean|A−B|", "cos(A,B)", "cache",
             "failure")
     for col in cols:
@@ -181,8 +185,6 @@ def memory_table(result) -> Table:
     for col in ("impl", "phase", "allocated", "reserved", "estimate"):
         t.add_column(col, justify="left" if col in ("impl", "phase") else "right", no_wrap=True)
     rec = result.recompute
-    if result.kv_format.quantized:
-        t.title += f"  {kv_label(result.kv_format)}"
     t.add_row("—", "theoretical final KV (planner)", mib(result.theoretical_kv_bytes), "", "")
     t.add_row("—", "weights (not in the peaks)", mib(result.weight_bytes), "", "")
     t.add_row("recompute", "peak, all G steps", mib(rec.peak_allocated_bytes),

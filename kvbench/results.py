@@ -22,6 +22,7 @@ from pathlib import Path
 
 from kvbench.env import ENV_COLUMNS
 from kvbench.errors import KvbenchError
+from kvbench.kvformat import KvFormat
 
 DEFAULT_DIR = Path("results")
 
@@ -187,7 +188,8 @@ BENCH_FIRST = CONFIG_COLUMNS + [
     "min_bytes_per_step", "flops_per_step", "copy_gbps", "achieved_gbps", "bandwidth_fraction",
     "achieved_gflops", "blocks_used", "blocks_allocated", "sdpa_backend", "compile_ms",
 ] + ENV_COLUMNS
-BENCH_COLUMNS = BENCH_FIRST[:-len(ENV_COLUMNS)] + ["splits", "block_size"] + ENV_COLUMNS
+BENCH_COLUMNS = BENCH_FIRST[:-len(ENV_COLUMNS)] + [
+    "splits", "block_size", "kv_dtype", "group_size"] + ENV_COLUMNS
 
 
 def config_cells(command: str, impl: str, config) -> dict[str, object]:
@@ -248,7 +250,7 @@ def bench_rows(result, env: dict[str, object]) -> list[dict[str, object]]:
             "bandwidth_fraction": result.bandwidth_fraction(t),
             "achieved_gflops": result.achieved_gflops(t),
             **{k: v for k, v in t.stats.items() if k in BENCH_COLUMNS},
-            **env,
+            **kv_cells(KvFormat(result.config.kv_dtype, result.config.group_size)), **env,
         })
     return rows
 

@@ -23,7 +23,8 @@ from kvbench.caches import IMPLEMENTATIONS, CachedAttention, ImplOptions
 from kvbench.config import RunConfig
 from kvbench.device import free_bytes
 from kvbench.errors import DeviceError, device_errors, is_device_error, is_out_of_memory
-from kvbench.quant import KvFormat, QuantizedStore
+from kvbench.kvformat import KvFormat
+from kvbench.quant import QuantizedStore
 
 TOLERANCES = {  # dtype -> (rtol, atol)
     "float32": (1e-4, 1e-5),
@@ -79,7 +80,7 @@ def verify(config: RunConfig, impls: dict[str, type[CachedAttention]] | None = N
 
     impls: name -> class; by default every registered implementation that can run here.
     """
-    options = options or ImplOptions()
+    options = (options or ImplOptions()).at(config)
     if impls is None:
         impls = {name: cls for name, cls in IMPLEMENTATIONS.items()
                  if cls.unavailable(config, options) is None}

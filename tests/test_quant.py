@@ -7,8 +7,8 @@ from broken import NibblesSwapped, QuantizedOnce, ScaleFromWrongGroup, ZeroPoint
 from kvbench.caches import ImplOptions, PagedCache, StaticCache
 from kvbench.capacity import CacheFormat, ModelSpec, plan
 from kvbench.config import LayerShape, RunConfig
+from kvbench.kvformat import KvFormat
 from kvbench.quant import (
-    KvFormat,
     QuantizedStore,
     dequantize_grouped,
     pack,

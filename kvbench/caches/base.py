@@ -9,7 +9,7 @@ this package that registers its class with `@register`.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import ClassVar
 
 import torch
@@ -20,7 +20,7 @@ from kvbench.attention import AttentionLayer
 from kvbench.capacity import QUANTIZED
 from kvbench.config import RunConfig
 from kvbench.errors import KvbenchError
-from kvbench.quant import KvFormat
+from kvbench.kvformat import KvFormat
 
 SDPA_BACKENDS = ("auto", "math", "flash", "efficient", "cudnn")
 
@@ -54,6 +54,13 @@ class ImplOptions:
     def kv_format(self) -> KvFormat:
         return KvFormat(self.kv_dtype, self.group_size)
 
+    def at(self, config: RunConfig) -> ImplOptions:
+        """These options with the K/V format of `config`, where the point sets one (a
+        `--kv-dtype` list gives each point its own)."""
+        if config.kv_dtype is None:
+            return self
+        return replace(self, kv_dtype=config.kv_dtype, group_size=config.group_size)
+
 
 IMPLEMENTATIONS: dict[str, type[CachedAttention]] = {}
 
@@ -71,7 +78,7 @@ def select_impls(spec: str, config: RunConfig, options: ImplOptions | None = Non
     sweep passes strict=False and refuses only one that can run none of its points. With
     `measure` ("bench" or "memory"), one that command cannot measure here is left out too.
     """
-    options = options or ImplOptions()
+    options = (options or ImplOptions()).at(config)
     names, notes = [], []
     explicit = spec.strip().lower() != "all"
     for name in parse_impls(spec):
