@@ -143,9 +143,46 @@ def plot_verify(df: pd.DataFrame, plt):
     return fig
 
 
+def bytes_per_token(row) -> int:
+    """K and V of one token in one layer, as stored: 2 · H_kv · (one head vector's bytes)."""
+    from kvbench.capacity import CacheFormat, kv_dtype
+
+    name = row["kv_dtype"] if isinstance(row["kv_dtype"], str) else kv_dtype(row["dtype"])
+    group = int(row["group_size"]) if pd.notna(row["group_size"]) else 64
+    return 2 * int(row["kv_heads"]) * CacheFormat(name, group).vector_bytes(int(row["head_dim"]))
+
+
+def plot_frontier(kind: str, df: pd.DataFrame, plt):
+    """Several K/V formats: what each costs (error, or step time) against its bytes per token."""
+    df = latest(df, key_columns(df)).copy()
+    df["bytes_per_token"] = [bytes_per_token(r) for _, r in df.iterrows()]
+    df["format"] = [r["kv_dtype"] if isinstance(r["kv_dtype"], str) else r["dtype"]
+                    for _, r in df.iterrows()]
+    if kind == "verify":
+        col, label = "mean_abs_err", "quantization error: mean |recompute − cached|"
+    else:
+        col, label = "cached_ms_per_step", "decode time per step (ms)"
+    fig, ax = plt.subplots(figsize=(7, 4.8))
+    for name, g in _series(df.drop(columns=["kv_dtype", "group_size"]), "bytes_per_token"):
+        ax.plot(g["bytes_per_token"], g[col].clip(lower=1e-12), marker="o", label=name)
+        for _, r in g.iterrows():
+            ax.annotate(r["format"], (r["bytes_per_token"], max(r[col], 1e-12)), fontsize=7,
+                        textcoords="offset points", xytext=(4, 4))
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("K/V bytes per token per layer (scales and zero points included)")
+    ax.set_ylabel(label)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.suptitle(_title(df, f"{kind}: K/V formats"))
+    return fig
+
+
 def plot(kind: str, df: pd.DataFrame, output: Path) -> Path:
     drawers = {"bench": plot_bench, "memory": plot_memory, "capacity": plot_capacity,
                "verify": plot_verify}
+    if kind in ("bench", "verify") and df["kv_dtype"].nunique(dropna=False) > 1:
+        drawers[kind] = lambda df, plt: plot_frontier(kind, df, plt)
     if kind not in drawers:
         raise KvbenchError(f"nothing to plot in {kind} results; plot takes bench, memory, "
                            "capacity or verify results")
