@@ -81,3 +81,19 @@ def test_the_faults_fail_for_their_bug_not_the_shape():
 ])
 def test_split_rule(length, programs, processors, expected):
     assert triton_decode.choose_splits(length, programs, processors) == expected
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("block_size", [1, 16])
+@pytest.mark.parametrize("head_dim, group", [(64, 32), (96, 64)])  # 96/64: a partial group
+@pytest.mark.parametrize("kv_dtype", ["fp8", "int8", "int4", "int2"])
+def test_quantized_pools_decoded_in_registers_pass_the_exact_check(kv_dtype, head_dim, group,
+                                                                    block_size, dtype):
+    config = RunConfig(shape("gqa", head_dim), dtype)
+    report = verify(config, {"triton": TritonCache},
+                    ImplOptions(block_size=block_size, splits=2, kv_dtype=kv_dtype,
+                                group_size=group))
+    (result,) = report.checks
+    assert result.passed, result.message
+    if dtype == "float32":  # (in bfloat16, int8's error hides under the rounding of the dtype)
+        assert result.max_abs_err > result.fp64_max_abs_err  # the format's, reported apart

@@ -22,6 +22,7 @@ import torch
 from kvbench import footprint as fp
 from kvbench.caches.base import register
 from kvbench.caches.paged import PagedCache
+from kvbench.capacity import QUANTIZED
 
 NEEDS_TRITON = ('needs triton: CUDA builds of torch bring it; on CPU pip install -e ".[dev]" '
                 "(the kernel runs in Triton's interpreter)")
@@ -52,7 +53,7 @@ def prepare(device_type: str) -> str | None:
 class TritonCache(PagedCache):
     name = "triton"
     compiles = True  # on CUDA the first launch compiles the kernels
-    kv_dtypes = frozenset()  # the kernel reads activation-dtype pools only, so far
+    kv_dtypes = frozenset(QUANTIZED)  # decoded in registers as each tile is loaded
     description = ("paged pool read in place by a Triton split-K decode kernel (GQA through "
                    "tl.dot, log-sum-exp merge); CUDA, and CPU through Triton's interpreter "
                    "(verify only)")
@@ -112,10 +113,26 @@ class TritonCache(PagedCache):
         B, Hq, _, D = q.shape
         self.splits = self.options.splits or self.kernel.choose_splits(
             self.length, B * self.layer.shape.kv_heads, self.processors)
-        self.kernel.split_partials(q.reshape(B, Hq, D), self.k_pool, self.v_pool, self.table,
-                                   self.length, self.layer.scale, self.splits, self.partials)
+        self.kernel.split_partials(q.reshape(B, Hq, D), *self.pools_read(), self.table,
+                                   self.length, self.layer.scale, self.splits, self.partials,
+                                   self.quantized())
         out = torch.empty(B, Hq, D, dtype=q.dtype, device=q.device)
         return self.merge(out).reshape(B, Hq, 1, D)
+
+    def pools_read(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The K and V pools the kernel reads: values, or codes when quantized."""
+        if self.pools:
+            return self.pools["k_codes"], self.pools["v_codes"]
+        return self.k_pool, self.v_pool
+
+    def quantized(self):
+        fmt = self.options.kv_format
+        if not fmt.quantized:
+            return None
+        if not fmt.grouped:
+            return ("fp8", self.fp8_scales["k"], self.fp8_scales["v"])
+        p = self.pools
+        return (fmt.bits, fmt.group_size, p["k_scale"], p["k_zero"], p["v_scale"], p["v_zero"])
 
     def merge(self, out: torch.Tensor) -> torch.Tensor:
         return self.kernel.merge(self.partials, self.splits, out)

@@ -36,11 +36,31 @@ BLOCK_N = 64  # positions per tile
 MAX_SPLITS = 64
 
 
-def _stage1(Q, K, V, Table, Acc, M, L, scale, length, split_len, page,
+def _dequantized(C, S, Z, slot_c, slot_m, offs_d, mask, BITS: tl.constexpr,
+                 GROUP: tl.constexpr):
+    """[BLOCK_D, BLOCK_N] float32 values of BLOCK_N positions of a grouped int pool, decoded
+    in registers: codes packed 8/BITS to a byte (lower index in the lower bits), each group of
+    GROUP elements with its fp16 scale S and zero point Z (x = q·s + z, as kvbench.quant)."""
+    per_byte: tl.constexpr = 8 // BITS
+    codes = tl.load(C + slot_c[None, :] + (offs_d // per_byte)[:, None], mask=mask, other=0)
+    q = (codes.to(tl.int32) >> ((offs_d % per_byte) * BITS)[:, None]) & ((1 << BITS) - 1)
+    group = (offs_d // GROUP)[:, None]
+    s = tl.load(S + slot_m[None, :] + group, mask=mask, other=0.0).to(tl.float32)
+    z = tl.load(Z + slot_m[None, :] + group, mask=mask, other=0.0).to(tl.float32)
+    return q.to(tl.float32) * s + z
+
+
+def _stage1(Q, K, V, Table, Acc, M, L, KS, KZ, VS, VZ, scale, length, split_len, page,
             stride_qb, stride_qh, stride_kn, stride_kh, stride_kt, stride_tb,
             stride_ab, stride_ah, stride_as, stride_mb, stride_mh,
+            stride_sn, stride_sh, stride_st,
             G: tl.constexpr, D: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
-            BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, WIDEN: tl.constexpr):
+            BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, WIDEN: tl.constexpr,
+            BITS: tl.constexpr, GROUP: tl.constexpr, FP8: tl.constexpr):
+    """BITS = 0: K and V pools in the activation dtype. BITS = 8, 4 or 2: K and V are pools of
+    codes, with scale (KS, VS) and zero-point (KZ, VZ) pools of strides stride_s*, dequantized
+    while the tile is loaded. FP8: K and V are float8 e4m3 pools and KS, VS one float32 scale
+    per KV head."""
     b = tl.program_id(0)
     h = tl.program_id(1)
     s = tl.program_id(2)
@@ -65,8 +85,16 @@ def _stage1(Q, K, V, Table, Acc, M, L, scale, length, split_len, page,
         valid = pos < end  # masks the tail: a partly filled last block, or the split's end
         block = tl.load(Table + b * stride_tb + pos // page, mask=valid, other=0)
         slot = block.to(tl.int64) * stride_kn + h * stride_kh + (pos % page) * stride_kt
-        k = tl.load(K + slot[None, :] + offs_d[:, None],
-                    mask=valid[None, :] & mask_d[:, None], other=0.0)  # [BLOCK_D, BLOCK_N]
+        if BITS == 0:
+            k = tl.load(K + slot[None, :] + offs_d[:, None],
+                        mask=valid[None, :] & mask_d[:, None], other=0.0)  # [BLOCK_D, BLOCK_N]
+        elif FP8:
+            k = (tl.load(K + slot[None, :] + offs_d[:, None], mask=valid[None, :] & mask_d[:, None],
+                         other=0.0).to(tl.float32) * tl.load(KS + h)).to(Q.dtype.element_ty)
+        else:
+            slot_m = block.to(tl.int64) * stride_sn + h * stride_sh + (pos % page) * stride_st
+            k = _dequantized(K, KS, KZ, slot, slot_m, offs_d, valid[None, :] & mask_d[:, None],
+                             BITS, GROUP).to(Q.dtype.element_ty)
         if WIDEN:
             k = k.to(tl.float32)
         scores = tl.dot(q, k, input_precision=DOT_PRECISION) * scale  # [BLOCK_G, BLOCK_N]
@@ -75,8 +103,16 @@ def _stage1(Q, K, V, Table, Acc, M, L, scale, length, split_len, page,
         alpha = tl.exp(m_i - m_new)
         p = tl.exp(scores - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(V + slot[:, None] + offs_d[None, :],
-                    mask=valid[:, None] & mask_d[None, :], other=0.0)  # [BLOCK_N, BLOCK_D]
+        if BITS == 0:
+            v = tl.load(V + slot[:, None] + offs_d[None, :],
+                        mask=valid[:, None] & mask_d[None, :], other=0.0)  # [BLOCK_N, BLOCK_D]
+        elif FP8:
+            v = (tl.load(V + slot[:, None] + offs_d[None, :], mask=valid[:, None] & mask_d[None, :],
+                         other=0.0).to(tl.float32) * tl.load(VS + h)).to(Q.dtype.element_ty)
+        else:
+            v = tl.trans(_dequantized(V, VS, VZ, slot, slot_m, offs_d,
+                                      valid[None, :] & mask_d[:, None], BITS,
+                                      GROUP).to(Q.dtype.element_ty))
         if WIDEN:
             v = v.to(tl.float32)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
@@ -112,6 +148,7 @@ def _stage2(Acc, M, L, Out, splits, stride_ab, stride_ah, stride_as, stride_mb, 
 
 
 INTERPRETED = type(tl.zeros).__name__ == "InterpretedFunction"  # how triton was imported
+_dequantized = triton.jit(_dequantized)
 stage1 = triton.jit(_stage1, do_not_specialize=["length", "split_len"])
 stage2 = triton.jit(_stage2, do_not_specialize=["splits"])
 
@@ -146,17 +183,27 @@ def pad(n: int) -> int:
 
 
 def split_partials(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
-                   table: torch.Tensor, length: int, scale: float, splits: int, partials) -> None:
+                   table: torch.Tensor, length: int, scale: float, splits: int, partials,
+                   quantized=None) -> None:
     """Stage 1: each split's running max, exp-sum and exp-weighted V sum into `partials`.
 
     q [B, H_q, D]; k_pool, v_pool [N_blocks, H_kv, block_size, D]; table [B, blocks] block
     ids; the first `length` positions of each sequence are read. partials = (acc [B, H_q, S, D],
-    m [B, H_q, S], l [B, H_q, S]) in float32, with S >= splits.
+    m [B, H_q, S], l [B, H_q, S]) in float32, with S >= splits. quantized = (bits, group,
+    k scales, k zero points, v scales, v zero points) for pools of grouped int codes
+    [N_blocks, H_kv, block_size, bytes], whose metadata pools are [N_blocks, H_kv, block_size,
+    groups]; or ("fp8", k scales [H_kv], v scales [H_kv]) for float8 pools.
     """
     B, Hq, D = q.shape
     Hkv, page = k_pool.shape[1], k_pool.shape[2]
     G = Hq // Hkv
     acc, m, l = partials
+    fp8 = quantized is not None and quantized[0] == "fp8"
+    if fp8:
+        bits, group, ks, kz, vs, vz = 8, 1, quantized[1], quantized[1], quantized[2], quantized[2]
+    else:
+        bits, group, ks, kz, vs, vz = quantized or (0, 1, k_pool, k_pool, v_pool, v_pool)
+    meta = (0, 0, 0) if fp8 else (ks.stride(0), ks.stride(1), ks.stride(2))
     assert k_pool.stride(3) == 1 and q.stride(2) == 1 and acc.stride(3) == 1 and m.stride(2) == 1
     # Triton's interpreter gets tl.dot wrong on bfloat16 tiles (3.9: errors of 1e10), so there
     # they are widened to float32 after loading; compiled kernels multiply bfloat16 natively.
@@ -164,11 +211,13 @@ def split_partials(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
     # float32: exact products; the GPUs' TF32 default would miss float32's tolerance
     precision = "ieee" if q.dtype == torch.float32 or widen else "tf32"
     stage1[(B, Hkv, splits)](
-        q, k_pool, v_pool, table, acc, m, l, scale, length, split_len(length, splits), page,
+        q, k_pool, v_pool, table, acc, m, l, ks, kz, vs, vz, scale, length,
+        split_len(length, splits), page,
         q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), k_pool.stride(2),
         table.stride(0), acc.stride(0), acc.stride(1), acc.stride(2), m.stride(0), m.stride(1),
+        *meta,
         G=G, D=D, BLOCK_G=pad(G), BLOCK_D=pad(D), BLOCK_N=BLOCK_N, DOT_PRECISION=precision,
-        WIDEN=widen)
+        WIDEN=widen, BITS=bits, GROUP=group, FP8=fp8)
 
 
 def merge(partials, splits: int, out: torch.Tensor) -> torch.Tensor:
