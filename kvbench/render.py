@@ -214,7 +214,7 @@ def show_memory(result) -> None:
 
 def capacity_table(p) -> Table:
     m, fmt = p.model, p.fmt
-    quant = f", groups of {fmt.group_size}" if fmt.kv_dtype in ("fp8", "int8", "int4", "int2") else ""
+    quant = f", groups of {fmt.group_size}" if fmt.kv_dtype in ("int8", "int4", "int2") else ""
     t = _table(f"capacity  {m.name}: L={m.layers} {m.attention_summary}, window "
                f"{m.window_summary}; {fmt.kv_dtype}{quant}, tp={fmt.tp}"
                + (f", blocks of {fmt.block_size}" if fmt.block_size else ""))

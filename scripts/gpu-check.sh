@@ -58,6 +58,13 @@ kv bench --device cuda --dtype float16 --impl triton --splits 1 --batch 8 --prom
     --no-prefill --csv "$out/bench-splits.csv"
 kv verify --device cuda --dtype bfloat16 --impl triton --block-size 1 --head-dim 80,96 \
     --prompt-len 1000 --decode-len 8 --csv "$out/verify.csv"
+# quantized caches: the exact check on CUDA, then the Triton kernel decoding int8/fp8/int4 in
+# registers against fp16 at the long-context shape (target: int8 or fp8 >= 1.6x faster)
+kv verify --device cuda --dtype float16,bfloat16 --kv-dtype fp8,int8,int4 --impl static,paged,triton \
+    --prompt-len 1000 --decode-len 8 --csv "$out/verify.csv"
+kv bench --device cuda --dtype float16 --kv-dtype none,int8,fp8,int4 --impl triton --batch 8 \
+    --prompt-len 32768 --decode-len 8 --hidden 4096 --q-heads 32 --kv-heads 8 --head-dim 128 \
+    --no-recompute --no-prefill --csv "$out/bench-kv.csv"
 for backend in flash efficient cudnn math; do
     # which SDPA backends take decode here, at the reference shape (exit 2 = not available)
     echo "\$ verify --impl sdpa --sdpa-backend $backend" >> "$log"

@@ -64,6 +64,14 @@ def main() -> int:
                   + "; ".join(f"{r['dtype']} {r['splits']:.0f} splits "
                               f"{r['cached_ms_per_step']:.3f} {100 * r['bandwidth_fraction']:.0f}%"
                               for _, r in triton.iterrows()))
+    kvb = read(out, "bench-kv.csv")
+    if kvb is not None:
+        kvb["format"] = kvb["kv_dtype"].fillna("fp16")
+        steps = kvb.groupby("format")["cached_ms_per_step"].last()
+        if "fp16" in steps:
+            print("triton, quantized K/V at the long shape: ms/step (x faster than fp16; "
+                  "target >= 1.6 for int8 or fp8): " + ", ".join(
+                      f"{f} {m:.3f} ({steps['fp16'] / m:.2f}x)" for f, m in steps.items()))
     memory = read(out, "memory.csv")
     if memory is not None:
         print("memory, reference case: prefill + decode peak MiB, allocated / reserved "

@@ -72,6 +72,11 @@ def test_bench_no_recompute_says_how_it_verified(tmp_path):
     (["--rounds", "0"], "--rounds"),
     (["--warmup", "many"], "--warmup"),
     (["--bogus"], "No such option"),
+    (["--kv-dtype", "int3"], "use one of fp32, fp16, bf16, fp8, int8, int4, int2"),
+    (["--kv-dtype", "int4", "--group-size", "0"], "--group-size must be a positive integer"),
+    (["--kv-dtype", "int4", "--group-size", "128"], "does not fit in a head vector of D = 64"),
+    (["--kv-dtype", "fp16"], "unquantized cache is stored in the activation dtype"),
+    (["--kv-dtype", "int8", "--impl", "sdpa"], "--impl sdpa cannot run here: K/V stored in"),
 ])
 def test_bad_input_is_one_line_exit_2(tmp_path, args, message):
     out = tmp_path / "b.csv"

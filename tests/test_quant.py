@@ -120,3 +120,37 @@ def test_paged_passes_the_exact_check_for_any_block_size(name):
         report = verify(RunConfig(GQA), {"paged": PagedCache},
                         ImplOptions(kv_dtype=name, group_size=32, block_size=block_size))
         assert report.passed, report.checks[0].message
+
+
+def test_memory_command_shows_the_cache_equal_to_the_planner(tmp_path):
+    import pandas as pd
+    from typer.testing import CliRunner
+
+    from kvbench.cli import app
+
+    out = tmp_path / "m.csv"
+    result = CliRunner().invoke(app, ["memory", "--kv-dtype", "int4", "--group-size", "64",
+                                      "--prompt-len", "40", "--decode-len", "3",
+                                      "--csv", str(out)])
+    assert result.exit_code == 0, result.output
+    assert "cache tensors = planner" in result.stdout
+    df = pd.read_csv(out)
+    assert set(df["impl"]) == {"static", "paged"}  # triton runs in the interpreter here
+    assert (df["kv_cache_bytes"] == df["kv_planner_bytes"]).all()
+    assert (df["kv_dtype"] == "int4").all() and (df["group_size"] == 64).all()
+
+
+def test_a_kv_dtype_list_runs_each_format_as_its_own_point(tmp_path):
+    import pandas as pd
+    from typer.testing import CliRunner
+
+    from kvbench.cli import app
+
+    out = tmp_path / "v.csv"
+    result = CliRunner().invoke(app, ["verify", "--kv-dtype", "none,fp8,int4", "--impl",
+                                      "static", "--prompt-len", "16", "--decode-len", "2",
+                                      "--csv", str(out)])
+    assert result.exit_code == 0, result.output
+    df = pd.read_csv(out)
+    assert df["kv_dtype"].fillna("none").tolist() == ["none", "fp8", "int4"]
+    assert df["passed"].all() and df["cosine"].isna().tolist() == [True, False, False]

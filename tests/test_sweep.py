@@ -64,7 +64,7 @@ def test_shipped_sweep_files_parse(path):
     command = "verify" if "verify" in path.stem else "bench"
     allowed = {"device", "dtype", "batch", "prompt_len", "decode_len", "hidden", "q_heads",
                "kv_heads", "head_dim", "seed", "impl", "rope", "block_size", "sdpa_backend",
-               "warmup", "rounds", "recompute", "prefill"}
+               "warmup", "rounds", "recompute", "prefill", "splits", "kv_dtype", "group_size"}
     assert load_sweep(path, command, allowed)
 
 
