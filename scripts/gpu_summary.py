@@ -46,7 +46,8 @@ def main() -> int:
                                   aggfunc="last")
         if {"static", "compiled"} <= set(steps.columns):
             print("CUDA graph step (compiled) vs eager static, x faster (target >= 3): " + ", ".join(
-                f"{dt} {r['static'] / r['compiled']:.1f}x" for dt, r in steps.iterrows()))
+                f"{dt} {r['static'] / r['compiled']:.1f}x" for dt, r in steps.iterrows()
+                if pd.notna(r["compiled"])))
     long = read(out, "bench-long.csv")
     if long is not None:
         r = long.iloc[0]
