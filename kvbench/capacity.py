@@ -312,6 +312,35 @@ class Fit:
 
 
 @dataclass
+class Serving:
+    """How many sequences of a length distribution fit at once in the cache budget, when each
+    is preallocated to the maximum length against when it takes whole blocks (vLLM's paging)."""
+
+    max_len: int
+    samples: int  # lengths drawn
+    mean_len: float
+    prealloc_bytes: int  # per sequence: max_len positions, every layer
+    paged_bytes: float  # per sequence, mean over the draws: its length in whole blocks
+    budget_bytes: int | None = None
+
+    @property
+    def payload_fraction(self) -> float:
+        """Of a preallocated sequence's bytes, the share that holds tokens."""
+        return self.mean_len / self.max_len
+
+    def concurrent(self, per_sequence: float) -> int | None:
+        return None if self.budget_bytes is None else int(self.budget_bytes // per_sequence)
+
+    @property
+    def concurrent_prealloc(self) -> int | None:
+        return self.concurrent(self.prealloc_bytes)
+
+    @property
+    def concurrent_paged(self) -> int | None:
+        return self.concurrent(self.paged_bytes)
+
+
+@dataclass
 class Plan:
     model: ModelSpec
     fmt: CacheFormat
@@ -323,6 +352,8 @@ class Plan:
     wasted_bytes: int  # per rank, from rounding each sequence up to whole blocks
     fit: Fit | None = None
     notes: list[str] = field(default_factory=list)
+    serving: Serving | None = None  # --len-dist: preallocation against paging
+    len_dist: str | None = None
 
     @property
     def batch(self) -> int:
@@ -386,6 +417,16 @@ def _fit(model, fmt, seq_lens, gpu_bytes, weights_bytes, margin_bytes, utilizati
         max_len = lo
     return Fit(gpu_bytes, utilization, margin_bytes, weights, budget, per_rank, max_batch,
                max_len, max_tokens)
+
+
+def serving(model: ModelSpec, fmt: CacheFormat, lens: tuple[int, ...], max_len: int,
+            budget_bytes: int | None) -> Serving:
+    """Per TP rank. fmt.block_size: the paged block (16, vLLM's default, when not given)."""
+    paged = replace(fmt, block_size=fmt.block_size or 16)
+    prealloc = sequence_bytes(model, replace(fmt, block_size=None), max_len, per_rank=True)
+    mean_paged = sum(sequence_bytes(model, paged, t, per_rank=True) for t in lens) / len(lens)
+    return Serving(max_len, len(lens), sum(lens) / len(lens), prealloc, mean_paged,
+                   budget_bytes)
 
 
 def merge_dimensions(model: ModelSpec | None, explicit: dict[str, int | None]) -> ModelSpec:

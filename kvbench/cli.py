@@ -477,8 +477,11 @@ def capacity(
     batch: Annotated[int, typer.Option(help="Sequences, each --seq-len long.")] = 1,
     seq_len: Annotated[int | None, typer.Option(help="Tokens per sequence. \\[default: 4096]")] = None,
     seq_lens: Annotated[str | None, typer.Option(help="A variable-length batch: 512,4096,...")] = None,
+    len_dist: Annotated[str | None, typer.Option(help="Serving: draw lengths from uniform:LO:HI or lognormal:MEAN:SIGMA (mean MEAN tokens) and compare preallocating --max-len per sequence with paged blocks.")] = None,
+    max_len: Annotated[int | None, typer.Option(help="With --len-dist: the longest a request may get (what preallocation reserves); caps the draws.")] = None,
+    seed: Annotated[int, typer.Option(help="With --len-dist: the draws' seed.")] = 0,
     kv_dtype: Annotated[str, typer.Option(help="fp32, fp16, bf16, fp8, int8, int4, int2.")] = "fp16",
-    group_size: Annotated[int, typer.Option(help="Elements per fp16 scale + zero-point (quantized).")] = 64,
+    group_size: Annotated[int, typer.Option(help="int8, int4, int2: elements per fp16 scale + zero point.")] = 64,
     tp: Annotated[int, typer.Option(help="Tensor-parallel ranks (KV heads split across them).")] = 1,
     block_size: Annotated[int | None, typer.Option(help="Paged blocks: round each sequence up to whole blocks.")] = None,
     window: Annotated[int | None, typer.Option(help="Sliding window W: sliding layers cache at most W tokens.")] = None,
@@ -519,6 +522,22 @@ def capacity(
 
     lens = (tuple(parse_int_list("--seq-lens", seq_lens)) if seq_lens is not None
             else (seq_len or 4096,) * batch)
+    serving_lens = None
+    if len_dist is not None:
+        from kvbench.lengths import draw, parse_len_dist
+
+        if seq_len is not None or seq_lens is not None:
+            raise KvbenchError("give --len-dist or --seq-len/--seq-lens, not both")
+        dist = parse_len_dist(len_dist)
+        _positive("--max-len", max_len)
+        max_len = max_len or dist.largest
+        if max_len is None:
+            raise KvbenchError(f"--len-dist {dist} needs --max-len: the longest a request may "
+                               "get, which preallocation reserves")
+        lens = draw(dist, batch, seed, max_len)
+        serving_lens = draw(dist, SERVING_DRAWS, seed, max_len)
+    elif max_len is not None:
+        raise KvbenchError("--max-len goes with --len-dist")
     base = cap.preset(model) if model else cap.from_hf_config(from_config) if from_config else None
     spec = cap.merge_dimensions(base, {
         "layers": layers, "kv_heads": kv_heads, "head_dim": head_dim, "q_heads": q_heads,
@@ -537,9 +556,16 @@ def capacity(
                                "(e.g. 16GB) or use a --model preset")
     path = _csv_target(csv, "capacity")
     result = cap.plan(spec, fmt, lens, gpu_bytes, weights, margin_bytes, utilization)
+    if serving_lens is not None:
+        result.serving = cap.serving(spec, fmt, serving_lens, max_len,
+                                     result.fit.budget_bytes if result.fit else None)
+        result.len_dist = str(dist)
     render.show_capacity(result)
     append_csv(path, capacity_rows(result, environment(None)), *FILE_KINDS["capacity"])
     render.note(f"1 row appended to {path}")
+
+
+SERVING_DRAWS = 10_000  # lengths drawn for the serving comparison's means
 
 
 def _allocate(case: str, device: str, margin_bytes: int, csv: Path | None):

@@ -244,6 +244,22 @@ def capacity_table(p) -> Table:
                   "unbounded (windows cap every layer)" if f.max_seq_len is None
                   else f"{f.max_seq_len:,}")
         t.add_row("tokens of full cache that fit", f"{f.max_tokens:,}")
+    v = p.serving
+    if v:
+        t.add_row("", "")
+        t.add_row(f"serving: lengths {p.len_dist}, {v.samples:,} draws",
+                  f"mean {v.mean_len:,.0f} tokens")
+        t.add_row(f"per sequence, preallocated to --max-len {v.max_len:,}",
+                  human_bytes(v.prealloc_bytes))
+        t.add_row(f"per sequence, paged in blocks of {p.fmt.block_size or 16} (mean)",
+                  human_bytes(v.paged_bytes))
+        t.add_row("preallocated bytes that hold tokens", f"{100 * v.payload_fraction:.1f}%")
+        if v.budget_bytes is not None:
+            t.add_row("sequences at once, preallocated", f"{v.concurrent_prealloc:,}")
+            t.add_row("sequences at once, paged", f"{v.concurrent_paged:,}")
+            ratio = (v.concurrent_paged / v.concurrent_prealloc if v.concurrent_prealloc
+                     else float("inf"))
+            t.add_row("paged / preallocated", f"{ratio:.2f}×")
     for n in p.notes:
         t.add_row("note", n)
     return t

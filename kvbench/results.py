@@ -291,13 +291,18 @@ def memory_rows(result, env: dict[str, object]) -> list[dict[str, object]]:
     } for m in result.impls]
 
 
-CAPACITY_COLUMNS = [
+CAPACITY_FIRST = [
     "timestamp", "command", "model", "attention", "layers", "q_heads", "kv_heads", "head_dim",
     "mla_latent", "mla_rope", "sliding_window", "kv_dtype", "group_size", "tp", "block_size",
     "batch", "seq_len", "seq_lens", "bytes_per_token", "bytes_per_sequence", "payload_bytes",
     "per_rank_bytes", "wasted_bytes", "gpu_bytes", "utilization", "margin_bytes",
     "weights_bytes", "budget_bytes", "fits", "headroom_bytes", "max_batch", "max_seq_len",
     "max_tokens",
+] + ENV_COLUMNS
+# --len-dist: sequences at once when each is preallocated to max_len, against paged blocks
+CAPACITY_COLUMNS = CAPACITY_FIRST[:-len(ENV_COLUMNS)] + [
+    "len_dist", "max_len", "mean_len", "prealloc_bytes_per_sequence",
+    "paged_bytes_per_sequence", "concurrent_prealloc", "concurrent_paged",
 ] + ENV_COLUMNS
 
 
@@ -321,6 +326,13 @@ def capacity_rows(p, env: dict[str, object]) -> list[dict[str, object]]:
                 "budget_bytes": f.budget_bytes, "fits": f.fits,
                 "headroom_bytes": f.headroom_bytes, "max_batch": f.max_batch,
                 "max_seq_len": f.max_seq_len, "max_tokens": f.max_tokens}
+    v = p.serving
+    if v:
+        row |= {"len_dist": p.len_dist, "max_len": v.max_len, "mean_len": v.mean_len,
+                "prealloc_bytes_per_sequence": v.prealloc_bytes,
+                "paged_bytes_per_sequence": v.paged_bytes,
+                "concurrent_prealloc": v.concurrent_prealloc,
+                "concurrent_paged": v.concurrent_paged}
     return [row]
 
 
@@ -352,6 +364,6 @@ FILE_KINDS = {
     "verify": (VERIFY_COLUMNS, VERIFY_FIRST),
     "bench": (BENCH_COLUMNS, BENCH_FIRST),
     "memory": (MEMORY_COLUMNS, MEMORY_FIRST),
-    "capacity": (CAPACITY_COLUMNS, CAPACITY_COLUMNS),
+    "capacity": (CAPACITY_COLUMNS, CAPACITY_FIRST),
     "allocation": (ALLOCATION_COLUMNS, ALLOCATION_FIRST),
 }

@@ -286,3 +286,49 @@ def test_planner_does_not_import_torch(tmp_path):
         "assert 'torch' not in sys.modules, 'torch was imported'\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+# --- serving: preallocation against paging (--len-dist) -------------------------------------
+
+def test_len_dist_parses_draws_reproducibly_and_caps():
+    from kvbench.lengths import draw, parse_len_dist
+
+    dist = parse_len_dist("lognormal:1024:1.0")
+    lens = draw(dist, 20_000, seed=3, max_len=8192)
+    assert lens == draw(dist, 20_000, seed=3, max_len=8192)
+    assert max(lens) <= 8192 and min(lens) >= 1
+    assert 900 < sum(lens) / len(lens) < 1100  # mean MEAN, a little less for the cap
+    u = draw(parse_len_dist("uniform:5:9"), 1000, seed=0, max_len=100)
+    assert set(u) == {5, 6, 7, 8, 9}
+    for bad in ("lognormal:1024", "normal:1:2", "uniform:9:5", "lognormal:0:1", "uniform:a:b"):
+        with pytest.raises(KvbenchError, match="--len-dist"):
+            parse_len_dist(bad)
+
+
+def test_serving_counts_preallocated_against_paged_sequences():
+    from kvbench.capacity import serving
+
+    model = spec(8)  # 32 layers, H_kv 8, D 128: 128 KiB per token in fp16
+    per_token = 128 * 2**10
+    v = serving(model, CacheFormat("fp16", block_size=16), (100,) * 10, 4096,
+                budget_bytes=10 * GIB)
+    assert v.prealloc_bytes == 4096 * per_token
+    assert v.paged_bytes == 112 * per_token  # 100 tokens in blocks of 16
+    assert v.concurrent_prealloc == 10 * GIB // (4096 * per_token) == 20
+    assert v.concurrent_paged == 10 * GIB // (112 * per_token)
+    assert v.payload_fraction == 100 / 4096
+
+
+def test_capacity_len_dist_bad_input_is_one_line():
+    from typer.testing import CliRunner
+
+    from kvbench.cli import app
+
+    runner = CliRunner()
+    result = runner.invoke(app, ["capacity", "--model", "llama-3-8b", "--len-dist",
+                                 "lognormal:1024:1"])
+    assert result.exit_code == 2 and "needs --max-len" in result.stderr
+    result = runner.invoke(app, ["capacity", "--model", "llama-3-8b", "--len-dist",
+                                 "uniform:1:10", "--seq-len", "5"])
+    assert result.exit_code == 2 and "not both" in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
