@@ -21,9 +21,9 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from kvbench import capacity, footprint
+from kvbench import footprint
 from kvbench.attention import AttentionLayer, make_inputs, recompute_decode
-from kvbench.caches import IMPLEMENTATIONS, ImplOptions
+from kvbench.caches import IMPLEMENTATIONS, CachedAttention, ImplOptions
 from kvbench.config import RunConfig
 from kvbench.device import free_bytes, synchronize
 from kvbench.errors import device_errors
@@ -140,18 +140,6 @@ def storage_bytes(tensors) -> int:
     return sum(storages.values())
 
 
-def planner_bytes(config: RunConfig, options: ImplOptions, blocked: bool) -> int:
-    """`kvbench capacity`'s bytes for this layer's cache: one layer, B sequences of T_p + G
-    positions, the stored format; rounded up to whole blocks for a block pool."""
-    s = config.shape
-    fmt = options.kv_format
-    model = capacity.ModelSpec(name="layer", layers=1, kv_heads=s.kv_heads,
-                               head_dim=s.head_dim)
-    layout = capacity.CacheFormat(fmt.name or capacity.kv_dtype(config.dtype), fmt.group_size,
-                                  block_size=options.block_size if blocked else None)
-    return capacity.plan(model, layout, (s.total_len,) * s.batch).per_rank_bytes
-
-
 def memory(config: RunConfig, impls: tuple[str, ...],
            impl_options: ImplOptions | None = None, order: tuple[str, ...] = PHASES,
            warm: bool = True) -> MemoryResult:
@@ -210,9 +198,9 @@ def memory(config: RunConfig, impls: tuple[str, ...],
                         del impl
     results = [ImplMemory(name, windows["cached", name], windows["decode", name],
                           cls.footprint(config, impl_options), cache_bytes.get(name, 0),
-                          planner_bytes(config, impl_options, cls.blocked))
+                          cls.planned_bytes(config, impl_options))
                for name, cls in classes.items()]
-    theoretical = planner_bytes(config, impl_options, blocked=False)
+    theoretical = CachedAttention.planned_bytes(config, impl_options)  # no blocks
     return MemoryResult(config, theoretical, layer.weight_bytes, windows["recompute", None],
                         footprint.recompute(s, config.rope, config.dtype_bytes), results,
                         impl_options.kv_format)

@@ -100,12 +100,17 @@ def dequantize_fp8(codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype)
 
 
 class QuantizedStore:
-    """One layer's K and V for [B, H_kv, T_max] positions in a quantized format."""
+    """One layer's K and V in a quantized format, for positions laid out under `lead`.
 
-    def __init__(self, fmt: KvFormat, batch: int, kv_heads: int, max_len: int, head_dim: int,
-                 device):
+    lead is [B, H_kv, T_max] for a static cache, or [N_blocks, H_kv, block_size] for a block
+    pool; each stored tensor adds its last dimension (codes, scales or zero points). `encode`
+    turns k, v into the parts to store per position and `decode` reads them back, so each
+    layout only decides where positions go (`write`, `read` here for the static layout).
+    """
+
+    def __init__(self, fmt: KvFormat, lead: tuple[int, int, int], head_dim: int, device):
         self.fmt, self.head_dim = fmt, head_dim
-        lead = (batch, kv_heads, max_len)
+        kv_heads = lead[1]
         self.tensors: dict[str, torch.Tensor] = {}
         for kv in ("k", "v"):
             if fmt.grouped:
@@ -117,7 +122,7 @@ class QuantizedStore:
                                                           device=device)
                 self.tensors[f"{kv}_zero"] = torch.zeros(*lead, groups, dtype=torch.float16,
                                                          device=device)
-            else:  # fp8
+            else:  # fp8: one scale per KV head, not per position
                 self.tensors[f"{kv}_codes"] = torch.zeros(*lead, head_dim,
                                                           dtype=torch.float8_e4m3fn,
                                                           device=device)
@@ -129,28 +134,37 @@ class QuantizedStore:
         """Every byte the store holds: codes, scales and zero points of K and V."""
         return sum(t.numel() * t.element_size() for t in self.tensors.values())
 
-    def write(self, k: torch.Tensor, v: torch.Tensor, start: int) -> None:
-        """k, v [B, H_kv, n, D] at positions start..start+n-1."""
-        n = k.shape[2]
-        at = slice(start, start + n)
+    def encode(self, k: torch.Tensor, v: torch.Tensor, first: bool) -> dict[str, torch.Tensor]:
+        """k, v [B, H_kv, n, D] -> the per-position parts to store, [B, H_kv, n, ...] by tensor
+        name. `first` (the prompt's write) sets fp8's scales."""
+        parts = {}
         for name, x in (("k", k), ("v", v)):
-            t = self.tensors
             if self.fmt.grouped:
                 codes, scale, zero = quantize_grouped(x, self.fmt.bits, self.fmt.group_size)
-                t[f"{name}_codes"][:, :, at] = codes
-                t[f"{name}_scale"][:, :, at] = scale
-                t[f"{name}_zero"][:, :, at] = zero
+                parts |= {f"{name}_codes": codes, f"{name}_scale": scale,
+                          f"{name}_zero": zero}
             else:
-                if start == 0:  # the prompt sets the scales
-                    t[f"{name}_scale"].copy_(fp8_scale(x))
-                t[f"{name}_codes"][:, :, at] = quantize_fp8(x, t[f"{name}_scale"])
+                scale = self.tensors[f"{name}_scale"]
+                if first:
+                    scale.copy_(fp8_scale(x))
+                parts[f"{name}_codes"] = quantize_fp8(x, scale)
+        return parts
+
+    def decode(self, name: str, stored, dtype: torch.dtype) -> torch.Tensor:
+        """K or V ("k", "v") dequantized, [B, H_kv, T, D], from stored(tensor name): that
+        tensor's entries for the positions wanted, [B, H_kv, T, ...]."""
+        if self.fmt.grouped:
+            return dequantize_grouped(stored(f"{name}_codes"), stored(f"{name}_scale"),
+                                      stored(f"{name}_zero"), self.fmt.bits,
+                                      self.fmt.group_size, self.head_dim, dtype)
+        return dequantize_fp8(stored(f"{name}_codes"), self.tensors[f"{name}_scale"], dtype)
+
+    def write(self, k: torch.Tensor, v: torch.Tensor, start: int) -> None:
+        """Static layout: k, v [B, H_kv, n, D] at positions start..start+n-1."""
+        at = slice(start, start + k.shape[2])
+        for name, part in self.encode(k, v, first=start == 0).items():
+            self.tensors[name][:, :, at] = part
 
     def read(self, name: str, length: int, dtype: torch.dtype) -> torch.Tensor:
-        """The first `length` positions of K or V ("k", "v"), dequantized: [B, H_kv, T, D]."""
-        t = self.tensors
-        if self.fmt.grouped:
-            return dequantize_grouped(t[f"{name}_codes"][:, :, :length],
-                                      t[f"{name}_scale"][:, :, :length],
-                                      t[f"{name}_zero"][:, :, :length], self.fmt.bits,
-                                      self.fmt.group_size, self.head_dim, dtype)
-        return dequantize_fp8(t[f"{name}_codes"][:, :, :length], t[f"{name}_scale"], dtype)
+        """Static layout: the first `length` positions of K or V, dequantized."""
+        return self.decode(name, lambda t: self.tensors[t][:, :, :length], dtype)

@@ -117,7 +117,7 @@ def quantized_reference(layer: AttentionLayer, x: torch.Tensor, prompt_len: int,
     """
     s = layer.shape
     B, T = x.shape[0], x.shape[1]
-    store = QuantizedStore(fmt, B, s.kv_heads, T, s.head_dim, x.device)
+    store = QuantizedStore(fmt, (B, s.kv_heads, T), s.head_dim, x.device)
     _, k, v = layer.project(x[:, :prompt_len], start=0)
     store.write(k, v, 0)
     w_o = layer.w_o.double()

@@ -44,14 +44,14 @@ def test_grouped_round_trip_is_within_half_a_step(bits, D, group):
 @pytest.mark.parametrize("D", [64, 96, 128])
 def test_store_bytes_equal_the_planner(name, group, D):
     B, H_kv, T = 2, 4, 37
-    store = QuantizedStore(KvFormat(name, group), B, H_kv, T, D, "cpu")
+    store = QuantizedStore(KvFormat(name, group), (B, H_kv, T), D, "cpu")
     model = ModelSpec(name="t", layers=1, kv_heads=H_kv, head_dim=D)
     assert store.nbytes == plan(model, CacheFormat(name, group), (T,) * B).payload_bytes
 
 
 @pytest.mark.parametrize("name", ["fp8", "int8", "int4"])
 def test_store_reads_back_what_it_wrote(name):
-    store = QuantizedStore(KvFormat(name, 32), 2, 2, 10, 64, "cpu")
+    store = QuantizedStore(KvFormat(name, 32), (2, 2, 10), 64, "cpu")
     k, v = torch.randn(2, 2, 6, 64), torch.randn(2, 2, 6, 64)
     store.write(k, v, 0)
     store.write(k[:, :, :1] * 0.5, v[:, :, :1], 6)

@@ -15,6 +15,7 @@ from typing import ClassVar
 import torch
 import torch.nn.functional as F
 
+from kvbench import capacity
 from kvbench import footprint as fp
 from kvbench.attention import AttentionLayer
 from kvbench.capacity import QUANTIZED
@@ -154,15 +155,25 @@ class CachedAttention(ABC):
         s, b = config.shape, config.dtype_bytes
         fused = fp.sdpa_is_fused(config.device, config.dtype, s.head_dim)
         if options.kv_dtype is not None:  # a quantized store, read back dequantized each step
-            from kvbench.memory import planner_bytes
-
             return fp.preallocated(
-                s, config.rope, b, planner_bytes(config, options, cls.blocked),
+                s, config.rope, b, cls.planned_bytes(config, options),
                 lambda t: fp.grouped_step(s, config.rope, t) * b + fp.dequantized_read(s, t, b),
                 fused)
         return fp.preallocated(
             s, config.rope, b, fp.Sizes(s).kv(s.total_len) * b,
             lambda t: fp.grouped_step(s, config.rope, t) * b, fused)
+
+    @classmethod
+    def planned_bytes(cls, config: RunConfig, options: ImplOptions) -> int:
+        """`kvbench capacity`'s bytes for this cache: one layer, B sequences of T_p + G
+        positions in the stored format, rounded up to whole blocks if it stores blocks."""
+        s, fmt = config.shape, options.kv_format
+        model = capacity.ModelSpec(name="layer", layers=1, kv_heads=s.kv_heads,
+                                   head_dim=s.head_dim)
+        layout = capacity.CacheFormat(fmt.name or capacity.kv_dtype(config.dtype),
+                                      fmt.group_size,
+                                      block_size=options.block_size if cls.blocked else None)
+        return capacity.plan(model, layout, (s.total_len,) * s.batch).per_rank_bytes
 
     @abstractmethod
     def write(self, k: torch.Tensor, v: torch.Tensor) -> None:

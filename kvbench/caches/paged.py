@@ -11,13 +11,7 @@ from kvbench import footprint as fp
 from kvbench.caches.base import CachedAttention, register
 from kvbench.capacity import QUANTIZED
 from kvbench.errors import KvbenchError
-from kvbench.quant import (
-    dequantize_fp8,
-    dequantize_grouped,
-    fp8_scale,
-    quantize_fp8,
-    quantize_grouped,
-)
+from kvbench.quant import QuantizedStore
 
 
 @register
@@ -61,28 +55,15 @@ class PagedCache(CachedAttention):
         self.blocks_per_seq = math.ceil(max_len / bs)
         n_blocks = batch * self.blocks_per_seq
         lead = (n_blocks, s.kv_heads, bs)  # [N_blocks, H_kv, block_size, ...]
-        fmt = self.options.kv_format
-        # Quantized, each of K and V is a pool of codes plus, for the int formats, pools of
-        # per-group scales and zero points; fp8 keeps one float32 scale per KV head instead.
-        self.pools: dict[str, torch.Tensor] = {}
-        self.fp8_scales: dict[str, torch.Tensor] = {}
-        dev = layer.device
-        for kv in ("k", "v") if fmt.quantized else ():
-            if fmt.grouped:
-                nbytes = math.ceil(s.head_dim * fmt.bits / 8)
-                self.pools[f"{kv}_codes"] = torch.zeros(*lead, nbytes, dtype=torch.uint8,
-                                                        device=dev)
-                for part in ("scale", "zero"):
-                    self.pools[f"{kv}_{part}"] = torch.zeros(
-                        *lead, fmt.groups(s.head_dim), dtype=torch.float16, device=dev)
-            else:
-                self.pools[f"{kv}_codes"] = torch.zeros(*lead, s.head_dim,
-                                                        dtype=torch.float8_e4m3fn, device=dev)
-                self.fp8_scales[kv] = torch.zeros(s.kv_heads, dtype=torch.float32, device=dev)
-        if not fmt.quantized:
+        # Quantized, the pools are a QuantizedStore's tensors: codes, and for the int formats
+        # per-group scales and zero points, block by block.
+        self.store = None
+        if self.options.kv_dtype is not None:
+            self.store = QuantizedStore(self.options.kv_format, lead, s.head_dim, layer.device)
+        else:
             shape = (*lead, s.head_dim)  # [N_blocks, H_kv, block_size, D]
-            self.k_pool = torch.empty(shape, dtype=layer.dtype, device=dev)
-            self.v_pool = torch.empty(shape, dtype=layer.dtype, device=dev)
+            self.k_pool = torch.empty(shape, dtype=layer.dtype, device=layer.device)
+            self.v_pool = torch.empty(shape, dtype=layer.dtype, device=layer.device)
         self.free = deque(range(n_blocks))
         # The block tables live on the host, where blocks are handed out; the device holds a
         # copy for the gather, uploaded whole (one copy, no host sync) when a block is taken.
@@ -120,28 +101,14 @@ class PagedCache(CachedAttention):
         blocks = self.table[:, pos // bs]  # [B, n]
         offsets = pos % bs  # [n]
         # pool[blocks, :, offsets] has shape [B, n, H_kv, ...]
-        for name, values in self._stored(k, v).items():
-            self._pool(name)[blocks, :, offsets] = values.transpose(1, 2)
+        if self.store is None:
+            parts = [(self.k_pool, k), (self.v_pool, v)]
+        else:
+            parts = [(self.store.tensors[name], part)
+                     for name, part in self.store.encode(k, v, self.length == 0).items()]
+        for pool, values in parts:
+            pool[blocks, :, offsets] = values.transpose(1, 2)
         self.length += n
-
-    def _pool(self, name: str) -> torch.Tensor:
-        return self.pools[name] if self.pools else getattr(self, f"{name}_pool")
-
-    def _stored(self, k: torch.Tensor, v: torch.Tensor) -> dict[str, torch.Tensor]:
-        """What is written per position: k and v themselves, or their quantized parts."""
-        fmt = self.options.kv_format
-        if not fmt.quantized:
-            return {"k": k, "v": v}
-        parts = {}
-        for kv, x in (("k", k), ("v", v)):
-            if fmt.grouped:
-                codes, scale, zero = quantize_grouped(x, fmt.bits, fmt.group_size)
-                parts.update({f"{kv}_codes": codes, f"{kv}_scale": scale, f"{kv}_zero": zero})
-            else:
-                if self.length == 0:  # the prompt sets the scales (see kvbench.quant)
-                    self.fp8_scales[kv].copy_(fp8_scale(x))
-                parts[f"{kv}_codes"] = quantize_fp8(x, self.fp8_scales[kv])
-        return parts
 
     def _gather(self, pool: torch.Tensor) -> torch.Tensor:
         s, bs = self.layer.shape, self.options.block_size
@@ -151,23 +118,15 @@ class PagedCache(CachedAttention):
         return seq[:, :, : self.length]  # [B, H_kv, T, ...]
 
     def kv(self):
-        fmt = self.options.kv_format
-        if not fmt.quantized:
+        if self.store is None:
             return self._gather(self.k_pool), self._gather(self.v_pool)
-        out, dt, D = [], self.layer.dtype, self.layer.shape.head_dim
-        for kv in ("k", "v"):
-            codes = self._gather(self.pools[f"{kv}_codes"])
-            if fmt.grouped:
-                out.append(dequantize_grouped(codes, self._gather(self.pools[f"{kv}_scale"]),
-                                              self._gather(self.pools[f"{kv}_zero"]),
-                                              fmt.bits, fmt.group_size, D, dt))
-            else:
-                out.append(dequantize_fp8(codes, self.fp8_scales[kv], dt))
-        return tuple(out)
+        stored = self.store.tensors
+        return tuple(self.store.decode(name, lambda t: self._gather(stored[t]), self.layer.dtype)
+                     for name in ("k", "v"))
 
     def cache_tensors(self):
-        if self.pools:
-            return [*self.pools.values(), *self.fp8_scales.values()]
+        if self.store is not None:
+            return list(self.store.tensors.values())
         return [self.k_pool, self.v_pool]
 
     def rewind(self, length):

@@ -22,7 +22,7 @@ class PreallocatedCache(CachedAttention):
         s = layer.shape
         self.store = None
         if self.options.kv_dtype is not None:
-            self.store = QuantizedStore(self.options.kv_format, batch, s.kv_heads, max_len,
+            self.store = QuantizedStore(self.options.kv_format, (batch, s.kv_heads, max_len),
                                         s.head_dim, layer.device)
             return
         shape = (batch, s.kv_heads, max_len, s.head_dim)  # [B, H_kv, T_max, D]

@@ -115,24 +115,16 @@ class TritonCache(PagedCache):
             self.length, B * self.layer.shape.kv_heads, self.processors)
         self.kernel.split_partials(q.reshape(B, Hq, D), *self.pools_read(), self.table,
                                    self.length, self.layer.scale, self.splits, self.partials,
-                                   self.quantized())
+                                   self.store)
         out = torch.empty(B, Hq, D, dtype=q.dtype, device=q.device)
         return self.merge(out).reshape(B, Hq, 1, D)
 
     def pools_read(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The K and V pools the kernel reads: values, or codes when quantized."""
-        if self.pools:
-            return self.pools["k_codes"], self.pools["v_codes"]
+        if self.store is not None:
+            return self.store.tensors["k_codes"], self.store.tensors["v_codes"]
         return self.k_pool, self.v_pool
 
-    def quantized(self):
-        fmt = self.options.kv_format
-        if not fmt.quantized:
-            return None
-        if not fmt.grouped:
-            return ("fp8", self.fp8_scales["k"], self.fp8_scales["v"])
-        p = self.pools
-        return (fmt.bits, fmt.group_size, p["k_scale"], p["k_zero"], p["v_scale"], p["v_zero"])
 
     def merge(self, out: torch.Tensor) -> torch.Tensor:
         return self.kernel.merge(self.partials, self.splits, out)

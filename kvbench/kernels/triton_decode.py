@@ -184,25 +184,29 @@ def pad(n: int) -> int:
 
 def split_partials(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
                    table: torch.Tensor, length: int, scale: float, splits: int, partials,
-                   quantized=None) -> None:
+                   store=None) -> None:
     """Stage 1: each split's running max, exp-sum and exp-weighted V sum into `partials`.
 
     q [B, H_q, D]; k_pool, v_pool [N_blocks, H_kv, block_size, D]; table [B, blocks] block
     ids; the first `length` positions of each sequence are read. partials = (acc [B, H_q, S, D],
-    m [B, H_q, S], l [B, H_q, S]) in float32, with S >= splits. quantized = (bits, group,
-    k scales, k zero points, v scales, v zero points) for pools of grouped int codes
-    [N_blocks, H_kv, block_size, bytes], whose metadata pools are [N_blocks, H_kv, block_size,
-    groups]; or ("fp8", k scales [H_kv], v scales [H_kv]) for float8 pools.
+    m [B, H_q, S], l [B, H_q, S]) in float32, with S >= splits. Quantized, k_pool and v_pool
+    are the codes of `store` (a kvbench.quant.QuantizedStore over the pool layout), whose
+    scales and zero points the kernel reads beside them: [N_blocks, H_kv, block_size, groups]
+    for the int formats, one scale per KV head for fp8.
     """
     B, Hq, D = q.shape
     Hkv, page = k_pool.shape[1], k_pool.shape[2]
     G = Hq // Hkv
     acc, m, l = partials
-    fp8 = quantized is not None and quantized[0] == "fp8"
-    if fp8:
-        bits, group, ks, kz, vs, vz = 8, 1, quantized[1], quantized[1], quantized[2], quantized[2]
-    else:
-        bits, group, ks, kz, vs, vz = quantized or (0, 1, k_pool, k_pool, v_pool, v_pool)
+    bits, group, fp8 = 0, 1, False
+    ks = kz = k_pool  # unused unless quantized
+    vs = vz = v_pool
+    if store is not None:
+        t, fmt = store.tensors, store.fmt
+        bits, fp8 = fmt.bits, not fmt.grouped
+        ks, vs = t["k_scale"], t["v_scale"]
+        if not fp8:
+            group, kz, vz = fmt.group_size, t["k_zero"], t["v_zero"]
     meta = (0, 0, 0) if fp8 else (ks.stride(0), ks.stride(1), ks.stride(2))
     assert k_pool.stride(3) == 1 and q.stride(2) == 1 and acc.stride(3) == 1 and m.stride(2) == 1
     # Triton's interpreter gets tl.dot wrong on bfloat16 tiles (3.9: errors of 1e10), so there
