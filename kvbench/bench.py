@@ -12,6 +12,7 @@ from kvbench.caches import IMPLEMENTATIONS, ImplOptions
 from kvbench.config import RunConfig
 from kvbench.device import free_bytes
 from kvbench.errors import KvbenchError, device_errors
+from kvbench.kvformat import KvFormat
 from kvbench.timing import Stats, time_interleaved
 from kvbench.verify import VerifyReport, verify
 
@@ -60,6 +61,7 @@ class BenchResult:
     min_bytes_per_step: float  # mean over the G steps (costs.decode_min_bytes_per_step)
     flops_per_step: float
     copy_gbps: float  # a large tensor copy, timed in the same rounds as the decode
+    kv_format: KvFormat = field(default_factory=KvFormat)  # how the caches stored K/V
 
     def speedup(self, t: ImplTiming) -> float | None:
         return self.recompute.median_ms / t.decode.median_ms if self.recompute else None
@@ -159,4 +161,4 @@ def bench(config: RunConfig, impls: tuple[str, ...], options: BenchOptions,
     return BenchResult(config, options, verified, recompute, timings,
                        costs.decode_min_bytes_per_step(s, config.dtype_bytes, kv_vector),
                        costs.decode_flops_per_step(s),
-                       bandwidth.copy_gbps(stats["copy"], copy_bytes))
+                       bandwidth.copy_gbps(stats["copy"], copy_bytes), fmt)

@@ -22,7 +22,6 @@ from pathlib import Path
 
 from kvbench.env import ENV_COLUMNS
 from kvbench.errors import KvbenchError
-from kvbench.kvformat import KvFormat
 
 DEFAULT_DIR = Path("results")
 
@@ -250,7 +249,7 @@ def bench_rows(result, env: dict[str, object]) -> list[dict[str, object]]:
             "bandwidth_fraction": result.bandwidth_fraction(t),
             "achieved_gflops": result.achieved_gflops(t),
             **{k: v for k, v in t.stats.items() if k in BENCH_COLUMNS},
-            **kv_cells(KvFormat(result.config.kv_dtype, result.config.group_size)), **env,
+            **kv_cells(result.kv_format), **env,
         })
     return rows
 
