@@ -56,7 +56,8 @@ class AttentionLayer:
     def project(self, x: torch.Tensor, start: int | torch.Tensor, gemm=torch.mm):
         """x [B, T, H] at positions start..start+T-1 -> q [B,H_q,T,D], k, v [B,H_kv,T,D].
 
-        `start` may be a one-element device tensor (a compiled step's position).
+        `start` may be a one-element device tensor (a compiled step's position), or [B, 1]
+        positions, one per sequence (a ragged batch's next tokens).
         RoPE (when on) rotates q and k here, so the cache stores k after rotation.
         `gemm(a, w)` computes a @ w for a 2-D a; an implementation may bring its own.
         """
@@ -79,20 +80,38 @@ class AttentionLayer:
 
 
 def make_inputs(config: RunConfig) -> torch.Tensor:
-    """Hidden states for the prompt and the G continuation positions: [B, T_p + G, H]."""
+    """Hidden states for the prompt and the G continuation positions: [B, T_p + G, H]. In a
+    ragged batch sequence i's tokens are its first T_i + G; see `padded_prompts`."""
     s = config.shape
     g = torch.Generator().manual_seed(config.seed + 1)
     x = torch.randn(s.batch, s.total_len, s.hidden, generator=g)
     return x.to(device=config.device, dtype=torch_dtype(config.dtype))
 
 
+def padded_prompts(config: RunConfig, x: torch.Tensor) -> torch.Tensor:
+    """The prompts as one right-padded batch [B, T_p, H]: sequence i's T_i tokens, then
+    padding. The padding is random (seeded) and unlike any token, so attention that reads it
+    by mistake changes the output; its next tokens stay in x, for the decode."""
+    s = config.shape
+    prompts = x[:, : s.prompt_len]
+    if not s.ragged:
+        return prompts
+    g = torch.Generator().manual_seed(config.seed + 2)
+    noise = (3 * torch.randn(prompts.shape, generator=g)).to(prompts.device, prompts.dtype)
+    real = torch.arange(s.prompt_len)[None, :] < torch.tensor(s.prompt_lens)[:, None]
+    return torch.where(real[..., None].to(prompts.device), prompts, noise)
+
+
 def apply_rope(x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    """Rotate-half RoPE. x [B, heads, T, D], positions [T]; angles computed in float32+."""
+    """Rotate-half RoPE. x [B, heads, T, D], positions [T] or [B, T] (each sequence its
+    own); angles computed in float32+."""
     D = x.shape[-1]
     compute = torch.float64 if x.dtype == torch.float64 else torch.float32
     inv_freq = ROPE_BASE ** (-torch.arange(0, D, 2, device=x.device, dtype=compute) / D)
-    angles = positions.to(compute)[:, None] * inv_freq[None, :]  # [T, D/2]
-    angles = torch.cat((angles, angles), dim=-1)  # [T, D]
+    angles = positions.to(compute)[..., None] * inv_freq  # [(B,) T, D/2]
+    angles = torch.cat((angles, angles), dim=-1)  # [(B,) T, D]
+    if angles.dim() == 3:
+        angles = angles[:, None]  # [B, 1, T, D]: the same for every head
     cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
     x1, x2 = x[..., : D // 2], x[..., D // 2:]
     rotated = torch.cat((-x2, x1), dim=-1)
@@ -131,3 +150,24 @@ def recompute_step(layer: AttentionLayer, prefix: torch.Tensor) -> torch.Tensor:
 def recompute_decode(layer: AttentionLayer, x: torch.Tensor, prompt_len: int) -> list[torch.Tensor]:
     """Path A: step j (1..G) recomputes the prefix x[:, :T_p + j]; returns G outputs [B, 1, H]."""
     return [recompute_step(layer, x[:, : prompt_len + j]) for j in range(1, x.shape[1] - prompt_len + 1)]
+
+
+def recompute_each(layer: AttentionLayer, x: torch.Tensor, prompt_lens) -> list[torch.Tensor]:
+    """Path A for a batch: G outputs [B, 1, H]. A ragged batch runs each sequence on its own
+    (x[i, :T_i + G], nothing padded), and step j stacks the sequences' j-th outputs."""
+    if len(set(prompt_lens)) == 1:
+        return recompute_decode(layer, x, prompt_lens[0])
+    G = x.shape[1] - max(prompt_lens)
+    each = [recompute_decode(layer, x[i:i + 1, : t + G], t) for i, t in enumerate(prompt_lens)]
+    return [torch.cat(steps) for steps in zip(*each)]
+
+
+def prefill_each(layer: AttentionLayer, x: torch.Tensor, prompt_lens) -> torch.Tensor:
+    """The prompts' causal outputs [B, T_p, H], each sequence on its own; zero at padding."""
+    T = max(prompt_lens)
+    if len(set(prompt_lens)) == 1:
+        return full_forward(layer, x[:, :T])
+    out = torch.zeros(x.shape[0], T, x.shape[2], dtype=x.dtype, device=x.device)
+    for i, t in enumerate(prompt_lens):
+        out[i, :t] = full_forward(layer, x[i:i + 1, :t])[0]
+    return out

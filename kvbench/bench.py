@@ -7,7 +7,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from kvbench import bandwidth, costs
-from kvbench.attention import AttentionLayer, make_inputs, recompute_decode
+from kvbench.attention import AttentionLayer, make_inputs, padded_prompts, recompute_each
 from kvbench.caches import IMPLEMENTATIONS, ImplOptions
 from kvbench.config import RunConfig
 from kvbench.device import free_bytes
@@ -48,6 +48,7 @@ class ImplTiming:
     impl: str
     prefill: Stats | None  # None with --no-prefill
     decode: Stats  # all G cached steps, prompt cache already built
+    min_bytes_per_step: float  # mean over the G steps of what this implementation must read
     stats: dict[str, object] = field(default_factory=dict)  # e.g. blocks_used, sdpa_backend
 
 
@@ -58,7 +59,6 @@ class BenchResult:
     verified: str  # how the implementations were verified before timing
     recompute: Stats | None
     timings: list[ImplTiming]
-    min_bytes_per_step: float  # mean over the G steps (costs.decode_min_bytes_per_step)
     flops_per_step: float
     copy_gbps: float  # a large tensor copy, timed in the same rounds as the decode
     kv_format: KvFormat = field(default_factory=KvFormat)  # how the caches stored K/V
@@ -70,7 +70,7 @@ class BenchResult:
         return t.decode.median_ms / self.config.shape.decode_len
 
     def achieved_gbps(self, t: ImplTiming) -> float:
-        return self.min_bytes_per_step / (self.ms_per_step(t) * 1e-3) / 1e9
+        return t.min_bytes_per_step / (self.ms_per_step(t) * 1e-3) / 1e9
 
     def bandwidth_fraction(self, t: ImplTiming) -> float:
         return self.achieved_gbps(t) / self.copy_gbps
@@ -96,8 +96,12 @@ def verification_config(config: RunConfig, recompute: bool) -> RunConfig:
     if recompute:
         return config
     s = config.shape
+    G = min(s.decode_len, NO_RECOMPUTE_VERIFY_DECODE)
+    if s.ragged:  # the same spread of lengths, each prompt cut to the first 128 positions
+        lens = tuple(min(t, NO_RECOMPUTE_VERIFY_PROMPT) for t in s.prompt_lens)
+        return replace(config, shape=replace(s.with_lens(lens, None, s.len_dist), decode_len=G))
     short = replace(s, prompt_len=min(s.prompt_len, NO_RECOMPUTE_VERIFY_PROMPT),
-                    decode_len=min(s.decode_len, NO_RECOMPUTE_VERIFY_DECODE))
+                    decode_len=G, max_len=None)
     return replace(config, shape=short)
 
 
@@ -120,10 +124,10 @@ def bench(config: RunConfig, impls: tuple[str, ...], options: BenchOptions,
     kv_vector = fmt.vector_bytes(s.head_dim) if fmt.quantized else None  # what a step reads
     layer = AttentionLayer.from_config(config)
     x = make_inputs(config)
-    prompt = x[:, : s.prompt_len]
+    prompt = padded_prompts(config, x)
 
     def fresh(cls):
-        return cls(layer, s.batch, s.total_len, impl_options)
+        return cls.build(layer, config, impl_options)
 
     with torch.no_grad():
         # Every task of this point, timed round-robin; the copy that gives the bandwidth
@@ -133,7 +137,7 @@ def bench(config: RunConfig, impls: tuple[str, ...], options: BenchOptions,
         with device_errors("copy buffers", None, free=lambda: free_bytes(dev)):
             tasks = {"copy": bandwidth.copy_task(dev, copy_bytes)}
         if options.recompute:
-            tasks["recompute"] = (_guarded(lambda _: recompute_decode(layer, x, s.prompt_len),
+            tasks["recompute"] = (_guarded(lambda _: recompute_each(layer, x, s.prompt_lens),
                                            "recompute", None, dev), lambda: None)
         prompt_caches = {}
         for name, cls in classes.items():
@@ -153,12 +157,14 @@ def bench(config: RunConfig, impls: tuple[str, ...], options: BenchOptions,
                                                 "decode", name, dev),
                                        lambda impl=impl: _rewound(impl, s.prompt_len))
         stats = time_interleaved(tasks, config.device, options.warmup, options.rounds)
-        timings = [ImplTiming(name, stats.get(f"prefill:{name}"), stats[f"decode:{name}"],
-                              prompt_caches[name].stats())
-                   for name in classes]
+        timings = [ImplTiming(
+            name, stats.get(f"prefill:{name}"), stats[f"decode:{name}"],
+            costs.decode_min_bytes_per_step(
+                s, config.dtype_bytes, kv_vector,
+                lambda t, cls=cls: cls.step_reads(config, impl_options, t)),
+            prompt_caches[name].stats()) for name, cls in classes.items()]
         recompute = stats.get("recompute")
         del prompt_caches, tasks
     return BenchResult(config, options, verified, recompute, timings,
-                       costs.decode_min_bytes_per_step(s, config.dtype_bytes, kv_vector),
                        costs.decode_flops_per_step(s),
                        bandwidth.copy_gbps(stats["copy"], copy_bytes), fmt)

@@ -108,6 +108,20 @@ Splits = Annotated[int | None, typer.Option(
     help="triton: split the context into N parts per decode step. Default: enough that "
          "B·H_kv·N programs give every SM (CPU core) two, at most one per 64 positions, "
          "at most 64.", show_default=False)]
+SeqLens = Annotated[str | None, typer.Option(
+    "--seq-lens", help="A ragged batch: each sequence's prompt length, e.g. 512,4096,37 (B is "
+    "their count). Decode adds --decode-len positions to every sequence.", show_default=False)]
+LenDist = Annotated[str | None, typer.Option(
+    "--len-dist", help="A ragged batch of --batch prompt lengths drawn (seeded by --seed) from "
+    "uniform:LO:HI or lognormal:MEAN:SIGMA (mean MEAN tokens; capped so that prompt + decode "
+    "fits --max-len); a comma list runs each.", show_default=False)]
+MaxLenOpt = Annotated[int | None, typer.Option(
+    "--max-len", help="The longest a request may get (prompt + decode): what preallocating "
+    "caches reserve per sequence. Default: the longest sequence's prompt + decode "
+    "(uniform --len-dist: HI + decode); lognormal needs it.", show_default=False)]
+Prealloc = Annotated[str, typer.Option(
+    "--prealloc", help="static, sdpa, splitk, compiled, flex: reserve --max-len per sequence "
+    "(max-len, as preallocating servers do) or the batch's longest sequence (exact).")]
 CsvPath = Annotated[Path | None, typer.Option("--csv", help="Append rows to this CSV. \\[default: results/COMMAND.csv]")]
 
 
@@ -168,12 +182,14 @@ def _points(o: dict[str, object], reference_cases: bool = False, measure: str | 
     dtypes = [canonical_dtype(d) for d in o["dtype"].split(",")]
     lists = {name: parse_int_list("--" + name.replace("_", "-"), o[name])
              for name in SHAPE_FIELDS if o[name] is not None}
-    shapes = expand_shapes(timing_case(dev), lists)
+    shapes = _ragged(o, expand_shapes(timing_case(dev), lists), lists)
     options = ImplOptions(o["block_size"], o["sdpa_backend"], o["splits"],
-                          group_size=o["group_size"])
+                          group_size=o["group_size"], prealloc=o["prealloc"])
     kv_dtypes = _kv_dtypes(o["kv_dtype"], dtypes)
     grouped = any(k in GROUPED for k in kv_dtypes)
-    if reference_cases and not lists and not (grouped and o["group_size"] > SMALL_CASE.head_dim):
+    ragged = o["seq_lens"] is not None or o["len_dist"] is not None
+    if (reference_cases and not lists and not ragged
+            and not (grouped and o["group_size"] > SMALL_CASE.head_dim)):
         shapes = [SMALL_CASE] + shapes  # (its D = 4 holds no larger group)
     for shape in shapes if grouped else ():
         if options.group_size > shape.head_dim:
@@ -203,6 +219,48 @@ def _points(o: dict[str, object], reference_cases: bool = False, measure: str | 
         if explicit and name not in ran:
             raise KvbenchError(f"--impl {name} cannot run here: {reason}")
     return points, options, notes
+
+
+def _ragged(o: dict[str, object], shapes, lists: dict[str, list[int]]):
+    """The shapes with --seq-lens, --len-dist (each distribution a point) and --max-len."""
+    from dataclasses import replace
+
+    from kvbench.config import parse_int_list
+    from kvbench.lengths import draw, parse_len_dist
+
+    given, dists, max_len = o["seq_lens"], o["len_dist"], o["max_len"]
+    _positive("--max-len", max_len)
+    if given is not None and dists is not None:
+        raise KvbenchError("give --seq-lens or --len-dist, not both")
+    if given is None and dists is None:
+        return [replace(s, max_len=max_len) for s in shapes] if max_len is not None else shapes
+    flag = "--seq-lens" if given is not None else "--len-dist"
+    if "prompt_len" in lists:
+        raise KvbenchError(f"{flag} sets each sequence's prompt length; drop --prompt-len")
+    if given is not None:
+        lens = parse_int_list("--seq-lens", given)
+        if "batch" in lists and lists["batch"] != [len(lens)]:
+            raise KvbenchError(f"--seq-lens gives {len(lens)} sequences but --batch is "
+                               f"{o['batch']}; drop --batch (the lengths set it)")
+        return list(dict.fromkeys(s.with_lens(lens, max_len) for s in shapes))
+    out = []
+    for dist in (parse_len_dist(d) for d in dists.split(",") if d.strip()):
+        for s in shapes:
+            if max_len is None and dist.largest is None:
+                raise KvbenchError(f"--len-dist {dist} needs --max-len: the longest a request "
+                                   "may get, which caps the draws and is what preallocation "
+                                   "reserves")
+            # lognormal draws are capped so that prompt + decode fits --max-len; a uniform
+            # draw past it is refused (by LayerShape), not clipped
+            cap = dist.largest if dist.largest is not None else max_len - s.decode_len
+            if cap < 1:
+                raise KvbenchError(f"--max-len {max_len} leaves no room for a prompt before "
+                                   f"{s.decode_len} decode positions; raise --max-len")
+            reach = max_len if max_len is not None else dist.largest + s.decode_len
+            out.append(s.with_lens(draw(dist, s.batch, o["seed"], cap), reach, str(dist)))
+    if not out:
+        raise KvbenchError("--len-dist is empty; use uniform:LO:HI or lognormal:MEAN:SIGMA")
+    return out
 
 
 def _kv_dtypes(spec: str | None, dtypes: list[str]) -> list[str | None]:
@@ -347,6 +405,8 @@ def verify(ctx: typer.Context, device: Device = "auto", dtype: Dtype = "float32"
            head_dim: HeadDim = None, seed: Seed = 0, impl: Impl = "all", rope: Rope = False,
            block_size: BlockSize = 16, sdpa_backend: SdpaBackend = "auto", splits: Splits = None,
            kv_dtype: KvDtypeOpt = None, group_size: GroupSizeOpt = 64,
+           seq_lens: SeqLens = None, len_dist: LenDist = None, max_len: MaxLenOpt = None,
+           prealloc: Prealloc = "max-len",
            config: SweepFile = None, csv: CsvPath = None, no_csv: NoCsv = False,
            format: Format = "table", quiet: Quiet = False, dry_run: DryRun = False,
            force: Force = False):
@@ -384,6 +444,8 @@ def bench(ctx: typer.Context, device: Device = "auto", dtype: Dtype = "float32",
           head_dim: HeadDim = None, seed: Seed = 0, impl: Impl = "all", rope: Rope = False,
           block_size: BlockSize = 16, sdpa_backend: SdpaBackend = "auto", splits: Splits = None,
           kv_dtype: KvDtypeOpt = None, group_size: GroupSizeOpt = 64,
+          seq_lens: SeqLens = None, len_dist: LenDist = None, max_len: MaxLenOpt = None,
+          prealloc: Prealloc = "max-len",
           warmup: Annotated[int, typer.Option(help="Untimed runs before the samples.")] = 3,
           rounds: Annotated[int, typer.Option(help="Timed samples; the median is reported.")] = 9,
           recompute: Annotated[bool, typer.Option(
@@ -432,6 +494,8 @@ def memory(ctx: typer.Context, device: Device = "auto", dtype: Dtype = "float32"
            head_dim: HeadDim = None, seed: Seed = 0, impl: Impl = "all", rope: Rope = False,
            block_size: BlockSize = 16, sdpa_backend: SdpaBackend = "auto", splits: Splits = None,
            kv_dtype: KvDtypeOpt = None, group_size: GroupSizeOpt = 64,
+           seq_lens: SeqLens = None, len_dist: LenDist = None, max_len: MaxLenOpt = None,
+           prealloc: Prealloc = "max-len",
            config: SweepFile = None, csv: CsvPath = None, no_csv: NoCsv = False,
            format: Format = "table", quiet: Quiet = False, dry_run: DryRun = False,
            force: Force = False):

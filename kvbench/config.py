@@ -35,6 +35,11 @@ class LayerShape:
     q_heads: int = 8
     kv_heads: int = 2
     head_dim: int = 64
+    # A ragged (serving-shaped) batch: each sequence's prompt length. batch is their count and
+    # prompt_len the longest; decode adds decode_len positions to every sequence.
+    seq_lens: tuple[int, ...] | None = None
+    max_len: int | None = None  # the longest a request may get (preallocation); None: total_len
+    len_dist: str | None = None  # where seq_lens were drawn from (a label for the results)
 
     def __post_init__(self) -> None:
         for name in ("batch", "prompt_len", "decode_len", "hidden", "q_heads", "kv_heads",
@@ -43,6 +48,18 @@ class LayerShape:
             if not isinstance(value, int) or value < 1:
                 flag = "--" + name.replace("_", "-")
                 raise KvbenchError(f"{flag} must be a positive integer, got {value!r}")
+        if self.seq_lens is not None:
+            if any(type(t) is not int or t < 1 for t in self.seq_lens):
+                raise KvbenchError(f"--seq-lens takes positive lengths, got "
+                                   f"{','.join(map(str, self.seq_lens))}")
+            if (len(self.seq_lens), max(self.seq_lens)) != (self.batch, self.prompt_len):
+                raise KvbenchError(f"--seq-lens gives {len(self.seq_lens)} sequences but "
+                                   f"--batch is {self.batch}; drop --batch (the lengths set it)")
+        if self.max_len is not None and self.max_len < self.total_len:
+            raise KvbenchError(
+                f"--max-len {self.max_len} is below the longest sequence: prompt "
+                f"{self.prompt_len} + decode {self.decode_len} = {self.total_len} positions; "
+                "raise --max-len or shorten the prompts")
         if self.q_heads % self.kv_heads:
             raise KvbenchError(
                 f"--q-heads {self.q_heads} is not a multiple of --kv-heads {self.kv_heads}; "
@@ -58,6 +75,32 @@ class LayerShape:
     @property
     def total_len(self) -> int:
         return self.prompt_len + self.decode_len
+
+    @property
+    def prompt_lens(self) -> tuple[int, ...]:
+        """Each sequence's prompt length T_i."""
+        return self.seq_lens if self.seq_lens is not None else (self.prompt_len,) * self.batch
+
+    @property
+    def row_lens(self) -> tuple[int, ...]:
+        """Each sequence's length once decoded, T_i + G: the positions it holds."""
+        return tuple(t + self.decode_len for t in self.prompt_lens)
+
+    @property
+    def ragged(self) -> bool:
+        """Whether the sequences differ in length (padding and masks come in)."""
+        return len(set(self.prompt_lens)) > 1
+
+    @property
+    def reach(self) -> int:
+        """Positions a request may reach: what preallocating to the maximum length reserves."""
+        return self.max_len if self.max_len is not None else self.total_len
+
+    def with_lens(self, lens, max_len: int | None = None, len_dist: str | None = None):
+        """This shape with the prompts of a ragged batch: batch and prompt_len follow lens."""
+        lens = tuple(lens)
+        return replace(self, batch=len(lens), prompt_len=max(lens), seq_lens=lens,
+                       max_len=max_len, len_dist=len_dist)
 
     @property
     def cache_shape(self) -> tuple[int, int, int, int]:

@@ -21,31 +21,46 @@ def kv_bytes(s: LayerShape, length: int, dtype_bytes: int) -> int:
     return 2 * s.batch * length * s.kv_heads * s.head_dim * dtype_bytes
 
 
+def real_positions(s: LayerShape, length: int) -> int:
+    """Cached positions over the batch when the longest sequence holds `length`: B·length for
+    a square batch; a ragged one's shorter sequences hold fewer."""
+    return sum(length - (s.prompt_len - t) for t in s.prompt_lens)
+
+
 def step_min_bytes(s: LayerShape, length: int, dtype_bytes: int,
-                   kv_vector_bytes: int | None = None) -> int:
+                   kv_vector_bytes: int | None = None, read: int | None = None) -> int:
     """Minimum bytes moved by the decode step whose cache holds `length` positions after it.
 
     kv_vector_bytes: bytes of one head's k (or v) at one position in a quantized cache (codes,
-    scales and zero points); by default D·s.
+    scales and zero points); by default D·s. read: the cached positions the step reads over
+    the batch, where an implementation reads more than each sequence's own (padding, whole
+    blocks, a whole preallocated cache); by default B·length.
     """
     weights = weight_elements(s) * dtype_bytes
     vector = kv_vector_bytes if kv_vector_bytes is not None else s.head_dim * dtype_bytes
-    cache_read = 2 * s.batch * length * s.kv_heads * vector
+    read = s.batch * length if read is None else read
+    cache_read = 2 * read * s.kv_heads * vector
     new_kv = 2 * s.batch * s.kv_heads * vector
     activations = 2 * s.batch * s.hidden * dtype_bytes  # x_t in, output out
     return weights + cache_read + new_kv + activations
 
 
 def step_flops(s: LayerShape, length: int) -> int:
-    """Projections 2·B·(weight elements) plus attention 4·B·H_q·T·D (QK^T and PV)."""
-    return 2 * s.batch * weight_elements(s) + 4 * s.batch * s.q_heads * length * s.head_dim
+    """Projections 2·B·(weight elements) plus attention 4·H_q·D per cached position of each
+    sequence (QK^T and PV): 4·B·H_q·T·D in a square batch."""
+    return (2 * s.batch * weight_elements(s)
+            + 4 * s.q_heads * real_positions(s, length) * s.head_dim)
 
 
 def decode_min_bytes_per_step(s: LayerShape, dtype_bytes: int,
-                              kv_vector_bytes: int | None = None) -> float:
-    """Mean over the G steps of a decode from T_p + 1 to T_p + G cached positions."""
+                              kv_vector_bytes: int | None = None, read=None) -> float:
+    """Mean over the G steps of a decode from T_p + 1 to T_p + G cached positions (of the
+    longest sequence). read(t): the positions a step reads over the batch; by default each
+    sequence's own."""
+    read = read or (lambda t: real_positions(s, t))
     lengths = range(s.prompt_len + 1, s.total_len + 1)
-    return sum(step_min_bytes(s, t, dtype_bytes, kv_vector_bytes) for t in lengths) / len(lengths)
+    return sum(step_min_bytes(s, t, dtype_bytes, kv_vector_bytes, read(t))
+               for t in lengths) / len(lengths)
 
 
 def decode_flops_per_step(s: LayerShape) -> float:

@@ -13,7 +13,7 @@ the score matrix, plus both repeat_interleave copies of K and V.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from kvbench.config import LayerShape
 
@@ -91,9 +91,12 @@ def recompute_step(s: LayerShape, n: int, rope: bool, dtype_bytes: int) -> int:
 
 
 def recompute(s: LayerShape, rope: bool, dtype_bytes: int) -> int:
-    """Peak bytes of path A over all G steps: the last step, plus the G − 1 outputs kept."""
+    """Peak bytes of path A over all G steps: the last step, plus the G − 1 outputs kept. A
+    ragged batch runs one sequence at a time: its longest sequence's steps, with every
+    sequence's outputs kept."""
     kept = (s.decode_len - 1) * s.batch * s.hidden * dtype_bytes
-    return kept + max(recompute_step(s, n, rope, dtype_bytes)
+    one = replace(s, batch=1, seq_lens=None, max_len=None) if s.ragged else s
+    return kept + max(recompute_step(one, n, rope, dtype_bytes)
                       for n in {s.total_len, s.total_len - 1})
 
 

@@ -13,7 +13,8 @@ KINDS = {kind: columns for kind, (columns, _) in FILE_KINDS.items()}
 # The columns that identify a measured configuration (not when, not what was measured).
 KEY_COLUMNS = [c for c in CONFIG_COLUMNS if c != "timestamp"]
 # Later columns that tell configurations apart too, in the files that have them.
-OPTION_KEYS = ["kv_dtype", "group_size", "block_size"]
+OPTION_KEYS = ["kv_dtype", "group_size", "block_size", "seq_lens", "len_dist", "max_len",
+               "prealloc"]
 
 
 def key_columns(df: pd.DataFrame) -> list[str]:

@@ -22,7 +22,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from kvbench import footprint
-from kvbench.attention import AttentionLayer, make_inputs, recompute_decode
+from kvbench.attention import AttentionLayer, make_inputs, padded_prompts, recompute_each
 from kvbench.caches import IMPLEMENTATIONS, CachedAttention, ImplOptions
 from kvbench.config import RunConfig
 from kvbench.device import free_bytes, synchronize
@@ -118,17 +118,23 @@ class ImplMemory:
     estimate: ImplFootprint  # the preflight's figures for the same windows
     cache_bytes: int = 0  # the finished cache's own tensors: K, V, scales and zero points
     planner_bytes: int = 0  # kvbench capacity's figure for this layout (1 layer)
+    frag_bytes: int | None = None  # block pools: the unused positions of last blocks
+
+    def waste(self, payload_bytes: int) -> float | None:
+        """The share of the K/V bytes it reserved that hold no token: 1 - payload/reserved."""
+        return 1 - payload_bytes / self.cache_bytes if self.cache_bytes else None
 
 
 @dataclass
 class MemoryResult:
-    config: RunConfig  # theoretical_kv_bytes: the planner's payload in the stored format
-    theoretical_kv_bytes: int
+    config: RunConfig
+    theoretical_kv_bytes: int  # the payload: Σ (T_i + G) positions in the stored format
     weight_bytes: int
     recompute: Window
     recompute_estimate_bytes: int
     impls: list[ImplMemory]
     kv_format: KvFormat = field(default_factory=KvFormat)
+    prealloc: str = "max-len"  # what the preallocating caches reserved per sequence
 
 
 PHASES = ("recompute", "cached", "decode")  # the measured windows, in the order they run
@@ -150,20 +156,19 @@ def memory(config: RunConfig, impls: tuple[str, ...],
     impl_options = (impl_options or ImplOptions()).at(config)
     layer = AttentionLayer.from_config(config)
     x = make_inputs(config)
-    prompt = x[:, : s.prompt_len]
+    prompt = padded_prompts(config, x)
     classes = {name: IMPLEMENTATIONS[name] for name in impls}
 
     def run_recompute():
-        recompute_decode(layer, x, s.prompt_len)
+        recompute_each(layer, x, s.prompt_lens)
 
     def run_cached(cls):
-        impl = cls(layer, s.batch, s.total_len, impl_options)
-        impl.prefill(prompt)
+        impl = prompt_cache(cls)
         impl.decode(x, keep=False)
         return impl
 
     def prompt_cache(cls):
-        impl = cls(layer, s.batch, s.total_len, impl_options)
+        impl = cls.build(layer, config, impl_options)
         impl.prefill(prompt)
         return impl
 
@@ -172,6 +177,7 @@ def memory(config: RunConfig, impls: tuple[str, ...],
 
     windows: dict[tuple[str, str | None], Window] = {}
     cache_bytes: dict[str, int] = {}
+    frag: dict[str, int | None] = {}
     with torch.no_grad():
         if warm:
             with guard("recompute"):
@@ -189,6 +195,7 @@ def memory(config: RunConfig, impls: tuple[str, ...],
                         with measure(config.device) as windows[phase, name]:
                             impl = run_cached(cls)  # held to the window's end: "after the run"
                         cache_bytes[name] = storage_bytes(impl.cache_tensors())
+                        frag[name] = _frag_bytes(impl, config, impl_options)
                         del impl
                 elif phase == "decode":
                     with guard("decode", name):
@@ -198,9 +205,20 @@ def memory(config: RunConfig, impls: tuple[str, ...],
                         del impl
     results = [ImplMemory(name, windows["cached", name], windows["decode", name],
                           cls.footprint(config, impl_options), cache_bytes.get(name, 0),
-                          cls.planned_bytes(config, impl_options))
+                          cls.planned_bytes(config, impl_options), frag.get(name))
                for name, cls in classes.items()]
-    theoretical = CachedAttention.planned_bytes(config, impl_options)  # no blocks
-    return MemoryResult(config, theoretical, layer.weight_bytes, windows["recompute", None],
+    payload = CachedAttention.payload_bytes(config, impl_options)
+    return MemoryResult(config, payload, layer.weight_bytes, windows["recompute", None],
                         footprint.recompute(s, config.rope, config.dtype_bytes), results,
-                        impl_options.kv_format)
+                        impl_options.kv_format, impl_options.prealloc)
+
+
+def _frag_bytes(impl: CachedAttention, config: RunConfig, options: ImplOptions) -> int | None:
+    """A block pool's internal fragmentation: the positions its sequences' blocks hold beyond
+    their lengths (from its block tables), in the stored format's bytes."""
+    unused = impl.stats().get("unused_positions")
+    if unused is None:
+        return None
+    s, fmt = config.shape, options.kv_format
+    vector = fmt.vector_bytes(s.head_dim) if fmt.quantized else s.head_dim * config.dtype_bytes
+    return unused * 2 * s.kv_heads * vector  # K and V of every KV head

@@ -103,6 +103,50 @@ def plot_memory(df: pd.DataFrame, plt):
     return fig
 
 
+# The vLLM paper (Kwon et al., SOSP 2023, Fig. 2): the share of KV memory holding token
+# states in systems that preallocate each request's maximum length (Orca with max, pow2 and
+# oracle reservations) and with paged blocks (vLLM).
+PAPER_PREALLOC = (0.204, 0.382)
+PAPER_PAGED = 0.963
+
+
+def plot_serving(df: pd.DataFrame, plt):
+    """Ragged batches: the share of each implementation's K/V memory that holds tokens, one
+    group of bars per length distribution, beside the paper's range."""
+    import numpy as np
+
+    df = latest(df.dropna(subset=["kv_waste"]), key_columns(df))
+    df = df.assign(batch_of=[r["len_dist"] if isinstance(r["len_dist"], str) else
+                             f"seq_lens={r['seq_lens']}" for _, r in df.iterrows()])
+    groups = list(dict.fromkeys(df["batch_of"]))
+    impls = list(dict.fromkeys(df["impl"]))
+    fig, ax = plt.subplots(figsize=(max(6, 1.2 * len(groups) * len(impls) / 2 + 3), 4.8))
+    width = 0.8 / len(impls)
+    xs = np.arange(len(groups))
+    for i, impl in enumerate(impls):
+        share = [100 * (1 - df[(df["batch_of"] == g) & (df["impl"] == impl)]["kv_waste"].iloc[-1])
+                 if ((df["batch_of"] == g) & (df["impl"] == impl)).any() else np.nan
+                 for g in groups]
+        bars = ax.bar(xs + i * width, share, width, label=impl)
+        ax.bar_label(bars, fmt="%.0f%%", fontsize=7)
+    lo, hi = PAPER_PREALLOC
+    ax.axhspan(100 * lo, 100 * hi, color="tab:red", alpha=0.12,
+               label=f"vLLM paper: preallocating systems {lo:.0%}–{hi:.0%}")
+    ax.axhline(100 * PAPER_PAGED, color="tab:green", ls="--", lw=1,
+               label=f"vLLM paper: paged {PAPER_PAGED:.0%}")
+    max_lens = sorted({int(m) for m in df["max_len"].dropna()})
+    ax.set_xticks(xs + width * (len(impls) - 1) / 2,
+                  [f"{g}\nB={int(df[df['batch_of'] == g]['batch'].iloc[0])}" for g in groups],
+                  fontsize=8)
+    ax.set_ylim(0, 105)
+    ax.set_ylabel("KV memory holding tokens (%)")
+    ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1, 0.5))
+    ax.grid(True, axis="y", alpha=0.3)
+    fig.suptitle(_title(df, "memory: share of the KV cache holding tokens"
+                        + (f" (max-len {', '.join(map(str, max_lens))})" if max_lens else "")))
+    return fig
+
+
 def plot_capacity(df: pd.DataFrame, plt):
     fit = df.dropna(subset=["max_batch"])
     fit = fit[fit["max_batch"] > 0]  # on a log axis; a batch of 0 means nothing fits
@@ -183,6 +227,8 @@ def plot(kind: str, df: pd.DataFrame, output: Path) -> Path:
                "verify": plot_verify}
     if kind in ("bench", "verify") and df["kv_dtype"].nunique(dropna=False) > 1:
         drawers[kind] = lambda df, plt: plot_frontier(kind, df, plt)
+    if kind == "memory" and df["seq_lens"].notna().any() and df["kv_waste"].notna().any():
+        drawers[kind] = plot_serving
     if kind not in drawers:
         raise KvbenchError(f"nothing to plot in {kind} results; plot takes bench, memory, "
                            "capacity or verify results")

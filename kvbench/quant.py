@@ -134,9 +134,11 @@ class QuantizedStore:
         """Every byte the store holds: codes, scales and zero points of K and V."""
         return sum(t.numel() * t.element_size() for t in self.tensors.values())
 
-    def encode(self, k: torch.Tensor, v: torch.Tensor, first: bool) -> dict[str, torch.Tensor]:
+    def encode(self, k: torch.Tensor, v: torch.Tensor, first: bool,
+               real: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
         """k, v [B, H_kv, n, D] -> the per-position parts to store, [B, H_kv, n, ...] by tensor
-        name. `first` (the prompt's write) sets fp8's scales."""
+        name. `first` (the prompt's write) sets fp8's scales, from the positions marked in
+        `real` [B, n] when the prompt is padded (padding must not set them)."""
         parts = {}
         for name, x in (("k", k), ("v", v)):
             if self.fmt.grouped:
@@ -146,7 +148,8 @@ class QuantizedStore:
             else:
                 scale = self.tensors[f"{name}_scale"]
                 if first:
-                    scale.copy_(fp8_scale(x))
+                    scale.copy_(fp8_scale(x if real is None else
+                                          x.masked_fill(~real[:, None, :, None], 0)))
                 parts[f"{name}_codes"] = quantize_fp8(x, scale)
         return parts
 
@@ -159,11 +162,18 @@ class QuantizedStore:
                                       self.fmt.group_size, self.head_dim, dtype)
         return dequantize_fp8(stored(f"{name}_codes"), self.tensors[f"{name}_scale"], dtype)
 
-    def write(self, k: torch.Tensor, v: torch.Tensor, start: int) -> None:
+    def write(self, k: torch.Tensor, v: torch.Tensor, start: int,
+              real: torch.Tensor | None = None) -> None:
         """Static layout: k, v [B, H_kv, n, D] at positions start..start+n-1."""
         at = slice(start, start + k.shape[2])
-        for name, part in self.encode(k, v, first=start == 0).items():
+        for name, part in self.encode(k, v, start == 0, real).items():
             self.tensors[name][:, :, at] = part
+
+    def write_at(self, k: torch.Tensor, v: torch.Tensor, rows: torch.Tensor,
+                 positions: torch.Tensor) -> None:
+        """Static layout: k, v [B, H_kv, 1, D], sequence b at its own position positions[b]."""
+        for name, part in self.encode(k, v, False).items():
+            self.tensors[name][rows, :, positions] = part[:, :, 0]
 
     def read(self, name: str, length: int, dtype: torch.dtype) -> torch.Tensor:
         """Static layout: the first `length` positions of K or V, dequantized."""

@@ -55,9 +55,20 @@ def _sci(x: float) -> str:
     return f"{x:.2e}" if math.isfinite(x) else "—"
 
 
+def _prompts(s) -> str:
+    """prompt=64, or a ragged batch's spread: prompts=1..300 (mean 95.5) [lognormal:…]."""
+    if s.seq_lens is None:
+        return f"prompt={s.prompt_len}"
+    lens = s.seq_lens
+    spread = (f"prompts={','.join(map(str, lens))}" if len(lens) <= 6 else
+              f"prompts={min(lens)}..{max(lens)} (mean {sum(lens) / len(lens):.1f})")
+    return (spread + (f" from {s.len_dist}" if s.len_dist else "")
+            + (f" max-len={s.max_len}" if s.max_len is not None else ""))
+
+
 def describe(config) -> str:
     s = config.shape
-    return (f"B={s.batch} prompt={s.prompt_len} decode={s.decode_len} H={s.hidden} "
+    return (f"B={s.batch} {_prompts(s)} decode={s.decode_len} H={s.hidden} "
             f"H_q={s.q_heads} H_kv={s.kv_heads} D={s.head_dim} {config.dtype} "
             f"{config.device}{' rope' if config.rope else ''} seed={config.seed}"
             + (f" {kv_label(KvFormat(config.kv_dtype, config.group_size))}"
@@ -185,7 +196,8 @@ def memory_table(result) -> Table:
     for col in ("impl", "phase", "allocated", "reserved", "estimate"):
         t.add_column(col, justify="left" if col in ("impl", "phase") else "right", no_wrap=True)
     rec = result.recompute
-    t.add_row("—", "theoretical final KV (planner)", mib(result.theoretical_kv_bytes), "", "")
+    t.add_row("—", "KV payload, Σ (T_i + G) positions (planner)", mib(result.theoretical_kv_bytes),
+              "", "")
     t.add_row("—", "weights (not in the peaks)", mib(result.weight_bytes), "", "")
     t.add_row("recompute", "peak, all G steps", mib(rec.peak_allocated_bytes),
               mib(rec.peak_reserved_bytes), mib(result.recompute_estimate_bytes))
@@ -208,8 +220,29 @@ def memory_table(result) -> Table:
     return t
 
 
+def reservation_table(result) -> Table:
+    """What each implementation holds for K/V against the token states it stores."""
+    payload = result.theoretical_kv_bytes
+    t = _table(f"KV memory held against used  (payload {human_bytes(payload)}: "
+               f"Σ (T_i + G) = {sum(result.config.shape.row_lens):,} positions)")
+    for col in ("impl", "reserved", "holds tokens", "waste", "last-block fragmentation"):
+        t.add_column(col, justify="left" if col == "impl" else "right", no_wrap=True)
+    for m in result.impls:
+        waste = m.waste(payload)
+        t.add_row(m.impl, human_bytes(m.cache_bytes),
+                  f"{1 - waste:.1%}" if waste is not None else "—",
+                  f"{waste:.1%}" if waste is not None else "—",
+                  human_bytes(m.frag_bytes) if m.frag_bytes is not None else "—")
+    t.caption = (f"reserved: the bytes of each finished cache's K/V tensors (preallocating "
+                 f"caches: --prealloc {result.prealloc}; block pools: the blocks taken). "
+                 "holds tokens = payload / reserved; waste = 1 − that. Fragmentation: the "
+                 "unused positions of each sequence's last block.")
+    return t
+
+
 def show_memory(result) -> None:
     out.print(memory_table(result))
+    out.print(reservation_table(result))
 
 
 def capacity_table(p) -> Table:

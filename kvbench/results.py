@@ -160,6 +160,10 @@ def _umask() -> int:
     return mask
 
 
+# A ragged batch: each sequence's prompt length, the distribution they were drawn from, and
+# the length a request may reach (--max-len). Empty for a square batch.
+RAGGED_COLUMNS = ["seq_lens", "len_dist", "max_len"]
+
 # Column order is part of the interface: users' spreadsheets and scripts depend on it.
 CONFIG_COLUMNS = ["timestamp", "command", "impl", "batch", "prompt_len", "decode_len", "hidden",
                   "q_heads", "kv_heads", "head_dim", "dtype", "device", "rope", "seed"]
@@ -172,7 +176,7 @@ VERIFY_COLUMNS = VERIFY_FIRST[:-len(ENV_COLUMNS)] + [
     "block_size", "splits", "compile_ms",
     # quantized K/V: the format; fp64_max_abs_err is then against the dequantized-cache
     # reference (the gate) and max/mean_abs_err and cosine against path A (reported only)
-    "kv_dtype", "group_size", "cosine"] + ENV_COLUMNS
+    "kv_dtype", "group_size", "cosine", *RAGGED_COLUMNS] + ENV_COLUMNS
 
 
 def _stats_columns(name: str) -> list[str]:
@@ -188,7 +192,7 @@ BENCH_FIRST = CONFIG_COLUMNS + [
     "achieved_gflops", "blocks_used", "blocks_allocated", "sdpa_backend", "compile_ms",
 ] + ENV_COLUMNS
 BENCH_COLUMNS = BENCH_FIRST[:-len(ENV_COLUMNS)] + [
-    "splits", "block_size", "kv_dtype", "group_size"] + ENV_COLUMNS
+    "splits", "block_size", "kv_dtype", "group_size", *RAGGED_COLUMNS] + ENV_COLUMNS
 
 
 def config_cells(command: str, impl: str, config) -> dict[str, object]:
@@ -197,7 +201,9 @@ def config_cells(command: str, impl: str, config) -> dict[str, object]:
             "prompt_len": s.prompt_len, "decode_len": s.decode_len, "hidden": s.hidden,
             "q_heads": s.q_heads, "kv_heads": s.kv_heads, "head_dim": s.head_dim,
             "dtype": config.dtype, "device": config.device, "rope": config.rope,
-            "seed": config.seed}
+            "seed": config.seed,
+            "seq_lens": ",".join(map(str, s.seq_lens)) if s.seq_lens else None,
+            "len_dist": s.len_dist, "max_len": s.max_len}
 
 
 def _stats_cells(name: str, stats) -> dict[str, object]:
@@ -243,7 +249,7 @@ def bench_rows(result, env: dict[str, object]) -> list[dict[str, object]]:
             "recompute_ms_per_step": rec.median_ms / g if rec else None,
             "cached_ms_per_step": result.ms_per_step(t),
             "noisy": any(x is not None and x.noisy for x in (t.decode, t.prefill, rec)),
-            "min_bytes_per_step": result.min_bytes_per_step,
+            "min_bytes_per_step": t.min_bytes_per_step,
             "flops_per_step": result.flops_per_step, "copy_gbps": result.copy_gbps,
             "achieved_gbps": result.achieved_gbps(t),
             "bandwidth_fraction": result.bandwidth_fraction(t),
@@ -266,6 +272,10 @@ MEMORY_COLUMNS = MEMORY_FIRST[:-len(ENV_COLUMNS)] + [
     "decode_peak_estimated_bytes",
     # the finished cache's own tensors against kvbench capacity's figure for the layout
     "kv_dtype", "group_size", "kv_cache_bytes", "kv_planner_bytes",
+    # a serving-shaped batch; theoretical_kv_bytes is the payload (Σ (T_i + G) positions),
+    # kv_cache_bytes what the implementation reserved for K/V: kv_waste = 1 - payload/reserved,
+    # kv_frag_bytes the unused positions of last blocks (block pools only)
+    *RAGGED_COLUMNS, "prealloc", "kv_waste", "kv_frag_bytes",
 ] + ENV_COLUMNS
 
 
@@ -286,7 +296,8 @@ def memory_rows(result, env: dict[str, object]) -> list[dict[str, object]]:
         "cached_peak_estimated_bytes": m.estimate.cached,
         "decode_peak_estimated_bytes": m.estimate.decode,
         **kv_cells(result.kv_format), "kv_cache_bytes": m.cache_bytes,
-        "kv_planner_bytes": m.planner_bytes, **env,
+        "kv_planner_bytes": m.planner_bytes, "prealloc": result.prealloc,
+        "kv_waste": m.waste(result.theoretical_kv_bytes), "kv_frag_bytes": m.frag_bytes, **env,
     } for m in result.impls]
 
 

@@ -13,7 +13,7 @@ from kvbench.config import SHAPE_FIELDS
 from kvbench.errors import KvbenchError
 from kvbench.files import read_toml
 
-LIST_OPTIONS = set(SHAPE_FIELDS) | {"dtype", "kv_dtype"}  # options that take a comma list
+LIST_OPTIONS = set(SHAPE_FIELDS) | {"dtype", "kv_dtype", "seq_lens", "len_dist"}  # comma lists
 
 
 def load_sweep(path: Path, command: str, allowed: set[str]) -> dict[str, object]:

@@ -18,7 +18,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvbench.attention import AttentionLayer, full_forward, make_inputs, recompute_decode
+from kvbench.attention import (
+    AttentionLayer,
+    make_inputs,
+    padded_prompts,
+    prefill_each,
+    recompute_each,
+)
 from kvbench.caches import IMPLEMENTATIONS, CachedAttention, ImplOptions
 from kvbench.config import RunConfig
 from kvbench.device import free_bytes
@@ -64,9 +70,10 @@ class VerifyReport:
         return all(c.passed for c in self.checks)
 
 
-def run_cached(impl: CachedAttention, x: torch.Tensor, prompt_len: int):
-    """Prefill then decode every remaining position: (prefill out, [step outs])."""
-    prefill = impl.prefill(x[:, :prompt_len])
+def run_cached(impl: CachedAttention, x: torch.Tensor, prompt: torch.Tensor):
+    """Prefill the (padded) prompt, then decode every remaining position:
+    (prefill out, [step outs])."""
+    prefill = impl.prefill(prompt)
     return prefill, impl.decode(x)
 
 
@@ -88,46 +95,60 @@ def verify(config: RunConfig, impls: dict[str, type[CachedAttention]] | None = N
     rtol, atol = TOLERANCES[config.dtype]
     layer = AttentionLayer.from_config(config)
     x = make_inputs(config)
+    prompt = padded_prompts(config, x)
+    # A ragged batch's prefill is compared at each sequence's own positions only.
+    real = (torch.arange(s.prompt_len)[None] < torch.tensor(s.prompt_lens)[:, None]
+            ).to(x.device) if s.ragged else None
 
     with torch.no_grad():
         with device_errors("verify: path A", free=lambda: free_bytes(config.device)):
-            ref_prefill = full_forward(layer, x[:, : s.prompt_len])
-            ref_steps = recompute_decode(layer, x, s.prompt_len)
+            ref_prefill = prefill_each(layer, x, s.prompt_lens)
+            ref_steps = recompute_each(layer, x, s.prompt_lens)
             layer64 = layer.to(torch.float64)
             x64 = x.double()
-            exact_steps = recompute_decode(layer64, x64, s.prompt_len)
+            exact_steps = recompute_each(layer64, x64, s.prompt_lens)
             recompute_fp64 = max(_max_abs(a, e) for a, e in zip(ref_steps, exact_steps))
             fmt = options.kv_format
-            gate_steps = (quantized_reference(layer, x, s.prompt_len, fmt) if fmt.quantized
+            gate_steps = (quantized_reference(layer, x, prompt, fmt) if fmt.quantized
                           else None)
+        if real is not None:
+            ref_prefill = ref_prefill[real]  # [Σ T_i, H]
 
-        checks = [_check(name, cls, layer, options, x, config, ref_prefill, ref_steps,
-                         exact_steps, rtol, atol, gate_steps)
+        checks = [_check(name, cls, layer, options, x, prompt, real, config, ref_prefill,
+                         ref_steps, exact_steps, rtol, atol, gate_steps)
                   for name, cls in impls.items()]
     return VerifyReport(config, rtol, atol, recompute_fp64, checks, options.kv_format)
 
 
-def quantized_reference(layer: AttentionLayer, x: torch.Tensor, prompt_len: int,
+def quantized_reference(layer: AttentionLayer, x: torch.Tensor, prompt: torch.Tensor,
                         fmt: KvFormat) -> list[torch.Tensor]:
     """Float64 decode outputs [B, 1, H] over the cache a correct implementation stores in `fmt`.
 
-    k and v are projected exactly as the implementations project them (the prompt in one
-    call, then one position per step), so the same values are quantized; attention and the
-    output projection then run in float64 over the dequantized cache.
+    k and v are projected exactly as the implementations project them (the padded prompt in
+    one call, then one position per sequence per step), so the same values are quantized;
+    attention and the output projection then run in float64 over the dequantized cache, each
+    sequence over its own positions (fp8's scales come from the prompts' real positions).
     """
     s = layer.shape
     B, T = x.shape[0], x.shape[1]
+    lens = torch.tensor(s.prompt_lens, device=x.device)
+    rows = torch.arange(B, device=x.device)
     store = QuantizedStore(fmt, (B, s.kv_heads, T), s.head_dim, x.device)
-    _, k, v = layer.project(x[:, :prompt_len], start=0)
-    store.write(k, v, 0)
+    _, k, v = layer.project(prompt, start=0)
+    cols = torch.arange(T, device=x.device)[None, :]  # [1, T]
+    store.write(k, v, 0, cols[:, : s.prompt_len] < lens[:, None] if s.ragged else None)
     w_o = layer.w_o.double()
     outputs = []
-    for t in range(prompt_len, T):
-        q, k, v = layer.project(x[:, t:t + 1], start=t)
-        store.write(k, v, t)
-        keys = store.read("k", t + 1, torch.float64).repeat_interleave(s.group, dim=1)
-        values = store.read("v", t + 1, torch.float64).repeat_interleave(s.group, dim=1)
-        scores = (q.double() @ keys.transpose(-2, -1)) * layer.scale  # [B, H_q, 1, t+1]
+    for j in range(s.decode_len):
+        at = lens + j  # each sequence's position
+        q, k, v = layer.project(x[rows, at][:, None], start=at[:, None] if s.ragged else at[0])
+        store.write_at(k, v, rows, at)
+        n = int(at.max()) + 1
+        keys = store.read("k", n, torch.float64).repeat_interleave(s.group, dim=1)
+        values = store.read("v", n, torch.float64).repeat_interleave(s.group, dim=1)
+        scores = (q.double() @ keys.transpose(-2, -1)) * layer.scale  # [B, H_q, 1, n]
+        padding = cols[:, :n] > at[:, None]  # [B, n]
+        scores = scores.masked_fill(padding[:, None, None, :], float("-inf"))
         attn = torch.softmax(scores, dim=-1) @ values  # [B, H_q, 1, D]
         outputs.append(attn.transpose(1, 2).reshape(B, 1, -1) @ w_o)
     return outputs
@@ -138,14 +159,17 @@ def _cosine(a: torch.Tensor, b: torch.Tensor) -> float:
                                                  dim=0).item()
 
 
-def _check(name, cls, layer, options, x, config, ref_prefill, ref_steps, exact_steps, rtol,
-           atol, gate_steps=None):
-    """gate_steps: the quantized reference the steps must match (None: path A itself)."""
+def _check(name, cls, layer, options, x, prompt, real, config, ref_prefill, ref_steps,
+           exact_steps, rtol, atol, gate_steps=None):
+    """gate_steps: the quantized reference the steps must match (None: path A itself).
+    real: the padded prompt's real positions [B, T_p] (None: a square batch)."""
     s = config.shape
     impl = None
     try:
-        impl = cls(layer, s.batch, s.total_len, options)
-        prefill, steps = run_cached(impl, x, s.prompt_len)
+        impl = cls.build(layer, config, options)
+        prefill, steps = run_cached(impl, x, prompt)
+        if real is not None and prefill.shape[:2] == real.shape:
+            prefill = prefill[real]
         cache_shape = tuple(impl.kv()[0].shape)
     except (RuntimeError, MemoryError) as err:
         if is_device_error(err):  # out of memory, a device-side assert: not a mismatch

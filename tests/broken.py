@@ -2,7 +2,7 @@
 
 import torch
 
-from kvbench.caches import ConcatCache, FlexCache, StaticCache, TritonCache
+from kvbench.caches import ConcatCache, FlexCache, PagedCache, StaticCache, TritonCache
 
 
 class RopeOffByOne(StaticCache):
@@ -124,10 +124,18 @@ class _TritonFault(TritonCache):
         B, Hq, _, D = q.shape
         self.splits = self.options.splits or 1
         k_pool, v_pool, table, length = self.fault()
-        self.kernel.split_partials(q.reshape(B, Hq, D), k_pool, v_pool, table, length,
-                                   self.layer.scale, self.splits, self.partials)
+        self.kernel.split_partials(q.reshape(B, Hq, D), k_pool, v_pool, table,
+                                   self.deficit_fault(), length, self.layer.scale, self.splits,
+                                   self.partials)
         out = torch.empty(B, Hq, D, dtype=q.dtype, device=q.device)
         return self.merge(out).reshape(B, Hq, 1, D)
+
+
+    def deficit_fault(self):
+        return self.kernel_deficit
+
+    def fault(self):
+        return self.k_pool, self.v_pool, self.table, self.length
 
 
 class BlockOffByOne(_TritonFault):
@@ -262,3 +270,59 @@ class QuantizedOnce(StaticCache):
             super().write(k, v)
         else:
             self.length += k.shape[2]
+
+
+# Faults of a ragged batch: a sequence read at another's length, or its padding attended to.
+
+class _SwappedLengths:
+    """Each sequence is given the next one's length (the deficits rolled by one)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.deficit = self.deficit[1:] + self.deficit[:1]
+        self.deficit_dev = self.deficit_dev.roll(-1)
+        self.lens_dev = -self.deficit_dev
+
+
+class SwappedLengths(_SwappedLengths, StaticCache):
+    name = "swapped-lengths"
+
+
+class SwappedLengthsPaged(_SwappedLengths, PagedCache):
+    name = "swapped-lengths-paged"
+
+
+class AttendsPadding(StaticCache):
+    """Each sequence's mask admits one position more: the padding just past its end."""
+
+    name = "attends-padding"
+
+    def visible(self, n):
+        return self.positions_dev[:n][None, :] <= self.lens_dev[:, None]
+
+
+class PaddingSetsScale(StaticCache):
+    """fp8: the scales come from the whole padded prompt, padding included."""
+
+    name = "padding-sets-scale"
+
+    def real(self, n):
+        return None
+
+
+class KernelLengthOfAnother(_TritonFault):
+    """The kernel reads each sequence at the next one's length."""
+
+    name = "kernel-length-of-another"
+
+    def deficit_fault(self):
+        return self.kernel_deficit.roll(-1)
+
+
+class KernelReadsPadding(_TritonFault):
+    """The kernel reads one position past each sequence's end."""
+
+    name = "kernel-reads-padding"
+
+    def deficit_fault(self):
+        return self.kernel_deficit - 1

@@ -77,6 +77,20 @@ def test_bench_no_recompute_says_how_it_verified(tmp_path):
     (["--kv-dtype", "int4", "--group-size", "128"], "does not fit in a head vector of D = 64"),
     (["--kv-dtype", "fp16"], "unquantized cache is stored in the activation dtype"),
     (["--kv-dtype", "int8", "--impl", "sdpa"], "--impl sdpa cannot run here: K/V stored in"),
+    # ragged batches
+    (["--seq-lens", "5,9,2", "--batch", "2"], "--seq-lens gives 3 sequences but --batch is 2"),
+    (["--seq-lens", "5,0,2"], "--seq-lens takes positive integers"),
+    (["--seq-lens", "5,-1"], "--seq-lens takes positive integers"),
+    (["--len-dist", "normal:5:1"], "use uniform:LO:HI or lognormal:MEAN:SIGMA"),
+    (["--len-dist", "uniform:9:3"], "1 <= LO <= HI"),
+    (["--len-dist", "lognormal:500:1"], "needs --max-len"),
+    (["--seq-lens", "300,20", "--decode-len", "8", "--max-len", "200"],
+     "--max-len 200 is below the longest sequence: prompt 300 + decode 8"),
+    (["--len-dist", "uniform:1:100", "--batch", "64", "--max-len", "50"], "is below the longest"),
+    (["--seq-lens", "5,9", "--prompt-len", "9"], "drop --prompt-len"),
+    (["--seq-lens", "5,9", "--len-dist", "uniform:1:4"], "give --seq-lens or --len-dist"),
+    (["--seq-lens", "5,9", "--prealloc", "some"], "unknown --prealloc"),
+    (["--max-len", "0"], "--max-len must be a positive integer"),
 ])
 def test_bad_input_is_one_line_exit_2(tmp_path, args, message):
     out = tmp_path / "b.csv"
@@ -183,3 +197,36 @@ def test_impl_help_names_every_implementation():
 
     for name in IMPLEMENTATIONS:
         assert f" {name} " in IMPL_HELP or f" {name}," in IMPL_HELP, name
+
+
+def test_verify_a_ragged_batch_writes_its_lengths(tmp_path):
+    out = tmp_path / "v.csv"
+    small = ["--device", "cpu", "--decode-len", "3", "--hidden", "32", "--q-heads", "4",
+             "--kv-heads", "2", "--head-dim", "8"]
+    result = run("verify", *small, "--seq-lens", "1,17,6", "--max-len", "40", "--csv", str(out))
+    assert result.exit_code == 0, result.output
+    assert "prompts=1,17,6" in result.stdout
+    df = pd.read_csv(out)
+    assert df["passed"].all() and set(df["seq_lens"]) == {"1,17,6"}
+    assert set(df["batch"]) == {3} and set(df["prompt_len"]) == {17}
+    assert set(df["max_len"]) == {40} and set(df["cache_shape"]) == {"3x2x20x8"}
+
+
+def test_len_dist_draws_seeded_lengths_one_point_per_distribution(tmp_path):
+    out = tmp_path / "m.csv"
+    small = ["--device", "cpu", "--decode-len", "2", "--hidden", "32", "--q-heads", "4",
+             "--kv-heads", "2", "--head-dim", "8", "--batch", "6", "--impl", "static,paged"]
+    args = ["memory", *small, "--len-dist", "lognormal:40:1.0,uniform:1:30", "--max-len", "128",
+            "--csv", str(out)]
+    assert run(*args).exit_code == 0
+    assert run(*args).exit_code == 0  # the same seed draws the same lengths
+    df = pd.read_csv(out)
+    assert set(df["len_dist"]) == {"lognormal:40:1", "uniform:1:30"}
+    for _, rows in df.groupby("len_dist"):
+        assert rows["seq_lens"].nunique() == 1 and len(rows["seq_lens"].iloc[0].split(",")) == 6
+    # preallocation reserves --max-len for each sequence; paged only the blocks it takes
+    static = df[df["impl"] == "static"]
+    assert (static["kv_cache_bytes"] == 6 * 128 * 2 * 2 * 8 * 4).all()
+    paged = df[df["impl"] == "paged"]
+    assert (paged["kv_waste"] < static["kv_waste"].values).all()
+    assert (paged["kv_frag_bytes"] >= 0).all() and static["kv_frag_bytes"].isna().all()

@@ -30,6 +30,15 @@ def test_compiled_steps_equal_recompute(kv_heads, head_dim, dtype):
         assert check.stats["compile_ms"] > 0
 
 
+@pytest.mark.parametrize("rope", [False, True])
+def test_compiled_steps_are_exact_on_a_ragged_batch(rope):
+    shape = LayerShape(decode_len=4, hidden=64, q_heads=8, kv_heads=2, head_dim=16).with_lens(
+        (37, 5, 130), max_len=160)  # flex: the longest crosses a 128-position mask block
+    report = verify(RunConfig(shape, rope=rope), COMPILED)
+    for check in report.checks:
+        assert check.passed, (check.impl, check.message)
+
+
 def graphs_compiled(cls, decode_len: int, prompt_len: int = 100) -> int:
     """Graphs torch.compile built for one prefill and `decode_len` steps of a fresh cache."""
     shape = LayerShape(batch=1, prompt_len=prompt_len, decode_len=decode_len, hidden=32,

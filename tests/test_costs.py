@@ -62,9 +62,10 @@ def known_result() -> BenchResult:
     """G = 4 steps: recompute 40 ms, cached 8 ms; 4e6 bytes and 6e6 FLOP per step; 5 GB/s copy."""
     config = RunConfig(LayerShape(batch=1, prompt_len=16, decode_len=4, hidden=8, q_heads=2,
                                   kv_heads=1, head_dim=4))
-    cached = ImplTiming("static", Stats(3.0, 2.5, 3.5, 0.2, 9), Stats(8.0, 7.0, 9.0, 0.4, 9))
+    cached = ImplTiming("static", Stats(3.0, 2.5, 3.5, 0.2, 9), Stats(8.0, 7.0, 9.0, 0.4, 9),
+                        4e6)
     return BenchResult(config, BenchOptions(), "against recompute",
-                       Stats(40.0, 39.0, 44.0, 2.0, 9), [cached], 4e6, 6e6, 5.0)
+                       Stats(40.0, 39.0, 44.0, 2.0, 9), [cached], 6e6, 5.0)
 
 
 def test_bench_derived_figures_by_hand():
@@ -88,3 +89,27 @@ def test_bench_rows_carry_the_same_figures():
     assert row["copy_gbps"] == 5.0 and row["min_bytes_per_step"] == 4e6
     assert row["achieved_gflops"] == pytest.approx(3.0)
     assert row["noisy"] is False  # every IQR is at most 5% of its median
+
+
+def test_a_ragged_batch_counts_each_sequences_own_positions():
+    # prompts of 3, 10 and 6 positions; the longest holds 11 after the first decode step,
+    # the others 4 and 7: 22 positions, not 3 x 11
+    s = LayerShape(decode_len=2, hidden=8, q_heads=2, kv_heads=1, head_dim=4).with_lens((3, 10, 6))
+    assert costs.real_positions(s, 11) == 22
+    padded = costs.step_min_bytes(s, 11, 2)  # what a reader of the padded maximum moves
+    assert padded - costs.step_min_bytes(s, 11, 2, read=22) == 2 * (33 - 22) * 1 * 4 * 2
+    assert costs.step_flops(s, 11) == 2 * 3 * costs.weight_elements(s) + 4 * 2 * 22 * 4
+
+
+def test_each_implementation_counts_what_its_step_reads():
+    from kvbench.caches import IMPLEMENTATIONS, ImplOptions
+
+    s = LayerShape(decode_len=2, hidden=8, q_heads=2, kv_heads=1, head_dim=4).with_lens(
+        (3, 10, 6), max_len=40)
+    config, options = RunConfig(s), ImplOptions(block_size=4)
+    reads = {name: cls.step_reads(config, options, 11) for name, cls in IMPLEMENTATIONS.items()}
+    assert reads["static"] == reads["sdpa"] == reads["concat"] == 33  # padded to the longest
+    assert reads["triton"] == reads["splitk"] == 22  # each sequence's own
+    assert reads["paged"] == 4 + 8 + 12  # whole blocks of 4: 4, 7 and 11 positions
+    assert reads["compiled"] == 3 * 40  # the whole preallocated cache
+    assert reads["flex"] == 3 * 40  # up to the end of the 128-position mask block (capped)

@@ -55,3 +55,41 @@ def test_memory_phases_on_cpu():
         # The finished cache is exactly the payload: both keep [B, H_kv, T_p + G, D] for K and V.
         assert m.cached.end_allocated_bytes == payload
         assert 0 < m.decode.peak_allocated_bytes < m.cached.peak_allocated_bytes
+
+
+# Three sequences of 5, 17 and 40 prompt tokens, 3 decoded each: 8 + 20 + 43 = 71 positions.
+# One position of K and V is 2 (K, V) × 2 heads × 8 × 4 bytes = 128 bytes.
+RAGGED = LayerShape(decode_len=3, hidden=32, q_heads=4, kv_heads=2, head_dim=8).with_lens(
+    (5, 17, 40), max_len=64)
+POSITION = 128
+
+
+def by_impl(result):
+    return {m.impl: m for m in result.impls}
+
+
+def test_memory_reports_reserved_against_payload_for_a_ragged_batch():
+    from kvbench.caches import ImplOptions
+
+    result = memory(RunConfig(RAGGED), ("concat", "static", "sdpa", "paged", "splitk"),
+                    ImplOptions(block_size=16))
+    assert result.theoretical_kv_bytes == 71 * POSITION  # the payload
+    m = by_impl(result)
+    for name in ("static", "sdpa", "splitk"):  # 3 sequences × --max-len 64
+        assert m[name].cache_bytes == m[name].planner_bytes == 3 * 64 * POSITION
+        assert m[name].waste(result.theoretical_kv_bytes) == 1 - 71 / 192
+        assert m[name].frag_bytes is None
+    # concat pads every sequence to the longest, 43 positions
+    assert m["concat"].cache_bytes == m["concat"].planner_bytes == 3 * 43 * POSITION
+    # paged: 1 + 2 + 3 blocks of 16; the last blocks leave 8 + 12 + 5 positions unused
+    assert m["paged"].cache_bytes == m["paged"].planner_bytes == 6 * 16 * POSITION
+    assert m["paged"].frag_bytes == 25 * POSITION
+    assert m["paged"].waste(result.theoretical_kv_bytes) == 1 - 71 / 96
+
+
+def test_prealloc_exact_reserves_the_longest_sequence():
+    from kvbench.caches import ImplOptions
+
+    result = memory(RunConfig(RAGGED), ("static",), ImplOptions(prealloc="exact"))
+    assert by_impl(result)["static"].cache_bytes == 3 * 43 * POSITION
+    assert result.prealloc == "exact"

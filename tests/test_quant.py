@@ -2,7 +2,13 @@
 
 import pytest
 import torch
-from broken import NibblesSwapped, QuantizedOnce, ScaleFromWrongGroup, ZeroPointWrongSign
+from broken import (
+    NibblesSwapped,
+    PaddingSetsScale,
+    QuantizedOnce,
+    ScaleFromWrongGroup,
+    ZeroPointWrongSign,
+)
 
 from kvbench.caches import ImplOptions, PagedCache, StaticCache
 from kvbench.capacity import CacheFormat, ModelSpec, plan
@@ -95,6 +101,24 @@ def test_verify_rejects_each_quantized_cache_fault(broken, name):
     (c,) = report.checks
     assert not c.passed
     assert c.first_bad_step == 1 and "dequantized-cache reference" in c.message
+
+
+@pytest.mark.parametrize("name", ["fp8", "int8", "int4"])
+@pytest.mark.parametrize("rope", [False, True])
+def test_quantized_caches_are_exact_on_a_ragged_batch(name, rope):
+    config = RunConfig(GQA.with_lens((3, 11, 7)), rope=rope)
+    report = verify(config, {"static": StaticCache, "paged": PagedCache},
+                    ImplOptions(kv_dtype=name, group_size=4, block_size=4))
+    for c in report.checks:
+        assert c.passed, (c.impl, c.message)
+
+
+def test_verify_rejects_fp8_scales_set_by_padding():
+    # fp8's per-head scales come from the prompt: its padding must not count
+    config = RunConfig(GQA.with_lens((3, 11, 7)))
+    report = verify(config, {"bad": PaddingSetsScale}, ImplOptions(kv_dtype="fp8"))
+    (c,) = report.checks
+    assert not c.passed and c.first_bad_step == 1
 
 
 @pytest.mark.parametrize("name", ["fp8", "int8", "int4", "int2"])

@@ -7,7 +7,14 @@ from kvbench.caches.triton import prepare
 if reason := prepare("cpu"):  # e.g. on a GPU machine, where this process compiles Triton
     pytest.skip(reason, allow_module_level=True)
 
-from broken import BlockOffByOne, NoTailMask, UnscaledMerge, WrongKvHead
+from broken import (
+    BlockOffByOne,
+    KernelLengthOfAnother,
+    KernelReadsPadding,
+    NoTailMask,
+    UnscaledMerge,
+    WrongKvHead,
+)
 
 from kvbench.caches import ImplOptions, TritonCache
 from kvbench.config import LayerShape, RunConfig
@@ -65,6 +72,26 @@ def test_verify_rejects_each_kernel_fault(broken, heads, options):
     result = check(config, {broken.name: broken}, **options)[broken.name]
     assert not result.passed
     assert result.first_bad_step == 1  # the prefill is SDPA's; the first decode step fails
+
+
+RAGGED_LENS = (150, 3, 64, 77)  # one sequence per program row; most end mid-block
+
+
+@pytest.mark.parametrize("kv_dtype", [None, "fp8", "int4"])
+@pytest.mark.parametrize("block_size", [1, 16])
+def test_triton_is_exact_on_a_ragged_batch(block_size, kv_dtype):
+    config = RunConfig(shape("gqa", 64).with_lens(RAGGED_LENS), rope=True)
+    result = check(config, {"triton": TritonCache}, block_size=block_size,
+                   kv_dtype=kv_dtype)["triton"]
+    assert result.passed, result.message
+
+
+@pytest.mark.parametrize("broken", [KernelLengthOfAnother, KernelReadsPadding])
+def test_verify_rejects_ragged_kernel_faults(broken):
+    config = RunConfig(shape("gqa", 64).with_lens(RAGGED_LENS))
+    result = check(config, {broken.name: broken})[broken.name]
+    assert not result.passed
+    assert result.first_bad_step == 1
 
 
 def test_the_faults_fail_for_their_bug_not_the_shape():

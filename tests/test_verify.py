@@ -1,6 +1,16 @@
 import pytest
 import torch
-from broken import LossyCast, RopeOffByOne, ShiftedMask, ShortCache, WrongAppendDim, WrongGqaMapping
+from broken import (
+    AttendsPadding,
+    LossyCast,
+    RopeOffByOne,
+    ShiftedMask,
+    ShortCache,
+    SwappedLengths,
+    SwappedLengthsPaged,
+    WrongAppendDim,
+    WrongGqaMapping,
+)
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -83,6 +93,48 @@ def test_verify_rejects_broken_implementations(broken, rope, where):
 def test_verify_passes_the_same_shape_for_the_correct_ones():
     # The broken cases above fail because of the bug, not because the shape is hard.
     assert verify(RunConfig(GQA, rope=True)).passed
+
+
+# A ragged batch: sequences of 3, 11 and 7 prompt tokens, each decoding 4 more.
+RAGGED = GQA.with_lens((3, 11, 7))
+
+
+@settings(max_examples=25, deadline=None, derandomize=True)
+@given(lens=st.lists(st.integers(1, 20), min_size=2, max_size=4), rope=st.booleans(),
+       dtype=st.sampled_from(["float32", "bfloat16"]), block_size=st.sampled_from([1, 4, 16]),
+       seed=st.integers(0, 1000))
+def test_every_implementation_is_exact_on_a_ragged_batch(lens, rope, dtype, block_size, seed):
+    config = RunConfig(GQA.with_lens(lens), dtype, "cpu", seed, rope)
+    report = verify(config, eager(config), ImplOptions(block_size=block_size))
+    for check in report.checks:
+        assert check.passed, (check.impl, check.message)
+        assert check.cache_shape == config.shape.cache_shape
+
+
+def test_a_ragged_batch_is_checked_against_each_sequence_run_alone():
+    from kvbench.attention import AttentionLayer, make_inputs, recompute_decode, recompute_each
+
+    config = RunConfig(RAGGED, rope=True)
+    layer, x = AttentionLayer.from_config(config), make_inputs(config)
+    steps = recompute_each(layer, x, RAGGED.prompt_lens)
+    for i, t in enumerate(RAGGED.prompt_lens):  # sequence i alone: its own tokens, no padding
+        alone = recompute_decode(layer, x[i:i + 1, : t + RAGGED.decode_len], t)
+        assert all(torch.equal(a[0], b[i]) for a, b in zip(alone, steps))
+
+
+@pytest.mark.parametrize("broken", [SwappedLengths, SwappedLengthsPaged, AttendsPadding])
+@pytest.mark.parametrize("rope", [False, True])
+def test_verify_rejects_ragged_faults(broken, rope):
+    report = verify(RunConfig(RAGGED, rope=rope), {broken.name: broken})
+    (check,) = report.checks
+    assert not check.passed
+    assert check.first_bad_step == 1  # the prefill is right; the first decode step is not
+
+
+def test_the_ragged_faults_fail_for_their_bug_not_the_shape():
+    for rope in (False, True):
+        config = RunConfig(RAGGED, rope=rope)
+        assert verify(config, eager(config)).passed
 
 
 def test_reports_float64_error_of_both_paths():

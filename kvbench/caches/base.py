@@ -24,6 +24,7 @@ from kvbench.errors import KvbenchError
 from kvbench.kvformat import KvFormat
 
 SDPA_BACKENDS = ("auto", "math", "flash", "efficient", "cudnn")
+PREALLOC = ("max-len", "exact")  # what a preallocating cache reserves per sequence
 
 
 @dataclass(frozen=True)
@@ -35,8 +36,12 @@ class ImplOptions:
     splits: int | None = None  # triton: pin the split-K count; None = chosen per step
     kv_dtype: str | None = None  # a quantized K/V format (fp8, int8, int4, int2); None = as x
     group_size: int = 64  # int formats: elements per scale and zero point
+    prealloc: str = "max-len"  # preallocating caches: every sequence's --max-len, or "exact"
 
     def __post_init__(self) -> None:
+        if self.prealloc not in PREALLOC:
+            raise KvbenchError(f"unknown --prealloc {self.prealloc!r}; use max-len (reserve "
+                               "what a request may reach) or exact (the batch's longest)")
         if self.block_size < 1:
             raise KvbenchError(f"--block-size must be a positive integer, got {self.block_size}")
         if self.splits is not None and (type(self.splits) is not int or self.splits < 1):
@@ -54,6 +59,12 @@ class ImplOptions:
     @property
     def kv_format(self) -> KvFormat:
         return KvFormat(self.kv_dtype, self.group_size)
+
+    def alloc_len(self, s) -> int:
+        """Positions a preallocating cache reserves per sequence of shape s: the length a
+        request may reach (--max-len), as preallocating servers do, or with --prealloc exact
+        the batch's longest sequence."""
+        return s.reach if self.prealloc == "max-len" else s.total_len
 
     def at(self, config: RunConfig) -> ImplOptions:
         """These options with the K/V format of `config`, where the point sets one (a
@@ -121,12 +132,74 @@ class CachedAttention(ABC):
     compiles: ClassVar[bool] = False  # its first step compiles (reported as compile_ms)
     kv_dtypes: ClassVar[frozenset[str]] = frozenset()  # the quantized formats it can store
     blocked: ClassVar[bool] = False  # stores whole blocks of --block-size positions
+    # What it holds for K/V: "prealloc", alloc_len positions per sequence; "padded", the
+    # batch's longest sequence for every one; "blocks", the blocks its sequences take.
+    reserves: ClassVar[str] = "prealloc"
 
     def __init__(self, layer: AttentionLayer, batch: int, max_len: int,
-                 options: ImplOptions | None = None):
+                 options: ImplOptions | None = None, lens: tuple[int, ...] | None = None):
+        """max_len: positions preallocated per sequence. lens: each sequence's final length
+        (its prompt plus the decode; by default max_len), for a ragged batch.
+
+        A ragged batch is right-padded: the prompt x [B, T_p, H] holds sequence i's T_i
+        tokens first, then padding. Every step adds one position to every sequence, so
+        sequence i is always `deficit[i]` positions shorter than the longest: `length` counts
+        the longest, and each sequence is written and read at its own length.
+        """
         self.layer, self.batch, self.max_len = layer, batch, max_len
         self.options = options or ImplOptions()
-        self.length = 0  # positions cached so far
+        self.lens = tuple(lens) if lens is not None else (max_len,) * batch
+        self.length = 0  # positions cached so far (of the longest sequence)
+        self.deficit = self.deficit_dev = self.lens_dev = None  # None: every sequence alike
+        if len(set(self.lens)) > 1:
+            longest = max(self.lens)
+            self.deficit = tuple(longest - n for n in self.lens)
+            dev = layer.device
+            self.deficit_dev = torch.tensor(self.deficit, dtype=torch.long, device=dev)
+            self.lens_dev = -self.deficit_dev  # each sequence's length, kept on the device
+            self.rows = torch.arange(batch, device=dev)
+            self.positions_dev = torch.arange(max_len, device=dev)
+
+    @classmethod
+    def build(cls, layer: AttentionLayer, config: RunConfig,
+              options: ImplOptions | None = None) -> CachedAttention:
+        """A cache for config's batch: alloc_len positions per sequence, each sequence's own
+        final length."""
+        options = (options or ImplOptions()).at(config)
+        s = config.shape
+        return cls(layer, s.batch, options.alloc_len(s), options, s.row_lens)
+
+    def row_lengths(self) -> list[int]:
+        """Each sequence's cached positions (host)."""
+        return [self.length - d for d in (self.deficit or (0,) * self.batch)]
+
+    def _advance(self, n: int) -> None:
+        """n more positions cached in every sequence."""
+        self.length += n
+        if self.lens_dev is not None:
+            self.lens_dev += n
+
+    def _rewound(self, length: int) -> None:
+        self.length = length
+        if self.lens_dev is not None:
+            self.lens_dev = length - self.deficit_dev
+
+    def start(self):
+        """The position each sequence's next token takes: an int, or [B, 1] when ragged."""
+        return self.length if self.lens_dev is None else self.lens_dev[:, None]
+
+    def visible(self, n: int) -> torch.Tensor | None:
+        """[B, n] True at the cached positions of each sequence, False at padding; None when
+        the batch is square (nothing to mask)."""
+        if self.lens_dev is None:
+            return None
+        return self.positions_dev[:n][None, :] < self.lens_dev[:, None]
+
+    def real(self, n: int) -> torch.Tensor | None:
+        """The padded prompt's [B, n] real positions (False at padding); None when square."""
+        if self.deficit_dev is None:
+            return None
+        return self.positions_dev[:n][None, :] < (n - self.deficit_dev)[:, None]
 
     @classmethod
     def unavailable(cls, config: RunConfig, options: ImplOptions) -> str | None:
@@ -160,20 +233,36 @@ class CachedAttention(ABC):
                 lambda t: fp.grouped_step(s, config.rope, t) * b + fp.dequantized_read(s, t, b),
                 fused)
         return fp.preallocated(
-            s, config.rope, b, fp.Sizes(s).kv(s.total_len) * b,
+            s, config.rope, b, fp.Sizes(s).kv(options.alloc_len(s)) * b,
             lambda t: fp.grouped_step(s, config.rope, t) * b, fused)
 
     @classmethod
+    def reserved_lens(cls, config: RunConfig, options: ImplOptions) -> tuple[int, ...]:
+        """The positions it holds for each sequence once decoded (before block rounding)."""
+        s = config.shape
+        if cls.reserves == "prealloc":
+            return (options.alloc_len(s),) * s.batch
+        if cls.reserves == "padded":
+            return (s.total_len,) * s.batch
+        return s.row_lens
+
+    @classmethod
     def planned_bytes(cls, config: RunConfig, options: ImplOptions) -> int:
-        """`kvbench capacity`'s bytes for this cache: one layer, B sequences of T_p + G
-        positions in the stored format, rounded up to whole blocks if it stores blocks."""
-        s, fmt = config.shape, options.kv_format
-        model = capacity.ModelSpec(name="layer", layers=1, kv_heads=s.kv_heads,
-                                   head_dim=s.head_dim)
-        layout = capacity.CacheFormat(fmt.name or capacity.kv_dtype(config.dtype),
-                                      fmt.group_size,
-                                      block_size=options.block_size if cls.blocked else None)
-        return capacity.plan(model, layout, (s.total_len,) * s.batch).per_rank_bytes
+        """`kvbench capacity`'s bytes for this cache: one layer, the positions it reserves
+        per sequence in the stored format, rounded up to whole blocks if it stores blocks."""
+        return _planned(config, options, cls.reserved_lens(config, options), cls.blocked)
+
+    @classmethod
+    def step_reads(cls, config: RunConfig, options: ImplOptions, length: int) -> int:
+        """Cached positions one decode step reads over the batch when the longest sequence
+        holds `length`: by default every sequence up to the longest, padding included (bench's
+        min_bytes_per_step counts them)."""
+        return config.shape.batch * length
+
+    @staticmethod
+    def payload_bytes(config: RunConfig, options: ImplOptions) -> int:
+        """The bytes of real token states: Σ (T_i + G) positions in the stored format."""
+        return _planned(config, options, config.shape.row_lens, False)
 
     @abstractmethod
     def write(self, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -187,14 +276,15 @@ class CachedAttention(ABC):
 
     def step(self, x_t: torch.Tensor) -> torch.Tensor:
         """One decode position x_t [B, 1, H] -> [B, 1, H]; the cache grows by one."""
-        q, k, v = self.layer.project(x_t, start=self.length)
+        q, k, v = self.layer.project(x_t, start=self.start())
         self.write(k, v)
         keys, values = self.kv()  # [B, H_kv, T, D]
         return self.layer.output(self.attend(q, keys, values))
 
     def attend(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
         """q [B, H_q, 1, D] over the whole cache -> [B, H_q, 1, D]."""
-        return grouped_decode_attention(q, keys, values, self.layer.scale)
+        return grouped_decode_attention(q, keys, values, self.layer.scale,
+                                        self.visible(keys.shape[2]))
 
     @abstractmethod
     def kv(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -214,9 +304,16 @@ class CachedAttention(ABC):
         """Step through every position of x [B, T, H] after the cached ones.
 
         Returns the G outputs [B, 1, H]; with keep=False none are held (timing, memory).
+        In a ragged batch sequence i's next tokens start at its own length, so they are
+        gathered into [B, G, H] first.
         """
+        first = self.length
+        if self.deficit_dev is not None:
+            at = torch.arange(first, x.shape[1], device=x.device)[None] - self.deficit_dev[:, None]
+            x = x[self.rows[:, None], at]  # [B, G, H]: row i from its own position on
+            first = 0
         outputs = []
-        for t in range(self.length, x.shape[1]):
+        for t in range(first, x.shape[1]):
             if keep:
                 outputs.append(self.step(x[:, t:t + 1]))
             else:
@@ -226,6 +323,14 @@ class CachedAttention(ABC):
     def stats(self) -> dict[str, object]:
         """Implementation-specific counters for the report (e.g. blocks used)."""
         return {}
+
+
+def _planned(config: RunConfig, options: ImplOptions, lens, blocked: bool) -> int:
+    s, fmt = config.shape, options.kv_format
+    model = capacity.ModelSpec(name="layer", layers=1, kv_heads=s.kv_heads, head_dim=s.head_dim)
+    layout = capacity.CacheFormat(fmt.name or capacity.kv_dtype(config.dtype), fmt.group_size,
+                                  block_size=options.block_size if blocked else None)
+    return capacity.plan(model, layout, lens).per_rank_bytes
 
 
 def causal_prefill(layer: AttentionLayer, q, k, v) -> torch.Tensor:
@@ -239,16 +344,19 @@ def causal_prefill(layer: AttentionLayer, q, k, v) -> torch.Tensor:
 
 
 def grouped_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                             scale: float) -> torch.Tensor:
+                             scale: float, visible: torch.Tensor | None = None) -> torch.Tensor:
     """One query per sequence over the valid cache, GQA without copying K/V.
 
     q [B, H_q, 1, D]; k, v [B, H_kv, T, D] -> [B, H_q, 1, D]. Query heads h·G..h·G+G-1 share
-    KV head h (repeat_interleave's mapping), so a view groups them. No mask: the one new query
-    may see every cached position.
+    KV head h (repeat_interleave's mapping), so a view groups them. The one new query may see
+    every cached position; in a ragged batch `visible` [B, T] marks them, and padding scores
+    -inf: exactly zero weight after the softmax.
     """
     B, Hq, _, D = q.shape
     Hkv = k.shape[1]
     qg = q.reshape(B, Hkv, Hq // Hkv, D)  # [B, H_kv, G, D]
     scores = (qg @ k.transpose(-2, -1)) * scale  # [B, H_kv, G, T]
+    if visible is not None:
+        scores = scores.masked_fill(~visible[:, None, None, :], float("-inf"))
     out = torch.softmax(scores, dim=-1) @ v  # [B, H_kv, G, D]
     return out.reshape(B, Hq, 1, D)

@@ -80,40 +80,58 @@ class CompiledCache(PreallocatedCache):
         s, b = config.shape, config.dtype_bytes
         # The step attends over all T_max positions, masked: a fused kernel on CUDA; the
         # CPU's compiled graph may hold the [B, H_q, 1, T_max] scores.
+        n = options.alloc_len(s)
         return fp.preallocated(
-            s, config.rope, b, fp.Sizes(s).kv(s.total_len) * b,
-            lambda t: fp.grouped_step(s, config.rope, s.total_len) * b,
+            s, config.rope, b, fp.Sizes(s).kv(n) * b,
+            lambda t: fp.grouped_step(s, config.rope, n) * b,
             fp.sdpa_is_fused(config.device, config.dtype, s.head_dim))
 
-    def __init__(self, layer, batch, max_len, options=None):
-        super().__init__(layer, batch, max_len, options)
+    @classmethod
+    def step_reads(cls, config, options, length):
+        """The whole preallocated cache, every step (masked; fixed shapes)."""
+        return config.shape.batch * options.alloc_len(config.shape)
+
+    def __init__(self, layer, batch, max_len, options=None, lens=None):
+        super().__init__(layer, batch, max_len, options, lens)
         device = torch.device(layer.device)
-        # The step reads every position, weighting those past pos by zero: zero times a NaN
-        # left in uninitialised memory would still be NaN (gpt-fast's cache is torch.zeros).
-        self.k_cache.zero_()
-        self.v_cache.zero_()
+        # The step reads every position, weighting those past pos by zero (the cache is
+        # zeros: PreallocatedCache).
         self.pos = torch.zeros(1, dtype=torch.long, device=device)  # the step's position
         self.positions = torch.arange(max_len, device=device)  # what the mask compares with
         self.cuda = device.type == "cuda"
-        for t in (self.k_cache, self.v_cache, self.pos, self.positions):
+        statics = [self.k_cache, self.v_cache, self.pos, self.positions]
+        if self.deficit_dev is not None:
+            statics += [self.deficit_dev, self.rows]
+        for t in statics:
             torch._dynamo.mark_static_address(t)
         _raise_recompile_limits()
         self._compiled = torch.compile(self._step, fullgraph=True, dynamic=False,
                                        mode=self.mode if self.cuda else None)
         # what a step's graph depends on: its shapes, dtype and device (and the class's step)
         self.graph_key = (type(self), layer.shape, layer.dtype, str(layer.device), batch,
-                          max_len)
+                          max_len, self.deficit)
 
     def _step(self, x_t: torch.Tensor) -> torch.Tensor:
-        """The graph: x_t [B, 1, H] at position self.pos -> [B, 1, H]."""
-        q, k, v = self.layer.project(x_t, start=self.pos)
-        self.k_cache.index_copy_(2, self.pos, k)
-        self.v_cache.index_copy_(2, self.pos, v)
+        """The graph: x_t [B, 1, H] at position self.pos -> [B, 1, H]. In a ragged batch
+        sequence b's position is pos - deficit[b]."""
+        if self.deficit_dev is None:
+            q, k, v = self.layer.project(x_t, start=self.pos)
+            self.k_cache.index_copy_(2, self.pos, k)
+            self.v_cache.index_copy_(2, self.pos, v)
+        else:
+            at = self.pos - self.deficit_dev  # [B]
+            q, k, v = self.layer.project(x_t, start=at[:, None])
+            self.k_cache[self.rows, :, at] = k[:, :, 0]
+            self.v_cache[self.rows, :, at] = v[:, :, 0]
         return self.layer.output(self.attend_all(q))
 
     def attend_all(self, q: torch.Tensor) -> torch.Tensor:
         """q [B, H_q, 1, D] over the whole max-length cache, masked to positions <= pos."""
-        visible = (self.positions <= self.pos)[None]  # [1, T_max]: the valid prefix and the new one
+        if self.deficit_dev is None:
+            visible = (self.positions <= self.pos)[None]  # [1, T_max]: the prefix and the new one
+        else:  # [B, 1, 1, T_max]: each sequence's own
+            at = self.pos - self.deficit_dev
+            visible = (self.positions[None, :] <= at[:, None])[:, None, None, :]
         return F.scaled_dot_product_attention(q, self.k_cache, self.v_cache, attn_mask=visible,
                                               scale=self.layer.scale, enable_gqa=True)
 
@@ -131,7 +149,7 @@ class CompiledCache(PreallocatedCache):
             _compile_ms[self.graph_key] = (time.perf_counter() - start) * 1e3
         else:
             out = self._compiled(x_t)
-        self.length += 1
+        self._advance(1)
         # A CUDA graph's output lives in its pool and is overwritten by the next replay.
         return out.clone() if self.cuda else out
 

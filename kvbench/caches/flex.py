@@ -58,15 +58,22 @@ class FlexCache(CompiledCache):
     @classmethod
     def footprint(cls, config, options):
         s, b = config.shape, config.dtype_bytes
-        blocks = -(-s.total_len // 128)
+        blocks = -(-options.alloc_len(s) // 128)
         mask = 2 * blocks * blocks * 4 + 2 * blocks * 4  # BlockMask: int32 indices and counts
         return fp.preallocated(
-            s, config.rope, b, fp.Sizes(s).kv(s.total_len) * b + mask,
+            s, config.rope, b, fp.Sizes(s).kv(options.alloc_len(s)) * b + mask,
             lambda t: fp.decode_step_small(s, config.rope) * b,
             fp.sdpa_is_fused(config.device, config.dtype, s.head_dim))
 
-    def __init__(self, layer, batch, max_len, options=None):
-        super().__init__(layer, batch, max_len, options)
+    @classmethod
+    def step_reads(cls, config, options, length):
+        """Up to the end of the longest sequence's 128-position mask block; the block mask
+        skips the rest of the preallocated cache."""
+        return config.shape.batch * min(options.alloc_len(config.shape),
+                                        -(-length // 128) * 128)
+
+    def __init__(self, layer, batch, max_len, options=None, lens=None):
+        super().__init__(layer, batch, max_len, options, lens)
         from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
         def causal(b, h, q_idx, kv_idx):
@@ -79,11 +86,17 @@ class FlexCache(CompiledCache):
     def attend_all(self, q):
         full = self.block_mask
         pos = self.pos
+        if self.deficit_dev is None:
+            def at_position(b, h, q_idx, kv_idx):  # the one query sits at position pos
+                return q_idx + pos[0] >= kv_idx
+        else:
+            deficit = self.deficit_dev
 
-        def at_position(b, h, q_idx, kv_idx):  # the one query sits at position pos
-            return q_idx + pos[0] >= kv_idx
+            def at_position(b, h, q_idx, kv_idx):  # sequence b's query at pos - deficit[b]
+                return q_idx + pos[0] - deficit[b] >= kv_idx
 
-        mask = full[:, :, pos // full.BLOCK_SIZE[0]]  # the query's block row; no recompile
+        # The query's block row (the longest sequence's: it covers the others); no recompile
+        mask = full[:, :, pos // full.BLOCK_SIZE[0]]
         mask.mask_mod = at_position
         mask.seq_lengths = (1, self.max_len)
         # A 4-D buffer of q's own: inductor's CPU flex template cannot take a view of the

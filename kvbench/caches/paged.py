@@ -18,24 +18,29 @@ from kvbench.quant import QuantizedStore
 class PagedCache(CachedAttention):
     """vLLM-style paging: a pool of fixed-size blocks and a block table per sequence.
 
-    Pool [N_blocks, H_kv, block_size, D] for K and for V. A sequence takes blocks from the free
-    list as it grows; its table lists them in order. Attention gathers the sequence's blocks
-    (a copy; a production kernel reads them in place) and attends like `static`.
+    Pool [N_blocks, H_kv, block_size, D] for K and for V, as many blocks as the batch's
+    sequences take at their final lengths. A sequence takes blocks from the free list as it
+    grows; its table lists them in order. Attention gathers the sequence's blocks (a copy; a
+    production kernel reads them in place) and attends like `static`. In a ragged batch each
+    sequence takes only the blocks its own length needs, and only its real positions are
+    written; the gather pads the shorter sequences (their unused table entries are 0, a real
+    block whose positions are masked).
     """
 
     name = "paged"
     description = "block pool + per-sequence block tables, gather + grouped attention"
     kv_dtypes = frozenset(QUANTIZED)
     blocked = True
+    reserves = "blocks"
 
     @classmethod
     def footprint(cls, config, options):
         if options.kv_dtype is not None:
             return super().footprint(config, options)  # the quantized store's model
         s, b, bs = config.shape, config.dtype_bytes, options.block_size
-        blocks = math.ceil(s.total_len / bs)  # per sequence
-        pool = fp.Sizes(s).kv(blocks * bs) * b
-        table = s.batch * blocks * fp.INDEX_BYTES
+        blocks = math.ceil(s.total_len / bs)  # per sequence, at most
+        pool = cls.planned_bytes(config, options)
+        table = s.batch * math.ceil(options.alloc_len(s) / bs) * fp.INDEX_BYTES
 
         def step_at(t: int) -> int:
             # The gather copies every block; with H_kv > 1 the [B, H_kv, T, D] view of it
@@ -49,11 +54,17 @@ class PagedCache(CachedAttention):
         return fp.preallocated(s, config.rope, b, pool + table, step_at,
                                fp.sdpa_is_fused(config.device, config.dtype, s.head_dim))
 
-    def __init__(self, layer, batch, max_len, options=None):
-        super().__init__(layer, batch, max_len, options)
+    @classmethod
+    def step_reads(cls, config, options, length):
+        """The gather reads each sequence's own blocks, whole (padding reads block 0 again)."""
+        s, bs = config.shape, options.block_size
+        return sum(math.ceil((length - s.prompt_len + t) / bs) * bs for t in s.prompt_lens)
+
+    def __init__(self, layer, batch, max_len, options=None, lens=None):
+        super().__init__(layer, batch, max_len, options, lens)
         s, bs = layer.shape, self.options.block_size
-        self.blocks_per_seq = math.ceil(max_len / bs)
-        n_blocks = batch * self.blocks_per_seq
+        self.blocks_per_seq = math.ceil(max_len / bs)  # the table's width
+        n_blocks = sum(math.ceil(n / bs) for n in self.lens)
         lead = (n_blocks, s.kv_heads, bs)  # [N_blocks, H_kv, block_size, ...]
         # Quantized, the pools are a QuantizedStore's tensors: codes, and for the int formats
         # per-group scales and zero points, block by block.
@@ -62,18 +73,22 @@ class PagedCache(CachedAttention):
             self.store = QuantizedStore(self.options.kv_format, lead, s.head_dim, layer.device)
         else:
             shape = (*lead, s.head_dim)  # [N_blocks, H_kv, block_size, D]
-            self.k_pool = torch.empty(shape, dtype=layer.dtype, device=layer.device)
-            self.v_pool = torch.empty(shape, dtype=layer.dtype, device=layer.device)
+            # zeros: the gather pads short sequences with masked positions, whose weight of
+            # exactly zero must not meet a NaN left in uninitialised memory
+            self.k_pool = torch.zeros(shape, dtype=layer.dtype, device=layer.device)
+            self.v_pool = torch.zeros(shape, dtype=layer.dtype, device=layer.device)
         self.free = deque(range(n_blocks))
         # The block tables live on the host, where blocks are handed out; the device holds a
         # copy for the gather, uploaded whole (one copy, no host sync) when a block is taken.
         self.tables: list[list[int]] = [[] for _ in range(batch)]
-        self.table = torch.full((batch, self.blocks_per_seq), -1, dtype=torch.long,
-                                device=layer.device)  # [B, blocks_per_seq] block ids; -1 = none
+        # [B, blocks_per_seq] block ids; 0 past a sequence's blocks: never read unmasked
+        self.table = torch.zeros((batch, self.blocks_per_seq), dtype=torch.long,
+                                 device=layer.device)
+        self.n_blocks = n_blocks
         self.uploads = 0
 
     def _upload(self) -> None:
-        rows = torch.tensor([t + [-1] * (self.blocks_per_seq - len(t)) for t in self.tables],
+        rows = torch.tensor([t + [0] * (self.blocks_per_seq - len(t)) for t in self.tables],
                             dtype=torch.long)
         if self.table.is_cuda:  # from pinned memory the copy is queued, not waited for
             self.table.copy_(rows.pin_memory(), non_blocking=True)
@@ -82,9 +97,10 @@ class PagedCache(CachedAttention):
         self.uploads += 1
 
     def _grow(self, length: int) -> None:
-        need = math.ceil(length / self.options.block_size)
+        """Blocks for `length` positions of the longest sequence (each takes its own)."""
         opened = False
-        for blocks in self.tables:
+        for blocks, deficit in zip(self.tables, self.deficit or (0,) * self.batch):
+            need = math.ceil((length - deficit) / self.options.block_size)
             while len(blocks) < need:
                 if not self.free:
                     raise KvbenchError("paged cache: the block pool is exhausted")
@@ -97,18 +113,31 @@ class PagedCache(CachedAttention):
         """k, v [B, H_kv, n, D] at positions length..length+n-1."""
         n, bs = k.shape[2], self.options.block_size
         self._grow(self.length + n)
-        pos = torch.arange(self.length, self.length + n, device=k.device)
-        blocks = self.table[:, pos // bs]  # [B, n]
-        offsets = pos % bs  # [n]
-        # pool[blocks, :, offsets] has shape [B, n, H_kv, ...]
+        real = self.real(n) if self.length == 0 else None
         if self.store is None:
             parts = [(self.k_pool, k), (self.v_pool, v)]
         else:
-            parts = [(self.store.tensors[name], part)
-                     for name, part in self.store.encode(k, v, self.length == 0).items()]
-        for pool, values in parts:
-            pool[blocks, :, offsets] = values.transpose(1, 2)
-        self.length += n
+            parts = [(self.store.tensors[name], part) for name, part
+                     in self.store.encode(k, v, self.length == 0, real).items()]
+        if self.deficit is None:
+            pos = torch.arange(self.length, self.length + n, device=k.device)
+            blocks = self.table[:, pos // bs]  # [B, n]
+            offsets = pos % bs  # [n]
+            for pool, values in parts:  # pool[blocks, :, offsets] has shape [B, n, H_kv, ...]
+                pool[blocks, :, offsets] = values.transpose(1, 2)
+        elif self.length == 0:  # the padded prompt: only each sequence's real positions
+            rows, pos = real.nonzero(as_tuple=True)  # [N] each
+            blocks = self.table[rows, pos // bs]
+            for pool, values in parts:
+                pool[blocks, :, pos % bs] = values.transpose(1, 2)[rows, pos]
+        elif n == 1:  # each sequence at its own length
+            pos = self.lens_dev
+            blocks = self.table[self.rows, pos // bs]  # [B]
+            for pool, values in parts:
+                pool[blocks, :, pos % bs] = values[:, :, 0]
+        else:
+            raise KvbenchError("a ragged batch appends one position per sequence at a time")
+        self._advance(n)
 
     def _gather(self, pool: torch.Tensor) -> torch.Tensor:
         s, bs = self.layer.shape, self.options.block_size
@@ -130,17 +159,20 @@ class PagedCache(CachedAttention):
         return [self.k_pool, self.v_pool]
 
     def rewind(self, length):
-        keep = math.ceil(length / self.options.block_size)
         released = False
-        for blocks in self.tables:
+        for blocks, deficit in zip(self.tables, self.deficit or (0,) * self.batch):
+            keep = math.ceil((length - deficit) / self.options.block_size)
             while len(blocks) > keep:
                 self.free.appendleft(blocks.pop())
                 released = True
         if released:
             self._upload()
-        self.length = length
+        self._rewound(length)
 
     def stats(self):
+        bs = self.options.block_size
         return {"blocks_used": sum(len(t) for t in self.tables),
-                "blocks_allocated": self.blocks_per_seq * self.batch,
+                "unused_positions": sum(len(t) * bs - n
+                                        for t, n in zip(self.tables, self.row_lengths())),
+                "blocks_allocated": self.n_blocks,
                 "block_size": self.options.block_size}

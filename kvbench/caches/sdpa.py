@@ -30,7 +30,7 @@ class SdpaCache(PreallocatedCache):
         fused = fp.sdpa_is_fused(config.device, config.dtype, s.head_dim)
         step = fp.decode_step_small if fused else None
         return fp.preallocated(
-            s, config.rope, b, fp.Sizes(s).kv(s.total_len) * b,
+            s, config.rope, b, fp.Sizes(s).kv(options.alloc_len(s)) * b,
             lambda t: (step(s, config.rope) if fused else fp.math_sdpa_step(s, config.rope, t)) * b,
             fused)
 
@@ -44,13 +44,15 @@ class SdpaCache(PreallocatedCache):
         dt, dev = torch_dtype(config.dtype), config.device
         q = torch.zeros(s.batch, s.q_heads, 1, s.head_dim, dtype=dt, device=dev)
         k = torch.zeros(s.batch, s.kv_heads, 8, s.head_dim, dtype=dt, device=dev)
+        # a ragged batch masks its padding: some fused kernels take no mask
+        mask = torch.ones(s.batch, 1, 1, 8, dtype=torch.bool, device=dev) if s.ragged else None
         usable = []
         for name in SDPA_BACKENDS[1:]:
             try:
                 # torch warns why each fused kernel declines: the answer is the list below
                 with warnings.catch_warnings(), sdpa_kernel(_BACKENDS[name]):
                     warnings.simplefilter("ignore")
-                    F.scaled_dot_product_attention(q, k, k, enable_gqa=True)
+                    F.scaled_dot_product_attention(q, k, k, attn_mask=mask, enable_gqa=True)
                 usable.append(name)
             except RuntimeError as err:
                 if not backend_declined(err):  # out of memory, a device error: not "unavailable"
@@ -63,10 +65,13 @@ class SdpaCache(PreallocatedCache):
     def attend(self, q, keys, values):
         # Pitfall: is_causal=True would align the mask top-left, letting the one new query see
         # only key 0. The query may see the whole valid slice, so no mask at all.
+        # A ragged batch passes a boolean mask [B, 1, 1, T]: False (padding) scores -inf.
+        visible = self.visible(keys.shape[2])
+        mask = visible[:, None, None, :] if visible is not None else None
         pinned = self.options.sdpa_backend
         with sdpa_kernel(_BACKENDS[pinned]) if pinned != "auto" else nullcontext():
-            return F.scaled_dot_product_attention(q, keys, values, scale=self.layer.scale,
-                                                  enable_gqa=True)
+            return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask,
+                                                  scale=self.layer.scale, enable_gqa=True)
 
     def stats(self):
         return {"sdpa_backend": self.backend()}
@@ -79,8 +84,10 @@ class SdpaCache(PreallocatedCache):
         q = torch.zeros(self.batch, s.q_heads, 1, s.head_dim, dtype=self.layer.dtype,
                         device=self.layer.device)
         keys, values = self.kv()
+        visible = self.visible(keys.shape[2])
+        mask = visible[:, None, None, :] if visible is not None else None
         try:  # private, but the dispatcher's own choice
-            choice = torch._fused_sdp_choice(q, keys, values, None, 0.0, False,
+            choice = torch._fused_sdp_choice(q, keys, values, mask, 0.0, False,
                                              scale=self.layer.scale, enable_gqa=True)
             return {v: k for k, v in _BACKENDS.items()}.get(SDPBackend(choice), "unknown")
         except (AttributeError, RuntimeError, TypeError, ValueError):

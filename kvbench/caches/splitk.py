@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib.util
 import time
 
+import numpy as np
 import torch
 
 from kvbench import footprint as fp
@@ -55,7 +56,14 @@ class SplitKCache(PreallocatedCache):
             output = held + z.q(1) + gemm(s.q_heads * s.head_dim, s.hidden)
             return max(project, attend, output) * b
 
-        return fp.preallocated(s, config.rope, b, z.kv(s.total_len) * b, step_at)
+        return fp.preallocated(s, config.rope, b, z.kv(options.alloc_len(s)) * b, step_at)
+
+    @classmethod
+    def step_reads(cls, config, options, length):
+        """Each sequence's own positions."""
+        from kvbench.costs import real_positions
+
+        return real_positions(config.shape, length)
 
     def step(self, x_t):
         global _compile_ms
@@ -67,7 +75,7 @@ class SplitKCache(PreallocatedCache):
         return self._step(x_t)
 
     def _step(self, x_t):
-        q, k, v = self.layer.project(x_t, start=self.length, gemm=numba_splitk.skinny_gemm)
+        q, k, v = self.layer.project(x_t, start=self.start(), gemm=numba_splitk.skinny_gemm)
         self.write(k, v)
         return self.layer.output(self.attend(q, *self.kv()), gemm=numba_splitk.skinny_gemm)
 
@@ -77,8 +85,9 @@ class SplitKCache(PreallocatedCache):
         G = Hq // Hkv
         qg = (q.reshape(B, Hkv, G, D) * self.layer.scale).contiguous()  # [B, H_kv, G, D]
         out = torch.empty(B, Hkv, G, D, dtype=q.dtype)
+        lengths = np.array(self.row_lengths(), dtype=np.int64)  # each sequence reads its own
         numba_splitk.decode_attention(qg.numpy(), self.k_cache.numpy(), self.v_cache.numpy(),
-                                      self.length, out.numpy())
+                                      lengths, out.numpy())
         return out.reshape(B, Hq, 1, D)
 
     def stats(self):

@@ -13,12 +13,15 @@ from kvbench.quant import QuantizedStore
 class PreallocatedCache(CachedAttention):
     """Storage preallocated for prompt + decode, [B, H_kv, T_max, D], written in place.
 
+    A ragged batch's padded prompt is written whole (its padding is masked, then overwritten
+    as each sequence grows); every later position goes to its sequence's own length.
+
     With a quantized --kv-dtype (where the subclass takes one) the positions are stored in a
     QuantizedStore instead, and read back dequantized: the valid prefix, then attention.
     """
 
-    def __init__(self, layer, batch, max_len, options=None):
-        super().__init__(layer, batch, max_len, options)
+    def __init__(self, layer, batch, max_len, options=None, lens=None):
+        super().__init__(layer, batch, max_len, options, lens)
         s = layer.shape
         self.store = None
         if self.options.kv_dtype is not None:
@@ -26,8 +29,10 @@ class PreallocatedCache(CachedAttention):
                                         s.head_dim, layer.device)
             return
         shape = (batch, s.kv_heads, max_len, s.head_dim)  # [B, H_kv, T_max, D]
-        self.k_cache = torch.empty(shape, dtype=layer.dtype, device=layer.device)
-        self.v_cache = torch.empty(shape, dtype=layer.dtype, device=layer.device)
+        # Zeros, not empty: a masked position weighs exactly zero, but zero times a NaN left
+        # in uninitialised memory would still be NaN (gpt-fast's cache is torch.zeros too).
+        self.k_cache = torch.zeros(shape, dtype=layer.dtype, device=layer.device)
+        self.v_cache = torch.zeros(shape, dtype=layer.dtype, device=layer.device)
 
     def cache_tensors(self):
         if self.store is not None:
@@ -40,12 +45,20 @@ class PreallocatedCache(CachedAttention):
         if self.length + n > self.max_len:
             raise KvbenchError(f"cache holds {self.max_len} positions; cannot append "
                                f"{n} at {self.length}")
-        if self.store is not None:
-            self.store.write(k, v, self.length)
+        if self.deficit is None or self.length == 0:  # every sequence alike, or the prompt
+            if self.store is not None:
+                self.store.write(k, v, self.length, self.real(n))
+            else:
+                self.k_cache[:, :, self.length:self.length + n] = k
+                self.v_cache[:, :, self.length:self.length + n] = v
+        elif n != 1:
+            raise KvbenchError("a ragged batch appends one position per sequence at a time")
+        elif self.store is not None:  # each sequence at its own length
+            self.store.write_at(k, v, self.rows, self.lens_dev)
         else:
-            self.k_cache[:, :, self.length:self.length + n] = k
-            self.v_cache[:, :, self.length:self.length + n] = v
-        self.length += n
+            self.k_cache[self.rows, :, self.lens_dev] = k[:, :, 0]
+            self.v_cache[self.rows, :, self.lens_dev] = v[:, :, 0]
+        self._advance(n)
 
     def kv(self):
         if self.store is not None:
@@ -54,7 +67,7 @@ class PreallocatedCache(CachedAttention):
         return self.k_cache[:, :, : self.length], self.v_cache[:, :, : self.length]
 
     def rewind(self, length):
-        self.length = length
+        self._rewound(length)
 
 
 @register

@@ -72,15 +72,21 @@ class TritonCache(PagedCache):
     @classmethod
     def footprint(cls, config, options):
         s, b, bs = config.shape, config.dtype_bytes, options.block_size
-        blocks = math.ceil(s.total_len / bs)  # per sequence
-        pool = fp.Sizes(s).kv(blocks * bs) * b
-        table = s.batch * blocks * fp.INDEX_BYTES
+        pool = cls.planned_bytes(config, options)
+        table = s.batch * math.ceil(options.alloc_len(s) / bs) * fp.INDEX_BYTES
         splits = options.splits or cls.splits_for(config.device, s.batch * s.kv_heads,
                                                   s.total_len)
         partials = s.batch * s.q_heads * splits * (s.head_dim + 2) * 4  # acc, m, l in float32
         step = fp.decode_step_small(s, config.rope) * b
         return fp.preallocated(s, config.rope, b, pool + table + partials, lambda t: step,
                                fp.sdpa_is_fused(config.device, config.dtype, s.head_dim))
+
+    @classmethod
+    def step_reads(cls, config, options, length):
+        """Each sequence's own positions, read in place."""
+        from kvbench.costs import real_positions
+
+        return real_positions(config.shape, length)
 
     @staticmethod
     def splits_for(device: str, programs: int, length: int) -> int:
@@ -89,15 +95,17 @@ class TritonCache(PagedCache):
         dev = torch.device(device)
         return triton_decode.choose_splits(length, programs, triton_decode.processors(dev))
 
-    def __init__(self, layer, batch, max_len, options=None):
-        super().__init__(layer, batch, max_len, options)
+    def __init__(self, layer, batch, max_len, options=None, lens=None):
+        super().__init__(layer, batch, max_len, options, lens)
         from kvbench.kernels import triton_decode
 
         s = layer.shape
         self.kernel = triton_decode
         self.processors = triton_decode.processors(torch.device(layer.device))
         most = self.options.splits or triton_decode.choose_splits(
-            max_len, batch * s.kv_heads, self.processors)  # grows with the length
+            max(self.lens), batch * s.kv_heads, self.processors)  # grows with the length
+        self.kernel_deficit = (self.deficit_dev if self.deficit_dev is not None else
+                               torch.zeros(batch, dtype=torch.long, device=layer.device))
         f32 = {"dtype": torch.float32, "device": layer.device}
         self.partials = (torch.empty(batch, s.q_heads, most, s.head_dim, **f32),  # acc
                          torch.empty(batch, s.q_heads, most, **f32),  # running max m
@@ -105,7 +113,7 @@ class TritonCache(PagedCache):
         self.splits = 0
 
     def step(self, x_t):
-        q, k, v = self.layer.project(x_t, start=self.length)  # q [B, H_q, 1, D]
+        q, k, v = self.layer.project(x_t, start=self.start())  # q [B, H_q, 1, D]
         self.write(k, v)
         return self.layer.output(self.attend(q))
 
@@ -114,7 +122,7 @@ class TritonCache(PagedCache):
         self.splits = self.options.splits or self.kernel.choose_splits(
             self.length, B * self.layer.shape.kv_heads, self.processors)
         self.kernel.split_partials(q.reshape(B, Hq, D), *self.pools_read(), self.table,
-                                   self.length, self.layer.scale, self.splits, self.partials,
+                                   self.kernel_deficit, self.length, self.layer.scale, self.splits, self.partials,
                                    self.store)
         out = torch.empty(B, Hq, D, dtype=q.dtype, device=q.device)
         return self.merge(out).reshape(B, Hq, 1, D)

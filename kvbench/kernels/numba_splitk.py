@@ -93,16 +93,17 @@ def _build():
         gemm_rows(scores, vv, acc_out, 0, n)  # one pass over V: acc_out = P @ V
 
     @njit(nogil=True, fastmath=True, cache=True)
-    def partial(q, k, v, length, chunks, m_part, l_part, acc_part, first, last):
+    def partial(q, k, v, lengths, chunks, m_part, l_part, acc_part, first, last):
         """Work items first..last-1; item = (b·H_kv + h)·chunks + c is chunk c of KV head h
-        of sequence b. q [B, H_kv, G, D] (pre-scaled); k, v [B, H_kv, T_max, D].
+        of sequence b. q [B, H_kv, G, D] (pre-scaled); k, v [B, H_kv, T_max, D]; sequence b
+        reads its first lengths[b] positions, in chunks sized by the longest.
         """
         Hkv = q.shape[1]
-        size = (length + chunks - 1) // chunks
+        size = (lengths.max() + chunks - 1) // chunks
         for item in range(first, last):
             bh, c = item // chunks, item % chunks
             b, h = bh // Hkv, bh % Hkv
-            start, stop = c * size, min(length, (c + 1) * size)
+            start, stop = c * size, min(lengths[b], (c + 1) * size)
             if stop <= start:
                 l_part[bh, c, :] = 0.0
                 continue
@@ -187,19 +188,21 @@ def skinny_gemm(a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return parts[0] if len(ranges) == 1 else parts.sum(dim=0)
 
 
-def decode_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, length: int,
+def decode_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, lengths: np.ndarray,
                      out: np.ndarray) -> np.ndarray:
-    """Split-K decode attention over k, v[:, :, :length] with one thread per CPU core."""
+    """Split-K decode attention, sequence b over k, v[b, :, :lengths[b]], with one thread per
+    CPU core."""
     (partial, merge, _), _ = _kernels_and_pool()
     B, Hkv, G, D = q.shape
+    length = int(lengths.max())
     # Enough chunks that every thread has work, none shorter than MIN_CHUNK positions.
     chunks = max(1, min(math.ceil(2 * _cores / (B * Hkv)), length // MIN_CHUNK))
     items = B * Hkv * chunks
     m_part = np.empty((B * Hkv, chunks, G), dtype=np.float32)
     l_part = np.empty((B * Hkv, chunks, G), dtype=np.float32)
     acc_part = np.empty((B * Hkv, chunks, G, D), dtype=np.float32)
-    nbytes = 2 * B * Hkv * length * D * q.itemsize
-    _run([(partial, (q, k, v, length, chunks, m_part, l_part, acc_part, lo, hi))
+    nbytes = 2 * Hkv * int(lengths.sum()) * D * q.itemsize
+    _run([(partial, (q, k, v, lengths, chunks, m_part, l_part, acc_part, lo, hi))
           for lo, hi in _ranges(items, _threads(nbytes))])
     merge(m_part, l_part, acc_part, out)
     return out

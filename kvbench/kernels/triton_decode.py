@@ -50,7 +50,7 @@ def _dequantized(C, S, Z, slot_c, slot_m, offs_d, mask, BITS: tl.constexpr,
     return q.to(tl.float32) * s + z
 
 
-def _stage1(Q, K, V, Table, Acc, M, L, KS, KZ, VS, VZ, scale, length, split_len, page,
+def _stage1(Q, K, V, Table, Deficit, Acc, M, L, KS, KZ, VS, VZ, scale, length, split_len, page,
             stride_qb, stride_qh, stride_kn, stride_kh, stride_kt, stride_tb,
             stride_ab, stride_ah, stride_as, stride_mb, stride_mh,
             stride_sn, stride_sh, stride_st,
@@ -76,7 +76,8 @@ def _stage1(Q, K, V, Table, Acc, M, L, KS, KZ, VS, VZ, scale, length, split_len,
         q = q.to(tl.float32)
 
     start = s * split_len
-    end = tl.minimum(start + split_len, length)
+    # sequence b holds `length` - Deficit[b] positions (a ragged batch; 0 for the longest)
+    end = tl.minimum(start + split_len, length - tl.load(Deficit + b))
     m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
@@ -183,12 +184,13 @@ def pad(n: int) -> int:
 
 
 def split_partials(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
-                   table: torch.Tensor, length: int, scale: float, splits: int, partials,
-                   store=None) -> None:
+                   table: torch.Tensor, deficit: torch.Tensor, length: int, scale: float,
+                   splits: int, partials, store=None) -> None:
     """Stage 1: each split's running max, exp-sum and exp-weighted V sum into `partials`.
 
     q [B, H_q, D]; k_pool, v_pool [N_blocks, H_kv, block_size, D]; table [B, blocks] block
-    ids; the first `length` positions of each sequence are read. partials = (acc [B, H_q, S, D],
+    ids; sequence b reads its first length - deficit[b] positions (deficit [B] int64: 0 for
+    every sequence of a square batch), split as the longest is. partials = (acc [B, H_q, S, D],
     m [B, H_q, S], l [B, H_q, S]) in float32, with S >= splits. Quantized, k_pool and v_pool
     are the codes of `store` (a kvbench.quant.QuantizedStore over the pool layout), whose
     scales and zero points the kernel reads beside them: [N_blocks, H_kv, block_size, groups]
@@ -215,7 +217,7 @@ def split_partials(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
     # float32: exact products; the GPUs' TF32 default would miss float32's tolerance
     precision = "ieee" if q.dtype == torch.float32 or widen else "tf32"
     stage1[(B, Hkv, splits)](
-        q, k_pool, v_pool, table, acc, m, l, ks, kz, vs, vz, scale, length,
+        q, k_pool, v_pool, table, deficit, acc, m, l, ks, kz, vs, vz, scale, length,
         split_len(length, splits), page,
         q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), k_pool.stride(2),
         table.stride(0), acc.stride(0), acc.stride(1), acc.stride(2), m.stride(0), m.stride(1),
