@@ -120,7 +120,7 @@ def plot_serving(df: pd.DataFrame, plt):
                              f"seq_lens={r['seq_lens']}" for _, r in df.iterrows()])
     groups = list(dict.fromkeys(df["batch_of"]))
     impls = list(dict.fromkeys(df["impl"]))
-    fig, ax = plt.subplots(figsize=(max(6, 1.2 * len(groups) * len(impls) / 2 + 3), 4.8))
+    fig, ax = plt.subplots(figsize=(max(9, 0.7 * len(groups) * len(impls) + 5), 4.8))
     width = 0.8 / len(impls)
     xs = np.arange(len(groups))
     for i, impl in enumerate(impls):
@@ -142,8 +142,9 @@ def plot_serving(df: pd.DataFrame, plt):
     ax.set_ylabel("KV memory holding tokens (%)")
     ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1, 0.5))
     ax.grid(True, axis="y", alpha=0.3)
-    fig.suptitle(_title(df, "memory: share of the KV cache holding tokens"
-                        + (f" (max-len {', '.join(map(str, max_lens))})" if max_lens else "")))
+    fig.suptitle(_title(df, "memory: share of the KV cache holding tokens")
+                 + (f"\npreallocated to max-len {', '.join(map(str, max_lens))}" if max_lens
+                    else ""), fontsize=10)
     return fig
 
 

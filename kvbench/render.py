@@ -158,7 +158,9 @@ def bench_table(result) -> Table:
     copy = result.copy_gbps
     t.caption = (f"times in ms; recompute and cached: all {g} decode steps, median of "
                  f"{result.options.rounds} rounds after {result.options.warmup} warmups; IQR of "
-                 f"cached as % of median; GB/s = minimum bytes per step / cached step time; "
+                 "cached as % of median; GB/s = the bytes a step must move (the positions each "
+                 "implementation reads: padding, whole blocks, a whole preallocated cache) / "
+                 "cached step time; "
                  f"copy bandwidth {copy:.1f} GB/s (read+write); verified {result.verified}")
     return t
 

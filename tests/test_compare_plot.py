@@ -114,6 +114,26 @@ def test_plot_bench_memory_capacity(tmp_path, bench_csv):
     assert runner.invoke(app, ["plot", str(cap), "-o", str(tmp_path / "c.png")]).exit_code == 0
 
 
+def test_plot_draws_ragged_memory_rows_as_shares_holding_tokens(tmp_path):
+    mem = tmp_path / "serving.csv"
+    args = ["memory", "--device", "cpu", "--decode-len", "2", "--hidden", "32", "--q-heads",
+            "4", "--kv-heads", "2", "--head-dim", "8", "--batch", "8", "--impl", "static,paged",
+            "--len-dist", "lognormal:30:1.0,uniform:1:60", "--max-len", "128", "--csv", str(mem)]
+    assert runner.invoke(app, args).exit_code == 0
+    import kvbench.plot as plot
+
+    drawn = []
+    original = plot.plot_serving
+    plot.plot_serving = lambda df, plt: drawn.append(len(df)) or original(df, plt)
+    try:
+        result = runner.invoke(app, ["plot", str(mem)])
+    finally:
+        plot.plot_serving = original
+    assert result.exit_code == 0, result.output
+    assert drawn == [4]  # 2 distributions x 2 implementations
+    assert (tmp_path / "serving.png").read_bytes()[:4] == b"\x89PNG"
+
+
 def test_plot_capacity_without_fit_says_what_is_missing(tmp_path):
     cap = tmp_path / "c.csv"
     assert runner.invoke(app, ["capacity", "--model", "llama-3-8b", "--csv", str(cap)]).exit_code == 0

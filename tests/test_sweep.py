@@ -61,10 +61,13 @@ def test_bad_sweep_files(tmp_path, text, message):
 def test_shipped_sweep_files_parse(path):
     from kvbench.sweep import load_sweep
 
-    command = "verify" if "verify" in path.stem else "bench"
+    import tomllib
+
+    command = tomllib.loads(path.read_text()).get("command", "verify")
     allowed = {"device", "dtype", "batch", "prompt_len", "decode_len", "hidden", "q_heads",
                "kv_heads", "head_dim", "seed", "impl", "rope", "block_size", "sdpa_backend",
-               "warmup", "rounds", "recompute", "prefill", "splits", "kv_dtype", "group_size"}
+               "warmup", "rounds", "recompute", "prefill", "splits", "kv_dtype", "group_size",
+               "seq_lens", "len_dist", "max_len", "prealloc"}
     assert load_sweep(path, command, allowed)
 
 
