@@ -71,6 +71,16 @@ kv verify --device cuda --dtype float16,bfloat16 --kv-dtype fp8,int8,int4 --impl
 kv bench --device cuda --dtype float16 --kv-dtype none,int8,fp8,int4 --impl triton --batch 8 \
     --prompt-len 32768 --decode-len 8 --hidden 4096 --q-heads 32 --kv-heads 8 --head-dim 128 \
     --no-recompute --no-prefill --csv "$out/bench-kv.csv"
+# ragged batches: every implementation exact per sequence, then the share of KV memory that
+# holds tokens (preallocated vs paged) and the ragged decode timed (triton reads only real
+# positions; static the padded maximum)
+kv verify --device cuda --dtype float16 --impl all --rope --seq-lens 1,17,64,300,1000,2047 \
+    --max-len 2100 --csv "$out/verify-ragged.csv"
+kv memory --device cuda --config configs/sweeps/serving-waste.toml --csv "$out/memory-serving.csv"
+kv plot "$out/memory-serving.csv" -o "$out/memory-serving.png"
+kv bench --device cuda --dtype float16 --impl static,sdpa,paged,triton,compiled --batch 32 \
+    --len-dist lognormal:2000:1.0 --max-len 32768 --decode-len 8 --hidden 4096 --q-heads 32 \
+    --kv-heads 8 --head-dim 128 --no-recompute --no-prefill --csv "$out/bench-ragged.csv"
 for backend in flash efficient cudnn math; do
     # which SDPA backends take decode here, at the reference shape (exit 2 = not available)
     echo "\$ verify --impl sdpa --sdpa-backend $backend" >> "$log"

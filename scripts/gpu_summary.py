@@ -73,6 +73,24 @@ def main() -> int:
             print("triton, quantized K/V at the long shape: ms/step (x faster than fp16; "
                   "target >= 1.6 for int8 or fp8): " + ", ".join(
                       f"{f} {m:.3f} ({steps['fp16'] / m:.2f}x)" for f, m in steps.items()))
+    ragged = read(out, "verify-ragged.csv")
+    if ragged is not None:
+        print("verify, ragged batch (prompts " + str(ragged["seq_lens"].iloc[0]) + "): "
+              + ", ".join(f"{r['impl']} {'PASS' if r['passed'] else 'FAIL'}"
+                          for _, r in ragged.iterrows()))
+        bad += int((~ragged["passed"]).sum())
+    serving = read(out, "memory-serving.csv")
+    if serving is not None:
+        print("memory, serving-waste sweep: share of KV memory holding tokens "
+              "(vLLM paper: 20-38% preallocated, 96% paged): " + "; ".join(
+                  f"{d} " + ", ".join(f"{r['impl']} {100 * (1 - r['kv_waste']):.1f}%"
+                                      for _, r in g.iterrows())
+                  for d, g in serving.groupby("len_dist", sort=False)))
+    rb = read(out, "bench-ragged.csv")
+    if rb is not None:
+        print("bench, ragged decode (lognormal B=32): ms/step, % of copy: " + ", ".join(
+            f"{r['impl']} {r['cached_ms_per_step']:.3f} {100 * r['bandwidth_fraction']:.0f}%"
+            for _, r in rb.iterrows()))
     memory = read(out, "memory.csv")
     if memory is not None:
         print("memory, reference case: prefill + decode peak MiB, allocated / reserved "

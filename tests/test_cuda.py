@@ -31,6 +31,34 @@ def test_every_implementation_equals_recompute_on_cuda(dtype, rope):
         assert report.passed, [(c.impl, c.message) for c in report.checks]
 
 
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_every_implementation_is_exact_on_a_ragged_batch_on_cuda(dtype):
+    from kvbench.caches import IMPLEMENTATIONS
+    from kvbench.config import LayerShape
+
+    shape = LayerShape(decode_len=6, hidden=256, q_heads=8, kv_heads=2, head_dim=64).with_lens(
+        (1, 300, 17, 129), max_len=512)
+    config = RunConfig(shape, dtype, "cuda:0", 0, True)
+    impls = {n: c for n, c in IMPLEMENTATIONS.items()
+             if c.unavailable(config, ImplOptions()) is None
+             and (dtype == "float16" or n not in ("compiled", "flex"))}
+    report = verify(config, impls, ImplOptions(block_size=16))
+    assert "triton" in impls and "sdpa" in impls
+    assert report.passed, [(c.impl, c.message) for c in report.checks]
+
+
+def test_verify_rejects_ragged_faults_on_cuda():
+    from broken import AttendsPadding, KernelLengthOfAnother, SwappedLengthsPaged
+
+    from kvbench.config import LayerShape
+
+    shape = LayerShape(decode_len=4, hidden=256, q_heads=8, kv_heads=2, head_dim=64).with_lens(
+        (150, 3, 64, 77))
+    for broken in (AttendsPadding, KernelLengthOfAnother, SwappedLengthsPaged):
+        report = verify(RunConfig(shape, "float16", "cuda:0"), {broken.name: broken})
+        assert not report.passed, broken.name
+
+
 def test_verify_rejects_a_lossy_cache_on_cuda():
     from broken import LossyCast
 
