@@ -8,6 +8,7 @@ h // (H_q / H_kv), the mapping of `repeat_interleave` along the head dimension.
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import torch
 
@@ -35,6 +36,7 @@ class AttentionLayer:
         self.w_qkv = torch.cat((w_q, w_k, w_v), dim=1).to(device=device, dtype=dtype)
         self.w_o = weight(Hq * D, H).to(device=device, dtype=dtype)
         self.scale = 1.0 / math.sqrt(D)
+        self.tp = 1  # ranks the layer is split over (see `shard`); 1: the whole layer
 
     @classmethod
     def from_config(cls, config: RunConfig) -> AttentionLayer:
@@ -47,6 +49,32 @@ class AttentionLayer:
         other.__dict__.update(self.__dict__)
         other.dtype = dtype
         other.w_qkv, other.w_o = self.w_qkv.to(dtype), self.w_o.to(dtype)
+        return other
+
+    def shard(self, tp: int, rank: int) -> AttentionLayer:
+        """Rank `rank`'s part of the layer split by head over `tp` ranks (Megatron-style).
+
+        The rank keeps query heads rank·H_q/N .. (rank+1)·H_q/N − 1 and the KV heads they
+        read: H_kv/N of them, or with fewer KV heads than ranks the one KV head its query
+        heads share (each KV head replicated on N/H_kv ranks, as `kvbench capacity --tp`
+        assumes). W_q, W_k, W_v keep those heads' columns (column-parallel), W_o their rows
+        (row-parallel); `output` all-reduces the partial sums. The weights are the whole
+        layer's, sliced: the shards compute exactly the unsharded layer.
+        """
+        s = self.shape
+        Hq, Hkv, D = s.q_heads, s.kv_heads, s.head_dim
+        hq, hkv = Hq // tp, max(1, Hkv // tp)
+        first_q = rank * hq
+        first_kv = first_q // s.group  # the KV head of the rank's first query head
+        q = slice(first_q * D, (first_q + hq) * D)
+        k = slice((Hq + first_kv) * D, (Hq + first_kv + hkv) * D)
+        v = slice((Hq + Hkv + first_kv) * D, (Hq + Hkv + first_kv + hkv) * D)
+        other = object.__new__(type(self))
+        other.__dict__.update(self.__dict__)
+        other.shape = replace(s, q_heads=hq, kv_heads=hkv)
+        other.w_qkv = torch.cat((self.w_qkv[:, q], self.w_qkv[:, k], self.w_qkv[:, v]), dim=1)
+        other.w_o = self.w_o[q].contiguous()
+        other.tp = tp
         return other
 
     @property
@@ -76,7 +104,23 @@ class AttentionLayer:
         """attn [B, H_q, T, D] -> [B, T, H]."""
         B, _, T, _ = attn.shape
         flat = attn.transpose(1, 2).reshape(B * T, -1)  # [B·T, H_q·D]
-        return gemm(flat, self.w_o).view(B, T, -1)
+        out = gemm(flat, self.w_o).view(B, T, -1)
+        if self.tp > 1:  # a shard's partial sums: the rows of W_o it holds
+            from kvbench.distributed import all_reduce
+
+            all_reduce(out)
+        return out
+
+
+def sharded(config: RunConfig, layer: AttentionLayer) -> tuple[AttentionLayer, RunConfig]:
+    """This rank's part of the layer and its configuration (the heads it holds); the whole
+    layer and configuration when tp = 1."""
+    if config.tp == 1:
+        return layer, config
+    from kvbench.distributed import rank
+
+    part = layer.shard(config.tp, rank())
+    return part, replace(config, shape=part.shape)
 
 
 def make_inputs(config: RunConfig) -> torch.Tensor:

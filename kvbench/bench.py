@@ -7,7 +7,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from kvbench import bandwidth, costs
-from kvbench.attention import AttentionLayer, make_inputs, padded_prompts, recompute_each
+from kvbench.attention import AttentionLayer, make_inputs, padded_prompts, recompute_each, sharded
 from kvbench.caches import IMPLEMENTATIONS, ImplOptions
 from kvbench.config import RunConfig
 from kvbench.device import free_bytes
@@ -62,6 +62,7 @@ class BenchResult:
     flops_per_step: float
     copy_gbps: float  # a large tensor copy, timed in the same rounds as the decode
     kv_format: KvFormat = field(default_factory=KvFormat)  # how the caches stored K/V
+    allreduce: Stats | None = None  # --tp: one step's all-reduce of [B, 1, H], timed alone
 
     def speedup(self, t: ImplTiming) -> float | None:
         return self.recompute.median_ms / t.decode.median_ms if self.recompute else None
@@ -125,9 +126,11 @@ def bench(config: RunConfig, impls: tuple[str, ...], options: BenchOptions,
     layer = AttentionLayer.from_config(config)
     x = make_inputs(config)
     prompt = padded_prompts(config, x)
+    # With --tp the caches run this rank's shard (its heads); figures per step are per rank.
+    part, local = sharded(config, layer)
 
     def fresh(cls):
-        return cls.build(layer, config, impl_options)
+        return cls.build(part, local, impl_options)
 
     with torch.no_grad():
         # Every task of this point, timed round-robin; the copy that gives the bandwidth
@@ -136,6 +139,13 @@ def bench(config: RunConfig, impls: tuple[str, ...], options: BenchOptions,
         dev = config.device
         with device_errors("copy buffers", None, free=lambda: free_bytes(dev)):
             tasks = {"copy": bandwidth.copy_task(dev, copy_bytes)}
+        ranks = None
+        if config.tp > 1:
+            from kvbench import distributed
+
+            ranks = distributed.Ranks(dev)
+            step_out = torch.zeros(s.batch, 1, s.hidden, dtype=layer.dtype, device=dev)
+            tasks["allreduce"] = (lambda out: distributed.all_reduce(out), lambda: step_out)
         if options.recompute:
             tasks["recompute"] = (_guarded(lambda _: recompute_each(layer, x, s.prompt_lens),
                                            "recompute", None, dev), lambda: None)
@@ -156,15 +166,16 @@ def bench(config: RunConfig, impls: tuple[str, ...], options: BenchOptions,
             tasks[f"decode:{name}"] = (_guarded(lambda impl: impl.decode(x, keep=False),
                                                 "decode", name, dev),
                                        lambda impl=impl: _rewound(impl, s.prompt_len))
-        stats = time_interleaved(tasks, config.device, options.warmup, options.rounds)
+        stats = time_interleaved(tasks, config.device, options.warmup, options.rounds, ranks)
         timings = [ImplTiming(
             name, stats.get(f"prefill:{name}"), stats[f"decode:{name}"],
             costs.decode_min_bytes_per_step(
-                s, config.dtype_bytes, kv_vector,
-                lambda t, cls=cls: cls.step_reads(config, impl_options, t)),
+                local.shape, config.dtype_bytes, kv_vector,
+                lambda t, cls=cls: cls.step_reads(local, impl_options, t)),
             prompt_caches[name].stats()) for name, cls in classes.items()]
         recompute = stats.get("recompute")
         del prompt_caches, tasks
     return BenchResult(config, options, verified, recompute, timings,
-                       costs.decode_flops_per_step(s),
-                       bandwidth.copy_gbps(stats["copy"], copy_bytes), fmt)
+                       costs.decode_flops_per_step(local.shape),
+                       bandwidth.copy_gbps(stats["copy"], copy_bytes), fmt,
+                       stats.get("allreduce"))

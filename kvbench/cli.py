@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import inspect
 import itertools
+import os
 import sys
 from pathlib import Path
 from typing import Annotated
@@ -34,12 +35,43 @@ class _Group(TyperGroup):
             _fail(str(e), 2)
         except (typer.Abort, KeyboardInterrupt):
             _fail("interrupted", 130)
+        except Exception as e:  # noqa: BLE001 -- under torchrun: say which rank, end the group
+            from kvbench import distributed
+
+            if not (distributed.launched() and int(os.environ["WORLD_SIZE"]) > 1):
+                raise
+            import traceback
+
+            traceback.print_exc()
+            _fail(f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}", 3)
         sys.exit(code if isinstance(code, int) else 0)
 
 
 def _fail(message: str, code: int):
+    from kvbench import distributed
+
+    if distributed.launched() and int(os.environ["WORLD_SIZE"]) > 1:
+        # under torchrun: bad input is refused alike on every rank, so rank 0 says it once;
+        # anything else is said by the rank it happened on, which then ends the group
+        if code == 2 and distributed.env_rank() != 0:
+            _end_group(code, quiet=True)
+        if code != 2:
+            message = f"rank {distributed.env_rank()}: {message}"
+        print(f"kvbench: error: {message}", file=sys.stderr)
+        _end_group(code, quiet=True)
     print(f"kvbench: error: {message}", file=sys.stderr)
     sys.exit(code)
+
+
+def _end_group(code: int, quiet: bool = False):
+    """Leave at once: the other ranks may be waiting in a collective that will never come;
+    torchrun stops them when it sees this process exit."""
+    if not quiet:
+        print("kvbench: ending the tensor-parallel group (torchrun stops the other ranks)",
+              file=sys.stderr)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 EXIT_CODES = ("Exit status: 0 success; 1 a verification failed (or compare --fail-above found a "
@@ -122,6 +154,10 @@ MaxLenOpt = Annotated[int | None, typer.Option(
 Prealloc = Annotated[str, typer.Option(
     "--prealloc", help="static, sdpa, splitk, compiled, flex: reserve --max-len per sequence "
     "(max-len, as preallocating servers do) or the batch's longest sequence (exact).")]
+TpOpt = Annotated[int, typer.Option(
+    "--tp", help="Tensor-parallel ranks: the layer split by head, one process per rank under "
+    "torchrun (torchrun --nproc-per-node N -m kvbench COMMAND --tp N ...); gloo on the CPU, "
+    "NCCL on CUDA.")]
 CsvPath = Annotated[Path | None, typer.Option("--csv", help="Append rows to this CSV. \\[default: results/COMMAND.csv]")]
 
 
@@ -183,6 +219,12 @@ def _points(o: dict[str, object], reference_cases: bool = False, measure: str | 
     lists = {name: parse_int_list("--" + name.replace("_", "-"), o[name])
              for name in SHAPE_FIELDS if o[name] is not None}
     shapes = _ragged(o, expand_shapes(timing_case(dev), lists), lists)
+    from kvbench import distributed
+
+    if o["tp"] != 1 or distributed.launched():
+        for shape in shapes:
+            distributed.check(o["tp"], shape.q_heads, shape.kv_heads)
+        dev = distributed.setup(o["tp"], dev)
     options = ImplOptions(o["block_size"], o["sdpa_backend"], o["splits"],
                           group_size=o["group_size"], prealloc=o["prealloc"])
     kv_dtypes = _kv_dtypes(o["kv_dtype"], dtypes)
@@ -199,7 +241,7 @@ def _points(o: dict[str, object], reference_cases: bool = False, measure: str | 
     points, notes, refused, ran = [], [], {}, set()
     explicit = o["impl"].strip().lower() != "all"
     for shape, dt, kv in itertools.product(shapes, dtypes, kv_dtypes):
-        config = RunConfig(shape, dt, dev, o["seed"], o["rope"], kv, o["group_size"])
+        config = RunConfig(shape, dt, dev, o["seed"], o["rope"], kv, o["group_size"], o["tp"])
         names, skipped = select_impls(o["impl"], config, options, strict=False,
                                       measure=measure)
         ran.update(names)
@@ -295,16 +337,27 @@ def _preflight(o: dict[str, object], command: str, points, impl_options, bench_o
     none fits, one line and exit 2. --force runs them all."""
     from kvbench import preflight, render
 
+    from kvbench import distributed
+
     plans = [preflight.plan(command, config, names, impl_options, bench_options)
              for config, names in points]
+    fits = [p.fits for p in plans]
+    if distributed.world() is not None:  # every rank must run the same points: rank 0's say
+        fits = distributed.broadcast(fits)
+        if o["dry_run"] and distributed.rank() != 0:
+            raise typer.Exit(0)
     if o["dry_run"]:
         render.show_plans(command, plans)
         raise typer.Exit(0)
-    too_big = [p for p in plans if not p.fits]
+    too_big = [p for p, f in zip(plans, fits) if not f]
     if o["force"]:
         for p in too_big:
             render.warn(f"--force: running {render.refusal(p)}")
         return points, []
+    if too_big and distributed.rank() != 0:  # rank 0 says why; its plans decided
+        if len(too_big) == len(plans):
+            raise KvbenchError("refused on rank 0")
+        return [pt for pt, f in zip(points, fits) if f], too_big
     if too_big and len(too_big) == len(plans):
         if len(plans) == 1:
             raise KvbenchError(render.refusal(too_big[0]))
@@ -314,10 +367,10 @@ def _preflight(o: dict[str, object], command: str, points, impl_options, bench_o
                            + render.refusal(smallest))
     for p in too_big:
         render.warn(f"skipping {render.refusal(p)}")
-    for p in plans:
-        if p.fits and p.heavy is not None and not o["quiet"]:
+    for p, f in zip(plans, fits):
+        if f and p.heavy is not None and not o["quiet"]:
             render.warn(render.heavy(p))
-    return [pt for pt, p in zip(points, plans) if p.fits], too_big
+    return [pt for pt, f in zip(points, fits) if f], too_big
 
 
 def _sweep(o: dict[str, object], command: str, points, run_point, impl_options, notes,
@@ -334,7 +387,11 @@ def _sweep(o: dict[str, object], command: str, points, run_point, impl_options, 
     from kvbench.errors import DeviceError
     from kvbench.results import FILE_KINDS, append_csv
 
+    from kvbench import distributed
+
     columns, first = FILE_KINDS[command]
+    if distributed.rank() != 0:  # rank 0 alone prints and writes
+        o = {**o, "quiet": True, "no_csv": True, "format": "table"}
     path = None if o["no_csv"] else _csv_target(o["csv"], command)
     points, skipped = _preflight(o, command, points, impl_options, bench_options)
     if not o["quiet"]:
@@ -352,6 +409,8 @@ def _sweep(o: dict[str, object], command: str, points, run_point, impl_options, 
                 except DeviceError as err:
                     failed.append(err)
                     print(f"kvbench: {render.device_error(config, err)}", file=sys.stderr)
+                    if config.tp > 1:  # the other ranks wait in a collective: end the group
+                        _end_group(3)
                     _release(config.device)
                     bar.advance()
                     continue
@@ -406,7 +465,7 @@ def verify(ctx: typer.Context, device: Device = "auto", dtype: Dtype = "float32"
            block_size: BlockSize = 16, sdpa_backend: SdpaBackend = "auto", splits: Splits = None,
            kv_dtype: KvDtypeOpt = None, group_size: GroupSizeOpt = 64,
            seq_lens: SeqLens = None, len_dist: LenDist = None, max_len: MaxLenOpt = None,
-           prealloc: Prealloc = "max-len",
+           prealloc: Prealloc = "max-len", tp: TpOpt = 1,
            config: SweepFile = None, csv: CsvPath = None, no_csv: NoCsv = False,
            format: Format = "table", quiet: Quiet = False, dry_run: DryRun = False,
            force: Force = False):
@@ -445,7 +504,7 @@ def bench(ctx: typer.Context, device: Device = "auto", dtype: Dtype = "float32",
           block_size: BlockSize = 16, sdpa_backend: SdpaBackend = "auto", splits: Splits = None,
           kv_dtype: KvDtypeOpt = None, group_size: GroupSizeOpt = 64,
           seq_lens: SeqLens = None, len_dist: LenDist = None, max_len: MaxLenOpt = None,
-          prealloc: Prealloc = "max-len",
+          prealloc: Prealloc = "max-len", tp: TpOpt = 1,
           warmup: Annotated[int, typer.Option(help="Untimed runs before the samples.")] = 3,
           rounds: Annotated[int, typer.Option(help="Timed samples; the median is reported.")] = 9,
           recompute: Annotated[bool, typer.Option(
@@ -495,7 +554,7 @@ def memory(ctx: typer.Context, device: Device = "auto", dtype: Dtype = "float32"
            block_size: BlockSize = 16, sdpa_backend: SdpaBackend = "auto", splits: Splits = None,
            kv_dtype: KvDtypeOpt = None, group_size: GroupSizeOpt = 64,
            seq_lens: SeqLens = None, len_dist: LenDist = None, max_len: MaxLenOpt = None,
-           prealloc: Prealloc = "max-len",
+           prealloc: Prealloc = "max-len", tp: TpOpt = 1,
            config: SweepFile = None, csv: CsvPath = None, no_csv: NoCsv = False,
            format: Format = "table", quiet: Quiet = False, dry_run: DryRun = False,
            force: Force = False):

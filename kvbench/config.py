@@ -119,6 +119,7 @@ class RunConfig:
     rope: bool = False
     kv_dtype: str | None = None  # K/V stored quantized (fp8, int8, int4, int2); None = dtype
     group_size: int = 64  # int formats: elements per scale and zero point
+    tp: int = 1  # tensor-parallel ranks the layer is split over (kvbench.distributed)
 
     def __post_init__(self) -> None:
         if self.rope and self.shape.head_dim % 2:

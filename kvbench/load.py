@@ -17,6 +17,9 @@ OPTION_KEYS = ["kv_dtype", "group_size", "block_size", "seq_lens", "len_dist", "
                "prealloc"]
 
 
+TEXT_KEYS = ["kv_dtype", "seq_lens", "len_dist", "prealloc"]
+
+
 def key_columns(df: pd.DataFrame) -> list[str]:
     """The columns that identify a configuration in this file."""
     return KEY_COLUMNS + [c for c in OPTION_KEYS if c in df.columns]
@@ -41,7 +44,11 @@ def read_results(path: Path) -> tuple[str, pd.DataFrame]:
         if header_accepted(columns, expected, first):
             if df.empty:
                 raise KvbenchError(f"{path} has a header but no rows")
-            return kind, df.reindex(columns=expected)
+            df = df.reindex(columns=expected)
+            for c in TEXT_KEYS:  # empty in one file, text in another: compare must join them
+                if c in df.columns:
+                    df[c] = df[c].astype(object)
+            return kind, df
     best = max(KINDS, key=lambda k: len(set(KINDS[k]) & set(columns)))
     missing = [c for c in FILE_KINDS[best][1] if c not in columns]
     if len(missing) > len(KINDS[best]) // 2:

@@ -22,7 +22,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from kvbench import footprint
-from kvbench.attention import AttentionLayer, make_inputs, padded_prompts, recompute_each
+from kvbench.attention import AttentionLayer, make_inputs, padded_prompts, recompute_each, sharded
 from kvbench.caches import IMPLEMENTATIONS, CachedAttention, ImplOptions
 from kvbench.config import RunConfig
 from kvbench.device import free_bytes, synchronize
@@ -135,6 +135,8 @@ class MemoryResult:
     impls: list[ImplMemory]
     kv_format: KvFormat = field(default_factory=KvFormat)
     prealloc: str = "max-len"  # what the preallocating caches reserved per sequence
+    rank: int = 0  # --tp: the rank these figures are of (payload, caches: its shard's)
+    ranks: list[MemoryResult] | None = None  # --tp, on rank 0: every rank's, by rank
 
 
 PHASES = ("recompute", "cached", "decode")  # the measured windows, in the order they run
@@ -155,6 +157,8 @@ def memory(config: RunConfig, impls: tuple[str, ...],
     s = config.shape
     impl_options = (impl_options or ImplOptions()).at(config)
     layer = AttentionLayer.from_config(config)
+    # With --tp the caches hold this rank's heads; path A (recompute) is the whole layer.
+    part, local = sharded(config, layer)
     x = make_inputs(config)
     prompt = padded_prompts(config, x)
     classes = {name: IMPLEMENTATIONS[name] for name in impls}
@@ -168,7 +172,7 @@ def memory(config: RunConfig, impls: tuple[str, ...],
         return impl
 
     def prompt_cache(cls):
-        impl = cls.build(layer, config, impl_options)
+        impl = cls.build(part, local, impl_options)
         impl.prefill(prompt)
         return impl
 
@@ -195,7 +199,7 @@ def memory(config: RunConfig, impls: tuple[str, ...],
                         with measure(config.device) as windows[phase, name]:
                             impl = run_cached(cls)  # held to the window's end: "after the run"
                         cache_bytes[name] = storage_bytes(impl.cache_tensors())
-                        frag[name] = _frag_bytes(impl, config, impl_options)
+                        frag[name] = _frag_bytes(impl, local, impl_options)
                         del impl
                 elif phase == "decode":
                     with guard("decode", name):
@@ -204,13 +208,19 @@ def memory(config: RunConfig, impls: tuple[str, ...],
                             impl.decode(x, keep=False)
                         del impl
     results = [ImplMemory(name, windows["cached", name], windows["decode", name],
-                          cls.footprint(config, impl_options), cache_bytes.get(name, 0),
-                          cls.planned_bytes(config, impl_options), frag.get(name))
+                          cls.footprint(local, impl_options), cache_bytes.get(name, 0),
+                          cls.planned_bytes(local, impl_options), frag.get(name))
                for name, cls in classes.items()]
-    payload = CachedAttention.payload_bytes(config, impl_options)
-    return MemoryResult(config, payload, layer.weight_bytes, windows["recompute", None],
-                        footprint.recompute(s, config.rope, config.dtype_bytes), results,
-                        impl_options.kv_format, impl_options.prealloc)
+    payload = CachedAttention.payload_bytes(local, impl_options)
+    result = MemoryResult(config, payload, part.weight_bytes, windows["recompute", None],
+                          footprint.recompute(s, config.rope, config.dtype_bytes), results,
+                          impl_options.kv_format, impl_options.prealloc)
+    if config.tp > 1:
+        from kvbench import distributed
+
+        result.rank = distributed.rank()
+        result.ranks = distributed.gather(result)
+    return result
 
 
 def _frag_bytes(impl: CachedAttention, config: RunConfig, options: ImplOptions) -> int | None:

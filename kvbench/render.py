@@ -71,6 +71,7 @@ def describe(config) -> str:
     return (f"B={s.batch} {_prompts(s)} decode={s.decode_len} H={s.hidden} "
             f"H_q={s.q_heads} H_kv={s.kv_heads} D={s.head_dim} {config.dtype} "
             f"{config.device}{' rope' if config.rope else ''} seed={config.seed}"
+            + (f" tp={config.tp}" if config.tp > 1 else "")
             + (f" {kv_label(KvFormat(config.kv_dtype, config.group_size))}"
                if config.kv_dtype else ""))
 
@@ -161,8 +162,19 @@ def bench_table(result) -> Table:
                  "cached as % of median; GB/s = the bytes a step must move (the positions each "
                  "implementation reads: padding, whole blocks, a whole preallocated cache) / "
                  "cached step time; "
-                 f"copy bandwidth {copy:.1f} GB/s (read+write); verified {result.verified}")
+                 f"copy bandwidth {copy:.1f} GB/s (read+write); verified {result.verified}"
+                 + _tp_caption(result))
     return t
+
+
+def _tp_caption(result) -> str:
+    """--tp: the step's all-reduce timed alone and its share of each cached step."""
+    if result.allreduce is None:
+        return ""
+    ar = result.allreduce.median_ms
+    shares = ", ".join(f"{t.impl} {ar / result.ms_per_step(t):.0%}" for t in result.timings)
+    return (f"; tp={result.config.tp}: each sample is its slowest rank's time; the step's "
+            f"all-reduce of [B, 1, H] alone takes {_ms(ar)} ms, of a cached step: {shares}")
 
 
 def show_bench(result) -> None:
@@ -185,12 +197,21 @@ def bench_warnings(result) -> list[str]:
     return lines
 
 
+def _speaks() -> bool:
+    """Under torchrun only rank 0 prints (every rank runs the same points)."""
+    from kvbench.distributed import rank
+
+    return rank() == 0
+
+
 def warn(message: str) -> None:
-    err.print(f"[yellow]warning:[/] {escape(message)}")
+    if _speaks():
+        err.print(f"[yellow]warning:[/] {escape(message)}")
 
 
 def note(message: str) -> None:
-    err.print(escape(message))  # plain text: brackets in it are not markup
+    if _speaks():
+        err.print(escape(message))  # plain text: brackets in it are not markup
 
 
 def memory_table(result) -> Table:
@@ -243,8 +264,12 @@ def reservation_table(result) -> Table:
 
 
 def show_memory(result) -> None:
-    out.print(memory_table(result))
-    out.print(reservation_table(result))
+    for r in result.ranks or [result]:
+        if result.ranks:
+            out.print(f"rank {r.rank} of {len(result.ranks)}: its shard's caches and weights; "
+                      "recompute is the whole layer")
+        out.print(memory_table(r))
+        out.print(reservation_table(r))
 
 
 def capacity_table(p) -> Table:

@@ -163,6 +163,8 @@ def _umask() -> int:
 # A ragged batch: each sequence's prompt length, the distribution they were drawn from, and
 # the length a request may reach (--max-len). Empty for a square batch.
 RAGGED_COLUMNS = ["seq_lens", "len_dist", "max_len"]
+# Tensor parallelism (--tp under torchrun): ranks the layer is split over; 1 on one device.
+TP_COLUMNS = ["tp", "world_size"]
 
 # Column order is part of the interface: users' spreadsheets and scripts depend on it.
 CONFIG_COLUMNS = ["timestamp", "command", "impl", "batch", "prompt_len", "decode_len", "hidden",
@@ -176,7 +178,7 @@ VERIFY_COLUMNS = VERIFY_FIRST[:-len(ENV_COLUMNS)] + [
     "block_size", "splits", "compile_ms",
     # quantized K/V: the format; fp64_max_abs_err is then against the dequantized-cache
     # reference (the gate) and max/mean_abs_err and cosine against path A (reported only)
-    "kv_dtype", "group_size", "cosine", *RAGGED_COLUMNS] + ENV_COLUMNS
+    "kv_dtype", "group_size", "cosine", *RAGGED_COLUMNS, *TP_COLUMNS] + ENV_COLUMNS
 
 
 def _stats_columns(name: str) -> list[str]:
@@ -192,7 +194,10 @@ BENCH_FIRST = CONFIG_COLUMNS + [
     "achieved_gflops", "blocks_used", "blocks_allocated", "sdpa_backend", "compile_ms",
 ] + ENV_COLUMNS
 BENCH_COLUMNS = BENCH_FIRST[:-len(ENV_COLUMNS)] + [
-    "splits", "block_size", "kv_dtype", "group_size", *RAGGED_COLUMNS] + ENV_COLUMNS
+    "splits", "block_size", "kv_dtype", "group_size", *RAGGED_COLUMNS, *TP_COLUMNS,
+    # --tp: a step's all-reduce timed alone, and the median spread between the slowest and
+    # the fastest rank of the cached decode samples (each sample's time is its slowest rank's)
+    "allreduce_ms", "decode_rank_spread_ms"] + ENV_COLUMNS
 
 
 def config_cells(command: str, impl: str, config) -> dict[str, object]:
@@ -203,7 +208,8 @@ def config_cells(command: str, impl: str, config) -> dict[str, object]:
             "dtype": config.dtype, "device": config.device, "rope": config.rope,
             "seed": config.seed,
             "seq_lens": ",".join(map(str, s.seq_lens)) if s.seq_lens else None,
-            "len_dist": s.len_dist, "max_len": s.max_len}
+            "len_dist": s.len_dist, "max_len": s.max_len, "tp": config.tp,
+            "world_size": config.tp}
 
 
 def _stats_cells(name: str, stats) -> dict[str, object]:
@@ -255,7 +261,9 @@ def bench_rows(result, env: dict[str, object]) -> list[dict[str, object]]:
             "bandwidth_fraction": result.bandwidth_fraction(t),
             "achieved_gflops": result.achieved_gflops(t),
             **{k: v for k, v in t.stats.items() if k in BENCH_COLUMNS},
-            **kv_cells(result.kv_format), **env,
+            **kv_cells(result.kv_format),
+            "allreduce_ms": result.allreduce.median_ms if result.allreduce else None,
+            "decode_rank_spread_ms": t.decode.rank_spread_ms, **env,
         })
     return rows
 
@@ -276,10 +284,17 @@ MEMORY_COLUMNS = MEMORY_FIRST[:-len(ENV_COLUMNS)] + [
     # kv_cache_bytes what the implementation reserved for K/V: kv_waste = 1 - payload/reserved,
     # kv_frag_bytes the unused positions of last blocks (block pools only)
     *RAGGED_COLUMNS, "prealloc", "kv_waste", "kv_frag_bytes",
+    # --tp: one row per rank and implementation; the bytes are that rank's
+    *TP_COLUMNS, "rank",
 ] + ENV_COLUMNS
 
 
 def memory_rows(result, env: dict[str, object]) -> list[dict[str, object]]:
+    """One row per implementation; with --tp, per rank and implementation."""
+    return [row for r in (result.ranks or [result]) for row in _memory_rows(r, env)]
+
+
+def _memory_rows(result, env: dict[str, object]) -> list[dict[str, object]]:
     rec = result.recompute
     return [{
         **config_cells("memory", m.impl, result.config),
@@ -296,8 +311,11 @@ def memory_rows(result, env: dict[str, object]) -> list[dict[str, object]]:
         "cached_peak_estimated_bytes": m.estimate.cached,
         "decode_peak_estimated_bytes": m.estimate.decode,
         **kv_cells(result.kv_format), "kv_cache_bytes": m.cache_bytes,
-        "kv_planner_bytes": m.planner_bytes, "prealloc": result.prealloc,
-        "kv_waste": m.waste(result.theoretical_kv_bytes), "kv_frag_bytes": m.frag_bytes, **env,
+        "kv_planner_bytes": m.planner_bytes,
+        # the policy matters only where a request may reach beyond the batch (--max-len)
+        "prealloc": result.prealloc if result.config.shape.max_len is not None else None,
+        "kv_waste": m.waste(result.theoretical_kv_bytes), "kv_frag_bytes": m.frag_bytes,
+        "rank": result.rank, **env,
     } for m in result.impls]
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import statistics
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from time import perf_counter as clock  # seconds; tests swap in a fake clock
 
 from kvbench.device import synchronize
@@ -21,6 +21,8 @@ class Stats:
     max_ms: float
     iqr_ms: float
     rounds: int
+    # across tensor-parallel ranks: the median over samples of (slowest − fastest rank)
+    rank_spread_ms: float | None = None
 
     @property
     def noisy(self) -> bool:
@@ -40,12 +42,16 @@ Task = tuple[Callable[[object], object], Callable[[], object]]  # (work, setup)
 
 
 def time_interleaved(tasks: dict[str, Task], device: str, warmup: int,
-                     rounds: int) -> dict[str, Stats]:
+                     rounds: int, ranks=None) -> dict[str, Stats]:
     """Time several tasks round-robin (A B C A B C ...), so drift hits each alike.
 
     For each task, `setup()` runs untimed before every run (e.g. rewinding a cache to the
     prompt) and `work(setup())` is timed: the device is synchronised before the clock starts
     and after the work, so queued kernels count. `warmup` untimed rounds come first.
+
+    ranks (tensor parallelism): an object with `barrier()`, called before every sample so the
+    ranks start together, and `max_min(values)`, the element-wise max and min over the ranks:
+    a sample's time is then its slowest rank's.
     """
     for _ in range(warmup):
         for work, setup in tasks.values():
@@ -55,11 +61,20 @@ def time_interleaved(tasks: dict[str, Task], device: str, warmup: int,
         for name, (work, setup) in tasks.items():
             state = setup()
             synchronize(device)  # setup's queued work must not land in the sample
+            if ranks is not None:
+                ranks.barrier()
             start = clock()
             work(state)
             synchronize(device)  # the work's queued kernels must
             samples[name].append((clock() - start) * 1e3)
-    return {name: Stats.of(s) for name, s in samples.items()}
+    if ranks is None:
+        return {name: Stats.of(s) for name, s in samples.items()}
+    stats = {}
+    for name, mine in samples.items():
+        slowest, fastest = ranks.max_min(mine)
+        spread = statistics.median(hi - lo for hi, lo in zip(slowest, fastest))
+        stats[name] = replace(Stats.of(slowest), rank_spread_ms=spread)
+    return stats
 
 
 def time_samples(work: Callable[[object], object], device: str, warmup: int, rounds: int,

@@ -24,6 +24,7 @@ from kvbench.attention import (
     padded_prompts,
     prefill_each,
     recompute_each,
+    sharded,
 )
 from kvbench.caches import IMPLEMENTATIONS, CachedAttention, ImplOptions
 from kvbench.config import RunConfig
@@ -114,10 +115,36 @@ def verify(config: RunConfig, impls: dict[str, type[CachedAttention]] | None = N
         if real is not None:
             ref_prefill = ref_prefill[real]  # [Σ T_i, H]
 
-        checks = [_check(name, cls, layer, options, x, prompt, real, config, ref_prefill,
+        # With --tp the implementations run this rank's shard; path A ran the whole layer.
+        part, local = sharded(config, layer)
+        checks = [_check(name, cls, part, options, x, prompt, real, local, ref_prefill,
                          ref_steps, exact_steps, rtol, atol, gate_steps)
                   for name, cls in impls.items()]
+    if config.tp > 1:
+        checks = _across_ranks(checks)
     return VerifyReport(config, rtol, atol, recompute_fp64, checks, options.kv_format)
+
+
+def _across_ranks(checks: list[ImplCheck]) -> list[ImplCheck]:
+    """Rank 0: each implementation's checks of every rank as one (it passes where every rank
+    passed; errors are the worst rank's). The other ranks keep their own."""
+    from kvbench import distributed
+
+    every = distributed.gather(checks)
+    if every is None:
+        return checks
+    merged = []
+    for per_rank in zip(*every):
+        first, bad = per_rank[0], [(r, c) for r, c in enumerate(per_rank) if not c.passed]
+        steps = [c.first_bad_step for _, c in bad if c.first_bad_step is not None]
+        cosines = [c.cosine for c in per_rank if c.cosine is not None]
+        merged.append(ImplCheck(
+            first.impl, not bad, *(max(getattr(c, f) for c in per_rank) for f in (
+                "max_abs_err", "mean_abs_err", "prefill_max_abs_err", "fp64_max_abs_err")),
+            first.cache_shape, min(steps) if steps else None,
+            f"rank {bad[0][0]}: {bad[0][1].message}" if bad else "", first.stats,
+            min(cosines) if cosines else None))
+    return merged
 
 
 def quantized_reference(layer: AttentionLayer, x: torch.Tensor, prompt: torch.Tensor,
@@ -172,6 +199,8 @@ def _check(name, cls, layer, options, x, prompt, real, config, ref_prefill, ref_
             prefill = prefill[real]
         cache_shape = tuple(impl.kv()[0].shape)
     except (RuntimeError, MemoryError) as err:
+        if config.tp > 1:  # the other ranks wait in a collective: end the group instead
+            raise
         if is_device_error(err):  # out of memory, a device-side assert: not a mismatch
             free = free_bytes(config.device) if is_out_of_memory(err) else None
             raise DeviceError("verify", name, err, free) from err

@@ -1,0 +1,163 @@
+"""Tensor parallelism on the CPU: two gloo ranks, under torchrun as a user runs them, and
+spawned in-process to inject faults."""
+
+import os
+import subprocess
+import sys
+import time
+
+import pandas as pd
+import pytest
+import torch.multiprocessing as mp
+
+from kvbench.capacity import CacheFormat, ModelSpec, plan
+
+SMALL = ["--device", "cpu", "--batch", "2", "--prompt-len", "9", "--decode-len", "3",
+         "--hidden", "32", "--q-heads", "4", "--head-dim", "8"]
+TIMEOUT = 120  # a hung group must not hang the suite
+
+
+def torchrun(*args, tmp_path, env=None, script=None):
+    """`torchrun --nproc-per-node 2 -m kvbench ARGS` (or a script), its result."""
+    target = [script] if script else ["-m", "kvbench"]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+           "--standalone", *target, *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT, cwd=tmp_path,
+                          env={**os.environ, "PYTHONWARNINGS": "ignore", **(env or {})})
+
+
+def test_verify_tp2_passes_for_every_implementation(tmp_path):
+    out = tmp_path / "v.csv"
+    r = torchrun("verify", "--tp", "2", *SMALL, "--kv-heads", "2", "--impl", "all",
+                 "--csv", str(out), tmp_path=tmp_path)
+    assert r.returncode == 0, r.stderr[-2000:]
+    df = pd.read_csv(out)  # rank 0 alone writes: one row per implementation
+    assert len(df) == df["impl"].nunique() >= 6
+    assert df["passed"].all() and set(df["tp"]) == {2} and set(df["world_size"]) == {2}
+    assert set(df["cache_shape"]) == {"2x1x12x8"}  # each rank caches its own KV head
+
+
+def test_memory_per_rank_equals_capacity_tp(tmp_path):
+    # H_kv = 2 over 2 ranks: one head each; H_kv = 1: the head replicated on both ranks
+    out = tmp_path / "m.csv"
+    r = torchrun("memory", "--tp", "2", *SMALL, "--kv-heads", "2,1", "--impl", "static,paged",
+                 "--block-size", "4", "--csv", str(out), tmp_path=tmp_path)
+    assert r.returncode == 0, r.stderr[-2000:]
+    df = pd.read_csv(out)
+    assert sorted(set(df["rank"])) == [0, 1] and len(df) == 2 * 2 * 2
+    for (kv_heads, impl), rows in df.groupby(["kv_heads", "impl"]):
+        model = ModelSpec(name="layer", layers=1, kv_heads=int(kv_heads), head_dim=8)
+        block = 4 if impl == "paged" else None
+        per_rank = plan(model, CacheFormat("fp32", tp=2, block_size=block), (12, 12)).per_rank_bytes
+        assert (rows["kv_cache_bytes"] == per_rank).all(), (kv_heads, impl)
+        payload = plan(model, CacheFormat("fp32", tp=2), (12, 12)).per_rank_bytes
+        assert (rows["theoretical_kv_bytes"] == payload).all()
+
+
+def test_bench_tp2_times_the_slowest_rank_and_the_all_reduce(tmp_path):
+    out = tmp_path / "b.csv"
+    r = torchrun("bench", "--tp", "2", *SMALL, "--kv-heads", "2", "--impl", "static,sdpa",
+                 "--warmup", "1", "--rounds", "3", "--csv", str(out), tmp_path=tmp_path)
+    assert r.returncode == 0, r.stderr[-2000:]
+    df = pd.read_csv(out)
+    assert list(df["impl"]) == ["static", "sdpa"]
+    assert (df["allreduce_ms"] > 0).all() and (df["decode_rank_spread_ms"] >= 0).all()
+    assert "all-reduce" in r.stdout
+
+
+def test_a_failing_rank_ends_the_group_with_a_clear_message(tmp_path):
+    driver = tmp_path / "fail_on_rank_1.py"
+    driver.write_text(
+        "import os\n"
+        "from kvbench.caches import StaticCache\n"
+        "if os.environ['RANK'] == '1':\n"
+        "    def step(self, x_t):\n"
+        "        raise RuntimeError('injected on rank 1')\n"
+        "    StaticCache.step = step\n"
+        "from kvbench.cli import main\n"
+        "main()\n")
+    start = time.monotonic()
+    r = torchrun("verify", "--tp", "2", *SMALL, "--kv-heads", "2", "--impl", "static",
+                 "--no-csv", tmp_path=tmp_path, script=str(driver))
+    assert r.returncode != 0
+    assert time.monotonic() - start < 60
+    assert "kvbench: error: rank 1: RuntimeError: injected on rank 1" in r.stderr
+
+
+def test_tp_unlike_the_world_size_is_one_line(tmp_path):
+    r = torchrun("verify", "--tp", "4", *SMALL, "--kv-heads", "2", tmp_path=tmp_path)
+    assert r.returncode != 0
+    ours = [line for line in r.stderr.splitlines() if line.startswith("kvbench:")]
+    assert ours == ["kvbench: error: --tp 4 differs from the 2 processes torchrun started; "
+                    "use --tp 2 or torchrun --nproc-per-node 4"]
+    assert not (tmp_path / "results").exists()
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--tp", "2"], "runs one process per rank under torchrun: torchrun --nproc-per-node 2"),
+    (["--tp", "3"], "--tp 3 does not divide --q-heads 4"),
+    (["--tp", "4", "--q-heads", "8", "--kv-heads", "3"], "not a multiple"),
+    (["--tp", "2", "--q-heads", "6", "--kv-heads", "3"], "--tp 2 with --kv-heads 3"),
+    (["--tp", "0"], "--tp must be a positive integer"),
+])
+def test_bad_tp_is_one_line_exit_2(tmp_path, args, message):
+    from typer.testing import CliRunner
+
+    from kvbench.cli import app
+
+    base = [a for a in SMALL if a not in ("--q-heads", "4")]
+    out = tmp_path / "v.csv"
+    result = CliRunner().invoke(app, ["verify", *base, "--q-heads", "4", *args, "--csv",
+                                      str(out)])
+    assert result.exit_code == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0], result.stderr
+    assert not out.exists()
+
+
+# Faults, injected in two spawned gloo ranks: each must fail verify.
+
+def _verify_with_fault(rank: int, store: str, fault: str, results) -> None:
+    import torch.distributed as dist
+
+    from kvbench import distributed
+    from kvbench.attention import AttentionLayer
+    from kvbench.caches import StaticCache
+    from kvbench.config import LayerShape, RunConfig
+    from kvbench.verify import verify
+
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
+    distributed._group = distributed.Group(2, rank, rank, "gloo")
+    shard = AttentionLayer.shard
+
+    def faulty(layer, tp, r):
+        part = shard(layer, tp, r)
+        if fault == "other-ranks-kv":  # k and v columns of the other rank's KV head
+            other = shard(layer, tp, (r + 1) % tp)
+            qcols = part.shape.q_heads * part.shape.head_dim
+            part.w_qkv = part.w_qkv.clone()
+            part.w_qkv[:, qcols:] = other.w_qkv[:, qcols:]
+        elif fault == "no-all-reduce":
+            part.tp = 1
+        return part
+
+    AttentionLayer.shard = faulty if fault != "none" else shard
+    shape = LayerShape(batch=2, prompt_len=9, decode_len=3, hidden=32, q_heads=4, kv_heads=2,
+                       head_dim=8)
+    report = verify(RunConfig(shape, tp=2), {"static": StaticCache})
+    if rank == 0:
+        results.put((fault, report.passed, report.checks[0].message))
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("fault, passes", [("none", True), ("other-ranks-kv", False),
+                                           ("no-all-reduce", False)])
+def test_verify_rejects_tp_faults(tmp_path, fault, passes):
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    mp.start_processes(_verify_with_fault, args=(str(tmp_path / "store"), fault, results),
+                       nprocs=2, start_method="spawn")
+    name, passed, message = results.get(timeout=TIMEOUT)
+    assert passed is passes, message
+    if not passes:
+        assert message.startswith("rank ")
