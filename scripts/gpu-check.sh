@@ -81,6 +81,21 @@ kv plot "$out/memory-serving.csv" -o "$out/memory-serving.png"
 kv bench --device cuda --dtype float16 --impl static,sdpa,paged,triton,compiled --batch 32 \
     --len-dist lognormal:2000:1.0 --max-len 32768 --decode-len 8 --hidden 4096 --q-heads 32 \
     --kv-heads 8 --head-dim 128 --no-recompute --no-prefill --csv "$out/bench-ragged.csv"
+# tensor parallelism: two ranks on two GPUs (NCCL), every implementation against path A on one
+# device, then the sharded step, its all-reduce and each rank's memory; skipped on one GPU
+gpus=$("$py" -c 'import torch; print(torch.cuda.device_count())')
+if [ "$gpus" -ge 2 ]; then
+    tp() { step "$py" -m torch.distributed.run --standalone --nproc-per-node 2 -m kvbench "$@"; }
+    tp verify --tp 2 --device cuda --dtype float16 --impl all --csv "$out/verify-tp.csv"
+    tp bench --tp 2 --device cuda --dtype float16 --impl static,sdpa,paged,triton --batch 8 \
+        --prompt-len 8192 --decode-len 8 --hidden 4096 --q-heads 32 --kv-heads 8 --head-dim 128 \
+        --no-recompute --no-prefill --csv "$out/bench-tp.csv"
+    tp memory --tp 2 --device cuda --dtype float16 --impl static,paged --kv-heads 2,1 \
+        --csv "$out/memory-tp.csv"
+else
+    echo "tensor parallel: skipped, $gpus GPU here (--tp 2 needs two)" | tee -a "$log" \
+        >> "$out/notes.txt"
+fi
 for backend in flash efficient cudnn math; do
     # which SDPA backends take decode here, at the reference shape (exit 2 = not available)
     echo "\$ verify --impl sdpa --sdpa-backend $backend" >> "$log"

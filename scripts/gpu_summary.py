@@ -91,6 +91,26 @@ def main() -> int:
         print("bench, ragged decode (lognormal B=32): ms/step, % of copy: " + ", ".join(
             f"{r['impl']} {r['cached_ms_per_step']:.3f} {100 * r['bandwidth_fraction']:.0f}%"
             for _, r in rb.iterrows()))
+    tpv = read(out, "verify-tp.csv")
+    if tpv is not None:
+        print("verify --tp 2 (NCCL): " + ", ".join(
+            f"{r['impl']} {'PASS' if r['passed'] else 'FAIL'}" for _, r in tpv.iterrows()))
+        bad += int((~tpv["passed"]).sum())
+    tpb = read(out, "bench-tp.csv")
+    if tpb is not None:
+        print("bench --tp 2: ms/step (all-reduce share, rank spread ms): " + ", ".join(
+            f"{r['impl']} {r['cached_ms_per_step']:.3f} "
+            f"({r['allreduce_ms'] / r['cached_ms_per_step']:.0%}, {r['decode_rank_spread_ms']:.3f})"
+            for _, r in tpb.iterrows()))
+    tpm = read(out, "memory-tp.csv")
+    if tpm is not None:
+        print("memory --tp 2: cache bytes per rank = planner: " + ", ".join(
+            f"H_kv={r['kv_heads']} {r['impl']} rank {r['rank']} {r['kv_cache_bytes']}"
+            f"{'=' if r['kv_cache_bytes'] == r['kv_planner_bytes'] else '!='}"
+            for _, r in tpm.iterrows()))
+    notes = out / "notes.txt"
+    if notes.exists():
+        print(notes.read_text().strip())
     memory = read(out, "memory.csv")
     if memory is not None:
         print("memory, reference case: prefill + decode peak MiB, allocated / reserved "
