@@ -40,10 +40,12 @@ class _Group(TyperGroup):
 
             if not (distributed.launched() and int(os.environ["WORLD_SIZE"]) > 1):
                 raise
-            import traceback
+            if os.environ.get("KVBENCH_TRACEBACK"):
+                import traceback
 
-            traceback.print_exc()
-            _fail(f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}", 3)
+                traceback.print_exc()
+            first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+            _fail(f"{type(e).__name__}: {first} (KVBENCH_TRACEBACK=1 shows where)", 3)
         sys.exit(code if isinstance(code, int) else 0)
 
 
@@ -54,6 +56,11 @@ def _fail(message: str, code: int):
         # under torchrun: bad input is refused alike on every rank, so rank 0 says it once;
         # anything else is said by the rank it happened on, which then ends the group
         if code == 2 and distributed.env_rank() != 0:
+            # leave it to rank 0: exiting first would let torchrun stop rank 0 before it
+            # says why, so wait for torchrun to stop this rank when rank 0 exits
+            import time
+
+            time.sleep(10)
             _end_group(code, quiet=True)
         if code != 2:
             message = f"rank {distributed.env_rank()}: {message}"

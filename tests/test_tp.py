@@ -82,6 +82,7 @@ def test_a_failing_rank_ends_the_group_with_a_clear_message(tmp_path):
     assert r.returncode != 0
     assert time.monotonic() - start < 60
     assert "kvbench: error: rank 1: RuntimeError: injected on rank 1" in r.stderr
+    assert "kvbench/verify.py" not in r.stderr  # one line, not kvbench's traceback
 
 
 def test_tp_unlike_the_world_size_is_one_line(tmp_path):
