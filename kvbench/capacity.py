@@ -57,6 +57,9 @@ class ModelSpec:
     sliding_window: int | None = None
     layer_types: tuple[str, ...] = ()  # per layer "full" or "sliding"; empty: all full
     source: str = ""
+    # Cross-layer sharing (e.g. Cross-Layer Attention, MiniCPM): each group of this many
+    # adjacent layers reads one K/V, cached by the group's first layer.
+    share_layers: int = 1
 
     def __post_init__(self) -> None:
         checks = {"layers": self.layers}
@@ -77,6 +80,18 @@ class ModelSpec:
                                f"{self.layers} layers")
         if "sliding" in self.layer_types and not self.sliding_window:
             raise KvbenchError(f"model {self.name} has sliding layers but no sliding_window")
+        if type(self.share_layers) is not int or self.share_layers < 1:
+            raise KvbenchError(f"--share-layers must be a positive integer, got "
+                               f"{self.share_layers}")
+        if self.layers % self.share_layers:
+            raise KvbenchError(f"--share-layers {self.share_layers} does not divide the "
+                               f"{self.layers} layers of {self.name}: use one of "
+                               f"{', '.join(map(str, divisors(self.layers)))}")
+
+    @property
+    def cached_layers(self) -> range:
+        """The layers that hold a K/V cache: every one, or each sharing group's first."""
+        return range(0, self.layers, self.share_layers)
 
     @property
     def is_mla(self) -> bool:
@@ -280,7 +295,7 @@ def sequence_bytes(model: ModelSpec, fmt: CacheFormat, seq_len: int, per_rank: b
     """KV bytes of one sequence of seq_len tokens over all layers (block-rounded if paged)."""
     per_token = token_bytes_per_layer(model, fmt, per_rank)
     total = 0
-    for layer in range(model.layers):
+    for layer in model.cached_layers:
         n = cached_len(model, layer, seq_len)
         if paged and fmt.block_size:
             n = math.ceil(n / fmt.block_size) * fmt.block_size
@@ -368,14 +383,14 @@ def plan(model: ModelSpec, fmt: CacheFormat, seq_lens: tuple[int, ...],
     if not 0 < utilization <= 1:
         raise KvbenchError(f"--utilization must be in (0, 1], got {utilization}")
     per_token_layer = token_bytes_per_layer(model, fmt, per_rank=False)
-    scales, scales_rank = (model.layers * layer_scale_bytes(model, fmt, per_rank=r)
+    scales, scales_rank = (len(model.cached_layers) * layer_scale_bytes(model, fmt, per_rank=r)
                            for r in (False, True))
     payload = scales + sum(sequence_bytes(model, fmt, t, per_rank=False, paged=False)
                            for t in seq_lens)
     per_rank = scales_rank + sum(sequence_bytes(model, fmt, t, per_rank=True) for t in seq_lens)
     per_rank_exact = scales_rank + sum(sequence_bytes(model, fmt, t, per_rank=True, paged=False)
                                        for t in seq_lens)
-    result = Plan(model, fmt, tuple(seq_lens), model.layers * per_token_layer,
+    result = Plan(model, fmt, tuple(seq_lens), len(model.cached_layers) * per_token_layer,
                   sequence_bytes(model, fmt, max(seq_lens), per_rank=False, paged=False),
                   payload, per_rank, per_rank - per_rank_exact)
     if fmt.tp > 1 and model.is_mla:
@@ -396,13 +411,13 @@ def _fit(model, fmt, seq_lens, gpu_bytes, weights_bytes, margin_bytes, utilizati
     longest, batch = max(seq_lens), len(seq_lens)
     seq = sequence_bytes(model, fmt, longest, per_rank=True)
     max_batch = max(budget, 0) // seq
-    per_token = model.layers * token_bytes_per_layer(model, fmt, per_rank=True)
+    per_token = len(model.cached_layers) * token_bytes_per_layer(model, fmt, per_rank=True)
     max_tokens = max(budget, 0) // per_token
 
     def fits_len(t: int) -> bool:
         return batch * sequence_bytes(model, fmt, t, per_rank=True) <= budget
 
-    capped = all(model.window_of(i) for i in range(model.layers))
+    capped = all(model.window_of(i) for i in model.cached_layers)
     if capped and fits_len(10**12):
         max_len = None
     elif not fits_len(1):

@@ -615,6 +615,7 @@ def capacity(
     tp: Annotated[int, typer.Option(help="Tensor-parallel ranks (KV heads split across them).")] = 1,
     block_size: Annotated[int | None, typer.Option(help="Paged blocks: round each sequence up to whole blocks.")] = None,
     window: Annotated[int | None, typer.Option(help="Sliding window W: sliding layers cache at most W tokens.")] = None,
+    share_layers: Annotated[int, typer.Option(help="Cross-layer sharing: groups of K adjacent layers read one K/V (Cross-Layer Attention's sharing factor); K must divide the layers.")] = 1,
     gpu_mem: Annotated[str | None, typer.Option(help="Memory of one GPU, e.g. 80GiB or 80GB.")] = None,
     weight_dtype: Annotated[str, typer.Option(help="dtype of the preset's weights.")] = "bf16",
     weights_bytes: Annotated[str | None, typer.Option(help="Weights size instead, e.g. 16GB.")] = None,
@@ -672,6 +673,10 @@ def capacity(
     spec = cap.merge_dimensions(base, {
         "layers": layers, "kv_heads": kv_heads, "head_dim": head_dim, "q_heads": q_heads,
         "mla_latent": mla_latent, "mla_rope": mla_rope, "sliding_window": window})
+    if share_layers != 1:
+        from dataclasses import replace
+
+        spec = replace(spec, share_layers=share_layers)
     fmt = cap.CacheFormat(cap.kv_dtype(kv_dtype), group_size, tp, block_size)
     gpu_bytes = cap.parse_size(gpu_mem, "--gpu-mem") if gpu_mem else None
     weights = None

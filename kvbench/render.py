@@ -277,7 +277,9 @@ def capacity_table(p) -> Table:
     quant = f", groups of {fmt.group_size}" if fmt.kv_dtype in ("int8", "int4", "int2") else ""
     t = _table(f"capacity  {m.name}: L={m.layers} {m.attention_summary}, window "
                f"{m.window_summary}; {fmt.kv_dtype}{quant}, tp={fmt.tp}"
-               + (f", blocks of {fmt.block_size}" if fmt.block_size else ""))
+               + (f", blocks of {fmt.block_size}" if fmt.block_size else "")
+               + (f", K/V shared by groups of {m.share_layers} layers "
+                  f"({len(m.cached_layers)} caches)" if m.share_layers > 1 else ""))
     t.add_column("quantity", no_wrap=True)
     t.add_column("value", justify="right", no_wrap=True)
     lens = p.seq_lens

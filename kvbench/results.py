@@ -331,6 +331,7 @@ CAPACITY_FIRST = [
 CAPACITY_COLUMNS = CAPACITY_FIRST[:-len(ENV_COLUMNS)] + [
     "len_dist", "max_len", "mean_len", "prealloc_bytes_per_sequence",
     "paged_bytes_per_sequence", "concurrent_prealloc", "concurrent_paged",
+    "share_layers",  # cross-layer sharing: adjacent layers per shared K/V
 ] + ENV_COLUMNS
 
 
@@ -341,6 +342,7 @@ def capacity_rows(p, env: dict[str, object]) -> list[dict[str, object]]:
         "attention": "mla" if m.is_mla else "kv", "layers": m.layers, "q_heads": m.q_heads,
         "kv_heads": m.kv_heads or None, "head_dim": m.head_dim or None,
         "mla_latent": m.mla_latent, "mla_rope": m.mla_rope, "sliding_window": m.sliding_window,
+        "share_layers": m.share_layers,
         "kv_dtype": p.fmt.kv_dtype, "group_size": p.fmt.group_size, "tp": p.fmt.tp,
         "block_size": p.fmt.block_size, "batch": p.batch, "seq_len": max(p.seq_lens),
         "seq_lens": " ".join(map(str, p.seq_lens)) if len(set(p.seq_lens)) > 1 else None,

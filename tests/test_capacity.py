@@ -332,3 +332,37 @@ def test_capacity_len_dist_bad_input_is_one_line():
                                  "uniform:1:10", "--seq-len", "5"])
     assert result.exit_code == 2 and "not both" in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1
+
+
+def test_cross_layer_sharing_caches_one_kv_per_group_of_layers():
+    # 32 layers sharing K/V in pairs: 16 caches of 2 (K, V) x 8 heads x 128 x 2 bytes per token
+    model = ModelSpec(name="m", layers=32, kv_heads=8, head_dim=128)
+    shared = ModelSpec(name="m", layers=32, kv_heads=8, head_dim=128, share_layers=2)
+    fp16 = CacheFormat("fp16")
+    assert plan(shared, fp16, (4096,)).bytes_per_token == 16 * 4096 == 64 * 1024
+    assert plan(shared, fp16, (4096,) * 3).payload_bytes == 3 * 4096 * 16 * 4096
+    assert plan(model, fp16, (4096,)).payload_bytes == 2 * plan(shared, fp16, (4096,)).payload_bytes
+    # with fp8, the per-layer scales are kept once per cache: 8 caches of 2 x 8 float32
+    four = ModelSpec(name="m", layers=32, kv_heads=8, head_dim=128, share_layers=4)
+    assert plan(four, CacheFormat("fp8"), (10,)).payload_bytes == 8 * (10 * 2 * 8 * 128 + 2 * 8 * 4)
+
+
+def test_cross_layer_sharing_takes_each_groups_first_layer_window():
+    # layers alternate sliding (window 4) and full; pairs share the first, sliding, layer's K/V
+    model = ModelSpec(name="m", layers=4, kv_heads=1, head_dim=8, sliding_window=4,
+                      layer_types=("sliding", "full") * 2, share_layers=2)
+    assert plan(model, CacheFormat("fp16"), (100,)).payload_bytes == 2 * 4 * 2 * 8 * 2
+
+
+def test_share_layers_that_does_not_divide_the_layers_is_one_line_exit_2(tmp_path):
+    out = tmp_path / "c.csv"
+    result = runner.invoke(app, ["capacity", "--model", "llama-3-8b", "--share-layers", "3",
+                                 "--csv", str(out)])
+    assert result.exit_code == 2
+    assert result.stderr.strip() == ("kvbench: error: --share-layers 3 does not divide the 32 "
+                                     "layers of llama-3-8b: use one of 1, 2, 4, 8, 16, 32")
+    assert not out.exists()
+    ok = runner.invoke(app, ["capacity", "--model", "llama-3-8b", "--share-layers", "2",
+                             "--csv", str(out)])
+    assert ok.exit_code == 0 and "(16 caches)" in ok.stdout
+    assert pd.read_csv(out)["share_layers"].tolist() == [2]
