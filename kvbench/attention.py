@@ -163,31 +163,45 @@ def apply_rope(x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
 
 
 def dense_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                           scale: float) -> torch.Tensor:
+                           scale: float, window: int | None = None,
+                           sinks: int = 0) -> torch.Tensor:
     """The reference: q [B,H_q,T,D], k, v [B,H_kv,T,D] -> [B,H_q,T,D].
 
-    Materialises the T×T score matrix per head and copies K/V per query group.
+    Materialises the T×T score matrix per head and copies K/V per query group. With a
+    window, query t sees only the sinks and the last `window` positions (see `visible`).
     """
     group = q.shape[1] // k.shape[1]
     k = k.repeat_interleave(group, dim=1)  # [B, H_q, T, D]
     v = v.repeat_interleave(group, dim=1)
     T = q.shape[2]
     scores = (q @ k.transpose(-2, -1)) * scale  # [B, H_q, T, T]
-    visible = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()
-    scores = scores.masked_fill(~visible, float("-inf"))
+    scores = scores.masked_fill(~visible(T, q.device, window, sinks), float("-inf"))
     return torch.softmax(scores, dim=-1) @ v
+
+
+def visible(T: int, device, window: int | None = None, sinks: int = 0) -> torch.Tensor:
+    """[T, T] causal visibility: query t sees key p <= t; with a window, only the first
+    `sinks` positions and the last `window` (t - window < p <= t), as StreamingLLM keeps."""
+    t = torch.arange(T, device=device)
+    seen = t[None, :] <= t[:, None]
+    if window is not None:
+        seen &= (t[None, :] < sinks) | (t[None, :] > t[:, None] - window)
+    return seen
 
 
 def full_forward(layer: AttentionLayer, x: torch.Tensor) -> torch.Tensor:
     """Causal attention over the whole of x: [B, T, H] -> [B, T, H]."""
     q, k, v = layer.project(x, start=0)
-    return layer.output(dense_causal_attention(q, k, v, layer.scale))
+    s = layer.shape
+    return layer.output(dense_causal_attention(q, k, v, layer.scale, s.window, s.sinks))
 
 
 def recompute_step(layer: AttentionLayer, prefix: torch.Tensor) -> torch.Tensor:
-    """Path A, one step: the whole prefix [B, T, H] through causal attention; last position."""
+    """Path A, one step: the whole prefix [B, T, H] through causal attention (windowed when
+    the layer has a window); last position."""
     q, k, v = layer.project(prefix, start=0)
-    attn = dense_causal_attention(q, k, v, layer.scale)  # [B, H_q, T, D]
+    s = layer.shape
+    attn = dense_causal_attention(q, k, v, layer.scale, s.window, s.sinks)  # [B, H_q, T, D]
     return layer.output(attn[:, :, -1:])  # [B, 1, H]
 
 

@@ -160,6 +160,7 @@ def bench(config: RunConfig, impls: tuple[str, ...], options: BenchOptions,
             with device_errors("prefill", name, free=lambda: free_bytes(dev)):
                 impl = prompt_caches[name] = fresh(cls)
                 impl.prefill(prompt)
+                impl.checkpoint()  # every sample decodes from this prompt cache again
                 if cls.compiles:  # its first steps compile: never inside a timed sample
                     impl.decode(x, keep=False)
                     impl.rewind(s.prompt_len)

@@ -60,6 +60,7 @@ class ModelSpec:
     # Cross-layer sharing (e.g. Cross-Layer Attention, MiniCPM): each group of this many
     # adjacent layers reads one K/V, cached by the group's first layer.
     share_layers: int = 1
+    sinks: int = 0  # sliding layers also keep their first `sinks` positions (StreamingLLM)
 
     def __post_init__(self) -> None:
         checks = {"layers": self.layers}
@@ -118,7 +119,8 @@ class ModelSpec:
         if not self.sliding_window:
             return "none"
         sliding = sum(self.window_of(i) is not None for i in range(self.layers))
-        return f"{self.sliding_window} on {sliding}/{self.layers} layers"
+        sinks = f" + {self.sinks} sinks" if self.sinks else ""
+        return f"{self.sliding_window}{sinks} on {sliding}/{self.layers} layers"
 
 
 # ---------------------------------------------------------------------------- presets
@@ -287,7 +289,7 @@ def layer_scale_bytes(model: ModelSpec, fmt: CacheFormat, per_rank: bool) -> int
 
 def cached_len(model: ModelSpec, layer: int, seq_len: int) -> int:
     window = model.window_of(layer)
-    return min(seq_len, window) if window else seq_len
+    return min(seq_len, window + model.sinks) if window else seq_len
 
 
 def sequence_bytes(model: ModelSpec, fmt: CacheFormat, seq_len: int, per_rank: bool,

@@ -131,7 +131,8 @@ IMPL_HELP = (
     "PyTorch: CPU and CUDA); splitk (CPU, float32: a numba kernel); triton (CUDA; on the CPU "
     "verify only, in Triton's interpreter); compiled (gpt-fast's step: a CUDA graph on CUDA, "
     "inductor C++ on the CPU) and flex (FlexAttention under torch.compile): CUDA and CPU, "
-    "memory on CUDA only. One that cannot run a point is skipped with a note.")
+    "memory on CUDA only; window (a sliding-window ring buffer with --window, --sinks; CPU "
+    "and CUDA). One that cannot run a point is skipped with a note.")
 Impl = Annotated[str, typer.Option(help=IMPL_HELP)]
 Rope = Annotated[bool, typer.Option(help="Rotary position embedding on q and k (k rotated before caching).")]
 BlockSize = Annotated[int, typer.Option(help="paged: positions per block.")]
@@ -161,6 +162,13 @@ MaxLenOpt = Annotated[int | None, typer.Option(
 Prealloc = Annotated[str, typer.Option(
     "--prealloc", help="static, sdpa, splitk, compiled, flex: reserve --max-len per sequence "
     "(max-len, as preallocating servers do) or the batch's longest sequence (exact).")]
+WindowOpt = Annotated[int | None, typer.Option(
+    "--window", help="A sliding window: each query sees the last W positions (itself "
+    "included), plus the --sinks; path A attends the same way. Runs on window.",
+    show_default=False)]
+SinksOpt = Annotated[int, typer.Option(
+    "--sinks", help="With --window: the first S positions stay visible to every query "
+    "(StreamingLLM's attention sinks).")]
 TpOpt = Annotated[int, typer.Option(
     "--tp", help="Tensor-parallel ranks: the layer split by head, one process per rank under "
     "torchrun (torchrun --nproc-per-node N -m kvbench COMMAND --tp N ...); gloo on the CPU, "
@@ -226,6 +234,10 @@ def _points(o: dict[str, object], reference_cases: bool = False, measure: str | 
     lists = {name: parse_int_list("--" + name.replace("_", "-"), o[name])
              for name in SHAPE_FIELDS if o[name] is not None}
     shapes = _ragged(o, expand_shapes(timing_case(dev), lists), lists)
+    if o["window"] is not None or o["sinks"]:
+        from dataclasses import replace
+
+        shapes = [replace(s, window=o["window"], sinks=o["sinks"]) for s in shapes]
     from kvbench import distributed
 
     if o["tp"] != 1 or distributed.launched():
@@ -236,7 +248,8 @@ def _points(o: dict[str, object], reference_cases: bool = False, measure: str | 
                           group_size=o["group_size"], prealloc=o["prealloc"])
     kv_dtypes = _kv_dtypes(o["kv_dtype"], dtypes)
     grouped = any(k in GROUPED for k in kv_dtypes)
-    ragged = o["seq_lens"] is not None or o["len_dist"] is not None
+    ragged = (o["seq_lens"] is not None or o["len_dist"] is not None
+              or o["window"] is not None)  # (the small case has none of these)
     if (reference_cases and not lists and not ragged
             and not (grouped and o["group_size"] > SMALL_CASE.head_dim)):
         shapes = [SMALL_CASE] + shapes  # (its D = 4 holds no larger group)
@@ -473,6 +486,7 @@ def verify(ctx: typer.Context, device: Device = "auto", dtype: Dtype = "float32"
            kv_dtype: KvDtypeOpt = None, group_size: GroupSizeOpt = 64,
            seq_lens: SeqLens = None, len_dist: LenDist = None, max_len: MaxLenOpt = None,
            prealloc: Prealloc = "max-len", tp: TpOpt = 1,
+           window: WindowOpt = None, sinks: SinksOpt = 0,
            config: SweepFile = None, csv: CsvPath = None, no_csv: NoCsv = False,
            format: Format = "table", quiet: Quiet = False, dry_run: DryRun = False,
            force: Force = False):
@@ -512,6 +526,7 @@ def bench(ctx: typer.Context, device: Device = "auto", dtype: Dtype = "float32",
           kv_dtype: KvDtypeOpt = None, group_size: GroupSizeOpt = 64,
           seq_lens: SeqLens = None, len_dist: LenDist = None, max_len: MaxLenOpt = None,
           prealloc: Prealloc = "max-len", tp: TpOpt = 1,
+          window: WindowOpt = None, sinks: SinksOpt = 0,
           warmup: Annotated[int, typer.Option(help="Untimed runs before the samples.")] = 3,
           rounds: Annotated[int, typer.Option(help="Timed samples; the median is reported.")] = 9,
           recompute: Annotated[bool, typer.Option(
@@ -562,6 +577,7 @@ def memory(ctx: typer.Context, device: Device = "auto", dtype: Dtype = "float32"
            kv_dtype: KvDtypeOpt = None, group_size: GroupSizeOpt = 64,
            seq_lens: SeqLens = None, len_dist: LenDist = None, max_len: MaxLenOpt = None,
            prealloc: Prealloc = "max-len", tp: TpOpt = 1,
+           window: WindowOpt = None, sinks: SinksOpt = 0,
            config: SweepFile = None, csv: CsvPath = None, no_csv: NoCsv = False,
            format: Format = "table", quiet: Quiet = False, dry_run: DryRun = False,
            force: Force = False):
@@ -615,6 +631,7 @@ def capacity(
     tp: Annotated[int, typer.Option(help="Tensor-parallel ranks (KV heads split across them).")] = 1,
     block_size: Annotated[int | None, typer.Option(help="Paged blocks: round each sequence up to whole blocks.")] = None,
     window: Annotated[int | None, typer.Option(help="Sliding window W: sliding layers cache at most W tokens.")] = None,
+    sinks: Annotated[int, typer.Option(help="With a window: sliding layers also keep their first S positions (attention sinks).")] = 0,
     share_layers: Annotated[int, typer.Option(help="Cross-layer sharing: groups of K adjacent layers read one K/V (Cross-Layer Attention's sharing factor); K must divide the layers.")] = 1,
     gpu_mem: Annotated[str | None, typer.Option(help="Memory of one GPU, e.g. 80GiB or 80GB.")] = None,
     weight_dtype: Annotated[str, typer.Option(help="dtype of the preset's weights.")] = "bf16",
@@ -673,10 +690,13 @@ def capacity(
     spec = cap.merge_dimensions(base, {
         "layers": layers, "kv_heads": kv_heads, "head_dim": head_dim, "q_heads": q_heads,
         "mla_latent": mla_latent, "mla_rope": mla_rope, "sliding_window": window})
-    if share_layers != 1:
+    if share_layers != 1 or sinks:
         from dataclasses import replace
 
-        spec = replace(spec, share_layers=share_layers)
+        if sinks < 0 or (sinks and not spec.sliding_window):
+            raise KvbenchError("--sinks keeps the first S positions of sliding layers: give "
+                               "--window W too (or a model with a window), and S >= 0")
+        spec = replace(spec, share_layers=share_layers, sinks=sinks)
     fmt = cap.CacheFormat(cap.kv_dtype(kv_dtype), group_size, tp, block_size)
     gpu_bytes = cap.parse_size(gpu_mem, "--gpu-mem") if gpu_mem else None
     weights = None

@@ -40,6 +40,10 @@ class LayerShape:
     seq_lens: tuple[int, ...] | None = None
     max_len: int | None = None  # the longest a request may get (preallocation); None: total_len
     len_dist: str | None = None  # where seq_lens were drawn from (a label for the results)
+    # A sliding window with attention sinks (StreamingLLM): each query sees the first `sinks`
+    # positions and the last `window` (itself included). None: every earlier position.
+    window: int | None = None
+    sinks: int = 0
 
     def __post_init__(self) -> None:
         for name in ("batch", "prompt_len", "decode_len", "hidden", "q_heads", "kv_heads",
@@ -55,6 +59,13 @@ class LayerShape:
             if (len(self.seq_lens), max(self.seq_lens)) != (self.batch, self.prompt_len):
                 raise KvbenchError(f"--seq-lens gives {len(self.seq_lens)} sequences but "
                                    f"--batch is {self.batch}; drop --batch (the lengths set it)")
+        if self.window is not None and (type(self.window) is not int or self.window < 1):
+            raise KvbenchError(f"--window must be a positive integer, got {self.window}")
+        if type(self.sinks) is not int or self.sinks < 0:
+            raise KvbenchError(f"--sinks must be 0 or more, got {self.sinks}")
+        if self.sinks and self.window is None:
+            raise KvbenchError("--sinks keeps the first S positions beside a sliding window; "
+                               "give --window W too")
         if self.max_len is not None and self.max_len < self.total_len:
             raise KvbenchError(
                 f"--max-len {self.max_len} is below the longest sequence: prompt "

@@ -72,6 +72,7 @@ def describe(config) -> str:
             f"H_q={s.q_heads} H_kv={s.kv_heads} D={s.head_dim} {config.dtype} "
             f"{config.device}{' rope' if config.rope else ''} seed={config.seed}"
             + (f" tp={config.tp}" if config.tp > 1 else "")
+            + (f" window={s.window} sinks={s.sinks}" if s.window is not None else "")
             + (f" {kv_label(KvFormat(config.kv_dtype, config.group_size))}"
                if config.kv_dtype else ""))
 

@@ -164,7 +164,8 @@ def _umask() -> int:
 # the length a request may reach (--max-len). Empty for a square batch.
 RAGGED_COLUMNS = ["seq_lens", "len_dist", "max_len"]
 # Tensor parallelism (--tp under torchrun): ranks the layer is split over; 1 on one device.
-TP_COLUMNS = ["tp", "world_size"]
+# A sliding window with attention sinks (--window, --sinks): empty without one.
+TP_COLUMNS = ["tp", "world_size", "window", "sinks"]
 
 # Column order is part of the interface: users' spreadsheets and scripts depend on it.
 CONFIG_COLUMNS = ["timestamp", "command", "impl", "batch", "prompt_len", "decode_len", "hidden",
@@ -209,7 +210,8 @@ def config_cells(command: str, impl: str, config) -> dict[str, object]:
             "seed": config.seed,
             "seq_lens": ",".join(map(str, s.seq_lens)) if s.seq_lens else None,
             "len_dist": s.len_dist, "max_len": s.max_len, "tp": config.tp,
-            "world_size": config.tp}
+            "world_size": config.tp, "window": s.window,
+            "sinks": s.sinks if s.window is not None else None}
 
 
 def _stats_cells(name: str, stats) -> dict[str, object]:

@@ -91,7 +91,7 @@ def verify(config: RunConfig, impls: dict[str, type[CachedAttention]] | None = N
     options = (options or ImplOptions()).at(config)
     if impls is None:
         impls = {name: cls for name, cls in IMPLEMENTATIONS.items()
-                 if cls.unavailable(config, options) is None}
+                 if cls.inapplicable(config) is None and cls.unavailable(config, options) is None}
     s = config.shape
     rtol, atol = TOLERANCES[config.dtype]
     layer = AttentionLayer.from_config(config)
@@ -232,9 +232,10 @@ def _check(name, cls, layer, options, x, prompt, real, config, ref_prefill, ref_
             worst = (got.double() - gate.double()).abs().max().item()
             message = (f"{where}: max |{against} - B| = {worst:.3e} exceeds rtol {rtol:g}, "
                        f"atol {atol:g}")
-    if cache_shape != s.cache_shape and first_bad is None:
+    expected = (s.batch, s.kv_heads, cls.expected_cache_len(config), s.head_dim)
+    if cache_shape != expected and first_bad is None:
         first_bad = len(pairs) - 1
-        message = f"final cache shape {list(cache_shape)} != expected {list(s.cache_shape)}"
+        message = f"final cache shape {list(cache_shape)} != expected {list(expected)}"
 
     exact = gate_steps if gate_steps is not None else exact_steps
     fp64 = max((_max_abs(b, e) for b, e in zip(steps, exact) if b.shape == e.shape),

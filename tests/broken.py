@@ -326,3 +326,43 @@ class KernelReadsPadding(_TritonFault):
 
     def deficit_fault(self):
         return self.kernel_deficit - 1
+
+
+# Faults of the sliding-window ring buffer (`window`).
+
+from kvbench.caches import WindowCache  # noqa: E402
+
+
+class RingOffByOne(WindowCache):
+    """Each decoded position goes to the slot of the next one: it overwrites a position still
+    in the window and leaves the one that should have left. (An offset applied to every
+    write alike would only permute the slots, which attention does not see.)"""
+
+    name = "ring-off-by-one"
+
+    def write(self, k, v):
+        if k.shape[2] != 1:
+            return super().write(k, v)
+        slot = self.slot(self.length + 1)
+        self.k_cache[:, :, slot:slot + 1] = k
+        self.v_cache[:, :, slot:slot + 1] = v
+        self._advance(1)
+
+
+class RopeAtSlot(WindowCache):
+    """Rotates each new query and key by its ring slot instead of its position."""
+
+    name = "rope-at-slot"
+
+    def start(self):
+        return self.slot(self.length)
+
+
+class SinksDropped(WindowCache):
+    """Keeps the last S + W positions, no sinks."""
+
+    name = "sinks-dropped"
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.sinks = 0

@@ -196,7 +196,7 @@ def test_paged_uploads_its_table_once_per_prefill_and_per_new_block():
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("name", ["concat", "static", "sdpa", "paged", "triton", "compiled",
-                                  "flex"])
+                                  "flex", "window"])
 def test_no_host_sync_in_prefill_or_decode_on_cuda(name):
     config = RunConfig(SHAPE, device="cuda:0")
     layer, x = AttentionLayer.from_config(config), make_inputs(config)

@@ -44,7 +44,7 @@ def test_bench_writes_then_appends_rows(tmp_path):
     # every implementation bench can measure on the CPU once (not triton: it runs in Triton's
     # interpreter here), then the second run's one row
     assert df["impl"].tolist() == ["concat", "static", "sdpa", "paged", "splitk", "compiled",
-                                   "flex", "static"]
+                                   "flex", "window", "static"]
     assert (df["speedup"] > 0).all() and (df["decode_cached_ms"] > 0).all()
     assert df["timestamp"].str.match(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d").all()
     for col in ("kvbench_version", "python_version", "torch_version", "device_name",

@@ -93,3 +93,24 @@ def test_prealloc_exact_reserves_the_longest_sequence():
     result = memory(RunConfig(RAGGED), ("static",), ImplOptions(prealloc="exact"))
     assert by_impl(result)["static"].cache_bytes == 3 * 43 * POSITION
     assert result.prealloc == "exact"
+
+
+def test_the_window_ring_stays_at_sinks_plus_window_and_matches_the_planner():
+    from dataclasses import replace
+
+    from kvbench.capacity import CacheFormat, ModelSpec, plan
+
+    base = LayerShape(batch=2, prompt_len=20, hidden=32, q_heads=4, kv_heads=2, head_dim=8,
+                      window=8, sinks=2)
+    held = []
+    for decode_len in (4, 40):  # 24 and 60 positions: the ring holds 10 either way
+        shape = replace(base, decode_len=decode_len)
+        (m,) = memory(RunConfig(shape), ("window",)).impls
+        model = ModelSpec(name="layer", layers=1, kv_heads=2, head_dim=8, sliding_window=8,
+                          sinks=2)
+        assert m.cache_bytes == plan(model, CacheFormat("fp32"), (shape.total_len,) * 2).payload_bytes
+        held.append(m.cache_bytes)
+    assert held == [2 * 10 * POSITION_WINDOW] * 2
+
+
+POSITION_WINDOW = 2 * 2 * 8 * 4  # K and V, 2 heads, D = 8, float32

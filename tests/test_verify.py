@@ -58,7 +58,7 @@ def test_every_implementation_equals_recompute(shape, rope, dtype, seed):
     report = verify(config, eager(config))
     # splitk is float32 only; everything else runs every shape here
     expected = ["concat", "static", "sdpa", "paged"] + (["splitk"] if dtype == "float32" else [])
-    expected += ["triton"]
+    expected += ["triton", "window"]
     assert [c.impl for c in report.checks] == expected
     for check in report.checks:
         assert check.passed, (check.impl, check.message)
@@ -158,3 +158,51 @@ def test_long_prompt_prefill_does_not_build_the_square_score_matrix():
         with torch.no_grad(), track_cpu_peak() as tracker:
             cls(layer, 1, shape.total_len).prefill(x[:, :8192])
         assert tracker.peak_bytes < 256 * 2**20, name
+
+
+# A sliding window of 8 with 2 sinks: a 10-slot ring, wrapped many times by 20 + 7 positions.
+WINDOWED = LayerShape(batch=2, prompt_len=20, decode_len=7, hidden=32, q_heads=4, kv_heads=2,
+                      head_dim=8, window=8, sinks=2)
+
+
+@pytest.mark.parametrize("window, sinks", [(8, 0), (8, 2), (5, 3), (1, 1), (100, 4)])
+@pytest.mark.parametrize("rope", [False, True])
+def test_window_equals_windowed_attention(window, sinks, rope):
+    from dataclasses import replace
+
+    from kvbench.caches import WindowCache
+
+    shape = replace(WINDOWED, window=window, sinks=sinks)
+    report = verify(RunConfig(shape, rope=rope), {"window": WindowCache})
+    (check,) = report.checks
+    assert check.passed, check.message
+    assert check.cache_shape == (2, 2, min(27, window + sinks), 8)
+
+
+def test_the_window_changes_the_answer():
+    # the windowed reference differs from full attention: a full cache fails against it
+    from kvbench.caches import StaticCache
+
+    report = verify(RunConfig(WINDOWED), {"static": StaticCache})
+    assert not report.passed and report.checks[0].first_bad_step == 0
+
+
+@pytest.mark.parametrize("broken", ["RingOffByOne", "RopeAtSlot", "SinksDropped"])
+def test_verify_rejects_window_faults(broken):
+    import broken as faults
+
+    cls = getattr(faults, broken)
+    report = verify(RunConfig(WINDOWED, rope=True), {cls.name: cls})
+    (check,) = report.checks
+    assert not check.passed
+    assert check.first_bad_step >= 1  # the prefill is right; the ring goes wrong
+
+
+def test_window_prefill_in_chunks_equals_windowed_attention():
+    # 1100 prompt positions: three 512-query chunks, windows reaching across their edges
+    from kvbench.caches import WindowCache
+
+    shape = LayerShape(batch=1, prompt_len=1100, decode_len=3, hidden=16, q_heads=2,
+                       kv_heads=1, head_dim=8, window=300, sinks=4)
+    (check,) = verify(RunConfig(shape, rope=True), {"window": WindowCache}).checks
+    assert check.passed, check.message

@@ -23,8 +23,9 @@ from kvbench.caches.splitk import SplitKCache
 from kvbench.caches.triton import TritonCache
 from kvbench.caches.flex import FlexCache
 from kvbench.caches.compiled import CompiledCache
+from kvbench.caches.window import WindowCache
 
 __all__ = ["IMPLEMENTATIONS", "SDPA_BACKENDS", "CachedAttention", "CompiledCache", "ConcatCache",
            "FlexCache", "ImplOptions",
            "PagedCache", "PreallocatedCache", "SdpaCache", "SplitKCache", "StaticCache",
-           "TritonCache",            "parse_impls", "register", "select_impls"]
+           "TritonCache", "WindowCache", "parse_impls", "register", "select_impls"]

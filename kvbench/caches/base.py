@@ -95,7 +95,8 @@ def select_impls(spec: str, config: RunConfig, options: ImplOptions | None = Non
     explicit = spec.strip().lower() != "all"
     for name in parse_impls(spec):
         cls = IMPLEMENTATIONS[name]
-        reason = (cls.unstorable(options) or cls.unavailable(config, options)
+        reason = (cls.unstorable(options) or cls.inapplicable(config)
+                  or cls.unavailable(config, options)
                   or (cls.unmeasured(config, measure) if measure else None))
         if reason is None:
             names.append(name)
@@ -207,6 +208,18 @@ class CachedAttention(ABC):
         return None
 
     @classmethod
+    def inapplicable(cls, config: RunConfig) -> str | None:
+        """Why it cannot apply the layer's technique (a --window), or None."""
+        if config.shape.window is not None:
+            return "keeps every position (--window runs on window)"
+        return None
+
+    @classmethod
+    def expected_cache_len(cls, config: RunConfig) -> int:
+        """The positions its finished cache holds per sequence (verify checks them)."""
+        return config.shape.total_len
+
+    @classmethod
     def unstorable(cls, options: ImplOptions) -> str | None:
         """Why it cannot store K/V in options.kv_dtype, or None."""
         if options.kv_dtype is None or options.kv_dtype in cls.kv_dtypes:
@@ -299,6 +312,11 @@ class CachedAttention(ABC):
     @abstractmethod
     def rewind(self, length: int) -> None:
         """Forget every position from `length` on (e.g. back to the prompt for a new sample)."""
+
+    def checkpoint(self) -> None:
+        """Remember the cache as it is, for a later rewind to this length (bench decodes from
+        the same prompt cache every sample). Only a cache that overwrites positions (a ring)
+        needs to keep a copy."""
 
     def decode(self, x: torch.Tensor, keep: bool = True) -> list[torch.Tensor]:
         """Step through every position of x [B, T, H] after the cached ones.
