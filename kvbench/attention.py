@@ -129,6 +129,7 @@ def make_inputs(config: RunConfig) -> torch.Tensor:
     s = config.shape
     g = torch.Generator().manual_seed(config.seed + 1)
     x = torch.randn(s.batch, s.total_len, s.hidden, generator=g)
+    x[:, : s.shared_prefix] = x[0, : s.shared_prefix]  # --shared-prefix: one system prompt
     return x.to(device=config.device, dtype=torch_dtype(config.dtype))
 
 

@@ -379,9 +379,16 @@ class Plan:
 
 def plan(model: ModelSpec, fmt: CacheFormat, seq_lens: tuple[int, ...],
          gpu_bytes: int | None = None, weights_bytes: int | None = None,
-         margin_bytes: int = 4 * 2**30, utilization: float = 0.9) -> Plan:
+         margin_bytes: int = 4 * 2**30, utilization: float = 0.9,
+         shared_prefix: int = 0) -> Plan:
+    """shared_prefix: the first P tokens are the same in every sequence and stored once
+    (prefix caching): in whole blocks with --block-size (a partly filled block is each
+    sequence's own), token by token without."""
     if not seq_lens or any(t < 1 for t in seq_lens):
         raise KvbenchError("sequence lengths must be positive integers")
+    if shared_prefix > min(seq_lens):
+        raise KvbenchError(f"--shared-prefix {shared_prefix} is longer than the shortest "
+                           f"sequence ({min(seq_lens)} tokens)")
     if not 0 < utilization <= 1:
         raise KvbenchError(f"--utilization must be in (0, 1], got {utilization}")
     per_token_layer = token_bytes_per_layer(model, fmt, per_rank=False)
@@ -392,6 +399,15 @@ def plan(model: ModelSpec, fmt: CacheFormat, seq_lens: tuple[int, ...],
     per_rank = scales_rank + sum(sequence_bytes(model, fmt, t, per_rank=True) for t in seq_lens)
     per_rank_exact = scales_rank + sum(sequence_bytes(model, fmt, t, per_rank=True, paged=False)
                                        for t in seq_lens)
+    if shared_prefix:  # the prefix once instead of once per sequence, in full-attention layers
+        full = sum(model.window_of(layer) is None for layer in model.cached_layers)
+        copies = len(seq_lens) - 1
+        whole = (shared_prefix // fmt.block_size * fmt.block_size if fmt.block_size
+                 else shared_prefix)
+        rank_token = token_bytes_per_layer(model, fmt, per_rank=True)
+        payload -= copies * shared_prefix * per_token_layer * full
+        per_rank -= copies * whole * rank_token * full
+        per_rank_exact -= copies * shared_prefix * rank_token * full
     result = Plan(model, fmt, tuple(seq_lens), len(model.cached_layers) * per_token_layer,
                   sequence_bytes(model, fmt, max(seq_lens), per_rank=False, paged=False),
                   payload, per_rank, per_rank - per_rank_exact)

@@ -169,6 +169,10 @@ WindowOpt = Annotated[int | None, typer.Option(
 SinksOpt = Annotated[int, typer.Option(
     "--sinks", help="With --window: the first S positions stay visible to every query "
     "(StreamingLLM's attention sinks).")]
+SharedPrefix = Annotated[int, typer.Option(
+    "--shared-prefix", help="The first P prompt tokens are the same in every sequence (a "
+    "system prompt): paged and triton store their blocks once, copying a partly filled one "
+    "on write.")]
 TpOpt = Annotated[int, typer.Option(
     "--tp", help="Tensor-parallel ranks: the layer split by head, one process per rank under "
     "torchrun (torchrun --nproc-per-node N -m kvbench COMMAND --tp N ...); gloo on the CPU, "
@@ -234,10 +238,11 @@ def _points(o: dict[str, object], reference_cases: bool = False, measure: str | 
     lists = {name: parse_int_list("--" + name.replace("_", "-"), o[name])
              for name in SHAPE_FIELDS if o[name] is not None}
     shapes = _ragged(o, expand_shapes(timing_case(dev), lists), lists)
-    if o["window"] is not None or o["sinks"]:
+    if o["window"] is not None or o["sinks"] or o["shared_prefix"]:
         from dataclasses import replace
 
-        shapes = [replace(s, window=o["window"], sinks=o["sinks"]) for s in shapes]
+        shapes = [replace(s, window=o["window"], sinks=o["sinks"],
+                          shared_prefix=o["shared_prefix"]) for s in shapes]
     from kvbench import distributed
 
     if o["tp"] != 1 or distributed.launched():
@@ -249,7 +254,7 @@ def _points(o: dict[str, object], reference_cases: bool = False, measure: str | 
     kv_dtypes = _kv_dtypes(o["kv_dtype"], dtypes)
     grouped = any(k in GROUPED for k in kv_dtypes)
     ragged = (o["seq_lens"] is not None or o["len_dist"] is not None
-              or o["window"] is not None)  # (the small case has none of these)
+              or o["window"] is not None or o["shared_prefix"])  # (not for the small case)
     if (reference_cases and not lists and not ragged
             and not (grouped and o["group_size"] > SMALL_CASE.head_dim)):
         shapes = [SMALL_CASE] + shapes  # (its D = 4 holds no larger group)
@@ -486,7 +491,7 @@ def verify(ctx: typer.Context, device: Device = "auto", dtype: Dtype = "float32"
            kv_dtype: KvDtypeOpt = None, group_size: GroupSizeOpt = 64,
            seq_lens: SeqLens = None, len_dist: LenDist = None, max_len: MaxLenOpt = None,
            prealloc: Prealloc = "max-len", tp: TpOpt = 1,
-           window: WindowOpt = None, sinks: SinksOpt = 0,
+           window: WindowOpt = None, sinks: SinksOpt = 0, shared_prefix: SharedPrefix = 0,
            config: SweepFile = None, csv: CsvPath = None, no_csv: NoCsv = False,
            format: Format = "table", quiet: Quiet = False, dry_run: DryRun = False,
            force: Force = False):
@@ -526,7 +531,7 @@ def bench(ctx: typer.Context, device: Device = "auto", dtype: Dtype = "float32",
           kv_dtype: KvDtypeOpt = None, group_size: GroupSizeOpt = 64,
           seq_lens: SeqLens = None, len_dist: LenDist = None, max_len: MaxLenOpt = None,
           prealloc: Prealloc = "max-len", tp: TpOpt = 1,
-          window: WindowOpt = None, sinks: SinksOpt = 0,
+          window: WindowOpt = None, sinks: SinksOpt = 0, shared_prefix: SharedPrefix = 0,
           warmup: Annotated[int, typer.Option(help="Untimed runs before the samples.")] = 3,
           rounds: Annotated[int, typer.Option(help="Timed samples; the median is reported.")] = 9,
           recompute: Annotated[bool, typer.Option(
@@ -577,7 +582,7 @@ def memory(ctx: typer.Context, device: Device = "auto", dtype: Dtype = "float32"
            kv_dtype: KvDtypeOpt = None, group_size: GroupSizeOpt = 64,
            seq_lens: SeqLens = None, len_dist: LenDist = None, max_len: MaxLenOpt = None,
            prealloc: Prealloc = "max-len", tp: TpOpt = 1,
-           window: WindowOpt = None, sinks: SinksOpt = 0,
+           window: WindowOpt = None, sinks: SinksOpt = 0, shared_prefix: SharedPrefix = 0,
            config: SweepFile = None, csv: CsvPath = None, no_csv: NoCsv = False,
            format: Format = "table", quiet: Quiet = False, dry_run: DryRun = False,
            force: Force = False):
@@ -632,6 +637,7 @@ def capacity(
     block_size: Annotated[int | None, typer.Option(help="Paged blocks: round each sequence up to whole blocks.")] = None,
     window: Annotated[int | None, typer.Option(help="Sliding window W: sliding layers cache at most W tokens.")] = None,
     sinks: Annotated[int, typer.Option(help="With a window: sliding layers also keep their first S positions (attention sinks).")] = 0,
+    shared_prefix: Annotated[int, typer.Option(help="The first P tokens of every sequence are the same and stored once (prefix caching; whole blocks with --block-size).")] = 0,
     share_layers: Annotated[int, typer.Option(help="Cross-layer sharing: groups of K adjacent layers read one K/V (Cross-Layer Attention's sharing factor); K must divide the layers.")] = 1,
     gpu_mem: Annotated[str | None, typer.Option(help="Memory of one GPU, e.g. 80GiB or 80GB.")] = None,
     weight_dtype: Annotated[str, typer.Option(help="dtype of the preset's weights.")] = "bf16",
@@ -710,7 +716,10 @@ def capacity(
             raise KvbenchError("--gpu-mem needs the weights' size: pass --weights-bytes "
                                "(e.g. 16GB) or use a --model preset")
     path = _csv_target(csv, "capacity")
-    result = cap.plan(spec, fmt, lens, gpu_bytes, weights, margin_bytes, utilization)
+    if shared_prefix < 0:
+        raise KvbenchError(f"--shared-prefix must be 0 or more, got {shared_prefix}")
+    result = cap.plan(spec, fmt, lens, gpu_bytes, weights, margin_bytes, utilization,
+                      shared_prefix)
     if serving_lens is not None:
         result.serving = cap.serving(spec, fmt, serving_lens, max_len,
                                      result.fit.budget_bytes if result.fit else None)

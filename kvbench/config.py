@@ -44,6 +44,7 @@ class LayerShape:
     # positions and the last `window` (itself included). None: every earlier position.
     window: int | None = None
     sinks: int = 0
+    shared_prefix: int = 0  # the first P prompt tokens are the same in every sequence
 
     def __post_init__(self) -> None:
         for name in ("batch", "prompt_len", "decode_len", "hidden", "q_heads", "kv_heads",
@@ -66,6 +67,12 @@ class LayerShape:
         if self.sinks and self.window is None:
             raise KvbenchError("--sinks keeps the first S positions beside a sliding window; "
                                "give --window W too")
+        if type(self.shared_prefix) is not int or self.shared_prefix < 0:
+            raise KvbenchError(f"--shared-prefix must be 0 or more, got {self.shared_prefix}")
+        if self.shared_prefix > min(self.prompt_lens):
+            raise KvbenchError(f"--shared-prefix {self.shared_prefix} is longer than the "
+                               f"shortest prompt ({min(self.prompt_lens)} tokens); use at most "
+                               f"{min(self.prompt_lens)}")
         if self.max_len is not None and self.max_len < self.total_len:
             raise KvbenchError(
                 f"--max-len {self.max_len} is below the longest sequence: prompt "

@@ -119,6 +119,7 @@ class ImplMemory:
     cache_bytes: int = 0  # the finished cache's own tensors: K, V, scales and zero points
     planner_bytes: int = 0  # kvbench capacity's figure for this layout (1 layer)
     frag_bytes: int | None = None  # block pools: the unused positions of last blocks
+    saved_bytes: int | None = None  # --shared-prefix: blocks not stored twice, from the tables
 
     def waste(self, payload_bytes: int) -> float | None:
         """The share of the K/V bytes it reserved that hold no token: 1 - payload/reserved."""
@@ -182,6 +183,7 @@ def memory(config: RunConfig, impls: tuple[str, ...],
     windows: dict[tuple[str, str | None], Window] = {}
     cache_bytes: dict[str, int] = {}
     frag: dict[str, int | None] = {}
+    saved: dict[str, int | None] = {}
     with torch.no_grad():
         if warm:
             with guard("recompute"):
@@ -199,7 +201,10 @@ def memory(config: RunConfig, impls: tuple[str, ...],
                         with measure(config.device) as windows[phase, name]:
                             impl = run_cached(cls)  # held to the window's end: "after the run"
                         cache_bytes[name] = storage_bytes(impl.cache_tensors())
-                        frag[name] = _frag_bytes(impl, local, impl_options)
+                        frag[name] = _position_bytes(impl, "unused_positions", local,
+                                                     impl_options)
+                        saved[name] = _position_bytes(impl, "blocks_saved", local,
+                                                      impl_options)
                         del impl
                 elif phase == "decode":
                     with guard("decode", name):
@@ -209,7 +214,8 @@ def memory(config: RunConfig, impls: tuple[str, ...],
                         del impl
     results = [ImplMemory(name, windows["cached", name], windows["decode", name],
                           cls.footprint(local, impl_options), cache_bytes.get(name, 0),
-                          cls.planned_bytes(local, impl_options), frag.get(name))
+                          cls.planned_bytes(local, impl_options), frag.get(name),
+                          saved.get(name) if config.shape.shared_prefix else None)
                for name, cls in classes.items()]
     payload = CachedAttention.payload_bytes(local, impl_options)
     result = MemoryResult(config, payload, part.weight_bytes, windows["recompute", None],
@@ -223,12 +229,16 @@ def memory(config: RunConfig, impls: tuple[str, ...],
     return result
 
 
-def _frag_bytes(impl: CachedAttention, config: RunConfig, options: ImplOptions) -> int | None:
-    """A block pool's internal fragmentation: the positions its sequences' blocks hold beyond
-    their lengths (from its block tables), in the stored format's bytes."""
-    unused = impl.stats().get("unused_positions")
-    if unused is None:
+def _position_bytes(impl: CachedAttention, stat: str, config: RunConfig,
+                    options: ImplOptions) -> int | None:
+    """A block pool's count from its block tables, in the stored format's bytes:
+    unused_positions (the internal fragmentation of last blocks) or blocks_saved (by a
+    shared prefix)."""
+    count = impl.stats().get(stat)
+    if count is None:
         return None
+    if stat == "blocks_saved":
+        count *= options.block_size
     s, fmt = config.shape, options.kv_format
     vector = fmt.vector_bytes(s.head_dim) if fmt.quantized else s.head_dim * config.dtype_bytes
-    return unused * 2 * s.kv_heads * vector  # K and V of every KV head
+    return count * 2 * s.kv_heads * vector  # K and V of every KV head

@@ -73,6 +73,7 @@ def describe(config) -> str:
             f"{config.device}{' rope' if config.rope else ''} seed={config.seed}"
             + (f" tp={config.tp}" if config.tp > 1 else "")
             + (f" window={s.window} sinks={s.sinks}" if s.window is not None else "")
+            + (f" shared-prefix={s.shared_prefix}" if s.shared_prefix else "")
             + (f" {kv_label(KvFormat(config.kv_dtype, config.group_size))}"
                if config.kv_dtype else ""))
 
@@ -247,20 +248,30 @@ def memory_table(result) -> Table:
 def reservation_table(result) -> Table:
     """What each implementation holds for K/V against the token states it stores."""
     payload = result.theoretical_kv_bytes
+    s = result.config.shape
+    distinct = sum(s.row_lens) - (s.batch - 1) * s.shared_prefix
     t = _table(f"KV memory held against used  (payload {human_bytes(payload)}: "
-               f"Σ (T_i + G) = {sum(result.config.shape.row_lens):,} positions)")
-    for col in ("impl", "reserved", "holds tokens", "waste", "last-block fragmentation"):
+               f"Σ (T_i + G) = {distinct:,} positions"
+               + (", the shared prefix once)" if s.shared_prefix else ")"))
+    for col in ("impl", "reserved", "holds tokens", "waste", "last-block frag."):
         t.add_column(col, justify="left" if col == "impl" else "right", no_wrap=True)
+    shared = result.config.shape.shared_prefix
+    if shared:
+        t.add_column("saved by sharing", justify="right", no_wrap=True)
     for m in result.impls:
         waste = m.waste(payload)
         t.add_row(m.impl, human_bytes(m.cache_bytes),
                   f"{1 - waste:.1%}" if waste is not None else "—",
                   f"{waste:.1%}" if waste is not None else "—",
-                  human_bytes(m.frag_bytes) if m.frag_bytes is not None else "—")
+                  human_bytes(m.frag_bytes) if m.frag_bytes is not None else "—",
+                  *([human_bytes(m.saved_bytes) if m.saved_bytes is not None else "—"]
+                    if shared else []))
     t.caption = (f"reserved: the bytes of each finished cache's K/V tensors (preallocating "
                  f"caches: --prealloc {result.prealloc}; block pools: the blocks taken). "
-                 "holds tokens = payload / reserved; waste = 1 − that. Fragmentation: the "
-                 "unused positions of each sequence's last block.")
+                 "holds tokens = payload / reserved; waste = 1 − that. last-block frag.: the "
+                 "unused positions of each sequence's last block"
+                 + (f"; saved by sharing: the blocks of the {s.shared_prefix}-token prefix "
+                    "not stored again for each sequence." if s.shared_prefix else "."))
     return t
 
 

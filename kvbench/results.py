@@ -179,7 +179,8 @@ VERIFY_COLUMNS = VERIFY_FIRST[:-len(ENV_COLUMNS)] + [
     "block_size", "splits", "compile_ms",
     # quantized K/V: the format; fp64_max_abs_err is then against the dequantized-cache
     # reference (the gate) and max/mean_abs_err and cosine against path A (reported only)
-    "kv_dtype", "group_size", "cosine", *RAGGED_COLUMNS, *TP_COLUMNS] + ENV_COLUMNS
+    "kv_dtype", "group_size", "cosine", *RAGGED_COLUMNS, *TP_COLUMNS,
+    "shared_prefix"] + ENV_COLUMNS
 
 
 def _stats_columns(name: str) -> list[str]:
@@ -196,6 +197,7 @@ BENCH_FIRST = CONFIG_COLUMNS + [
 ] + ENV_COLUMNS
 BENCH_COLUMNS = BENCH_FIRST[:-len(ENV_COLUMNS)] + [
     "splits", "block_size", "kv_dtype", "group_size", *RAGGED_COLUMNS, *TP_COLUMNS,
+    "shared_prefix",
     # --tp: a step's all-reduce timed alone, and the median spread between the slowest and
     # the fastest rank of the cached decode samples (each sample's time is its slowest rank's)
     "allreduce_ms", "decode_rank_spread_ms"] + ENV_COLUMNS
@@ -211,6 +213,7 @@ def config_cells(command: str, impl: str, config) -> dict[str, object]:
             "seq_lens": ",".join(map(str, s.seq_lens)) if s.seq_lens else None,
             "len_dist": s.len_dist, "max_len": s.max_len, "tp": config.tp,
             "world_size": config.tp, "window": s.window,
+            "shared_prefix": s.shared_prefix or None,
             "sinks": s.sinks if s.window is not None else None}
 
 
@@ -288,6 +291,8 @@ MEMORY_COLUMNS = MEMORY_FIRST[:-len(ENV_COLUMNS)] + [
     *RAGGED_COLUMNS, "prealloc", "kv_waste", "kv_frag_bytes",
     # --tp: one row per rank and implementation; the bytes are that rank's
     *TP_COLUMNS, "rank",
+    # --shared-prefix P: the bytes a block pool did not store twice
+    "shared_prefix", "kv_saved_bytes",
 ] + ENV_COLUMNS
 
 
@@ -317,7 +322,8 @@ def _memory_rows(result, env: dict[str, object]) -> list[dict[str, object]]:
         # the policy matters only where a request may reach beyond the batch (--max-len)
         "prealloc": result.prealloc if result.config.shape.max_len is not None else None,
         "kv_waste": m.waste(result.theoretical_kv_bytes), "kv_frag_bytes": m.frag_bytes,
-        "rank": result.rank, **env,
+        "rank": result.rank, "shared_prefix": result.config.shape.shared_prefix or None,
+        "kv_saved_bytes": m.saved_bytes, **env,
     } for m in result.impls]
 
 

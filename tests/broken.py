@@ -366,3 +366,32 @@ class SinksDropped(WindowCache):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.sinks = 0
+
+
+# Faults of prefix sharing in `paged`'s block pool.
+
+class WritesSharedBlock(PagedCache):
+    """Never copies on write: a sequence writes into the prefix block the others share."""
+
+    name = "writes-shared-block"
+
+    def _own(self, row, index):
+        return False
+
+
+class FreesSharedBlock(PagedCache):
+    """Copy on write frees the shared block, though other sequences still hold it."""
+
+    name = "frees-shared-block"
+
+    def _own(self, row, index):
+        block = self.tables[row][index]
+        if self.refs[block] == 1:
+            return False
+        copy = self._take()
+        for pool in self.cache_tensors():
+            pool[copy] = pool[block]
+        self.refs[block] = 0
+        self.free.appendleft(block)  # back to the pool while still in other tables
+        self.tables[row][index] = copy
+        return True

@@ -366,3 +366,25 @@ def test_share_layers_that_does_not_divide_the_layers_is_one_line_exit_2(tmp_pat
                              "--csv", str(out)])
     assert ok.exit_code == 0 and "(16 caches)" in ok.stdout
     assert pd.read_csv(out)["share_layers"].tolist() == [2]
+
+
+def test_a_shared_prefix_is_planned_once_in_whole_blocks():
+    # 4 sequences of 72 tokens sharing 48, one layer of 2 KV heads x 64 x 4 bytes (1 KiB/token)
+    model = ModelSpec(name="m", layers=1, kv_heads=2, head_dim=64)
+    exact = plan(model, CacheFormat("fp32"), (72,) * 4, shared_prefix=48)
+    assert exact.payload_bytes == exact.per_rank_bytes == (4 * 72 - 3 * 48) * 1024
+    # in blocks of 16: 4 x 5 blocks, of which the prefix's 3 are stored once
+    blocks = plan(model, CacheFormat("fp32", block_size=16), (72,) * 4, shared_prefix=48)
+    assert blocks.per_rank_bytes == (20 - 3 * 3) * 16 * 1024
+    # a prefix of 40 fills 2 blocks and part of a third, which each sequence keeps its own
+    part = plan(model, CacheFormat("fp32", block_size=16), (72,) * 4, shared_prefix=40)
+    assert part.per_rank_bytes == (20 - 3 * 2) * 16 * 1024
+
+
+def test_shared_prefix_longer_than_a_sequence_is_one_line_exit_2(tmp_path):
+    out = tmp_path / "c.csv"
+    result = runner.invoke(app, ["capacity", "--model", "llama-3-8b", "--seq-lens", "100,30",
+                                 "--shared-prefix", "40", "--csv", str(out)])
+    assert result.exit_code == 2
+    assert "--shared-prefix 40 is longer than the shortest sequence (30 tokens)" in result.stderr
+    assert not out.exists()

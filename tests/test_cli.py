@@ -91,6 +91,13 @@ def test_bench_no_recompute_says_how_it_verified(tmp_path):
     (["--seq-lens", "5,9", "--len-dist", "uniform:1:4"], "give --seq-lens or --len-dist"),
     (["--seq-lens", "5,9", "--prealloc", "some"], "unknown --prealloc"),
     (["--max-len", "0"], "--max-len must be a positive integer"),
+    # the other cache techniques
+    (["--window", "0"], "--window must be a positive integer, got 0"),
+    (["--sinks", "4"], "--sinks keeps the first S positions beside a sliding window"),
+    (["--window", "8", "--impl", "static"], "--impl static cannot run here: keeps every"),
+    (["--shared-prefix", "100", "--prompt-len", "64"],
+     "--shared-prefix 100 is longer than the shortest prompt (64 tokens)"),
+    (["--shared-prefix", "8", "--impl", "sdpa"], "--impl sdpa cannot run here: stores every"),
 ])
 def test_bad_input_is_one_line_exit_2(tmp_path, args, message):
     out = tmp_path / "b.csv"

@@ -114,3 +114,20 @@ def test_the_window_ring_stays_at_sinks_plus_window_and_matches_the_planner():
 
 
 POSITION_WINDOW = 2 * 2 * 8 * 4  # K and V, 2 heads, D = 8, float32
+
+
+def test_a_shared_prefix_is_stored_once_as_capacity_plans():
+    from dataclasses import replace
+
+    from kvbench.caches import ImplOptions
+    from kvbench.capacity import CacheFormat, ModelSpec, plan
+
+    shape = replace(RAGGED, shared_prefix=5)  # prompts of 5, 17 and 40 share their first 5
+    result = memory(RunConfig(shape), ("paged",), ImplOptions(block_size=4))
+    (m,) = result.impls
+    model = ModelSpec(name="layer", layers=1, kv_heads=2, head_dim=8)
+    planned = plan(model, CacheFormat("fp32", block_size=4), shape.row_lens, shared_prefix=5)
+    # blocks of 4: 2 + 5 + 11 = 18 unshared; the first (full) prefix block is stored once
+    assert m.cache_bytes == planned.per_rank_bytes == (18 - 2) * 4 * POSITION
+    assert m.saved_bytes == 2 * 4 * POSITION
+    assert result.theoretical_kv_bytes == (71 - 2 * 5) * POSITION  # the prefix counted once

@@ -206,3 +206,36 @@ def test_window_prefill_in_chunks_equals_windowed_attention():
                        kv_heads=1, head_dim=8, window=300, sinks=4)
     (check,) = verify(RunConfig(shape, rope=True), {"window": WindowCache}).checks
     assert check.passed, check.message
+
+
+# Three sequences sharing a 10-token prefix, in blocks of 4: two full shared blocks and one
+# partly filled one, copied on write.
+SHARED = LayerShape(batch=3, prompt_len=17, decode_len=6, hidden=32, q_heads=4, kv_heads=2,
+                    head_dim=8, shared_prefix=10)
+
+
+@pytest.mark.parametrize("lens", [None, (10, 17, 12)])
+@pytest.mark.parametrize("block_size", [1, 4, 16])
+@pytest.mark.parametrize("kv_dtype", [None, "fp8", "int4"])
+def test_a_shared_prefix_stored_once_equals_the_unshared_run(lens, block_size, kv_dtype):
+    from dataclasses import replace
+
+    from kvbench.caches import PagedCache
+
+    shape = replace(SHARED.with_lens(lens), shared_prefix=10) if lens else SHARED
+    options = ImplOptions(block_size=block_size, kv_dtype=kv_dtype, group_size=4)
+    (check,) = verify(RunConfig(shape, rope=True), {"paged": PagedCache}, options).checks
+    assert check.passed, check.message
+    unshared = sum(-(-(t + 6) // block_size) for t in shape.prompt_lens)
+    assert check.stats["blocks_saved"] == 2 * (10 // block_size)
+    assert check.stats["blocks_used"] == unshared - 2 * (10 // block_size)
+
+
+@pytest.mark.parametrize("broken", ["WritesSharedBlock", "FreesSharedBlock"])
+def test_verify_rejects_prefix_sharing_faults(broken):
+    import broken as faults
+
+    cls = getattr(faults, broken)
+    report = verify(RunConfig(SHARED, rope=True), {cls.name: cls}, ImplOptions(block_size=4))
+    (check,) = report.checks
+    assert not check.passed, check.message

@@ -212,6 +212,8 @@ class CachedAttention(ABC):
         """Why it cannot apply the layer's technique (a --window), or None."""
         if config.shape.window is not None:
             return "keeps every position (--window runs on window)"
+        if config.shape.shared_prefix:
+            return "stores every sequence's prefix (--shared-prefix runs on paged, triton)"
         return None
 
     @classmethod
@@ -274,8 +276,15 @@ class CachedAttention(ABC):
 
     @staticmethod
     def payload_bytes(config: RunConfig, options: ImplOptions) -> int:
-        """The bytes of real token states: Σ (T_i + G) positions in the stored format."""
+        """The bytes of distinct token states: Σ (T_i + G) positions in the stored format, a
+        shared prefix counted once."""
         return _planned(config, options, config.shape.row_lens, False)
+
+    @classmethod
+    def unshared_bytes(cls, config: RunConfig, options: ImplOptions) -> int:
+        """planned_bytes with every sequence's prefix its own (what sharing saves from)."""
+        return _planned(config, options, cls.reserved_lens(config, options), cls.blocked,
+                        shared=False)
 
     @abstractmethod
     def write(self, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -343,12 +352,14 @@ class CachedAttention(ABC):
         return {}
 
 
-def _planned(config: RunConfig, options: ImplOptions, lens, blocked: bool) -> int:
+def _planned(config: RunConfig, options: ImplOptions, lens, blocked: bool,
+             shared: bool = True) -> int:
     s, fmt = config.shape, options.kv_format
     model = capacity.ModelSpec(name="layer", layers=1, kv_heads=s.kv_heads, head_dim=s.head_dim)
     layout = capacity.CacheFormat(fmt.name or capacity.kv_dtype(config.dtype), fmt.group_size,
                                   block_size=options.block_size if blocked else None)
-    return capacity.plan(model, layout, lens).per_rank_bytes
+    prefix = s.shared_prefix if shared else 0
+    return capacity.plan(model, layout, lens, shared_prefix=prefix).per_rank_bytes
 
 
 def causal_prefill(layer: AttentionLayer, q, k, v) -> torch.Tensor:

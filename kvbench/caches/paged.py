@@ -55,6 +55,12 @@ class PagedCache(CachedAttention):
                                fp.sdpa_is_fused(config.device, config.dtype, s.head_dim))
 
     @classmethod
+    def inapplicable(cls, config):
+        if config.shape.window is not None:
+            return "keeps every position (--window runs on window)"
+        return None  # it stores a --shared-prefix once
+
+    @classmethod
     def step_reads(cls, config, options, length):
         """The gather reads each sequence's own blocks, whole (padding reads block 0 again)."""
         s, bs = config.shape, options.block_size
@@ -64,7 +70,10 @@ class PagedCache(CachedAttention):
         super().__init__(layer, batch, max_len, options, lens)
         s, bs = layer.shape, self.options.block_size
         self.blocks_per_seq = math.ceil(max_len / bs)  # the table's width
-        n_blocks = sum(math.ceil(n / bs) for n in self.lens)
+        # --shared-prefix P: the prefix's blocks are stored once and referenced by every
+        # sequence; its full blocks stay shared, a partly filled one is copied on write.
+        self.prefix = s.shared_prefix
+        n_blocks = sum(math.ceil(n / bs) for n in self.lens) - (batch - 1) * (self.prefix // bs)
         lead = (n_blocks, s.kv_heads, bs)  # [N_blocks, H_kv, block_size, ...]
         # Quantized, the pools are a QuantizedStore's tensors: codes, and for the int formats
         # per-group scales and zero points, block by block.
@@ -78,6 +87,7 @@ class PagedCache(CachedAttention):
             self.k_pool = torch.zeros(shape, dtype=layer.dtype, device=layer.device)
             self.v_pool = torch.zeros(shape, dtype=layer.dtype, device=layer.device)
         self.free = deque(range(n_blocks))
+        self.refs = [0] * n_blocks  # sequences whose table holds each block
         # The block tables live on the host, where blocks are handed out; the device holds a
         # copy for the gather, uploaded whole (one copy, no host sync) when a block is taken.
         self.tables: list[list[int]] = [[] for _ in range(batch)]
@@ -96,17 +106,56 @@ class PagedCache(CachedAttention):
             self.table.copy_(rows)
         self.uploads += 1
 
+    def _take(self) -> int:
+        if not self.free:
+            raise KvbenchError("paged cache: the block pool is exhausted")
+        block = self.free.popleft()
+        self.refs[block] = 1
+        return block
+
+    def _release(self, block: int) -> None:
+        self.refs[block] -= 1
+        if self.refs[block] == 0:
+            self.free.appendleft(block)
+
     def _grow(self, length: int) -> None:
         """Blocks for `length` positions of the longest sequence (each takes its own)."""
         opened = False
+        if self.prefix and not any(self.tables):  # the prefix's blocks, once for all
+            shared = [self._take() for _ in range(math.ceil(self.prefix / self.options.block_size))]
+            for block in shared:
+                self.refs[block] = self.batch
+            for blocks in self.tables:
+                blocks.extend(shared)
+            opened = True
         for blocks, deficit in zip(self.tables, self.deficit or (0,) * self.batch):
             need = math.ceil((length - deficit) / self.options.block_size)
             while len(blocks) < need:
-                if not self.free:
-                    raise KvbenchError("paged cache: the block pool is exhausted")
-                blocks.append(self.free.popleft())
+                blocks.append(self._take())
                 opened = True
         if opened:
+            self._upload()
+
+    def _own(self, row: int, index: int) -> bool:
+        """Copy on write: give sequence `row` a block of its own in place of a shared one
+        at table index `index`. Whether it copied."""
+        block = self.tables[row][index]
+        if self.refs[block] == 1:
+            return False
+        copy = self._take()
+        for pool in self.cache_tensors():
+            if pool.dim() >= 3:  # the pools (not fp8's per-head scales)
+                pool[copy] = pool[block]
+        self.refs[block] -= 1
+        self.tables[row][index] = copy
+        return True
+
+    def _own_targets(self, positions: list[int | None]) -> None:
+        """Before sequence i writes position positions[i] (None: nothing): its block must be
+        its own."""
+        bs = self.options.block_size
+        copied = [p is not None and self._own(i, p // bs) for i, p in enumerate(positions)]
+        if any(copied):
             self._upload()
 
     def write(self, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -119,6 +168,12 @@ class PagedCache(CachedAttention):
         else:
             parts = [(self.store.tensors[name], part) for name, part
                      in self.store.encode(k, v, self.length == 0, real).items()]
+        if self.prefix and self.length == 0:
+            self._write_shared_prompt(parts, n, real)
+            self._advance(n)
+            return
+        if self.prefix and n == 1:  # a step may write into a block still shared: copy it
+            self._own_targets(self.row_lengths())
         if self.deficit is None:
             pos = torch.arange(self.length, self.length + n, device=k.device)
             blocks = self.table[:, pos // bs]  # [B, n]
@@ -138,6 +193,27 @@ class PagedCache(CachedAttention):
         else:
             raise KvbenchError("a ragged batch appends one position per sequence at a time")
         self._advance(n)
+
+    def _write_shared_prompt(self, parts, n: int, real: torch.Tensor | None) -> None:
+        """The prompt with a shared prefix: the prefix once (sequence 0's; every sequence's is
+        the same), into the shared blocks; then each sequence's own positions, after copying
+        a partly filled shared block it writes into."""
+        bs, P, dev = self.options.block_size, self.prefix, self.table.device
+        pos = torch.arange(n, device=dev)
+        rows = torch.arange(self.batch, device=dev)
+        mine = (pos >= P).expand(self.batch, n)  # [B, n]: each sequence's own positions
+        if real is not None:
+            mine = mine & real
+        prefix = pos < P
+        first = self.table[0, pos[prefix] // bs]
+        for pool, values in parts:
+            pool[first, :, pos[prefix] % bs] = values[0].transpose(0, 1)[prefix]
+        lengths = [n - d for d in (self.deficit or (0,) * self.batch)]
+        self._own_targets([P if t > P else None for t in lengths])  # the block holding P
+        r, p = mine.nonzero(as_tuple=True)
+        blocks = self.table[rows[r], p // bs]
+        for pool, values in parts:
+            pool[blocks, :, p % bs] = values.transpose(1, 2)[r, p]
 
     def _gather(self, pool: torch.Tensor) -> torch.Tensor:
         s, bs = self.layer.shape, self.options.block_size
@@ -163,7 +239,7 @@ class PagedCache(CachedAttention):
         for blocks, deficit in zip(self.tables, self.deficit or (0,) * self.batch):
             keep = math.ceil((length - deficit) / self.options.block_size)
             while len(blocks) > keep:
-                self.free.appendleft(blocks.pop())
+                self._release(blocks.pop())
                 released = True
         if released:
             self._upload()
@@ -171,8 +247,12 @@ class PagedCache(CachedAttention):
 
     def stats(self):
         bs = self.options.block_size
-        return {"blocks_used": sum(len(t) for t in self.tables),
-                "unused_positions": sum(len(t) * bs - n
-                                        for t, n in zip(self.tables, self.row_lengths())),
+        used = len({b for t in self.tables for b in t})  # a shared block counts once
+        lengths = self.row_lengths()
+        stored = sum(lengths) - (self.batch - 1) * min(self.prefix, self.length)
+        unshared = sum(math.ceil(n / bs) for n in lengths)
+        return {"blocks_used": used,
+                "unused_positions": used * bs - stored,
+                "blocks_saved": unshared - used,
                 "blocks_allocated": self.n_blocks,
                 "block_size": self.options.block_size}

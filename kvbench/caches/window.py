@@ -33,6 +33,8 @@ class WindowCache(CachedAttention):
 
     @classmethod
     def inapplicable(cls, config):
+        if config.shape.shared_prefix:
+            return "stores every sequence's prefix (--shared-prefix runs on paged, triton)"
         return None  # it applies a --window, and keeps everything without one
 
     @classmethod
