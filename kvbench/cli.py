@@ -173,6 +173,13 @@ SharedPrefix = Annotated[int, typer.Option(
     "--shared-prefix", help="The first P prompt tokens are the same in every sequence (a "
     "system prompt): paged and triton store their blocks once, copying a partly filled one "
     "on write.")]
+KvBudget = Annotated[str | None, typer.Option(
+    "--kv-budget", help="h2o: keep N positions per KV head (the recent ones and the heavy "
+    "hitters by accumulated attention), evicting the rest; lossy. A comma list runs each.",
+    show_default=False)]
+KvRecent = Annotated[int | None, typer.Option(
+    "--kv-recent", help="h2o: how many of the --kv-budget positions are the most recent "
+    "ones. Default: half the budget.", show_default=False)]
 TpOpt = Annotated[int, typer.Option(
     "--tp", help="Tensor-parallel ranks: the layer split by head, one process per rank under "
     "torchrun (torchrun --nproc-per-node N -m kvbench COMMAND --tp N ...); gloo on the CPU, "
@@ -243,6 +250,13 @@ def _points(o: dict[str, object], reference_cases: bool = False, measure: str | 
 
         shapes = [replace(s, window=o["window"], sinks=o["sinks"],
                           shared_prefix=o["shared_prefix"]) for s in shapes]
+    if o["kv_budget"] is not None or o["kv_recent"] is not None:
+        from dataclasses import replace
+
+        budgets = (parse_int_list("--kv-budget", o["kv_budget"]) if o["kv_budget"] is not None
+                   else [None])
+        shapes = [replace(s, kv_budget=n, kv_recent=o["kv_recent"])
+                  for s in shapes for n in budgets]
     from kvbench import distributed
 
     if o["tp"] != 1 or distributed.launched():
@@ -254,7 +268,8 @@ def _points(o: dict[str, object], reference_cases: bool = False, measure: str | 
     kv_dtypes = _kv_dtypes(o["kv_dtype"], dtypes)
     grouped = any(k in GROUPED for k in kv_dtypes)
     ragged = (o["seq_lens"] is not None or o["len_dist"] is not None
-              or o["window"] is not None or o["shared_prefix"])  # (not for the small case)
+              or o["window"] is not None or o["shared_prefix"]
+              or o["kv_budget"] is not None)  # (not for the small case)
     if (reference_cases and not lists and not ragged
             and not (grouped and o["group_size"] > SMALL_CASE.head_dim)):
         shapes = [SMALL_CASE] + shapes  # (its D = 4 holds no larger group)
@@ -492,6 +507,7 @@ def verify(ctx: typer.Context, device: Device = "auto", dtype: Dtype = "float32"
            seq_lens: SeqLens = None, len_dist: LenDist = None, max_len: MaxLenOpt = None,
            prealloc: Prealloc = "max-len", tp: TpOpt = 1,
            window: WindowOpt = None, sinks: SinksOpt = 0, shared_prefix: SharedPrefix = 0,
+           kv_budget: KvBudget = None, kv_recent: KvRecent = None,
            config: SweepFile = None, csv: CsvPath = None, no_csv: NoCsv = False,
            format: Format = "table", quiet: Quiet = False, dry_run: DryRun = False,
            force: Force = False):
@@ -532,6 +548,7 @@ def bench(ctx: typer.Context, device: Device = "auto", dtype: Dtype = "float32",
           seq_lens: SeqLens = None, len_dist: LenDist = None, max_len: MaxLenOpt = None,
           prealloc: Prealloc = "max-len", tp: TpOpt = 1,
           window: WindowOpt = None, sinks: SinksOpt = 0, shared_prefix: SharedPrefix = 0,
+          kv_budget: KvBudget = None, kv_recent: KvRecent = None,
           warmup: Annotated[int, typer.Option(help="Untimed runs before the samples.")] = 3,
           rounds: Annotated[int, typer.Option(help="Timed samples; the median is reported.")] = 9,
           recompute: Annotated[bool, typer.Option(
@@ -583,6 +600,7 @@ def memory(ctx: typer.Context, device: Device = "auto", dtype: Dtype = "float32"
            seq_lens: SeqLens = None, len_dist: LenDist = None, max_len: MaxLenOpt = None,
            prealloc: Prealloc = "max-len", tp: TpOpt = 1,
            window: WindowOpt = None, sinks: SinksOpt = 0, shared_prefix: SharedPrefix = 0,
+           kv_budget: KvBudget = None, kv_recent: KvRecent = None,
            config: SweepFile = None, csv: CsvPath = None, no_csv: NoCsv = False,
            format: Format = "table", quiet: Quiet = False, dry_run: DryRun = False,
            force: Force = False):

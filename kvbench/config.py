@@ -45,6 +45,10 @@ class LayerShape:
     window: int | None = None
     sinks: int = 0
     shared_prefix: int = 0  # the first P prompt tokens are the same in every sequence
+    # Token eviction (H2O): the `h2o` cache keeps kv_budget positions per KV head, the last
+    # kv_recent (default: half the budget) and the heavy hitters by accumulated attention.
+    kv_budget: int | None = None
+    kv_recent: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("batch", "prompt_len", "decode_len", "hidden", "q_heads", "kv_heads",
@@ -67,6 +71,19 @@ class LayerShape:
         if self.sinks and self.window is None:
             raise KvbenchError("--sinks keeps the first S positions beside a sliding window; "
                                "give --window W too")
+        if self.kv_budget is not None and (type(self.kv_budget) is not int or self.kv_budget < 1):
+            raise KvbenchError(f"--kv-budget must be a positive integer, got {self.kv_budget}")
+        if self.kv_recent is not None:
+            if self.kv_budget is None:
+                raise KvbenchError("--kv-recent is the recent window of a --kv-budget; give "
+                                   "--kv-budget N too")
+            if type(self.kv_recent) is not int or self.kv_recent < 1:
+                raise KvbenchError(f"--kv-recent must be a positive integer, got "
+                                   f"{self.kv_recent}")
+            if self.kv_budget < self.kv_recent:
+                raise KvbenchError(f"--kv-budget {self.kv_budget} is below the recent window "
+                                   f"of {self.kv_recent} positions it must keep; raise "
+                                   "--kv-budget or lower --kv-recent")
         if type(self.shared_prefix) is not int or self.shared_prefix < 0:
             raise KvbenchError(f"--shared-prefix must be 0 or more, got {self.shared_prefix}")
         if self.shared_prefix > min(self.prompt_lens):

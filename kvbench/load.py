@@ -14,7 +14,8 @@ KINDS = {kind: columns for kind, (columns, _) in FILE_KINDS.items()}
 KEY_COLUMNS = [c for c in CONFIG_COLUMNS if c != "timestamp"]
 # Later columns that tell configurations apart too, in the files that have them.
 OPTION_KEYS = ["kv_dtype", "group_size", "block_size", "seq_lens", "len_dist", "max_len",
-               "prealloc", "tp", "window", "sinks", "shared_prefix"]
+               "prealloc", "tp", "window", "sinks", "shared_prefix", "kv_budget",
+               "kv_recent"]
 
 
 TEXT_KEYS = ["kv_dtype", "seq_lens", "len_dist", "prealloc"]

@@ -148,6 +148,33 @@ def plot_serving(df: pd.DataFrame, plt):
     return fig
 
 
+def plot_budget(df: pd.DataFrame, plt):
+    """Lossy caches (h2o) against their --kv-budget: the error against full attention."""
+    df = latest(df[df["lossy"] == True], key_columns(df))  # noqa: E712 (NaN-safe)
+    df = df.dropna(subset=["kv_budget"])
+    if df.empty:
+        raise KvbenchError("no lossy rows with a --kv-budget to plot: run kvbench verify "
+                           "--impl h2o --kv-budget N,...")
+    fig, (err, cos) = plt.subplots(1, 2, figsize=(10, 4.4))
+    for name, g in _series(df.drop(columns=["kv_recent"]), "kv_budget"):
+        g = g.sort_values("kv_budget")
+        err.plot(g["kv_budget"], g["mean_abs_err"], marker="o", label=f"{name} mean")
+        err.plot(g["kv_budget"], g["max_abs_err"], marker="x", ls="--", label=f"{name} max")
+        cos.plot(g["kv_budget"], g["cosine"], marker="o", label=name)
+    total = int((df["prompt_len"] + df["decode_len"]).max())
+    for ax in (err, cos):
+        ax.axvline(total, color="k", lw=1, ls=":", label=f"every position ({total})")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("--kv-budget (positions kept per KV head)")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=8)
+    err.set_yscale("log")
+    err.set_ylabel("|full attention − evicting cache|")
+    cos.set_ylabel("lowest cosine(full, evicting) of a step")
+    fig.suptitle(_title(df, "verify: what token eviction costs"), fontsize=10)
+    return fig
+
+
 def plot_capacity(df: pd.DataFrame, plt):
     fit = df.dropna(subset=["max_batch"])
     fit = fit[fit["max_batch"] > 0]  # on a log axis; a batch of 0 means nothing fits
@@ -230,6 +257,8 @@ def plot(kind: str, df: pd.DataFrame, output: Path) -> Path:
         drawers[kind] = lambda df, plt: plot_frontier(kind, df, plt)
     if kind == "memory" and df["seq_lens"].notna().any() and df["kv_waste"].notna().any():
         drawers[kind] = plot_serving
+    if kind == "verify" and (df["lossy"] == True).any():  # noqa: E712
+        drawers[kind] = plot_budget
     if kind not in drawers:
         raise KvbenchError(f"nothing to plot in {kind} results; plot takes bench, memory, "
                            "capacity or verify results")

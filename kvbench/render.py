@@ -74,6 +74,7 @@ def describe(config) -> str:
             + (f" tp={config.tp}" if config.tp > 1 else "")
             + (f" window={s.window} sinks={s.sinks}" if s.window is not None else "")
             + (f" shared-prefix={s.shared_prefix}" if s.shared_prefix else "")
+            + (f" kv-budget={s.kv_budget}" if s.kv_budget is not None else "")
             + (f" {kv_label(KvFormat(config.kv_dtype, config.group_size))}"
                if config.kv_dtype else ""))
 
@@ -87,12 +88,16 @@ def verify_table(report) -> Table:
         t.add_column(col, justify="left" if col in ("impl", "result", "failure") else "right",
                      no_wrap=col != "failure")
     for c in report.checks:
+        note = c.message or (f"lossy: cos(A,B) {c.cosine:.5f}" if c.lossy else "—")
         t.add_row(c.impl, _result(c), _sci(c.max_abs_err), _sci(c.mean_abs_err),
-                  _sci(c.prefill_max_abs_err), _sci(c.fp64_max_abs_err), _cache(c),
-                  c.message or "—")
+                  _sci(c.prefill_max_abs_err), _sci(c.fp64_max_abs_err), _cache(c), note)
+    lossy = any(c.lossy for c in report.checks)
     t.caption = (f"A = recompute, B = cached; prefill = max |A−B| of the prompt outputs; "
                  f"tolerance rtol={report.rtol:g} atol={report.atol:g}; "
-                 f"max |A−f64| = {_sci(report.recompute_fp64_max_abs_err)}")
+                 f"max |A−f64| = {_sci(report.recompute_fp64_max_abs_err)}"
+                 + ("; lossy (h2o): PASS means exact against float64 attention over the "
+                    "positions it kept (max|B−f64|); its |A−B| is what eviction costs"
+                    if lossy else ""))
     return t
 
 

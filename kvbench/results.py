@@ -165,7 +165,8 @@ def _umask() -> int:
 RAGGED_COLUMNS = ["seq_lens", "len_dist", "max_len"]
 # Tensor parallelism (--tp under torchrun): ranks the layer is split over; 1 on one device.
 # A sliding window with attention sinks (--window, --sinks): empty without one.
-TP_COLUMNS = ["tp", "world_size", "window", "sinks"]
+# Token eviction (--kv-budget, --kv-recent; h2o): empty without one.
+TP_COLUMNS = ["tp", "world_size", "window", "sinks", "kv_budget", "kv_recent"]
 
 # Column order is part of the interface: users' spreadsheets and scripts depend on it.
 CONFIG_COLUMNS = ["timestamp", "command", "impl", "batch", "prompt_len", "decode_len", "hidden",
@@ -180,7 +181,9 @@ VERIFY_COLUMNS = VERIFY_FIRST[:-len(ENV_COLUMNS)] + [
     # quantized K/V: the format; fp64_max_abs_err is then against the dequantized-cache
     # reference (the gate) and max/mean_abs_err and cosine against path A (reported only)
     "kv_dtype", "group_size", "cosine", *RAGGED_COLUMNS, *TP_COLUMNS,
-    "shared_prefix"] + ENV_COLUMNS
+    # lossy (h2o): the gate is attention over the positions it kept (fp64_max_abs_err); the
+    # error against full attention is max/mean_abs_err and cosine
+    "shared_prefix", "lossy"] + ENV_COLUMNS
 
 
 def _stats_columns(name: str) -> list[str]:
@@ -213,7 +216,8 @@ def config_cells(command: str, impl: str, config) -> dict[str, object]:
             "seq_lens": ",".join(map(str, s.seq_lens)) if s.seq_lens else None,
             "len_dist": s.len_dist, "max_len": s.max_len, "tp": config.tp,
             "world_size": config.tp, "window": s.window,
-            "shared_prefix": s.shared_prefix or None,
+            "shared_prefix": s.shared_prefix or None, "kv_budget": s.kv_budget,
+            "kv_recent": s.kv_recent,
             "sinks": s.sinks if s.window is not None else None}
 
 
@@ -240,7 +244,7 @@ def verify_rows(report, env: dict[str, object]) -> list[dict[str, object]]:
         "first_bad_step": c.first_bad_step, "cache_shape": "x".join(map(str, c.cache_shape)),
         "rtol": report.rtol, "atol": report.atol,
         **{k: v for k, v in c.stats.items() if k in VERIFY_COLUMNS},
-        **kv_cells(report.kv_format), "cosine": c.cosine, **env,
+        **kv_cells(report.kv_format), "cosine": c.cosine, "lossy": c.lossy or None, **env,
     } for c in report.checks]
 
 

@@ -13,7 +13,8 @@ from kvbench.config import SHAPE_FIELDS
 from kvbench.errors import KvbenchError
 from kvbench.files import read_toml
 
-LIST_OPTIONS = set(SHAPE_FIELDS) | {"dtype", "kv_dtype", "seq_lens", "len_dist"}  # comma lists
+LIST_OPTIONS = set(SHAPE_FIELDS) | {"dtype", "kv_dtype", "seq_lens", "len_dist",
+                                          "kv_budget"}  # comma lists
 
 
 def load_sweep(path: Path, command: str, allowed: set[str]) -> dict[str, object]:

@@ -55,6 +55,7 @@ class ImplCheck:
     message: str = ""
     stats: dict[str, object] = field(default_factory=dict)
     cosine: float | None = None  # quantized: the lowest cosine(A, B) over the decode steps
+    lossy: bool = False  # checked against attention over the positions it kept (h2o)
 
 
 @dataclass
@@ -181,6 +182,28 @@ def quantized_reference(layer: AttentionLayer, x: torch.Tensor, prompt: torch.Te
     return outputs
 
 
+def restricted_reference(layer: AttentionLayer, x: torch.Tensor, kept: list[torch.Tensor],
+                         prompt_len: int) -> list[torch.Tensor]:
+    """Float64 decode outputs [B, 1, H]: step j's query attends exactly to the positions a
+    lossy cache kept at that step (kept[j]: [B, H_kv, n] positions, -1 for none), each KV head
+    its own; k, v and q projected in float64 at their own positions."""
+    s = layer.shape
+    layer64 = layer.to(torch.float64)
+    q, k, v = layer64.project(x.double(), start=0)  # [B, H_q | H_kv, T, D]
+    B, Hkv, D = x.shape[0], s.kv_heads, s.head_dim
+    outputs = []
+    for j, positions in enumerate(kept):
+        t = prompt_len + j
+        index = positions.clamp(min=0)[..., None].expand(-1, -1, -1, D)
+        keys, values = k.gather(2, index), v.gather(2, index)  # [B, H_kv, n, D]
+        qg = q[:, :, t].reshape(B, Hkv, s.group, D)
+        scores = (qg @ keys.transpose(-2, -1)) * layer.scale  # [B, H_kv, G, n]
+        scores = scores.masked_fill((positions < 0)[:, :, None], float("-inf"))
+        attn = (torch.softmax(scores, dim=-1) @ values).reshape(B, 1, -1)  # [B, 1, H_q·D]
+        outputs.append(attn @ layer64.w_o)
+    return outputs
+
+
 def _cosine(a: torch.Tensor, b: torch.Tensor) -> float:
     return torch.nn.functional.cosine_similarity(a.double().flatten(), b.double().flatten(),
                                                  dim=0).item()
@@ -194,7 +217,10 @@ def _check(name, cls, layer, options, x, prompt, real, config, ref_prefill, ref_
     impl = None
     try:
         impl = cls.build(layer, config, options)
+        impl.record = cls.lossy  # a lossy cache keeps what it attended to, for its gate
         prefill, steps = run_cached(impl, x, prompt)
+        if cls.lossy:
+            gate_steps = restricted_reference(layer, x, impl.kept, config.shape.prompt_len)
         if real is not None and prefill.shape[:2] == real.shape:
             prefill = prefill[real]
         cache_shape = tuple(impl.kv()[0].shape)
@@ -241,7 +267,7 @@ def _check(name, cls, layer, options, x, prompt, real, config, ref_prefill, ref_
     fp64 = max((_max_abs(b, e) for b, e in zip(steps, exact) if b.shape == e.shape),
                default=float("inf"))
     cosine = None
-    if gate_steps is not None:
+    if gate_steps is not None:  # quantized or lossy: the error against A is reported
         cosine = min((_cosine(b, a) for b, a in zip(steps, ref_steps) if b.shape == a.shape),
                      default=float("nan"))
     return ImplCheck(
@@ -250,4 +276,4 @@ def _check(name, cls, layer, options, x, prompt, real, config, ref_prefill, ref_
         prefill_max_abs_err=_max_abs(prefill, ref_prefill) if prefill.shape == ref_prefill.shape
         else float("inf"),
         fp64_max_abs_err=fp64, cache_shape=cache_shape, first_bad_step=first_bad,
-        message=message, stats=impl.stats(), cosine=cosine)
+        message=message, stats=impl.stats(), cosine=cosine, lossy=cls.lossy)

@@ -395,3 +395,27 @@ class FreesSharedBlock(PagedCache):
         self.free.appendleft(block)  # back to the pool while still in other tables
         self.tables[row][index] = copy
         return True
+
+
+# A fault of the eviction cache (`h2o`): its record of what it kept disagrees with its slots.
+
+from kvbench.caches import H2OCache  # noqa: E402
+
+
+class EvictsIntoTheWrongSlot(H2OCache):
+    """Past the budget, the new k, v go to the victim's slot but its position is recorded in
+    the next slot: attention then reads a position the cache says it evicted."""
+
+    name = "evicts-into-the-wrong-slot"
+
+    def write(self, k, v):
+        if self.length < self.slots:
+            return super().write(k, v)
+        t = self.length
+        old = self.pos <= t - self.recent
+        slot = self.score.masked_fill(~old, float("inf")).argmin(dim=-1)[..., None]
+        self.k_cache.scatter_(2, slot[..., None].expand(-1, -1, 1, k.shape[-1]), k)
+        self.v_cache.scatter_(2, slot[..., None].expand(-1, -1, 1, v.shape[-1]), v)
+        self.pos.scatter_(2, (slot + 1) % self.slots, t)
+        self.score.scatter_(2, slot, 0.0)
+        self._advance(1)

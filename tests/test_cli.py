@@ -237,3 +237,17 @@ def test_len_dist_draws_seeded_lengths_one_point_per_distribution(tmp_path):
     paged = df[df["impl"] == "paged"]
     assert (paged["kv_waste"] < static["kv_waste"].values).all()
     assert (paged["kv_frag_bytes"] >= 0).all() and static["kv_frag_bytes"].isna().all()
+
+
+def test_kv_budget_list_runs_each_and_plots_the_loss(tmp_path):
+    out = tmp_path / "v.csv"
+    small = ["--device", "cpu", "--batch", "1", "--prompt-len", "30", "--decode-len", "4",
+             "--hidden", "32", "--q-heads", "4", "--kv-heads", "2", "--head-dim", "8"]
+    result = run("verify", *small, "--impl", "h2o", "--kv-budget", "8,16,64", "--csv", str(out))
+    assert result.exit_code == 0, result.output
+    df = pd.read_csv(out)
+    assert df["kv_budget"].tolist() == [8, 16, 64] and df["lossy"].all() and df["passed"].all()
+    assert df["max_abs_err"].iloc[0] > 1e-3 > 1e-5 > df["max_abs_err"].iloc[2]  # 64 keeps all
+    assert run("plot", str(out)).exit_code == 0 and (tmp_path / "v.png").exists()
+    bad = run("verify", *small, "--impl", "h2o", "--kv-budget", "4", "--kv-recent", "8")
+    assert bad.exit_code == 2 and "--kv-budget 4 is below the recent window of 8" in bad.stderr

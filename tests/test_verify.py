@@ -239,3 +239,32 @@ def test_verify_rejects_prefix_sharing_faults(broken):
     report = verify(RunConfig(SHARED, rope=True), {cls.name: cls}, ImplOptions(block_size=4))
     (check,) = report.checks
     assert not check.passed, check.message
+
+
+# Eviction (h2o): a budget of 16 positions of 40 + 12, half of them recent.
+EVICTED = LayerShape(batch=2, prompt_len=40, decode_len=12, hidden=64, q_heads=4, kv_heads=2,
+                     head_dim=16, kv_budget=16)
+
+
+@pytest.mark.parametrize("budget, recent", [(None, None), (64, None), (32, 8), (16, 16), (8, 1)])
+@pytest.mark.parametrize("rope", [False, True])
+def test_h2o_is_exact_over_what_it_kept_and_reports_its_loss(budget, recent, rope):
+    from dataclasses import replace
+
+    from kvbench.caches import H2OCache
+
+    shape = replace(EVICTED, kv_budget=budget, kv_recent=recent)
+    (check,) = verify(RunConfig(shape, rope=rope), {"h2o": H2OCache}).checks
+    assert check.passed and check.lossy, check.message
+    assert check.fp64_max_abs_err < 1e-5  # the gate: attention over the kept positions
+    kept_all = budget is None or budget >= shape.total_len
+    assert (check.max_abs_err < 1e-5) == kept_all  # the loss: against full attention
+    assert check.cache_shape == (2, 2, min(52, budget or 52), 16)
+
+
+def test_verify_rejects_an_eviction_cache_that_reads_what_it_evicted():
+    from broken import EvictsIntoTheWrongSlot
+
+    report = verify(RunConfig(EVICTED), {"bad": EvictsIntoTheWrongSlot})
+    (check,) = report.checks
+    assert not check.passed and check.first_bad_step >= 1

@@ -133,6 +133,9 @@ class CachedAttention(ABC):
     compiles: ClassVar[bool] = False  # its first step compiles (reported as compile_ms)
     kv_dtypes: ClassVar[frozenset[str]] = frozenset()  # the quantized formats it can store
     blocked: ClassVar[bool] = False  # stores whole blocks of --block-size positions
+    # lossy: attends to fewer positions than path A (h2o); verify then checks it exactly
+    # against attention over the positions it kept, and reports its error against path A
+    lossy: ClassVar[bool] = False
     # What it holds for K/V: "prealloc", alloc_len positions per sequence; "padded", the
     # batch's longest sequence for every one; "blocks", the blocks its sequences take.
     reserves: ClassVar[str] = "prealloc"

@@ -1,0 +1,163 @@
+"""`h2o`: token eviction by accumulated attention (H2O, Zhang et al., NeurIPS 2023). Lossy.
+
+Each KV head keeps at most --kv-budget N positions in N slots: the last --kv-recent R
+(default N/2, H2O's split) and the heavy hitters, the positions with the most attention
+accumulated so far (summed over the query heads that read the KV head, over every query
+since they were cached). When the cache is full, each new position takes the slot of the
+lightest position outside the recent window. The prompt's attention is exact and seeds the
+scores; the cache then keeps its budget's worth of the prompt.
+
+It is lossy: verify reports its error against full attention (path A), and checks it exactly
+against float64 attention restricted to the positions it kept at each step (`kept`).
+Without --kv-budget it keeps every position.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from kvbench import footprint as fp
+from kvbench.caches.base import CachedAttention, causal_prefill, register
+
+
+@register
+class H2OCache(CachedAttention):
+    name = "h2o"
+    description = ("token eviction, H2O: keeps --kv-budget positions per KV head (the recent "
+                   "ones and the heavy hitters by accumulated attention); lossy")
+    lossy = True
+
+    @classmethod
+    def unavailable(cls, config, options):
+        if config.shape.ragged:
+            return "a ragged batch"
+        return None
+
+    @classmethod
+    def budget(cls, s, length: int) -> int:
+        return length if s.kv_budget is None else min(length, s.kv_budget)
+
+    @classmethod
+    def expected_cache_len(cls, config):
+        return cls.budget(config.shape, config.shape.total_len)
+
+    @classmethod
+    def reserved_lens(cls, config, options):
+        return (cls.budget(config.shape, options.alloc_len(config.shape)),) * config.shape.batch
+
+    @classmethod
+    def step_reads(cls, config, options, length):
+        return config.shape.batch * cls.budget(config.shape, length)
+
+    @classmethod
+    def footprint(cls, config, options):
+        s, b = config.shape, config.dtype_bytes
+        n = cls.budget(s, options.alloc_len(s))
+        return fp.preallocated(s, config.rope, b, fp.Sizes(s).kv(n) * b,
+                               lambda t: fp.grouped_step(s, config.rope, min(t, n)) * b,
+                               fp.sdpa_is_fused(config.device, config.dtype, s.head_dim))
+
+    def __init__(self, layer, batch, max_len, options=None, lens=None):
+        super().__init__(layer, batch, max_len, options, lens)
+        s = layer.shape
+        self.slots = self.budget(s, max_len)
+        self.recent = s.kv_recent if s.kv_recent is not None else max(1, self.slots // 2)
+        dev = layer.device
+        shape = (batch, s.kv_heads, self.slots, s.head_dim)
+        self.k_cache = torch.zeros(shape, dtype=layer.dtype, device=dev)
+        self.v_cache = torch.zeros(shape, dtype=layer.dtype, device=dev)
+        # per slot: the position it holds (-1: empty) and its accumulated attention
+        self.pos = torch.full(shape[:3], -1, dtype=torch.long, device=dev)
+        self.score = torch.zeros(shape[:3], dtype=torch.float32, device=dev)
+        self.record = False  # verify: remember each step's kept positions
+        self.kept: list[torch.Tensor] = []
+
+    def prefill(self, x):
+        q, k, v = self.layer.project(x, start=0)
+        out = causal_prefill(self.layer, q, k, v)  # exact
+        T = x.shape[1]
+        seen = self._prompt_scores(q, k)  # [B, H_kv, T]
+        n = min(T, self.slots)
+        recent = min(self.recent, n)
+        positions = torch.arange(T, device=x.device).expand_as(seen)
+        keep_recent = positions[..., T - recent:]  # the last R
+        old = seen[..., : T - recent]
+        heavy = old.topk(n - recent, dim=-1).indices if n > recent else keep_recent[..., :0]
+        kept = torch.cat((heavy.sort(dim=-1).values, keep_recent), dim=-1)  # [B, H_kv, n]
+        index = kept[..., None].expand(-1, -1, -1, k.shape[-1])
+        self.k_cache[:, :, :n] = k.gather(2, index)
+        self.v_cache[:, :, :n] = v.gather(2, index)
+        self.pos[:, :, :n] = kept
+        self.score[:, :, :n] = seen.gather(2, kept)
+        self._advance(T)
+        return self.layer.output(out)
+
+    def _prompt_scores(self, q, k, chunk: int = 512) -> torch.Tensor:
+        """Each prompt position's attention from every prompt query, summed over the query
+        heads of its KV head: [B, H_kv, T] (float32), 512 queries at a time."""
+        B, Hq, T, D = q.shape
+        Hkv = k.shape[1]
+        G = Hq // Hkv
+        total = torch.zeros(B, Hkv, T, dtype=torch.float32, device=q.device)
+        keys = k.float()
+        for a in range(0, T, chunk):
+            b = min(T, a + chunk)
+            qg = q[:, :, a:b].float().reshape(B, Hkv, G * (b - a), D)
+            scores = (qg @ keys.transpose(-2, -1)) * self.layer.scale  # [B, H_kv, G·C, T]
+            t = torch.arange(a, b, device=q.device).repeat(G)
+            scores = scores.masked_fill(torch.arange(T, device=q.device)[None] > t[:, None],
+                                        float("-inf"))
+            total += torch.softmax(scores, dim=-1).sum(dim=2)
+        return total
+
+    def write(self, k, v):
+        """One position: into a free slot, or the lightest one outside the recent window."""
+        t = self.length
+        if t < self.slots:
+            slot = torch.full(self.pos.shape[:2], t, dtype=torch.long, device=k.device)
+        else:
+            old = self.pos <= t - self.recent  # may be evicted
+            slot = self.score.masked_fill(~old, float("inf")).argmin(dim=-1)  # [B, H_kv]
+        at = slot[..., None]  # [B, H_kv, 1]
+        self.k_cache.scatter_(2, at[..., None].expand(-1, -1, 1, k.shape[-1]), k)
+        self.v_cache.scatter_(2, at[..., None].expand(-1, -1, 1, v.shape[-1]), v)
+        self.pos.scatter_(2, at, t)
+        self.score.scatter_(2, at, 0.0)
+        self._advance(1)
+
+    def attend(self, q, keys, values):
+        B, Hq, _, D = q.shape
+        Hkv = keys.shape[1]
+        qg = q.reshape(B, Hkv, Hq // Hkv, D)
+        scores = (qg @ keys.transpose(-2, -1)) * self.layer.scale  # [B, H_kv, G, n]
+        filled = self.pos[..., : keys.shape[2]] >= 0
+        scores = scores.masked_fill(~filled[:, :, None], float("-inf"))
+        weights = torch.softmax(scores, dim=-1)
+        self.score[..., : keys.shape[2]] += weights.float().sum(dim=2)  # accumulated
+        if self.record:
+            self.kept.append(self.pos[..., : keys.shape[2]].clone())
+        return (weights @ values).reshape(B, Hq, 1, D)
+
+    def kv(self):
+        n = min(self.length, self.slots)
+        return self.k_cache[:, :, :n], self.v_cache[:, :, :n]
+
+    def cache_tensors(self):
+        return [self.k_cache, self.v_cache]
+
+    def checkpoint(self):
+        self.saved = (self.length, *(t.clone() for t in (self.k_cache, self.v_cache,
+                                                        self.pos, self.score)))
+
+    def rewind(self, length):
+        saved = getattr(self, "saved", None)
+        if saved is None or saved[0] != length:
+            raise NotImplementedError("h2o rewinds only to a checkpoint: evicted positions "
+                                      "are gone")
+        for t, s in zip((self.k_cache, self.v_cache, self.pos, self.score), saved[1:]):
+            t.copy_(s)
+        self._rewound(length)
+
+    def stats(self):
+        return {"kv_budget": self.slots}
