@@ -67,7 +67,8 @@ def test_shipped_sweep_files_parse(path):
     allowed = {"device", "dtype", "batch", "prompt_len", "decode_len", "hidden", "q_heads",
                "kv_heads", "head_dim", "seed", "impl", "rope", "block_size", "sdpa_backend",
                "warmup", "rounds", "recompute", "prefill", "splits", "kv_dtype", "group_size",
-               "seq_lens", "len_dist", "max_len", "prealloc"}
+               "seq_lens", "len_dist", "max_len", "prealloc", "window", "sinks",
+               "shared_prefix", "kv_budget", "kv_recent", "tp"}
     assert load_sweep(path, command, allowed)
 
 

@@ -160,4 +160,4 @@ class H2OCache(CachedAttention):
         self._rewound(length)
 
     def stats(self):
-        return {"kv_budget": self.slots}
+        return {"kept_slots": self.slots}
