@@ -50,6 +50,8 @@ class ImplTiming:
     decode: Stats  # all G cached steps, prompt cache already built
     min_bytes_per_step: float  # mean over the G steps of what this implementation must read
     stats: dict[str, object] = field(default_factory=dict)  # e.g. blocks_used, sdpa_backend
+    kv_bytes: int | None = None  # the finished cache's K/V as the planner counts them
+    check: object | None = None  # its verify ImplCheck: the error against path A
 
 
 @dataclass
@@ -173,7 +175,8 @@ def bench(config: RunConfig, impls: tuple[str, ...], options: BenchOptions,
             costs.decode_min_bytes_per_step(
                 local.shape, config.dtype_bytes, kv_vector,
                 lambda t, cls=cls: cls.step_reads(local, impl_options, t)),
-            prompt_caches[name].stats()) for name, cls in classes.items()]
+            prompt_caches[name].stats(), cls.planned_bytes(local, impl_options),
+            next(c for c in report.checks if c.impl == name)) for name, cls in classes.items()]
         recompute = stats.get("recompute")
         del prompt_caches, tasks
     return BenchResult(config, options, verified, recompute, timings,

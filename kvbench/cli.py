@@ -207,19 +207,50 @@ def _options(ctx: typer.Context) -> dict[str, object]:
     if path is None:
         return values
     allowed = set(values) - {"config", "csv", "no_csv", "format", "quiet", "dry_run", "force"}
-    for key, value in load_sweep(path, ctx.info_name, allowed).items():
-        source = ctx.get_parameter_source(key)
-        if source is not None and source.name != "DEFAULT":
-            continue  # the command line wins
-        default = values[key]
-        if default is not None and type(value) is not type(default):
-            raise KvbenchError(f"sweep file {path}: {key} = {value!r} should be a "
-                               f"{type(default).__name__}")
-        values[key] = value
+    swept = load_sweep(path, ctx.info_name, allowed)
+    variants = swept.pop("points", None)
+
+    def fill(into: dict, given: dict) -> dict:
+        for key, value in given.items():
+            source = ctx.get_parameter_source(key)
+            if source is not None and source.name != "DEFAULT":
+                continue  # the command line wins
+            default = values[key]
+            if default is not None and type(value) is not type(default):
+                raise KvbenchError(f"sweep file {path}: {key} = {value!r} should be a "
+                                   f"{type(default).__name__}")
+            into[key] = value
+        return into
+
+    fill(values, swept)
+    if variants is not None:  # [[points]]: each table's options over the file's own
+        values["points"] = [fill({}, v) for v in variants]
     return values
 
 
 def _points(o: dict[str, object], reference_cases: bool = False, measure: str | None = None):
+    """_points_of the options, or with a sweep file's [[points]] the points of each table
+    (options over the file's own), in order. The tables may not change the options every
+    implementation shares (--block-size and the like)."""
+    variants = o.get("points")
+    if not variants:
+        return _points_of(o, reference_cases, measure)
+    points, options, notes = [], None, []
+    for variant in variants:
+        more, opts, more_notes = _points_of({**o, **variant}, False, measure)
+        if options is not None and opts != options:
+            raise KvbenchError("sweep file points may change the shape, the technique, "
+                               "--impl and --kv-dtype, not the options every implementation "
+                               "shares (--block-size, --sdpa-backend, --splits, --group-size, "
+                               "--prealloc)")
+        options = opts
+        points += more
+        notes += [n for n in more_notes if n not in notes]
+    return points, options, notes
+
+
+def _points_of(o: dict[str, object], reference_cases: bool = False,
+               measure: str | None = None):
     """Options -> [(RunConfig, implementation names)], the implementation options, and notes
     on the implementations left out (printed once the preflight has passed).
 

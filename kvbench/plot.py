@@ -175,6 +175,46 @@ def plot_budget(df: pd.DataFrame, plt):
     return fig
 
 
+def technique(row) -> str:
+    """A bench row's cache technique, as a label."""
+    parts = [str(row["impl"])]
+    if isinstance(row["kv_dtype"], str):
+        parts.append(row["kv_dtype"])
+    if pd.notna(row["shared_prefix"]):
+        parts.append(f"prefix {int(row['shared_prefix'])}")
+    if pd.notna(row["window"]):
+        sinks = int(row["sinks"]) if pd.notna(row["sinks"]) else 0
+        parts.append(f"W{int(row['window'])}+S{sinks}")
+    if pd.notna(row["kv_budget"]):
+        parts.append(f"budget {int(row['kv_budget'])}")
+    return " ".join(parts)
+
+
+def plot_techniques(df: pd.DataFrame, plt):
+    """Techniques side by side: K/V bytes per token held, error against path A, ms per step."""
+    import numpy as np
+
+    df = latest(df, key_columns(df)).copy()
+    df["bytes_per_token"] = df["kv_cache_bytes"] / (df["batch"] * (df["prompt_len"]
+                                                                   + df["decode_len"]))
+    labels = [technique(r) for _, r in df.iterrows()]
+    xs = np.arange(len(df))
+    fig, axes = plt.subplots(1, 3, figsize=(max(12, 0.65 * len(df) * 3), 5))
+    panels = [("bytes_per_token", "K/V bytes held per token of context", False),
+              ("verify_mean_abs_err", "mean |path A − cached| (exact ones ~1e-8)", True),
+              ("cached_ms_per_step", "cached decode, ms per step", False)]
+    for ax, (col, title, log) in zip(axes, panels):
+        bars = ax.bar(xs, df[col], color=[f"C{i}" for i in range(len(df))])
+        ax.bar_label(bars, fmt="%.3g", fontsize=7)
+        ax.set_xticks(xs, labels, fontsize=7, rotation=30, ha="right")
+        ax.set_title(title, fontsize=9)
+        if log:
+            ax.set_yscale("log")
+        ax.grid(True, axis="y", alpha=0.3)
+    fig.suptitle(_title(df, "bench: cache techniques side by side"), fontsize=10)
+    return fig
+
+
 def plot_capacity(df: pd.DataFrame, plt):
     fit = df.dropna(subset=["max_batch"])
     fit = fit[fit["max_batch"] > 0]  # on a log axis; a batch of 0 means nothing fits
@@ -259,6 +299,8 @@ def plot(kind: str, df: pd.DataFrame, output: Path) -> Path:
         drawers[kind] = plot_serving
     if kind == "verify" and (df["lossy"] == True).any():  # noqa: E712
         drawers[kind] = plot_budget
+    if kind == "bench" and df[["window", "shared_prefix", "kv_budget"]].notna().any().any():
+        drawers[kind] = plot_techniques
     if kind not in drawers:
         raise KvbenchError(f"nothing to plot in {kind} results; plot takes bench, memory, "
                            "capacity or verify results")

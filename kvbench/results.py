@@ -203,7 +203,11 @@ BENCH_COLUMNS = BENCH_FIRST[:-len(ENV_COLUMNS)] + [
     "shared_prefix",
     # --tp: a step's all-reduce timed alone, and the median spread between the slowest and
     # the fastest rank of the cached decode samples (each sample's time is its slowest rank's)
-    "allreduce_ms", "decode_rank_spread_ms"] + ENV_COLUMNS
+    "allreduce_ms", "decode_rank_spread_ms",
+    # what each technique costs beside its time: the finished cache's K/V bytes (the
+    # planner's figure), and the verification's error against path A (lossy: h2o)
+    "kv_cache_bytes", "verify_max_abs_err", "verify_mean_abs_err", "verify_cosine",
+    "lossy"] + ENV_COLUMNS
 
 
 def config_cells(command: str, impl: str, config) -> dict[str, object]:
@@ -272,7 +276,11 @@ def bench_rows(result, env: dict[str, object]) -> list[dict[str, object]]:
             **{k: v for k, v in t.stats.items() if k in BENCH_COLUMNS},
             **kv_cells(result.kv_format),
             "allreduce_ms": result.allreduce.median_ms if result.allreduce else None,
-            "decode_rank_spread_ms": t.decode.rank_spread_ms, **env,
+            "decode_rank_spread_ms": t.decode.rank_spread_ms, "kv_cache_bytes": t.kv_bytes,
+            "verify_max_abs_err": t.check.max_abs_err if t.check else None,
+            "verify_mean_abs_err": t.check.mean_abs_err if t.check else None,
+            "verify_cosine": t.check.cosine if t.check else None,
+            "lossy": (t.check.lossy or None) if t.check else None, **env,
         })
     return rows
 

@@ -24,6 +24,17 @@ def load_sweep(path: Path, command: str, allowed: set[str]) -> dict[str, object]
     if intended != command:
         raise KvbenchError(f"sweep file {path} is for `kvbench {intended}`, not `{command}`")
     data.pop("description", None)
+    variants = data.pop("points", None)
+    values = _values(path, data, command, allowed)
+    if variants is not None:
+        if not isinstance(variants, list) or not all(isinstance(v, dict) for v in variants):
+            raise KvbenchError(f"sweep file {path}: points must be tables ([[points]])")
+        values["points"] = [_values(path, v, command, allowed) for v in variants]
+    return values
+
+
+def _values(path: Path, data: dict, command: str, allowed: set[str]) -> dict[str, object]:
+    """One table of option values, as the command line would give them."""
     values = {key.replace("-", "_"): value for key, value in data.items()}
     unknown = sorted(k for k in values if k not in allowed)
     if unknown:

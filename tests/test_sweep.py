@@ -138,3 +138,35 @@ def test_tasks_are_timed_round_robin():
     stats = time_interleaved(tasks, "cpu", warmup=1, rounds=2)
     assert order == ["a", "b", "c"] * 3
     assert set(stats) == {"a", "b", "c"} and stats["a"].rounds == 2
+
+
+def test_points_tables_run_each_technique_into_one_file(tmp_path):
+    from typer.testing import CliRunner
+
+    from kvbench.cli import app
+
+    sweep = tmp_path / "t.toml"
+    sweep.write_text(
+        'command = "bench"\nbatch = 1\nprompt_len = 24\ndecode_len = 3\nhidden = 32\n'
+        'q_heads = 4\nkv_heads = 2\nhead_dim = 8\nrounds = 1\nwarmup = 0\nblock_size = 4\n'
+        'group_size = 8\n'
+        '[[points]]\nimpl = "static"\n'
+        '[[points]]\nimpl = "static"\nkv_dtype = ["int8"]\n'
+        '[[points]]\nimpl = "window"\nwindow = 8\nsinks = 2\n'
+        '[[points]]\nimpl = "h2o"\nkv_budget = 12\n')
+    out = tmp_path / "b.csv"
+    result = CliRunner().invoke(app, ["bench", "--device", "cpu", "--config", str(sweep),
+                                      "--csv", str(out)])
+    assert result.exit_code == 0, result.output
+    df = pd.read_csv(out)
+    assert df["impl"].tolist() == ["static", "static", "window", "h2o"]
+    assert df["kv_dtype"].fillna("").tolist() == ["", "int8", "", ""]
+    assert df["window"].tolist()[2] == 8 and df["kv_budget"].tolist()[3] == 12
+    # 128 bytes a position (K, V x 2 heads x 8 x 4 bytes); int8: 8 codes + fp16 scale + zero
+    assert df["kv_cache_bytes"].tolist() == [27 * 128, 27 * 2 * 2 * 12, 10 * 128, 12 * 128]
+    assert df["verify_mean_abs_err"].iloc[0] < 1e-6 < df["verify_mean_abs_err"].iloc[3]
+    assert CliRunner().invoke(app, ["plot", str(out)]).exit_code == 0
+    shared = tmp_path / "s.toml"
+    shared.write_text(sweep.read_text() + '[[points]]\nimpl = "paged"\nblock_size = 8\n')
+    bad = CliRunner().invoke(app, ["bench", "--device", "cpu", "--config", str(shared)])
+    assert bad.exit_code == 2 and "not the options every implementation" in bad.stderr
