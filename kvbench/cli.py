@@ -131,8 +131,9 @@ IMPL_HELP = (
     "PyTorch: CPU and CUDA); splitk (CPU, float32: a numba kernel); triton (CUDA; on the CPU "
     "verify only, in Triton's interpreter); compiled (gpt-fast's step: a CUDA graph on CUDA, "
     "inductor C++ on the CPU) and flex (FlexAttention under torch.compile): CUDA and CPU, "
-    "memory on CUDA only; window (a sliding-window ring buffer with --window, --sinks; CPU "
-    "and CUDA). One that cannot run a point is skipped with a note.")
+    "memory on CUDA only; window (a sliding-window ring buffer with --window, --sinks) and "
+    "h2o (token eviction under --kv-budget; lossy): CPU and CUDA. One that cannot run a point "
+    "is skipped with a note.")
 Impl = Annotated[str, typer.Option(help=IMPL_HELP)]
 Rope = Annotated[bool, typer.Option(help="Rotary position embedding on q and k (k rotated before caching).")]
 BlockSize = Annotated[int, typer.Option(help="paged: positions per block.")]
