@@ -81,6 +81,17 @@ kv plot "$out/memory-serving.csv" -o "$out/memory-serving.png"
 kv bench --device cuda --dtype float16 --impl static,sdpa,paged,triton,compiled --batch 32 \
     --len-dist lognormal:2000:1.0 --max-len 32768 --decode-len 8 --hidden 4096 --q-heads 32 \
     --kv-heads 8 --head-dim 128 --no-recompute --no-prefill --csv "$out/bench-ragged.csv"
+# the other cache techniques on CUDA: a sliding window with sinks, a shared prefix (paged and
+# the Triton kernel reading shared blocks), eviction; then all of them side by side
+kv verify --device cuda --dtype float16 --impl window --window 256 --sinks 4 --rope \
+    --prompt-len 1000 --decode-len 16 --csv "$out/verify-techniques.csv"
+kv verify --device cuda --dtype float16 --impl paged,triton --shared-prefix 512 --block-size 16 \
+    --batch 4 --prompt-len 1000 --decode-len 16 --csv "$out/verify-techniques.csv"
+kv verify --device cuda --dtype float16 --impl h2o --kv-budget 256 --prompt-len 1000 \
+    --decode-len 16 --csv "$out/verify-techniques.csv"
+kv bench --device cuda --config configs/sweeps/cache-techniques.toml \
+    --csv "$out/bench-techniques.csv"
+kv plot "$out/bench-techniques.csv" -o "$out/bench-techniques.png"
 # tensor parallelism: two ranks on two GPUs (NCCL), every implementation against path A on one
 # device, then the sharded step, its all-reduce and each rank's memory; skipped on one GPU
 gpus=$("$py" -c 'import torch; print(torch.cuda.device_count())')

@@ -91,6 +91,18 @@ def main() -> int:
         print("bench, ragged decode (lognormal B=32): ms/step, % of copy: " + ", ".join(
             f"{r['impl']} {r['cached_ms_per_step']:.3f} {100 * r['bandwidth_fraction']:.0f}%"
             for _, r in rb.iterrows()))
+    tv = read(out, "verify-techniques.csv")
+    if tv is not None:
+        print("verify, window / shared prefix / h2o (gate): " + ", ".join(
+            f"{r['impl']} {'PASS' if r['passed'] else 'FAIL'}" for _, r in tv.iterrows()))
+        bad += int((~tv["passed"]).sum())
+    tb = read(out, "bench-techniques.csv")
+    if tb is not None:
+        print("bench, techniques side by side: bytes/token, mean |A-B|, ms/step: " + "; ".join(
+            f"{r['impl']}{'/' + r['kv_dtype'] if isinstance(r['kv_dtype'], str) else ''} "
+            f"{r['kv_cache_bytes'] / (r['batch'] * (r['prompt_len'] + r['decode_len'])):.0f} "
+            f"{r['verify_mean_abs_err']:.1e} {r['cached_ms_per_step']:.3f}"
+            for _, r in tb.iterrows()))
     tpv = read(out, "verify-tp.csv")
     if tpv is not None:
         print("verify --tp 2 (NCCL): " + ", ".join(
