@@ -2,8 +2,11 @@
 # Exercise every CUDA path of kvbench end to end and summarise it on one screen.
 #   scripts/gpu-check.sh OUTDIR
 # Runs from the checkout (python3 -m kvbench, the repository on PYTHONPATH): nothing to install.
-# Writes OUTDIR/*.csv, OUTDIR/*.png, OUTDIR/gpu-check.log and OUTDIR/summary.txt; about 5 minutes
-# on one H200 (8 at most; torch.compile and Triton compile on the first run), and exits non-zero if any step or check failed.
+# Writes OUTDIR/*.csv, OUTDIR/*.png, OUTDIR/gpu-check.log and OUTDIR/summary.txt, and exits
+# non-zero if any step or check failed. No GPU has timed it yet: its first part was estimated
+# at 5 to 8 minutes on one H200 (torch.compile and Triton compile on the first run), and the
+# ragged, tensor-parallel and technique steps come after it. Where a call is capped at 10
+# minutes, give it a timeout and read summary.txt for the steps that finished.
 set -uo pipefail
 out=${1:?usage: scripts/gpu-check.sh OUTDIR}
 repo=$(cd "$(dirname "$0")/.." && pwd)
