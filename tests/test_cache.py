@@ -37,7 +37,8 @@ def test_paged_takes_blocks_as_sequences_grow():
     with torch.no_grad():
         paged = PagedCache(layer, 2, SHAPE.total_len, ImplOptions(block_size=8))
         paged.prefill(x[:, :21])  # 21 positions -> 3 blocks per sequence
-        assert paged.stats() == {"blocks_used": 6, "unused_positions": 6, "blocks_allocated": 8,
+        assert paged.stats() == {"blocks_used": 6, "unused_positions": 6, "blocks_saved": 0,
+                                 "blocks_allocated": 8,
                              "block_size": 8}
         for t in range(21, 25):  # 25 positions -> 4 blocks
             paged.step(x[:, t:t + 1])

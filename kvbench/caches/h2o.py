@@ -15,10 +15,10 @@ Without --kv-budget it keeps every position.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from kvbench import footprint as fp
 from kvbench.caches.base import CachedAttention, causal_prefill, register
+from kvbench.errors import KvbenchError
 
 
 @register
@@ -152,11 +152,14 @@ class H2OCache(CachedAttention):
 
     def rewind(self, length):
         saved = getattr(self, "saved", None)
-        if saved is None or saved[0] != length:
-            raise NotImplementedError("h2o rewinds only to a checkpoint: evicted positions "
-                                      "are gone")
-        for t, s in zip((self.k_cache, self.v_cache, self.pos, self.score), saved[1:]):
-            t.copy_(s)
+        if saved is not None and saved[0] == length:
+            for t, s in zip((self.k_cache, self.v_cache, self.pos, self.score), saved[1:]):
+                t.copy_(s)
+        elif self.slots >= self.max_len:  # it never evicts: the scores decide nothing
+            self.pos.masked_fill_(self.pos >= length, -1)
+        else:
+            raise KvbenchError("h2o rewinds only to a checkpoint: evicted positions and the "
+                               "scores that chose them are gone")
         self._rewound(length)
 
     def stats(self):
