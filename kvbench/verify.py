@@ -144,7 +144,7 @@ def _across_ranks(checks: list[ImplCheck]) -> list[ImplCheck]:
                 "max_abs_err", "mean_abs_err", "prefill_max_abs_err", "fp64_max_abs_err")),
             first.cache_shape, min(steps) if steps else None,
             f"rank {bad[0][0]}: {bad[0][1].message}" if bad else "", first.stats,
-            min(cosines) if cosines else None))
+            min(cosines) if cosines else None, first.lossy))
     return merged
 
 
@@ -200,7 +200,12 @@ def restricted_reference(layer: AttentionLayer, x: torch.Tensor, kept: list[torc
         scores = (qg @ keys.transpose(-2, -1)) * layer.scale  # [B, H_kv, G, n]
         scores = scores.masked_fill((positions < 0)[:, :, None], float("-inf"))
         attn = (torch.softmax(scores, dim=-1) @ values).reshape(B, 1, -1)  # [B, 1, H_q·D]
-        outputs.append(attn @ layer64.w_o)
+        out = attn @ layer64.w_o
+        if layer.tp > 1:  # a shard's heads: the partial sums of the whole output
+            from kvbench.distributed import all_reduce
+
+            all_reduce(out)
+        outputs.append(out)
     return outputs
 
 
