@@ -44,7 +44,7 @@ def test_bench_writes_then_appends_rows(tmp_path):
     # every implementation bench can measure on the CPU once (not triton: it runs in Triton's
     # interpreter here), then the second run's one row
     assert df["impl"].tolist() == ["concat", "static", "sdpa", "paged", "splitk", "compiled",
-                                   "flex", "window", "static"]
+                                   "flex", "window", "h2o", "static"]
     assert (df["speedup"] > 0).all() and (df["decode_cached_ms"] > 0).all()
     assert df["timestamp"].str.match(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d").all()
     for col in ("kvbench_version", "python_version", "torch_version", "device_name",
@@ -169,8 +169,11 @@ def test_memory_writes_bytes_and_leaves_reserved_empty_on_cpu(tmp_path):
     payload = 2 * 1 * 9 * 2 * 8 * 4
     assert (df["theoretical_kv_bytes"] == payload).all()
     assert (df["cached_peak_allocated_bytes"] >= payload).all()
-    unpaged = df[df["impl"] != "paged"]
+    unpaged = df[~df["impl"].isin(["paged", "h2o"])]
     assert (unpaged["after_allocated_bytes"] == payload).all()
+    # h2o also holds each slot's position (int64) and accumulated score (float32)
+    h2o = df[df["impl"] == "h2o"]
+    assert (h2o["after_allocated_bytes"] == payload + 1 * 2 * 9 * (8 + 4)).all()
     # paged holds whole blocks: 9 positions -> one block of 16, plus its [1, 1] int64 table
     paged = df[df["impl"] == "paged"]
     assert (paged["after_allocated_bytes"] == payload // 9 * 16 + 8).all()

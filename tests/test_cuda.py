@@ -27,7 +27,7 @@ def test_every_implementation_equals_recompute_on_cuda(dtype, rope):
         expected = ["concat", "static", "sdpa", "paged", "triton"]
         if dtype == "float16":
             expected += ["compiled"] + (["flex"] if shape.head_dim >= 16 else [])
-        expected += ["window"]
+        expected += ["window", "h2o"]
         assert [c.impl for c in report.checks] == expected
         assert report.passed, [(c.impl, c.message) for c in report.checks]
 

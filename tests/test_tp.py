@@ -162,3 +162,19 @@ def test_verify_rejects_tp_faults(tmp_path, fault, passes):
     assert passed is passes, message
     if not passes:
         assert message.startswith("rank ")
+
+
+def test_the_cache_techniques_run_sharded(tmp_path):
+    # a window, a shared prefix and eviction, each split over 2 ranks, against one device
+    sweep = tmp_path / "t.toml"
+    sweep.write_text('command = "verify"\nblock_size = 4\n'
+                     '[[points]]\nimpl = "window"\nwindow = 5\nsinks = 2\n'
+                     '[[points]]\nimpl = "paged"\nshared_prefix = 6\n'
+                     '[[points]]\nimpl = "h2o"\nkv_budget = 6\n')
+    out = tmp_path / "v.csv"
+    r = torchrun("verify", "--tp", "2", *SMALL, "--kv-heads", "2", "--rope", "--config",
+                 str(sweep), "--csv", str(out), tmp_path=tmp_path)
+    assert r.returncode == 0, r.stderr[-2000:]
+    df = pd.read_csv(out)
+    assert df["impl"].tolist() == ["window", "paged", "h2o"] and df["passed"].all()
+    assert df["lossy"].fillna(False).tolist() == [False, False, True]

@@ -58,7 +58,7 @@ def test_every_implementation_equals_recompute(shape, rope, dtype, seed):
     report = verify(config, eager(config))
     # splitk is float32 only; everything else runs every shape here
     expected = ["concat", "static", "sdpa", "paged"] + (["splitk"] if dtype == "float32" else [])
-    expected += ["triton", "window"]
+    expected += ["triton", "window", "h2o"]
     assert [c.impl for c in report.checks] == expected
     for check in report.checks:
         assert check.passed, (check.impl, check.message)

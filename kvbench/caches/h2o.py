@@ -54,8 +54,19 @@ class H2OCache(CachedAttention):
     def footprint(cls, config, options):
         s, b = config.shape, config.dtype_bytes
         n = cls.budget(s, options.alloc_len(s))
-        return fp.preallocated(s, config.rope, b, fp.Sizes(s).kv(n) * b,
-                               lambda t: fp.grouped_step(s, config.rope, min(t, n)) * b,
+        # held beside K/V: each slot's position (int64) and score (float32). A step adds the
+        # weights' sum into the scores (and, below float32, the weights widened first); an
+        # evicting step its mask and scratch over the slots.
+        held = s.batch * s.kv_heads * n * (8 + 4)
+        widened = s.batch * s.q_heads * 4 if b < 4 else 0
+        evicts = s.batch * s.kv_heads * n * (1 + 4 + 8) if n < options.alloc_len(s) else 0
+
+        def step_at(t: int) -> int:
+            m = min(t, n)
+            return (fp.grouped_step(s, config.rope, m) * b + widened * m
+                    + s.batch * s.kv_heads * m * 4 + evicts)
+
+        return fp.preallocated(s, config.rope, b, fp.Sizes(s).kv(n) * b + held, step_at,
                                fp.sdpa_is_fused(config.device, config.dtype, s.head_dim))
 
     def __init__(self, layer, batch, max_len, options=None, lens=None):
@@ -77,7 +88,10 @@ class H2OCache(CachedAttention):
         q, k, v = self.layer.project(x, start=0)
         out = causal_prefill(self.layer, q, k, v)  # exact
         T = x.shape[1]
-        seen = self._prompt_scores(q, k)  # [B, H_kv, T]
+        if self.slots >= self.max_len:  # it never evicts: no scores needed
+            seen = torch.zeros(k.shape[:3], dtype=torch.float32, device=k.device)
+        else:
+            seen = self._prompt_scores(q, k)  # [B, H_kv, T]
         n = min(T, self.slots)
         recent = min(self.recent, n)
         positions = torch.arange(T, device=x.device).expand_as(seen)
@@ -93,12 +107,14 @@ class H2OCache(CachedAttention):
         self._advance(T)
         return self.layer.output(out)
 
-    def _prompt_scores(self, q, k, chunk: int = 512) -> torch.Tensor:
+    def _prompt_scores(self, q, k) -> torch.Tensor:
         """Each prompt position's attention from every prompt query, summed over the query
-        heads of its KV head: [B, H_kv, T] (float32), 512 queries at a time."""
+        heads of its KV head: [B, H_kv, T] (float32), a chunk of queries at a time, each
+        chunk's scores at most 2**23 elements (32 MiB)."""
         B, Hq, T, D = q.shape
         Hkv = k.shape[1]
         G = Hq // Hkv
+        chunk = max(1, 2**23 // (B * Hq * T))
         total = torch.zeros(B, Hkv, T, dtype=torch.float32, device=q.device)
         keys = k.float()
         for a in range(0, T, chunk):
