@@ -14,6 +14,7 @@ import torch
 
 from kvbench.config import LayerShape, RunConfig
 from kvbench.device import torch_dtype
+from kvbench.distributed import all_reduce, rank
 
 ROPE_BASE = 10000.0
 
@@ -106,8 +107,6 @@ class AttentionLayer:
         flat = attn.transpose(1, 2).reshape(B * T, -1)  # [B·T, H_q·D]
         out = gemm(flat, self.w_o).view(B, T, -1)
         if self.tp > 1:  # a shard's partial sums: the rows of W_o it holds
-            from kvbench.distributed import all_reduce
-
             all_reduce(out)
         return out
 
@@ -117,8 +116,6 @@ def sharded(config: RunConfig, layer: AttentionLayer) -> tuple[AttentionLayer, R
     layer and configuration when tp = 1."""
     if config.tp == 1:
         return layer, config
-    from kvbench.distributed import rank
-
     part = layer.shard(config.tp, rank())
     return part, replace(config, shape=part.shape)
 
@@ -181,12 +178,20 @@ def dense_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
 
 def visible(T: int, device, window: int | None = None, sinks: int = 0) -> torch.Tensor:
-    """[T, T] causal visibility: query t sees key p <= t; with a window, only the first
-    `sinks` positions and the last `window` (t - window < p <= t), as StreamingLLM keeps."""
+    """[T, T] causal visibility of a sequence's positions (see `visibility`)."""
     t = torch.arange(T, device=device)
-    seen = t[None, :] <= t[:, None]
+    return visibility(t, t, window, sinks)
+
+
+def visibility(queries: torch.Tensor, keys: torch.Tensor, window: int | None = None,
+               sinks: int = 0) -> torch.Tensor:
+    """[len(queries), len(keys)]: query at position t sees the key at p when p <= t; with a
+    window, only when p is one of the first `sinks` or the last `window` (t - window < p <= t),
+    as StreamingLLM keeps."""
+    t, p = queries[:, None], keys[None, :]
+    seen = p <= t
     if window is not None:
-        seen &= (t[None, :] < sinks) | (t[None, :] > t[:, None] - window)
+        seen &= (p < sinks) | (p > t - window)
     return seen
 
 

@@ -6,6 +6,7 @@ import inspect
 import itertools
 import os
 import sys
+from dataclasses import replace
 from pathlib import Path
 from typing import Annotated
 
@@ -35,10 +36,10 @@ class _Group(TyperGroup):
             _fail(str(e), 2)
         except (typer.Abort, KeyboardInterrupt):
             _fail("interrupted", 130)
-        except Exception as e:  # noqa: BLE001 -- under torchrun: say which rank, end the group
+        except Exception as e:
             from kvbench import distributed
 
-            if not (distributed.launched() and int(os.environ["WORLD_SIZE"]) > 1):
+            if not distributed.multiprocess():
                 raise
             if os.environ.get("KVBENCH_TRACEBACK"):
                 import traceback
@@ -52,7 +53,7 @@ class _Group(TyperGroup):
 def _fail(message: str, code: int):
     from kvbench import distributed
 
-    if distributed.launched() and int(os.environ["WORLD_SIZE"]) > 1:
+    if distributed.multiprocess():
         # under torchrun: bad input is refused alike on every rank, so rank 0 says it once;
         # anything else is said by the rank it happened on, which then ends the group
         if code == 2 and distributed.env_rank() != 0:
@@ -277,18 +278,11 @@ def _points_of(o: dict[str, object], reference_cases: bool = False,
     lists = {name: parse_int_list("--" + name.replace("_", "-"), o[name])
              for name in SHAPE_FIELDS if o[name] is not None}
     shapes = _ragged(o, expand_shapes(timing_case(dev), lists), lists)
-    if o["window"] is not None or o["sinks"] or o["shared_prefix"]:
-        from dataclasses import replace
-
-        shapes = [replace(s, window=o["window"], sinks=o["sinks"],
-                          shared_prefix=o["shared_prefix"]) for s in shapes]
-    if o["kv_budget"] is not None or o["kv_recent"] is not None:
-        from dataclasses import replace
-
-        budgets = (parse_int_list("--kv-budget", o["kv_budget"]) if o["kv_budget"] is not None
-                   else [None])
-        shapes = [replace(s, kv_budget=n, kv_recent=o["kv_recent"])
-                  for s in shapes for n in budgets]
+    # the cache techniques, one point per --kv-budget
+    budgets = (parse_int_list("--kv-budget", o["kv_budget"]) if o["kv_budget"] is not None
+               else [None])
+    shapes = [replace(s, window=o["window"], sinks=o["sinks"], shared_prefix=o["shared_prefix"],
+                      kv_budget=n, kv_recent=o["kv_recent"]) for s in shapes for n in budgets]
     from kvbench import distributed
 
     if o["tp"] != 1 or distributed.launched():
@@ -337,8 +331,6 @@ def _points_of(o: dict[str, object], reference_cases: bool = False,
 
 def _ragged(o: dict[str, object], shapes, lists: dict[str, list[int]]):
     """The shapes with --seq-lens, --len-dist (each distribution a point) and --max-len."""
-    from dataclasses import replace
-
     from kvbench.config import parse_int_list
     from kvbench.lengths import draw, parse_len_dist
 
@@ -407,9 +399,7 @@ def _preflight(o: dict[str, object], command: str, points, impl_options, bench_o
     """Each point's memory plan. --dry-run shows them all and exits 0. Otherwise the points
     that fit are returned with the plans of those that do not (each named on stderr); when
     none fits, one line and exit 2. --force runs them all."""
-    from kvbench import preflight, render
-
-    from kvbench import distributed
+    from kvbench import distributed, preflight, render
 
     plans = [preflight.plan(command, config, names, impl_options, bench_options)
              for config, names in points]
@@ -454,12 +444,10 @@ def _sweep(o: dict[str, object], command: str, points, run_point, impl_options, 
     A point that hits a device error is reported and the rest run; the exit status is then 3.
     Points skipped as too big give exit 2 once the others have run.
     """
-    from kvbench import render
+    from kvbench import distributed, render
     from kvbench.env import environment
     from kvbench.errors import DeviceError
     from kvbench.results import FILE_KINDS, append_csv
-
-    from kvbench import distributed
 
     columns, first = FILE_KINDS[command]
     if distributed.rank() != 0:  # rank 0 alone prints and writes
@@ -747,8 +735,6 @@ def capacity(
         "layers": layers, "kv_heads": kv_heads, "head_dim": head_dim, "q_heads": q_heads,
         "mla_latent": mla_latent, "mla_rope": mla_rope, "sliding_window": window})
     if share_layers != 1 or sinks:
-        from dataclasses import replace
-
         if sinks < 0 or (sinks and not spec.sliding_window):
             raise KvbenchError("--sinks keeps the first S positions of sliding layers: give "
                                "--window W too (or a model with a window), and S >= 0")

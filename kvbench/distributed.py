@@ -37,6 +37,11 @@ def launched() -> bool:
     return all(k in os.environ for k in ENV)
 
 
+def multiprocess() -> bool:
+    """Whether torchrun started this process as one of several."""
+    return launched() and int(os.environ["WORLD_SIZE"]) > 1
+
+
 def env_rank() -> int:
     """This process's rank as torchrun set it (0 when not launched by torchrun)."""
     return int(os.environ.get("RANK", "0"))

@@ -150,7 +150,7 @@ def plot_serving(df: pd.DataFrame, plt):
 
 def plot_budget(df: pd.DataFrame, plt):
     """Lossy caches (h2o) against their --kv-budget: the error against full attention."""
-    df = latest(df[df["lossy"] == True], key_columns(df))  # noqa: E712 (NaN-safe)
+    df = latest(df[df["lossy"] == True], key_columns(df))  # == True: empty (NaN) when exact
     df = df.dropna(subset=["kv_budget"])
     if df.empty:
         raise KvbenchError("no lossy rows with a --kv-budget to plot: run kvbench verify "
@@ -297,7 +297,7 @@ def plot(kind: str, df: pd.DataFrame, output: Path) -> Path:
         drawers[kind] = lambda df, plt: plot_frontier(kind, df, plt)
     if kind == "memory" and df["seq_lens"].notna().any() and df["kv_waste"].notna().any():
         drawers[kind] = plot_serving
-    if kind == "verify" and (df["lossy"] == True).any():  # noqa: E712
+    if kind == "verify" and (df["lossy"] == True).any():
         drawers[kind] = plot_budget
     if kind == "bench" and df[["window", "shared_prefix", "kv_budget"]].notna().any().any():
         drawers[kind] = plot_techniques

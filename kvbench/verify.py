@@ -29,6 +29,7 @@ from kvbench.attention import (
 from kvbench.caches import IMPLEMENTATIONS, CachedAttention, ImplOptions
 from kvbench.config import RunConfig
 from kvbench.device import free_bytes
+from kvbench.distributed import all_reduce
 from kvbench.errors import DeviceError, device_errors, is_device_error, is_out_of_memory
 from kvbench.kvformat import KvFormat
 from kvbench.quant import QuantizedStore
@@ -202,8 +203,6 @@ def restricted_reference(layer: AttentionLayer, x: torch.Tensor, kept: list[torc
         attn = (torch.softmax(scores, dim=-1) @ values).reshape(B, 1, -1)  # [B, 1, H_q·D]
         out = attn @ layer64.w_o
         if layer.tp > 1:  # a shard's heads: the partial sums of the whole output
-            from kvbench.distributed import all_reduce
-
             all_reduce(out)
         outputs.append(out)
     return outputs

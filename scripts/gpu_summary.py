@@ -24,6 +24,16 @@ def grid(df: pd.DataFrame, value: str, fmt) -> str:
     return "\n".join(lines)
 
 
+def verdicts(out: Path, name: str, label: str) -> int:
+    """Print each row's implementation and PASS/FAIL; the number that failed."""
+    df = read(out, name)
+    if df is None:
+        return 0
+    print(f"{label}: " + ", ".join(f"{r['impl']} {'PASS' if r['passed'] else 'FAIL'}"
+                                   for _, r in df.iterrows()))
+    return int((~df["passed"]).sum())
+
+
 def main() -> int:
     out, failed, seconds = Path(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
     bad = failed
@@ -73,12 +83,7 @@ def main() -> int:
             print("triton, quantized K/V at the long shape: ms/step (x faster than fp16; "
                   "target >= 1.6 for int8 or fp8): " + ", ".join(
                       f"{f} {m:.3f} ({steps['fp16'] / m:.2f}x)" for f, m in steps.items()))
-    ragged = read(out, "verify-ragged.csv")
-    if ragged is not None:
-        print("verify, ragged batch (prompts " + str(ragged["seq_lens"].iloc[0]) + "): "
-              + ", ".join(f"{r['impl']} {'PASS' if r['passed'] else 'FAIL'}"
-                          for _, r in ragged.iterrows()))
-        bad += int((~ragged["passed"]).sum())
+    bad += verdicts(out, "verify-ragged.csv", "verify, ragged batch")
     serving = read(out, "memory-serving.csv")
     if serving is not None:
         print("memory, serving-waste sweep: share of KV memory holding tokens "
@@ -91,11 +96,7 @@ def main() -> int:
         print("bench, ragged decode (lognormal B=32): ms/step, % of copy: " + ", ".join(
             f"{r['impl']} {r['cached_ms_per_step']:.3f} {100 * r['bandwidth_fraction']:.0f}%"
             for _, r in rb.iterrows()))
-    tv = read(out, "verify-techniques.csv")
-    if tv is not None:
-        print("verify, window / shared prefix / h2o (gate): " + ", ".join(
-            f"{r['impl']} {'PASS' if r['passed'] else 'FAIL'}" for _, r in tv.iterrows()))
-        bad += int((~tv["passed"]).sum())
+    bad += verdicts(out, "verify-techniques.csv", "verify, window / shared prefix / h2o (gate)")
     tb = read(out, "bench-techniques.csv")
     if tb is not None:
         print("bench, techniques side by side: bytes/token, mean |A-B|, ms/step: " + "; ".join(
@@ -103,11 +104,7 @@ def main() -> int:
             f"{r['kv_cache_bytes'] / (r['batch'] * (r['prompt_len'] + r['decode_len'])):.0f} "
             f"{r['verify_mean_abs_err']:.1e} {r['cached_ms_per_step']:.3f}"
             for _, r in tb.iterrows()))
-    tpv = read(out, "verify-tp.csv")
-    if tpv is not None:
-        print("verify --tp 2 (NCCL): " + ", ".join(
-            f"{r['impl']} {'PASS' if r['passed'] else 'FAIL'}" for _, r in tpv.iterrows()))
-        bad += int((~tpv["passed"]).sum())
+    bad += verdicts(out, "verify-tp.csv", "verify --tp 2 (NCCL)")
     tpb = read(out, "bench-tp.csv")
     if tpb is not None:
         print("bench --tp 2: ms/step (all-reduce share, rank spread ms): " + ", ".join(

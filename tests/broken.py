@@ -330,7 +330,7 @@ class KernelReadsPadding(_TritonFault):
 
 # Faults of the sliding-window ring buffer (`window`).
 
-from kvbench.caches import WindowCache  # noqa: E402
+from kvbench.caches import WindowCache
 
 
 class RingOffByOne(WindowCache):
@@ -399,7 +399,7 @@ class FreesSharedBlock(PagedCache):
 
 # A fault of the eviction cache (`h2o`): its record of what it kept disagrees with its slots.
 
-from kvbench.caches import H2OCache  # noqa: E402
+from kvbench.caches import H2OCache
 
 
 class EvictsIntoTheWrongSlot(H2OCache):
@@ -409,13 +409,13 @@ class EvictsIntoTheWrongSlot(H2OCache):
     name = "evicts-into-the-wrong-slot"
 
     def write(self, k, v):
-        if self.length < self.slots:
+        if self.length < self.n_slots:
             return super().write(k, v)
         t = self.length
         old = self.pos <= t - self.recent
         slot = self.score.masked_fill(~old, float("inf")).argmin(dim=-1)[..., None]
         self.k_cache.scatter_(2, slot[..., None].expand(-1, -1, 1, k.shape[-1]), k)
         self.v_cache.scatter_(2, slot[..., None].expand(-1, -1, 1, v.shape[-1]), v)
-        self.pos.scatter_(2, (slot + 1) % self.slots, t)
+        self.pos.scatter_(2, (slot + 1) % self.n_slots, t)
         self.score.scatter_(2, slot, 0.0)
         self._advance(1)

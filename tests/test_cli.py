@@ -250,7 +250,8 @@ def test_kv_budget_list_runs_each_and_plots_the_loss(tmp_path):
     assert result.exit_code == 0, result.output
     df = pd.read_csv(out)
     assert df["kv_budget"].tolist() == [8, 16, 64] and df["lossy"].all() and df["passed"].all()
-    assert df["max_abs_err"].iloc[0] > 1e-3 > 1e-5 > df["max_abs_err"].iloc[2]  # 64 keeps all
+    assert df["max_abs_err"].iloc[0] > 1e-3  # 8 of 34 positions kept: lossy
+    assert df["max_abs_err"].iloc[2] < 1e-5  # 64 keeps all
     assert run("plot", str(out)).exit_code == 0 and (tmp_path / "v.png").exists()
     bad = run("verify", *small, "--impl", "h2o", "--kv-budget", "4", "--kv-recent", "8")
     assert bad.exit_code == 2 and "--kv-budget 4 is below the recent window of 8" in bad.stderr

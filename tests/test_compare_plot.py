@@ -120,7 +120,7 @@ def test_plot_draws_ragged_memory_rows_as_shares_holding_tokens(tmp_path):
             "4", "--kv-heads", "2", "--head-dim", "8", "--batch", "8", "--impl", "static,paged",
             "--len-dist", "lognormal:30:1.0,uniform:1:60", "--max-len", "128", "--csv", str(mem)]
     assert runner.invoke(app, args).exit_code == 0
-    import kvbench.plot as plot
+    from kvbench import plot
 
     drawn = []
     original = plot.plot_serving

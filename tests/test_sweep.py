@@ -59,9 +59,9 @@ def test_bad_sweep_files(tmp_path, text, message):
 
 @pytest.mark.parametrize("path", sorted(SWEEPS.glob("*.toml")), ids=lambda p: p.stem)
 def test_shipped_sweep_files_parse(path):
-    from kvbench.sweep import load_sweep
-
     import tomllib
+
+    from kvbench.sweep import load_sweep
 
     command = tomllib.loads(path.read_text()).get("command", "verify")
     allowed = {"device", "dtype", "batch", "prompt_len", "decode_len", "hidden", "q_heads",

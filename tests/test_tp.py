@@ -22,7 +22,8 @@ def torchrun(*args, tmp_path, env=None, script=None):
     target = [script] if script else ["-m", "kvbench"]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
            "--standalone", *target, *args]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT, cwd=tmp_path,
+    return subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=TIMEOUT,
+                          cwd=tmp_path,
                           env={**os.environ, "PYTHONWARNINGS": "ignore", **(env or {})})
 
 
@@ -89,8 +90,8 @@ def test_tp_unlike_the_world_size_is_one_line(tmp_path):
     r = torchrun("verify", "--tp", "4", *SMALL, "--kv-heads", "2", tmp_path=tmp_path)
     assert r.returncode != 0
     ours = [line for line in r.stderr.splitlines() if line.startswith("kvbench:")]
-    assert ours == ["kvbench: error: --tp 4 differs from the 2 processes torchrun started; "
-                    "use --tp 2 or torchrun --nproc-per-node 4"]
+    assert ours == [("kvbench: error: --tp 4 differs from the 2 processes torchrun started; "
+                     "use --tp 2 or torchrun --nproc-per-node 4")]
     assert not (tmp_path / "results").exists()
 
 
@@ -158,7 +159,7 @@ def test_verify_rejects_tp_faults(tmp_path, fault, passes):
     results = ctx.Queue()
     mp.start_processes(_verify_with_fault, args=(str(tmp_path / "store"), fault, results),
                        nprocs=2, start_method="spawn")
-    name, passed, message = results.get(timeout=TIMEOUT)
+    _, passed, message = results.get(timeout=TIMEOUT)
     assert passed is passes, message
     if not passes:
         assert message.startswith("rank ")

@@ -26,8 +26,23 @@ from kvbench.caches.compiled import CompiledCache
 from kvbench.caches.window import WindowCache
 from kvbench.caches.h2o import H2OCache
 
-__all__ = ["IMPLEMENTATIONS", "SDPA_BACKENDS", "CachedAttention", "CompiledCache", "ConcatCache",
-           "H2OCache",
-           "FlexCache", "ImplOptions",
-           "PagedCache", "PreallocatedCache", "SdpaCache", "SplitKCache", "StaticCache",
-           "TritonCache", "WindowCache", "parse_impls", "register", "select_impls"]
+__all__ = [
+    "IMPLEMENTATIONS",
+    "SDPA_BACKENDS",
+    "CachedAttention",
+    "CompiledCache",
+    "ConcatCache",
+    "FlexCache",
+    "H2OCache",
+    "ImplOptions",
+    "PagedCache",
+    "PreallocatedCache",
+    "SdpaCache",
+    "SplitKCache",
+    "StaticCache",
+    "TritonCache",
+    "WindowCache",
+    "parse_impls",
+    "register",
+    "select_impls",
+]

@@ -76,6 +76,13 @@ class ImplOptions:
 
 IMPLEMENTATIONS: dict[str, type[CachedAttention]] = {}
 
+# Techniques that only some implementations apply: name -> (whether a shape asks for it, what
+# an implementation without it does instead).
+TECHNIQUES = {
+    "window": (lambda s: s.window is not None, "keeps every position"),
+    "shared_prefix": (lambda s: s.shared_prefix > 0, "stores every sequence's prefix"),
+}
+
 
 def register(cls: type[CachedAttention]) -> type[CachedAttention]:
     IMPLEMENTATIONS[cls.name] = cls
@@ -139,6 +146,8 @@ class CachedAttention(ABC):
     # What it holds for K/V: "prealloc", alloc_len positions per sequence; "padded", the
     # batch's longest sequence for every one; "blocks", the blocks its sequences take.
     reserves: ClassVar[str] = "prealloc"
+    # the techniques of TECHNIQUES it applies; a point asking for another skips it
+    techniques: ClassVar[frozenset[str]] = frozenset()
 
     def __init__(self, layer: AttentionLayer, batch: int, max_len: int,
                  options: ImplOptions | None = None, lens: tuple[int, ...] | None = None):
@@ -212,11 +221,11 @@ class CachedAttention(ABC):
 
     @classmethod
     def inapplicable(cls, config: RunConfig) -> str | None:
-        """Why it cannot apply the layer's technique (a --window), or None."""
-        if config.shape.window is not None:
-            return "keeps every position (--window runs on window)"
-        if config.shape.shared_prefix:
-            return "stores every sequence's prefix (--shared-prefix runs on paged, triton)"
+        """Why it cannot apply a technique the point asks for (`TECHNIQUES`), or None."""
+        for technique, (used, lacks) in TECHNIQUES.items():
+            if used(config.shape) and technique not in cls.techniques:
+                able = [n for n, c in IMPLEMENTATIONS.items() if technique in c.techniques]
+                return f"{lacks} (--{technique.replace('_', '-')} runs on {', '.join(able)})"
         return None
 
     @classmethod
@@ -353,6 +362,57 @@ class CachedAttention(ABC):
     def stats(self) -> dict[str, object]:
         """Implementation-specific counters for the report (e.g. blocks used)."""
         return {}
+
+
+class FixedSlots(CachedAttention):
+    """A cache that holds at most `slots(shape, length)` positions per KV head, however long
+    the sequence (a ring buffer, an eviction budget): verify, memory and bench count those."""
+
+    @classmethod
+    def slots(cls, s, length: int) -> int:
+        """Positions held once `length` have been seen."""
+        raise NotImplementedError
+
+    @classmethod
+    def unavailable(cls, config, options):
+        if config.shape.ragged:
+            return "a ragged batch (every sequence shares one count of positions)"
+        return None
+
+    @classmethod
+    def expected_cache_len(cls, config):
+        return cls.slots(config.shape, config.shape.total_len)
+
+    @classmethod
+    def reserved_lens(cls, config, options):
+        return (cls.slots(config.shape, options.alloc_len(config.shape)),) * config.shape.batch
+
+    @classmethod
+    def step_reads(cls, config, options, length):
+        return config.shape.batch * cls.slots(config.shape, length)
+
+    # what a checkpoint keeps: the slots, and whatever else decides what they hold
+    state: ClassVar[tuple[str, ...]] = ("k_cache", "v_cache")
+
+    def kv(self):
+        n = min(self.length, self.k_cache.shape[2])  # filled from slot 0, then full
+        return self.k_cache[:, :, :n], self.v_cache[:, :, :n]
+
+    def cache_tensors(self):
+        return [self.k_cache, self.v_cache]
+
+    def checkpoint(self):
+        self.saved = (self.length, [getattr(self, name).clone() for name in self.state])
+
+    def restored(self, length: int) -> bool:
+        """Back to the checkpoint, if it was taken at `length`: overwritten slots cannot be
+        rewound any other way."""
+        saved = getattr(self, "saved", None)
+        if saved is None or saved[0] != length:
+            return False
+        for name, copy in zip(self.state, saved[1]):
+            getattr(self, name).copy_(copy)
+        return True
 
 
 def _planned(config: RunConfig, options: ImplOptions, lens, blocked: bool,

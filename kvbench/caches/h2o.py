@@ -17,43 +17,26 @@ from __future__ import annotations
 import torch
 
 from kvbench import footprint as fp
-from kvbench.caches.base import CachedAttention, causal_prefill, register
+from kvbench.caches.base import FixedSlots, causal_prefill, register
 from kvbench.errors import KvbenchError
 
 
 @register
-class H2OCache(CachedAttention):
+class H2OCache(FixedSlots):
     name = "h2o"
     description = ("token eviction, H2O: keeps --kv-budget positions per KV head (the recent "
                    "ones and the heavy hitters by accumulated attention); lossy")
     lossy = True
+    state = ("k_cache", "v_cache", "pos", "score")
 
     @classmethod
-    def unavailable(cls, config, options):
-        if config.shape.ragged:
-            return "a ragged batch"
-        return None
-
-    @classmethod
-    def budget(cls, s, length: int) -> int:
+    def slots(cls, s, length: int) -> int:
         return length if s.kv_budget is None else min(length, s.kv_budget)
-
-    @classmethod
-    def expected_cache_len(cls, config):
-        return cls.budget(config.shape, config.shape.total_len)
-
-    @classmethod
-    def reserved_lens(cls, config, options):
-        return (cls.budget(config.shape, options.alloc_len(config.shape)),) * config.shape.batch
-
-    @classmethod
-    def step_reads(cls, config, options, length):
-        return config.shape.batch * cls.budget(config.shape, length)
 
     @classmethod
     def footprint(cls, config, options):
         s, b = config.shape, config.dtype_bytes
-        n = cls.budget(s, options.alloc_len(s))
+        n = cls.slots(s, options.alloc_len(s))
         # held beside K/V: each slot's position (int64) and score (float32). A step adds the
         # weights' sum into the scores (and, below float32, the weights widened first); an
         # evicting step its mask and scratch over the slots.
@@ -72,10 +55,10 @@ class H2OCache(CachedAttention):
     def __init__(self, layer, batch, max_len, options=None, lens=None):
         super().__init__(layer, batch, max_len, options, lens)
         s = layer.shape
-        self.slots = self.budget(s, max_len)
-        self.recent = s.kv_recent if s.kv_recent is not None else max(1, self.slots // 2)
+        self.n_slots = self.slots(s, max_len)
+        self.recent = s.kv_recent if s.kv_recent is not None else max(1, self.n_slots // 2)
         dev = layer.device
-        shape = (batch, s.kv_heads, self.slots, s.head_dim)
+        shape = (batch, s.kv_heads, self.n_slots, s.head_dim)
         self.k_cache = torch.zeros(shape, dtype=layer.dtype, device=dev)
         self.v_cache = torch.zeros(shape, dtype=layer.dtype, device=dev)
         # per slot: the position it holds (-1: empty) and its accumulated attention
@@ -88,11 +71,11 @@ class H2OCache(CachedAttention):
         q, k, v = self.layer.project(x, start=0)
         out = causal_prefill(self.layer, q, k, v)  # exact
         T = x.shape[1]
-        if self.slots >= self.max_len:  # it never evicts: no scores needed
+        if self.n_slots >= self.max_len:  # it never evicts: no scores needed
             seen = torch.zeros(k.shape[:3], dtype=torch.float32, device=k.device)
         else:
             seen = self._prompt_scores(q, k)  # [B, H_kv, T]
-        n = min(T, self.slots)
+        n = min(T, self.n_slots)
         recent = min(self.recent, n)
         positions = torch.arange(T, device=x.device).expand_as(seen)
         keep_recent = positions[..., T - recent:]  # the last R
@@ -130,7 +113,7 @@ class H2OCache(CachedAttention):
     def write(self, k, v):
         """One position: into a free slot, or the lightest one outside the recent window."""
         t = self.length
-        if t < self.slots:
+        if t < self.n_slots:
             slot = torch.full(self.pos.shape[:2], t, dtype=torch.long, device=k.device)
         else:
             old = self.pos <= t - self.recent  # may be evicted
@@ -155,23 +138,10 @@ class H2OCache(CachedAttention):
             self.kept.append(self.pos[..., : keys.shape[2]].clone())
         return (weights @ values).reshape(B, Hq, 1, D)
 
-    def kv(self):
-        n = min(self.length, self.slots)
-        return self.k_cache[:, :, :n], self.v_cache[:, :, :n]
-
-    def cache_tensors(self):
-        return [self.k_cache, self.v_cache]
-
-    def checkpoint(self):
-        self.saved = (self.length, *(t.clone() for t in (self.k_cache, self.v_cache,
-                                                        self.pos, self.score)))
-
     def rewind(self, length):
-        saved = getattr(self, "saved", None)
-        if saved is not None and saved[0] == length:
-            for t, s in zip((self.k_cache, self.v_cache, self.pos, self.score), saved[1:]):
-                t.copy_(s)
-        elif self.slots >= self.max_len:  # it never evicts: the scores decide nothing
+        if self.restored(length):
+            pass
+        elif self.n_slots >= self.max_len:  # it never evicts: the scores decide nothing
             self.pos.masked_fill_(self.pos >= length, -1)
         else:
             raise KvbenchError("h2o rewinds only to a checkpoint: evicted positions and the "
@@ -179,4 +149,4 @@ class H2OCache(CachedAttention):
         self._rewound(length)
 
     def stats(self):
-        return {"kept_slots": self.slots}
+        return {"kept_slots": self.n_slots}

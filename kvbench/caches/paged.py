@@ -32,13 +32,13 @@ class PagedCache(CachedAttention):
     kv_dtypes = frozenset(QUANTIZED)
     blocked = True
     reserves = "blocks"
+    techniques = frozenset({"shared_prefix"})  # stores a shared prefix's blocks once
 
     @classmethod
     def footprint(cls, config, options):
         if options.kv_dtype is not None:
             return super().footprint(config, options)  # the quantized store's model
         s, b, bs = config.shape, config.dtype_bytes, options.block_size
-        blocks = math.ceil(s.total_len / bs)  # per sequence, at most
         pool = cls.planned_bytes(config, options)
         table = s.batch * math.ceil(options.alloc_len(s) / bs) * fp.INDEX_BYTES
 
@@ -53,12 +53,6 @@ class PagedCache(CachedAttention):
 
         return fp.preallocated(s, config.rope, b, pool + table, step_at,
                                fp.sdpa_is_fused(config.device, config.dtype, s.head_dim))
-
-    @classmethod
-    def inapplicable(cls, config):
-        if config.shape.window is not None:
-            return "keeps every position (--window runs on window)"
-        return None  # it stores a --shared-prefix once
 
     @classmethod
     def step_reads(cls, config, options, length):
@@ -200,18 +194,17 @@ class PagedCache(CachedAttention):
         a partly filled shared block it writes into."""
         bs, P, dev = self.options.block_size, self.prefix, self.table.device
         pos = torch.arange(n, device=dev)
-        rows = torch.arange(self.batch, device=dev)
         mine = (pos >= P).expand(self.batch, n)  # [B, n]: each sequence's own positions
         if real is not None:
             mine = mine & real
-        prefix = pos < P
-        first = self.table[0, pos[prefix] // bs]
-        for pool, values in parts:
-            pool[first, :, pos[prefix] % bs] = values[0].transpose(0, 1)[prefix]
+        head = pos[:P]
+        first = self.table[0, head // bs]
+        for pool, values in parts:  # values[0, :, :P]: [H_kv, P, ...]
+            pool[first, :, head % bs] = values[0, :, :P].transpose(0, 1)
         lengths = [n - d for d in (self.deficit or (0,) * self.batch)]
         self._own_targets([P if t > P else None for t in lengths])  # the block holding P
         r, p = mine.nonzero(as_tuple=True)
-        blocks = self.table[rows[r], p // bs]
+        blocks = self.table[r, p // bs]
         for pool, values in parts:
             pool[blocks, :, p % bs] = values.transpose(1, 2)[r, p]
 

@@ -20,45 +20,22 @@ import torch
 import torch.nn.functional as F
 
 from kvbench import footprint as fp
-from kvbench.caches.base import CachedAttention, causal_prefill, register
+from kvbench.attention import visibility
+from kvbench.caches.base import FixedSlots, causal_prefill, register
 from kvbench.errors import KvbenchError
 
 
 @register
-class WindowCache(CachedAttention):
+class WindowCache(FixedSlots):
     name = "window"
     description = ("sliding window + attention sinks: a ring buffer of S + W slots that never "
                    "grows (StreamingLLM), keys at their own positions")
-    reserves = "window"
-
-    @classmethod
-    def inapplicable(cls, config):
-        if config.shape.shared_prefix:
-            return "stores every sequence's prefix (--shared-prefix runs on paged, triton)"
-        return None  # it applies a --window, and keeps everything without one
-
-    @classmethod
-    def unavailable(cls, config, options):
-        if config.shape.ragged:
-            return "a ragged batch (every sequence shares the ring's positions)"
-        return None
+    techniques = frozenset({"window"})
 
     @classmethod
     def slots(cls, s, length: int) -> int:
         """Slots a ring for positions 0..length-1 needs: S + W at most."""
         return length if s.window is None else min(length, s.sinks + s.window)
-
-    @classmethod
-    def expected_cache_len(cls, config):
-        return cls.slots(config.shape, config.shape.total_len)
-
-    @classmethod
-    def reserved_lens(cls, config, options):
-        return (cls.slots(config.shape, options.alloc_len(config.shape)),) * config.shape.batch
-
-    @classmethod
-    def step_reads(cls, config, options, length):
-        return config.shape.batch * cls.slots(config.shape, length)
 
     @classmethod
     def footprint(cls, config, options):
@@ -120,8 +97,7 @@ class WindowCache(CachedAttention):
             keys = torch.cat((k[:, :, :sinks], k[:, :, lo:b]), dim=2)
             values = torch.cat((v[:, :, :sinks], v[:, :, lo:b]), dim=2)
             pos = torch.cat((torch.arange(sinks), torch.arange(lo, b))).to(q.device)
-            t = torch.arange(a, b, device=q.device)[:, None]
-            mask = (pos[None] <= t) & ((pos[None] < S) | (pos[None] > t - W))
+            mask = visibility(torch.arange(a, b, device=q.device), pos, W, S)
             out[:, :, a:b] = F.scaled_dot_product_attention(
                 q[:, :, a:b], keys, values, attn_mask=mask, scale=self.layer.scale,
                 enable_gqa=True)
@@ -134,22 +110,8 @@ class WindowCache(CachedAttention):
             self.v_cache[:, :, slot:slot + count] = v[:, :, p - first:p - first + count]
         self._advance(k.shape[2])
 
-    def kv(self):
-        n = min(self.length, self.ring)  # the ring fills from slot 0, then stays full
-        return self.k_cache[:, :, :n], self.v_cache[:, :, :n]
-
-    def cache_tensors(self):
-        return [self.k_cache, self.v_cache]
-
-    def checkpoint(self):
-        self.saved = (self.length, self.k_cache.clone(), self.v_cache.clone())
-
     def rewind(self, length):
-        saved = getattr(self, "saved", None)
-        if saved is not None and saved[0] == length:  # the ring as it was (bench's samples)
-            self.k_cache.copy_(saved[1])
-            self.v_cache.copy_(saved[2])
-        elif self.length > self.ring and length < self.length:
+        if not self.restored(length) and self.length > self.ring and length < self.length:
             raise KvbenchError("a ring that wrapped cannot rewind without a checkpoint: its "
                                "older positions are overwritten")
         self._rewound(length)
