@@ -12,6 +12,7 @@ Rank 0 alone prints and writes results; every rank runs the same points, so coll
 
 from __future__ import annotations
 
+import atexit
 import os
 import sys
 from dataclasses import dataclass
@@ -112,6 +113,9 @@ def setup(tp: int, device: str) -> str:
         raise KvbenchError(f"--tp runs on --device cpu (gloo) or cuda (NCCL), not {device}")
     if not dist.is_initialized():
         dist.init_process_group(backend)
+        # Leave the group before the interpreter tears down the threads it runs on: without
+        # this, gloo's exit may abort ("terminate called without an active exception").
+        atexit.register(dist.destroy_process_group)
     _group = Group(size, dist.get_rank(), local, backend)
     return device
 
