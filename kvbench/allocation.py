@@ -75,6 +75,11 @@ class AllocationResult:
                 and self.first == 0.0 and self.last == 0.0)
 
 
+# The caching allocator's settings: torch < 2.9 reads the first; newer releases read either
+# (the second, device-neutral name, wins where both are set).
+ALLOC_CONF_VARS = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
+
+
 def check_allocation(case: str, layers: int, batch: int, seq_len: int, kv_heads: int,
                      head_dim: int, device: str, margin_bytes: int,
                      allocate=None) -> AllocationResult:
@@ -90,9 +95,10 @@ def check_allocation(case: str, layers: int, batch: int, seq_len: int, kv_heads:
             f"case {case}: {free / 2**30:.2f} GiB free on {device}, need "
             f"{(formula + margin_bytes) / 2**30:.2f} GiB (payload {formula / 2**30:.2f} GiB + "
             f"margin {margin_bytes / 2**30:.2f} GiB); free memory or lower --margin")
-    if os.environ.get("PYTORCH_CUDA_ALLOC_CONF"):
-        raise KvbenchError("the allocation check models the default CUDA caching allocator; "
-                           "unset PYTORCH_CUDA_ALLOC_CONF for it")
+    for var in ALLOC_CONF_VARS:
+        if os.environ.get(var):
+            raise KvbenchError(f"the allocation check models the default CUDA caching "
+                               f"allocator; unset {var} (= {os.environ[var]!r}) for it")
     allocate = allocate or (lambda s: torch.empty(s, dtype=torch.float16, device=device))
     _release(device)
     alloc0 = torch.cuda.memory_allocated(device)

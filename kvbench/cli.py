@@ -195,6 +195,7 @@ NoCsv = Annotated[bool, typer.Option("--no-csv", help="Write no results file.")]
 SweepFile = Annotated[Path | None, typer.Option("--config", help="A sweep file (TOML) of option values; see configs/sweeps/.")]
 DryRun = Annotated[bool, typer.Option("--dry-run", help="Show every point's phases with their estimated peak memory, and what would be skipped and why; allocate nothing, exit 0.")]
 Force = Annotated[bool, typer.Option("--force", help="Run points whose estimated peak memory does not fit in what is available.")]
+HostMem = Annotated[str | None, typer.Option("--host-mem", help="Host memory the preflight may plan with, in bytes or e.g. 128GiB (also $KVBENCH_HOST_MEM), where MemAvailable understates it: a machine whose RAM grows on demand. \\[default: MemAvailable]", show_default=False)]
 FORMATS = ("table", "csv", "json")
 
 
@@ -205,6 +206,13 @@ def _options(ctx: typer.Context) -> dict[str, object]:
     values = dict(ctx.params)
     if values.get("format") not in FORMATS:
         raise KvbenchError(f"--format {values.get('format')!r}: use table, csv or json")
+    host_mem = values.pop("host_mem", None)
+    if host_mem is not None:
+        from kvbench.preflight import HOST_MEM_VAR, host_available
+
+        os.environ[HOST_MEM_VAR] = host_mem
+        if host_available() < 1:
+            raise KvbenchError(f"--host-mem {host_mem}: give a positive size, e.g. 128GiB")
     path = values.pop("config", None)
     if path is None:
         return values
@@ -530,7 +538,7 @@ def verify(ctx: typer.Context, device: Device = "auto", dtype: Dtype = "float32"
            kv_budget: KvBudget = None, kv_recent: KvRecent = None,
            config: SweepFile = None, csv: CsvPath = None, no_csv: NoCsv = False,
            format: Format = "table", quiet: Quiet = False, dry_run: DryRun = False,
-           force: Force = False):
+           force: Force = False, host_mem: HostMem = None):
     """Prove that every cached implementation equals recompute, token by token.
 
     With no shape option it runs the small reference case and the device's timing case.
@@ -578,7 +586,7 @@ def bench(ctx: typer.Context, device: Device = "auto", dtype: Dtype = "float32",
               help="Time the prefill. --no-prefill saves minutes at long prompts.")] = True,
           config: SweepFile = None, csv: CsvPath = None, no_csv: NoCsv = False,
           format: Format = "table", quiet: Quiet = False, dry_run: DryRun = False,
-          force: Force = False):
+          force: Force = False, host_mem: HostMem = None):
     """Time prefill, the recompute decode and each cached decode; verify first.
 
     Within a point, recompute and the implementations are timed interleaved, round by round,
@@ -623,7 +631,7 @@ def memory(ctx: typer.Context, device: Device = "auto", dtype: Dtype = "float32"
            kv_budget: KvBudget = None, kv_recent: KvRecent = None,
            config: SweepFile = None, csv: CsvPath = None, no_csv: NoCsv = False,
            format: Format = "table", quiet: Quiet = False, dry_run: DryRun = False,
-           force: Force = False):
+           force: Force = False, host_mem: HostMem = None):
     """Theoretical KV payload vs allocated vs reserved memory, per phase."""
     from kvbench.memory import memory as run_memory
     from kvbench.results import memory_rows

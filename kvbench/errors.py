@@ -43,6 +43,18 @@ _DEVICE_MARKERS = ("CUDA error", "device-side assert", "CUBLAS_STATUS", "cuDNN e
 _UNITS = {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40}
 
 
+def is_runtime_error(err: BaseException) -> bool:
+    """An error raised while work ran, as opposed to a programming error of kvbench's own:
+    torch's (RuntimeError and its subclasses, out of memory included), the allocator's
+    MemoryError, and any of Triton's, whose compile and resource errors (CompilationError,
+    OutOfResources) derive from Exception alone."""
+    return isinstance(err, (RuntimeError, MemoryError)) or _from_triton(err)
+
+
+def _from_triton(err: BaseException) -> bool:
+    return type(err).__module__.split(".")[0] == "triton"
+
+
 def is_out_of_memory(err: BaseException) -> bool:
     if isinstance(err, MemoryError):
         return True
@@ -54,7 +66,7 @@ def is_device_error(err: BaseException) -> bool:
     """Out of memory or an error of the device or its libraries, as opposed to a bug in an
     implementation's arithmetic (a shape mismatch, say), which verify reports as a failure."""
     return (is_out_of_memory(err) or type(err).__name__ == "AcceleratorError"
-            or any(m in str(err) for m in _DEVICE_MARKERS))
+            or _from_triton(err) or any(m in str(err) for m in _DEVICE_MARKERS))
 
 
 def requested_bytes(message: str) -> int | None:
@@ -79,6 +91,8 @@ def device_errors(phase: str, impl: str | None = None, free=None):
         yield
     except DeviceError:
         raise
-    except (RuntimeError, MemoryError) as err:  # torch's OutOfMemoryError is a RuntimeError
+    except Exception as err:  # torch's OutOfMemoryError is a RuntimeError
+        if not is_runtime_error(err):
+            raise
         raise DeviceError(phase, impl, err,
                           free() if free is not None and is_out_of_memory(err) else None) from err

@@ -24,6 +24,7 @@ from torch.utils._pytree import tree_leaves
 from kvbench import footprint
 from kvbench.attention import AttentionLayer, make_inputs, padded_prompts, recompute_each, sharded
 from kvbench.caches import IMPLEMENTATIONS, CachedAttention, ImplOptions
+from kvbench.caches.compiled import release_static_buffers
 from kvbench.config import RunConfig
 from kvbench.device import free_bytes, synchronize
 from kvbench.errors import device_errors
@@ -196,6 +197,9 @@ def memory(config: RunConfig, impls: tuple[str, ...],
                 with guard("recompute"), measure(config.device) as windows[phase, None]:
                     run_recompute()
             for name, cls in classes.items():
+                # a window pays for its cache as a fresh process would: no idle CUDA-graph
+                # buffers of an earlier cache (kvbench.caches.compiled) are taken over
+                release_static_buffers()
                 if phase == "cached":
                     with guard("prefill + decode", name):
                         with measure(config.device) as windows[phase, name]:

@@ -13,6 +13,7 @@ and each implementation's `footprint`).
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 from kvbench import footprint as fp
@@ -88,6 +89,8 @@ def host_draw_bytes(config: RunConfig) -> int:
     s = config.shape
     qkv = s.hidden * (s.q_heads + 2 * s.kv_heads) * s.head_dim
     draw = (weight_elements(s) + qkv + fp.Sizes(s).x(s.total_len)) * FP32_BYTES
+    if s.ragged:  # the padding's noise, drawn on the host beside the inputs
+        draw += fp.Sizes(s).x(s.prompt_len) * FP32_BYTES
     if _memory(config) == HOST and config.dtype_bytes != FP32_BYTES:
         draw += layer_bytes(config)
     return draw
@@ -192,8 +195,19 @@ def available_memory(device: str) -> dict[str, int]:
     return out
 
 
+HOST_MEM_VAR = "KVBENCH_HOST_MEM"
+
+
 def host_available() -> int:
-    """The kernel's MemAvailable (what can be allocated without swapping), in bytes."""
+    """Bytes of host memory a point may use: $KVBENCH_HOST_MEM (set by --host-mem) where
+    given, else the kernel's MemAvailable (what can be allocated without swapping). A machine
+    whose RAM grows on demand reports a MemAvailable far below what it can give."""
+    given = os.environ.get(HOST_MEM_VAR)
+    if given:
+        from kvbench.capacity import parse_size
+
+        given = given.strip()
+        return int(given) if given.isdigit() else parse_size(given, "--host-mem")
     try:
         with open("/proc/meminfo") as f:
             for line in f:
@@ -201,6 +215,9 @@ def host_available() -> int:
                     return int(line.split()[1]) * 1024
     except OSError:
         pass
-    import os
-
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def host_memory_note() -> str:
+    """Where host_available's figure comes from, for the terminal."""
+    return f"(from {HOST_MEM_VAR})" if os.environ.get(HOST_MEM_VAR) else "(MemAvailable)"

@@ -30,7 +30,13 @@ from kvbench.caches import IMPLEMENTATIONS, CachedAttention, ImplOptions
 from kvbench.config import RunConfig
 from kvbench.device import free_bytes
 from kvbench.distributed import all_reduce
-from kvbench.errors import DeviceError, device_errors, is_device_error, is_out_of_memory
+from kvbench.errors import (
+    DeviceError,
+    device_errors,
+    is_device_error,
+    is_out_of_memory,
+    is_runtime_error,
+)
 from kvbench.kvformat import KvFormat
 from kvbench.quant import QuantizedStore
 
@@ -228,7 +234,9 @@ def _check(name, cls, layer, options, x, prompt, real, config, ref_prefill, ref_
         if real is not None and prefill.shape[:2] == real.shape:
             prefill = prefill[real]
         cache_shape = tuple(impl.kv()[0].shape)
-    except (RuntimeError, MemoryError) as err:
+    except Exception as err:
+        if not is_runtime_error(err):
+            raise
         if config.tp > 1:  # the other ranks wait in a collective: end the group instead
             raise
         if is_device_error(err):  # out of memory, a device-side assert: not a mismatch

@@ -1,9 +1,12 @@
-"""One screen from a gpu-check run: python3 scripts/gpu_summary.py OUTDIR STEPS_FAILED SECONDS.
+"""The figures of a gpu-check run, from the CSVs it wrote: figures(folder) -> (lines, problems).
 
-Exits 1 if a step failed, a verification failed or the allocation check failed.
+scripts/gpu_check.py rewrites its summary from these after every step; on its own,
+python3 scripts/gpu_summary.py FOLDER prints them and exits 1 if a check failed.
 """
 
 import sys
+from contextlib import redirect_stdout
+from io import StringIO
 from pathlib import Path
 
 import pandas as pd
@@ -34,10 +37,55 @@ def verdicts(out: Path, name: str, label: str) -> int:
     return int((~df["passed"]).sum())
 
 
-def main() -> int:
-    out, failed, seconds = Path(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
-    bad = failed
-    print(f"== kvbench gpu-check: {failed} steps failed, {seconds}s ==")
+def target(label: str, value: float | None, goal: float, unit: str, fmt: str = "{:.2f}") -> str:
+    if value is None:
+        return f"target: {label}: not measured (goal >= {fmt.format(goal)}{unit})"
+    verdict = "MET" if value >= goal else "MISSED"
+    return (f"target: {label}: {fmt.format(value)}{unit} (goal >= {fmt.format(goal)}{unit}) "
+            f"{verdict}")
+
+
+def targets(out: Path) -> list[str]:
+    """The issue's three GPU targets, each against its goal."""
+    lines = []
+    long = read(out, "bench-long.csv")
+    tri = None
+    if long is not None and (long["impl"] == "triton").any():
+        tri = 100 * float(long[long["impl"] == "triton"]["bandwidth_fraction"].iloc[-1])
+    lines.append(target("triton at B=8 T=32768 H_q=32 H_kv=8 D=128 fp16, % of the copy "
+                        "bandwidth", tri, 80, "%", "{:.0f}"))
+    bench = read(out, "bench.csv")
+    ratio = None
+    if bench is not None:
+        steps = bench.groupby("impl")["cached_ms_per_step"].last()
+        if {"static", "compiled"} <= set(steps.index):
+            ratio = float(steps["static"] / steps["compiled"])
+    lines.append(target("compiled (CUDA graph) vs eager static at the timing case, x faster",
+                        ratio, 3, "x", "{:.1f}"))
+    kvb = read(out, "bench-kv.csv")
+    for fmt in ("int8", "fp8"):
+        speed = None
+        if kvb is not None:
+            kvb["format"] = kvb["kv_dtype"].fillna("fp16")
+            steps = kvb.groupby("format")["cached_ms_per_step"].last()
+            if "fp16" in steps and fmt in steps:
+                speed = float(steps["fp16"] / steps[fmt])
+        lines.append(target(f"triton {fmt} K/V vs fp16 at the long shape, x faster", speed,
+                            1.6, "x"))
+    return lines
+
+
+def figures(out: Path) -> tuple[list[str], int]:
+    """The targets and every figure the CSVs in `out` hold; the number of failed checks."""
+    buffer = StringIO()
+    with redirect_stdout(buffer):
+        problems = details(out)
+    return targets(out) + buffer.getvalue().rstrip("\n").splitlines(), problems
+
+
+def details(out: Path) -> int:
+    """Print the figures; return the number of failed checks (verify, allocation)."""
+    bad = 0
     verify = read(out, "verify.csv")
     if verify is not None:
         verify["result"] = verify["passed"].map({True: "PASS", False: "FAIL"})
@@ -141,11 +189,13 @@ def main() -> int:
                   f"{r['expected_increase_bytes']}; reserved +{r['reserved_increase_bytes']} "
                   f"model {r['expected_reserved_increase_bytes']})")
         bad += int((~alloc["passed"].astype(bool)).sum())
-    else:
-        bad += 1
-        print("allocation: no results")
-    print("RESULT: " + ("PASS" if bad == 0 else f"FAIL ({bad} problems; see gpu-check.log)"))
-    return 0 if bad == 0 else 1
+    return bad
+
+
+def main() -> int:
+    lines, problems = figures(Path(sys.argv[1]))
+    print("\n".join(lines))
+    return 1 if problems else 0
 
 
 if __name__ == "__main__":

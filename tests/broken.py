@@ -2,7 +2,15 @@
 
 import torch
 
-from kvbench.caches import ConcatCache, FlexCache, PagedCache, StaticCache, TritonCache
+from kvbench.caches import (
+    CompiledCache,
+    ConcatCache,
+    FlexCache,
+    PagedCache,
+    StaticCache,
+    TritonCache,
+)
+from kvbench.caches.static import PreallocatedCache
 
 
 class RopeOffByOne(StaticCache):
@@ -419,3 +427,14 @@ class EvictsIntoTheWrongSlot(H2OCache):
         self.pos.scatter_(2, (slot + 1) % self.n_slots, t)
         self.score.scatter_(2, slot, 0.0)
         self._advance(1)
+
+
+class CompiledOwnBuffers(CompiledCache):
+    """Allocates its static buffers per cache, as kvbench did: every new cache's CUDA graph is
+    recorded again (the fault the hand-over test must catch)."""
+
+    name = "compiled-own-buffers"
+
+    def allocate_kv(self, shape):
+        self._lease = {}
+        return PreallocatedCache.allocate_kv(self, shape)

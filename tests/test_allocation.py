@@ -105,3 +105,19 @@ def test_allocation_check_is_warning_free(tmp_path):
 
     subprocess.run([sys.executable, "-W", "error", "-m", "kvbench", "capacity", "--allocate",
                     "--case", "both", "--csv", str(tmp_path / "allocation.csv")], check=True)
+
+
+@pytest.mark.parametrize("var", ["PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"])
+def test_refuses_under_either_allocator_setting(monkeypatch, var):
+    # torch reads both names; a setting in either changes what the model predicts
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (80 * 2**30, 80 * 2**30))
+    for other in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):
+        monkeypatch.delenv(other, raising=False)
+    monkeypatch.setenv(var, "expandable_segments:True")
+
+    def must_not_allocate(shape):
+        raise AssertionError("allocated under a non-default allocator")
+
+    with pytest.raises(KvbenchError, match=f"unset {var}"):
+        check_allocation("gqa", **CASES["gqa"], device="cuda:0", margin_bytes=4 * 2**30,
+                         allocate=must_not_allocate)

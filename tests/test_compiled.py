@@ -2,6 +2,7 @@
 through inductor's C++ backend."""
 
 import pytest
+import torch
 from broken import FlexIntPosition
 from torch._dynamo.utils import counters
 from typer.testing import CliRunner
@@ -111,3 +112,100 @@ def test_flex_names_what_its_cuda_kernel_refuses():
     assert "power of two" in cuda_limits(shape(6, 64))  # G = 3
     assert "D >= 16" in cuda_limits(shape(4, 4))
     assert cuda_limits(shape(8, 80)) is None
+
+
+def _lease_shape():
+    return LayerShape(batch=2, prompt_len=21, decode_len=6, hidden=32, q_heads=4, kv_heads=2,
+                      head_dim=16)
+
+
+def _decode(impl, x, prompt_len=21):
+    impl.prefill(x[:, :prompt_len])
+    return impl.decode(x)
+
+
+def _hands_over(cls, monkeypatch) -> bool:
+    """Whether a cache built after another of its shape finished replays at the first one's
+    addresses (one CUDA-graph recording per graph), and decodes as it did. A cache built
+    beside a live one must get its own."""
+    monkeypatch.setattr(compiled_module, "_buffers", {})
+    monkeypatch.setattr(compiled_module, "_lessees", {})
+    config = RunConfig(_lease_shape())
+    layer, x = AttentionLayer.from_config(config), make_inputs(config)
+    first = cls(layer, 2, 27)
+    expected = _decode(first, x)
+    addresses = [t.data_ptr() for t in (first.k_cache, first.v_cache, first.pos)]
+    beside = cls(layer, 2, 27)
+    assert beside.k_cache.data_ptr() not in addresses
+    held = (first.k_cache, first.v_cache)  # no chance reuse of freed memory by the allocator
+    del first, beside
+    again = cls(layer, 2, 27)
+    assert again.length == 0 and not again.k_cache.any()  # zeroed: nothing of the last run
+    for got, want in zip(_decode(again, x), expected):
+        assert torch.equal(got, want)
+    del held
+    return [t.data_ptr() for t in (again.k_cache, again.v_cache, again.pos)] == addresses
+
+
+def test_a_finished_cache_hands_its_static_buffers_to_the_next(monkeypatch):
+    assert _hands_over(CompiledCache, monkeypatch)
+    assert len(compiled_module._buffers) == 1
+    compiled_module.release_static_buffers()  # memory's windows: nothing idle is kept
+    assert not compiled_module._buffers  # (no cache of that shape is alive now)
+
+
+def test_the_hand_over_check_catches_a_cache_that_allocates_per_instance(monkeypatch):
+    from broken import CompiledOwnBuffers
+
+    assert not _hands_over(CompiledOwnBuffers, monkeypatch)
+
+
+def test_every_tensor_the_step_reads_is_a_static_address():
+    config = RunConfig(_lease_shape())
+    layer = AttentionLayer.from_config(config)
+    impl = CompiledCache(layer, 2, 27)
+    for t in (layer.w_qkv, layer.w_o, impl.k_cache, impl.v_cache, impl.pos, impl.positions):
+        assert getattr(t, "_dynamo_static_input_type", None) is not None
+
+
+def test_compiles_are_logged_where_asked(tmp_path, monkeypatch):
+    log = tmp_path / "compiles.tsv"
+    monkeypatch.setenv(compiled_module.COMPILE_LOG, str(log))
+    monkeypatch.setattr(compiled_module, "_compile_ms", {})
+    config = RunConfig(_lease_shape())
+    layer, x = AttentionLayer.from_config(config), make_inputs(config)
+    _decode(CompiledCache(layer, 2, 27), x)
+    _decode(CompiledCache(layer, 2, 27), x)  # the same graph: not logged again
+    lines = log.read_text().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("compiled\t")
+
+
+@pytest.mark.cuda
+@pytest.mark.compiles
+def test_a_replay_copies_no_weight_on_cuda():
+    # under CUDA graphs a tensor read through an attribute that is not a static address is
+    # copied into the graph's buffer before every replay: look for such a copy in one step
+    from torch.profiler import ProfilerActivity, profile
+
+    shape = LayerShape(batch=2, prompt_len=64, decode_len=8, hidden=1024, q_heads=8,
+                       kv_heads=2, head_dim=128)
+    config = RunConfig(shape, "float16", "cuda:0")
+    layer, x = AttentionLayer.from_config(config), make_inputs(config)
+    impl = CompiledCache(layer, 2, shape.total_len)
+    with torch.no_grad():
+        impl.prefill(x[:, :64])
+        for t in range(64, 68):  # compile, record, replay
+            impl.step(x[:, t:t + 1])
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA],
+                     record_shapes=True) as prof:
+            impl.step(x[:, 68:69])
+            torch.cuda.synchronize()
+    weight_shapes = {list(layer.w_qkv.shape), list(layer.w_o.shape)}
+    copies = [e for e in prof.events() if "copy" in e.name
+              and any(list(s) in [list(w) for w in weight_shapes] for s in e.input_shapes if s)]
+    assert not copies, [(e.name, e.input_shapes) for e in copies]
+    weight = min(layer.w_qkv.numel(), layer.w_o.numel()) * 2
+    big = [e for e in prof.events() if "Memcpy" in e.name and
+           getattr(e, "device_memory_usage", 0) >= weight]
+    assert not big, [e.name for e in big]

@@ -9,42 +9,53 @@ from kvbench.verify import verify
 pytestmark = pytest.mark.cuda
 
 
-@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
-@pytest.mark.parametrize("rope", [False, True])
-def test_every_implementation_equals_recompute_on_cuda(dtype, rope):
+COMPILING = ("compiled", "flex")  # a torch.compile graph per shape: tens of seconds each
+
+
+def _cuda_impls(config, compiling: bool):
     from kvbench.caches import IMPLEMENTATIONS
 
-    # compiled and flex compile every new shape (tens of seconds on CUDA): float16 only here;
-    # gpu-check.sh runs them in bfloat16 too
-    compiling = ("compiled", "flex")
+    return {n: c for n, c in IMPLEMENTATIONS.items()
+            if c.unavailable(config, ImplOptions()) is None and (n in COMPILING) == compiling}
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+@pytest.mark.parametrize("rope", [False, True])
+def test_every_eager_implementation_equals_recompute_on_cuda(dtype, rope):
     for shape in (SMALL_CASE, CUDA_TIMING_CASE):
         config = RunConfig(shape, dtype, "cuda:0", 0, rope)
-        impls = {n: c for n, c in IMPLEMENTATIONS.items()
-                 if c.unavailable(config, ImplOptions()) is None
-                 and (dtype == "float16" or n not in compiling)}
-        report = verify(config, impls)
-        # splitk is the CPU kernel; flex's CUDA kernels need D >= 16 (the small case has 4)
-        expected = ["concat", "static", "sdpa", "paged", "triton"]
-        if dtype == "float16":
-            expected += ["compiled"] + (["flex"] if shape.head_dim >= 16 else [])
-        expected += ["window", "h2o"]
+        report = verify(config, _cuda_impls(config, compiling=False))
+        # splitk is the CPU kernel
+        assert [c.impl for c in report.checks] == ["concat", "static", "sdpa", "paged",
+                                                   "triton", "window", "h2o"]
+        assert report.passed, [(c.impl, c.message) for c in report.checks]
+
+
+@pytest.mark.compiles
+@pytest.mark.parametrize("rope", [False, True])
+def test_compiled_and_flex_equal_recompute_on_cuda(rope):
+    # float16 only here (gpu-check runs bf16 too); flex's CUDA kernels need D >= 16
+    for shape in (SMALL_CASE, CUDA_TIMING_CASE):
+        config = RunConfig(shape, "float16", "cuda:0", 0, rope)
+        report = verify(config, _cuda_impls(config, compiling=True))
+        expected = ["compiled"] + (["flex"] if shape.head_dim >= 16 else [])
         assert [c.impl for c in report.checks] == expected
         assert report.passed, [(c.impl, c.message) for c in report.checks]
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
-def test_every_implementation_is_exact_on_a_ragged_batch_on_cuda(dtype):
-    from kvbench.caches import IMPLEMENTATIONS
+@pytest.mark.parametrize("compiling", [False, pytest.param(True, marks=pytest.mark.compiles)])
+def test_every_implementation_is_exact_on_a_ragged_batch_on_cuda(dtype, compiling):
     from kvbench.config import LayerShape
 
+    if compiling and dtype != "float16":
+        pytest.skip("compiled and flex: float16 only (a graph per dtype)")
     shape = LayerShape(decode_len=6, hidden=256, q_heads=8, kv_heads=2, head_dim=64).with_lens(
         (1, 300, 17, 129), max_len=512)
     config = RunConfig(shape, dtype, "cuda:0", 0, True)
-    impls = {n: c for n, c in IMPLEMENTATIONS.items()
-             if c.unavailable(config, ImplOptions()) is None
-             and (dtype == "float16" or n not in ("compiled", "flex"))}
+    impls = _cuda_impls(config, compiling)
     report = verify(config, impls, ImplOptions(block_size=16))
-    assert "triton" in impls and "sdpa" in impls
+    assert (set(COMPILING) <= set(impls)) if compiling else {"triton", "sdpa"} <= set(impls)
     assert report.passed, [(c.impl, c.message) for c in report.checks]
 
 
@@ -81,6 +92,7 @@ def test_triton_compiled_kernel_equals_recompute(dtype, block_size, head_dim):
     assert report.passed, report.checks[0].message
 
 
+@pytest.mark.compiles
 @pytest.mark.parametrize("name", ["compiled", "flex"])
 def test_compiled_steps_compile_once_on_cuda(name):
     from torch._dynamo.utils import counters

@@ -124,3 +124,57 @@ def test_quantized_pools_decoded_in_registers_pass_the_exact_check(kv_dtype, hea
     assert result.passed, result.message
     if dtype == "float32":  # (in bfloat16, int8's error hides under the rounding of the dtype)
         assert result.max_abs_err > result.fp64_max_abs_err  # the format's, reported apart
+
+
+@pytest.mark.parametrize("error", ["out-of-resources", "compilation"])
+def test_a_triton_error_of_any_class_is_a_device_error_naming_the_implementation(error):
+    # Triton's CompilationError and OutOfResources derive from Exception, not RuntimeError
+    from triton.compiler.errors import CompilationError
+    from triton.runtime.errors import OutOfResources
+
+    from kvbench.errors import DeviceError
+
+    raised = (OutOfResources(262144, 232448, "shared memory") if error == "out-of-resources"
+              else CompilationError("kernel.py", None, "tl.dot needs tiles of 16"))
+
+    class Fails(TritonCache):
+        name = "triton"
+
+        def attend(self, q, keys=None, values=None):
+            raise raised
+
+    with pytest.raises(DeviceError) as info:
+        verify(RunConfig(shape("gqa", 16)), {"triton": Fails})
+    assert info.value.impl == "triton" and info.value.cause is raised
+
+
+def test_a_programming_error_is_not_taken_for_a_device_error():
+    from kvbench.errors import DeviceError, device_errors
+
+    with pytest.raises(TypeError), device_errors("decode", "triton"):
+        raise TypeError("bad argument")  # a bug of kvbench's own keeps its traceback
+    with pytest.raises(DeviceError), device_errors("decode", "triton"):
+        raise MemoryError()
+
+
+@pytest.mark.parametrize("kv_dtype", [None, "int4", "fp8"])
+def test_the_static_tile_loop_equals_recompute(monkeypatch, kv_dtype):
+    # the loop Triton 3.6's interpreter needs under numpy >= 2.4: every tile of a split,
+    # masked past the sequence's end (a ragged batch has splits with nothing left)
+    monkeypatch.setattr(triton_decode, "STATIC_LOOP", True)
+    ragged = LayerShape(decode_len=4, hidden=64, q_heads=8, kv_heads=2, head_dim=32).with_lens(
+        (150, 3, 64, 77))
+    options = ImplOptions(block_size=16, splits=4, kv_dtype=kv_dtype, group_size=32)
+    report = verify(RunConfig(ragged, kv_dtype=kv_dtype, group_size=32),
+                    {"triton": TritonCache}, options)
+    assert report.passed, report.checks[0].message
+
+
+def test_the_static_tile_loop_is_chosen_only_where_the_interpreter_needs_it(monkeypatch):
+    import numpy
+
+    for tri, np_version, takes in (("3.6.0", "2.5.2", False), ("3.6.0", "2.3.1", True),
+                                   ("3.9.0", "2.5.2", True)):
+        monkeypatch.setattr(triton_decode.triton, "__version__", tri)
+        monkeypatch.setattr(numpy, "__version__", np_version)
+        assert triton_decode._interpreter_takes_loaded_bounds() is takes

@@ -7,17 +7,29 @@ with mode="reduce-overhead" on CUDA, every later step replays as one CUDA graph,
 costs no Python or launch overhead (gpt-fast: 25.5 -> 107.0 tok/s for Llama-7B). On the CPU it
 compiles in the default mode through inductor's C++ backend.
 
-The cache tensors are marked as static addresses: CUDA graphs may then write them in place
-instead of copying them in and out each replay. The address is not guarded, so a new cache of
-the same shape reuses the compiled step (its CUDA graph is recorded anew). compile_ms belongs
-to the step's shape, not to one cache: the time of the first step that compiled it in this
-process (bench's timed cache reuses the graph verify compiled, and reports that time).
+Everything the graph reads besides x_t is a static address: the layer's weights, the cache
+tensors, the position and the positions the mask compares it with. Under CUDA graphs a
+tensor that is not would be an input copied into the graph's own buffer on every replay (the
+weights alone are 80 MiB a step at hidden 4096). A graph replays only at the addresses it was
+recorded with, so the static buffers of one shape are leased rather than made per cache: a
+new cache takes the buffers of a finished one (zeroed), and its graph replays without being
+recorded again, as a serving engine allocates its cache and captures its graphs once. A cache
+built while another of its shape is alive gets buffers of its own (its graph is recorded
+anew). `release_static_buffers()` drops the idle ones: kvbench memory calls it before each
+measured window, so a window pays for its cache as a fresh process would.
+
+compile_ms belongs to the step's shape, not to one cache: the time of the first step that
+compiled it in this process (bench's timed cache reuses the graph verify compiled, and reports
+that time). Each graph built is also logged to $KVBENCH_COMPILE_LOG where that is set (the GPU
+check counts them).
 """
 
 from __future__ import annotations
 
+import os
 import shutil
 import time
+import weakref
 
 import torch
 import torch.nn.functional as F
@@ -43,6 +55,23 @@ def compiler_missing(device_type: str) -> str | None:
 
 
 _compile_ms: dict[tuple, float] = {}  # graph key -> the first step's time, compiling included
+# (class, K/V shape, dtype, device) -> the static buffers and the cache that holds them now
+_buffers: dict[tuple, dict[str, torch.Tensor]] = {}
+_lessees: dict[tuple, weakref.ref] = {}
+COMPILE_LOG = "KVBENCH_COMPILE_LOG"
+
+
+def release_static_buffers() -> None:
+    """Forget the buffers no live cache holds; the next cache of their shape allocates anew."""
+    for key in [k for k, ref in _lessees.items() if ref() is None]:
+        del _buffers[key], _lessees[key]
+
+
+def _log_compile(impl: str, ms: float, key: tuple) -> None:
+    path = os.environ.get(COMPILE_LOG)
+    if path:
+        with open(path, "a") as f:
+            f.write(f"{impl}\t{ms:.0f}\t{key[1:]}\n")
 
 
 def _raise_recompile_limits() -> None:
@@ -92,24 +121,51 @@ class CompiledCache(PreallocatedCache):
         return config.shape.batch * options.alloc_len(config.shape)
 
     def __init__(self, layer, batch, max_len, options=None, lens=None):
+        self._lease = None
         super().__init__(layer, batch, max_len, options, lens)
         device = torch.device(layer.device)
+        lease = self._lease if self._lease is not None else {}
         # The step reads every position, weighting those past pos by zero (the cache is
         # zeros: PreallocatedCache).
-        self.pos = torch.zeros(1, dtype=torch.long, device=device)  # the step's position
-        self.positions = torch.arange(max_len, device=device)  # what the mask compares with
+        self.pos = lease.setdefault("pos", torch.zeros(1, dtype=torch.long, device=device))
+        self.pos.zero_()  # the step's position
+        # what the mask compares with
+        self.positions = lease.setdefault("positions", torch.arange(max_len, device=device))
         self.cuda = device.type == "cuda"
-        statics = [self.k_cache, self.v_cache, self.pos, self.positions]
-        if self.deficit_dev is not None:
+        statics = [self.k_cache, self.v_cache, self.pos, self.positions, layer.w_qkv,
+                   layer.w_o]
+        if self.deficit_dev is not None:  # a ragged batch: its lengths, at leased addresses
+            self.deficit_dev = lease.setdefault("deficit", self.deficit_dev).copy_(
+                self.deficit_dev)
+            self.rows = lease.setdefault("rows", self.rows)
             statics += [self.deficit_dev, self.rows]
         for t in statics:
             torch._dynamo.mark_static_address(t)
         _raise_recompile_limits()
-        self._compiled = torch.compile(self._step, fullgraph=True, dynamic=False,
+        # the unbound step (self is an argument): a bound method would tie the cache to itself
+        # in a cycle, alive until the garbage collector runs, and keep its buffers leased
+        self._compiled = torch.compile(type(self)._step, fullgraph=True, dynamic=False,
                                        mode=self.mode if self.cuda else None)
         # what a step's graph depends on: its shapes, dtype and device (and the class's step)
         self.graph_key = (type(self), layer.shape, layer.dtype, str(layer.device), batch,
                           max_len, self.deficit)
+
+    def allocate_kv(self, shape):
+        """The idle buffers of this shape if there are some (zeroed), else new ones, leased."""
+        key = (type(self), shape, self.layer.dtype, str(self.layer.device))
+        holder = _lessees.get(key)
+        if holder is not None and holder() is None:
+            self._lease = _buffers[key]
+            self._lease["k"].zero_()
+            self._lease["v"].zero_()
+        else:
+            k, v = super().allocate_kv(shape)
+            self._lease = {"k": k, "v": v}
+            if holder is not None:  # another live cache holds the pooled buffers
+                return k, v
+            _buffers[key] = self._lease
+        _lessees[key] = weakref.ref(self)
+        return self._lease["k"], self._lease["v"]
 
     def _step(self, x_t: torch.Tensor) -> torch.Tensor:
         """The graph: x_t [B, 1, H] at position self.pos -> [B, 1, H]. In a ragged batch
@@ -143,12 +199,13 @@ class CompiledCache(PreallocatedCache):
             torch.compiler.cudagraph_mark_step_begin()
         if self.graph_key not in _compile_ms:  # this step compiles the graph
             start = time.perf_counter()
-            out = self._compiled(x_t)
+            out = self._compiled(self, x_t)
             if self.cuda:
                 torch.cuda.synchronize()
             _compile_ms[self.graph_key] = (time.perf_counter() - start) * 1e3
+            _log_compile(self.name, _compile_ms[self.graph_key], self.graph_key)
         else:
-            out = self._compiled(x_t)
+            out = self._compiled(self, x_t)
         self._advance(1)
         # A CUDA graph's output lives in its pool and is overwritten by the next replay.
         return out.clone() if self.cuda else out

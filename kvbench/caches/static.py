@@ -29,10 +29,15 @@ class PreallocatedCache(CachedAttention):
                                         s.head_dim, layer.device)
             return
         shape = (batch, s.kv_heads, max_len, s.head_dim)  # [B, H_kv, T_max, D]
-        # Zeros, not empty: a masked position weighs exactly zero, but zero times a NaN left
-        # in uninitialised memory would still be NaN (gpt-fast's cache is torch.zeros too).
-        self.k_cache = torch.zeros(shape, dtype=layer.dtype, device=layer.device)
-        self.v_cache = torch.zeros(shape, dtype=layer.dtype, device=layer.device)
+        self.k_cache, self.v_cache = self.allocate_kv(shape)
+
+    def allocate_kv(self, shape: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V storage of `shape`, zeroed. Zeros, not empty: a masked position weighs
+        exactly zero, but zero times a NaN left in uninitialised memory would still be NaN
+        (gpt-fast's cache is torch.zeros too)."""
+        layer = self.layer
+        return (torch.zeros(shape, dtype=layer.dtype, device=layer.device),
+                torch.zeros(shape, dtype=layer.dtype, device=layer.device))
 
     def cache_tensors(self):
         if self.store is not None:

@@ -1,0 +1,437 @@
+"""kvbench's GPU check: every CUDA path in priority order, within a time budget.
+
+    scripts/gpu-check.sh OUTDIR [SECONDS]              on a GPU (default budget 420 s)
+    scripts/gpu-check.sh --rehearse OUTDIR [SECONDS]   the same plan at small shapes on the CPU
+
+A lent GPU comes for minutes, one command runs at most 10 of them and only a few files come
+back, so the check is built for that:
+
+- Steps run in priority order (environment, verify, bench, the GPU targets, the allocation
+  check and memory, then everything else). Each runs in a process group of its own under a
+  timeout taken from what is left of the budget; a step whose estimate no longer fits is
+  skipped and named. A step that fails or times out is named and the next one runs.
+- OUTDIR holds three files: summary.txt (rewritten as each step starts and ends, so a run
+  killed at any moment leaves one), gpu-check.log (every command and its output) and
+  results.tar.gz (every CSV and PNG so far, refreshed after each step). The CSVs are written
+  to a work folder outside OUTDIR.
+- compiled and flex (a torch.compile graph each per shape and dtype, 20-60 s to build) run
+  only where a target or the reference case needs them: at most 8 graphs in the default run.
+  kvbench logs every graph it builds to $KVBENCH_COMPILE_LOG; the summary counts them.
+
+Runs from the checkout (python3 -m kvbench, the repository on PYTHONPATH): nothing to install.
+Exit status: 0 every step passed; 1 a step failed, timed out or a check failed; 2 bad usage,
+no GPU (without --rehearse), or a budget too small for the first step.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "scripts"))
+
+import gpu_summary
+
+DEFAULT_BUDGET_S = 420
+FINISH_S = 5  # kept back for the last summary and archive
+LOG_LIMIT_BYTES = 15 * 2**20  # the log stays under the 16 MiB a lent machine sends back
+STEP_OUTPUT_BYTES = 256 * 2**10  # of each step's output, the log keeps the last this many
+
+
+@dataclass(frozen=True)
+class Mode:
+    """Where the plan runs and at what shapes: a GPU, or the CPU rehearsing the plan."""
+
+    rehearse: bool
+    device: str
+    timing: tuple[str, ...]  # the device's timing case, spelled out (no small case added)
+    small: tuple[str, ...]  # the small reference case
+    long: tuple[str, ...]  # the long-context target shape
+    ragged: tuple[str, ...]
+    contexts: str  # the context sweep's prompt lengths
+    scale: float  # the steps' time estimates are for a GPU; the rehearsal's own
+
+
+def _shape(b, tp, g, h, hq, hkv, d) -> tuple[str, ...]:
+    return ("--batch", str(b), "--prompt-len", str(tp), "--decode-len", str(g), "--hidden",
+            str(h), "--q-heads", str(hq), "--kv-heads", str(hkv), "--head-dim", str(d))
+
+
+SMALL = _shape(1, 8, 5, 16, 4, 2, 4)  # SPEC §1's small case
+GPU = Mode(False, "cuda", _shape(2, 256, 32, 512, 8, 2, 64), SMALL,
+           _shape(8, 32768, 8, 4096, 32, 8, 128),
+           ("--seq-lens", "1,17,64,300,1000,2047", "--max-len", "2100"),
+           "16,64,256,1024,4096", 1.0)
+CPU = Mode(True, "cpu", _shape(2, 64, 8, 512, 8, 2, 64), SMALL,
+           _shape(2, 1024, 4, 512, 8, 2, 64),
+           ("--seq-lens", "1,17,64,90", "--max-len", "100"), "16,64,256", 0.5)
+
+EAGER = "concat,static,sdpa,paged,triton"  # no torch.compile graph
+COMPILING = ("compiled", "flex")
+
+
+@dataclass
+class Step:
+    """One step of the plan: commands run in order, the first failure ends the step."""
+
+    name: str
+    group: int  # the issue's priority groups 1..6
+    title: str
+    est_s: float  # what the step should take on a GPU (compiles included)
+    commands: list[list[str]]
+    cuda_only: str | None = None  # why the rehearsal cannot run it
+    status: str = "pending"  # pending, running, PASS, FAIL, TIMEOUT, SKIPPED
+    detail: str = ""
+    seconds: float = 0.0
+    output: str = field(default="", repr=False)
+
+
+def plan(mode: Mode, out: Path, gpus: int) -> list[Step]:
+    """The steps, in the order they run."""
+    dev = ("--device", mode.device)
+    py = [sys.executable]
+    kv = [*py, "-m", "kvbench"]
+
+    def csv(name: str) -> list[str]:
+        return ["--csv", str(out / name)]
+
+    cpu_all = "concat,static,sdpa,paged,triton,compiled,flex"
+    all_impls = "all" if not mode.rehearse else cpu_all
+    # the GPU measures triton; on the CPU it runs in Triton's interpreter (verify only)
+    measured = EAGER if not mode.rehearse else "concat,static,sdpa,paged"
+    long_impls = "static,sdpa,paged,triton" if not mode.rehearse else "static,sdpa,paged"
+    steps = [
+        Step("env", 1, "versions, GPU, allocator settings, host memory, copy bandwidth", 15,
+             [[*py, str(REPO / "scripts" / "gpu_env.py"), mode.device]]),
+        Step("verify", 2, "verify --impl all at the timing case, fp16 and bf16; the small "
+             "case without compiling", 150,
+             [[*kv, "verify", *dev, "--dtype", "float16,bfloat16", "--impl", all_impls,
+               *mode.timing, *csv("verify.csv")],
+              [*kv, "verify", *dev, "--dtype", "float32,float16,bfloat16", "--impl",
+               EAGER + ",h2o", *mode.small, *csv("verify.csv")]]),
+        Step("bench", 3, "bench at the timing case, fp16 (compiled vs eager static)", 90,
+             [[*kv, "bench", *dev, "--dtype", "float16", "--impl",
+               all_impls if not mode.rehearse else "concat,static,sdpa,paged,compiled",
+               *mode.timing, *csv("bench.csv")]]),
+        Step("targets", 4, "triton against the copy bandwidth at B=8 T=32k; int8 and fp8 "
+             "triton against fp16", 120,
+             [[*kv, "bench", *dev, "--dtype", "float16", "--impl", long_impls, *mode.long,
+               "--no-recompute", "--no-prefill", *csv("bench-long.csv")],
+              [*kv, "bench", *dev, "--dtype", "float16", "--kv-dtype", "none,int8,fp8",
+               "--impl", "triton", *mode.long, "--no-recompute", "--no-prefill",
+               *csv("bench-kv.csv")]],
+             cuda_only="triton's time means nothing in Triton's interpreter"),
+        Step("allocation", 5, "the allocation check (python -W error)", 20,
+             [[*py, "-W", "error", "-m", "kvbench", "capacity", "--allocate", "--case", "both",
+               *csv("allocation.csv")]],
+             cuda_only="the allocation check allocates on CUDA"),
+        Step("memory", 5, "memory at the timing case, fp16", 60,
+             [[*kv, "memory", *dev, "--dtype", "float16", "--impl",
+               all_impls if not mode.rehearse else "concat,static,sdpa,paged",
+               *mode.timing, *csv("memory.csv")]]),
+        Step("pytest", 6, "pytest's CUDA tests that build no torch.compile graph", 90,
+             [[*py, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "-m",
+               "cuda and not compiles", str(REPO / "tests")]],
+             cuda_only="the CUDA tests skip without a GPU"),
+        Step("ragged", 6, "ragged batches: verify, then a lognormal batch decoded", 60,
+             [[*kv, "verify", *dev, "--dtype", "float16", "--impl", EAGER, "--rope",
+               *mode.ragged, *csv("verify-ragged.csv")],
+              [*kv, "bench", *dev, "--dtype", "float16", "--impl", measured, "--batch",
+               "32" if not mode.rehearse else "4", "--len-dist",
+               "lognormal:2000:1.0" if not mode.rehearse else "lognormal:200:1.0",
+               "--max-len", "32768" if not mode.rehearse else "512", "--decode-len", "8",
+               *mode.long[6:], "--no-recompute", "--no-prefill", *csv("bench-ragged.csv")]]),
+        Step("techniques", 6, "window, shared prefix and h2o: verify", 45,
+             [[*kv, "verify", *dev, "--dtype", "float16", "--impl", "window", "--window",
+               "256", "--sinks", "4", "--rope", "--prompt-len", "1000", "--decode-len", "16",
+               *csv("verify-techniques.csv")],
+              [*kv, "verify", *dev, "--dtype", "float16", "--impl", "paged,triton",
+               "--shared-prefix", "512", "--block-size", "16", "--batch", "4", "--prompt-len",
+               "1000", "--decode-len", "16", *csv("verify-techniques.csv")],
+              [*kv, "verify", *dev, "--dtype", "float16", "--impl", "h2o", "--kv-budget",
+               "256", "--prompt-len", "1000", "--decode-len", "16",
+               *csv("verify-techniques.csv")]]),
+        Step("context", 6, "bench against context length, then its plot", 90,
+             [[*kv, "bench", *dev, "--dtype", "float16", "--impl", measured, "--prompt-len",
+               mode.contexts, "--decode-len", "16", *csv("bench-context.csv")],
+              [*kv, "plot", str(out / "bench-context.csv"), "-o",
+               str(out / "bench-context.png")]]),
+        Step("tp", 6, "--tp 2 over NCCL: verify, bench, memory per rank", 120,
+             [[*py, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+               "-m", "kvbench", "verify", "--tp", "2", *dev, "--dtype", "float16", "--impl",
+               EAGER, *csv("verify-tp.csv")],
+              [*py, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+               "-m", "kvbench", "memory", "--tp", "2", *dev, "--dtype", "float16", "--impl",
+               "static,paged", "--kv-heads", "2,1", *csv("memory-tp.csv")]],
+             cuda_only="NCCL needs two GPUs"),
+        Step("sdpa-backends", 6, "which SDPA backends take decode", 40,
+             [[*kv, "verify", *dev, "--dtype", "float16", "--impl", "sdpa", "--sdpa-backend",
+               b, *mode.timing, *csv("verify-sdpa-backends.csv")]
+              for b in ("flash", "efficient", "cudnn", "math")],
+             cuda_only="the backends are CUDA kernels"),
+    ]
+    if not mode.rehearse and gpus < 2:
+        tp = next(s for s in steps if s.name == "tp")
+        tp.status, tp.detail = "SKIPPED", f"{gpus} GPU here; --tp 2 needs two"
+    if mode.rehearse:
+        for s in steps:
+            s.est_s *= mode.scale
+            if s.cuda_only:
+                s.status, s.detail = "SKIPPED", f"CUDA only: {s.cuda_only}"
+    return steps
+
+
+class Check:
+    """Runs the plan, keeping summary.txt, gpu-check.log and results.tar.gz current."""
+
+    def __init__(self, mode: Mode, out: Path, budget_s: float):
+        self.mode, self.out, self.budget_s = mode, out, budget_s
+        self.work = Path(tempfile.mkdtemp(prefix="kvbench-gpu-check-"))
+        self.start = time.monotonic()
+        self.log = out / "gpu-check.log"
+        self.log.write_text("")
+        self.compile_log = self.work / "compiles.tsv"
+        self.env_lines: list[str] = []
+        self.child: subprocess.Popen | None = None
+        self.steps: list[Step] = []
+
+    def left(self) -> float:
+        return self.budget_s - (time.monotonic() - self.start)
+
+    def write_log(self, text: str) -> None:
+        if self.log.stat().st_size + len(text) > LOG_LIMIT_BYTES:
+            text = text[: max(0, LOG_LIMIT_BYTES - self.log.stat().st_size - 80)] + \
+                "\n[gpu-check: log limit reached; later output dropped]\n"
+        with self.log.open("a") as f:
+            f.write(text)
+
+    def run(self, steps: list[Step]) -> int:
+        self.steps = steps
+        env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+               "COLUMNS": "140", "PYTHONWARNINGS": "ignore",
+               "KVBENCH_COMPILE_LOG": str(self.compile_log)}
+        if not self.mode.rehearse:
+            env.setdefault("KVBENCH_HOST_MEM", str(host_total_bytes()))
+        self.refresh()
+        for step in steps:
+            if step.status != "pending":
+                continue
+            left = self.left() - FINISH_S
+            if left < step.est_s:
+                step.status = "SKIPPED"
+                step.detail = f"needs about {step.est_s:.0f} s, {max(left, 0):.0f} s left"
+                self.refresh()
+                continue
+            self.run_step(step, env, left)
+            self.refresh()
+        return 0 if self.passed() else 1
+
+    def run_step(self, step: Step, env: dict, left: float) -> None:
+        step.status = "running"
+        self.refresh(archive=False)
+        began = time.monotonic()
+        step.status, step.detail = "PASS", ""
+        for argv in step.commands:
+            remaining = left - (time.monotonic() - began)
+            if remaining <= 1:
+                step.status, step.detail = "TIMEOUT", "budget spent before " + _short(argv)
+                break
+            self.write_log(f"\n$ {shlex.join(argv)}\n")
+            code, output = self.call(argv, env, remaining)
+            step.output += output
+            self.write_log(output[-STEP_OUTPUT_BYTES:])
+            if code is None:
+                step.status = "TIMEOUT"
+                step.detail = f"killed after {remaining:.0f} s: {_short(argv)}"
+                break
+            if code != 0:
+                step.status = "FAIL"
+                step.detail = f"exit {code}: {_short(argv)}: {_last_error(output)}"
+                break
+        step.seconds = time.monotonic() - began
+        if step.name == "env":
+            self.env_lines = [ln for ln in step.output.splitlines() if ln.strip()]
+        self.write_log(f"[{step.name}: {step.status} in {step.seconds:.0f} s]\n")
+
+    def call(self, argv: list[str], env: dict, timeout: float) -> tuple[int | None, str]:
+        """Run one command in its own process group; None for the code if it timed out."""
+        self.child = subprocess.Popen(argv, cwd=REPO, env=env, stdout=subprocess.PIPE,
+                                      stderr=subprocess.STDOUT, text=True, errors="replace",
+                                      start_new_session=True)
+        try:
+            output, _ = self.child.communicate(timeout=timeout)
+            return self.child.returncode, output
+        except subprocess.TimeoutExpired:
+            output = self.kill_child()
+            return None, output + f"\n[gpu-check: timed out after {timeout:.0f} s]\n"
+        finally:
+            self.child = None
+
+    def kill_child(self) -> str:
+        child = self.child
+        if child is None:
+            return ""
+        for sig, wait in ((signal.SIGTERM, 5), (signal.SIGKILL, 5)):
+            try:
+                os.killpg(child.pid, sig)
+            except ProcessLookupError:
+                break
+            try:
+                output, _ = child.communicate(timeout=wait)
+                return output or ""
+            except subprocess.TimeoutExpired:
+                continue
+        return ""
+
+    def passed(self) -> bool:
+        _, problems = gpu_summary.figures(self.work)
+        return problems == 0 and not any(s.status in ("FAIL", "TIMEOUT") for s in self.steps)
+
+    def refresh(self, archive: bool = True) -> None:
+        """Rewrite summary.txt (atomically) and, after a step, results.tar.gz."""
+        if archive:
+            self.archive()
+        text = self.summary()
+        tmp = self.out / ".summary.txt.tmp"
+        tmp.write_text(text)
+        os.replace(tmp, self.out / "summary.txt")
+
+    def archive(self) -> None:
+        files = sorted(p for p in self.work.iterdir() if p.suffix in (".csv", ".png", ".tsv"))
+        if not files:
+            return
+        tmp = self.out / ".results.tar.gz.tmp"
+        with tarfile.open(tmp, "w:gz") as tar:
+            for p in files:
+                tar.add(p, arcname=f"results/{p.name}")
+        os.replace(tmp, self.out / "results.tar.gz")
+
+    def summary(self) -> str:
+        used = time.monotonic() - self.start
+        kind = "rehearsal on the CPU" if self.mode.rehearse else "GPU"
+        lines = [(f"== kvbench gpu-check ({kind}): {used:.0f} s of a {self.budget_s:.0f} s "
+                 f"budget =="), *self.env_lines, "steps (priority order):"]
+        for s in self.steps:
+            took = f"{s.seconds:5.0f} s" if s.status not in ("pending", "SKIPPED") else "      "
+            state = "running (killed here if no later summary)" if s.status == "running" \
+                else s.status
+            lines.append(f"  {s.group} {s.name:<14}{state:<9}{took}  "
+                         f"{s.detail or s.title}")
+        compiles = compile_lines(self.compile_log)
+        lines.append(f"torch.compile graphs built: {len(compiles)}, "
+                     f"{sum(ms for _, ms in compiles) / 1e3:.0f} s"
+                     + (" (" + ", ".join(f"{n} {ms / 1e3:.0f} s" for n, ms in compiles) + ")"
+                        if compiles else ""))
+        figures, problems = gpu_summary.figures(self.work)
+        lines += figures
+        bad = [s for s in self.steps if s.status in ("FAIL", "TIMEOUT")]
+        pending = [s.name for s in self.steps if s.status in ("pending", "running")]
+        skipped = [s.name for s in self.steps if s.status == "SKIPPED"]
+        verdict = "PASS" if not bad and not problems else \
+            f"FAIL ({len(bad)} steps failed or timed out, {problems} checks failed)"
+        lines.append(f"RESULT so far: {verdict}" if pending else f"RESULT: {verdict}")
+        if skipped:
+            lines.append("skipped: " + ", ".join(skipped))
+        if pending:
+            lines.append("not yet run: " + ", ".join(pending))
+        return "\n".join(lines) + "\n"
+
+
+def compile_lines(path: Path) -> list[tuple[str, float]]:
+    """(implementation, ms) of every graph kvbench logged building."""
+    if not path.exists():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        parts = line.split("\t")
+        if len(parts) >= 2:
+            out.append((parts[0], float(parts[1])))
+    return out
+
+
+def host_total_bytes() -> int:
+    """MemTotal: a lent machine's RAM grows on demand, so MemAvailable understates it."""
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemTotal:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def _short(argv: list[str]) -> str:
+    words = [a for a in argv[1:] if a not in ("-m",)]
+    return " ".join(words[:4])
+
+
+def _last_error(output: str) -> str:
+    lines = [ln.strip() for ln in output.splitlines() if ln.strip()]
+    for ln in reversed(lines):
+        if "error" in ln.lower() or "failed" in ln.lower():
+            return ln[:160]
+    return lines[-1][:160] if lines else "no output"
+
+
+def has_cuda() -> tuple[bool, int]:
+    probe = subprocess.run([sys.executable, "-c", ("import torch; print("
+                            "torch.cuda.device_count() if torch.cuda.is_available() else 0)")],
+                           capture_output=True, text=True, check=False)
+    n = int(probe.stdout.strip() or 0) if probe.returncode == 0 else 0
+    return n > 0, n
+
+
+def main(argv: list[str]) -> int:
+    rehearse = "--rehearse" in argv
+    args = [a for a in argv if a != "--rehearse"]
+    usage = "usage: scripts/gpu-check.sh [--rehearse] OUTDIR [SECONDS]"
+    if not args or len(args) > 2 or args[0].startswith("-"):
+        print(f"gpu-check: {usage}", file=sys.stderr)
+        return 2
+    try:
+        budget = float(args[1]) if len(args) > 1 else DEFAULT_BUDGET_S
+    except ValueError:
+        print(f"gpu-check: SECONDS must be a number, got {args[1]!r}; {usage}", file=sys.stderr)
+        return 2
+    mode = CPU if rehearse else GPU
+    gpus = 0
+    if not rehearse:
+        ok, gpus = has_cuda()
+        if not ok:
+            print("gpu-check: torch sees no CUDA device here; run it where a GPU is lent, or "
+                  "rehearse the plan on the CPU with --rehearse", file=sys.stderr)
+            return 2
+    out = Path(args[0])
+    out.mkdir(parents=True, exist_ok=True)
+    check = Check(mode, out.resolve(), budget)
+    steps = plan(mode, check.work, gpus)
+    first = steps[0].est_s + FINISH_S
+    if budget < first:
+        print(f"gpu-check: a budget of {budget:.0f} s is less than the first step needs "
+              f"({first:.0f} s); give at least {first:.0f}", file=sys.stderr)
+        return 2
+
+    def stop(signum, frame):  # a kill from outside: end the step, leave a summary
+        check.kill_child()
+        for s in check.steps:
+            if s.status == "running":
+                s.status, s.detail = "TIMEOUT", "gpu-check itself was stopped here"
+        check.refresh()
+        sys.exit(128 + signum)
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    code = check.run(steps)
+    sys.stdout.write((out / "summary.txt").read_text())
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
