@@ -58,7 +58,12 @@ class Mode:
     long: tuple[str, ...]  # the long-context target shape
     ragged: tuple[str, ...]
     contexts: str  # the context sweep's prompt lengths
-    scale: float  # the steps' time estimates are for a GPU; the rehearsal's own
+    half: str  # the dtype of the timed steps
+    halves: str  # the dtypes verify runs
+    technique: tuple[str, ...]  # prompt and decode of the technique checks
+    shared_prefix: str  # of those prompts, shared by every sequence
+    rounds: tuple[str, ...]  # bench's warmup and rounds
+    est_s: dict[str, float]  # each step's time estimate here
 
 
 def _shape(b, tp, g, h, hq, hkv, d) -> tuple[str, ...]:
@@ -70,10 +75,20 @@ SMALL = _shape(1, 8, 5, 16, 4, 2, 4)  # SPEC §1's small case
 GPU = Mode(False, "cuda", _shape(2, 256, 32, 512, 8, 2, 64), SMALL,
            _shape(8, 32768, 8, 4096, 32, 8, 128),
            ("--seq-lens", "1,17,64,300,1000,2047", "--max-len", "2100"),
-           "16,64,256,1024,4096", 1.0)
+           "16,64,256,1024,4096", "float16", "float16,bfloat16",
+           ("--prompt-len", "1000", "--decode-len", "16"), "512", (),
+           # guesses until a GPU has run the check (compiles of 20-60 s a graph included)
+           {"env": 15, "verify": 150, "bench": 60, "targets": 100, "allocation": 20,
+            "memory": 60, "pytest": 90, "ragged": 60, "techniques": 45, "context": 60,
+            "tp": 120, "sdpa-backends": 40})
 CPU = Mode(True, "cpu", _shape(2, 64, 8, 512, 8, 2, 64), SMALL,
-           _shape(2, 1024, 4, 512, 8, 2, 64),
-           ("--seq-lens", "1,17,64,90", "--max-len", "100"), "16,64,256", 0.5)
+           _shape(2, 512, 4, 256, 8, 2, 32),
+           ("--seq-lens", "1,17,64,90", "--max-len", "100"), "16,64,256", "float32", "float32",
+           ("--prompt-len", "300", "--decode-len", "8"), "128", ("--warmup", "1", "--rounds", "3"),
+           # measured on the 2-core CPU kvbench is developed on (a process starts in ~4 s)
+           {"env": 8, "verify": 30, "bench": 40, "targets": 0, "allocation": 0,
+            "memory": 12, "pytest": 0, "ragged": 20, "techniques": 25, "context": 25,
+            "tp": 0, "sdpa-backends": 0})
 
 EAGER = "concat,static,sdpa,paged,triton"  # no torch.compile graph
 COMPILING = ("compiled", "flex")
@@ -86,13 +101,21 @@ class Step:
     name: str
     group: int  # the issue's priority groups 1..6
     title: str
-    est_s: float  # what the step should take on a GPU (compiles included)
+    est_s: float  # what the step should take (compiles included); a step is run only if
+    # this much of the budget is left
     commands: list[list[str]]
     cuda_only: str | None = None  # why the rehearsal cannot run it
+    probe: bool = False  # each command's exit status is a finding, not a failure
     status: str = "pending"  # pending, running, PASS, FAIL, TIMEOUT, SKIPPED
     detail: str = ""
     seconds: float = 0.0
     output: str = field(default="", repr=False)
+
+
+def layer_of(shape: tuple[str, ...]) -> tuple[str, ...]:
+    """The layer's options of a shape (hidden, heads, head dim), without batch and lengths."""
+    i = shape.index("--hidden")
+    return shape[i:]
 
 
 def plan(mode: Mode, out: Path, gpus: int) -> list[Step]:
@@ -104,8 +127,8 @@ def plan(mode: Mode, out: Path, gpus: int) -> list[Step]:
     def csv(name: str) -> list[str]:
         return ["--csv", str(out / name)]
 
-    cpu_all = "concat,static,sdpa,paged,triton,compiled,flex"
-    all_impls = "all" if not mode.rehearse else cpu_all
+    # the rehearsal builds one graph (compiled, in bench): enough to rehearse the count
+    all_impls = "all" if not mode.rehearse else EAGER
     # the GPU measures triton; on the CPU it runs in Triton's interpreter (verify only)
     measured = EAGER if not mode.rehearse else "concat,static,sdpa,paged"
     long_impls = "static,sdpa,paged,triton" if not mode.rehearse else "static,sdpa,paged"
@@ -114,19 +137,19 @@ def plan(mode: Mode, out: Path, gpus: int) -> list[Step]:
              [[*py, str(REPO / "scripts" / "gpu_env.py"), mode.device]]),
         Step("verify", 2, "verify --impl all at the timing case, fp16 and bf16; the small "
              "case without compiling", 150,
-             [[*kv, "verify", *dev, "--dtype", "float16,bfloat16", "--impl", all_impls,
+             [[*kv, "verify", *dev, "--dtype", mode.halves, "--impl", all_impls,
                *mode.timing, *csv("verify.csv")],
               [*kv, "verify", *dev, "--dtype", "float32,float16,bfloat16", "--impl",
                EAGER + ",h2o", *mode.small, *csv("verify.csv")]]),
         Step("bench", 3, "bench at the timing case, fp16 (compiled vs eager static)", 90,
-             [[*kv, "bench", *dev, "--dtype", "float16", "--impl",
+             [[*kv, "bench", *dev, *mode.rounds, "--dtype", mode.half, "--impl",
                all_impls if not mode.rehearse else "concat,static,sdpa,paged,compiled",
                *mode.timing, *csv("bench.csv")]]),
         Step("targets", 4, "triton against the copy bandwidth at B=8 T=32k; int8 and fp8 "
              "triton against fp16", 120,
-             [[*kv, "bench", *dev, "--dtype", "float16", "--impl", long_impls, *mode.long,
+             [[*kv, "bench", *dev, *mode.rounds, "--dtype", mode.half, "--impl", long_impls, *mode.long,
                "--no-recompute", "--no-prefill", *csv("bench-long.csv")],
-              [*kv, "bench", *dev, "--dtype", "float16", "--kv-dtype", "none,int8,fp8",
+              [*kv, "bench", *dev, *mode.rounds, "--dtype", mode.half, "--kv-dtype", "none,int8,fp8",
                "--impl", "triton", *mode.long, "--no-recompute", "--no-prefill",
                *csv("bench-kv.csv")]],
              cuda_only="triton's time means nothing in Triton's interpreter"),
@@ -135,7 +158,7 @@ def plan(mode: Mode, out: Path, gpus: int) -> list[Step]:
                *csv("allocation.csv")]],
              cuda_only="the allocation check allocates on CUDA"),
         Step("memory", 5, "memory at the timing case, fp16", 60,
-             [[*kv, "memory", *dev, "--dtype", "float16", "--impl",
+             [[*kv, "memory", *dev, "--dtype", mode.half, "--impl",
                all_impls if not mode.rehearse else "concat,static,sdpa,paged",
                *mode.timing, *csv("memory.csv")]]),
         Step("pytest", 6, "pytest's CUDA tests that build no torch.compile graph", 90,
@@ -143,48 +166,50 @@ def plan(mode: Mode, out: Path, gpus: int) -> list[Step]:
                "cuda and not compiles", str(REPO / "tests")]],
              cuda_only="the CUDA tests skip without a GPU"),
         Step("ragged", 6, "ragged batches: verify, then a lognormal batch decoded", 60,
-             [[*kv, "verify", *dev, "--dtype", "float16", "--impl", EAGER, "--rope",
+             [[*kv, "verify", *dev, "--dtype", mode.half, "--impl", EAGER, "--rope",
                *mode.ragged, *csv("verify-ragged.csv")],
-              [*kv, "bench", *dev, "--dtype", "float16", "--impl", measured, "--batch",
+              [*kv, "bench", *dev, *mode.rounds, "--dtype", mode.half, "--impl", measured, "--batch",
                "32" if not mode.rehearse else "4", "--len-dist",
-               "lognormal:2000:1.0" if not mode.rehearse else "lognormal:200:1.0",
-               "--max-len", "32768" if not mode.rehearse else "512", "--decode-len", "8",
-               *mode.long[6:], "--no-recompute", "--no-prefill", *csv("bench-ragged.csv")]]),
+               "lognormal:2000:1.0" if not mode.rehearse else "lognormal:100:1.0",
+               "--max-len", "32768" if not mode.rehearse else "256", "--decode-len", "8",
+               *layer_of(mode.long), "--no-recompute", "--no-prefill",
+               *csv("bench-ragged.csv")]]),
         Step("techniques", 6, "window, shared prefix and h2o: verify", 45,
-             [[*kv, "verify", *dev, "--dtype", "float16", "--impl", "window", "--window",
-               "256", "--sinks", "4", "--rope", "--prompt-len", "1000", "--decode-len", "16",
+             [[*kv, "verify", *dev, "--dtype", mode.half, "--impl", "window", "--window",
+               "256", "--sinks", "4", "--rope", *mode.technique,
                *csv("verify-techniques.csv")],
-              [*kv, "verify", *dev, "--dtype", "float16", "--impl", "paged,triton",
-               "--shared-prefix", "512", "--block-size", "16", "--batch", "4", "--prompt-len",
-               "1000", "--decode-len", "16", *csv("verify-techniques.csv")],
-              [*kv, "verify", *dev, "--dtype", "float16", "--impl", "h2o", "--kv-budget",
-               "256", "--prompt-len", "1000", "--decode-len", "16",
+              [*kv, "verify", *dev, "--dtype", mode.half, "--impl", "paged,triton",
+               "--shared-prefix", mode.shared_prefix, "--block-size", "16", "--batch", "4",
+               *mode.technique, *csv("verify-techniques.csv")],
+              [*kv, "verify", *dev, "--dtype", mode.half, "--impl", "h2o", "--kv-budget",
+               "256", *mode.technique,
                *csv("verify-techniques.csv")]]),
         Step("context", 6, "bench against context length, then its plot", 90,
-             [[*kv, "bench", *dev, "--dtype", "float16", "--impl", measured, "--prompt-len",
+             [[*kv, "bench", *dev, *mode.rounds, "--dtype", mode.half, "--impl", measured, "--prompt-len",
                mode.contexts, "--decode-len", "16", *csv("bench-context.csv")],
               [*kv, "plot", str(out / "bench-context.csv"), "-o",
                str(out / "bench-context.png")]]),
         Step("tp", 6, "--tp 2 over NCCL: verify, bench, memory per rank", 120,
              [[*py, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-               "-m", "kvbench", "verify", "--tp", "2", *dev, "--dtype", "float16", "--impl",
+               "-m", "kvbench", "verify", "--tp", "2", *dev, "--dtype", mode.half, "--impl",
                EAGER, *csv("verify-tp.csv")],
               [*py, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-               "-m", "kvbench", "memory", "--tp", "2", *dev, "--dtype", "float16", "--impl",
+               "-m", "kvbench", "memory", "--tp", "2", *dev, "--dtype", mode.half, "--impl",
                "static,paged", "--kv-heads", "2,1", *csv("memory-tp.csv")]],
              cuda_only="NCCL needs two GPUs"),
         Step("sdpa-backends", 6, "which SDPA backends take decode", 40,
-             [[*kv, "verify", *dev, "--dtype", "float16", "--impl", "sdpa", "--sdpa-backend",
+             [[*kv, "verify", *dev, "--dtype", mode.half, "--impl", "sdpa", "--sdpa-backend",
                b, *mode.timing, *csv("verify-sdpa-backends.csv")]
               for b in ("flash", "efficient", "cudnn", "math")],
-             cuda_only="the backends are CUDA kernels"),
+             cuda_only="the backends are CUDA kernels", probe=True),
     ]
     if not mode.rehearse and gpus < 2:
         tp = next(s for s in steps if s.name == "tp")
         tp.status, tp.detail = "SKIPPED", f"{gpus} GPU here; --tp 2 needs two"
+    for s in steps:
+        s.est_s = mode.est_s[s.name]
     if mode.rehearse:
         for s in steps:
-            s.est_s *= mode.scale
             if s.cuda_only:
                 s.status, s.detail = "SKIPPED", f"CUDA only: {s.cuda_only}"
     return steps
@@ -199,6 +224,7 @@ class Check:
         self.start = time.monotonic()
         self.log = out / "gpu-check.log"
         self.log.write_text("")
+        self.log_full = False
         self.compile_log = self.work / "compiles.tsv"
         self.env_lines: list[str] = []
         self.child: subprocess.Popen | None = None
@@ -208,9 +234,13 @@ class Check:
         return self.budget_s - (time.monotonic() - self.start)
 
     def write_log(self, text: str) -> None:
-        if self.log.stat().st_size + len(text) > LOG_LIMIT_BYTES:
-            text = text[: max(0, LOG_LIMIT_BYTES - self.log.stat().st_size - 80)] + \
-                "\n[gpu-check: log limit reached; later output dropped]\n"
+        if self.log_full:
+            return
+        note = "\n[gpu-check: log limit reached; later output dropped]\n"
+        room = LOG_LIMIT_BYTES - self.log.stat().st_size - len(note)
+        if len(text.encode()) > room:
+            text = text.encode()[: max(room, 0)].decode(errors="ignore") + note
+            self.log_full = True
         with self.log.open("a") as f:
             f.write(text)
 
@@ -239,24 +269,27 @@ class Check:
         step.status = "running"
         self.refresh(archive=False)
         began = time.monotonic()
-        step.status, step.detail = "PASS", ""
+        status, details = "PASS", []
         for argv in step.commands:
             remaining = left - (time.monotonic() - began)
             if remaining <= 1:
-                step.status, step.detail = "TIMEOUT", "budget spent before " + _short(argv)
+                status, details = "TIMEOUT", ["budget spent before " + _short(argv)]
                 break
             self.write_log(f"\n$ {shlex.join(argv)}\n")
             code, output = self.call(argv, env, remaining)
             step.output += output
             self.write_log(output[-STEP_OUTPUT_BYTES:])
             if code is None:
-                step.status = "TIMEOUT"
-                step.detail = f"killed after {remaining:.0f} s: {_short(argv)}"
+                status, details = "TIMEOUT", [f"killed after {remaining:.0f} s: {_short(argv)}"]
                 break
+            if step.probe:
+                details.append(f"{_short(argv, 6)}: exit {code}")
+                continue
             if code != 0:
-                step.status = "FAIL"
-                step.detail = f"exit {code}: {_short(argv)}: {_last_error(output)}"
+                status = "FAIL"
+                details = [f"exit {code}: {_short(argv)}: {_last_error(output)}"]
                 break
+        step.status, step.detail = status, "; ".join(details)
         step.seconds = time.monotonic() - began
         if step.name == "env":
             self.env_lines = [ln for ln in step.output.splitlines() if ln.strip()]
@@ -293,7 +326,7 @@ class Check:
         return ""
 
     def passed(self) -> bool:
-        _, problems = gpu_summary.figures(self.work)
+        _, problems = gpu_summary.figures(self.work, self.mode.rehearse)
         return problems == 0 and not any(s.status in ("FAIL", "TIMEOUT") for s in self.steps)
 
     def refresh(self, archive: bool = True) -> None:
@@ -331,7 +364,7 @@ class Check:
                      f"{sum(ms for _, ms in compiles) / 1e3:.0f} s"
                      + (" (" + ", ".join(f"{n} {ms / 1e3:.0f} s" for n, ms in compiles) + ")"
                         if compiles else ""))
-        figures, problems = gpu_summary.figures(self.work)
+        figures, problems = gpu_summary.figures(self.work, self.mode.rehearse)
         lines += figures
         bad = [s for s in self.steps if s.status in ("FAIL", "TIMEOUT")]
         pending = [s.name for s in self.steps if s.status in ("pending", "running")]
@@ -367,9 +400,10 @@ def host_total_bytes() -> int:
     return 0
 
 
-def _short(argv: list[str]) -> str:
-    words = [a for a in argv[1:] if a not in ("-m",)]
-    return " ".join(words[:4])
+def _short(argv: list[str], words: int = 4) -> str:
+    """The command without the interpreter and its flags: 'kvbench verify --device cuda'."""
+    rest = [a for a in argv[1:] if a not in ("-m", "-W", "error")]
+    return " ".join(rest[:words]) if words <= 4 else " ".join(rest[-words:])
 
 
 def _last_error(output: str) -> str:
