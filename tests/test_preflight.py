@@ -183,3 +183,28 @@ def test_a_sweep_keeps_the_points_around_a_device_error(tmp_path, monkeypatch):
     assert result.exit_code == 3, result.output
     assert "1 of 2 points failed with a device or runtime error" in result.stderr
     assert pd.read_csv(out)["prompt_len"].tolist() == [7]
+
+
+def test_host_mem_tells_the_preflight_what_memory_there_is(tmp_path, monkeypatch):
+    # a machine whose RAM grows on demand reports a MemAvailable far below what it can give
+    monkeypatch.delenv(preflight.HOST_MEM_VAR, raising=False)
+    out = tmp_path / "v.csv"
+    shape = ["--device", "cpu", "--impl", "static", "--prompt-len", "256", "--hidden", "512"]
+    small = runner.invoke(app, ["verify", *shape, "--host-mem", "1MiB", "--csv", str(out)])
+    assert small.exit_code == 2, small.output
+    assert small.stderr.count("\n") == 1 and "estimated" in small.stderr
+    assert not out.exists()
+    monkeypatch.setenv(preflight.HOST_MEM_VAR, str(64 * 2**30))
+    assert preflight.host_available() == 64 * 2**30
+    assert "KVBENCH_HOST_MEM" in preflight.host_memory_note()
+    fits = runner.invoke(app, ["verify", *shape, "--host-mem", "64GiB", "--csv", str(out)])
+    assert fits.exit_code == 0, fits.output
+
+
+@pytest.mark.parametrize("value", ["0", "lots", "-5GiB"])
+def test_a_bad_host_mem_is_one_line_exit_2(tmp_path, monkeypatch, value):
+    monkeypatch.delenv(preflight.HOST_MEM_VAR, raising=False)
+    result = runner.invoke(app, ["verify", "--device", "cpu", "--host-mem", value,
+                                 "--csv", str(tmp_path / "v.csv")])
+    assert result.exit_code == 2 and "--host-mem" in result.stderr
+    assert result.stderr.count("\n") == 1
