@@ -2,8 +2,10 @@
 
 Rows join on their configuration columns (the most recent row of each configuration on both
 sides). For each metric: the ratio new / baseline, both spreads (IQR where the file has one),
-and a verdict. A change no larger than the two spreads added together is noise. A slower
-(or bigger) result beyond the threshold and beyond the noise is a regression.
+and a verdict. A change no larger than the two spreads added together is noise. With a
+threshold, a result worse by more than it is judged by the interquartile ranges, each taken
+as median ± IQR/2: a REGRESSION where the ranges separate (the new one wholly worse), TOO
+NOISY TO JUDGE where they overlap. Neither passes silently.
 """
 
 from __future__ import annotations
@@ -53,6 +55,7 @@ class Change:
     ratio: float
     noise: bool
     regression: bool
+    too_noisy: bool = False  # worse beyond the threshold, but the ranges overlap
 
 
 @dataclass
@@ -67,6 +70,10 @@ class Comparison:
     @property
     def regressions(self) -> list[Change]:
         return [c for c in self.changes if c.regression]
+
+    @property
+    def undecided(self) -> list[Change]:
+        return [c for c in self.changes if c.too_noisy]
 
 
 def compare(kind: str, base: pd.DataFrame, new: pd.DataFrame, other_kind: str,
@@ -95,12 +102,15 @@ def compare(kind: str, base: pd.DataFrame, new: pd.DataFrame, other_kind: str,
                 continue
             bs = row[f"{spread}_base"] if spread else None
             ns = row[f"{spread}_new"] if spread else None
-            allowed = sum(x for x in (bs, ns) if x is not None and not pd.isna(x))
-            noise = abs(n - b) <= allowed
+            base_iqr, new_iqr = _num(bs) or 0.0, _num(ns) or 0.0
+            noise = abs(n - b) <= base_iqr + new_iqr
             ratio = n / b if b else (1.0 if n == b else math.inf)
-            regression = (threshold is not None and not noise and ratio > 1 + threshold)
+            worse = threshold is not None and ratio > 1 + threshold
+            # each run's interquartile range, from its own spread
+            separated = n - new_iqr / 2 > b + base_iqr / 2
             changes.append(Change(config, metric, float(b), float(n), _num(bs), _num(ns),
-                                  ratio, noise, regression))
+                                  ratio, noise and not worse, worse and separated,
+                                  worse and not separated))
     return Comparison(kind, changes, len(base) - len(joined), len(new) - len(joined), env,
                       threshold)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from kvbench.errors import KvbenchError
+from kvbench.hostmem import host_available
 
 
 def resolve_device(name: str) -> str:
@@ -54,6 +55,4 @@ def free_bytes(device: str) -> int:
     """Bytes that can still be allocated on the device (the host's MemAvailable on CPU)."""
     if device.startswith("cuda"):
         return torch.cuda.mem_get_info(device)[0]
-    from kvbench.preflight import host_available
-
     return host_available()

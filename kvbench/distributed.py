@@ -115,7 +115,8 @@ def setup(tp: int, device: str) -> str:
         dist.init_process_group(backend)
         # Leave the group before the interpreter tears down the threads it runs on: without
         # this, gloo's exit may abort ("terminate called without an active exception").
-        atexit.register(dist.destroy_process_group)
+        # `leave` does it on the way out of a command; this is for any other exit.
+        atexit.register(_destroy)
     _group = Group(size, dist.get_rank(), local, backend)
     return device
 
@@ -174,3 +175,39 @@ class Ranks:
 
     def max_min(self, values: list[float]) -> tuple[list[float], list[float]]:
         return all_max_min(values)
+
+
+def end_group(code: int, quiet: bool = False):
+    """Leave at once: the other ranks may be waiting in a collective that will never come;
+    torchrun stops them when it sees this process exit."""
+    if not quiet:
+        print("kvbench: ending the tensor-parallel group (torchrun stops the other ranks)",
+              file=sys.stderr)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def _destroy() -> None:
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def leave(code: int) -> None:
+    """End a rank's command: wait for every rank to finish, leave the group, and exit without
+    the interpreter's teardown. A rank that exits while another still talks to it, or whose
+    interpreter tears down threads gloo still runs on, may abort ("terminate called without
+    an active exception", SIGABRT) after its work is done."""
+    import torch.distributed as dist
+
+    if _group is not None and dist.is_initialized():
+        try:
+            dist.barrier()
+            dist.destroy_process_group()
+        except Exception:  # noqa: BLE001, S110 (a peer already gone: leave all the same)
+            pass
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

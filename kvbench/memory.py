@@ -121,10 +121,15 @@ class ImplMemory:
     planner_bytes: int = 0  # kvbench capacity's figure for this layout (1 layer)
     frag_bytes: int | None = None  # block pools: the unused positions of last blocks
     saved_bytes: int | None = None  # --shared-prefix: blocks not stored twice, from the tables
+    # the token states it is meant to hold: every position, or (a window, eviction) the
+    # positions it keeps; None: the result's theoretical payload
+    held_bytes: int | None = None
 
     def waste(self, payload_bytes: int) -> float | None:
-        """The share of the K/V bytes it reserved that hold no token: 1 - payload/reserved."""
-        return 1 - payload_bytes / self.cache_bytes if self.cache_bytes else None
+        """The share of the K/V bytes it reserved that hold no token it keeps:
+        1 - held/reserved, between 0 and 1."""
+        held = self.held_bytes if self.held_bytes is not None else payload_bytes
+        return 1 - held / self.cache_bytes if self.cache_bytes else None
 
 
 @dataclass
@@ -219,7 +224,8 @@ def memory(config: RunConfig, impls: tuple[str, ...],
     results = [ImplMemory(name, windows["cached", name], windows["decode", name],
                           cls.footprint(local, impl_options), cache_bytes.get(name, 0),
                           cls.planned_bytes(local, impl_options), frag.get(name),
-                          saved.get(name) if config.shape.shared_prefix else None)
+                          saved.get(name) if config.shape.shared_prefix else None,
+                          cls.held_payload_bytes(local, impl_options))
                for name, cls in classes.items()]
     payload = CachedAttention.payload_bytes(local, impl_options)
     result = MemoryResult(config, payload, part.weight_bytes, windows["recompute", None],

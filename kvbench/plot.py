@@ -297,7 +297,7 @@ def plot(kind: str, df: pd.DataFrame, output: Path) -> Path:
         drawers[kind] = lambda df, plt: plot_frontier(kind, df, plt)
     if kind == "memory" and df["seq_lens"].notna().any() and df["kv_waste"].notna().any():
         drawers[kind] = plot_serving
-    if kind == "verify" and (df["lossy"] == True).any():
+    if kind == "verify" and ((df["lossy"] == True) & df["kv_budget"].notna()).any():
         drawers[kind] = plot_budget
     if kind == "bench" and df[["window", "shared_prefix", "kv_budget"]].notna().any().any():
         drawers[kind] = plot_techniques
@@ -308,6 +308,7 @@ def plot(kind: str, df: pd.DataFrame, output: Path) -> Path:
     fig = drawers[kind](df, plt)
     fig.tight_layout()
     try:
+        output.parent.mkdir(parents=True, exist_ok=True)  # as --csv does
         fig.savefig(output, dpi=120)
     except OSError as err:
         raise KvbenchError(f"cannot write {output}: {err.strerror}; pass another -o") from None

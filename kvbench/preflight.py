@@ -13,12 +13,12 @@ and each implementation's `footprint`).
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 from kvbench import footprint as fp
 from kvbench.config import RunConfig
 from kvbench.costs import weight_elements
+from kvbench.hostmem import host_available
 
 BUDGET_FRACTION = 0.8
 HEAVY_FRACTION = 0.5
@@ -193,31 +193,3 @@ def available_memory(device: str) -> dict[str, int]:
         cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
         out[DEVICE] = free + cached
     return out
-
-
-HOST_MEM_VAR = "KVBENCH_HOST_MEM"
-
-
-def host_available() -> int:
-    """Bytes of host memory a point may use: $KVBENCH_HOST_MEM (set by --host-mem) where
-    given, else the kernel's MemAvailable (what can be allocated without swapping). A machine
-    whose RAM grows on demand reports a MemAvailable far below what it can give."""
-    given = os.environ.get(HOST_MEM_VAR)
-    if given:
-        from kvbench.capacity import parse_size
-
-        given = given.strip()
-        return int(given) if given.isdigit() else parse_size(given, "--host-mem")
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-
-
-def host_memory_note() -> str:
-    """Where host_available's figure comes from, for the terminal."""
-    return f"(from {HOST_MEM_VAR})" if os.environ.get(HOST_MEM_VAR) else "(MemAvailable)"

@@ -211,6 +211,17 @@ def _speaks() -> bool:
     return rank() == 0
 
 
+def status(message: str):
+    """A spinner with `message` on stderr while the body runs (a terminal only)."""
+    import contextlib
+
+    if not err.is_terminal:
+        return contextlib.nullcontext()
+    if _live_bar is not None:  # one live display at a time: say it in the bar's line
+        return _live_bar.saying(message)
+    return err.status(message, spinner="dots")
+
+
 def warn(message: str) -> None:
     if _speaks():
         err.print(f"[yellow]warning:[/] {escape(message)}")
@@ -273,7 +284,8 @@ def reservation_table(result) -> Table:
                     if shared else []))
     t.caption = (f"reserved: the bytes of each finished cache's K/V tensors (preallocating "
                  f"caches: --prealloc {result.prealloc}; block pools: the blocks taken). "
-                 "holds tokens = payload / reserved; waste = 1 − that. last-block frag.: the "
+                 "holds tokens = payload / reserved (a window's or eviction's payload: the "
+                 "positions it keeps); waste = 1 − that. last-block frag.: the "
                  "unused positions of each sequence's last block"
                  + (f"; saved by sharing: the blocks of the {s.shared_prefix}-token prefix "
                     "not stored again for each sequence." if s.shared_prefix else "."))
@@ -399,6 +411,20 @@ class _Bar:
         if self.progress is not None:
             self.progress.advance(self.task)
 
+    @contextmanager
+    def saying(self, message: str):
+        """The bar's description is `message` while the body runs."""
+        task = self.progress.tasks[self.task]
+        before = task.description
+        self.progress.update(self.task, description=message)
+        try:
+            yield
+        finally:
+            self.progress.update(self.task, description=before)
+
+
+_live_bar: _Bar | None = None  # the progress bar on screen now, if any
+
 
 @contextmanager
 def progress(total: int, enabled: bool = True):
@@ -406,10 +432,15 @@ def progress(total: int, enabled: bool = True):
     if not enabled or total < 2 or not err.is_terminal:
         yield _Bar(None, None)
         return
+    global _live_bar
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                   TimeElapsedColumn(), TextColumn("left"), TimeRemainingColumn(),
                   console=err, transient=True) as bar:
-        yield _Bar(bar, bar.add_task("", total=total))
+        _live_bar = _Bar(bar, bar.add_task("", total=total))
+        try:
+            yield _live_bar
+        finally:
+            _live_bar = None
 
 
 def machine_output(rows: list[dict], columns: list[str], fmt: str) -> None:
@@ -447,6 +478,8 @@ def show_comparison(c) -> None:
         spread = (lambda s: f" ±{s:.3f}" if s else "")
         if ch.regression:
             verdict = "[red bold]REGRESSION[/]"
+        elif ch.too_noisy:
+            verdict = "[red]TOO NOISY TO JUDGE[/]"
         elif ch.new == ch.base:
             verdict = "same"
         elif ch.noise:
@@ -457,8 +490,9 @@ def show_comparison(c) -> None:
                   unit(ch.new) + spread(ch.new_spread), f"{ch.ratio:.3f}×", verdict)
     unit_note = "ms, ± IQR" if c.kind == "bench" else "MiB"
     t.caption = (f"{unit_note}; noise = change within the two spreads added together"
-                 + (f"; regression = worse by more than {100 * c.threshold:g}% and beyond noise"
-                    if c.threshold is not None else ""))
+                 + (f"; worse by more than {100 * c.threshold:g}%: a regression where the "
+                    "interquartile ranges (median ± IQR/2) separate, too noisy to judge where "
+                    "they overlap" if c.threshold is not None else ""))
     out.print(t)
 
 

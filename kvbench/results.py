@@ -87,6 +87,11 @@ def check_csv(path: Path, columns: list[str], first: list[str] | None = None) ->
                                "write to a new file with --csv PATH")
         if not os.access(path, os.W_OK):
             raise KvbenchError(f"cannot write {path}: permission denied; pass another --csv path")
+        try:  # rows are appended by replacing the file with a new one beside it
+            tempfile.TemporaryFile(dir=path.parent).close()
+        except OSError:
+            raise KvbenchError(f"cannot write {path}: its folder takes no new file; pass "
+                               "another --csv path") from None
         return
     parent = path.parent
     while not parent.exists():

@@ -19,7 +19,7 @@ def main(device: str) -> int:
     import torch
 
     from kvbench import bandwidth
-    from kvbench.preflight import host_available, host_memory_note
+    from kvbench.hostmem import host_available, host_memory_note
     from kvbench.timing import time_samples
 
     try:

@@ -15,11 +15,19 @@ SHAPE = LayerShape(batch=2, prompt_len=21, decode_len=6, hidden=32, q_heads=4, k
 runner = CliRunner()
 
 
+def runnable(name: str, config: RunConfig):
+    """The implementation's class, or a skip saying why it cannot run here (no numba, say)."""
+    cls = IMPLEMENTATIONS[name]
+    if reason := cls.unavailable(config, ImplOptions()):
+        pytest.skip(f"{name}: {reason}")
+    return cls
+
+
 @pytest.mark.parametrize("name", list(IMPLEMENTATIONS))
 def test_rewind_then_decode_equals_a_fresh_decode(name):
     config = RunConfig(SHAPE)
     layer, x = AttentionLayer.from_config(config), make_inputs(config)
-    cls = IMPLEMENTATIONS[name]
+    cls = runnable(name, config)
     with torch.no_grad():
         impl = cls(layer, 2, SHAPE.total_len)
         impl.prefill(x[:, :21])
@@ -123,7 +131,7 @@ def test_splitk_kernels_on_threads_and_inline(monkeypatch, inline_bytes):
 
 
 TINY = ["--device", "cpu", "--batch", "1", "--prompt-len", "6", "--decode-len", "2",
-        "--hidden", "32", "--q-heads", "4", "--kv-heads", "2", "--head-dim", "8"]
+        "--hidden", "32", "--q-heads", "4", "--kv-heads", "2", "--head-dim", "12"]
 
 
 @pytest.mark.parametrize("args, message", [
@@ -174,6 +182,7 @@ def _prefill_and_decode(cls, options=None):
 
 @pytest.mark.parametrize("name", list(IMPLEMENTATIONS))
 def test_no_implementation_reads_a_tensor_on_the_host_in_prefill_or_decode(name):
+    runnable(name, RunConfig(SHAPE))
     if IMPLEMENTATIONS[name].compiles and name != "splitk":
         pytest.skip("torch.compile refuses dispatch modes; the CUDA sync test covers it")
     impl = _prefill_and_decode(IMPLEMENTATIONS[name])

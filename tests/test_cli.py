@@ -8,7 +8,7 @@ from kvbench.results import BENCH_COLUMNS, VERIFY_COLUMNS
 
 runner = CliRunner()
 TINY = ["--device", "cpu", "--batch", "1", "--prompt-len", "6", "--decode-len", "3",
-        "--hidden", "32", "--q-heads", "4", "--kv-heads", "2", "--head-dim", "8"]
+        "--hidden", "32", "--q-heads", "4", "--kv-heads", "2", "--head-dim", "12"]
 
 
 def run(*args):
@@ -203,7 +203,7 @@ def test_help_shows_defaults_whole_sentences_and_exit_codes(command):
 
 def test_impl_help_names_every_implementation():
     from kvbench.caches import IMPLEMENTATIONS
-    from kvbench.cli import IMPL_HELP
+    from kvbench.options import IMPL_HELP
 
     for name in IMPLEMENTATIONS:
         assert f" {name} " in IMPL_HELP or f" {name}," in IMPL_HELP, name
@@ -212,7 +212,7 @@ def test_impl_help_names_every_implementation():
 def test_verify_a_ragged_batch_writes_its_lengths(tmp_path):
     out = tmp_path / "v.csv"
     small = ["--device", "cpu", "--decode-len", "3", "--hidden", "32", "--q-heads", "4",
-             "--kv-heads", "2", "--head-dim", "8"]
+             "--kv-heads", "2", "--head-dim", "12"]
     result = run("verify", *small, "--seq-lens", "1,17,6", "--max-len", "40", "--csv", str(out))
     assert result.exit_code == 0, result.output
     assert "prompts=1,17,6" in result.stdout
@@ -225,7 +225,7 @@ def test_verify_a_ragged_batch_writes_its_lengths(tmp_path):
 def test_len_dist_draws_seeded_lengths_one_point_per_distribution(tmp_path):
     out = tmp_path / "m.csv"
     small = ["--device", "cpu", "--decode-len", "2", "--hidden", "32", "--q-heads", "4",
-             "--kv-heads", "2", "--head-dim", "8", "--batch", "6", "--impl", "static,paged"]
+             "--kv-heads", "2", "--head-dim", "12", "--batch", "6", "--impl", "static,paged"]
     args = ["memory", *small, "--len-dist", "lognormal:40:1.0,uniform:1:30", "--max-len", "128",
             "--csv", str(out)]
     assert run(*args).exit_code == 0
@@ -245,7 +245,7 @@ def test_len_dist_draws_seeded_lengths_one_point_per_distribution(tmp_path):
 def test_kv_budget_list_runs_each_and_plots_the_loss(tmp_path):
     out = tmp_path / "v.csv"
     small = ["--device", "cpu", "--batch", "1", "--prompt-len", "30", "--decode-len", "4",
-             "--hidden", "32", "--q-heads", "4", "--kv-heads", "2", "--head-dim", "8"]
+             "--hidden", "32", "--q-heads", "4", "--kv-heads", "2", "--head-dim", "12"]
     result = run("verify", *small, "--impl", "h2o", "--kv-budget", "8,16,64", "--csv", str(out))
     assert result.exit_code == 0, result.output
     df = pd.read_csv(out)

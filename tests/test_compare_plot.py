@@ -7,7 +7,7 @@ from kvbench.results import BENCH_COLUMNS
 
 runner = CliRunner()
 TINY = ["--device", "cpu", "--batch", "1", "--decode-len", "2", "--hidden", "32",
-        "--q-heads", "4", "--kv-heads", "2", "--head-dim", "8", "--rounds", "2", "--warmup", "0",
+        "--q-heads", "4", "--kv-heads", "2", "--head-dim", "12", "--rounds", "2", "--warmup", "0",
         "--impl", "concat,static"]
 
 
@@ -153,3 +153,50 @@ def test_a_change_within_the_spreads_is_noise(bench_csv, tmp_path):
     assert len(cached) == 4 and all(c.noise and not c.regression for c in cached)
     cached = [c for c in compare(kb, b, f, kf, 0.1).changes if c.metric == "decode_cached_ms"]
     assert len(cached) == 4 and all(not c.noise and c.regression for c in cached)
+
+
+def with_spread(src, dst, factor, base_iqr_share, new_iqr_share):
+    """decode_cached_ms times factor, its IQR a share of the median."""
+    df = pd.read_csv(src)
+    df["decode_cached_ms"] = df["decode_cached_ms"] * factor
+    df["decode_cached_ms_iqr"] = df["decode_cached_ms"] * (
+        base_iqr_share if factor == 1 else new_iqr_share)
+    df.to_csv(dst, index=False)
+    return dst
+
+
+def test_a_16x_slowdown_with_wide_spreads_is_never_passed_silently(bench_csv, tmp_path):
+    # both runs' spreads as wide as their medians: the change sits inside "noise" by the
+    # spreads added together, but it is 16 times slower
+    base = with_spread(bench_csv, tmp_path / "base.csv", 1.0, 1.0, 1.0)
+    slow = with_spread(bench_csv, tmp_path / "slow.csv", 16.9, 1.0, 1.9)
+    result = runner.invoke(app, ["compare", str(base), str(slow), "--fail-above", "10%"])
+    assert result.exit_code == 1
+    assert "TOO NOISY TO JUDGE" in result.stdout and "more --rounds" in result.stderr
+    allowed = runner.invoke(app, ["compare", str(base), str(slow), "--fail-above", "10%",
+                                  "--allow-noisy"])
+    assert allowed.exit_code == 0
+    # separated ranges: a regression, which --allow-noisy does not excuse
+    clear = with_spread(bench_csv, tmp_path / "clear.csv", 16.9, 1.0, 0.1)
+    result = runner.invoke(app, ["compare", str(base), str(clear), "--fail-above", "10%",
+                                 "--allow-noisy"])
+    assert result.exit_code == 1 and "REGRESSION" in result.stdout
+
+
+def test_each_run_is_judged_by_its_own_spread(bench_csv, tmp_path):
+    from kvbench.compare import compare
+    from kvbench.load import read_results
+
+    # base tight, new wide: the new run's range reaches back over the base's -> undecided;
+    # judged with the base's tight spread alone it would read as a clear regression
+    base = with_spread(bench_csv, tmp_path / "base.csv", 1.0, 0.01, 0.0)
+    wide = with_spread(bench_csv, tmp_path / "wide.csv", 1.5, 0.0, 1.0)
+    (kb, b), (kn, n) = read_results(base), read_results(wide)
+    cached = [c for c in compare(kb, b, n, kn, 0.1).changes if c.metric == "decode_cached_ms"]
+    assert cached and all(c.too_noisy and not c.regression for c in cached)
+    # base wide, new tight: the base's range reaches up to the new one -> undecided too
+    base = with_spread(bench_csv, tmp_path / "base2.csv", 1.0, 1.2, 0.0)
+    tight = with_spread(bench_csv, tmp_path / "tight.csv", 1.5, 0.0, 0.01)
+    (kb, b), (kn, n) = read_results(base), read_results(tight)
+    cached = [c for c in compare(kb, b, n, kn, 0.1).changes if c.metric == "decode_cached_ms"]
+    assert cached and all(c.too_noisy for c in cached)

@@ -5,7 +5,7 @@ import pandas as pd
 import pytest
 from typer.testing import CliRunner
 
-from kvbench import preflight
+from kvbench import hostmem, preflight
 from kvbench.caches import IMPLEMENTATIONS, ImplOptions, select_impls
 from kvbench.cli import app
 from kvbench.config import LayerShape, RunConfig
@@ -89,7 +89,7 @@ def test_a_plan_refuses_the_first_phase_that_does_not_fit():
 
 
 TINY = ["--device", "cpu", "--batch", "1", "--prompt-len", "6", "--decode-len", "3",
-        "--hidden", "32", "--q-heads", "4", "--kv-heads", "2", "--head-dim", "8"]
+        "--hidden", "32", "--q-heads", "4", "--kv-heads", "2", "--head-dim", "12"]
 
 
 @pytest.mark.parametrize("command", ["verify", "bench", "memory"])
@@ -187,24 +187,36 @@ def test_a_sweep_keeps_the_points_around_a_device_error(tmp_path, monkeypatch):
 
 def test_host_mem_tells_the_preflight_what_memory_there_is(tmp_path, monkeypatch):
     # a machine whose RAM grows on demand reports a MemAvailable far below what it can give
-    monkeypatch.delenv(preflight.HOST_MEM_VAR, raising=False)
+    monkeypatch.delenv(hostmem.HOST_MEM_VAR, raising=False)
     out = tmp_path / "v.csv"
     shape = ["--device", "cpu", "--impl", "static", "--prompt-len", "256", "--hidden", "512"]
     small = runner.invoke(app, ["verify", *shape, "--host-mem", "1MiB", "--csv", str(out)])
     assert small.exit_code == 2, small.output
     assert small.stderr.count("\n") == 1 and "estimated" in small.stderr
     assert not out.exists()
-    monkeypatch.setenv(preflight.HOST_MEM_VAR, str(64 * 2**30))
-    assert preflight.host_available() == 64 * 2**30
-    assert "KVBENCH_HOST_MEM" in preflight.host_memory_note()
+    monkeypatch.setenv(hostmem.HOST_MEM_VAR, str(64 * 2**30))
+    assert hostmem.host_available() == 64 * 2**30
+    assert "KVBENCH_HOST_MEM" in hostmem.host_memory_note()
     fits = runner.invoke(app, ["verify", *shape, "--host-mem", "64GiB", "--csv", str(out)])
     assert fits.exit_code == 0, fits.output
 
 
 @pytest.mark.parametrize("value", ["0", "lots", "-5GiB"])
 def test_a_bad_host_mem_is_one_line_exit_2(tmp_path, monkeypatch, value):
-    monkeypatch.delenv(preflight.HOST_MEM_VAR, raising=False)
+    monkeypatch.delenv(hostmem.HOST_MEM_VAR, raising=False)
     result = runner.invoke(app, ["verify", "--device", "cpu", "--host-mem", value,
                                  "--csv", str(tmp_path / "v.csv")])
     assert result.exit_code == 2 and "--host-mem" in result.stderr
     assert result.stderr.count("\n") == 1
+
+
+def test_force_past_the_memory_is_one_error_line_exit_3(tmp_path):
+    # the CPU allocator's "can't allocate memory" while the weights are drawn: named, not a
+    # traceback (the allocation is refused at once: 190 GiB for one weight)
+    out = tmp_path / "b.csv"
+    result = runner.invoke(app, ["bench", "--device", "cpu", "--impl", "static", "--hidden",
+                                 "100000000", "--force", "--csv", str(out)])
+    assert result.exit_code == 3, result.output
+    errors = [ln for ln in result.stderr.splitlines() if ln.startswith("kvbench:")]
+    assert len(errors) == 1 and "out of memory" in errors[0]
+    assert "Traceback" not in result.output and not out.exists()

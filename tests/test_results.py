@@ -84,7 +84,7 @@ def test_an_old_memory_file_is_upgraded_and_read_by_compare_and_plot(tmp_path):
     assert pd.read_csv(path).columns.tolist() == MEMORY_FIRST
     runner = CliRunner()
     tiny = ["--device", "cpu", "--batch", "1", "--prompt-len", "6", "--decode-len", "3",
-            "--hidden", "32", "--q-heads", "4", "--kv-heads", "2", "--head-dim", "8",
+            "--hidden", "32", "--q-heads", "4", "--kv-heads", "2", "--head-dim", "12",
             "--impl", "concat,static"]
     result = runner.invoke(app, ["memory", *tiny, "--csv", str(path)])
     assert result.exit_code == 0, result.output

@@ -12,7 +12,7 @@ from kvbench.timing import time_interleaved
 
 runner = CliRunner()
 SMALL = ["--device", "cpu", "--batch", "1", "--hidden", "32", "--q-heads", "4", "--kv-heads",
-         "2", "--head-dim", "8", "--decode-len", "2"]
+         "2", "--head-dim", "12", "--decode-len", "2"]
 SWEEPS = Path(__file__).resolve().parent.parent / "configs" / "sweeps"
 
 

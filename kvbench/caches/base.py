@@ -148,6 +148,9 @@ class CachedAttention(ABC):
     reserves: ClassVar[str] = "prealloc"
     # the techniques of TECHNIQUES it applies; a point asking for another skips it
     techniques: ClassVar[frozenset[str]] = frozenset()
+    # the option a point must give for it to run at all (window: --window; h2o: --kv-budget):
+    # it changes what attention sees, so it is no full-attention cache without it
+    requires: ClassVar[str | None] = None
 
     def __init__(self, layer: AttentionLayer, batch: int, max_len: int,
                  options: ImplOptions | None = None, lens: tuple[int, ...] | None = None):
@@ -221,7 +224,12 @@ class CachedAttention(ABC):
 
     @classmethod
     def inapplicable(cls, config: RunConfig) -> str | None:
-        """Why it cannot apply a technique the point asks for (`TECHNIQUES`), or None."""
+        """Why it cannot apply a technique the point asks for (`TECHNIQUES`), or why it does not
+        run without the option it requires; or None."""
+        if cls.requires is not None and getattr(config.shape, cls.requires) is None:
+            flag = "--" + cls.requires.replace("_", "-")
+            return (f"changes what attention sees, so it runs only when {flag} is given "
+                    f"(e.g. {flag} 256)")
         for technique, (used, lacks) in TECHNIQUES.items():
             if used(config.shape) and technique not in cls.techniques:
                 able = [n for n, c in IMPLEMENTATIONS.items() if technique in c.techniques]
@@ -291,6 +299,19 @@ class CachedAttention(ABC):
         """The bytes of distinct token states: Σ (T_i + G) positions in the stored format, a
         shared prefix counted once."""
         return _planned(config, options, config.shape.row_lens, False)
+
+    @classmethod
+    def drops(cls, config: RunConfig) -> bool:
+        """Whether a lossy cache drops a position at this point (an eviction budget below a
+        sequence's length); a lossy cache that keeps every position is exact."""
+        return cls.lossy
+
+    @classmethod
+    def held_payload_bytes(cls, config: RunConfig, options: ImplOptions) -> int:
+        """The token states it is meant to hold: every position (payload_bytes), or for a cache
+        that keeps fewer by design (a window, eviction) the positions it keeps. Its share of
+        the reserved bytes is then between 0 and 100% by construction."""
+        return cls.payload_bytes(config, options)
 
     @classmethod
     def unshared_bytes(cls, config: RunConfig, options: ImplOptions) -> int:
@@ -390,6 +411,12 @@ class FixedSlots(CachedAttention):
     @classmethod
     def step_reads(cls, config, options, length):
         return config.shape.batch * cls.slots(config.shape, length)
+
+    @classmethod
+    def held_payload_bytes(cls, config, options):
+        """The positions it keeps of each sequence: at most its slots."""
+        s = config.shape
+        return _planned(config, options, tuple(cls.slots(s, t) for t in s.row_lens), False)
 
     # what a checkpoint keeps: the slots, and whatever else decides what they hold
     state: ClassVar[tuple[str, ...]] = ("k_cache", "v_cache")

@@ -26,6 +26,7 @@ check counts them).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import time
@@ -59,6 +60,9 @@ _compile_ms: dict[tuple, float] = {}  # graph key -> the first step's time, comp
 _buffers: dict[tuple, dict[str, torch.Tensor]] = {}
 _lessees: dict[tuple, weakref.ref] = {}
 COMPILE_LOG = "KVBENCH_COMPILE_LOG"
+# status(message) -> a context manager shown while a graph compiles (the CLI sets it to a
+# spinner on the terminal; nothing here prints)
+compile_status = None
 
 
 def release_static_buffers() -> None:
@@ -199,7 +203,12 @@ class CompiledCache(PreallocatedCache):
             torch.compiler.cudagraph_mark_step_begin()
         if self.graph_key not in _compile_ms:  # this step compiles the graph
             start = time.perf_counter()
-            out = self._compiled(self, x_t)
+            s = self.layer.shape
+            message = (f"compiling {self.name} for B={self.batch} T_max={self.max_len} "
+                       f"H_q={s.q_heads} H_kv={s.kv_heads} D={s.head_dim} {self.layer.dtype} "
+                       "(once per shape)".replace("torch.", ""))
+            with compile_status(message) if compile_status else contextlib.nullcontext():
+                out = self._compiled(self, x_t)
             if self.cuda:
                 torch.cuda.synchronize()
             _compile_ms[self.graph_key] = (time.perf_counter() - start) * 1e3

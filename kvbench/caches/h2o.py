@@ -24,6 +24,7 @@ from kvbench.errors import KvbenchError
 @register
 class H2OCache(FixedSlots):
     name = "h2o"
+    requires = "kv_budget"
     description = ("token eviction, H2O: keeps --kv-budget positions per KV head (the recent "
                    "ones and the heavy hitters by accumulated attention); lossy")
     lossy = True
@@ -147,6 +148,11 @@ class H2OCache(FixedSlots):
             raise KvbenchError("h2o rewinds only to a checkpoint: evicted positions and the "
                                "scores that chose them are gone")
         self._rewound(length)
+
+    @classmethod
+    def drops(cls, config):
+        s = config.shape
+        return s.kv_budget is not None and s.kv_budget < max(s.row_lens)
 
     def stats(self):
         return {"kept_slots": self.n_slots}

@@ -28,6 +28,7 @@ from kvbench.errors import KvbenchError
 @register
 class WindowCache(FixedSlots):
     name = "window"
+    requires = "window"
     description = ("sliding window + attention sinks: a ring buffer of S + W slots that never "
                    "grows (StreamingLLM), keys at their own positions")
     techniques = frozenset({"window"})

@@ -1,0 +1,203 @@
+"""The options of verify, bench and memory, declared once: one typed dataclass whose fields
+carry their flag and help text. The CLI builds each command's signature from it, and a sweep
+file fills the fields the command line left at their defaults. No torch here.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+import typing
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from kvbench.errors import KvbenchError
+
+EXPERIMENTS = ("verify", "bench", "memory")
+FORMATS = ("table", "csv", "json")
+# Options a sweep file may not set: where the results go and how the run is shown.
+OUTPUT = {"config", "csv", "no_csv", "format", "quiet", "dry_run", "force", "host_mem"}
+
+# Where each implementation runs, for --help without importing torch (a test checks that it
+# names every registered implementation).
+IMPL_HELP = (
+    "Cached implementations: 'all' or a comma list of concat, static, sdpa, paged (eager "
+    "PyTorch: CPU and CUDA); splitk (CPU, float32: a numba kernel); triton (CUDA; on the CPU "
+    "verify only, in Triton's interpreter); compiled (gpt-fast's step: a CUDA graph on CUDA, "
+    "inductor C++ on the CPU) and flex (FlexAttention under torch.compile): CUDA and CPU, "
+    "memory on CUDA only; window (a sliding-window ring buffer with --window, --sinks) and "
+    "h2o (token eviction under --kv-budget; lossy): CPU and CUDA. One that cannot run a point "
+    "is skipped with a note.")
+
+
+def option(default, help: str, *flags: str, commands: tuple[str, ...] = EXPERIMENTS,
+           show_default: bool = True):
+    """A field of RunOptions: its default, help text, flags (default: --field-name) and the
+    commands that take it."""
+    return field(default=default, metadata={"help": help, "flags": flags,
+                                            "commands": commands,
+                                            "show_default": show_default})
+
+
+def _list(what: str, default: str) -> str:
+    return f"{what} One value or a comma list (each a point). \\[default: {default}]"
+
+
+@dataclass(frozen=True)
+class RunOptions:
+    """Every option of verify, bench and memory, as given (shapes as the text typed)."""
+
+    device: str = option("auto", "auto, cpu, cuda or cuda:N (auto picks CUDA when present).")
+    dtype: str = option("float32", "float32|fp32, float16|fp16, bfloat16|bf16; a comma list "
+                        "runs each.")
+    batch: str | None = option(None, _list("Batch size B.", "2"), show_default=False)
+    prompt_len: str | None = option(None, _list("Prompt tokens T_p.", "64 on CPU, 256 on CUDA"),
+                                    show_default=False)
+    decode_len: str | None = option(None, _list("Decode steps G.", "8 on CPU, 32 on CUDA"),
+                                    show_default=False)
+    hidden: str | None = option(None, _list("Hidden size H.", "512"), show_default=False)
+    q_heads: str | None = option(None, _list("Query heads H_q.", "8"), show_default=False)
+    kv_heads: str | None = option(None, _list("KV heads H_kv; H_q must be a multiple.", "2"),
+                                  show_default=False)
+    head_dim: str | None = option(None, _list("Head dim D.", "64"), show_default=False)
+    seed: int = option(0, "Seed of the weights and inputs.")
+    impl: str = option("all", IMPL_HELP)
+    rope: bool = option(False, "Rotary position embedding on q and k (k rotated before "
+                        "caching).")
+    block_size: int = option(16, "paged: positions per block.")
+    sdpa_backend: str = option("auto", "sdpa: auto, math, flash, efficient or cudnn.")
+    splits: int | None = option(
+        None, "triton: split the context into N parts per decode step. Default: enough that "
+        "B·H_kv·N programs give every SM (CPU core) two, at most one per 64 positions, at most "
+        "64.", show_default=False)
+    kv_dtype: str | None = option(
+        None, "Store K/V quantized: fp8 (e4m3, a float32 scale per KV head), int8, int4 or "
+        "int2 (an fp16 scale and zero point per --group-size elements); a comma list runs "
+        "each, none for unquantized. Default: the activation --dtype. Runs on the "
+        "implementations that can store it.", show_default=False)
+    group_size: int = option(64, "int8/int4/int2: elements of a head vector per scale and "
+                             "zero point.")
+    seq_lens: str | None = option(
+        None, "A ragged batch: each sequence's prompt length, e.g. 512,4096,37 (B is their "
+        "count). Decode adds --decode-len positions to every sequence.", show_default=False)
+    len_dist: str | None = option(
+        None, "A ragged batch of --batch prompt lengths drawn (seeded by --seed) from "
+        "uniform:LO:HI or lognormal:MEAN:SIGMA (mean MEAN tokens; capped so that prompt + "
+        "decode fits --max-len); a comma list runs each.", show_default=False)
+    max_len: int | None = option(
+        None, "The longest a request may get (prompt + decode): what preallocating caches "
+        "reserve per sequence. Default: the longest sequence's prompt + decode (uniform "
+        "--len-dist: HI + decode); lognormal needs it.", show_default=False)
+    prealloc: str = option("max-len", "static, sdpa, splitk, compiled, flex: reserve "
+                           "--max-len per sequence (max-len, as preallocating servers do) or "
+                           "the batch's longest sequence (exact).")
+    tp: int = option(1, "Tensor-parallel ranks: the layer split by head, one process per rank "
+                     "under torchrun (torchrun --nproc-per-node N -m kvbench COMMAND --tp N "
+                     "...); gloo on the CPU, NCCL on CUDA.")
+    window: int | None = option(
+        None, "A sliding window: each query sees the last W positions (itself included), "
+        "plus the --sinks; path A attends the same way. Runs on window.", show_default=False)
+    sinks: int = option(0, "With --window: the first S positions stay visible to every query "
+                        "(StreamingLLM's attention sinks).")
+    shared_prefix: int = option(0, "The first P prompt tokens are the same in every sequence "
+                                "(a system prompt): paged and triton store their blocks once, "
+                                "copying a partly filled one on write.")
+    kv_budget: str | None = option(
+        None, "h2o: keep N positions per KV head (the recent ones and the heavy hitters by "
+        "accumulated attention), evicting the rest; lossy. A comma list runs each.",
+        show_default=False)
+    kv_recent: int | None = option(
+        None, "h2o: how many of the --kv-budget positions are the most recent ones. Default: "
+        "half the budget.", show_default=False)
+    warmup: int = option(3, "Untimed runs before the samples.", commands=("bench",))
+    rounds: int = option(9, "Timed samples; the median is reported.", commands=("bench",))
+    recompute: bool = option(True, "Time path A (quadratic). --no-recompute for long prompts; "
+                             "implementations are then verified on a shorter prompt.",
+                             commands=("bench",))
+    prefill: bool = option(True, "Time the prefill. --no-prefill saves minutes at long "
+                           "prompts.", commands=("bench",))
+    config: Path | None = option(  # noqa: RUF009 (a field's metadata, not a default)
+        None, "A sweep file (TOML) of option values; see configs/sweeps/.", "--config",
+        show_default=False)
+    csv: Path | None = option(  # noqa: RUF009
+        None, "Append rows to this CSV. \\[default: results/COMMAND.csv]", "--csv",
+        show_default=False)
+    no_csv: bool = option(False, "Write no results file.", "--no-csv")
+    format: str = option("table", "stdout: table (Rich), csv or json rows for pipes.",
+                         "--format")
+    quiet: bool = option(False, "No table, notes or progress; errors only.", "--quiet", "-q")
+    dry_run: bool = option(False, "Show every point's phases with their estimated peak "
+                           "memory, and what would be skipped and why; allocate nothing, "
+                           "exit 0.", "--dry-run")
+    force: bool = option(False, "Run points whose estimated peak memory does not fit in what "
+                         "is available.", "--force")
+    host_mem: str | None = option(
+        None, "Host memory the preflight may plan with, in bytes or e.g. 128GiB (also "
+        "$KVBENCH_HOST_MEM), where MemAvailable understates it: a machine whose RAM grows on "
+        "demand. \\[default: MemAvailable]", "--host-mem", show_default=False)
+    # a sweep file's [[points]]: each table's options over the file's own (not a flag)
+    points: tuple[dict, ...] | None = field(default=None, metadata={"commands": ()})
+
+    def but(self, **changes) -> RunOptions:
+        from dataclasses import replace
+
+        return replace(self, **changes)
+
+
+def signature(command: str) -> inspect.Signature:
+    """The Typer signature of an experiment command: ctx, then its fields of RunOptions."""
+    hints = typing.get_type_hints(RunOptions)
+    params = [inspect.Parameter("ctx", inspect.Parameter.POSITIONAL_OR_KEYWORD,
+                                annotation=typer.Context)]
+    for f in fields(RunOptions):
+        meta = f.metadata
+        if command not in meta["commands"]:
+            continue
+        opt = typer.Option(*meta["flags"], help=meta["help"],
+                           show_default=meta["show_default"])
+        params.append(inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY,
+                                        default=f.default,
+                                        annotation=Annotated[hints[f.name], opt]))
+    return inspect.Signature(params)
+
+
+def from_context(ctx: typer.Context) -> RunOptions:
+    """The command's option values, with a sweep file's filling those not given explicitly."""
+    from kvbench.sweep import load_sweep
+
+    values = dict(ctx.params)
+    if values.get("format") not in FORMATS:
+        raise KvbenchError(f"--format {values.get('format')!r}: use table, csv or json")
+    if values.get("host_mem") is not None:
+        from kvbench.hostmem import HOST_MEM_VAR, host_available
+
+        os.environ[HOST_MEM_VAR] = values["host_mem"]
+        if host_available() < 1:
+            raise KvbenchError(f"--host-mem {values['host_mem']}: give a positive size, "
+                               "e.g. 128GiB")
+    path = values.get("config")
+    if path is None:
+        return RunOptions(**values)
+    allowed = set(values) - OUTPUT
+    swept = load_sweep(path, ctx.info_name, allowed)
+    variants = swept.pop("points", None)
+
+    def fill(into: dict, given: dict) -> dict:
+        for key, value in given.items():
+            source = ctx.get_parameter_source(key)
+            if source is not None and source.name != "DEFAULT":
+                continue  # the command line wins
+            default = values[key]
+            if default is not None and type(value) is not type(default):
+                raise KvbenchError(f"sweep file {path}: {key} = {value!r} should be a "
+                                   f"{type(default).__name__}")
+            into[key] = value
+        return into
+
+    fill(values, swept)
+    if variants is not None:  # [[points]]: each table's options over the file's own
+        values["points"] = tuple(fill({}, v) for v in variants)
+    return RunOptions(**values)

@@ -1,0 +1,178 @@
+"""The plan of an experiment command: its options -> the points to run (a shape, dtype, K/V
+format and technique each, with the implementations that can run it), the implementation
+options they share, and notes on what was left out. Ragged lengths and K/V format lists are
+expanded here.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import replace
+
+from kvbench.errors import KvbenchError
+from kvbench.options import RunOptions
+
+
+def expand(o: RunOptions, reference_cases: bool = False, measure: str | None = None):
+    """The points of the options (_points_of), or with a sweep file's [[points]] the points of each table
+    (options over the file's own), in order. The tables may not change the options every
+    implementation shares (--block-size and the like)."""
+    variants = o.points
+    if not variants:
+        return _points_of(o, reference_cases, measure)
+    points, options, notes = [], None, []
+    for variant in variants:
+        more, opts, more_notes = _points_of(o.but(**variant), False, measure)
+        if options is not None and opts != options:
+            raise KvbenchError("sweep file points may change the shape, the technique, "
+                               "--impl and --kv-dtype, not the options every implementation "
+                               "shares (--block-size, --sdpa-backend, --splits, --group-size, "
+                               "--prealloc)")
+        options = opts
+        points += more
+        notes += [n for n in more_notes if n not in notes]
+    return points, options, notes
+
+
+def _points_of(o: RunOptions, reference_cases: bool = False,
+               measure: str | None = None):
+    """Options -> [(RunConfig, implementation names)], the implementation options, and notes
+    on the implementations left out (printed once the preflight has passed).
+
+    With no shape option, verify also runs the small reference case. `measure` ("bench",
+    "memory") leaves out implementations that command cannot measure here.
+    """
+    from kvbench import render
+    from kvbench.caches import ImplOptions, select_impls
+    from kvbench.config import (
+        SHAPE_FIELDS,
+        SMALL_CASE,
+        RunConfig,
+        canonical_dtype,
+        expand_shapes,
+        parse_int_list,
+        timing_case,
+    )
+    from kvbench.device import resolve_device
+
+    dev = resolve_device(o.device)
+    dtypes = [canonical_dtype(d) for d in o.dtype.split(",")]
+    lists = {name: parse_int_list("--" + name.replace("_", "-"), getattr(o, name))
+             for name in SHAPE_FIELDS if getattr(o, name) is not None}
+    shapes = _ragged(o, expand_shapes(timing_case(dev), lists), lists)
+    # the cache techniques, one point per --kv-budget
+    budgets = (parse_int_list("--kv-budget", o.kv_budget) if o.kv_budget is not None
+               else [None])
+    shapes = [replace(s, window=o.window, sinks=o.sinks, shared_prefix=o.shared_prefix,
+                      kv_budget=n, kv_recent=o.kv_recent) for s in shapes for n in budgets]
+    from kvbench import distributed
+
+    if o.tp != 1 or distributed.launched():
+        for shape in shapes:
+            distributed.check(o.tp, shape.q_heads, shape.kv_heads)
+        dev = distributed.setup(o.tp, dev)
+    options = ImplOptions(o.block_size, o.sdpa_backend, o.splits,
+                          group_size=o.group_size, prealloc=o.prealloc)
+    kv_dtypes = _kv_dtypes(o.kv_dtype, dtypes)
+    ragged = (o.seq_lens is not None or o.len_dist is not None
+              or o.window is not None or o.shared_prefix
+              or o.kv_budget is not None)  # (not for the small case)
+    if reference_cases and not lists and not ragged:
+        shapes = [SMALL_CASE] + shapes
+    # A group larger than a head vector is one group of the whole vector, here as in
+    # `kvbench capacity` (groups per vector: ceil(D / group size)).
+    points, notes, refused, ran = [], [], {}, set()
+    explicit = o.impl.strip().lower() != "all"
+    for shape, dt, kv in itertools.product(shapes, dtypes, kv_dtypes):
+        config = RunConfig(shape, dt, dev, o.seed, o.rope, kv, o.group_size, o.tp)
+        names, skipped = select_impls(o.impl, config, options, strict=False,
+                                      measure=measure)
+        ran.update(names)
+        by_reason: dict[str, list[str]] = {}
+        for name, reason in skipped:
+            refused.setdefault(name, reason)
+            by_reason.setdefault(reason, []).append(name)
+        for reason, names_ in by_reason.items():  # one line per reason
+            where = f" at {render.describe(config)}" if explicit else ""
+            line = f"skipping {', '.join(names_)}{where}: {reason}"
+            if line not in notes:
+                notes.append(line)
+        if names:
+            points.append((config, names))
+    # Named explicitly and unable to run any point: an error, not a note.
+    for name, reason in refused.items():
+        if explicit and name not in ran:
+            raise KvbenchError(f"--impl {name} cannot run here: {reason}")
+    return points, options, notes
+
+
+def _ragged(o: RunOptions, shapes, lists: dict[str, list[int]]):
+    """The shapes with --seq-lens, --len-dist (each distribution a point) and --max-len."""
+    from kvbench.config import parse_int_list
+    from kvbench.lengths import draw, parse_len_dist
+
+    given, dists, max_len = o.seq_lens, o.len_dist, o.max_len
+    positive("--max-len", max_len)
+    if given is not None and dists is not None:
+        raise KvbenchError("give --seq-lens or --len-dist, not both")
+    if given is None and dists is None:
+        return [replace(s, max_len=max_len) for s in shapes] if max_len is not None else shapes
+    flag = "--seq-lens" if given is not None else "--len-dist"
+    if "prompt_len" in lists:
+        raise KvbenchError(f"{flag} sets each sequence's prompt length; drop --prompt-len")
+    if given is not None:
+        lens = parse_int_list("--seq-lens", given)
+        if "batch" in lists and lists["batch"] != [len(lens)]:
+            raise KvbenchError(f"--seq-lens gives {len(lens)} sequences but --batch is "
+                               f"{o.batch}; drop --batch (the lengths set it)")
+        return list(dict.fromkeys(s.with_lens(lens, max_len) for s in shapes))
+    out = []
+    for dist in (parse_len_dist(d) for d in dists.split(",") if d.strip()):
+        for s in shapes:
+            if max_len is None and dist.largest is None:
+                raise KvbenchError(f"--len-dist {dist} needs --max-len: the longest a request "
+                                   "may get, which caps the draws and is what preallocation "
+                                   "reserves")
+            # lognormal draws are capped so that prompt + decode fits --max-len; a uniform
+            # draw past it is refused (by LayerShape), not clipped
+            cap = dist.largest if dist.largest is not None else max_len - s.decode_len
+            if cap < 1:
+                raise KvbenchError(f"--max-len {max_len} leaves no room for a prompt before "
+                                   f"{s.decode_len} decode positions; raise --max-len")
+            reach = max_len if max_len is not None else dist.largest + s.decode_len
+            out.append(s.with_lens(draw(dist, s.batch, o.seed, cap), reach, str(dist)))
+    if not out:
+        raise KvbenchError("--len-dist is empty; use uniform:LO:HI or lognormal:MEAN:SIGMA")
+    return out
+
+
+def _kv_dtypes(spec: str | None, dtypes: list[str]) -> list[str | None]:
+    """--kv-dtype (one or a comma list) -> the storage formats to run; None = the activation
+    dtype ("none", or the --dtype's own name)."""
+    from kvbench.capacity import QUANTIZED, kv_dtype
+
+    if spec is None:
+        return [None]
+    formats = []
+    for name in (n.strip() for n in spec.split(",") if n.strip()):
+        if name.lower() == "none":
+            formats.append(None)
+            continue
+        key = kv_dtype(name)
+        if key in QUANTIZED:
+            formats.append(key)
+        elif all(kv_dtype(d) == key for d in dtypes):
+            formats.append(None)
+        else:
+            raise KvbenchError(f"--kv-dtype {name}: an unquantized cache is stored in the "
+                               f"activation dtype; use --dtype {name}, or a quantized "
+                               f"--kv-dtype ({', '.join(sorted(QUANTIZED))}; none for unquantized)")
+    if not formats:
+        raise KvbenchError("--kv-dtype is empty; give fp8, int8, int4, int2 or none")
+    return list(dict.fromkeys(formats))
+
+
+def positive(flag: str, value: int | None) -> int | None:
+    if value is not None and value < 1:
+        raise KvbenchError(f"{flag} must be a positive integer, got {value}")
+    return value

@@ -1,0 +1,103 @@
+"""kvbench.runner: rows on disk as each point finishes, SIGTERM handled as Ctrl-C, the
+results location checked before the first point."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pandas as pd
+import pytest
+from typer.testing import CliRunner
+
+from kvbench.cli import app
+
+REPO = Path(__file__).resolve().parent.parent
+SMALL = ["--device", "cpu", "--impl", "static", "--batch", "1", "--decode-len", "2",
+         "--hidden", "32", "--q-heads", "4", "--kv-heads", "2", "--head-dim", "12"]
+runner = CliRunner()
+
+
+def test_sigterm_after_two_points_keeps_their_rows_and_exits_143(tmp_path):
+    out = tmp_path / "b.csv"
+    # four points; each is slow enough (many rounds) to signal between the second and third
+    cmd = [sys.executable, "-m", "kvbench", "bench", *SMALL, "--prompt-len", "8,16,24,32",
+           "--rounds", "150", "--warmup", "1", "--csv", str(out), "--quiet"]
+    proc = subprocess.Popen(cmd, cwd=REPO, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONPATH": str(REPO)})
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline:
+        if out.exists() and len(pd.read_csv(out)) >= 2:
+            break
+        if proc.poll() is not None:
+            pytest.fail(f"finished before the signal: {proc.stderr.read()}")
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 143, err
+    df = pd.read_csv(out)
+    assert 2 <= len(df) < 4
+    assert df["prompt_len"].tolist() == [8, 16, 24][: len(df)]
+    assert "terminated after" in err and "kept in" in err and "Traceback" not in err
+
+
+def test_rows_are_on_disk_before_the_next_point_runs(tmp_path, monkeypatch):
+    from kvbench import runner as run_module
+
+    out = tmp_path / "v.csv"
+    seen = []
+    real = run_module.sweep
+
+    def watching(o, command, points, run_point, *args, **kwargs):
+        def run_and_look(config, names, env):
+            seen.append(len(pd.read_csv(out)) if out.exists() else 0)
+            return run_point(config, names, env)
+
+        return real(o, command, points, run_and_look, *args, **kwargs)
+
+    monkeypatch.setattr(run_module, "sweep", watching)
+    result = runner.invoke(app, ["verify", *SMALL, "--prompt-len", "8,16,24", "--csv",
+                                 str(out)])
+    assert result.exit_code == 0, result.output
+    assert seen == [0, 1, 2]  # each point's row was written before the next began
+
+
+def test_an_unwritable_results_folder_is_refused_before_the_first_point(tmp_path):
+    if os.geteuid() == 0 and not _chattr_works(tmp_path):
+        pytest.skip("root writes anywhere and chattr is unavailable here")
+    folder = tmp_path / "locked"
+    folder.mkdir()
+    _lock(folder)
+    try:
+        result = runner.invoke(app, ["verify", *SMALL, "--csv", str(folder / "v.csv")])
+    finally:
+        _unlock(folder)
+    assert result.exit_code == 2
+    assert "cannot " in result.stderr and result.stderr.count("\n") == 1
+    assert "PASS" not in result.stdout  # nothing ran
+
+
+def _chattr_works(path: Path) -> bool:
+    probe = path / "probe"
+    probe.mkdir()
+    ok = subprocess.run(["chattr", "+i", str(probe)], capture_output=True,
+                        check=False).returncode == 0
+    if ok:
+        subprocess.run(["chattr", "-i", str(probe)], check=False)
+    return ok
+
+
+def _lock(folder: Path) -> None:
+    if os.geteuid() == 0:
+        subprocess.run(["chattr", "+i", str(folder)], check=True)
+    else:
+        folder.chmod(0o500)
+
+
+def _unlock(folder: Path) -> None:
+    if os.geteuid() == 0:
+        subprocess.run(["chattr", "-i", str(folder)], check=True)
+    else:
+        folder.chmod(0o700)
