@@ -32,6 +32,8 @@ class _Group(TyperGroup):
             code = super().main(args=args, prog_name=prog_name or "kvbench",
                                 complete_var=complete_var, standalone_mode=False, **extra)
         except _UsageError as e:
+            if not e.format_message().strip():  # bare `kvbench`: the help was the answer
+                sys.exit(0)
             ctx = getattr(e, "ctx", None)
             hint = f" (see kvbench {ctx.info_name} --help)" if ctx and ctx.parent else ""
             _fail(f"{e.format_message()}{hint}", 2)

@@ -24,7 +24,8 @@ OUTPUT = {"config", "csv", "no_csv", "format", "quiet", "dry_run", "force", "hos
 # Where each implementation runs, for --help without importing torch (a test checks that it
 # names every registered implementation).
 IMPL_HELP = (
-    "Cached implementations: 'all' or a comma list of concat, static, sdpa, paged (eager "
+    "Cached implementations: 'default' (all of them; on the CPU bench and memory leave out "
+    "splitk, compiled and flex, which compile first), 'all', or a comma list of concat, static, sdpa, paged (eager "
     "PyTorch: CPU and CUDA); splitk (CPU, float32: a numba kernel); triton (CUDA; on the CPU "
     "verify only, in Triton's interpreter); compiled (gpt-fast's step: a CUDA graph on CUDA, "
     "inductor C++ on the CPU) and flex (FlexAttention under torch.compile): CUDA and CPU, "
@@ -64,7 +65,7 @@ class RunOptions:
                                   show_default=False)
     head_dim: str | None = option(None, _list("Head dim D.", "64"), show_default=False)
     seed: int = option(0, "Seed of the weights and inputs.")
-    impl: str = option("all", IMPL_HELP)
+    impl: str = option("default", IMPL_HELP)
     rope: bool = option(False, "Rotary position embedding on q and k (k rotated before "
                         "caching).")
     block_size: int = option(16, "paged: positions per block.")

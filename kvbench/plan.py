@@ -82,10 +82,15 @@ def _points_of(o: RunOptions, reference_cases: bool = False,
     # A group larger than a head vector is one group of the whole vector, here as in
     # `kvbench capacity` (groups per vector: ceil(D / group size)).
     points, notes, refused, ran = [], [], {}, set()
-    explicit = o.impl.strip().lower() != "all"
+    spec = o.impl.strip().lower()
+    explicit = spec not in ("all", "default")
+    if spec == "default":
+        spec, left_out = default_impls(dev, measure)
+        if left_out:
+            notes.append(left_out)
     for shape, dt, kv in itertools.product(shapes, dtypes, kv_dtypes):
         config = RunConfig(shape, dt, dev, o.seed, o.rope, kv, o.group_size, o.tp)
-        names, skipped = select_impls(o.impl, config, options, strict=False,
+        names, skipped = select_impls(spec, config, options, strict=False,
                                       measure=measure)
         ran.update(names)
         by_reason: dict[str, list[str]] = {}
@@ -170,6 +175,24 @@ def _kv_dtypes(spec: str | None, dtypes: list[str]) -> list[str | None]:
     if not formats:
         raise KvbenchError("--kv-dtype is empty; give fp8, int8, int4, int2 or none")
     return list(dict.fromkeys(formats))
+
+
+# What the CPU leaves out of bench and memory by default: each compiles before its first step
+# (10-30 s a shape on a cold cache) and runs slower than eager `static` there.
+CPU_LEFT_OUT = ("splitk", "compiled", "flex")
+
+
+def default_impls(device: str, measure: str | None) -> tuple[str, str | None]:
+    """--impl default: every implementation, but for bench and memory on the CPU the ones
+    that compile first; and the line that says so."""
+    from kvbench.caches import IMPLEMENTATIONS
+
+    if device != "cpu" or measure is None:
+        return "all", None
+    names = [n for n in IMPLEMENTATIONS if n not in CPU_LEFT_OUT]
+    return ",".join(names), (f"left out on the CPU by default: {', '.join(CPU_LEFT_OUT)} "
+                             "(they compile first and run slower than eager here); "
+                             "--impl all includes them")
 
 
 def positive(flag: str, value: int | None) -> int | None:

@@ -67,7 +67,7 @@ def test_bench_reports_compile_ms_and_times_no_compile(tmp_path):
     out = tmp_path / "b.csv"
     result = runner.invoke(app, ["bench", "--impl", "static,compiled,flex", "--prompt-len", "16",
                                  "--decode-len", "4", "--hidden", "64", "--q-heads", "4",
-                                 "--kv-heads", "2", "--head-dim", "16", "--warmup", "0",
+                                 "--kv-heads", "2", "--head-dim", "32", "--warmup", "0",
                                  "--rounds", "2", "--csv", str(out), "--quiet"])
     assert result.exit_code == 0, result.output
     import pandas as pd
