@@ -340,8 +340,6 @@ class Check:
 
     def archive(self) -> None:
         files = sorted(p for p in self.work.iterdir() if p.suffix in (".csv", ".png", ".tsv"))
-        if not files:
-            return
         tmp = self.out / ".results.tar.gz.tmp"
         with tarfile.open(tmp, "w:gz") as tar:
             for p in files:

@@ -46,18 +46,11 @@ def test_a_budget_that_forces_skips_runs_what_fits_in_priority_order(tmp_path):
     assert "skipped: " in summary and "RESULT" in summary
     assert_fits_the_loan(out)
     assert "$ " in (out / "gpu-check.log").read_text()  # every command is logged
-
-
-def test_the_archive_holds_every_csv_written_so_far(tmp_path):
-    out = tmp_path / "out"
-    run("--rehearse", out, 60)
-    with tarfile.open(out / "results.tar.gz") as tar:
+    with tarfile.open(out / "results.tar.gz") as tar:  # every CSV written so far
         names = tar.getnames()
-    summary = (out / "summary.txt").read_text()
-    if "  2 verify        PASS" in summary:
-        assert "results/verify.csv" in names
-    assert names and all(n.startswith("results/") for n in names)
-    assert_fits_the_loan(out)
+    assert all(n.startswith("results/") for n in names)
+    if "PASS" in steps["memory"]:
+        assert "results/memory.csv" in names
 
 
 def test_a_run_killed_part_way_leaves_a_summary_naming_what_finished(tmp_path):
