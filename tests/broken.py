@@ -438,3 +438,14 @@ class CompiledOwnBuffers(CompiledCache):
     def allocate_kv(self, shape):
         self._lease = {}
         return PreallocatedCache.allocate_kv(self, shape)
+
+
+class WrongAtTheLastStep(StaticCache):
+    """Right at every step but the last (a fault that a verify skipping its last comparison
+    would pass)."""
+
+    name = "wrong-at-the-last-step"
+
+    def step(self, x_t):
+        out = super().step(x_t)
+        return out + 1.0 if self.length == self.max_len else out

@@ -191,3 +191,32 @@ def test_the_memory_command_exits_cleanly_every_time(tmp_path):
         codes.append(r.returncode)
         assert "Traceback" not in r.stderr and "terminate called" not in r.stderr, r.stderr
     assert codes == [0] * 10
+
+
+@pytest.mark.parametrize("tp, kv_heads", [(4, 2), (4, 1), (4, 4), (2, 8)])
+def test_every_rank_takes_the_kv_heads_its_query_heads_read(tp, kv_heads):
+    # no process group needed: shard is arithmetic on the weights. With fewer KV heads than
+    # ranks, rank r's query heads read KV head (r * H_q/tp) // G: not always rank 0's
+    import torch
+
+    from kvbench.attention import AttentionLayer
+    from kvbench.config import LayerShape, RunConfig
+
+    shape = LayerShape(batch=1, prompt_len=4, decode_len=1, hidden=32, q_heads=8,
+                       kv_heads=kv_heads, head_dim=4)
+    layer = AttentionLayer.from_config(RunConfig(shape))
+    Hq, D, G = 8, 4, 8 // kv_heads
+    w = layer.w_qkv.view(32, Hq + 2 * kv_heads, D)  # [H, heads, D]
+    seen = set()
+    for rank in range(tp):
+        part = layer.shard(tp, rank)
+        hq, hkv = Hq // tp, max(1, kv_heads // tp)
+        first_q = rank * hq
+        kv = [(first_q + i * G) // G for i in range(0, hq, G)] if hq >= G else [first_q // G]
+        got = part.w_qkv.view(32, hq + 2 * hkv, D)
+        assert torch.equal(got[:, :hq], w[:, first_q:first_q + hq])
+        assert torch.equal(got[:, hq:hq + hkv], w[:, Hq + kv[0]:Hq + kv[0] + hkv])
+        assert torch.equal(got[:, hq + hkv:], w[:, Hq + kv_heads + kv[0]:
+                                                Hq + kv_heads + kv[0] + hkv])
+        seen.add(kv[0])
+    assert seen == set(range(0, kv_heads, max(1, kv_heads // tp)))

@@ -268,3 +268,52 @@ def test_verify_rejects_an_eviction_cache_that_reads_what_it_evicted():
     report = verify(RunConfig(EVICTED), {"bad": EvictsIntoTheWrongSlot})
     (check,) = report.checks
     assert not check.passed and check.first_bad_step >= 1
+
+
+def test_a_fault_at_the_last_decode_step_alone_fails():
+    from broken import WrongAtTheLastStep
+
+    shape = LayerShape(batch=2, prompt_len=9, decode_len=4, hidden=32, q_heads=4, kv_heads=2,
+                       head_dim=8)
+    (check,) = verify(RunConfig(shape), {"bad": WrongAtTheLastStep}).checks
+    assert not check.passed and check.first_bad_step == shape.decode_len
+
+
+def _h2o(budget: int, recent: int, prompt_len: int = 10):
+    from kvbench.attention import AttentionLayer
+    from kvbench.caches import H2OCache
+
+    shape = LayerShape(batch=1, prompt_len=prompt_len, decode_len=4, hidden=32, q_heads=4,
+                       kv_heads=2, head_dim=8, kv_budget=budget, kv_recent=recent)
+    config = RunConfig(shape)
+    return H2OCache.build(AttentionLayer.from_config(config), config), config
+
+
+def test_h2o_keeps_the_heaviest_prompt_positions(monkeypatch):
+    # verify's gate checks attention over whatever was kept, so it cannot see which positions
+    # should have been: plant the scores and check the choice itself
+    from kvbench.attention import make_inputs
+
+    impl, config = _h2o(budget=4, recent=2)
+    planted = torch.tensor([0.1, 0.2, 0.3, 9.0, 0.4, 5.0, 0.5, 0.6, 0.7, 0.8])  # T = 10
+    monkeypatch.setattr(impl, "_prompt_scores",
+                        lambda q, k: planted.expand(1, 2, 10).clone())
+    with torch.no_grad():
+        impl.prefill(make_inputs(config)[:, :10])
+    for head in range(2):  # the two heaviest older positions (3, 5), then the recent (8, 9)
+        assert impl.pos[0, head].tolist() == [3, 5, 8, 9]
+
+
+def test_h2o_evicts_the_lightest_position_outside_the_recent_window():
+    from kvbench.attention import make_inputs
+
+    impl, config = _h2o(budget=4, recent=1, prompt_len=4)
+    x = make_inputs(config)
+    with torch.no_grad():
+        impl.prefill(x[:, :4])  # fills the 4 slots with positions 0..3
+        impl.score[:] = torch.tensor([5.0, 0.1, 3.0, 0.2])  # planted: slot 1 is the lightest
+        impl.score[0, 1] = torch.tensor([0.3, 7.0, 0.05, 9.0])  # head 1: slot 2
+        k = v = torch.zeros(1, 2, 1, 8)
+        impl.write(k, v)  # position 4 takes the lightest slot outside the last 1 position
+    assert impl.pos[0, 0].tolist() == [0, 4, 2, 3]
+    assert impl.pos[0, 1].tolist() == [0, 1, 4, 3]
