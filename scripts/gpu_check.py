@@ -140,7 +140,7 @@ def plan(mode: Mode, out: Path, gpus: int) -> list[Step]:
              [[*kv, "verify", *dev, "--dtype", mode.halves, "--impl", all_impls,
                *mode.timing, *csv("verify.csv")],
               [*kv, "verify", *dev, "--dtype", "float32,float16,bfloat16", "--impl",
-               EAGER + ",h2o", *mode.small, *csv("verify.csv")]]),
+               EAGER, *mode.small, *csv("verify.csv")]]),
         Step("bench", 3, "bench at the timing case, fp16 (compiled vs eager static)", 90,
              [[*kv, "bench", *dev, *mode.rounds, "--dtype", mode.half, "--impl",
                all_impls if not mode.rehearse else "concat,static,sdpa,paged,compiled",
