@@ -40,6 +40,22 @@ def _table(title: str) -> Table:
                  padding=(0, 1, 0, 0), caption_justify="left")
 
 
+def _fit(t: Table) -> Table:
+    """Numbers are never cut: a right-aligned column is at least as wide as its widest cell,
+    and its header may wrap instead (at 80 columns Rich would otherwise shrink it to '147,4…')."""
+    from rich.text import Text
+
+    for col in t.columns:
+        if col.justify != "right":  # words wrap to make room
+            col.no_wrap = False
+            continue
+        cells = [Text.from_markup(c).cell_len if isinstance(c, str) else 0 for c in col._cells]
+        col.min_width = max(cells, default=0)
+        col.no_wrap = False
+        col.overflow = "fold"
+    return t
+
+
 def mib(nbytes: float | None) -> str:
     return "n/a" if nbytes is None else f"{nbytes / MIB:,.3f}"
 
@@ -162,7 +178,8 @@ def bench_table(result) -> Table:
                   _ms(timing.decode.median_ms), _spread(timing.decode),
                   f"{speedup:.2f}×" if speedup else "—", _ms(result.ms_per_step(timing)),
                   f"{result.achieved_gbps(timing):.1f}",
-                  f"{100 * result.bandwidth_fraction(timing):.0f}%")
+                  f"{100 * result.bandwidth_fraction(timing):.0f}%"
+                  + (" [yellow]?[/]" if result.bandwidth_fraction(timing) > 1 else ""))
     copy = result.copy_gbps
     t.caption = (f"times in ms; recompute and cached: all {g} decode steps, median of "
                  f"{result.options.rounds} rounds after {result.options.warmup} warmups; IQR of "
@@ -181,26 +198,40 @@ def _tp_caption(result) -> str:
     ar = result.allreduce.median_ms
     shares = ", ".join(f"{t.impl} {ar / result.ms_per_step(t):.0%}" for t in result.timings)
     return (f"; tp={result.config.tp}: each sample is its slowest rank's time; the step's "
-            f"all-reduce of [B, 1, H] alone takes {_ms(ar)} ms, of a cached step: {shares}")
+            f"all-reduce of [B, 1, H] alone takes {_ms(ar)} ms, of a cached step: {shares}"
+            + (" (the two are timed apart: above 100%, the all-reduce alone took longer than "
+               "a whole step did, as a lone collective waits on every rank's arrival)"
+               if any(ar > result.ms_per_step(t) for t in result.timings) else ""))
 
 
 def show_bench(result) -> None:
-    out.print(bench_table(result))
+    out.print(_fit(bench_table(result)))
     for line in bench_warnings(result):
         warn(line)
 
 
 def bench_warnings(result) -> list[str]:
-    """A closed set of actionable messages, hyperfine style."""
+    """A closed set of actionable messages, hyperfine style: one line per kind, naming every
+    measurement it concerns (the CSV marks the rows: noisy, suspect)."""
+    from kvbench.timing import NOISY_IQR_FRACTION
+
     lines = []
     measured = [("recompute", result.recompute)] if result.recompute else []
     for timing in result.timings:
         measured += [(f"{timing.impl} prefill", timing.prefill),
                      (f"{timing.impl} cached decode", timing.decode)]
-    for label, stats in measured:
-        if stats is not None and stats.noisy:
-            lines.append(f"{label}: IQR is {100 * stats.iqr_ms / stats.median_ms:.0f}% of the "
-                         "median; the machine is noisy: consider more --rounds or --warmup")
+    noisy = [f"{label} {100 * stats.iqr_ms / stats.median_ms:.0f}%" for label, stats in measured
+             if stats is not None and stats.noisy]
+    if noisy:
+        lines.append(f"noisy: IQR above {100 * NOISY_IQR_FRACTION:.0f}% of the median for "
+                     f"{', '.join(noisy)}; the machine is busy: consider more --rounds or "
+                     "--warmup")
+    suspect = [f"{t.impl} {100 * result.bandwidth_fraction(t):.0f}%" for t in result.timings
+               if result.bandwidth_fraction(t) > 1]
+    if suspect:
+        lines.append(f"suspect: above the copy bandwidth ({', '.join(suspect)}): the step's "
+                     "bytes were served from the CPU's caches, so this is no memory-bandwidth "
+                     "figure; a larger --batch or --prompt-len puts the cache in DRAM")
     return lines
 
 
@@ -297,8 +328,8 @@ def show_memory(result) -> None:
         if result.ranks:
             out.print(f"rank {r.rank} of {len(result.ranks)}: its shard's caches and weights; "
                       "recompute is the whole layer")
-        out.print(memory_table(r))
-        out.print(reservation_table(r))
+        out.print(_fit(memory_table(r)))
+        out.print(_fit(reservation_table(r)))
 
 
 def capacity_table(p) -> Table:
@@ -357,7 +388,7 @@ def capacity_table(p) -> Table:
 
 
 def show_capacity(p) -> None:
-    out.print(capacity_table(p))
+    out.print(_fit(capacity_table(p)))
     f = p.fit
     if f:
         verdict = (f"[green]fits[/], {human_bytes(f.headroom_bytes)} to spare" if f.fits else
@@ -493,7 +524,7 @@ def show_comparison(c) -> None:
                  + (f"; worse by more than {100 * c.threshold:g}%: a regression where the "
                     "interquartile ranges (median ± IQR/2) separate, too noisy to judge where "
                     "they overlap" if c.threshold is not None else ""))
-    out.print(t)
+    out.print(_fit(t))
 
 
 def refusal(plan) -> str:

@@ -212,7 +212,9 @@ BENCH_COLUMNS = BENCH_FIRST[:-len(ENV_COLUMNS)] + [
     # what each technique costs beside its time: the finished cache's K/V bytes (the
     # planner's figure), and the verification's error against path A (lossy: h2o)
     "kv_cache_bytes", "verify_max_abs_err", "verify_mean_abs_err", "verify_cosine",
-    "lossy"] + ENV_COLUMNS
+    "lossy",
+    # above the copy bandwidth: served from a cache, not memory (see render.bench_warnings)
+    "suspect"] + ENV_COLUMNS
 
 
 def config_cells(command: str, impl: str, config) -> dict[str, object]:
@@ -273,6 +275,7 @@ def bench_rows(result, env: dict[str, object]) -> list[dict[str, object]]:
             "recompute_ms_per_step": rec.median_ms / g if rec else None,
             "cached_ms_per_step": result.ms_per_step(t),
             "noisy": any(x is not None and x.noisy for x in (t.decode, t.prefill, rec)),
+            "suspect": result.bandwidth_fraction(t) > 1,
             "min_bytes_per_step": t.min_bytes_per_step,
             "flops_per_step": result.flops_per_step, "copy_gbps": result.copy_gbps,
             "achieved_gbps": result.achieved_gbps(t),
