@@ -161,7 +161,10 @@ def bench(config: RunConfig, impls: tuple[str, ...], options: BenchOptions,
             # One prompt cache per implementation; every sample decodes from it again.
             with device_errors("prefill", name, free=lambda: free_bytes(dev)):
                 impl = prompt_caches[name] = fresh(cls)
-                impl.prefill(prompt)
+                if options.prefill:
+                    impl.prefill(prompt)
+                else:  # not timed: K and V of the prompt, no quadratic attention (concat)
+                    impl.fill(prompt)
                 impl.checkpoint()  # every sample decodes from this prompt cache again
                 if cls.compiles:  # its first steps compile: never inside a timed sample
                     impl.decode(x, keep=False)

@@ -142,6 +142,11 @@ class ImplFootprint:
     cached: int
     prefill: int
     decode: int
+    fill: int | None = None  # the prompt cache built without a timed prefill; None: prefill
+
+    @property
+    def fill_peak(self) -> int:
+        return self.prefill if self.fill is None else self.fill
 
 
 def sdpa_is_fused(device: str, dtype: str, head_dim: int) -> bool:
@@ -215,4 +220,5 @@ def concat(s: LayerShape, rope: bool, dtype_bytes: int) -> ImplFootprint:
     prefill = dense_prefill(s, rope, dtype_bytes)
     decode = step_at(s.total_len)
     cached = max(prefill, prompt_held + step_at(s.prompt_len + 1), decode)
-    return ImplFootprint(z.kv(s.total_len) * dtype_bytes, cached, prefill, decode)
+    fill = projection(s, s.prompt_len, rope)[1] * dtype_bytes  # K and V projected, no scores
+    return ImplFootprint(z.kv(s.total_len) * dtype_bytes, cached, prefill, decode, fill)

@@ -148,8 +148,10 @@ def bench_phases(config: RunConfig, impls, options, bench_options) -> list[Phase
         phases.append(Phase("recompute (timed)", held + fp.recompute(s, config.rope, b), mem,
                             a_remedy))
     for name, f in feet.items():
-        # bench builds each prompt cache with one prefill even with --no-prefill
-        phases.append(Phase(f"{name} prefill", held + f.prefill, mem, _remedy_for(name)))
+        if bench_options.prefill:  # the timed prefill, then the prompt cache built likewise
+            phases.append(Phase(f"{name} prefill", held + f.prefill, mem, _remedy_for(name)))
+        else:  # the prompt cache from the prompt's K and V alone (CachedAttention.fill)
+            phases.append(Phase(f"{name} prompt cache", held + f.fill_peak, mem, _SHRINK))
         phases.append(Phase(f"{name} decode (timed)", held + f.decode, mem, _SHRINK))
     return phases
 

@@ -286,3 +286,32 @@ def test_without_triton_the_kernel_is_skipped_or_refused_naming_the_extra(tmp_pa
     assert '".[dev]"' in result.stderr
     result = runner.invoke(app, ["verify", *TINY, "--no-csv"])
     assert result.exit_code == 0 and "skipping triton: needs triton" in result.stderr
+
+
+@pytest.mark.parametrize("name", list(IMPLEMENTATIONS))
+def test_a_prompt_cache_filled_without_attention_decodes_as_a_prefilled_one(name):
+    # bench --no-prefill builds its prompt caches with fill(): K and V are projections of the
+    # prompt, so concat needs no dense T×T prefill there
+    config = RunConfig(SHAPE)
+    layer, x = AttentionLayer.from_config(config), make_inputs(config)
+    cls = runnable(name, config)
+    with torch.no_grad():
+        prefilled, filled = cls(layer, 2, SHAPE.total_len), cls(layer, 2, SHAPE.total_len)
+        prefilled.prefill(x[:, :21])
+        filled.fill(x[:, :21])
+        assert filled.length == prefilled.length == 21
+        for a, b in zip(prefilled.decode(x), filled.decode(x)):
+            assert torch.equal(a, b)
+
+
+def test_the_no_prefill_bench_of_concat_plans_no_dense_prefill():
+    from kvbench import preflight
+    from kvbench.bench import BenchOptions
+
+    long = LayerShape(batch=4, prompt_len=4096, decode_len=8, hidden=1024, q_heads=32,
+                      kv_heads=8, head_dim=128)
+    phases = {p.name: p.peak_bytes for p in preflight.plan(
+        "bench", RunConfig(long), ("concat",), ImplOptions(),
+        BenchOptions(recompute=False, prefill=False), available={"host": 2**40}).phases}
+    assert "concat prompt cache" in phases and "concat prefill" not in phases
+    assert phases["concat prompt cache"] < 4 * 2**30  # the dense prefill alone is 18 GiB

@@ -323,6 +323,13 @@ class CachedAttention(ABC):
     def write(self, k: torch.Tensor, v: torch.Tensor) -> None:
         """Append k, v [B, H_kv, n, D] at positions length..length+n-1."""
 
+    def fill(self, x: torch.Tensor) -> None:
+        """The prompt cache for x [B, T_p, H] when the prompt's outputs are not wanted (bench
+        with --no-prefill): K and V are projections of the prompt, so no quadratic attention
+        is needed. Every implementation whose prefill is already exact and not quadratic
+        simply prefills."""
+        self.prefill(x)
+
     def prefill(self, x: torch.Tensor) -> torch.Tensor:
         """Run the prompt x [B, T_p, H]; fill the cache; return the outputs [B, T_p, H]."""
         q, k, v = self.layer.project(x, start=0)

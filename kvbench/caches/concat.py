@@ -28,10 +28,15 @@ class ConcatCache(CachedAttention):
         return fp.concat(config.shape, config.rope, config.dtype_bytes)
 
     def prefill(self, x):
+        q = self.fill(x)
+        return self.layer.output(dense_causal_attention(q, self.k, self.v, self.layer.scale))
+
+    def fill(self, x):
+        """The cache from the prompt's projections alone (no T×T scores); returns q."""
         q, self.k, self.v = self.layer.project(x, start=0)  # k, v [B, H_kv, T_p, D]
         self.valid = self.real(x.shape[1])  # None: no padding
         self._advance(x.shape[1])
-        return self.layer.output(dense_causal_attention(q, self.k, self.v, self.layer.scale))
+        return q
 
     def write(self, k, v):
         self.k = torch.cat((self.k, k), dim=2)  # re-allocates and copies the whole cache
