@@ -84,6 +84,13 @@ def _points_of(o: RunOptions, reference_cases: bool = False,
     points, notes, refused, ran = [], [], {}, set()
     spec = o.impl.strip().lower()
     explicit = spec not in ("all", "default")
+    named = [n.strip() for n in spec.split(",") if n.strip()]
+    twice = sorted({n for n in named if named.count(n) > 1})
+    if twice:
+        notes.append(f"--impl names {', '.join(twice)} more than once; each runs once")
+    if measure == "bench" and dev == "cpu" and any(d != "float32" for d in dtypes):
+        notes.append("timing float16/bfloat16 on the CPU: most CPUs have no fast half-precision "
+                     "kernels, so these times say little about a GPU's")
     if spec == "default":
         spec, left_out = default_impls(dev, measure)
         if left_out:

@@ -286,3 +286,12 @@ def test_the_cpu_default_leaves_out_the_compiling_implementations_and_says_so(tm
 def test_bare_kvbench_prints_help_and_no_empty_error():
     result = runner.invoke(app, [])
     assert "Usage" in result.output and "error" not in result.stderr
+
+
+def test_an_implementation_named_twice_and_half_precision_on_the_cpu_are_said():
+    result = run("bench", *TINY, "--impl", "static,static", "--dtype", "float16", "--warmup",
+                 "0", "--rounds", "1", "--no-csv")
+    assert result.exit_code == 0, result.output
+    assert "--impl names static more than once" in result.stderr
+    assert "float16/bfloat16 on the CPU" in result.stderr
+    assert result.stdout.count(" static ") == 1
