@@ -214,8 +214,8 @@ def plot(results: Annotated[Path, typer.Argument(help="A CSV that kvbench wrote.
     from kvbench.plot import plot as draw
 
     kind, df = read_results(results)
-    written = draw(kind, df, output or results.with_suffix(".png"))
-    render.note(f"wrote {written}")
+    for written in draw(kind, df, output or results.with_suffix(".png")):
+        render.note(f"wrote {written}")
 
 
 @command

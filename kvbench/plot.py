@@ -290,7 +290,17 @@ def plot_frontier(kind: str, df: pd.DataFrame, plt):
     return fig
 
 
-def plot(kind: str, df: pd.DataFrame, output: Path) -> Path:
+def plot(kind: str, df: pd.DataFrame, output: Path) -> list[Path]:
+    """Draw the file's rows to `output`; a memory file that mixes square and ragged batches
+    draws each kind to its own image (the square ones to OUTPUT-square.png)."""
+    if kind == "memory" and df["seq_lens"].notna().any() and df["seq_lens"].isna().any():
+        square = output.with_name(f"{output.stem}-square{output.suffix}")
+        return (_plot_one(kind, df[df["seq_lens"].notna()], output)
+                + _plot_one(kind, df[df["seq_lens"].isna()], square))
+    return _plot_one(kind, df, output)
+
+
+def _plot_one(kind: str, df: pd.DataFrame, output: Path) -> list[Path]:
     drawers = {"bench": plot_bench, "memory": plot_memory, "capacity": plot_capacity,
                "verify": plot_verify}
     if kind in ("bench", "verify") and df["kv_dtype"].nunique(dropna=False) > 1:
@@ -314,4 +324,4 @@ def plot(kind: str, df: pd.DataFrame, output: Path) -> Path:
         raise KvbenchError(f"cannot write {output}: {err.strerror}; pass another -o") from None
     finally:
         plt.close(fig)
-    return output
+    return [output]

@@ -205,3 +205,26 @@ def test_each_run_is_judged_by_its_own_spread(bench_csv, tmp_path):
     (kb, b), (kn, n) = read_results(base), read_results(tight)
     cached = [c for c in compare(kb, b, n, kn, 0.1).changes if c.metric == "decode_cached_ms"]
     assert cached and all(c.too_noisy for c in cached)
+
+
+def test_a_memory_file_mixing_square_and_ragged_rows_draws_each_on_its_own(tmp_path):
+    mem = tmp_path / "mixed.csv"
+    small = ["memory", "--device", "cpu", "--decode-len", "2", "--hidden", "32", "--q-heads",
+             "4", "--kv-heads", "2", "--head-dim", "12", "--impl", "static,paged", "--csv",
+             str(mem)]
+    assert runner.invoke(app, [*small, "--seq-lens", "3,9,20"]).exit_code == 0
+    assert runner.invoke(app, [*small, "--prompt-len", "8"]).exit_code == 0
+    from kvbench import plot
+
+    seen = {}
+    originals = plot.plot_serving, plot.plot_memory
+    plot.plot_serving = lambda df, plt: seen.setdefault("ragged", df) is None or originals[0](df, plt)
+    plot.plot_memory = lambda df, plt: seen.setdefault("square", df) is None or originals[1](df, plt)
+    try:
+        result = runner.invoke(app, ["plot", str(mem)])
+    finally:
+        plot.plot_serving, plot.plot_memory = originals
+    assert result.exit_code == 0, result.output
+    assert seen["ragged"]["seq_lens"].notna().all() and seen["square"]["seq_lens"].isna().all()
+    for name in ("mixed.png", "mixed-square.png"):
+        assert (tmp_path / name).read_bytes()[:4] == b"\x89PNG"
