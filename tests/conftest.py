@@ -9,7 +9,19 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+def pytest_configure(config):
+    config.addinivalue_line("markers", "numba: needs numba (the splitk kernel); skipped "
+                            "without it")
+
+
 def pytest_collection_modifyitems(config, items):
+    import importlib.util
+
+    if importlib.util.find_spec("numba") is None:
+        no_numba = pytest.mark.skip(reason="needs numba: pip install -e \".[cpu-kernel]\"")
+        for item in items:
+            if "numba" in item.keywords:
+                item.add_marker(no_numba)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device; none is available here")

@@ -108,6 +108,7 @@ def test_sdpa_reports_the_backend_that_runs():
     assert reported == ("flash" if FLASH_CPU in ops else "math")
 
 
+@pytest.mark.numba
 def test_splitk_merges_chunks_exactly():
     # One sequence, one KV head and 1500 positions: the kernel splits the context into chunks.
     shape = LayerShape(batch=1, prompt_len=1500, decode_len=3, hidden=32, q_heads=4,
@@ -116,6 +117,7 @@ def test_splitk_merges_chunks_exactly():
     assert report.passed, report.checks[0].message
 
 
+@pytest.mark.numba
 @pytest.mark.parametrize("inline_bytes", [0, 1 << 40])  # on the pool's threads; inline
 def test_splitk_kernels_on_threads_and_inline(monkeypatch, inline_bytes):
     from kvbench.kernels import numba_splitk as splitk

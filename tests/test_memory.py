@@ -1,3 +1,4 @@
+import pytest
 import torch
 
 from kvbench.attention import AttentionLayer, make_inputs
@@ -43,6 +44,7 @@ def test_tracker_sees_the_dense_prefill_score_matrix():
     assert t.peak_bytes >= 4 * 1024 * 1024 * 4  # H_q · T · T · 4 bytes
 
 
+@pytest.mark.numba
 def test_memory_phases_on_cpu():
     shape = LayerShape(batch=2, prompt_len=32, decode_len=4, hidden=64, q_heads=4, kv_heads=2,
                        head_dim=16)
@@ -68,6 +70,7 @@ def by_impl(result):
     return {m.impl: m for m in result.impls}
 
 
+@pytest.mark.numba
 def test_memory_reports_reserved_against_payload_for_a_ragged_batch():
     from kvbench.caches import ImplOptions
 
