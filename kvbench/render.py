@@ -46,10 +46,10 @@ def _fit(t: Table) -> Table:
     from rich.text import Text
 
     for col in t.columns:
-        if col.justify != "right":  # words wrap to make room
-            col.no_wrap = False
+        if col.justify != "right":
             continue
-        cells = [Text.from_markup(c).cell_len if isinstance(c, str) else 0 for c in col._cells]
+        cells = [max(Text.from_markup(line).cell_len for line in c.split("\n"))
+                 if isinstance(c, str) else 0 for c in col._cells]
         col.min_width = max(cells, default=0)
         col.no_wrap = False
         col.overflow = "fold"
@@ -266,7 +266,9 @@ def note(message: str) -> None:
 def memory_table(result) -> Table:
     t = _table(f"memory  {describe(result.config)}")
     for col in ("impl", "phase", "allocated", "reserved", "estimate"):
-        t.add_column(col, justify="left" if col in ("impl", "phase") else "right", no_wrap=True)
+        # the phase's words wrap to make room; names and numbers do not
+        t.add_column(col, justify="left" if col in ("impl", "phase") else "right",
+                     no_wrap=col != "phase")
     rec = result.recompute
     t.add_row("—", "KV payload, Σ (T_i + G) positions (planner)", mib(result.theoretical_kv_bytes),
               "", "")
@@ -500,13 +502,15 @@ def show_comparison(c) -> None:
         note(f"{c.only_base} configurations only in the baseline, {c.only_new} only in the new file")
     t = _table(f"compare  {c.kind}: new / baseline per configuration")
     for col in ("impl", "configuration", "metric", "baseline", "new", "ratio", "verdict"):
-        t.add_column(col, justify="right" if col in ("baseline", "new", "ratio") else "left")
+        # the configuration and a verdict's words wrap to make room; a name is never split
+        t.add_column(col, justify="right" if col in ("baseline", "new", "ratio") else "left",
+                     no_wrap=col in ("impl", "metric"))
     unit = (lambda x: f"{x:.3f}") if c.kind == "bench" else (lambda x: mib(x))
     for ch in c.changes:
         k = ch.config
         config = (f"B={k['batch']} T={k['prompt_len']}+{k['decode_len']} H_q={k['q_heads']} "
                   f"H_kv={k['kv_heads']} D={k['head_dim']} {k['dtype']}")
-        spread = (lambda s: f" ±{s:.3f}" if s else "")
+        spread = (lambda s: f"\n±{s:.3f}" if s else "")  # under the value: 80 columns
         if ch.regression:
             verdict = "[red bold]REGRESSION[/]"
         elif ch.too_noisy:

@@ -186,8 +186,9 @@ def test_a_sweep_keeps_the_points_around_a_device_error(tmp_path, monkeypatch):
 
 
 def test_host_mem_tells_the_preflight_what_memory_there_is(tmp_path, monkeypatch):
-    # a machine whose RAM grows on demand reports a MemAvailable far below what it can give
-    monkeypatch.delenv(hostmem.HOST_MEM_VAR, raising=False)
+    # a machine whose RAM grows on demand reports a MemAvailable far below what it can give.
+    # (--host-mem sets the variable in this process: setenv first, so teardown removes it)
+    monkeypatch.setenv(hostmem.HOST_MEM_VAR, "")
     out = tmp_path / "v.csv"
     shape = ["--device", "cpu", "--impl", "static", "--prompt-len", "256", "--hidden", "512"]
     small = runner.invoke(app, ["verify", *shape, "--host-mem", "1MiB", "--csv", str(out)])
@@ -203,7 +204,7 @@ def test_host_mem_tells_the_preflight_what_memory_there_is(tmp_path, monkeypatch
 
 @pytest.mark.parametrize("value", ["0", "lots", "-5GiB"])
 def test_a_bad_host_mem_is_one_line_exit_2(tmp_path, monkeypatch, value):
-    monkeypatch.delenv(hostmem.HOST_MEM_VAR, raising=False)
+    monkeypatch.setenv(hostmem.HOST_MEM_VAR, "")  # teardown removes what --host-mem sets
     result = runner.invoke(app, ["verify", "--device", "cpu", "--host-mem", value,
                                  "--csv", str(tmp_path / "v.csv")])
     assert result.exit_code == 2 and "--host-mem" in result.stderr
