@@ -78,6 +78,10 @@ class BenchResult:
     def bandwidth_fraction(self, t: ImplTiming) -> float:
         return self.achieved_gbps(t) / self.copy_gbps
 
+    def suspect(self, t: ImplTiming) -> bool:
+        """Faster than the copy bandwidth allows: its bytes came from a cache, not memory."""
+        return self.bandwidth_fraction(t) > 1
+
     def achieved_gflops(self, t: ImplTiming) -> float:
         return self.flops_per_step / (self.ms_per_step(t) * 1e-3) / 1e9
 

@@ -6,7 +6,6 @@ file fills the fields the command line left at their defaults. No torch here.
 from __future__ import annotations
 
 import inspect
-import os
 import typing
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -172,13 +171,10 @@ def from_context(ctx: typer.Context) -> RunOptions:
     values = dict(ctx.params)
     if values.get("format") not in FORMATS:
         raise KvbenchError(f"--format {values.get('format')!r}: use table, csv or json")
-    if values.get("host_mem") is not None:
-        from kvbench.hostmem import HOST_MEM_VAR, host_available
+    if values.get("host_mem") is not None:  # refused here, before any work
+        from kvbench.hostmem import parse_host_mem
 
-        os.environ[HOST_MEM_VAR] = values["host_mem"]
-        if host_available() < 1:
-            raise KvbenchError(f"--host-mem {values['host_mem']}: give a positive size, "
-                               "e.g. 128GiB")
+        parse_host_mem(values["host_mem"])
     path = values.get("config")
     if path is None:
         return RunOptions(**values)

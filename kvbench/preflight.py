@@ -169,7 +169,7 @@ def memory_phases(config: RunConfig, impls, options) -> list[Phase]:
 
 
 def plan(command: str, config: RunConfig, impls, options, bench_options=None,
-         available: dict[str, int] | None = None) -> Plan:
+         available: dict[str, int] | None = None, host_mem: str | None = None) -> Plan:
     """The phases of `command` at this point against the memory available now."""
     options = options.at(config)
     phases = [Phase("weights and inputs", host_draw_bytes(config), HOST, _LAYER)]
@@ -181,13 +181,13 @@ def plan(command: str, config: RunConfig, impls, options, bench_options=None,
         phases += bench_phases(config, impls, options, bench_options)
     else:
         phases += memory_phases(config, impls, options)
-    return Plan(config, tuple(impls), tuple(phases), available or available_memory(config.device))
+    return Plan(config, tuple(impls), tuple(phases), available or available_memory(config.device, host_mem))
 
 
-def available_memory(device: str) -> dict[str, int]:
-    """Bytes available now: the host's MemAvailable, and on CUDA the device's free memory plus
-    what this process's caching allocator holds unused."""
-    out = {HOST: host_available()}
+def available_memory(device: str, host_mem: str | None = None) -> dict[str, int]:
+    """Bytes available now: the host's MemAvailable (or --host-mem, `host_mem`), and on CUDA
+    the device's free memory plus what this process's caching allocator holds unused."""
+    out = {HOST: host_available(host_mem)}
     if device.startswith("cuda"):
         import torch
 

@@ -34,10 +34,22 @@ MIB = 2**20
 GIB = 2**30
 
 
+class _Table(Table):
+    """A table whose numbers are never cut: laid out with _fit when it is printed."""
+
+    def __rich_measure__(self, console, options):
+        _fit(self)
+        return super().__rich_measure__(console, options)
+
+    def __rich_console__(self, console, options):
+        _fit(self)
+        return super().__rich_console__(console, options)
+
+
 def _table(title: str) -> Table:
     # One space of padding on the right only: the widest table (bench) fits 80 columns.
-    return Table(title=title, title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False,
-                 padding=(0, 1, 0, 0), caption_justify="left")
+    return _Table(title=title, title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False,
+                  padding=(0, 1, 0, 0), caption_justify="left")
 
 
 def _fit(t: Table) -> Table:
@@ -179,7 +191,7 @@ def bench_table(result) -> Table:
                   f"{speedup:.2f}×" if speedup else "—", _ms(result.ms_per_step(timing)),
                   f"{result.achieved_gbps(timing):.1f}",
                   f"{100 * result.bandwidth_fraction(timing):.0f}%"
-                  + (" [yellow]?[/]" if result.bandwidth_fraction(timing) > 1 else ""))
+                  + (" [yellow]?[/]" if result.suspect(timing) else ""))
     copy = result.copy_gbps
     t.caption = (f"times in ms; recompute and cached: all {g} decode steps, median of "
                  f"{result.options.rounds} rounds after {result.options.warmup} warmups; IQR of "
@@ -205,7 +217,7 @@ def _tp_caption(result) -> str:
 
 
 def show_bench(result) -> None:
-    out.print(_fit(bench_table(result)))
+    out.print(bench_table(result))
     for line in bench_warnings(result):
         warn(line)
 
@@ -227,7 +239,7 @@ def bench_warnings(result) -> list[str]:
                      f"{', '.join(noisy)}; the machine is busy: consider more --rounds or "
                      "--warmup")
     suspect = [f"{t.impl} {100 * result.bandwidth_fraction(t):.0f}%" for t in result.timings
-               if result.bandwidth_fraction(t) > 1]
+               if result.suspect(t)]
     if suspect:
         lines.append(f"suspect: above the copy bandwidth ({', '.join(suspect)}): the step's "
                      "bytes were served from the CPU's caches, so this is no memory-bandwidth "
@@ -330,8 +342,8 @@ def show_memory(result) -> None:
         if result.ranks:
             out.print(f"rank {r.rank} of {len(result.ranks)}: its shard's caches and weights; "
                       "recompute is the whole layer")
-        out.print(_fit(memory_table(r)))
-        out.print(_fit(reservation_table(r)))
+        out.print(memory_table(r))
+        out.print(reservation_table(r))
 
 
 def capacity_table(p) -> Table:
@@ -390,7 +402,7 @@ def capacity_table(p) -> Table:
 
 
 def show_capacity(p) -> None:
-    out.print(_fit(capacity_table(p)))
+    out.print(capacity_table(p))
     f = p.fit
     if f:
         verdict = (f"[green]fits[/], {human_bytes(f.headroom_bytes)} to spare" if f.fits else
@@ -528,7 +540,7 @@ def show_comparison(c) -> None:
                  + (f"; worse by more than {100 * c.threshold:g}%: a regression where the "
                     "interquartile ranges (median ± IQR/2) separate, too noisy to judge where "
                     "they overlap" if c.threshold is not None else ""))
-    out.print(_fit(t))
+    out.print(t)
 
 
 def refusal(plan) -> str:

@@ -275,7 +275,7 @@ def bench_rows(result, env: dict[str, object]) -> list[dict[str, object]]:
             "recompute_ms_per_step": rec.median_ms / g if rec else None,
             "cached_ms_per_step": result.ms_per_step(t),
             "noisy": any(x is not None and x.noisy for x in (t.decode, t.prefill, rec)),
-            "suspect": result.bandwidth_fraction(t) > 1,
+            "suspect": result.suspect(t),
             "min_bytes_per_step": t.min_bytes_per_step,
             "flops_per_step": result.flops_per_step, "copy_gbps": result.copy_gbps,
             "achieved_gbps": result.achieved_gbps(t),

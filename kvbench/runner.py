@@ -22,8 +22,8 @@ def _preflight(o: RunOptions, command: str, points, impl_options, bench_options=
     none fits, one line and exit 2. --force runs them all."""
     from kvbench import distributed, preflight, render
 
-    plans = [preflight.plan(command, config, names, impl_options, bench_options)
-             for config, names in points]
+    plans = [preflight.plan(command, config, names, impl_options, bench_options,
+                            host_mem=o.host_mem) for config, names in points]
     fits = [p.fits for p in plans]
     if distributed.world() is not None:  # every rank must run the same points: rank 0's say
         fits = distributed.broadcast(fits)

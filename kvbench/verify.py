@@ -290,4 +290,4 @@ def _check(name, cls, layer, options, x, prompt, real, config, ref_prefill, ref_
         fp64_max_abs_err=fp64, cache_shape=cache_shape, first_bad_step=first_bad,
         message=message, stats=impl.stats(), cosine=cosine,
         # lossy where something was dropped (an eviction that evicted) or quantized
-        lossy=bool((cls.lossy and cls.drops(config)) or options.at(config).kv_dtype))
+        lossy=cls.drops(config) or options.kv_dtype is not None)

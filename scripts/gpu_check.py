@@ -37,9 +37,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO / "scripts"))
+sys.path[:0] = [str(REPO), str(REPO / "scripts")]
 
 import gpu_summary
+
+from kvbench.hostmem import HOST_MEM_VAR, meminfo
 
 DEFAULT_BUDGET_S = 420
 FINISH_S = 5  # kept back for the last summary and archive
@@ -250,7 +252,8 @@ class Check:
                "COLUMNS": "140", "PYTHONWARNINGS": "ignore",
                "KVBENCH_COMPILE_LOG": str(self.compile_log)}
         if not self.mode.rehearse:
-            env.setdefault("KVBENCH_HOST_MEM", str(host_total_bytes()))
+            # a lent machine's RAM grows on demand: MemAvailable understates it
+            env.setdefault(HOST_MEM_VAR, str(meminfo("MemTotal") or 0))
         self.refresh()
         for step in steps:
             if step.status != "pending":
@@ -387,15 +390,6 @@ def compile_lines(path: Path) -> list[tuple[str, float]]:
         if len(parts) >= 2:
             out.append((parts[0], float(parts[1])))
     return out
-
-
-def host_total_bytes() -> int:
-    """MemTotal: a lent machine's RAM grows on demand, so MemAvailable understates it."""
-    with open("/proc/meminfo") as f:
-        for line in f:
-            if line.startswith("MemTotal:"):
-                return int(line.split()[1]) * 1024
-    return 0
 
 
 def _short(argv: list[str], words: int = 4) -> str:

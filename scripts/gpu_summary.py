@@ -45,6 +45,15 @@ def target(label: str, value: float | None, goal: float, unit: str, fmt: str = "
             f"{verdict}")
 
 
+def kv_steps(out: Path) -> pd.Series | None:
+    """triton's ms per step at the long shape by K/V format (fp16 for the unquantized)."""
+    kvb = read(out, "bench-kv.csv")
+    if kvb is None:
+        return None
+    return kvb.assign(format=kvb["kv_dtype"].fillna("fp16")).groupby("format")[
+        "cached_ms_per_step"].last()
+
+
 def targets(out: Path) -> list[str]:
     """The issue's three GPU targets, each against its goal."""
     lines = []
@@ -62,14 +71,11 @@ def targets(out: Path) -> list[str]:
             ratio = float(steps["static"] / steps["compiled"])
     lines.append(target("compiled (CUDA graph) vs eager static at the timing case, x faster",
                         ratio, 3, "x", "{:.1f}"))
-    kvb = read(out, "bench-kv.csv")
+    steps = kv_steps(out)
     for fmt in ("int8", "fp8"):
         speed = None
-        if kvb is not None:
-            kvb["format"] = kvb["kv_dtype"].fillna("fp16")
-            steps = kvb.groupby("format")["cached_ms_per_step"].last()
-            if "fp16" in steps and fmt in steps:
-                speed = float(steps["fp16"] / steps[fmt])
+        if steps is not None and "fp16" in steps and fmt in steps:
+            speed = float(steps["fp16"] / steps[fmt])
         lines.append(target(f"triton {fmt} K/V vs fp16 at the long shape, x faster", speed,
                             1.6, "x"))
     return lines
@@ -122,14 +128,11 @@ def details(out: Path) -> int:
                   + "; ".join(f"{r['dtype']} {r['splits']:.0f} splits "
                               f"{r['cached_ms_per_step']:.3f} {100 * r['bandwidth_fraction']:.0f}%"
                               for _, r in triton.iterrows()))
-    kvb = read(out, "bench-kv.csv")
-    if kvb is not None:
-        kvb["format"] = kvb["kv_dtype"].fillna("fp16")
-        steps = kvb.groupby("format")["cached_ms_per_step"].last()
-        if "fp16" in steps:
-            print("triton, quantized K/V at the long shape: ms/step (x faster than fp16; "
-                  "target >= 1.6 for int8 or fp8): " + ", ".join(
-                      f"{f} {m:.3f} ({steps['fp16'] / m:.2f}x)" for f, m in steps.items()))
+    steps = kv_steps(out)
+    if steps is not None and "fp16" in steps:
+        print("triton, quantized K/V at the long shape: ms/step (x faster than fp16; "
+              "target >= 1.6 for int8 or fp8): " + ", ".join(
+                  f"{f} {m:.3f} ({steps['fp16'] / m:.2f}x)" for f, m in steps.items()))
     bad += verdicts(out, "verify-ragged.csv", "verify, ragged batch")
     serving = read(out, "memory-serving.csv")
     if serving is not None:

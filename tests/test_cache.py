@@ -23,11 +23,15 @@ def runnable(name: str, config: RunConfig):
     return cls
 
 
+def at_shape(name: str):
+    """The implementation's class, the layer and the inputs of SHAPE (or a skip)."""
+    config = RunConfig(SHAPE)
+    return runnable(name, config), AttentionLayer.from_config(config), make_inputs(config)
+
+
 @pytest.mark.parametrize("name", list(IMPLEMENTATIONS))
 def test_rewind_then_decode_equals_a_fresh_decode(name):
-    config = RunConfig(SHAPE)
-    layer, x = AttentionLayer.from_config(config), make_inputs(config)
-    cls = runnable(name, config)
+    cls, layer, x = at_shape(name)
     with torch.no_grad():
         impl = cls(layer, 2, SHAPE.total_len)
         impl.prefill(x[:, :21])
@@ -294,9 +298,7 @@ def test_without_triton_the_kernel_is_skipped_or_refused_naming_the_extra(tmp_pa
 def test_a_prompt_cache_filled_without_attention_decodes_as_a_prefilled_one(name):
     # bench --no-prefill builds its prompt caches with fill(): K and V are projections of the
     # prompt, so concat needs no dense T×T prefill there
-    config = RunConfig(SHAPE)
-    layer, x = AttentionLayer.from_config(config), make_inputs(config)
-    cls = runnable(name, config)
+    cls, layer, x = at_shape(name)
     with torch.no_grad():
         prefilled, filled = cls(layer, 2, SHAPE.total_len), cls(layer, 2, SHAPE.total_len)
         prefilled.prefill(x[:, :21])

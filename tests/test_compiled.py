@@ -128,8 +128,7 @@ def _hands_over(cls, monkeypatch) -> bool:
     """Whether a cache built after another of its shape finished replays at the first one's
     addresses (one CUDA-graph recording per graph), and decodes as it did. A cache built
     beside a live one must get its own."""
-    monkeypatch.setattr(compiled_module, "_buffers", {})
-    monkeypatch.setattr(compiled_module, "_lessees", {})
+    monkeypatch.setattr(compiled_module, "_leases", {})
     config = RunConfig(_lease_shape())
     layer, x = AttentionLayer.from_config(config), make_inputs(config)
     first = cls(layer, 2, 27)
@@ -149,9 +148,9 @@ def _hands_over(cls, monkeypatch) -> bool:
 
 def test_a_finished_cache_hands_its_static_buffers_to_the_next(monkeypatch):
     assert _hands_over(CompiledCache, monkeypatch)
-    assert len(compiled_module._buffers) == 1
+    assert len(compiled_module._leases) == 1
     compiled_module.release_static_buffers()  # memory's windows: nothing idle is kept
-    assert not compiled_module._buffers  # (no cache of that shape is alive now)
+    assert not compiled_module._leases  # (no cache of that shape is alive now)
 
 
 def test_the_hand_over_check_catches_a_cache_that_allocates_per_instance(monkeypatch):

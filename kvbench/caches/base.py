@@ -302,9 +302,9 @@ class CachedAttention(ABC):
 
     @classmethod
     def drops(cls, config: RunConfig) -> bool:
-        """Whether a lossy cache drops a position at this point (an eviction budget below a
-        sequence's length); a lossy cache that keeps every position is exact."""
-        return cls.lossy
+        """Whether it drops a position at this point (a lossy cache whose eviction budget is
+        below a sequence's length); one that keeps every position is exact."""
+        return False
 
     @classmethod
     def held_payload_bytes(cls, config: RunConfig, options: ImplOptions) -> int:

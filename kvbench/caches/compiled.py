@@ -56,9 +56,8 @@ def compiler_missing(device_type: str) -> str | None:
 
 
 _compile_ms: dict[tuple, float] = {}  # graph key -> the first step's time, compiling included
-# (class, K/V shape, dtype, device) -> the static buffers and the cache that holds them now
-_buffers: dict[tuple, dict[str, torch.Tensor]] = {}
-_lessees: dict[tuple, weakref.ref] = {}
+# (class, K/V shape, dtype, device) -> the static buffers, and the cache that holds them now
+_leases: dict[tuple, tuple[dict[str, torch.Tensor], weakref.ref]] = {}
 COMPILE_LOG = "KVBENCH_COMPILE_LOG"
 # status(message) -> a context manager shown while a graph compiles (the CLI sets it to a
 # spinner on the terminal; nothing here prints)
@@ -67,8 +66,8 @@ compile_status = None
 
 def release_static_buffers() -> None:
     """Forget the buffers no live cache holds; the next cache of their shape allocates anew."""
-    for key in [k for k, ref in _lessees.items() if ref() is None]:
-        del _buffers[key], _lessees[key]
+    for key in [k for k, (_, holder) in _leases.items() if holder() is None]:
+        del _leases[key]
 
 
 def _log_compile(impl: str, ms: float, key: tuple) -> None:
@@ -125,10 +124,9 @@ class CompiledCache(PreallocatedCache):
         return config.shape.batch * options.alloc_len(config.shape)
 
     def __init__(self, layer, batch, max_len, options=None, lens=None):
-        self._lease = None
-        super().__init__(layer, batch, max_len, options, lens)
+        super().__init__(layer, batch, max_len, options, lens)  # allocate_kv sets _lease
         device = torch.device(layer.device)
-        lease = self._lease if self._lease is not None else {}
+        lease = self._lease
         # The step reads every position, weighting those past pos by zero (the cache is
         # zeros: PreallocatedCache).
         self.pos = lease.setdefault("pos", torch.zeros(1, dtype=torch.long, device=device))
@@ -157,19 +155,17 @@ class CompiledCache(PreallocatedCache):
     def allocate_kv(self, shape):
         """The idle buffers of this shape if there are some (zeroed), else new ones, leased."""
         key = (type(self), shape, self.layer.dtype, str(self.layer.device))
-        holder = _lessees.get(key)
-        if holder is not None and holder() is None:
-            self._lease = _buffers[key]
-            self._lease["k"].zero_()
-            self._lease["v"].zero_()
+        buffers, holder = _leases.get(key, (None, None))
+        if buffers is not None and holder() is None:  # a finished cache's: take them over
+            buffers["k"].zero_()
+            buffers["v"].zero_()
         else:
             k, v = super().allocate_kv(shape)
-            self._lease = {"k": k, "v": v}
-            if holder is not None:  # another live cache holds the pooled buffers
-                return k, v
-            _buffers[key] = self._lease
-        _lessees[key] = weakref.ref(self)
-        return self._lease["k"], self._lease["v"]
+            buffers = {"k": k, "v": v}
+        if holder is None or holder() is None:  # (beside a live cache: buffers of its own)
+            _leases[key] = (buffers, weakref.ref(self))
+        self._lease = buffers
+        return buffers["k"], buffers["v"]
 
     def _step(self, x_t: torch.Tensor) -> torch.Tensor:
         """The graph: x_t [B, 1, H] at position self.pos -> [B, 1, H]. In a ragged batch

@@ -50,52 +50,6 @@ def _dequantized(C, S, Z, slot_c, slot_m, offs_d, mask, BITS: tl.constexpr,
     return q.to(tl.float32) * s + z
 
 
-def _tile(Q, K, V, Table, KS, KZ, VS, VZ, q, m_i, l_i, acc, n0, end, b, h, scale, page,
-          stride_kn, stride_kh, stride_kt, stride_tb, stride_sn, stride_sh, stride_st,
-          offs_n, offs_d, mask_d, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
-          WIDEN: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr, FP8: tl.constexpr):
-    """One tile of BLOCK_N positions from n0 folded into the online softmax (m_i, l_i, acc).
-    Positions at or past `end` are masked; a tile with none left changes nothing."""
-    pos = n0 + offs_n
-    valid = pos < end  # masks the tail: a partly filled last block, or the split's end
-    block = tl.load(Table + b * stride_tb + pos // page, mask=valid, other=0)
-    slot = block.to(tl.int64) * stride_kn + h * stride_kh + (pos % page) * stride_kt
-    if BITS == 0:
-        k = tl.load(K + slot[None, :] + offs_d[:, None],
-                    mask=valid[None, :] & mask_d[:, None], other=0.0)  # [BLOCK_D, BLOCK_N]
-    elif FP8:
-        k = (tl.load(K + slot[None, :] + offs_d[:, None], mask=valid[None, :] & mask_d[:, None],
-                     other=0.0).to(tl.float32) * tl.load(KS + h)).to(Q.dtype.element_ty)
-    else:
-        slot_m = block.to(tl.int64) * stride_sn + h * stride_sh + (pos % page) * stride_st
-        k = _dequantized(K, KS, KZ, slot, slot_m, offs_d, valid[None, :] & mask_d[:, None],
-                         BITS, GROUP).to(Q.dtype.element_ty)
-    if WIDEN:
-        k = k.to(tl.float32)
-    scores = tl.dot(q, k, input_precision=DOT_PRECISION) * scale  # [BLOCK_G, BLOCK_N]
-    scores = tl.where(valid[None, :], scores, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(scores, 1))
-    # -inf while nothing is valid yet: shift by 0 then, so exp gives 0 rather than NaN
-    shift = tl.where(m_new == float("-inf"), 0.0, m_new)
-    alpha = tl.exp(m_i - shift)
-    p = tl.exp(scores - shift[:, None])
-    l_i = l_i * alpha + tl.sum(p, 1)
-    if BITS == 0:
-        v = tl.load(V + slot[:, None] + offs_d[None, :],
-                    mask=valid[:, None] & mask_d[None, :], other=0.0)  # [BLOCK_N, BLOCK_D]
-    elif FP8:
-        v = (tl.load(V + slot[:, None] + offs_d[None, :], mask=valid[:, None] & mask_d[None, :],
-                     other=0.0).to(tl.float32) * tl.load(VS + h)).to(Q.dtype.element_ty)
-    else:
-        v = tl.trans(_dequantized(V, VS, VZ, slot, slot_m, offs_d,
-                                  valid[None, :] & mask_d[:, None], BITS,
-                                  GROUP).to(Q.dtype.element_ty))
-    if WIDEN:
-        v = v.to(tl.float32)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-    return m_new, l_i, acc
-
-
 def _stage1(Q, K, V, Table, Deficit, Acc, M, L, KS, KZ, VS, VZ, scale, length, split_len, page,
             stride_qb, stride_qh, stride_kn, stride_kh, stride_kt, stride_tb,
             stride_ab, stride_ah, stride_as, stride_mb, stride_mh,
@@ -109,10 +63,11 @@ def _stage1(Q, K, V, Table, Deficit, Acc, M, L, KS, KZ, VS, VZ, scale, length, s
     while the tile is loaded. FP8: K and V are float8 e4m3 pools and KS, VS one float32 scale
     per KV head.
 
-    STATIC_TILES = 0: the loop runs from the split's start to its sequence's end, a bound
-    read at run time (compiled kernels). STATIC_TILES = N > 0: the loop runs over all N tiles
-    of the split, masking those past the end: for interpreters that cannot take a run-time
-    loop bound (Triton 3.6's with numpy >= 2.4 converts it to a Python int and fails)."""
+    STATIC_TILES = 0: the loop runs over the tiles from the split's start to its sequence's
+    end, a count known at run time (compiled kernels). STATIC_TILES = N > 0: over all N tiles
+    of the split, those past the end masked: for interpreters that cannot take a run-time
+    loop bound (Triton 3.6's with numpy >= 2.4 converts it to a Python int and fails). A tile
+    with nothing left changes nothing (the shift below keeps exp from giving NaN)."""
     b = tl.program_id(0)
     h = tl.program_id(1)
     s = tl.program_id(2)
@@ -133,19 +88,47 @@ def _stage1(Q, K, V, Table, Deficit, Acc, M, L, KS, KZ, VS, VZ, scale, length, s
     m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
-    if STATIC_TILES > 0:
-        for t in range(STATIC_TILES):
-            m_i, l_i, acc = _tile(Q, K, V, Table, KS, KZ, VS, VZ, q, m_i, l_i, acc,
-                                  start + t * BLOCK_N, end, b, h, scale, page, stride_kn,
-                                  stride_kh, stride_kt, stride_tb, stride_sn, stride_sh,
-                                  stride_st, offs_n, offs_d, mask_d, BLOCK_N, DOT_PRECISION,
-                                  WIDEN, BITS, GROUP, FP8)
-    else:
-        for n0 in range(start, end, BLOCK_N):
-            m_i, l_i, acc = _tile(Q, K, V, Table, KS, KZ, VS, VZ, q, m_i, l_i, acc, n0, end,
-                                  b, h, scale, page, stride_kn, stride_kh, stride_kt,
-                                  stride_tb, stride_sn, stride_sh, stride_st, offs_n, offs_d,
-                                  mask_d, BLOCK_N, DOT_PRECISION, WIDEN, BITS, GROUP, FP8)
+    # (the bound written in the range itself: 3.6's interpreter fails on it through a variable)
+    for t in range(STATIC_TILES if STATIC_TILES > 0 else tl.cdiv(end - start, BLOCK_N)):
+        n0 = start + t * BLOCK_N
+        pos = n0 + offs_n
+        valid = pos < end  # masks the tail: a partly filled last block, or the split's end
+        block = tl.load(Table + b * stride_tb + pos // page, mask=valid, other=0)
+        slot = block.to(tl.int64) * stride_kn + h * stride_kh + (pos % page) * stride_kt
+        if BITS == 0:
+            k = tl.load(K + slot[None, :] + offs_d[:, None],
+                        mask=valid[None, :] & mask_d[:, None], other=0.0)  # [BLOCK_D, BLOCK_N]
+        elif FP8:
+            k = (tl.load(K + slot[None, :] + offs_d[:, None], mask=valid[None, :] & mask_d[:, None],
+                         other=0.0).to(tl.float32) * tl.load(KS + h)).to(Q.dtype.element_ty)
+        else:
+            slot_m = block.to(tl.int64) * stride_sn + h * stride_sh + (pos % page) * stride_st
+            k = _dequantized(K, KS, KZ, slot, slot_m, offs_d, valid[None, :] & mask_d[:, None],
+                             BITS, GROUP).to(Q.dtype.element_ty)
+        if WIDEN:
+            k = k.to(tl.float32)
+        scores = tl.dot(q, k, input_precision=DOT_PRECISION) * scale  # [BLOCK_G, BLOCK_N]
+        scores = tl.where(valid[None, :], scores, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(scores, 1))
+        # -inf while nothing is valid yet: shift by 0 then, so exp gives 0 rather than NaN
+        shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp(m_i - shift)
+        p = tl.exp(scores - shift[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if BITS == 0:
+            v = tl.load(V + slot[:, None] + offs_d[None, :],
+                        mask=valid[:, None] & mask_d[None, :], other=0.0)  # [BLOCK_N, BLOCK_D]
+        elif FP8:
+            v = (tl.load(V + slot[:, None] + offs_d[None, :], mask=valid[:, None] & mask_d[None, :],
+                         other=0.0).to(tl.float32) * tl.load(VS + h)).to(Q.dtype.element_ty)
+        else:
+            v = tl.trans(_dequantized(V, VS, VZ, slot, slot_m, offs_d,
+                                      valid[None, :] & mask_d[:, None], BITS,
+                                      GROUP).to(Q.dtype.element_ty))
+        if WIDEN:
+            v = v.to(tl.float32)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
 
     out = b * stride_ab + heads[:, None] * stride_ah + s * stride_as + offs_d[None, :]
     tl.store(Acc + out, acc, mask=mask_g[:, None] & mask_d[None, :])
@@ -193,7 +176,6 @@ def _interpreter_takes_loaded_bounds() -> bool:
 # In the interpreter, loop over every tile of a split (masked) where a run-time bound fails.
 STATIC_LOOP = INTERPRETED and not _interpreter_takes_loaded_bounds()
 _dequantized = triton.jit(_dequantized)
-_tile = triton.jit(_tile)
 stage1 = triton.jit(_stage1, do_not_specialize=["length", "split_len"])
 stage2 = triton.jit(_stage2, do_not_specialize=["splits"])
 
@@ -229,7 +211,7 @@ def pad(n: int) -> int:
 
 def split_partials(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
                    table: torch.Tensor, deficit: torch.Tensor, length: int, scale: float,
-                   splits: int, partials, store=None, static_loop: bool | None = None) -> None:
+                   splits: int, partials, store=None) -> None:
     """Stage 1: each split's running max, exp-sum and exp-weighted V sum into `partials`.
 
     q [B, H_q, D]; k_pool, v_pool [N_blocks, H_kv, block_size, D]; table [B, blocks] block
@@ -260,16 +242,16 @@ def split_partials(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
     widen = INTERPRETED and q.dtype == torch.bfloat16
     # float32: exact products; the GPUs' TF32 default would miss float32's tolerance
     precision = "ieee" if q.dtype == torch.float32 or widen else "tf32"
-    tiles = split_len(length, splits) // BLOCK_N  # of a split: constant, for STATIC_TILES
+    per_split = split_len(length, splits)
     stage1[(B, Hkv, splits)](
         q, k_pool, v_pool, table, deficit, acc, m, l, ks, kz, vs, vz, scale, length,
-        split_len(length, splits), page,
+        per_split, page,
         q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), k_pool.stride(2),
         table.stride(0), acc.stride(0), acc.stride(1), acc.stride(2), m.stride(0), m.stride(1),
         *meta,
         G=G, D=D, BLOCK_G=pad(G), BLOCK_D=pad(D), BLOCK_N=BLOCK_N, DOT_PRECISION=precision,
         WIDEN=widen, BITS=bits, GROUP=group, FP8=fp8,
-        STATIC_TILES=tiles if (STATIC_LOOP if static_loop is None else static_loop) else 0)
+        STATIC_TILES=per_split // BLOCK_N if STATIC_LOOP else 0)  # a split's tiles
 
 
 def merge(partials, splits: int, out: torch.Tensor) -> torch.Tensor:
