@@ -114,7 +114,7 @@ def test_a_sweep_whose_every_point_is_too_big_is_one_line(tmp_path):
 
 
 def _small_host(monkeypatch, nbytes):
-    monkeypatch.setattr(preflight, "host_available", lambda: nbytes)
+    monkeypatch.setattr(preflight, "host_available", lambda given=None: nbytes)
 
 
 def test_a_sweep_runs_the_points_that_fit_and_exits_2(tmp_path, monkeypatch):
