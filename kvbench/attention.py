@@ -101,6 +101,10 @@ class AttentionLayer:
             q, k = apply_rope(q, positions), apply_rope(k, positions)
         return q, k, v
 
+    def tensors(self) -> list[torch.Tensor]:
+        """The weights a step reads (a compiled step keeps them at fixed addresses)."""
+        return [self.w_qkv, self.w_o]
+
     def output(self, attn: torch.Tensor, gemm=torch.mm) -> torch.Tensor:
         """attn [B, H_q, T, D] -> [B, T, H]."""
         B, _, T, _ = attn.shape
@@ -144,12 +148,16 @@ def padded_prompts(config: RunConfig, x: torch.Tensor) -> torch.Tensor:
     return torch.where(real[..., None].to(prompts.device), prompts, noise)
 
 
-def apply_rope(x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+def apply_rope(x: torch.Tensor, positions: torch.Tensor,
+               inv_freq: torch.Tensor | None = None) -> torch.Tensor:
     """Rotate-half RoPE. x [B, heads, T, D], positions [T] or [B, T] (each sequence its
-    own); angles computed in float32+."""
+    own); angles computed in float32+. inv_freq [D/2]: a model's frequencies (default: base
+    ROPE_BASE, unscaled)."""
     D = x.shape[-1]
     compute = torch.float64 if x.dtype == torch.float64 else torch.float32
-    inv_freq = ROPE_BASE ** (-torch.arange(0, D, 2, device=x.device, dtype=compute) / D)
+    if inv_freq is None:
+        inv_freq = ROPE_BASE ** (-torch.arange(0, D, 2, device=x.device, dtype=compute) / D)
+    inv_freq = inv_freq.to(compute)
     angles = positions.to(compute)[..., None] * inv_freq  # [(B,) T, D/2]
     angles = torch.cat((angles, angles), dim=-1)  # [(B,) T, D]
     if angles.dim() == 3:

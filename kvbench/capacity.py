@@ -132,6 +132,7 @@ def _pattern(layers: int, pattern: list[str]) -> tuple[str, ...]:
 
 def load_preset_file(path: Path) -> ModelSpec:
     data = read_toml(path, "preset")
+    data.pop("architecture", None)  # the whole model's fields, for --model on the experiments
     pattern = data.pop("layer_pattern", None)
     if pattern:
         data["layer_types"] = _pattern(data["layers"], pattern)

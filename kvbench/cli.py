@@ -109,7 +109,7 @@ def _version(value: bool):
 
 
 @app.callback()
-def _root(version: Annotated[bool, typer.Option("--version", callback=_version, is_eager=True,
+def _root(version: Annotated[bool, typer.Option("--version", metavar="", callback=_version, is_eager=True,
                                                 help="Print the version and exit.")] = False):
     """Prove, time and size the attention KV cache of decoder-only transformers."""
 
@@ -165,7 +165,7 @@ def memory(o):
 @command
 def capacity(
     model: Annotated[str | None, typer.Option(help="A preset (see --list-models).")] = None,
-    list_models: Annotated[bool, typer.Option("--list-models", help="Show the presets and exit.")] = False,
+    list_models: Annotated[bool, typer.Option("--list-models", metavar="", help="Show the presets and exit.")] = False,
     from_config: Annotated[Path | None, typer.Option(help="A Hugging Face config.json.")] = None,
     layers: Annotated[int | None, typer.Option(help="Layers L.")] = None,
     kv_heads: Annotated[int | None, typer.Option(help="KV heads H_kv.")] = None,
@@ -192,7 +192,7 @@ def capacity(
     weights_bytes: Annotated[str | None, typer.Option(help="Weights size instead, e.g. 16GB.")] = None,
     margin: Annotated[str, typer.Option(help="Memory kept free for activations and workspaces.")] = "4GiB",
     utilization: Annotated[float, typer.Option(help="Fraction of GPU memory the runtime may use.")] = 0.9,
-    allocate: Annotated[bool, typer.Option("--allocate", help="CUDA: allocate and check the cache for real.")] = False,
+    allocate: Annotated[bool, typer.Option("--allocate", metavar="", help="CUDA: allocate and check the cache for real.")] = False,
     case: Annotated[str, typer.Option(help="--allocate cases: gqa, mha or both.")] = "both",
     device: Annotated[str, typer.Option(help="--allocate: auto, cuda or cuda:N (auto picks CUDA when present).")] = "auto",
     csv: CsvPath = None,
@@ -226,7 +226,7 @@ def compare(baseline: Annotated[Path, typer.Argument(help="Baseline results CSV.
                      "where the runs' interquartile ranges separate, too noisy to judge where "
                      "they overlap.")] = None,
             allow_noisy: Annotated[bool, typer.Option(
-                "--allow-noisy", help="With --fail-above: exit 0 for changes too noisy to "
+                "--allow-noisy", metavar="", help="With --fail-above: exit 0 for changes too noisy to "
                 "judge (regressions still fail).")] = False):
     """Compare results with a baseline, configuration by configuration."""
     from kvbench import render

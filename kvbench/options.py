@@ -156,8 +156,9 @@ def signature(command: str) -> inspect.Signature:
         meta = f.metadata
         if command not in meta["commands"]:
             continue
+        flag = hints[f.name] is bool  # a flag takes no value: no "<bool>" placeholder
         opt = typer.Option(*meta["flags"], help=meta["help"],
-                           show_default=meta["show_default"])
+                           show_default=meta["show_default"], metavar="" if flag else None)
         params.append(inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY,
                                         default=f.default,
                                         annotation=Annotated[hints[f.name], opt]))

@@ -134,8 +134,7 @@ class CompiledCache(PreallocatedCache):
         # what the mask compares with
         self.positions = lease.setdefault("positions", torch.arange(max_len, device=device))
         self.cuda = device.type == "cuda"
-        statics = [self.k_cache, self.v_cache, self.pos, self.positions, layer.w_qkv,
-                   layer.w_o]
+        statics = [self.k_cache, self.v_cache, self.pos, self.positions, *layer.tensors()]
         if self.deficit_dev is not None:  # a ragged batch: its lengths, at leased addresses
             self.deficit_dev = lease.setdefault("deficit", self.deficit_dev).copy_(
                 self.deficit_dev)
