@@ -112,6 +112,16 @@ class RunOptions:
     kv_recent: int | None = option(
         None, "h2o: how many of the --kv-budget positions are the most recent ones. Default: "
         "half the budget.", show_default=False)
+    model: str | None = option(
+        None, "Run the whole model: a local Hugging Face checkpoint folder, a .gguf file, or a "
+        "preset (random weights at its real shape; see kvbench capacity --list-models). Sets "
+        "the layer's shape; default batch 1, prompt 256, decode 32.", show_default=False)
+    layers: int | None = option(None, "With --model: run its first N layers.",
+                                show_default=False)
+    text: Path | None = option(  # noqa: RUF009
+        None, "With --model: a plain-text file, tokenized by the model's own tokenizer and "
+        "decoded teacher-forced (prompt + decode + 1 tokens per sequence). \[default: Python's "
+        "reference documentation, kvbench/data/pydoc-topics.txt]", show_default=False)
     warmup: int = option(3, "Untimed runs before the samples.", commands=("bench",))
     rounds: int = option(9, "Timed samples; the median is reported.", commands=("bench",))
     recompute: bool = option(True, "Time path A (quadratic). --no-recompute for long prompts; "

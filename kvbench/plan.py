@@ -13,16 +13,18 @@ from kvbench.errors import KvbenchError
 from kvbench.options import RunOptions
 
 
-def expand(o: RunOptions, reference_cases: bool = False, measure: str | None = None):
+def expand(o: RunOptions, reference_cases: bool = False, measure: str | None = None,
+           base=None):
     """The points of the options (_points_of), or with a sweep file's [[points]] the points of each table
     (options over the file's own), in order. The tables may not change the options every
-    implementation shares (--block-size and the like)."""
+    implementation shares (--block-size and the like). `base`: the shape the options
+    change (default: the device's timing case; a --model's layer)."""
     variants = o.points
     if not variants:
-        return _points_of(o, reference_cases, measure)
+        return _points_of(o, reference_cases, measure, base)
     points, options, notes = [], None, []
     for variant in variants:
-        more, opts, more_notes = _points_of(o.but(**variant), False, measure)
+        more, opts, more_notes = _points_of(o.but(**variant), False, measure, base)
         if options is not None and opts != options:
             raise KvbenchError("sweep file points may change the shape, the technique, "
                                "--impl and --kv-dtype, not the options every implementation "
@@ -35,7 +37,7 @@ def expand(o: RunOptions, reference_cases: bool = False, measure: str | None = N
 
 
 def _points_of(o: RunOptions, reference_cases: bool = False,
-               measure: str | None = None):
+               measure: str | None = None, base=None):
     """Options -> [(RunConfig, implementation names)], the implementation options, and notes
     on the implementations left out (printed once the preflight has passed).
 
@@ -59,7 +61,7 @@ def _points_of(o: RunOptions, reference_cases: bool = False,
     dtypes = [canonical_dtype(d) for d in o.dtype.split(",")]
     lists = {name: parse_int_list("--" + name.replace("_", "-"), getattr(o, name))
              for name in SHAPE_FIELDS if getattr(o, name) is not None}
-    shapes = _ragged(o, expand_shapes(timing_case(dev), lists), lists)
+    shapes = _ragged(o, expand_shapes(base or timing_case(dev), lists), lists)
     # the cache techniques, one point per --kv-budget
     budgets = (parse_int_list("--kv-budget", o.kv_budget) if o.kv_budget is not None
                else [None])

@@ -440,7 +440,12 @@ def allocation_table(results) -> Table:
     return t
 
 
-def show(command: str, result) -> None:
+def show(command: str, result, stderr: bool = False) -> None:
+    if type(result).__name__.startswith("Model"):  # a --model run's
+        from kvbench.model.view import TABLES
+
+        (err if stderr else out).print(TABLES[type(result).__name__](result))
+        return
     {"verify": show_verify, "bench": show_bench, "memory": show_memory}[command](result)
 
 

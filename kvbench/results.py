@@ -173,6 +173,9 @@ RAGGED_COLUMNS = ["seq_lens", "len_dist", "max_len"]
 # Token eviction (--kv-budget, --kv-recent; h2o): empty without one.
 TP_COLUMNS = ["tp", "world_size", "window", "sinks", "kv_budget", "kv_recent"]
 
+# --model runs: the model (a checkpoint's name, or a preset) and the layers run
+MODEL_COLUMNS = ["model", "layers"]
+
 # Column order is part of the interface: users' spreadsheets and scripts depend on it.
 CONFIG_COLUMNS = ["timestamp", "command", "impl", "batch", "prompt_len", "decode_len", "hidden",
                   "q_heads", "kv_heads", "head_dim", "dtype", "device", "rope", "seed"]
@@ -188,7 +191,12 @@ VERIFY_COLUMNS = VERIFY_FIRST[:-len(ENV_COLUMNS)] + [
     "kv_dtype", "group_size", "cosine", *RAGGED_COLUMNS, *TP_COLUMNS,
     # lossy (h2o): the gate is attention over the positions it kept (fp64_max_abs_err); the
     # error against full attention is max/mean_abs_err and cosine
-    "shared_prefix", "lossy"] + ENV_COLUMNS
+    "shared_prefix", "lossy",
+    # --model: the whole model (its layers); errors are the logits', against transformers'
+    # forward; quality of the decoded tokens against it: perplexity, KL(path A ‖ B) per step,
+    # the share of steps with path A's most likely token
+    *MODEL_COLUMNS, "ppl", "ppl_path_a", "kl_mean", "kl_max", "top1_agree",
+    "first_bad_layer"] + ENV_COLUMNS
 
 
 def _stats_columns(name: str) -> list[str]:
@@ -214,7 +222,11 @@ BENCH_COLUMNS = BENCH_FIRST[:-len(ENV_COLUMNS)] + [
     "kv_cache_bytes", "verify_max_abs_err", "verify_mean_abs_err", "verify_cosine",
     "lossy",
     # above the copy bandwidth: served from a cache, not memory (see render.bench_warnings)
-    "suspect"] + ENV_COLUMNS
+    "suspect",
+    # --model: time to first token (prefill_ms), per decode step of the batch: ms, tokens/s,
+    # the weight and K/V bytes read and written, the K/V share of them
+    *MODEL_COLUMNS, "tokens_per_s", "weight_bytes_per_step", "kv_bytes_per_step",
+    "kv_share"] + ENV_COLUMNS
 
 
 def config_cells(command: str, impl: str, config) -> dict[str, object]:
@@ -313,6 +325,9 @@ MEMORY_COLUMNS = MEMORY_FIRST[:-len(ENV_COLUMNS)] + [
     *TP_COLUMNS, "rank",
     # --shared-prefix P: the bytes a block pool did not store twice
     "shared_prefix", "kv_saved_bytes",
+    # --model: every layer's cache (kv_cache_bytes, kv_planner_bytes), the weights, the
+    # prefill and decode peaks (cached_, decode_peak_allocated_bytes)
+    *MODEL_COLUMNS,
 ] + ENV_COLUMNS
 
 
@@ -344,6 +359,49 @@ def _memory_rows(result, env: dict[str, object]) -> list[dict[str, object]]:
         "kv_waste": m.waste(result.theoretical_kv_bytes), "kv_frag_bytes": m.frag_bytes,
         "rank": result.rank, "shared_prefix": result.config.shape.shared_prefix or None,
         "kv_saved_bytes": m.saved_bytes, **env,
+    } for m in result.impls]
+
+
+def _model_cells(command: str, impl: str, result) -> dict[str, object]:
+    return {**config_cells(command, impl, result.config), "model": result.ref.label,
+            "layers": result.layers, **kv_cells(result.kv_format)}
+
+
+def model_verify_rows(report, env: dict[str, object]) -> list[dict[str, object]]:
+    return [{
+        **_model_cells("verify", c.impl, report), "passed": c.passed,
+        "max_abs_err": c.max_abs_err, "first_bad_step": c.first_bad_step,
+        "first_bad_layer": c.first_bad_layer, "rtol": report.rtol, "atol": report.atol,
+        "lossy": c.lossy or None, "ppl": c.quality.ppl, "ppl_path_a": report.reference.ppl,
+        "kl_mean": c.quality.kl_mean, "kl_max": c.quality.kl_max, "top1_agree": c.quality.top1,
+        **env,
+    } for c in report.checks]
+
+
+def model_bench_rows(result, env: dict[str, object]) -> list[dict[str, object]]:
+    return [{
+        **_model_cells("bench", t.impl, result), "warmup": result.options.warmup,
+        "rounds": result.options.rounds, "verified": t.check is not None or None,
+        **_stats_cells("prefill_ms", t.prefill), **_stats_cells("decode_cached_ms", t.decode),
+        "cached_ms_per_step": result.ms_per_token(t), "tokens_per_s": result.tokens_per_s(t),
+        "noisy": t.decode.noisy, "copy_gbps": result.copy_gbps,
+        "min_bytes_per_step": result.bytes_per_step(t),
+        "achieved_gbps": result.bytes_per_step(t) / (result.ms_per_token(t) * 1e-3) / 1e9,
+        "bandwidth_fraction": result.bandwidth_fraction(t),
+        "suspect": result.bandwidth_fraction(t) > 1,
+        "weight_bytes_per_step": result.weight_bytes_per_step,
+        "kv_bytes_per_step": t.kv_bytes_per_step, "kv_share": result.kv_share(t),
+        "verify_max_abs_err": t.check.max_abs_err if t.check else None,
+        "lossy": (t.check.lossy or None) if t.check else None, **env,
+    } for t in result.timings]
+
+
+def model_memory_rows(result, env: dict[str, object]) -> list[dict[str, object]]:
+    return [{
+        **_model_cells("memory", m.impl, result), "weight_bytes": result.weight_bytes,
+        "cached_peak_allocated_bytes": m.prefill_peak_bytes,
+        "decode_peak_allocated_bytes": m.decode_peak_bytes, "kv_cache_bytes": m.cache_bytes,
+        "kv_planner_bytes": m.planner_bytes, **env,
     } for m in result.impls]
 
 

@@ -16,14 +16,17 @@ from kvbench.errors import KvbenchError
 from kvbench.options import RunOptions
 
 
-def _preflight(o: RunOptions, command: str, points, impl_options, bench_options=None):
-    """Each point's memory plan. --dry-run shows them all and exits 0. Otherwise the points
-    that fit are returned with the plans of those that do not (each named on stderr); when
-    none fits, one line and exit 2. --force runs them all."""
+def _preflight(o: RunOptions, command: str, points, impl_options, bench_options=None,
+               plan_of=None):
+    """Each point's memory plan (plan_of(config, names), by default one layer's). --dry-run
+    shows them all and exits 0. Otherwise the points that fit are returned with the plans of
+    those that do not (each named on stderr); when none fits, one line and exit 2. --force
+    runs them all."""
     from kvbench import distributed, preflight, render
 
-    plans = [preflight.plan(command, config, names, impl_options, bench_options,
-                            host_mem=o.host_mem) for config, names in points]
+    plan_of = plan_of or (lambda config, names: preflight.plan(
+        command, config, names, impl_options, bench_options, host_mem=o.host_mem))
+    plans = [plan_of(config, names) for config, names in points]
     fits = [p.fits for p in plans]
     if distributed.world() is not None:  # every rank must run the same points: rank 0's say
         fits = distributed.broadcast(fits)
@@ -57,13 +60,14 @@ def _preflight(o: RunOptions, command: str, points, impl_options, bench_options=
 
 
 def sweep(o: RunOptions, command: str, points, run_point, impl_options, notes,
-           bench_options=None):
+           bench_options=None, plans=None):
     """Preflight, then run every point with a progress bar; write rows; print machine
     formats; handle Ctrl-C, device errors and skipped points.
 
     run_point(config, names, env) -> (result, rows). Returns the results of the points that ran.
     A point that hits a device error is reported and the rest run; the exit status is then 3.
-    Points skipped as too big give exit 2 once the others have run.
+    Points skipped as too big give exit 2 once the others have run. plans(config, names): a
+    point's memory plan (default: one layer's, kvbench.preflight).
     """
     from kvbench import distributed, render
     from kvbench.env import environment
@@ -74,7 +78,7 @@ def sweep(o: RunOptions, command: str, points, run_point, impl_options, notes,
     if distributed.rank() != 0:  # rank 0 alone prints and writes
         o = o.but(quiet=True, no_csv=True, format="table")
     path = None if o.no_csv else csv_target(o.csv, command)
-    points, skipped = _preflight(o, command, points, impl_options, bench_options)
+    points, skipped = _preflight(o, command, points, impl_options, bench_options, plans)
     if not o.quiet:
         for line in notes:
             render.note(line)
@@ -180,6 +184,10 @@ def csv_target(csv: Path | None, kind: str) -> Path:
 
 def verify(o: RunOptions) -> None:
     """Plan, run and report verify; exit 1 on the first mismatch."""
+    if o.model is not None:
+        from kvbench.model.commands import run
+
+        return run(o, "verify")
     from kvbench import plan, render
     from kvbench.caches import IMPLEMENTATIONS
     from kvbench.results import verify_rows
@@ -203,6 +211,10 @@ def verify(o: RunOptions) -> None:
 
 def bench(o: RunOptions) -> None:
     """Plan, verify, time and report bench; exit 1 if an implementation disagrees."""
+    if o.model is not None:
+        from kvbench.model.commands import run
+
+        return run(o, "bench")
     from kvbench import plan, render
     from kvbench.bench import BenchOptions, VerificationFailed
     from kvbench.bench import bench as run_bench
@@ -230,6 +242,10 @@ def bench(o: RunOptions) -> None:
 
 def memory(o: RunOptions) -> None:
     """Plan, measure and report memory."""
+    if o.model is not None:
+        from kvbench.model.commands import run
+
+        return run(o, "memory")
     from kvbench import plan
     from kvbench.memory import memory as run_memory
     from kvbench.results import memory_rows

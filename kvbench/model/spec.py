@@ -4,8 +4,9 @@ at a real model's shape with random weights. No torch here: --dry-run and --help
 
 from __future__ import annotations
 
+import hashlib
 import json
-import math
+import os
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -189,10 +190,24 @@ def _preset(path: Path) -> ModelRef:
     return ModelRef(architecture(cfg, f"preset {path.stem}"))
 
 
+def cache_folder(gguf: Path) -> Path:
+    """Where a .gguf file's converted checkpoint lives ($KVBENCH_CACHE, default
+    ~/.cache/kvbench), keyed by the file's path, size and modification time."""
+    st = gguf.stat()
+    key = hashlib.sha256(f"{gguf.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()
+    root = Path(os.environ.get("KVBENCH_CACHE") or Path.home() / ".cache" / "kvbench")
+    return root / "checkpoints" / f"{gguf.stem}-{key[:12]}"
+
+
 def _gguf(path: Path, name: str | None = None) -> ModelRef:
-    """A .gguf file: its architecture from its metadata (transformers reads it)."""
+    """A .gguf file: its architecture from its converted copy's config.json, or from the
+    file's metadata (transformers reads it)."""
     if not path.is_file():
         raise KvbenchError(f"--model: {path} does not exist")
+    done = cache_folder(path) / "config.json"
+    if done.is_file():
+        arch = architecture(json.loads(done.read_text()), str(path))
+        return ModelRef(replace(arch, name=name or path.stem), path.parent, path.name)
     try:
         from transformers import AutoConfig
     except ImportError:
@@ -205,29 +220,3 @@ def _gguf(path: Path, name: str | None = None) -> ModelRef:
     arch = architecture(config.to_dict(), str(path))
     return ModelRef(replace(arch, name=name or path.stem), path.parent, path.name)
 
-
-def rope_inv_freq(arch: Architecture) -> list[float]:
-    """The rotary frequencies θ_i of each pair of dimensions, scaled as the config says
-    (linear: all divided by the factor; llama3: low frequencies divided, high kept, the band
-    between interpolated), in float64."""
-    D = arch.head_dim
-    inv = [arch.rope_theta ** (-i / D) for i in range(0, D, 2)]
-    s = arch.scaling
-    kind = s.get("rope_type", "default")
-    if kind == "linear":
-        return [f / s["factor"] for f in inv]
-    if kind == "llama3":
-        factor, low, high = s["factor"], s["low_freq_factor"], s["high_freq_factor"]
-        old = s["original_max_position_embeddings"]
-        out = []
-        for f in inv:
-            wavelen = 2 * math.pi / f
-            if wavelen < old / high:
-                out.append(f)
-            elif wavelen > old / low:
-                out.append(f / factor)
-            else:
-                smooth = (old / wavelen - low) / (high - low)
-                out.append((1 - smooth) * f / factor + smooth * f)
-        return out
-    return inv

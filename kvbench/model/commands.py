@@ -1,0 +1,129 @@
+"""verify, bench and memory with --model: the points (a model's layer shape), the preflight
+(the weights, every layer's cache), the run, the rows and the tables."""
+
+from __future__ import annotations
+
+import sys
+
+import typer
+
+from kvbench.errors import KvbenchError
+from kvbench.options import RunOptions
+
+# A model's default point: one sequence, a prompt of 256 tokens, 32 decode steps.
+DEFAULTS = {"batch": 1, "prompt_len": 256, "decode_len": 32}
+# Options that set what --model sets, or that a model run does not take.
+CONTRADICTS = ("hidden", "q_heads", "kv_heads", "head_dim", "seq_lens", "len_dist")
+
+
+def expand(o: RunOptions, command: str):
+    """The model, its points and the implementation options."""
+    from kvbench import plan
+    from kvbench.config import LayerShape
+    from kvbench.model.spec import resolve
+
+    given = [f for f in CONTRADICTS if getattr(o, f) is not None]
+    if given:
+        flag = "--" + given[0].replace("_", "-")
+        raise KvbenchError(f"--model {o.model} sets the layer's shape and batch layout; drop "
+                           f"{flag}")
+    if o.tp != 1 or o.shared_prefix:
+        flag = "--tp" if o.tp != 1 else "--shared-prefix"
+        raise KvbenchError(f"{flag} runs on one layer; drop it or --model")
+    plan.positive("--layers", o.layers)
+    ref = resolve(o.model)
+    arch = ref.arch.first(o.layers)
+    base = LayerShape(hidden=arch.hidden, q_heads=arch.q_heads, kv_heads=arch.kv_heads,
+                      head_dim=arch.head_dim, **DEFAULTS)
+    points, options, notes = plan.expand(o.but(rope=True), measure=None if command == "verify"
+                                         else command, base=base)
+    for config, _ in points:
+        s = config.shape
+        if arch.sliding_window and s.total_len > arch.sliding_window:
+            raise KvbenchError(
+                f"--model {o.model} attends within a sliding window of {arch.sliding_window} "
+                f"positions; prompt + decode = {s.total_len}: shorten them to at most "
+                f"{arch.sliding_window}")
+    if not ref.trained:
+        notes.append(f"{arch.name}: random weights at its real shape; quality figures "
+                     "(perplexity, KL) describe nothing and are not reported")
+    if o.text is not None and not ref.trained:
+        raise KvbenchError(f"--text needs a trained model's tokenizer; {arch.name} is a "
+                           "preset with random weights: drop --text or pass a checkpoint")
+    return ref, points, options, notes
+
+
+def preflight(command: str, ref, layers, host_mem):
+    """A point's phases: the weights (transformers' copy beside kvbench's for a checkpoint
+    that path A or generate runs), then each implementation with every layer's cache."""
+    from kvbench.caches import IMPLEMENTATIONS
+    from kvbench.preflight import DEVICE, HOST, Phase, Plan, available_memory
+
+    arch = ref.arch.first(layers)
+
+    def plan_of(config, names, options):
+        options = options.at(config)
+        s, b = config.shape, config.dtype_bytes
+        mem = DEVICE if config.device.startswith("cuda") else HOST
+        weights = arch.weight_count() * b * (2 if ref.trained and command != "memory" else 1)
+        tokens = s.batch * (s.total_len + 1)
+        # logits (and their float64 log-softmax for the quality figures), one layer's MLP
+        acts = tokens * (arch.vocab * (b + 16) + (arch.hidden * 4 + 2 * arch.intermediate) * b)
+        shrink = "--layers N runs fewer layers; a shorter --prompt-len or --batch"
+        phases = [Phase("weights", weights, mem, shrink)]
+        if mem == DEVICE and ref.trained:
+            phases.append(Phase("weights (loaded on the host)", weights, HOST, shrink))
+        for name in names:
+            f = IMPLEMENTATIONS[name].footprint(config, options)
+            transient = max(f.prefill - f.storage, f.decode, 0)
+            phases.append(Phase(f"{name}: {arch.layers} layers' caches", weights
+                                + arch.layers * f.storage + transient + acts, mem, shrink))
+        return Plan(config, tuple(names), tuple(phases), available_memory(config.device,
+                                                                          host_mem))
+
+    return plan_of
+
+
+def run(o: RunOptions, command: str) -> None:
+    from kvbench import render, results
+    from kvbench.bench import BenchOptions, VerificationFailed
+    from kvbench.model import run as model_run
+    from kvbench.runner import sweep
+
+    ref, points, options, notes = expand(o, command)
+    layers, text = o.layers, o.text
+
+    if command == "verify":
+        def run_point(config, names, env):
+            report = model_run.verify(ref, config, names, options, layers, text)
+            return report, results.model_verify_rows(report, env)
+        bench_options = None
+    elif command == "bench":
+        bench_options = BenchOptions(o.warmup, o.rounds, False, o.prefill)
+
+        def run_point(config, names, env):
+            result = model_run.bench(ref, config, names, bench_options, options, layers, text)
+            return result, results.model_bench_rows(result, env)
+    else:
+        def run_point(config, names, env):
+            result = model_run.memory(ref, config, names, options, layers, text)
+            return result, results.model_memory_rows(result, env)
+        bench_options = None
+
+    plans = preflight(command, ref, layers, o.host_mem)
+    try:
+        done = sweep(o, command, points, run_point, options, notes, bench_options,
+                     plans=lambda config, names: plans(config, names, options))
+    except VerificationFailed as failed:
+        bad = next(c for c in failed.report.checks if not c.passed)
+        render.show("verify", failed.report, stderr=True)
+        print(f"kvbench: refusing to time {bad.impl}: it disagrees with path A "
+              f"({bad.message})", file=sys.stderr)
+        raise typer.Exit(1) from None
+    if command == "verify":
+        failures = [(r, c) for r in done for c in r.checks if not c.passed]
+        if failures:
+            r, c = failures[0]
+            print(f"kvbench: verify failed: {c.impl} on {r.ref.label} "
+                  f"({render.describe(r.config)}): {c.message}", file=sys.stderr)
+            raise typer.Exit(1)

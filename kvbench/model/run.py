@@ -1,0 +1,433 @@
+"""verify, bench and memory on a whole model (--model): every layer's attention through the
+same cache classes kvbench runs on one layer, teacher-forced through real tokens.
+
+Step j (1..G) feeds the token at position T_p + j - 1 and predicts the one at T_p + j, so a
+run reads T_p + G + 1 tokens per sequence. Path A is transformers' own forward over the
+prefix with no cache, once per step (kvbench's own cacheless forward for random weights).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+import torch
+import torch.nn.functional as F
+
+from kvbench.caches import IMPLEMENTATIONS, ImplOptions
+from kvbench.config import RunConfig
+from kvbench.device import torch_dtype
+from kvbench.errors import device_errors
+from kvbench.model.spec import ModelRef
+from kvbench.model.transformer import CachedModel, Model, from_transformers, random_model
+
+# Logits of a whole model, path B against path A (transformers): |B − A| <= atol + rtol·|A|.
+# float32: SmolLM2's 30 layers at 256 + 32 tokens differ by at most ~1e-4 between kvbench's
+# fused projections and transformers' separate ones; faults differ by whole units.
+TOLERANCES = {"float32": (1e-3, 2e-3), "float16": (3e-2, 1e-1), "bfloat16": (6e-2, 3e-1)}
+
+
+@dataclass
+class Loaded:
+    """A model ready to run: kvbench's weights, transformers' (a checkpoint), the tokens."""
+
+    ref: ModelRef
+    model: Model
+    hf: object | None
+    tokenizer: object | None
+    tokens: torch.Tensor  # [B, T_p + G + 1]
+
+    @property
+    def trained(self) -> bool:
+        return self.ref.trained
+
+    def text(self, ids) -> str:
+        if self.tokenizer is None:
+            return " ".join(map(str, ids))
+        return self.tokenizer.decode(ids)
+
+
+_loaded: dict[tuple, Loaded] = {}
+
+
+def load(ref: ModelRef, config: RunConfig, layers: int | None, text, keep_hf: bool = True) -> Loaded:
+    """The model at this point's dtype and device, and its tokens (loaded once per dtype)."""
+    s = config.shape
+    key = (ref, config.dtype, config.device, layers, str(text), keep_hf)
+    weights = next((v for k, v in _loaded.items() if k[:5] == key[:5]), None)
+    if weights is None:
+        _loaded.clear()  # one model in memory at a time
+        dtype = torch_dtype(config.dtype)
+        hf = tokenizer = None
+        if ref.trained:
+            from kvbench.model import load as loader
+
+            hf, tokenizer = loader.load(ref, dtype, config.device)
+            model = from_transformers(hf, ref.arch, dtype, config.device, layers)
+            if layers is not None:
+                hf.model.layers = hf.model.layers[:layers]  # path A runs the same layers
+                hf.config.num_hidden_layers = layers
+            if not keep_hf:
+                hf = None
+        else:
+            model = random_model(ref.arch, dtype, config.device, config.seed, layers)
+        weights = Loaded(ref, model, hf, tokenizer, torch.empty(0))
+    from kvbench.model import load as loader
+
+    ids = loader.tokens(weights.tokenizer, text, s.batch, s.total_len + 1, ref.arch.vocab,
+                        config.seed, config.device)
+    out = replace(weights, tokens=ids)
+    _loaded[key] = out
+    return out
+
+
+def path_a(m: Loaded, tokens: torch.Tensor, hidden: list | None = None) -> torch.Tensor:
+    """Logits [B, T, V] of the whole prefix with no cache: transformers' forward for a
+    checkpoint (kvbench's own cacheless forward for random weights, or for `hidden`)."""
+    if m.hf is not None and hidden is None:
+        return m.hf(tokens, use_cache=False).logits
+    return m.model.full_forward(tokens, hidden)
+
+
+# ------------------------------------------------------------------------------- verify
+
+
+@dataclass
+class Quality:
+    """A run's decode steps against the full-cache reference on the same tokens."""
+
+    ppl: float  # perplexity of the decoded tokens (teacher-forced)
+    kl_mean: float  # KL(reference ‖ run) per step, mean and max over the steps
+    kl_max: float
+    top1: float  # share of steps whose most likely token is the reference's
+
+    @classmethod
+    def of(cls, steps: torch.Tensor, reference: torch.Tensor, targets: torch.Tensor) -> Quality:
+        """steps, reference: logits [B, G, V]; targets [B, G]."""
+        logp = F.log_softmax(steps.double(), dim=-1)
+        ref = F.log_softmax(reference.double(), dim=-1)
+        nll = -logp.gather(-1, targets[..., None]).mean()
+        kl = (ref.exp() * (ref - logp)).sum(-1).mean(0)  # [G]
+        top1 = (steps.argmax(-1) == reference.argmax(-1)).double().mean()
+        return cls(nll.exp().item(), kl.mean().item(), kl.max().item(), top1.item())
+
+
+@dataclass
+class ModelCheck:
+    impl: str
+    passed: bool
+    lossy: bool  # drops or quantizes: its quality is reported, not gated
+    max_abs_err: float  # logits, over the prompt and every step, against path A
+    quality: Quality
+    first_bad_step: int | None = None  # 0 = the prompt, j = step j
+    first_bad_layer: int | None = None  # the first layer whose output differs there
+    message: str = ""
+
+
+@dataclass
+class ModelVerifyReport:
+    config: RunConfig
+    ref: ModelRef
+    layers: int
+    rtol: float
+    atol: float
+    reference: Quality  # path A's own perplexity (KL 0, top-1 1)
+    greedy: str  # path A's most likely next tokens, the first steps
+    context: str  # the prompt's last words
+    checks: list[ModelCheck] = field(default_factory=list)
+    kv_format: object = None
+
+    @property
+    def passed(self) -> bool:
+        return all(c.passed for c in self.checks)
+
+
+def lossy(cls, config: RunConfig) -> bool:
+    s = config.shape
+    return (config.kv_dtype is not None or cls.drops(config)
+            or (s.window is not None and s.total_len > s.window + s.sinks))
+
+
+def decode(cm: CachedModel, tokens: torch.Tensor, T: int, G: int, hidden: list | None = None):
+    """Prefill T tokens, then G teacher-forced steps: (prompt logits, [step logits])."""
+    prompt = cm.prefill(tokens[:, :T])
+    steps = []
+    for j in range(1, G + 1):
+        layer_out = [] if hidden is not None else None
+        steps.append(cm.step(tokens[:, T + j - 1:T + j], layer_out))
+        if hidden is not None:
+            hidden.append(layer_out)
+    return prompt, steps
+
+
+def verify(ref: ModelRef, config: RunConfig, names, options: ImplOptions, layers: int | None,
+           text) -> ModelVerifyReport:
+    s = config.shape
+    T, G = s.prompt_len, s.decode_len
+    m = load(ref, config, layers, text)
+    tokens = m.tokens
+    rtol, atol = TOLERANCES[config.dtype]
+    with torch.no_grad():
+        with device_errors("verify: path A", None):
+            ref_prompt = path_a(m, tokens[:, :T])
+            ref_steps = torch.cat([path_a(m, tokens[:, :T + j])[:, -1:] for j in range(1, G + 1)],
+                                  dim=1)  # [B, G, V]
+        targets = tokens[:, T + 1:T + G + 1]
+        report = ModelVerifyReport(
+            config, ref, len(m.model.blocks), rtol, atol,
+            Quality.of(ref_steps, ref_steps, targets),
+            greedy=m.text(ref_steps[0, :8].argmax(-1).tolist()),
+            context=m.text(tokens[0, max(0, T - 12):T].tolist()), kv_format=options.kv_format)
+        for name in names:
+            cls = IMPLEMENTATIONS[name]
+            with device_errors("verify: prefill + decode", name):
+                cm = CachedModel(m.model, cls, config, options)
+                hidden: list = []
+                prompt, steps = decode(cm, tokens, T, G, hidden)
+            steps = torch.cat(steps, dim=1)
+            report.checks.append(_check(name, lossy(cls, config), prompt, steps, ref_prompt,
+                                        ref_steps, targets, rtol, atol, m, tokens, T, hidden))
+            del cm
+    return report
+
+
+def _check(name, is_lossy, prompt, steps, ref_prompt, ref_steps, targets, rtol, atol, m,
+           tokens, T, hidden) -> ModelCheck:
+    def bad(a, b):
+        return not torch.isclose(b.double(), a.double(), rtol=rtol, atol=atol).all().item()
+
+    quality = Quality.of(steps, ref_steps, targets)
+    err = max((prompt.double() - ref_prompt.double()).abs().max().item(),
+              (steps.double() - ref_steps.double()).abs().max().item())
+    check = ModelCheck(name, True, is_lossy, err, quality)
+    if is_lossy:
+        return check  # reported against path A, not gated
+    first = 0 if bad(prompt, ref_prompt) else next(
+        (j + 1 for j in range(steps.shape[1]) if bad(steps[:, j], ref_steps[:, j])), None)
+    if first is None:
+        same = (steps.argmax(-1) == ref_steps.argmax(-1)).all().item()
+        if same:
+            return check
+        first = 1 + int((steps.argmax(-1) != ref_steps.argmax(-1)).any(0).nonzero()[0])
+        check.message = f"its most likely token differs from path A's at step {first}"
+    else:
+        where = "the prompt" if first == 0 else f"step {first}"
+        check.message = (f"logits differ from path A by up to {err:.3g} (tolerance atol {atol:g} "
+                         f"+ rtol {rtol:g}) from {where}")
+    check.passed, check.first_bad_step = False, first
+    if first > 0:
+        check.first_bad_layer = _first_bad_layer(m, tokens, T, first, hidden[first - 1],
+                                                 rtol, atol)
+        if check.first_bad_layer is not None:
+            check.message += f", layer {check.first_bad_layer} first"
+    return check
+
+
+def _first_bad_layer(m: Loaded, tokens, T: int, step: int, outputs, rtol, atol) -> int | None:
+    """The first layer whose output at decode step `step` differs from the cacheless
+    forward's at the same position (kvbench's own forward equals transformers' per layer)."""
+    reference: list = []
+    m.model.full_forward(tokens[:, :T + step], reference)
+    for i, (a, b) in enumerate(zip(reference, outputs)):
+        a = a[:, -1:].double()
+        if not torch.isclose(b.double(), a, rtol=rtol, atol=atol * (1 + a.abs().max())).all():
+            return i
+    return None
+
+
+# -------------------------------------------------------------------------------- bench
+
+
+@dataclass
+class ModelTiming:
+    impl: str
+    prefill: object | None  # Stats of the prompt's forward (time to first token)
+    decode: object  # Stats of G steps
+    kv_bytes_per_step: float  # K/V read and written by one step of the batch, every layer
+    check: ModelCheck | None = None
+
+
+@dataclass
+class ModelBenchResult:
+    config: RunConfig
+    ref: ModelRef
+    layers: int
+    options: object  # BenchOptions
+    weight_bytes_per_step: int  # every weight a step reads once
+    copy_gbps: float
+    timings: list[ModelTiming]
+    kv_format: object = None
+    note: str | None = None  # why transformers' row is missing
+
+    def ms_per_token(self, t: ModelTiming) -> float:
+        return t.decode.median_ms / self.config.shape.decode_len
+
+    def tokens_per_s(self, t: ModelTiming) -> float:
+        return self.config.shape.batch * 1e3 / self.ms_per_token(t)
+
+    def bytes_per_step(self, t: ModelTiming) -> float:
+        return self.weight_bytes_per_step + t.kv_bytes_per_step
+
+    def kv_share(self, t: ModelTiming) -> float:
+        return t.kv_bytes_per_step / self.bytes_per_step(t)
+
+    def bandwidth_fraction(self, t: ModelTiming) -> float:
+        gbps = self.bytes_per_step(t) / (self.ms_per_token(t) * 1e-3) / 1e9
+        return gbps / self.copy_gbps
+
+
+HF_ROW = "transformers"  # the row of transformers' generate with its static cache
+
+
+def kv_bytes_per_step(cls, config: RunConfig, options: ImplOptions, layers: int) -> float:
+    """Mean over the G steps of the K/V bytes one step reads (the positions `cls` reads at
+    lengths T_p + 1 .. T_p + G) and writes (one position per sequence), every layer, in the
+    stored format."""
+    s = config.shape
+    fmt = options.kv_format
+    vector = fmt.vector_bytes(s.head_dim) if fmt.quantized else s.head_dim * config.dtype_bytes
+    position = 2 * s.kv_heads * vector  # K and V of every KV head
+    lengths = range(s.prompt_len + 1, s.total_len + 1)
+    reads = sum(cls.step_reads(config, options, t) for t in lengths) / len(lengths)
+    return layers * (reads + s.batch) * position
+
+
+def bench(ref: ModelRef, config: RunConfig, names, options, impl_options: ImplOptions,
+          layers: int | None, text) -> ModelBenchResult:
+    """Verify each implementation on the first steps, then time the prompt's forward and
+    the G decode steps of each, with transformers' generate and the copy bandwidth in the
+    same rounds."""
+    from kvbench import bandwidth
+    from kvbench.timing import time_interleaved
+
+    s = config.shape
+    T, G = s.prompt_len, s.decode_len
+    check_config = replace(config, shape=replace(s, decode_len=min(G, 4)))
+    report = verify(ref, check_config, names, impl_options, layers, text)
+    if not report.passed:
+        from kvbench.bench import VerificationFailed
+
+        raise VerificationFailed(report)
+    m = load(ref, config, layers, text)
+    tokens = m.tokens
+    prompt = tokens[:, :T]
+    dev = config.device
+    with torch.no_grad():
+        copy_bytes = bandwidth.copy_bytes(dev)
+        tasks = {"copy": bandwidth.copy_task(dev, copy_bytes)}
+        caches = {}
+        for name in names:
+            cls = IMPLEMENTATIONS[name]
+            with device_errors("prefill", name):
+                cm = caches[name] = CachedModel(m.model, cls, config, impl_options)
+                cm.prefill(prompt)
+                cm.checkpoint()
+                if cls.compiles:  # its first steps compile: never inside a timed sample
+                    _steps(cm, tokens, T, G)
+            if options.prefill:
+                tasks[f"prefill:{name}"] = (lambda cm: cm.prefill(prompt),
+                                            lambda cm=cm: _rewound(cm, 0))
+            tasks[f"decode:{name}"] = (lambda cm: _steps(cm, tokens, T, G),
+                                       lambda cm=cm: _rewound(cm, T))
+        note = None
+        if m.hf is not None:
+            tasks[f"prefill:{HF_ROW}"] = (lambda _: _generate(m.hf, prompt, 1), lambda: None)
+            tasks[f"decode:{HF_ROW}"] = (lambda _: _generate(m.hf, prompt, G + 1), lambda: None)
+        else:
+            note = "no transformers row: random weights have no transformers model"
+        stats = time_interleaved(tasks, dev, options.warmup, options.rounds)
+    timings = []
+    for name in names:
+        cls = IMPLEMENTATIONS[name]
+        timings.append(ModelTiming(
+            name, stats.get(f"prefill:{name}"), stats[f"decode:{name}"],
+            kv_bytes_per_step(cls, config, impl_options.at(config), len(m.model.blocks)),
+            next(c for c in report.checks if c.impl == name)))
+    if m.hf is not None:  # generate(G + 1) − generate(1): G steps after the first token
+        from kvbench.timing import Stats
+
+        first, whole = stats[f"prefill:{HF_ROW}"], stats[f"decode:{HF_ROW}"]
+        steps = Stats(whole.median_ms - first.median_ms, whole.min_ms - first.max_ms,
+                      whole.max_ms - first.min_ms, whole.iqr_ms + first.iqr_ms, whole.rounds)
+        static = IMPLEMENTATIONS["static"]
+        timings.append(ModelTiming(HF_ROW, first, steps, kv_bytes_per_step(
+            static, config, ImplOptions(), len(m.model.blocks))))
+    return ModelBenchResult(config, ref, len(m.model.blocks), options,
+                            m.model.step_weight_bytes(),
+                            bandwidth.copy_gbps(stats["copy"], copy_bytes), timings,
+                            impl_options.kv_format, note)
+
+
+def _steps(cm: CachedModel, tokens, T: int, G: int) -> None:
+    for j in range(1, G + 1):
+        cm.step(tokens[:, T + j - 1:T + j])
+
+
+def _rewound(cm: CachedModel, length: int) -> CachedModel:
+    for c in cm.caches:
+        if not (length and hasattr(c, "restored") and c.restored(length)):
+            c.rewind(length)
+    return cm
+
+
+def _generate(hf, prompt: torch.Tensor, new: int):
+    """transformers' generate, greedy, exactly `new` tokens, with its static cache."""
+    return hf.generate(prompt, max_new_tokens=new, min_new_tokens=new, do_sample=False,
+                       cache_implementation="static", attention_mask=torch.ones_like(prompt),
+                       pad_token_id=0)
+
+
+# ------------------------------------------------------------------------------- memory
+
+
+@dataclass
+class ModelImplMemory:
+    impl: str
+    cache_bytes: int  # every layer's cache tensors, measured
+    planner_bytes: int  # kvbench capacity's figure for the model at this point
+    prefill_peak_bytes: int
+    decode_peak_bytes: int
+
+
+@dataclass
+class ModelMemoryResult:
+    config: RunConfig
+    ref: ModelRef
+    layers: int
+    weight_bytes: int
+    impls: list[ModelImplMemory]
+    kv_format: object = None
+
+
+def planner_bytes(cls, config: RunConfig, options: ImplOptions, layers: int) -> int:
+    """`kvbench capacity`'s bytes for the whole model: one layer's plan (the positions the
+    implementation reserves, its format, its blocks) times the layers."""
+    return layers * cls.planned_bytes(config, options)
+
+
+def memory(ref: ModelRef, config: RunConfig, names, options: ImplOptions, layers: int | None,
+           text) -> ModelMemoryResult:
+    from kvbench.memory import measure, settled_heap, storage_bytes
+
+    s = config.shape
+    T, G = s.prompt_len, s.decode_len
+    m = load(ref, config, layers, text, keep_hf=False)
+    options = options.at(config)
+    L = len(m.model.blocks)
+    out = []
+    with torch.no_grad(), settled_heap():
+        for name in names:
+            cls = IMPLEMENTATIONS[name]
+            with device_errors("memory: prefill", name):
+                _warm = CachedModel(m.model, cls, config, options)  # first-use workspaces
+                decode(_warm, m.tokens, T, G)
+                del _warm
+                with measure(config.device) as pre:
+                    cm = CachedModel(m.model, cls, config, options)
+                    cm.prefill(m.tokens[:, :T])
+            with device_errors("memory: decode", name), measure(config.device) as dec:
+                _steps(cm, m.tokens, T, G)
+            out.append(ModelImplMemory(name, storage_bytes(cm.cache_tensors()),
+                                       planner_bytes(cls, config, options, L),
+                                       pre.peak_allocated_bytes, dec.peak_allocated_bytes))
+            del cm
+    return ModelMemoryResult(config, ref, L, m.model.weight_bytes, out, options.kv_format)
