@@ -120,7 +120,7 @@ class RunOptions:
                                 show_default=False)
     text: Path | None = option(  # noqa: RUF009
         None, "With --model: a plain-text file, tokenized by the model's own tokenizer and "
-        "decoded teacher-forced (prompt + decode + 1 tokens per sequence). \[default: Python's "
+        "decoded teacher-forced (prompt + decode + 1 tokens per sequence). \\[default: Python's "
         "reference documentation, kvbench/data/pydoc-topics.txt]", show_default=False)
     warmup: int = option(3, "Untimed runs before the samples.", commands=("bench",))
     rounds: int = option(9, "Timed samples; the median is reported.", commands=("bench",))

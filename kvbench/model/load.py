@@ -17,6 +17,7 @@ import torch
 from kvbench.errors import KvbenchError
 from kvbench.model.spec import INSTALL, ModelRef, cache_folder
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 DEFAULT_TEXT = Path(__file__).resolve().parent.parent / "data" / "pydoc-topics.txt"
 
 
@@ -74,11 +75,13 @@ def load(ref: ModelRef, dtype: torch.dtype, device: str):
     except (OSError, ValueError) as err:
         raise KvbenchError(f"--model {ref.path}: cannot load the weights "
                            f"({str(err).splitlines()[0][:160]})") from None
-    tokenizer = None
-    try:
-        tokenizer = tf.AutoTokenizer.from_pretrained(folder)
-    except (OSError, ValueError, TypeError):
-        pass  # a checkpoint without a tokenizer: token ids come from the seed
+    tokenizer = None  # a checkpoint without one: token ids come from the seed
+    if any((folder / f).is_file() for f in TOKENIZER_FILES):
+        try:
+            tokenizer = tf.AutoTokenizer.from_pretrained(folder)
+        except (OSError, ValueError, TypeError) as err:
+            raise KvbenchError(f"--model {ref.path}: cannot load its tokenizer "
+                               f"({str(err).splitlines()[0][:160]})") from None
     return model.to(device).eval(), tokenizer
 
 

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from kvbench.caches import IMPLEMENTATIONS, ImplOptions
 from kvbench.config import RunConfig
 from kvbench.device import torch_dtype
-from kvbench.errors import device_errors
+from kvbench.errors import KvbenchError, device_errors
 from kvbench.model.spec import ModelRef
 from kvbench.model.transformer import CachedModel, Model, from_transformers, random_model
 
@@ -73,6 +73,9 @@ def load(ref: ModelRef, config: RunConfig, layers: int | None, text, keep_hf: bo
         weights = Loaded(ref, model, hf, tokenizer, torch.empty(0))
     from kvbench.model import load as loader
 
+    if text is not None and weights.tokenizer is None:
+        raise KvbenchError(f"--text: {ref.label} has no tokenizer to read it with; drop --text "
+                           "(its tokens are then drawn from the seed)")
     ids = loader.tokens(weights.tokenizer, text, s.batch, s.total_len + 1, ref.arch.vocab,
                         config.seed, config.device)
     out = replace(weights, tokens=ids)
@@ -203,17 +206,17 @@ def _check(name, is_lossy, prompt, steps, ref_prompt, ref_steps, targets, rtol, 
         return check  # reported against path A, not gated
     first = 0 if bad(prompt, ref_prompt) else next(
         (j + 1 for j in range(steps.shape[1]) if bad(steps[:, j], ref_steps[:, j])), None)
-    if first is None:
-        same = (steps.argmax(-1) == ref_steps.argmax(-1)).all().item()
-        if same:
+    if first is None:  # within tolerance: the most likely tokens must agree too
+        differs = (steps.argmax(-1) != ref_steps.argmax(-1)).any(0)
+        if not differs.any():
             return check
-        first = 1 + int((steps.argmax(-1) != ref_steps.argmax(-1)).any(0).nonzero()[0])
-        check.message = f"its most likely token differs from path A's at step {first}"
-    else:
-        where = "the prompt" if first == 0 else f"step {first}"
-        check.message = (f"logits differ from path A by up to {err:.3g} (tolerance atol {atol:g} "
-                         f"+ rtol {rtol:g}) from {where}")
+        check.passed, check.first_bad_step = False, 1 + int(differs.nonzero()[0])
+        check.message = f"its most likely token differs from path A's at step {check.first_bad_step}"
+        return check
+    where = "the prompt" if first == 0 else f"step {first}"
     check.passed, check.first_bad_step = False, first
+    check.message = (f"logits differ from path A by up to {err:.3g} (tolerance atol {atol:g} "
+                     f"+ rtol {rtol:g}) from {where}")
     if first > 0:
         check.first_bad_layer = _first_bad_layer(m, tokens, T, first, hidden[first - 1],
                                                  rtol, atol)

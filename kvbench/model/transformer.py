@@ -9,7 +9,7 @@ implementation runs inside the model unchanged, one instance per layer.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -238,7 +238,8 @@ class CachedModel:
 
     def __init__(self, model: Model, cls, config, options):
         self.model = model
-        config = replace(config, shape=replace(config.shape, hidden=model.arch.hidden))
+        for b in model.blocks:  # a layer's shape is its point's (a cache reads its window,
+            b.attn.shape = config.shape  # budget and batch from it, as on one layer)
         self.caches = [cls.build(b.attn, config, options) for b in model.blocks]
 
     def prefill(self, tokens: torch.Tensor, hidden: list | None = None) -> torch.Tensor:

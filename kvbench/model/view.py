@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from rich.table import Table
 
-from kvbench.render import _ms, _result, _sci, _spread, _table, describe, human_bytes, mib
+from kvbench.render import _ms, _result, _sci, _spread, _table, human_bytes, mib
 
 
 def _title(command: str, result) -> str:

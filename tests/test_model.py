@@ -1,0 +1,278 @@
+"""--model: the whole model through kvbench's caches, against transformers on tiny random
+checkpoints of each supported architecture (built here with transformers, in seconds)."""
+
+import json
+import math
+from dataclasses import replace
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+transformers = pytest.importorskip("transformers")
+
+from kvbench.caches import ImplOptions
+from kvbench.capacity import CacheFormat, from_hf_config, plan, presets
+from kvbench.cli import app
+from kvbench.config import RunConfig
+from kvbench.model import run, transformer
+from kvbench.model.spec import resolve
+from kvbench.model.transformer import layer_shape
+
+runner = CliRunner()
+# head dim 32: every implementation runs (the CPU flex kernel refuses 8 and 16)
+COMMON = {"vocab_size": 128, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,
+              "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32,
+              "max_position_embeddings": 256, "initializer_range": 0.2}
+FAMILIES = {
+    # llama3 scaling with a short original context: it changes most frequencies by position 30
+    "llama": {"rope_theta": 500.0, "rope_scaling": {
+        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 16}},
+    "mistral": {"sliding_window": None, "rope_theta": 1000.0},
+    "qwen2": {"rope_theta": 2000.0},
+    "qwen3": {"rope_theta": 3000.0},
+}
+
+
+def _make(kind: str, folder, **extra):
+    configs = {"llama": transformers.LlamaConfig, "mistral": transformers.MistralConfig,
+               "qwen2": transformers.Qwen2Config, "qwen3": transformers.Qwen3Config}
+    config = configs[kind](**{**COMMON, **FAMILIES[kind], **extra})
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    with torch.no_grad():  # norms and biases away from 1 and 0, so a skipped one shows
+        for name, p in model.named_parameters():
+            if "norm" in name or "bias" in name:
+                p.normal_(1.0 if "norm" in name else 0.0, 0.3)
+    model.save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def tiny(tmp_path_factory):
+    root = tmp_path_factory.mktemp("checkpoints")
+    return {kind: _make(kind, root / kind) for kind in FAMILIES}
+
+
+def _config(path, prompt=24, decode=6, batch=1, **shape):
+    ref = resolve(str(path))
+    return ref, RunConfig(layer_shape(ref.arch, batch=batch, prompt_len=prompt,
+                                      decode_len=decode, **shape), rope=True)
+
+
+@pytest.mark.parametrize("kind", FAMILIES)
+def test_every_architecture_equals_transformers_through_the_caches(tiny, kind):
+    ref, config = _config(tiny[kind], batch=2)
+    report = run.verify(ref, config, ("concat", "static", "sdpa", "paged"), ImplOptions(), None,
+                        None)
+    assert report.passed, [c.message for c in report.checks]
+    assert all(c.max_abs_err < 1e-4 for c in report.checks)
+
+
+def test_verify_every_implementation_on_a_model_from_the_command_line(tiny, tmp_path):
+    import pandas as pd
+
+    out = tmp_path / "v.csv"
+    base = ["verify", "--model", str(tiny["qwen3"]), "--prompt-len", "20", "--decode-len", "4",
+            "--csv", str(out)]
+    for extra in (["--impl", "all"], ["--impl", "window", "--window", "8", "--sinks", "2"],
+                  ["--impl", "h2o", "--kv-budget", "12"]):
+        r = runner.invoke(app, base + extra)
+        assert r.exit_code == 0, r.output
+    rows = pd.read_csv(out)
+    assert set(rows.impl) >= {"static", "sdpa", "paged", "triton", "compiled", "flex",
+                              "window", "h2o"}
+    assert (rows.model == "qwen3").all() and (rows.layers == 2).all()
+    lossy = rows[rows.lossy.fillna(False).astype(bool)]
+    assert set(lossy.impl) == {"window", "h2o"}  # they drop positions: reported, not gated
+    exact = rows[~rows.impl.isin(["window", "h2o"])]
+    assert exact.passed.all() and (exact.kl_mean < 1e-8).all()
+    assert (lossy.kl_mean > 1e-6).all()  # dropping positions costs something
+
+
+def test_rope_frequencies_equal_transformers_including_llama3_scaling(tiny):
+    ref = resolve(str(tiny["llama"]))
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tiny["llama"])
+    ours = transformer.rope_inv_freq(ref.arch, torch.float32)
+    assert torch.allclose(ours, hf.model.rotary_emb.inv_freq, rtol=1e-6)
+    plain = transformer.rope_inv_freq(replace(ref.arch, rope_scaling=()), torch.float32)
+    assert not torch.allclose(ours, plain)  # the scaling changes them: the test can fail
+
+
+def _fails(ref, config, impl="static"):
+    report = run.verify(ref, config, (impl,), ImplOptions(), None, None)
+    (check,) = report.checks
+    assert not check.passed, "the fault went unnoticed"
+    return check
+
+
+def test_rope_at_base_10000_instead_of_the_configs_theta_fails(tiny, monkeypatch):
+    real = transformer.rope_inv_freq
+    monkeypatch.setattr(transformer, "rope_inv_freq",
+                        lambda arch, dtype: real(replace(arch, rope_theta=10000.0), dtype))
+    check = _fails(*_config(tiny["qwen2"]))
+    assert check.first_bad_step == 0  # the prompt's logits already differ
+
+
+def test_llama3_rope_scaling_ignored_fails(tiny, monkeypatch):
+    real = transformer.rope_inv_freq
+    monkeypatch.setattr(transformer, "rope_inv_freq",
+                        lambda arch, dtype: real(replace(arch, rope_scaling=()), dtype))
+    _fails(*_config(tiny["llama"]))
+
+
+def test_qwen3_qk_norm_skipped_fails(tiny, monkeypatch):
+    real = transformer.from_transformers
+
+    def without_qk_norm(*args, **kwargs):
+        model = real(*args, **kwargs)
+        for b in model.blocks:
+            b.attn.q_norm = b.attn.k_norm = None
+        return model
+
+    monkeypatch.setattr(run, "from_transformers", without_qk_norm)
+    _fails(*_config(tiny["qwen3"]))
+
+
+def test_a_layer_reading_another_layers_cache_fails_at_a_decode_step(tiny, monkeypatch):
+    real = transformer.CachedModel.__init__
+
+    def shared(self, *args, **kwargs):
+        real(self, *args, **kwargs)
+        first, second = self.caches[0], self.caches[1]
+        second.k_cache, second.v_cache = first.k_cache, first.v_cache  # layer 1 uses layer 0's
+
+    monkeypatch.setattr(transformer.CachedModel, "__init__", shared)
+    check = _fails(*_config(tiny["mistral"]))
+    # the prompt's logits are right (prefill attends to its own k, v); the first step reads
+    # the shared storage, where layer 1's prompt overwrote layer 0's: layer 0 goes wrong first
+    assert check.first_bad_step == 1 and check.first_bad_layer == 0
+
+
+def test_a_residual_added_twice_fails(tiny, monkeypatch):
+    def twice(self, tokens, attend, hidden=None):
+        eps = self.arch.norm_eps
+        h = self.embed[tokens]
+        for i, b in enumerate(self.blocks):
+            a = attend(i, transformer.rms_norm(h, b.attn_norm, eps))
+            h = h + a + (a if i == 1 else 0)  # the fault: layer 1's attention added twice
+            h = h + self.mlp(b, transformer.rms_norm(h, b.mlp_norm, eps))
+            if hidden is not None:
+                hidden.append(h)
+        return transformer.rms_norm(h, self.norm, eps) @ self.lm_head
+
+    monkeypatch.setattr(transformer.Model, "forward", twice)
+    _fails(*_config(tiny["llama"]))
+
+
+def test_a_wrong_token_alone_fails_even_within_the_logit_tolerance():
+    """The greedy-token rule: logits within tolerance but a different argmax fail."""
+    ref = torch.tensor([[[1.0, 1.0005, 0.0]]])
+    ours = torch.tensor([[[1.0005, 1.0, 0.0]]])
+    targets = torch.tensor([[0]])
+    check = run._check("x", False, ref, ours, ref, ref, targets, 1e-3, 2e-3, None, None, 0,
+                       [[]])
+    assert not check.passed and check.first_bad_step == 1
+
+
+def test_quality_figures_are_the_definitions():
+    steps = torch.log(torch.tensor([[[0.5, 0.25, 0.25], [0.1, 0.8, 0.1]]]))
+    reference = torch.log(torch.tensor([[[0.25, 0.5, 0.25], [0.1, 0.8, 0.1]]]))
+    targets = torch.tensor([[1, 1]])
+    q = run.Quality.of(steps, reference, targets)
+    assert q.ppl == pytest.approx(math.exp(-(math.log(0.25) + math.log(0.8)) / 2))
+    kl0 = 0.25 * math.log(0.25 / 0.5) + 0.5 * math.log(0.5 / 0.25)
+    assert q.kl_max == pytest.approx(kl0) and q.kl_mean == pytest.approx(kl0 / 2)
+    assert q.top1 == 0.5
+
+
+@pytest.mark.parametrize("kv_dtype", [None, "int8"])
+def test_memory_on_a_model_equals_capacity_from_its_config_to_the_byte(tiny, kv_dtype):
+    ref, config = _config(tiny["qwen2"], batch=2)
+    config = replace(config, kv_dtype=kv_dtype, group_size=16)
+    result = run.memory(ref, config, ("static", "paged"), ImplOptions(block_size=16), None, None)
+    spec = from_hf_config(tiny["qwen2"] / "config.json")
+    s = config.shape
+    for m in result.impls:
+        blocks = 16 if m.impl == "paged" else None
+        layout = CacheFormat(kv_dtype or "fp32", 16, block_size=blocks)
+        assert m.cache_bytes == m.planner_bytes == plan(spec, layout, s.row_lens).per_rank_bytes
+
+
+def test_bench_on_a_model_has_transformers_row_and_shares_that_hold(tiny, tmp_path):
+    import pandas as pd
+
+    out = tmp_path / "b.csv"
+    r = runner.invoke(app, ["bench", "--model", str(tiny["llama"]), "--impl", "static,paged",
+                            "--prompt-len", "16", "--decode-len", "4", "--rounds", "2",
+                            "--warmup", "1", "--csv", str(out)])
+    assert r.exit_code == 0, r.output
+    rows = pd.read_csv(out)
+    assert list(rows.impl) == ["static", "paged", "transformers"]
+    assert ((rows.kv_share > 0) & (rows.kv_share < 1)).all()
+    assert (rows.tokens_per_s > 0).all() and (rows.weight_bytes_per_step > 0).all()
+
+
+def test_a_preset_runs_random_weights_at_its_shape_and_dry_run_shows_the_plan():
+    r = runner.invoke(app, ["bench", "--model", "llama-3-8b", "--layers", "2", "--dry-run"])
+    assert r.exit_code == 0, r.output
+    assert "weights" in r.output and "static: 2 layers' caches" in r.output
+
+
+def test_every_runnable_preset_has_its_published_parameter_count():
+    from kvbench.files import read_toml
+
+    runnable = [name for name in presets()
+                if "gguf_package" not in read_toml(PRESET_DIR / f"{name}.toml", "preset")
+                .get("architecture", {"gguf_package": None})]
+    assert len(runnable) >= 9
+    for name in runnable:
+        assert resolve(name).arch.weight_count() == presets()[name].params, name
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--layers", "3"], "has 2 layers"),
+    (["--hidden", "64"], "drop --hidden"),
+    (["--text", "EMPTY"], "is empty"),
+    (["--text", "SHORT"], "tokens"),
+])
+def test_bad_model_input_is_one_line_exit_2(tiny, tmp_path, args, message):
+    (tmp_path / "empty.txt").write_text("  \n")
+    (tmp_path / "short.txt").write_text("a few words")
+    folder = tiny["llama"]
+    if "--text" in args:  # a checkpoint with a tokenizer: a GPT-2 style one built here
+        folder = _with_tokenizer(tmp_path, folder)
+    args = [a.replace("EMPTY", str(tmp_path / "empty.txt"))
+            .replace("SHORT", str(tmp_path / "short.txt")) for a in args]
+    r = runner.invoke(app, ["verify", "--model", str(folder), "--impl", "static", *args])
+    assert r.exit_code == 2, r.output
+    assert message in r.output and "Traceback" not in r.output
+
+
+def _with_tokenizer(tmp_path, folder):
+    """The checkpoint with a word-level tokenizer of the tokenizers library."""
+    import shutil
+
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    out = tmp_path / "with-tokenizer"
+    shutil.copytree(folder, out)
+    vocab = {"[unk]": 0, "a": 1, "few": 2, "words": 3}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="[unk]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    transformers.PreTrainedTokenizerFast(tokenizer_object=tok,
+                                         unk_token="[unk]").save_pretrained(out)
+    return out
+
+
+def test_not_a_checkpoint_and_an_unsupported_architecture_are_one_line(tmp_path):
+    (tmp_path / "x.bin").write_bytes(b"\0" * 8)
+    gpt2 = tmp_path / "gpt2"
+    gpt2.mkdir()
+    (gpt2 / "config.json").write_text(json.dumps({"model_type": "gpt2", "n_layer": 2}))
+    for model, message in [(tmp_path / "x.bin", "not a checkpoint"),
+                           (gpt2, "'gpt2' is not supported"),
+                           ("no-such-model", "no such local path or preset")]:
+        r = runner.invoke(app, ["verify", "--model", str(model)])
+        assert r.exit_code == 2 and message in r.output, r.output
