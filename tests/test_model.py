@@ -12,7 +12,7 @@ from typer.testing import CliRunner
 transformers = pytest.importorskip("transformers")
 
 from kvbench.caches import ImplOptions
-from kvbench.capacity import CacheFormat, from_hf_config, plan, presets
+from kvbench.capacity import PRESET_DIR, CacheFormat, from_hf_config, plan, presets
 from kvbench.cli import app
 from kvbench.config import RunConfig
 from kvbench.model import run, transformer
