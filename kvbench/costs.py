@@ -66,3 +66,21 @@ def decode_min_bytes_per_step(s: LayerShape, dtype_bytes: int,
 def decode_flops_per_step(s: LayerShape) -> float:
     lengths = range(s.prompt_len + 1, s.total_len + 1)
     return sum(step_flops(s, t) for t in lengths) / len(lengths)
+
+
+# A decode step's fixed cost (Python and kernel dispatch), in FLOP-equivalents at a CPU's
+# pace: it dominates small shapes, so the sweep's time estimate counts it beside the FLOPs.
+STEP_OVERHEAD_FLOPS = 2e6
+
+
+def point_work(s: LayerShape, impls: int, runs: int = 1, recompute: bool = True) -> float:
+    """A point's work relative to another's, for the sweep's time estimate (its remaining time
+    from the points done so far): path A's G recomputed prefixes (when run), and for each
+    implementation its prefill and G steps, each `runs` times (bench's warmups and rounds)."""
+    T, G = s.prompt_len, s.decode_len
+    steps = range(T + 1, T + G + 1)
+    prefix = sum(2 * s.batch * t * weight_elements(s) + 2 * s.q_heads * s.head_dim * s.batch
+                 * t * t for t in steps) if recompute else 0
+    prefill = 2 * s.batch * T * weight_elements(s) + 2 * s.q_heads * s.head_dim * s.batch * T * T
+    decode = sum(step_flops(s, t) for t in steps) + G * STEP_OVERHEAD_FLOPS
+    return runs * (prefix + G * STEP_OVERHEAD_FLOPS * recompute + impls * (prefill + decode))

@@ -45,6 +45,7 @@ class Plan:
     impls: tuple[str, ...]
     phases: tuple[Phase, ...]
     available_bytes: dict[str, int]  # memory -> bytes available now
+    model: str | None = None  # a --model run's model and layers, named with the point
 
     def budget(self, memory: str) -> int:
         return int(self.available_bytes[memory] * BUDGET_FRACTION)

@@ -17,7 +17,6 @@ from rich.console import Console
 from rich.markup import escape
 from rich.progress import (
     BarColumn,
-    MofNCompleteColumn,
     Progress,
     TextColumn,
     TimeElapsedColumn,
@@ -457,9 +456,11 @@ class _Bar:
         if self.progress is not None:
             self.progress.update(self.task, description=description)
 
-    def advance(self) -> None:
+    def advance(self, work: float = 1) -> None:
+        """One point done; `work` its share of the bar (its estimated work)."""
         if self.progress is not None:
-            self.progress.advance(self.task)
+            done = self.progress.tasks[self.task].fields["done"] + 1
+            self.progress.update(self.task, advance=work, done=done)
 
     @contextmanager
     def saying(self, message: str):
@@ -477,16 +478,19 @@ _live_bar: _Bar | None = None  # the progress bar on screen now, if any
 
 
 @contextmanager
-def progress(total: int, enabled: bool = True):
-    """A progress bar on stderr over the points of a sweep: current point, elapsed, remaining."""
-    if not enabled or total < 2 or not err.is_terminal:
+def progress(work: list[float], enabled: bool = True):
+    """A progress bar on stderr over the points of a sweep: current point, points done,
+    elapsed, remaining. The bar fills by each point's estimated work, so the time left is the
+    pace so far applied to the work left, not to a count of unequal points."""
+    if not enabled or len(work) < 2 or not err.is_terminal:
         yield _Bar(None, None)
         return
     global _live_bar
-    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+    with Progress(TextColumn("{task.description}"), BarColumn(),
+                  TextColumn("{task.fields[done]}/{task.fields[points]}"),
                   TimeElapsedColumn(), TextColumn("left"), TimeRemainingColumn(),
                   console=err, transient=True) as bar:
-        _live_bar = _Bar(bar, bar.add_task("", total=total))
+        _live_bar = _Bar(bar, bar.add_task("", total=sum(work), done=0, points=len(work)))
         try:
             yield _live_bar
         finally:
@@ -548,13 +552,17 @@ def show_comparison(c) -> None:
     out.print(t)
 
 
+def _planned_point(plan) -> str:
+    return (f"{plan.model}: " if plan.model else "") + describe(plan.config)
+
+
 def refusal(plan) -> str:
     """One line: the point, the phase that does not fit, its estimate against the budget, and
     what avoids it."""
     phase = plan.over[0]
     avail = plan.available_bytes[phase.memory]
     where = "device" if phase.memory == "device" else "host"
-    return (f"{describe(plan.config)}: {phase.name} needs an estimated "
+    return (f"{_planned_point(plan)}: {phase.name} needs an estimated "
             f"{human_bytes(phase.peak_bytes)} of {where} memory, more than the "
             f"{human_bytes(plan.budget(phase.memory))} a point may use "
             f"({100 * plan.budget(phase.memory) / avail:.0f}% of {human_bytes(avail)} available); "
@@ -565,7 +573,7 @@ def heavy(plan) -> str:
     """One line for a point that fits but needs most of the memory available."""
     phase = plan.heavy
     avail = plan.available_bytes[phase.memory]
-    return (f"{describe(plan.config)}: {phase.name} needs an estimated "
+    return (f"{_planned_point(plan)}: {phase.name} needs an estimated "
             f"{human_bytes(phase.peak_bytes)}, {100 * phase.peak_bytes / avail:.0f}% of the "
             f"{human_bytes(avail)} of {phase.memory} memory available; if other work needs "
             f"memory too: {phase.remedy}")
@@ -589,7 +597,7 @@ def device_error(config, err) -> str:
 
 def plan_table(command: str, plan) -> Table:
     verdict = "[green]fits[/]" if plan.fits else "[red bold]too big[/]"
-    t = _table(f"{command} --dry-run  {describe(plan.config)}: {verdict}")
+    t = _table(f"{command} --dry-run  {_planned_point(plan)}: {verdict}")
     for col in ("phase", "memory", "estimated peak", "may use", ""):
         t.add_column(col, justify="right" if col in ("estimated peak", "may use") else "left",
                      no_wrap=col != "")

@@ -8,6 +8,7 @@ from __future__ import annotations
 import signal
 import sys
 import threading
+import time
 from pathlib import Path
 
 import typer
@@ -88,9 +89,13 @@ def sweep(o: RunOptions, command: str, points, run_point, impl_options, notes,
     env = environment(points[0][0].device)
     results, rows, failed = [], [], []
     stopped = None  # the signal that ended the run early
-    with render.progress(len(points), enabled=not o.quiet) as bar:
+    work = [_work(command, config, names, bench_options) for config, names in points]
+    started = time.perf_counter()
+    with render.progress(work, enabled=not o.quiet) as bar:
         try:
-            for config, names in points:
+            for i, (config, names) in enumerate(points):
+                if i == 1 and not o.quiet:  # the first point's pace, applied to the rest
+                    render.note(_estimate(time.perf_counter() - started, work))
                 bar.point(render.describe(config))
                 try:
                     try:
@@ -106,7 +111,7 @@ def sweep(o: RunOptions, command: str, points, run_point, impl_options, notes,
                     if config.tp > 1:  # the other ranks wait in a collective: end the group
                         distributed.end_group(3)
                     _release(config.device)
-                    bar.advance()
+                    bar.advance(work[i])
                     continue
                 if new_rows and path is not None:  # on disk as each point finishes
                     append_csv(path, new_rows, columns, first)
@@ -114,7 +119,7 @@ def sweep(o: RunOptions, command: str, points, run_point, impl_options, notes,
                 rows += new_rows
                 if o.format == "table" and not o.quiet:
                     render.show(command, result)
-                bar.advance()
+                bar.advance(work[i])
         except KeyboardInterrupt as err:
             stopped = err
     if o.format != "table":
@@ -139,6 +144,32 @@ def sweep(o: RunOptions, command: str, points, run_point, impl_options, notes,
               file=sys.stderr)
         raise typer.Exit(2)
     return results
+
+
+def _work(command: str, config, names, bench_options) -> float:
+    """A point's estimated work (kvbench.costs.point_work) for the sweep's time estimate."""
+    from kvbench.costs import point_work
+
+    if command == "bench":
+        runs = bench_options.warmup + bench_options.rounds
+        return point_work(config.shape, len(names), runs, bench_options.recompute)
+    return point_work(config.shape, len(names), 2 if command == "memory" else 1)
+
+
+def _estimate(first_s: float, work: list[float]) -> str:
+    """One line after the first point: the time the others should take at its pace."""
+    left = first_s * sum(work[1:]) / work[0]
+    n = len(work) - 1
+    return (f"about {_duration(left)} for the {n} {_plural(n, 'point')} left (the first took "
+            f"{_duration(first_s)}; the others scaled by their arithmetic and steps)")
+
+
+def _duration(seconds: float) -> str:
+    if seconds < 90:
+        return f"{seconds:.0f} s"
+    if seconds < 5400:
+        return f"{seconds / 60:.0f} min"
+    return f"{seconds / 3600:.1f} h"
 
 
 class Terminated(KeyboardInterrupt):

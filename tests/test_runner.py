@@ -6,6 +6,7 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pandas as pd
@@ -101,3 +102,17 @@ def _unlock(folder: Path) -> None:
         subprocess.run(["chattr", "-i", str(folder)], check=True)
     else:
         folder.chmod(0o700)
+
+
+def test_the_sweep_estimate_scales_the_first_points_time_by_each_points_work():
+    from kvbench.config import LayerShape
+    from kvbench.costs import point_work
+    from kvbench.runner import _estimate
+
+    small = LayerShape(prompt_len=64)
+    assert point_work(replace(small, prompt_len=256), 2) > point_work(small, 2)
+    assert point_work(small, 4) > point_work(small, 2)  # more implementations, more work
+    assert point_work(small, 2, runs=12) == 12 * point_work(small, 2)
+    assert point_work(small, 2, recompute=False) < point_work(small, 2)
+    assert _estimate(10.0, [1.0, 2.0, 3.0]).startswith("about 50 s for the 2 points left")
+    assert _estimate(60.0, [1.0, 9.0]).startswith("about 9 min for the 1 point left")

@@ -78,8 +78,9 @@ def preflight(command: str, ref, layers, host_mem):
             transient = max(f.prefill - f.storage, f.decode, 0)
             phases.append(Phase(f"{name}: {arch.layers} layers' caches", weights
                                 + arch.layers * f.storage + transient + acts, mem, shrink))
-        return Plan(config, tuple(names), tuple(phases), available_memory(config.device,
-                                                                          host_mem))
+        return Plan(config, tuple(names), tuple(phases),
+                    available_memory(config.device, host_mem),
+                    model=f"{arch.name} ({arch.layers} of {ref.arch.layers} layers)")
 
     return plan_of
 
