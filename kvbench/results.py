@@ -196,7 +196,8 @@ VERIFY_COLUMNS = VERIFY_FIRST[:-len(ENV_COLUMNS)] + [
     # forward; quality of the decoded tokens against it: perplexity, KL(path A ‖ B) per step,
     # the share of steps with path A's most likely token
     *MODEL_COLUMNS, "ppl", "ppl_path_a", "kl_mean", "kl_max", "top1_agree",
-    "first_bad_layer"] + ENV_COLUMNS
+    # --window on a checkpoint: perplexity of transformers' forward under the window's mask
+    "ppl_masked", "first_bad_layer"] + ENV_COLUMNS
 
 
 def _stats_columns(name: str) -> list[str]:
@@ -374,7 +375,7 @@ def model_verify_rows(report, env: dict[str, object]) -> list[dict[str, object]]
         "first_bad_layer": c.first_bad_layer, "rtol": report.rtol, "atol": report.atol,
         "lossy": c.lossy or None, "ppl": c.quality.ppl, "ppl_path_a": report.reference.ppl,
         "kl_mean": c.quality.kl_mean, "kl_max": c.quality.kl_max, "top1_agree": c.quality.top1,
-        **env,
+        "ppl_masked": report.masked.ppl if report.masked is not None else None, **env,
     } for c in report.checks]
 
 

@@ -312,3 +312,17 @@ def test_smollm2_perplexity_over_the_default_text_is_the_published_figure():
         logits = m.model.full_forward(tokens)
     nll = torch.nn.functional.cross_entropy(logits[0, :-1].double(), tokens[0, 1:])
     assert nll.exp().item() == pytest.approx(12.97, abs=0.01)
+
+
+def test_a_window_decoding_token_by_token_equals_transformers_masked_forward(tiny, monkeypatch):
+    ref, config = _config(tiny["llama"], prompt=8, decode=80, window=12, sinks=2)
+    report = run.verify(ref, config, ("window",), ImplOptions(), None, None)
+    (check,) = report.checks
+    assert check.passed and check.lossy, check.message  # lossy against full attention,
+    assert check.quality.ppl == pytest.approx(report.masked.ppl, rel=1e-5)  # exact to the mask
+    # a mask one position wider than the cache keeps: the gate must see it
+    real = run.window_mask
+    monkeypatch.setattr(run, "window_mask",
+                        lambda n, w, s, dtype, device: real(n, w + 1, s, dtype, device))
+    (check,) = run.verify(ref, config, ("window",), ImplOptions(), None, None).checks
+    assert not check.passed and "masked forward" in check.message

@@ -138,10 +138,39 @@ class ModelVerifyReport:
     context: str  # the prompt's last words
     checks: list[ModelCheck] = field(default_factory=list)
     kv_format: object = None
+    # with --window on a checkpoint: transformers' forward under the window's mask (sinks and
+    # the last W positions), the reference a windowed cache decoding token by token must meet
+    masked: Quality | None = None
 
     @property
     def passed(self) -> bool:
         return all(c.passed for c in self.checks)
+
+
+# Up to this many steps path A recomputes each prefix; beyond, one forward over the whole
+# text gives every step's logits at once (a causal model's logits at position t read only
+# tokens <= t), so a decode of thousands of tokens is verified in one pass.
+PER_STEP_PATH_A = 64
+
+
+def _path_a_logits(m: Loaded, tokens: torch.Tensor, T: int, G: int):
+    """Path A's logits for the prompt [B, T, V] and the G steps [B, G, V]."""
+    if G > PER_STEP_PATH_A:
+        logits = path_a(m, tokens[:, :T + G])
+        return logits[:, :T], logits[:, T:T + G]
+    prompt = path_a(m, tokens[:, :T])
+    steps = torch.cat([path_a(m, tokens[:, :T + j])[:, -1:] for j in range(1, G + 1)], dim=1)
+    return prompt, steps
+
+
+def window_mask(n: int, window: int, sinks: int, dtype, device) -> torch.Tensor:
+    """[1, 1, n, n] additive mask: query t sees key p when p <= t and p is a sink or among the
+    last `window` positions (kvbench.attention.visibility), -inf elsewhere."""
+    from kvbench.attention import visible
+
+    seen = visible(n, device, window, sinks)
+    mask = torch.zeros(n, n, dtype=dtype, device=device)
+    return mask.masked_fill(~seen, torch.finfo(dtype).min)[None, None]
 
 
 def lossy(cls, config: RunConfig) -> bool:
@@ -171,15 +200,21 @@ def verify(ref: ModelRef, config: RunConfig, names, options: ImplOptions, layers
     rtol, atol = TOLERANCES[config.dtype]
     with torch.no_grad():
         with device_errors("verify: path A", None):
-            ref_prompt = path_a(m, tokens[:, :T])
-            ref_steps = torch.cat([path_a(m, tokens[:, :T + j])[:, -1:] for j in range(1, G + 1)],
-                                  dim=1)  # [B, G, V]
+            ref_prompt, ref_steps = _path_a_logits(m, tokens, T, G)
         targets = tokens[:, T + 1:T + G + 1]
+        masked = masked_steps = None
+        if s.window is not None and m.hf is not None:  # the window as transformers' mask
+            with device_errors("verify: masked path A", None):
+                logits = m.hf(tokens[:, :T + G], attention_mask=window_mask(
+                    T + G, s.window, s.sinks, m.hf.dtype, tokens.device), use_cache=False).logits
+            masked_steps = logits[:, T:T + G]
+            masked = Quality.of(masked_steps, ref_steps, targets)
         report = ModelVerifyReport(
             config, ref, len(m.model.blocks), rtol, atol,
             Quality.of(ref_steps, ref_steps, targets),
             greedy=m.text(ref_steps[0, :8].argmax(-1).tolist()),
-            context=m.text(tokens[0, max(0, T - 12):T].tolist()), kv_format=options.kv_format)
+            context=m.text(tokens[0, max(0, T - 12):T].tolist()), kv_format=options.kv_format,
+            masked=masked)
         for name in names:
             cls = IMPLEMENTATIONS[name]
             with device_errors("verify: prefill + decode", name):
@@ -187,8 +222,17 @@ def verify(ref: ModelRef, config: RunConfig, names, options: ImplOptions, layers
                 hidden: list = []
                 prompt, steps = decode(cm, tokens, T, G, hidden)
             steps = torch.cat(steps, dim=1)
-            report.checks.append(_check(name, lossy(cls, config), prompt, steps, ref_prompt,
-                                        ref_steps, targets, rtol, atol, m, tokens, T, hidden))
+            check = _check(name, lossy(cls, config), prompt, steps, ref_prompt, ref_steps,
+                           targets, rtol, atol, m, tokens, T, hidden)
+            if masked is not None and "window" in cls.techniques:
+                # exact against the same window as a mask: the decode must be its logits
+                err = (steps.double() - masked_steps.double()).abs().max().item()
+                if not torch.isclose(steps.double(), masked_steps.double(), rtol=rtol,
+                                     atol=atol).all():
+                    check.passed = False
+                    check.message = (f"logits differ from transformers' masked forward by up "
+                                     f"to {err:.3g} (tolerance atol {atol:g} + rtol {rtol:g})")
+            report.checks.append(check)
             del cm
     return report
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from rich.table import Table
 
+from kvbench.model import run
 from kvbench.render import _ms, _result, _sci, _spread, _table, human_bytes, mib
 
 
@@ -32,7 +33,15 @@ def verify_table(report) -> Table:
         t.add_row(c.impl, result, _sci(c.max_abs_err), *(quality if trained else []),
                   c.message or "—")
     ref = report.reference
-    t.caption = (f"A = transformers' forward with no cache, once per step; B = kvbench's "
+    if report.masked is not None:
+        q = report.masked
+        t.add_row("[dim]masked A[/]", "[dim]reference[/]", "—", f"{q.ppl:.3f}", _sci(q.kl_mean),
+                  _sci(q.kl_max), f"{q.top1:.1%}", "—")
+    t.caption = (("masked A = transformers' forward under the window's mask (sinks + the last "
+                  "W positions): a windowed cache must give its logits, within the tolerance; "
+                  if report.masked is not None else "")
+                 + f"A = transformers' forward with no cache, once per step (one forward over "
+                 f"the whole text beyond {run.PER_STEP_PATH_A} steps); B = kvbench's "
                  f"decode through each cache; logits compared at every prompt position and "
                  f"step, tolerance rtol={report.rtol:g} atol={report.atol:g}, and the same "
                  "most likely token"
