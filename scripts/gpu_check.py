@@ -82,7 +82,7 @@ GPU = Mode(False, "cuda", _shape(2, 256, 32, 512, 8, 2, 64), SMALL,
            # guesses until a GPU has run the check (compiles of 20-60 s a graph included)
            {"env": 15, "verify": 150, "bench": 60, "targets": 100, "allocation": 20,
             "memory": 60, "pytest": 90, "ragged": 60, "techniques": 45, "context": 60,
-            "tp": 120, "sdpa-backends": 40})
+            "tp": 120, "sdpa-backends": 40, "model": 120})
 CPU = Mode(True, "cpu", _shape(2, 64, 8, 512, 8, 2, 64), SMALL,
            _shape(2, 512, 4, 256, 8, 2, 32),
            ("--seq-lens", "1,17,64,90", "--max-len", "100"), "16,64,256", "float32", "float32",
@@ -90,7 +90,7 @@ CPU = Mode(True, "cpu", _shape(2, 64, 8, 512, 8, 2, 64), SMALL,
            # measured on the 2-core CPU kvbench is developed on (a process starts in ~4 s)
            {"env": 8, "verify": 30, "bench": 40, "targets": 0, "allocation": 0,
             "memory": 12, "pytest": 0, "ragged": 20, "techniques": 25, "context": 25,
-            "tp": 0, "sdpa-backends": 0})
+            "tp": 0, "sdpa-backends": 0, "model": 0})
 
 EAGER = "concat,static,sdpa,paged,triton"  # no torch.compile graph
 COMPILING = ("compiled", "flex")
@@ -204,6 +204,15 @@ def plan(mode: Mode, out: Path, gpus: int) -> list[Step]:
                b, *mode.timing, *csv("verify-sdpa-backends.csv")]
               for b in ("flash", "efficient", "cudnn", "math")],
              cuda_only="the backends are CUDA kernels", probe=True),
+        Step("model", 6, "the whole Llama-3-8B shape (random weights, bfloat16): verify, then "
+             "bench at B=8, 4k context (TTFT, ms/token, KV share, % of the copy bandwidth)", 120,
+             [[*kv, "verify", *dev, "--model", "llama-3-8b", "--dtype", "bfloat16", "--impl",
+               EAGER, "--prompt-len", "512", "--decode-len", "8", *csv("verify-model.csv")],
+              [*kv, "bench", *dev, *mode.rounds, "--model", "llama-3-8b", "--dtype", "bfloat16",
+               "--impl", "static,sdpa,paged,triton", "--batch", "8", "--prompt-len", "4096",
+               "--decode-len", "32", *csv("bench-model.csv")]],
+             cuda_only="an 8B model's weights are no rehearsal's (tests/test_model.py runs "
+             "the model path on tiny checkpoints)"),
     ]
     if not mode.rehearse and gpus < 2:
         tp = next(s for s in steps if s.name == "tp")

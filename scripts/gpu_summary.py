@@ -147,6 +147,13 @@ def details(out: Path) -> int:
             f"{r['impl']} {r['cached_ms_per_step']:.3f} {100 * r['bandwidth_fraction']:.0f}%"
             for _, r in rb.iterrows()))
     bad += verdicts(out, "verify-techniques.csv", "verify, window / shared prefix / h2o (gate)")
+    bad += verdicts(out, "verify-model.csv", "verify, the whole llama-3-8b shape")
+    model = read(out, "bench-model.csv")
+    if model is not None:
+        print("bench, whole llama-3-8b (bf16, B=8, 4k): TTFT ms, ms/token, KV share, % of copy: "
+              + ", ".join(f"{r['impl']} {r['prefill_ms']:.1f} {r['cached_ms_per_step']:.3f} "
+                          f"{100 * r['kv_share']:.0f}% {100 * r['bandwidth_fraction']:.0f}%"
+                          for _, r in model.iterrows()))
     tb = read(out, "bench-techniques.csv")
     if tb is not None:
         print("bench, techniques side by side: bytes/token, mean |A-B|, ms/step: " + "; ".join(

@@ -5,8 +5,8 @@ if os.environ.get("PYTEST_XDIST_WORKER") and not os.environ.get("OMP_NUM_THREADS
     # two workers of two threads each on two cores run the suite about a fifth slower.
     os.environ["OMP_NUM_THREADS"] = "1"
 
-import pytest  # noqa: E402
-import torch  # noqa: E402
+import pytest
+import torch
 
 if not torch.cuda.is_available():
     # Triton kernels run on CPU tensors in Triton's interpreter, which Triton picks as it is
