@@ -215,6 +215,19 @@ def test_memory_on_a_model_equals_capacity_from_its_config_to_the_byte(tiny, kv_
         assert m.cache_bytes == m.planner_bytes == plan(spec, layout, s.row_lens).per_rank_bytes
 
 
+def test_model_rows_carry_the_points_kv_format(tiny, tmp_path):
+    import pandas as pd
+
+    out = tmp_path / "q.csv"
+    r = runner.invoke(app, ["verify", "--model", str(tiny["llama"]), "--impl", "static",
+                            "--prompt-len", "16", "--decode-len", "4", "--kv-dtype", "int8,int4",
+                            "--group-size", "16", "--csv", str(out)])
+    assert r.exit_code == 0, r.output
+    rows = pd.read_csv(out)
+    assert list(rows.kv_dtype) == ["int8", "int4"] and (rows.group_size == 16).all()
+    assert rows.lossy.all()
+
+
 def test_bench_on_a_model_has_transformers_row_and_shares_that_hold(tiny, tmp_path):
     import pandas as pd
 

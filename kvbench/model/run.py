@@ -213,7 +213,8 @@ def verify(ref: ModelRef, config: RunConfig, names, options: ImplOptions, layers
             config, ref, len(m.model.blocks), rtol, atol,
             Quality.of(ref_steps, ref_steps, targets),
             greedy=m.text(ref_steps[0, :8].argmax(-1).tolist()),
-            context=m.text(tokens[0, max(0, T - 12):T].tolist()), kv_format=options.kv_format,
+            context=m.text(tokens[0, max(0, T - 12):T].tolist()),
+            kv_format=options.at(config).kv_format,
             masked=masked)
         for name in names:
             cls = IMPLEMENTATIONS[name]
@@ -405,7 +406,7 @@ def bench(ref: ModelRef, config: RunConfig, names, options, impl_options: ImplOp
     return ModelBenchResult(config, ref, len(m.model.blocks), options,
                             m.model.step_weight_bytes(),
                             bandwidth.copy_gbps(stats["copy"], copy_bytes), timings,
-                            impl_options.kv_format, note)
+                            impl_options.at(config).kv_format, note)
 
 
 def _steps(cm: CachedModel, tokens, T: int, G: int) -> None:
