@@ -128,7 +128,8 @@ def test_llama3_rope_scaling_ignored_fails(tiny, monkeypatch):
     real = transformer.rope_inv_freq
     monkeypatch.setattr(transformer, "rope_inv_freq",
                         lambda arch, dtype: real(replace(arch, rope_scaling=()), dtype))
-    _fails(*_config(tiny["llama"]))
+    check = _fails(*_config(tiny["llama"]))
+    assert "differ from path A" in check.message
 
 
 def test_qwen3_qk_norm_skipped_fails(tiny, monkeypatch):
@@ -141,7 +142,8 @@ def test_qwen3_qk_norm_skipped_fails(tiny, monkeypatch):
         return model
 
     monkeypatch.setattr(run, "from_transformers", without_qk_norm)
-    _fails(*_config(tiny["qwen3"]))
+    check = _fails(*_config(tiny["qwen3"]))
+    assert check.first_bad_step == 0  # the prompt's logits already differ
 
 
 def test_a_layer_reading_another_layers_cache_fails_at_a_decode_step(tiny, monkeypatch):
@@ -172,7 +174,8 @@ def test_a_residual_added_twice_fails(tiny, monkeypatch):
         return transformer.rms_norm(h, self.norm, eps) @ self.lm_head
 
     monkeypatch.setattr(transformer.Model, "forward", twice)
-    _fails(*_config(tiny["llama"]))
+    check = _fails(*_config(tiny["llama"]))
+    assert check.first_bad_step == 0  # the prompt's logits already differ
 
 
 def test_a_wrong_token_alone_fails_even_within_the_logit_tolerance():
@@ -215,28 +218,26 @@ def test_memory_on_a_model_equals_capacity_from_its_config_to_the_byte(tiny, kv_
         assert m.cache_bytes == m.planner_bytes == plan(spec, layout, s.row_lens).per_rank_bytes
 
 
-def test_model_rows_carry_the_points_kv_format(tiny, tmp_path):
+def _rows(tmp_path, *args):
+    """The rows a command on the tiny Llama writes (it must exit 0)."""
     import pandas as pd
 
-    out = tmp_path / "q.csv"
-    r = runner.invoke(app, ["verify", "--model", str(tiny["llama"]), "--impl", "static",
-                            "--prompt-len", "16", "--decode-len", "4", "--kv-dtype", "int8,int4",
-                            "--group-size", "16", "--csv", str(out)])
+    out = tmp_path / "rows.csv"
+    r = runner.invoke(app, [*args, "--prompt-len", "16", "--decode-len", "4", "--csv", str(out)])
     assert r.exit_code == 0, r.output
-    rows = pd.read_csv(out)
+    return pd.read_csv(out)
+
+
+def test_model_rows_carry_the_points_kv_format(tiny, tmp_path):
+    rows = _rows(tmp_path, "verify", "--model", str(tiny["llama"]), "--impl", "static",
+                 "--kv-dtype", "int8,int4", "--group-size", "16")
     assert list(rows.kv_dtype) == ["int8", "int4"] and (rows.group_size == 16).all()
     assert rows.lossy.all()
 
 
 def test_bench_on_a_model_has_transformers_row_and_shares_that_hold(tiny, tmp_path):
-    import pandas as pd
-
-    out = tmp_path / "b.csv"
-    r = runner.invoke(app, ["bench", "--model", str(tiny["llama"]), "--impl", "static,paged",
-                            "--prompt-len", "16", "--decode-len", "4", "--rounds", "2",
-                            "--warmup", "1", "--csv", str(out)])
-    assert r.exit_code == 0, r.output
-    rows = pd.read_csv(out)
+    rows = _rows(tmp_path, "bench", "--model", str(tiny["llama"]), "--impl", "static,paged",
+                 "--rounds", "2", "--warmup", "1")
     assert list(rows.impl) == ["static", "paged", "transformers"]
     assert ((rows.kv_share > 0) & (rows.kv_share < 1)).all()
     assert (rows.tokens_per_s > 0).all() and (rows.weight_bytes_per_step > 0).all()
