@@ -122,8 +122,10 @@ def experiment(func):
     it, declared once in kvbench.options; func(options) runs it."""
     from kvbench import options
 
-    def run(ctx: typer.Context, **_):
-        return func(options.from_context(ctx))
+    def run(ctx: typer.Context, **values):
+        # the keyword values, not ctx.params: Typer converts them (a Path option's value is
+        # a Path), where ctx.params holds click's raw strings on Typer before 0.2x
+        return func(options.from_context(ctx, values))
 
     run.__signature__ = options.signature(func.__name__)
     run.__name__, run.__doc__ = func.__name__, func.__doc__

@@ -175,11 +175,12 @@ def signature(command: str) -> inspect.Signature:
     return inspect.Signature(params)
 
 
-def from_context(ctx: typer.Context) -> RunOptions:
-    """The command's option values, with a sweep file's filling those not given explicitly."""
+def from_context(ctx: typer.Context, values: dict | None = None) -> RunOptions:
+    """The command's option values (`values`, Typer's converted keyword arguments; default
+    ctx.params), with a sweep file's filling those not given explicitly."""
     from kvbench.sweep import load_sweep
 
-    values = dict(ctx.params)
+    values = dict(ctx.params if values is None else values)
     if values.get("format") not in FORMATS:
         raise KvbenchError(f"--format {values.get('format')!r}: use table, csv or json")
     if values.get("host_mem") is not None:  # refused here, before any work

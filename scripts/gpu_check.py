@@ -2,6 +2,8 @@
 
     scripts/gpu-check.sh OUTDIR [SECONDS]              on a GPU (default budget 420 s)
     scripts/gpu-check.sh --rehearse OUTDIR [SECONDS]   the same plan at small shapes on the CPU
+    scripts/gpu-check.sh --skip STEP,STEP OUTDIR ...    leave steps out (a second loan that
+                                                        reruns only what the first did not pass)
 
 A lent GPU comes for minutes, one command runs at most 10 of them and only a few files come
 back, so the check is built for that:
@@ -81,7 +83,7 @@ GPU = Mode(False, "cuda", _shape(2, 256, 32, 512, 8, 2, 64), SMALL,
            ("--prompt-len", "1000", "--decode-len", "16"), "512", (),
            # guesses until a GPU has run the check (compiles of 20-60 s a graph included)
            {"env": 15, "verify": 150, "bench": 60, "targets": 100, "allocation": 20,
-            "memory": 60, "pytest": 90, "ragged": 60, "techniques": 45, "context": 60,
+            "memory": 30, "pytest": 90, "ragged": 60, "techniques": 45, "context": 60,
             "tp": 120, "sdpa-backends": 40, "model": 120})
 CPU = Mode(True, "cpu", _shape(2, 64, 8, 512, 8, 2, 64), SMALL,
            _shape(2, 512, 4, 256, 8, 2, 32),
@@ -159,10 +161,19 @@ def plan(mode: Mode, out: Path, gpus: int) -> list[Step]:
              [[*py, "-W", "error", "-m", "kvbench", "capacity", "--allocate", "--case", "both",
                *csv("allocation.csv")]],
              cuda_only="the allocation check allocates on CUDA"),
-        Step("memory", 5, f"memory at the timing case, {mode.half}", 60,
+        Step("memory", 5, f"memory at the timing case, {mode.half} (eager: no graph built)", 30,
              [[*kv, "memory", *dev, "--dtype", mode.half, "--impl",
-               all_impls if not mode.rehearse else "concat,static,sdpa,paged",
+               EAGER if not mode.rehearse else "concat,static,sdpa,paged",
                *mode.timing, *csv("memory.csv")]]),
+        Step("model", 6, "the whole Llama-3-8B shape (random weights, bfloat16): verify, then "
+             "bench at B=8, 4k context (TTFT, ms/token, KV share, % of the copy bandwidth)", 120,
+             [[*kv, "verify", *dev, "--model", "llama-3-8b", "--dtype", "bfloat16", "--impl",
+               EAGER, "--prompt-len", "512", "--decode-len", "8", *csv("verify-model.csv")],
+              [*kv, "bench", *dev, *mode.rounds, "--model", "llama-3-8b", "--dtype", "bfloat16",
+               "--impl", "static,sdpa,paged,triton", "--batch", "8", "--prompt-len", "4096",
+               "--decode-len", "32", *csv("bench-model.csv")]],
+             cuda_only="an 8B model's weights are no rehearsal's (tests/test_model.py runs "
+             "the model path on tiny checkpoints)"),
         Step("pytest", 6, "pytest's CUDA tests that build no torch.compile graph", 90,
              [[*py, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "-m",
                "cuda and not compiles", str(REPO / "tests")]],
@@ -204,15 +215,6 @@ def plan(mode: Mode, out: Path, gpus: int) -> list[Step]:
                b, *mode.timing, *csv("verify-sdpa-backends.csv")]
               for b in ("flash", "efficient", "cudnn", "math")],
              cuda_only="the backends are CUDA kernels", probe=True),
-        Step("model", 6, "the whole Llama-3-8B shape (random weights, bfloat16): verify, then "
-             "bench at B=8, 4k context (TTFT, ms/token, KV share, % of the copy bandwidth)", 120,
-             [[*kv, "verify", *dev, "--model", "llama-3-8b", "--dtype", "bfloat16", "--impl",
-               EAGER, "--prompt-len", "512", "--decode-len", "8", *csv("verify-model.csv")],
-              [*kv, "bench", *dev, *mode.rounds, "--model", "llama-3-8b", "--dtype", "bfloat16",
-               "--impl", "static,sdpa,paged,triton", "--batch", "8", "--prompt-len", "4096",
-               "--decode-len", "32", *csv("bench-model.csv")]],
-             cuda_only="an 8B model's weights are no rehearsal's (tests/test_model.py runs "
-             "the model path on tiny checkpoints)"),
     ]
     if not mode.rehearse and gpus < 2:
         tp = next(s for s in steps if s.name == "tp")
@@ -426,7 +428,15 @@ def has_cuda() -> tuple[bool, int]:
 def main(argv: list[str]) -> int:
     rehearse = "--rehearse" in argv
     args = [a for a in argv if a != "--rehearse"]
-    usage = "usage: scripts/gpu-check.sh [--rehearse] OUTDIR [SECONDS]"
+    usage = "usage: scripts/gpu-check.sh [--rehearse] [--skip STEP,...] OUTDIR [SECONDS]"
+    skip: list[str] = []
+    if "--skip" in args:
+        i = args.index("--skip")
+        if i + 1 >= len(args):
+            print(f"gpu-check: --skip needs a comma list of steps; {usage}", file=sys.stderr)
+            return 2
+        skip = [s for s in args[i + 1].split(",") if s]
+        del args[i:i + 2]
     if not args or len(args) > 2 or args[0].startswith("-"):
         print(f"gpu-check: {usage}", file=sys.stderr)
         return 2
@@ -447,6 +457,14 @@ def main(argv: list[str]) -> int:
     out.mkdir(parents=True, exist_ok=True)
     check = Check(mode, out.resolve(), budget)
     steps = plan(mode, check.work, gpus)
+    unknown = sorted(set(skip) - {s.name for s in steps})
+    if unknown:
+        print(f"gpu-check: --skip {','.join(unknown)}: no such step; the steps are "
+              f"{', '.join(s.name for s in steps)}", file=sys.stderr)
+        return 2
+    for s in steps:
+        if s.name in skip:
+            s.status, s.detail = "SKIPPED", "--skip"
     first = steps[0].est_s + FINISH_S
     if budget < first:
         print(f"gpu-check: a budget of {budget:.0f} s is less than the first step needs "

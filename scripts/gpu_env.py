@@ -30,6 +30,16 @@ def main(device: str) -> int:
         triton_version = "not installed"
     print(f"python {platform.python_version()}  torch {torch.__version__}  "
           f"cuda {torch.version.cuda}  triton {triton_version}  numpy {numpy.__version__}")
+    from importlib.metadata import PackageNotFoundError, version
+
+    def installed(name: str) -> str:
+        try:
+            return version(name)
+        except PackageNotFoundError:
+            return "none"
+
+    print("  ".join(f"{n} {installed(n)}" for n in ("typer", "click", "rich", "pandas",
+                                                    "transformers", "matplotlib")))
     if device == "cuda":
         if not torch.cuda.is_available():
             print("torch sees no CUDA device")
