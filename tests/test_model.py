@@ -355,3 +355,15 @@ def test_a_window_decoding_token_by_token_equals_transformers_masked_forward(tin
                         lambda n, w, s, dtype, device: real(n, w + 1, s, dtype, device))
     (check,) = run.verify(ref, config, ("window",), ImplOptions(), None, None).checks
     assert not check.passed and "masked forward" in check.message
+
+
+def test_compare_finds_the_first_bad_position_across_slices(monkeypatch):
+    """Logits are compared a slice of positions at a time: a difference in a later slice is
+    still found, at its own position, and the largest error is over every slice."""
+    monkeypatch.setattr(run, "COMPARE_BYTES", 2 * 3 * 5 * 8)  # 3 positions a slice
+    a = torch.randn(2, 10, 5, dtype=torch.float32)
+    assert run._compare(a, a.clone(), 1e-3, 2e-3) == (0.0, None)
+    b = a.clone()
+    b[1, 7, 2] += 0.5
+    err, first = run._compare(a, b, 1e-3, 2e-3)
+    assert first == 7 and abs(err - 0.5) < 1e-6
