@@ -29,6 +29,7 @@ PRESET_DIR = Path(__file__).resolve().parent.parent / "configs" / "models"
 KV_DTYPE_BITS = {"fp32": 32, "fp16": 16, "bf16": 16, "fp8": 8, "int8": 8, "int4": 4, "int2": 2}
 QUANTIZED = {"fp8", "int8", "int4", "int2"}
 GROUPED = {"int8", "int4", "int2"}  # per-group scale and zero point
+K_QUANTS = ("per-token", "per-channel")  # how an int format groups K (V is always per token)
 GROUP_META_BYTES = 4  # one fp16 scale + one fp16 zero-point per group
 FP8_SCALE_BYTES = 4  # one float32 scale per KV head (K and V each) per layer
 WEIGHT_DTYPE_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2, "fp8": 1, "int8": 1, "int4": 0.5}
@@ -235,16 +236,50 @@ def parse_size(text: str, flag: str) -> int:
 
 @dataclass(frozen=True)
 class CacheFormat:
+    """How one layer's K/V are stored. The int formats take KIVI's layout too: k_quant
+    per-channel quantizes K along tokens (an fp16 scale and zero point per channel for each
+    group of group_size positions; V stays per token), and residual R keeps the newest
+    positions in the activation dtype (residual_bytes an element) until R of them are ready
+    (R a multiple of the group). K per channel without a residual keeps the group being
+    filled there instead: either way a sequence reserves `residual_slots` such positions."""
+
     kv_dtype: str = "fp16"
     group_size: int = 64
     tp: int = 1
     block_size: int | None = None
+    k_quant: str = "per-token"
+    residual: int = 0
+    residual_bytes: int = 2  # fp16/bf16 activations
 
     def __post_init__(self) -> None:
         for flag, value in (("--group-size", self.group_size), ("--tp", self.tp),
                             ("--block-size", self.block_size)):
             if value is not None and value < 1:
                 raise KvbenchError(f"{flag} must be a positive integer, got {value}")
+        if self.k_quant not in K_QUANTS:
+            raise KvbenchError(f"--k-quant {self.k_quant!r}: use per-token or per-channel")
+        if type(self.residual) is not int or self.residual < 0:
+            raise KvbenchError(f"--kv-residual must be 0 or a positive integer, got "
+                               f"{self.residual}")
+        kivi = self.k_quant == "per-channel" or self.residual
+        if kivi and self.kv_dtype not in GROUPED:
+            given = "--k-quant per-channel" if self.k_quant == "per-channel" else "--kv-residual"
+            raise KvbenchError(f"{given} applies to the int formats (KIVI's layout); add "
+                               "--kv-dtype int4, int2 or int8")
+        if self.residual % self.group_size:
+            raise KvbenchError(f"--kv-residual {self.residual} is not a multiple of "
+                               f"--group-size {self.group_size}: the residual is flushed a "
+                               "whole number of groups at a time")
+
+    @property
+    def per_channel(self) -> bool:
+        return self.k_quant == "per-channel"
+
+    @property
+    def residual_slots(self) -> int:
+        """Positions per sequence and KV head held in the activation dtype before they are
+        quantized: the residual, or for K per channel the token group being filled."""
+        return self.residual or (self.group_size if self.per_channel else 0)
 
     def vector_bytes(self, elements: int) -> int:
         """Bytes of one cached vector: packed values plus per-group scale and zero-point."""
@@ -273,11 +308,27 @@ def kv_heads_per_rank(model: ModelSpec, tp: int) -> int:
 
 
 def token_bytes_per_layer(model: ModelSpec, fmt: CacheFormat, per_rank: bool) -> int:
-    """One token of one sequence in one layer."""
+    """One token of one sequence in one layer (K per channel: its codes; the channel scales,
+    one set per token group, are sequence_bytes')."""
     if model.is_mla:  # one latent vector, replicated on every TP rank
         return fmt.vector_bytes(model.mla_latent + model.mla_rope)
     heads = kv_heads_per_rank(model, fmt.tp) if per_rank else model.kv_heads
+    if fmt.per_channel:
+        codes = math.ceil(model.head_dim * KV_DTYPE_BITS[fmt.kv_dtype] / 8)
+        return heads * (codes + fmt.vector_bytes(model.head_dim))
     return 2 * heads * fmt.vector_bytes(model.head_dim)
+
+
+def kivi_bytes_per_layer(model: ModelSpec, fmt: CacheFormat, n: int, per_rank: bool) -> int:
+    """What KIVI's layout adds to n positions of one sequence in one layer: K's channel
+    scales and zero points (fp16 each) for every group of group_size positions begun, and
+    the residual's positions of K and V in the activation dtype."""
+    if model.is_mla or not fmt.residual_slots:
+        return 0
+    heads = kv_heads_per_rank(model, fmt.tp) if per_rank else model.kv_heads
+    D = model.head_dim
+    scales = math.ceil(n / fmt.group_size) * D * GROUP_META_BYTES if fmt.per_channel else 0
+    return heads * (scales + 2 * fmt.residual_slots * D * fmt.residual_bytes)
 
 
 def layer_scale_bytes(model: ModelSpec, fmt: CacheFormat, per_rank: bool) -> int:
@@ -302,7 +353,7 @@ def sequence_bytes(model: ModelSpec, fmt: CacheFormat, seq_len: int, per_rank: b
         n = cached_len(model, layer, seq_len)
         if paged and fmt.block_size:
             n = math.ceil(n / fmt.block_size) * fmt.block_size
-        total += n * per_token
+        total += n * per_token + kivi_bytes_per_layer(model, fmt, n, per_rank)
     return total
 
 

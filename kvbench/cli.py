@@ -183,6 +183,8 @@ def capacity(
     seed: Annotated[int, typer.Option(help="With --len-dist: the draws' seed.")] = 0,
     kv_dtype: Annotated[str, typer.Option(help="fp32, fp16, bf16, fp8, int8, int4, int2.")] = "fp16",
     group_size: Annotated[int, typer.Option(help="int8, int4, int2: elements per fp16 scale + zero point.")] = 64,
+    k_quant: Annotated[str, typer.Option(help="int8, int4, int2: K per-token, or per-channel (KIVI: a scale per channel for each --group-size positions).")] = "per-token",
+    kv_residual: Annotated[int, typer.Option(help="int8, int4, int2: the newest positions kept in fp16 until this many are quantized together (KIVI; a multiple of --group-size).")] = 0,
     tp: Annotated[int, typer.Option(help="Tensor-parallel ranks (KV heads split across them).")] = 1,
     block_size: Annotated[int | None, typer.Option(help="Paged blocks: round each sequence up to whole blocks.")] = None,
     window: Annotated[int | None, typer.Option(help="Sliding window W: sliding layers cache at most W tokens.")] = None,
@@ -202,7 +204,7 @@ def capacity(
     """Plan the KV cache of a real model on a real GPU; --allocate checks it on CUDA."""
     from kvbench import planner
 
-    planner.capacity(model=model, list_models=list_models, from_config=from_config, layers=layers, kv_heads=kv_heads, head_dim=head_dim, q_heads=q_heads, mla_latent=mla_latent, mla_rope=mla_rope, batch=batch, seq_len=seq_len, seq_lens=seq_lens, len_dist=len_dist, max_len=max_len, seed=seed, kv_dtype=kv_dtype, group_size=group_size, tp=tp, block_size=block_size, window=window, sinks=sinks, shared_prefix=shared_prefix, share_layers=share_layers, gpu_mem=gpu_mem, weight_dtype=weight_dtype, weights_bytes=weights_bytes, margin=margin, utilization=utilization, allocate=allocate, case=case, device=device, csv=csv)
+    planner.capacity(model=model, list_models=list_models, from_config=from_config, layers=layers, kv_heads=kv_heads, head_dim=head_dim, q_heads=q_heads, mla_latent=mla_latent, mla_rope=mla_rope, batch=batch, seq_len=seq_len, seq_lens=seq_lens, len_dist=len_dist, max_len=max_len, seed=seed, kv_dtype=kv_dtype, group_size=group_size, k_quant=k_quant, kv_residual=kv_residual, tp=tp, block_size=block_size, window=window, sinks=sinks, shared_prefix=shared_prefix, share_layers=share_layers, gpu_mem=gpu_mem, weight_dtype=weight_dtype, weights_bytes=weights_bytes, margin=margin, utilization=utilization, allocate=allocate, case=case, device=device, csv=csv)
 
 
 @command

@@ -155,6 +155,8 @@ class RunConfig:
     kv_dtype: str | None = None  # K/V stored quantized (fp8, int8, int4, int2); None = dtype
     group_size: int = 64  # int formats: elements per scale and zero point
     tp: int = 1  # tensor-parallel ranks the layer is split over (kvbench.distributed)
+    k_quant: str = "per-token"  # int formats: K per token, or per channel (KIVI)
+    kv_residual: int = 0  # int formats: the newest positions kept unquantized (KIVI)
 
     def __post_init__(self) -> None:
         if self.rope and self.shape.head_dim % 2:
@@ -166,6 +168,13 @@ class RunConfig:
     @property
     def dtype_bytes(self) -> int:
         return DTYPE_BYTES[self.dtype]
+
+    @property
+    def kv_format(self):
+        """How this point stores K/V (kvbench.kvformat.KvFormat)."""
+        from kvbench.kvformat import KvFormat
+
+        return KvFormat(self.kv_dtype, self.group_size, self.k_quant, self.kv_residual)
 
 
 # The reference cases of the source material (SPEC §1).

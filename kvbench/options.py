@@ -79,7 +79,15 @@ class RunOptions:
         "each, none for unquantized. Default: the activation --dtype. Runs on the "
         "implementations that can store it.", show_default=False)
     group_size: int = option(64, "int8/int4/int2: elements of a head vector per scale and "
-                             "zero point.")
+                             "zero point (with --k-quant per-channel, K's positions per "
+                             "channel scale).")
+    k_quant: str = option("per-token", "int8/int4/int2: quantize K per token (each vector in "
+                          "groups along D) or per-channel (KIVI: each channel along groups "
+                          "of --group-size positions). V is always per token. Runs on "
+                          "static.")
+    kv_residual: int = option(0, "int8/int4/int2: keep the newest positions in the "
+                              "activation dtype until this many are ready, then quantize them "
+                              "(KIVI's residual; a multiple of --group-size). Runs on static.")
     seq_lens: str | None = option(
         None, "A ragged batch: each sequence's prompt length, e.g. 512,4096,37 (B is their "
         "count). Decode adds --decode-len positions to every sequence.", show_default=False)

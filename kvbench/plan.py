@@ -23,13 +23,18 @@ def expand(o: RunOptions, reference_cases: bool = False, measure: str | None = N
     if not variants:
         return _points_of(o, reference_cases, measure, base)
     points, options, notes = [], None, []
+
+    def shared(opts):  # the K/V layout is each point's own (RunConfig), not shared
+        return replace(opts, group_size=64, k_quant="per-token", kv_residual=0)
+
     for variant in variants:
         more, opts, more_notes = _points_of(o.but(**variant), False, measure, base)
-        if options is not None and opts != options:
+        if options is not None and shared(opts) != shared(options):
             raise KvbenchError("sweep file points may change the shape, the technique, "
-                               "--impl and --kv-dtype, not the options every implementation "
-                               "shares (--block-size, --sdpa-backend, --splits, --group-size, "
-                               "--prealloc)")
+                               "--impl and the K/V layout (--kv-dtype, --group-size, "
+                               "--k-quant, --kv-residual), not the options every "
+                               "implementation shares (--block-size, --sdpa-backend, "
+                               "--splits, --prealloc)")
         options = opts
         points += more
         notes += [n for n in more_notes if n not in notes]
@@ -46,6 +51,7 @@ def _points_of(o: RunOptions, reference_cases: bool = False,
     """
     from kvbench import render
     from kvbench.caches import ImplOptions, select_impls
+    from kvbench.capacity import GROUPED
     from kvbench.config import (
         SHAPE_FIELDS,
         SMALL_CASE,
@@ -56,6 +62,7 @@ def _points_of(o: RunOptions, reference_cases: bool = False,
         timing_case,
     )
     from kvbench.device import resolve_device
+    from kvbench.kvformat import KvFormat
 
     dev = resolve_device(o.device)
     dtypes = [canonical_dtype(d) for d in o.dtype.split(",")]
@@ -74,8 +81,14 @@ def _points_of(o: RunOptions, reference_cases: bool = False,
             distributed.check(o.tp, shape.q_heads, shape.kv_heads)
         dev = distributed.setup(o.tp, dev)
     options = ImplOptions(o.block_size, o.sdpa_backend, o.splits,
-                          group_size=o.group_size, prealloc=o.prealloc)
+                          group_size=o.group_size, prealloc=o.prealloc, k_quant=o.k_quant,
+                          kv_residual=o.kv_residual)
     kv_dtypes = _kv_dtypes(o.kv_dtype, dtypes)
+    if (o.k_quant != "per-token" or o.kv_residual) and not GROUPED & set(kv_dtypes):
+        # the layout's own checks name what is wrong (no int format, a residual off the group)
+        KvFormat(None, o.group_size, o.k_quant, o.kv_residual)
+    for kv in GROUPED & set(kv_dtypes):
+        KvFormat(kv, o.group_size, o.k_quant, o.kv_residual)
     ragged = (o.seq_lens is not None or o.len_dist is not None
               or o.window is not None or o.shared_prefix
               or o.kv_budget is not None)  # (not for the small case)
@@ -98,7 +111,8 @@ def _points_of(o: RunOptions, reference_cases: bool = False,
         if left_out:
             notes.append(left_out)
     for shape, dt, kv in itertools.product(shapes, dtypes, kv_dtypes):
-        config = RunConfig(shape, dt, dev, o.seed, o.rope, kv, o.group_size, o.tp)
+        kivi = (o.k_quant, o.kv_residual) if kv in GROUPED else ("per-token", 0)
+        config = RunConfig(shape, dt, dev, o.seed, o.rope, kv, o.group_size, o.tp, *kivi)
         names, skipped = select_impls(spec, config, options, strict=False,
                                       measure=measure)
         ran.update(names)

@@ -12,7 +12,7 @@ import typer
 from kvbench.errors import KvbenchError
 
 
-def capacity(model, list_models, from_config, layers, kv_heads, head_dim, q_heads, mla_latent, mla_rope, batch, seq_len, seq_lens, len_dist, max_len, seed, kv_dtype, group_size, tp, block_size, window, sinks, shared_prefix, share_layers, gpu_mem, weight_dtype, weights_bytes, margin, utilization, allocate, case, device, csv) -> None:
+def capacity(model, list_models, from_config, layers, kv_heads, head_dim, q_heads, mla_latent, mla_rope, batch, seq_len, seq_lens, len_dist, max_len, seed, kv_dtype, group_size, k_quant, kv_residual, tp, block_size, window, sinks, shared_prefix, share_layers, gpu_mem, weight_dtype, weights_bytes, margin, utilization, allocate, case, device, csv) -> None:
     """Plan the KV cache (or with --allocate, check it on CUDA) and write its row."""
     from kvbench import capacity as cap
     from kvbench import render
@@ -67,7 +67,7 @@ def capacity(model, list_models, from_config, layers, kv_heads, head_dim, q_head
             raise KvbenchError("--sinks keeps the first S positions of sliding layers: give "
                                "--window W too (or a model with a window), and S >= 0")
         spec = replace(spec, share_layers=share_layers, sinks=sinks)
-    fmt = cap.CacheFormat(cap.kv_dtype(kv_dtype), group_size, tp, block_size)
+    fmt = cap.CacheFormat(cap.kv_dtype(kv_dtype), group_size, tp, block_size, k_quant, kv_residual)
     gpu_bytes = cap.parse_size(gpu_mem, "--gpu-mem") if gpu_mem else None
     weights = None
     if gpu_bytes is not None:

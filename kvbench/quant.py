@@ -12,6 +12,13 @@
   prompt's absolute maximum (amax / 448) when the cache is first written, as vLLM's fp8 cache
   keeps per-layer scales. Later tokens are scaled by the same number and saturate at ±448.
 
+- KIVI's layout of the int formats (--k-quant per-channel, --kv-residual R): K per channel,
+  one fp16 scale and zero point per channel for each group of `group_size` positions (the
+  group along tokens, as KIVI quantizes keys); V per token as above. Positions wait in the
+  activation dtype (the residual) until `flush` of them are ready (R, or one token group
+  for K per channel without a residual), then are quantized together: at any length n the
+  first n // flush · flush positions are quantized and the rest are exact.
+
 QuantizedStore holds one layer's quantized K and V for [B, H_kv, T_max] positions.
 """
 
@@ -21,6 +28,7 @@ import math
 
 import torch
 
+from kvbench.errors import KvbenchError
 from kvbench.kvformat import KvFormat
 
 FP8_MAX = 448.0  # the largest finite float8_e4m3fn
@@ -82,6 +90,49 @@ def dequantize_grouped(codes, scale, zero, bits: int, group: int, D: int,
     return (q * s + z).to(dtype)
 
 
+def quantize_channels(x: torch.Tensor, bits: int, group: int):
+    """K per channel (KIVI): x [B, H, n, D], n a multiple of group -> (codes uint8
+    [B, H, n, ceil(D·bits/8)] packed along D like quantize_grouped's, scale and zero fp16
+    [B, H, n / group, D]: one per channel for each group of positions)."""
+    B, H, n, D = x.shape
+    xf = x.float().view(B, H, n // group, group, D)
+    lo, hi = xf.amin(3), xf.amax(3)
+    scale = ((hi - lo) / ((1 << bits) - 1)).half()
+    zero = lo.half()
+    s, z = scale.float()[:, :, :, None], zero.float()[:, :, :, None]
+    q = torch.where(s > 0, (xf - z) / torch.where(s > 0, s, 1.0), 0.0)
+    q = q.round().clamp(0, (1 << bits) - 1).to(torch.uint8)
+    return pack(q.view(B, H, n, D), bits), scale, zero
+
+
+def dequantize_channels(codes, scale, zero, bits: int, group: int, D: int,
+                        dtype: torch.dtype) -> torch.Tensor:
+    """quantize_channels' stored form -> [B, H, n, D] in dtype."""
+    compute = torch.float64 if dtype == torch.float64 else torch.float32
+    B, H, n = codes.shape[:3]
+    q = unpack(codes, bits, D).to(compute).view(B, H, n // group, group, D)
+    x = q * scale.to(compute)[:, :, :, None] + zero.to(compute)[:, :, :, None]
+    return x.view(B, H, n, D).to(dtype)
+
+
+def kivi_dequantized(x: torch.Tensor, name: str, fmt: KvFormat, dtype: torch.dtype) -> torch.Tensor:
+    """K or V ("k", "v") of n positions [B, H, n, D] as KIVI's layout holds them at length n:
+    the first n // flush · flush positions quantized and read back, the rest exact. A pure
+    function of the exact values (verify's reference; the store builds it step by step)."""
+    n, D = x.shape[2], x.shape[3]
+    done = n // fmt.flush * fmt.flush
+    head, tail = x[:, :, :done], x[:, :, done:].to(dtype)
+    if not done:
+        return tail
+    if name == "k" and fmt.per_channel:
+        read = dequantize_channels(*quantize_channels(head, fmt.bits, fmt.group_size),
+                                   fmt.bits, fmt.group_size, D, dtype)
+    else:
+        read = dequantize_grouped(*quantize_grouped(head, fmt.bits, fmt.group_size), fmt.bits,
+                                  fmt.group_size, D, dtype)
+    return torch.cat([read, tail], dim=2)
+
+
 def fp8_scale(x: torch.Tensor) -> torch.Tensor:
     """Per KV head scale [H_kv] (float32) of x [B, H_kv, T, D]: amax / 448."""
     amax = x.float().abs().amax(dim=(0, 2, 3))
@@ -108,26 +159,37 @@ class QuantizedStore:
     layout only decides where positions go (`write`, `read` here for the static layout).
     """
 
-    def __init__(self, fmt: KvFormat, lead: tuple[int, int, int], head_dim: int, device):
+    def __init__(self, fmt: KvFormat, lead: tuple[int, int, int], head_dim: int, device,
+                 dtype: torch.dtype = torch.float32):
         self.fmt, self.head_dim = fmt, head_dim
         kv_heads = lead[1]
         self.tensors: dict[str, torch.Tensor] = {}
         for kv in ("k", "v"):
             if fmt.grouped:
                 nbytes = math.ceil(head_dim * fmt.bits / 8)
-                groups = fmt.groups(head_dim)
+                if kv == "k" and fmt.per_channel:  # a scale per channel and token group
+                    meta = (*lead[:2], math.ceil(lead[2] / fmt.group_size), head_dim)
+                else:
+                    meta = (*lead, fmt.groups(head_dim))
                 self.tensors[f"{kv}_codes"] = torch.zeros(*lead, nbytes, dtype=torch.uint8,
                                                           device=device)
-                self.tensors[f"{kv}_scale"] = torch.zeros(*lead, groups, dtype=torch.float16,
+                self.tensors[f"{kv}_scale"] = torch.zeros(meta, dtype=torch.float16,
                                                           device=device)
-                self.tensors[f"{kv}_zero"] = torch.zeros(*lead, groups, dtype=torch.float16,
+                self.tensors[f"{kv}_zero"] = torch.zeros(meta, dtype=torch.float16,
                                                          device=device)
+                if fmt.buffered:  # the residual: positions not yet quantized, as computed
+                    self.tensors[f"{kv}_residual"] = torch.zeros(
+                        *lead[:2], fmt.flush, head_dim, dtype=dtype, device=device)
             else:  # fp8: one scale per KV head, not per position
                 self.tensors[f"{kv}_codes"] = torch.zeros(*lead, head_dim,
                                                           dtype=torch.float8_e4m3fn,
                                                           device=device)
                 self.tensors[f"{kv}_scale"] = torch.zeros(kv_heads, dtype=torch.float32,
                                                           device=device)
+
+    flushed = 0  # KIVI's layout: positions quantized so far (the rest are in the residual)
+    length = 0
+    saved: tuple | None = None
 
     @property
     def nbytes(self) -> int:
@@ -165,9 +227,59 @@ class QuantizedStore:
     def write(self, k: torch.Tensor, v: torch.Tensor, start: int,
               real: torch.Tensor | None = None) -> None:
         """Static layout: k, v [B, H_kv, n, D] at positions start..start+n-1."""
+        if self.fmt.buffered:
+            return self._append(k, v, start)
         at = slice(start, start + k.shape[2])
         for name, part in self.encode(k, v, start == 0, real).items():
             self.tensors[name][:, :, at] = part
+
+    def _append(self, k: torch.Tensor, v: torch.Tensor, start: int) -> None:
+        """KIVI's layout: the new positions join the residual; each whole `flush` of waiting
+        positions is quantized into the store and leaves it."""
+        F, G, fmt = self.fmt.flush, self.fmt.group_size, self.fmt
+        if start < self.flushed:
+            raise KvbenchError(f"cannot write position {start}: positions up to "
+                               f"{self.flushed} are quantized already")
+        for name, x in (("k", k), ("v", v)):
+            residual = self.tensors[f"{name}_residual"]
+            pending = torch.cat([residual[:, :, :start - self.flushed].to(x.dtype), x], dim=2)
+            done = pending.shape[2] // F * F
+            if done:
+                at = slice(self.flushed, self.flushed + done)
+                if name == "k" and fmt.per_channel:
+                    codes, scale, zero = quantize_channels(pending[:, :, :done], fmt.bits, G)
+                    groups = slice(self.flushed // G, (self.flushed + done) // G)
+                else:
+                    codes, scale, zero = quantize_grouped(pending[:, :, :done], fmt.bits, G)
+                    groups = at
+                self.tensors[f"{name}_codes"][:, :, at] = codes
+                self.tensors[f"{name}_scale"][:, :, groups] = scale
+                self.tensors[f"{name}_zero"][:, :, groups] = zero
+            rest = pending[:, :, done:]
+            residual[:, :, :rest.shape[2]] = rest
+        self.flushed += done
+        self.length = start + k.shape[2]
+
+    def checkpoint(self) -> None:
+        """KIVI's layout: remember the residual, which a later flush overwrites."""
+        if self.fmt.buffered:
+            self.saved = (self.length, self.flushed,
+                          {n: self.tensors[f"{n}_residual"].clone() for n in ("k", "v")})
+
+    def rewind(self, length: int) -> None:
+        """KIVI's layout: back to `length` positions. Below the last flush the exact values
+        are gone, unless the checkpoint holds them."""
+        if not self.fmt.buffered:
+            return
+        if length < self.flushed:
+            saved = self.saved
+            if saved is None or not saved[1] <= length <= saved[0]:
+                raise KvbenchError(f"cannot rewind to {length} positions: the first "
+                                   f"{self.flushed} are quantized and their exact values gone")
+            self.flushed = saved[1]
+            for n, copy in saved[2].items():
+                self.tensors[f"{n}_residual"].copy_(copy)
+        self.length = length
 
     def write_at(self, k: torch.Tensor, v: torch.Tensor, rows: torch.Tensor,
                  positions: torch.Tensor) -> None:
@@ -177,4 +289,20 @@ class QuantizedStore:
 
     def read(self, name: str, length: int, dtype: torch.dtype) -> torch.Tensor:
         """Static layout: the first `length` positions of K or V, dequantized."""
-        return self.decode(name, lambda t: self.tensors[t][:, :, :length], dtype)
+        if not self.fmt.buffered:
+            return self.decode(name, lambda t: self.tensors[t][:, :, :length], dtype)
+        fmt, done = self.fmt, self.flushed
+        waiting = self.tensors[f"{name}_residual"][:, :, :length - done].to(dtype)
+        if not done:
+            return waiting
+        codes = self.tensors[f"{name}_codes"][:, :, :done]
+        if name == "k" and fmt.per_channel:
+            groups = done // fmt.group_size
+            read = dequantize_channels(codes, self.tensors["k_scale"][:, :, :groups],
+                                       self.tensors["k_zero"][:, :, :groups], fmt.bits,
+                                       fmt.group_size, self.head_dim, dtype)
+        else:
+            read = dequantize_grouped(codes, self.tensors[f"{name}_scale"][:, :, :done],
+                                      self.tensors[f"{name}_zero"][:, :, :done], fmt.bits,
+                                      fmt.group_size, self.head_dim, dtype)
+        return torch.cat([read, waiting], dim=2)

@@ -24,8 +24,6 @@ from rich.progress import (
 )
 from rich.table import Table
 
-from kvbench.kvformat import KvFormat
-
 out = Console(highlight=False)
 err = Console(stderr=True, highlight=False)
 
@@ -102,7 +100,7 @@ def describe(config) -> str:
             + (f" window={s.window} sinks={s.sinks}" if s.window is not None else "")
             + (f" shared-prefix={s.shared_prefix}" if s.shared_prefix else "")
             + (f" kv-budget={s.kv_budget}" if s.kv_budget is not None else "")
-            + (f" {kv_label(KvFormat(config.kv_dtype, config.group_size))}"
+            + (f" {kv_label(config.kv_format)}"
                if config.kv_dtype else ""))
 
 
@@ -137,7 +135,9 @@ def _cache(c) -> str:
 
 
 def kv_label(fmt) -> str:
-    return f"kv {fmt.name}" + (f" g={fmt.group_size}" if fmt.grouped else "")
+    return (f"kv {fmt.name}" + (f" g={fmt.group_size}" if fmt.grouped else "")
+            + (" K per channel" if fmt.per_channel else "")
+            + (f" residual {fmt.residual}" if fmt.residual else ""))
 
 
 def _quantized_verify_table(report) -> Table:
@@ -348,6 +348,10 @@ def show_memory(result) -> None:
 def capacity_table(p) -> Table:
     m, fmt = p.model, p.fmt
     quant = f", groups of {fmt.group_size}" if fmt.kv_dtype in ("int8", "int4", "int2") else ""
+    if fmt.per_channel:
+        quant += ", K per channel"
+    if fmt.residual_slots:
+        quant += f", a residual of {fmt.residual_slots} positions in fp16"
     t = _table(f"capacity  {m.name}: L={m.layers} {m.attention_summary}, window "
                f"{m.window_summary}; {fmt.kv_dtype}{quant}, tp={fmt.tp}"
                + (f", blocks of {fmt.block_size}" if fmt.block_size else "")

@@ -20,6 +20,7 @@ import tempfile
 from datetime import datetime, timezone
 from pathlib import Path
 
+from kvbench.capacity import GROUPED as GROUPED_FORMATS
 from kvbench.env import ENV_COLUMNS
 from kvbench.errors import KvbenchError
 
@@ -188,7 +189,8 @@ VERIFY_COLUMNS = VERIFY_FIRST[:-len(ENV_COLUMNS)] + [
     "block_size", "splits", "compile_ms",
     # quantized K/V: the format; fp64_max_abs_err is then against the dequantized-cache
     # reference (the gate) and max/mean_abs_err and cosine against path A (reported only)
-    "kv_dtype", "group_size", "cosine", *RAGGED_COLUMNS, *TP_COLUMNS,
+    "kv_dtype", "group_size", "k_quant", "kv_residual", "cosine", *RAGGED_COLUMNS,
+    *TP_COLUMNS,
     # lossy (h2o): the gate is attention over the positions it kept (fp64_max_abs_err); the
     # error against full attention is max/mean_abs_err and cosine
     "shared_prefix", "lossy",
@@ -213,7 +215,8 @@ BENCH_FIRST = CONFIG_COLUMNS + [
     "achieved_gflops", "blocks_used", "blocks_allocated", "sdpa_backend", "compile_ms",
 ] + ENV_COLUMNS
 BENCH_COLUMNS = BENCH_FIRST[:-len(ENV_COLUMNS)] + [
-    "splits", "block_size", "kv_dtype", "group_size", *RAGGED_COLUMNS, *TP_COLUMNS,
+    "splits", "block_size", "kv_dtype", "group_size", "k_quant", "kv_residual",
+    *RAGGED_COLUMNS, *TP_COLUMNS,
     "shared_prefix",
     # --tp: a step's all-reduce timed alone, and the median spread between the slowest and
     # the fastest rank of the cached decode samples (each sample's time is its slowest rank's)
@@ -256,7 +259,9 @@ def kv_cells(fmt) -> dict[str, object]:
     """The K/V storage format of a row: empty kv_dtype means the activation dtype."""
     if not fmt.quantized:
         return {}
-    return {"kv_dtype": fmt.name, "group_size": fmt.group_size if fmt.grouped else None}
+    return {"kv_dtype": fmt.name, "group_size": fmt.group_size if fmt.grouped else None,
+            "k_quant": fmt.k_quant if fmt.grouped else None,
+            "kv_residual": fmt.residual if fmt.grouped else None}
 
 
 def verify_rows(report, env: dict[str, object]) -> list[dict[str, object]]:
@@ -317,7 +322,7 @@ MEMORY_COLUMNS = MEMORY_FIRST[:-len(ENV_COLUMNS)] + [
     "recompute_peak_estimated_bytes", "cached_peak_estimated_bytes",
     "decode_peak_estimated_bytes",
     # the finished cache's own tensors against kvbench capacity's figure for the layout
-    "kv_dtype", "group_size", "kv_cache_bytes", "kv_planner_bytes",
+    "kv_dtype", "group_size", "k_quant", "kv_residual", "kv_cache_bytes", "kv_planner_bytes",
     # a serving-shaped batch; theoretical_kv_bytes is the payload (Σ (T_i + G) positions),
     # kv_cache_bytes what the implementation reserved for K/V: kv_waste = 1 - payload/reserved,
     # kv_frag_bytes the unused positions of last blocks (block pools only)
@@ -408,7 +413,8 @@ def model_memory_rows(result, env: dict[str, object]) -> list[dict[str, object]]
 
 CAPACITY_FIRST = [
     "timestamp", "command", "model", "attention", "layers", "q_heads", "kv_heads", "head_dim",
-    "mla_latent", "mla_rope", "sliding_window", "kv_dtype", "group_size", "tp", "block_size",
+    "mla_latent", "mla_rope", "sliding_window", "kv_dtype", "group_size", "k_quant",
+    "kv_residual", "tp", "block_size",
     "batch", "seq_len", "seq_lens", "bytes_per_token", "bytes_per_sequence", "payload_bytes",
     "per_rank_bytes", "wasted_bytes", "gpu_bytes", "utilization", "margin_bytes",
     "weights_bytes", "budget_bytes", "fits", "headroom_bytes", "max_batch", "max_seq_len",
@@ -430,7 +436,10 @@ def capacity_rows(p, env: dict[str, object]) -> list[dict[str, object]]:
         "kv_heads": m.kv_heads or None, "head_dim": m.head_dim or None,
         "mla_latent": m.mla_latent, "mla_rope": m.mla_rope, "sliding_window": m.sliding_window,
         "share_layers": m.share_layers,
-        "kv_dtype": p.fmt.kv_dtype, "group_size": p.fmt.group_size, "tp": p.fmt.tp,
+        "kv_dtype": p.fmt.kv_dtype, "group_size": p.fmt.group_size,
+        "k_quant": p.fmt.k_quant if p.fmt.kv_dtype in GROUPED_FORMATS else None,
+        "kv_residual": p.fmt.residual if p.fmt.kv_dtype in GROUPED_FORMATS else None,
+        "tp": p.fmt.tp,
         "block_size": p.fmt.block_size, "batch": p.batch, "seq_len": max(p.seq_lens),
         "seq_lens": " ".join(map(str, p.seq_lens)) if len(set(p.seq_lens)) > 1 else None,
         "bytes_per_token": p.bytes_per_token, "bytes_per_sequence": p.bytes_per_sequence,

@@ -38,7 +38,7 @@ from kvbench.errors import (
     is_runtime_error,
 )
 from kvbench.kvformat import KvFormat
-from kvbench.quant import QuantizedStore
+from kvbench.quant import QuantizedStore, kivi_dequantized
 
 TOLERANCES = {  # dtype -> (rtol, atol)
     "float32": (1e-4, 1e-5),
@@ -166,6 +166,8 @@ def quantized_reference(layer: AttentionLayer, x: torch.Tensor, prompt: torch.Te
     """
     s = layer.shape
     B, T = x.shape[0], x.shape[1]
+    if fmt.buffered:
+        return _kivi_reference(layer, x, prompt, fmt)
     lens = torch.tensor(s.prompt_lens, device=x.device)
     rows = torch.arange(B, device=x.device)
     store = QuantizedStore(fmt, (B, s.kv_heads, T), s.head_dim, x.device)
@@ -185,6 +187,30 @@ def quantized_reference(layer: AttentionLayer, x: torch.Tensor, prompt: torch.Te
         padding = cols[:, :n] > at[:, None]  # [B, n]
         scores = scores.masked_fill(padding[:, None, None, :], float("-inf"))
         attn = torch.softmax(scores, dim=-1) @ values  # [B, H_q, 1, D]
+        outputs.append(attn.transpose(1, 2).reshape(B, 1, -1) @ w_o)
+    return outputs
+
+
+def _kivi_reference(layer: AttentionLayer, x: torch.Tensor, prompt: torch.Tensor,
+                    fmt: KvFormat) -> list[torch.Tensor]:
+    """quantized_reference for KIVI's layout (equal lengths): at each step the cache is
+    kivi_dequantized of every position's exact k and v so far, a function of the length
+    alone, not of when or how the store flushed."""
+    s = layer.shape
+    B, T_p = x.shape[0], s.prompt_len
+    _, k, v = layer.project(prompt, start=0)
+    keys, values = [k], [v]
+    w_o = layer.w_o.double()
+    outputs = []
+    for j in range(s.decode_len):
+        q, k, v = layer.project(x[:, T_p + j:T_p + j + 1], start=T_p + j)
+        keys.append(k)
+        values.append(v)
+        kd = kivi_dequantized(torch.cat(keys, 2), "k", fmt, torch.float64)
+        vd = kivi_dequantized(torch.cat(values, 2), "v", fmt, torch.float64)
+        kd, vd = (t.repeat_interleave(s.group, dim=1) for t in (kd, vd))
+        scores = (q.double() @ kd.transpose(-2, -1)) * layer.scale  # [B, H_q, 1, n]
+        attn = torch.softmax(scores, dim=-1) @ vd  # [B, H_q, 1, D]
         outputs.append(attn.transpose(1, 2).reshape(B, 1, -1) @ w_o)
     return outputs
 

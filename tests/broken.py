@@ -11,6 +11,7 @@ from kvbench.caches import (
     TritonCache,
 )
 from kvbench.caches.static import PreallocatedCache
+from kvbench.quant import QuantizedStore
 
 
 class RopeOffByOne(StaticCache):
@@ -449,3 +450,70 @@ class WrongAtTheLastStep(StaticCache):
     def step(self, x_t):
         out = super().step(x_t)
         return out + 1.0 if self.length == self.max_len else out
+
+
+# Faults of KIVI's layout (`static` with --k-quant per-channel or --kv-residual): the store's
+# bookkeeping goes wrong while every quantized value is computed correctly.
+
+class _KiviFault(StaticCache):
+    """static whose QuantizedStore is swapped for a faulty one (`store_class`)."""
+
+    store_class = None
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.store.__class__ = self.store_class
+
+
+class _ScaleOfThePreviousGroup(QuantizedStore):
+    def read(self, name, length, dtype):
+        G = self.fmt.group_size
+        groups = self.flushed // G
+        if name != "k" or groups < 2:
+            return super().read(name, length, dtype)
+        scale = self.tensors["k_scale"]
+        wrong = scale.clone()
+        wrong[:, :, 1:groups] = scale[:, :, :groups - 1]
+        self.tensors["k_scale"] = wrong
+        try:
+            return super().read(name, length, dtype)
+        finally:
+            self.tensors["k_scale"] = scale
+
+
+class ChannelScaleFromWrongGroup(_KiviFault):
+    """K per channel: token group g is read back with group g−1's channel scales."""
+
+    name = "channel-scale-from-wrong-group"
+    store_class = _ScaleOfThePreviousGroup
+
+
+class _NeverFlushes(QuantizedStore):
+    def _append(self, k, v, start):
+        exact = getattr(self, "exact", None)
+        self.exact = {n: x if exact is None else torch.cat([exact[n][:, :, :start], x], 2)
+                      for n, x in (("k", k), ("v", v))}
+        self.length = start + k.shape[2]
+
+    def read(self, name, length, dtype):
+        return self.exact[name][:, :, :length].to(dtype)
+
+
+class ResidualNeverFlushed(_KiviFault):
+    """Every position stays in the residual, in the activation dtype: nothing is quantized."""
+
+    name = "residual-never-flushed"
+    store_class = _NeverFlushes
+
+
+class ResidualFlushedEarly(StaticCache):
+    """The residual is quantized one token group before it holds --kv-residual positions."""
+
+    name = "residual-flushed-early"
+
+    def __init__(self, *args, **kwargs):
+        from dataclasses import replace
+
+        super().__init__(*args, **kwargs)
+        fmt = self.store.fmt
+        self.store.fmt = replace(fmt, residual=fmt.residual - fmt.group_size)

@@ -388,3 +388,20 @@ def test_shared_prefix_longer_than_a_sequence_is_one_line_exit_2(tmp_path):
     assert result.exit_code == 2
     assert "--shared-prefix 40 is longer than the shortest sequence (30 tokens)" in result.stderr
     assert not out.exists()
+
+
+def test_kivis_layout_by_hand():
+    # llama-3-8b (L=32, H_kv=8, D=128), int4 in groups of 32, one sequence of 4,096 tokens:
+    # per token K's codes (64 B) and V's codes and group scales (64 + 4·4 B), per head and
+    # layer; K's channel scales, 4,096 / 32 groups × 128 channels × 4 B; the residual's 128
+    # positions of K and V in fp16
+    from kvbench.capacity import CacheFormat, ModelSpec, plan
+
+    model = ModelSpec(name="m", layers=32, kv_heads=8, head_dim=128)
+    per_token = plan(model, CacheFormat("int4", 32), (4096,))
+    kivi = plan(model, CacheFormat("int4", 32, k_quant="per-channel", residual=128), (4096,))
+    heads = 32 * 8
+    assert per_token.bytes_per_token == heads * 2 * (64 + 16) == 40 * 1024
+    assert kivi.bytes_per_token == heads * (64 + 64 + 16) == 36 * 1024
+    assert kivi.per_rank_bytes == heads * (4096 * 144 + 128 * 128 * 4 + 2 * 128 * 128 * 2)
+    assert kivi.per_rank_bytes == 176 * 2**20

@@ -3,9 +3,12 @@
 import pytest
 import torch
 from broken import (
+    ChannelScaleFromWrongGroup,
     NibblesSwapped,
     PaddingSetsScale,
     QuantizedOnce,
+    ResidualFlushedEarly,
+    ResidualNeverFlushed,
     ScaleFromWrongGroup,
     ZeroPointWrongSign,
 )
@@ -13,11 +16,15 @@ from broken import (
 from kvbench.caches import ImplOptions, PagedCache, StaticCache
 from kvbench.capacity import CacheFormat, ModelSpec, plan
 from kvbench.config import LayerShape, RunConfig
+from kvbench.errors import KvbenchError
 from kvbench.kvformat import KvFormat
 from kvbench.quant import (
     QuantizedStore,
+    dequantize_channels,
     dequantize_grouped,
+    kivi_dequantized,
     pack,
+    quantize_channels,
     quantize_grouped,
     unpack,
 )
@@ -178,3 +185,138 @@ def test_a_kv_dtype_list_runs_each_format_as_its_own_point(tmp_path):
     df = pd.read_csv(out)
     assert df["kv_dtype"].fillna("none").tolist() == ["none", "fp8", "int4"]
     assert df["passed"].all() and df["cosine"].isna().tolist() == [True, False, False]
+
+
+# KIVI's layout: K per channel along token groups, and a residual of exact positions.
+
+@pytest.mark.parametrize("bits", [8, 4, 2])
+def test_per_channel_scales_follow_each_channel_over_its_token_group(bits):
+    # channel c spans 10^c: one scale per channel is what keeps the small channels, and a
+    # per-token scale (one for all of a position's channels) would round them to nothing
+    torch.manual_seed(0)
+    B, H, n, D, G = 2, 3, 12, 4, 4
+    x = torch.randn(B, H, n, D) * torch.tensor([1e-2, 1e-1, 1.0, 10.0])
+    codes, scale, zero = quantize_channels(x, bits, G)
+    assert scale.shape == zero.shape == (B, H, n // G, D)
+    groups = x.view(B, H, n // G, G, D)
+    want = (groups.amax(3) - groups.amin(3)) / ((1 << bits) - 1)
+    assert torch.allclose(scale.float(), want, rtol=1e-3)
+    back = dequantize_channels(codes, scale, zero, bits, G, D, torch.float64)
+    step = scale.double().repeat_interleave(G, dim=2)  # [B, H, n, D], each position's own
+    assert ((back - x.double()).abs() <= step / 2 + 1e-3 * step + 1e-6).all()
+
+
+@pytest.mark.parametrize("fmt", [
+    KvFormat("int4", 4, "per-channel", 0),   # the group being filled waits
+    KvFormat("int2", 4, "per-token", 8),     # a residual of two groups
+    KvFormat("int8", 4, "per-channel", 8),
+])
+def test_the_store_holds_what_kivi_holds_at_every_length(fmt):
+    # written as a prompt then one position at a time, read at every length: the first
+    # n // flush · flush positions quantized, the rest exact (kivi_dequantized)
+    torch.manual_seed(1)
+    k, v = torch.randn(2, 2, 23, 8), torch.randn(2, 2, 23, 8)
+    store = QuantizedStore(fmt, (2, 2, 23), 8, "cpu")
+    store.write(k[:, :, :5], v[:, :, :5], 0)
+    for n in range(5, 24):
+        if n > 5:
+            store.write(k[:, :, n - 1:n], v[:, :, n - 1:n], n - 1)
+        assert store.flushed == n // fmt.flush * fmt.flush
+        for name, x in (("k", k), ("v", v)):
+            got = store.read(name, n, torch.float64)
+            assert torch.equal(got, kivi_dequantized(x[:, :, :n], name, fmt, torch.float64))
+            assert torch.equal(got[:, :, store.flushed:], x[:, :, store.flushed:n].double())
+
+
+def test_a_kivi_store_rewinds_through_its_checkpoint():
+    fmt = KvFormat("int4", 4, "per-channel", 8)
+    k = torch.randn(1, 1, 20, 8)
+    store = QuantizedStore(fmt, (1, 1, 20), 8, "cpu")
+    store.write(k[:, :, :6], k[:, :, :6], 0)
+    store.checkpoint()
+    before = store.read("k", 6, torch.float64)
+    for t in range(6, 18):  # flushes at 8 and 16: positions 6, 7 quantized
+        store.write(k[:, :, t:t + 1], k[:, :, t:t + 1], t)
+    store.rewind(6)
+    assert store.flushed == 0 and torch.equal(store.read("k", 6, torch.float64), before)
+    store.saved = None
+    for t in range(6, 9):
+        store.write(k[:, :, t:t + 1], k[:, :, t:t + 1], t)
+    with pytest.raises(KvbenchError, match="quantized and their exact values gone"):
+        store.rewind(6)
+
+
+KIVI_SHAPE = LayerShape(batch=2, prompt_len=7, decode_len=8, hidden=32, q_heads=4,
+                        kv_heads=2, head_dim=8)
+
+
+@pytest.mark.parametrize("rope", [False, True])
+@pytest.mark.parametrize("name, k_quant, residual", [
+    ("int4", "per-channel", 0), ("int2", "per-channel", 8), ("int8", "per-token", 8),
+    ("int4", "per-token", 4)])
+def test_static_passes_the_exact_check_in_kivis_layout(name, k_quant, residual, rope):
+    options = ImplOptions(kv_dtype=name, group_size=4, k_quant=k_quant, kv_residual=residual)
+    report = verify(RunConfig(KIVI_SHAPE, rope=rope), {"static": StaticCache}, options)
+    (c,) = report.checks
+    assert c.passed, c.message
+    assert c.lossy and c.max_abs_err > c.fp64_max_abs_err
+
+
+@pytest.mark.parametrize("broken, k_quant, residual, step", [
+    (ChannelScaleFromWrongGroup, "per-channel", 0, 1),  # length 8: a second token group
+    (ResidualNeverFlushed, "per-channel", 0, 1),  # the prompt's first group stays exact
+    (ResidualNeverFlushed, "per-token", 8, 1),  # length 8: the first flush
+    (ResidualFlushedEarly, "per-channel", 8, 5),  # length 12: 12 quantized instead of 8
+    (ResidualFlushedEarly, "per-token", 8, 5),
+])
+def test_verify_rejects_each_kivi_fault(broken, k_quant, residual, step):
+    options = ImplOptions(kv_dtype="int4", group_size=4, k_quant=k_quant, kv_residual=residual)
+    report = verify(RunConfig(KIVI_SHAPE), {broken.name: broken}, options)
+    (c,) = report.checks
+    assert not c.passed and "dequantized-cache reference" in c.message
+    assert c.first_bad_step == step
+    # the same layout passes for the correct store: the fault fails, not the shape
+    assert verify(RunConfig(KIVI_SHAPE), {"static": StaticCache}, options).passed
+
+
+@pytest.mark.parametrize("name, k_quant, residual, group", [
+    ("int4", "per-channel", 0, 32), ("int2", "per-channel", 128, 32),
+    ("int4", "per-token", 128, 128), ("int8", "per-channel", 0, 7)])
+def test_memory_measures_the_planners_bytes_in_kivis_layout(name, k_quant, residual, group):
+    from kvbench.memory import memory
+
+    shape = LayerShape(batch=2, prompt_len=41, decode_len=3, hidden=64, q_heads=4,
+                       kv_heads=2, head_dim=64)
+    options = ImplOptions(kv_dtype=name, group_size=group, k_quant=k_quant,
+                          kv_residual=residual)
+    (m,) = memory(RunConfig(shape, "bfloat16"), ("static",), options).impls
+    assert m.cache_bytes == m.planner_bytes > 0
+    # by hand: K codes per position, K channel scales per group begun, V per token as ever,
+    # and the residual's slots of K and V in bfloat16
+    T, D, bits = 44, 64, {"int8": 8, "int4": 4, "int2": 2}[name]
+    codes = D * bits // 8
+    v = T * (codes + -(-D // group) * 4)
+    k = T * codes + (-(-T // group) * D * 4 if k_quant == "per-channel"
+                     else T * -(-D // group) * 4)
+    slots = residual or (group if k_quant == "per-channel" else 0)
+    assert m.cache_bytes == 2 * 2 * (k + v + 2 * slots * D * 2)
+
+
+@pytest.mark.parametrize("args, line", [
+    (["--k-quant", "per-channel"], "applies to the int formats"),
+    (["--kv-dtype", "fp8", "--kv-residual", "64"], "applies to the int formats"),
+    (["--kv-dtype", "int4", "--kv-residual", "48"], "not a multiple of --group-size 64"),
+    (["--kv-dtype", "int4", "--k-quant", "per-row"], "use per-token or per-channel"),
+    (["--kv-dtype", "int4", "--k-quant", "per-channel", "--impl", "paged"],
+     "--k-quant per-channel and --kv-residual run on static"),
+    (["--kv-dtype", "int4", "--kv-residual", "64", "--impl", "static", "--seq-lens", "3,9"],
+     "ragged batch"),
+])
+def test_kivi_bad_input_is_one_line(args, line):
+    from typer.testing import CliRunner
+
+    from kvbench.cli import app
+
+    r = CliRunner().invoke(app, ["verify", "--device", "cpu", "--no-csv", *args])
+    assert r.exit_code == 2, r.output
+    assert line in r.output and "Traceback" not in r.output

@@ -37,6 +37,8 @@ class ImplOptions:
     kv_dtype: str | None = None  # a quantized K/V format (fp8, int8, int4, int2); None = as x
     group_size: int = 64  # int formats: elements per scale and zero point
     prealloc: str = "max-len"  # preallocating caches: every sequence's --max-len, or "exact"
+    k_quant: str = "per-token"  # int formats: how K is grouped (KIVI: per-channel)
+    kv_residual: int = 0  # int formats: the newest positions kept unquantized (KIVI)
 
     def __post_init__(self) -> None:
         if self.prealloc not in PREALLOC:
@@ -58,7 +60,7 @@ class ImplOptions:
 
     @property
     def kv_format(self) -> KvFormat:
-        return KvFormat(self.kv_dtype, self.group_size)
+        return KvFormat(self.kv_dtype, self.group_size, self.k_quant, self.kv_residual)
 
     def alloc_len(self, s) -> int:
         """Positions a preallocating cache reserves per sequence of shape s: the length a
@@ -71,7 +73,8 @@ class ImplOptions:
         `--kv-dtype` list gives each point its own)."""
         if config.kv_dtype is None:
             return self
-        return replace(self, kv_dtype=config.kv_dtype, group_size=config.group_size)
+        return replace(self, kv_dtype=config.kv_dtype, group_size=config.group_size,
+                       k_quant=config.k_quant, kv_residual=config.kv_residual)
 
 
 IMPLEMENTATIONS: dict[str, type[CachedAttention]] = {}
@@ -139,6 +142,7 @@ class CachedAttention(ABC):
     description: ClassVar[str]
     compiles: ClassVar[bool] = False  # its first step compiles (reported as compile_ms)
     kv_dtypes: ClassVar[frozenset[str]] = frozenset()  # the quantized formats it can store
+    kivi: ClassVar[bool] = False  # whether it takes KIVI's layout (K per channel, a residual)
     blocked: ClassVar[bool] = False  # stores whole blocks of --block-size positions
     # lossy: attends to fewer positions than path A (h2o); verify then checks it exactly
     # against attention over the positions it kept, and reports its error against path A
@@ -244,6 +248,10 @@ class CachedAttention(ABC):
     @classmethod
     def unstorable(cls, options: ImplOptions) -> str | None:
         """Why it cannot store K/V in options.kv_dtype, or None."""
+        if options.kv_dtype is not None and options.kv_format.buffered and not cls.kivi:
+            able = [n for n, c in IMPLEMENTATIONS.items() if c.kivi]
+            return (f"K per token, no residual (--k-quant per-channel and --kv-residual run "
+                    f"on {', '.join(able)})")
         if options.kv_dtype is None or options.kv_dtype in cls.kv_dtypes:
             return None
         able = [n for n, c in IMPLEMENTATIONS.items() if options.kv_dtype in c.kv_dtypes]
@@ -454,7 +462,9 @@ def _planned(config: RunConfig, options: ImplOptions, lens, blocked: bool,
     s, fmt = config.shape, options.kv_format
     model = capacity.ModelSpec(name="layer", layers=1, kv_heads=s.kv_heads, head_dim=s.head_dim)
     layout = capacity.CacheFormat(fmt.name or capacity.kv_dtype(config.dtype), fmt.group_size,
-                                  block_size=options.block_size if blocked else None)
+                                  block_size=options.block_size if blocked else None,
+                                  k_quant=fmt.k_quant, residual=fmt.residual,
+                                  residual_bytes=config.dtype_bytes)
     prefix = s.shared_prefix if shared else 0
     return capacity.plan(model, layout, lens, shared_prefix=prefix).per_rank_bytes
 

@@ -26,7 +26,7 @@ class PreallocatedCache(CachedAttention):
         self.store = None
         if self.options.kv_dtype is not None:
             self.store = QuantizedStore(self.options.kv_format, (batch, s.kv_heads, max_len),
-                                        s.head_dim, layer.device)
+                                        s.head_dim, layer.device, layer.dtype)
             return
         shape = (batch, s.kv_heads, max_len, s.head_dim)  # [B, H_kv, T_max, D]
         self.k_cache, self.v_cache = self.allocate_kv(shape)
@@ -72,7 +72,13 @@ class PreallocatedCache(CachedAttention):
         return self.k_cache[:, :, : self.length], self.v_cache[:, :, : self.length]
 
     def rewind(self, length):
+        if self.store is not None:
+            self.store.rewind(length)
         self._rewound(length)
+
+    def checkpoint(self):
+        if self.store is not None:
+            self.store.checkpoint()
 
 
 @register
@@ -82,3 +88,11 @@ class StaticCache(PreallocatedCache):
     name = "static"
     description = "preallocated cache, in-place write, grouped view GQA, dense attention"
     kv_dtypes = frozenset(QUANTIZED)
+    kivi = True
+
+    @classmethod
+    def unavailable(cls, config, options):
+        if config.shape.ragged and options.kv_format.buffered:
+            return ("KIVI's layout on a ragged batch (--k-quant per-channel and --kv-residual "
+                    "run on batches of equal lengths)")
+        return super().unavailable(config, options)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from rich.table import Table
 
 from kvbench.model import run
-from kvbench.render import _ms, _result, _sci, _spread, _table, human_bytes, mib
+from kvbench.render import _ms, _result, _sci, _spread, _table, human_bytes, kv_label, mib
 
 
 def _title(command: str, result) -> str:
@@ -15,7 +15,8 @@ def _title(command: str, result) -> str:
             f"{result.config.device}"
             + (f" window={s.window} sinks={s.sinks}" if s.window is not None else "")
             + (f" kv-budget={s.kv_budget}" if s.kv_budget is not None else "")
-            + (f" kv={result.config.kv_dtype}" if result.config.kv_dtype else ""))
+            + (f" {kv_label(result.config.kv_format)}" if result.config.kv_dtype
+               else ""))
 
 
 def verify_table(report) -> Table:
