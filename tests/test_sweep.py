@@ -68,7 +68,8 @@ def test_shipped_sweep_files_parse(path):
                "kv_heads", "head_dim", "seed", "impl", "rope", "block_size", "sdpa_backend",
                "warmup", "rounds", "recompute", "prefill", "splits", "kv_dtype", "group_size",
                "seq_lens", "len_dist", "max_len", "prealloc", "window", "sinks",
-               "shared_prefix", "kv_budget", "kv_recent", "tp", "model", "layers", "text"}
+               "shared_prefix", "kv_budget", "kv_recent", "tp", "model", "layers", "text",
+               "k_quant", "kv_residual"}
     assert load_sweep(path, command, allowed)
 
 
