@@ -13,12 +13,13 @@ KINDS = {kind: columns for kind, (columns, _) in FILE_KINDS.items()}
 # The columns that identify a measured configuration (not when, not what was measured).
 KEY_COLUMNS = [c for c in CONFIG_COLUMNS if c != "timestamp"]
 # Later columns that tell configurations apart too, in the files that have them.
-OPTION_KEYS = ["kv_dtype", "group_size", "block_size", "seq_lens", "len_dist", "max_len",
+OPTION_KEYS = ["kv_dtype", "group_size", "k_quant", "kv_residual", "block_size", "seq_lens",
+               "len_dist", "max_len",
                "prealloc", "tp", "window", "sinks", "shared_prefix", "kv_budget",
                "kv_recent", "model", "layers"]
 
 
-TEXT_KEYS = ["kv_dtype", "seq_lens", "len_dist", "prealloc", "model"]
+TEXT_KEYS = ["kv_dtype", "k_quant", "seq_lens", "len_dist", "prealloc", "model"]
 
 
 def key_columns(df: pd.DataFrame) -> list[str]:

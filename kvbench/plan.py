@@ -80,9 +80,9 @@ def _points_of(o: RunOptions, reference_cases: bool = False,
         for shape in shapes:
             distributed.check(o.tp, shape.q_heads, shape.kv_heads)
         dev = distributed.setup(o.tp, dev)
+    # KIVI's layout is each int point's own (its RunConfig; ImplOptions.at adds it)
     options = ImplOptions(o.block_size, o.sdpa_backend, o.splits,
-                          group_size=o.group_size, prealloc=o.prealloc, k_quant=o.k_quant,
-                          kv_residual=o.kv_residual)
+                          group_size=o.group_size, prealloc=o.prealloc)
     kv_dtypes = _kv_dtypes(o.kv_dtype, dtypes)
     if (o.k_quant != "per-token" or o.kv_residual) and not GROUPED & set(kv_dtypes):
         # the layout's own checks name what is wrong (no int format, a residual off the group)

@@ -176,10 +176,16 @@ def plot_budget(df: pd.DataFrame, plt):
 
 
 def technique(row) -> str:
-    """A bench row's cache technique, as a label."""
+    """A bench or verify row's cache technique, as a label."""
     parts = [str(row["impl"])]
     if isinstance(row["kv_dtype"], str):
         parts.append(row["kv_dtype"])
+        if pd.notna(row.get("group_size")) and row["kv_dtype"] != "fp8":
+            parts.append(f"g{int(row['group_size'])}")
+        if row.get("k_quant") == "per-channel":
+            parts.append("K/ch")
+        if pd.notna(row.get("kv_residual")) and row["kv_residual"]:
+            parts.append(f"r{int(row['kv_residual'])}")
     if pd.notna(row["shared_prefix"]):
         parts.append(f"prefix {int(row['shared_prefix'])}")
     if pd.notna(row["window"]):
@@ -290,6 +296,76 @@ def plot_frontier(kind: str, df: pd.DataFrame, plt):
     return fig
 
 
+def _planned_model_bytes(row) -> int:
+    """Every layer's cache as `kvbench capacity` plans it, from a model verify row's point
+    (what verify records as kv_cache_bytes)."""
+    from kvbench.caches import IMPLEMENTATIONS, ImplOptions
+    from kvbench.config import LayerShape, RunConfig
+
+    def num(col):
+        return int(row[col]) if pd.notna(row.get(col)) else None
+
+    shape = LayerShape(batch=num("batch"), prompt_len=num("prompt_len"),
+                       decode_len=num("decode_len"), hidden=num("hidden"),
+                       q_heads=num("q_heads"), kv_heads=num("kv_heads"),
+                       head_dim=num("head_dim"), window=num("window"),
+                       sinks=num("sinks") or 0, kv_budget=num("kv_budget"),
+                       kv_recent=num("kv_recent"))
+    kv = row["kv_dtype"] if isinstance(row["kv_dtype"], str) else None
+    config = RunConfig(shape, row["dtype"], kv_dtype=kv, group_size=num("group_size") or 64,
+                       k_quant=row["k_quant"] if isinstance(row.get("k_quant"), str)
+                       else "per-token", kv_residual=num("kv_residual") or 0)
+    options = ImplOptions(block_size=num("block_size") or 16).at(config)
+    return num("layers") * IMPLEMENTATIONS[row["impl"]].planned_bytes(config, options)
+
+
+def plot_model_quality(df: pd.DataFrame, plt):
+    """A whole model's verify rows: each technique's quality (perplexity, mean KL against the
+    full cache) against the K/V bytes it holds per token of context, with the frontier: the
+    techniques no other beats on both."""
+    df = latest(df, key_columns(df)).copy()
+    df = df[df["ppl"].notna() & df["ppl_path_a"].notna()].copy()
+    if not df.empty:  # rows written before verify recorded them: planned from the row
+        df["kv_cache_bytes"] = [r["kv_cache_bytes"] if pd.notna(r["kv_cache_bytes"])
+                                else _planned_model_bytes(r) for _, r in df.iterrows()]
+    if df.empty:
+        raise KvbenchError("these verify rows have no model quality to plot (ppl, "
+                           "kv_cache_bytes): run kvbench verify --model ... first")
+    df["bytes_per_token"] = df["kv_cache_bytes"] / (df["batch"] * (df["prompt_len"]
+                                                                   + df["decode_len"]))
+    df["label"] = [technique(r) for _, r in df.iterrows()]
+    # rows may score different tokens (a prompt as long as the cache): each against path A's
+    # perplexity on its own tokens
+    df["ppl_ratio"] = df["ppl"] / df["ppl_path_a"]
+    fig, axes = plt.subplots(1, 2, figsize=(13, 5.2))
+    for ax, (col, title) in zip(axes, [
+            ("ppl_ratio", "perplexity ÷ the full cache's (path A) on the same tokens"),
+            ("kl_mean", "mean KL(full cache ‖ technique) per step")]):
+        for i, (_, r) in enumerate(df.iterrows()):
+            ax.scatter(r["bytes_per_token"], max(r[col], 1e-9), color=f"C{i % 10}")
+            ax.annotate(r["label"], (r["bytes_per_token"], max(r[col], 1e-9)), fontsize=7,
+                        textcoords="offset points", xytext=(4, 3))
+        front = df.sort_values(["bytes_per_token", col])
+        best, keep = float("inf"), []
+        for _, r in front.iterrows():  # fewer bytes first: keep each that improves quality
+            if r[col] < best:
+                best = r[col]
+                keep.append(r)
+        if keep:
+            ax.step([r["bytes_per_token"] for r in keep], [max(r[col], 1e-9) for r in keep],
+                    where="post", color="k", lw=1, alpha=0.6, label="frontier")
+        if col == "ppl_ratio":
+            ax.axhline(1, color="r", ls="--", lw=1, label="path A (full cache, transformers)")
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("K/V bytes held per token of context (all layers)")
+        ax.set_title(title, fontsize=9)
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle(f"kvbench verify — {df['model'].iloc[0]}: quality against cache bytes")
+    return fig
+
+
 def plot(kind: str, df: pd.DataFrame, output: Path) -> list[Path]:
     """Draw the file's rows to `output`; a memory file that mixes square and ragged batches
     draws each kind to its own image (the square ones to OUTPUT-square.png)."""
@@ -311,6 +387,8 @@ def _plot_one(kind: str, df: pd.DataFrame, output: Path) -> list[Path]:
         drawers[kind] = plot_budget
     if kind == "bench" and df[["window", "shared_prefix", "kv_budget"]].notna().any().any():
         drawers[kind] = plot_techniques
+    if kind == "verify" and "model" in df and df["model"].notna().any():
+        drawers[kind] = plot_model_quality
     if kind not in drawers:
         raise KvbenchError(f"nothing to plot in {kind} results; plot takes bench, memory, "
                            "capacity or verify results")

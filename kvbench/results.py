@@ -199,7 +199,10 @@ VERIFY_COLUMNS = VERIFY_FIRST[:-len(ENV_COLUMNS)] + [
     # the share of steps with path A's most likely token
     *MODEL_COLUMNS, "ppl", "ppl_path_a", "kl_mean", "kl_max", "top1_agree",
     # --window on a checkpoint: perplexity of transformers' forward under the window's mask
-    "ppl_masked", "first_bad_layer"] + ENV_COLUMNS
+    "ppl_masked", "first_bad_layer",
+    # --model: every layer's finished cache as `kvbench capacity` plans it (what the quality
+    # above is bought with)
+    "kv_cache_bytes"] + ENV_COLUMNS
 
 
 def _stats_columns(name: str) -> list[str]:
@@ -380,7 +383,8 @@ def model_verify_rows(report, env: dict[str, object]) -> list[dict[str, object]]
         "first_bad_layer": c.first_bad_layer, "rtol": report.rtol, "atol": report.atol,
         "lossy": c.lossy or None, "ppl": c.quality.ppl, "ppl_path_a": report.reference.ppl,
         "kl_mean": c.quality.kl_mean, "kl_max": c.quality.kl_max, "top1_agree": c.quality.top1,
-        "ppl_masked": report.masked.ppl if report.masked is not None else None, **env,
+        "ppl_masked": report.masked.ppl if report.masked is not None else None,
+        "kv_cache_bytes": c.cache_bytes, **env,
     } for c in report.checks]
 
 

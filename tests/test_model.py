@@ -367,3 +367,18 @@ def test_compare_finds_the_first_bad_position_across_slices(monkeypatch):
     b[1, 7, 2] += 0.5
     err, first = run._compare(a, b, 1e-3, 2e-3)
     assert first == 7 and abs(err - 0.5) < 1e-6
+
+
+def test_model_rows_carry_the_cache_bytes_and_plot_quality_against_them(tiny, tmp_path):
+    # KIVI's layout on a whole model, beside the full cache: each row's bytes are every
+    # layer's planned cache, and the plot draws quality against bytes per token
+    rows = _rows(tmp_path, "verify", "--model", str(tiny["llama"]), "--impl", "static",
+                 "--kv-dtype", "none,int4", "--group-size", "4", "--k-quant", "per-channel",
+                 "--kv-residual", "8")
+    assert rows.kv_cache_bytes.notna().all()
+    full, kivi = rows.kv_cache_bytes
+    assert kivi < full and rows.k_quant.tolist()[1] == "per-channel"
+    assert rows.kv_residual.tolist()[1] == 8
+    r = runner.invoke(app, ["plot", str(tmp_path / "rows.csv"), "-o", str(tmp_path / "q.png")])
+    assert r.exit_code == 0, r.output
+    assert (tmp_path / "q.png").stat().st_size > 10_000

@@ -124,6 +124,7 @@ class ModelCheck:
     first_bad_step: int | None = None  # 0 = the prompt, j = step j
     first_bad_layer: int | None = None  # the first layer whose output differs there
     message: str = ""
+    cache_bytes: int | None = None  # every layer's cache as `kvbench capacity` plans it
 
 
 @dataclass
@@ -232,6 +233,7 @@ def verify(ref: ModelRef, config: RunConfig, names, options: ImplOptions, layers
                     check.passed = False
                     check.message = (f"logits differ from transformers' masked forward by up "
                                      f"to {err:.3g} (tolerance atol {atol:g} + rtol {rtol:g})")
+            check.cache_bytes = planner_bytes(cls, config, options.at(config), len(m.model.blocks))
             report.checks.append(check)
             del cm
     return report
