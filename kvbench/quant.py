@@ -267,11 +267,14 @@ class QuantizedStore:
                           {n: self.tensors[f"{n}_residual"].clone() for n in ("k", "v")})
 
     def rewind(self, length: int) -> None:
-        """KIVI's layout: back to `length` positions. Below the last flush the exact values
-        are gone, unless the checkpoint holds them."""
+        """KIVI's layout: back to `length` positions. Below the last flush only a whole
+        number of flushes (0 included) can be kept without the exact values of the rest,
+        which only the checkpoint holds."""
         if not self.fmt.buffered:
             return
-        if length < self.flushed:
+        if length < self.flushed and length % self.fmt.flush == 0:
+            self.flushed = length  # whole flushes: every position kept is quantized already
+        elif length < self.flushed:
             saved = self.saved
             if saved is None or not saved[1] <= length <= saved[0]:
                 raise KvbenchError(f"cannot rewind to {length} positions: the first "

@@ -244,6 +244,11 @@ def test_a_kivi_store_rewinds_through_its_checkpoint():
         store.write(k[:, :, t:t + 1], k[:, :, t:t + 1], t)
     with pytest.raises(KvbenchError, match="quantized and their exact values gone"):
         store.rewind(6)
+    store.rewind(0)  # a new prompt (bench times the prefill from 0): nothing to keep
+    assert store.flushed == 0 and store.length == 0
+    store.write(k[:, :, :12], k[:, :, :12], 0)
+    store.rewind(8)  # a whole flush kept: positions 0-7 quantized, none waiting
+    assert store.flushed == 8 and store.read("k", 8, torch.float64).shape[2] == 8
 
 
 KIVI_SHAPE = LayerShape(batch=2, prompt_len=7, decode_len=8, hidden=32, q_heads=4,
@@ -320,3 +325,23 @@ def test_kivi_bad_input_is_one_line(args, line):
     r = CliRunner().invoke(app, ["verify", "--device", "cpu", "--no-csv", *args])
     assert r.exit_code == 2, r.output
     assert line in r.output and "Traceback" not in r.output
+
+
+def test_bench_times_kivis_layout_from_the_prompt_and_from_nothing(tmp_path):
+    # bench rewinds to 0 before each timed prefill and to the prompt before each timed
+    # decode: both must work once flushes have quantized positions
+    from typer.testing import CliRunner
+
+    from kvbench.cli import app
+
+    out = tmp_path / "b.csv"
+    r = CliRunner().invoke(app, [
+        "bench", "--device", "cpu", "--impl", "static", "--kv-dtype", "int4", "--group-size",
+        "4", "--k-quant", "per-channel", "--kv-residual", "8", "--batch", "2", "--prompt-len",
+        "13", "--decode-len", "12", "--hidden", "32", "--q-heads", "4", "--kv-heads", "2",
+        "--head-dim", "8", "--rounds", "2", "--warmup", "1", "--csv", str(out)])
+    assert r.exit_code == 0, r.output
+    import pandas as pd
+
+    row = pd.read_csv(out).iloc[0]
+    assert row.k_quant == "per-channel" and row.kv_residual == 8 and row.verified
