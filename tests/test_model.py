@@ -382,3 +382,16 @@ def test_model_rows_carry_the_cache_bytes_and_plot_quality_against_them(tiny, tm
     r = runner.invoke(app, ["plot", str(tmp_path / "rows.csv"), "-o", str(tmp_path / "q.png")])
     assert r.exit_code == 0, r.output
     assert (tmp_path / "q.png").stat().st_size > 10_000
+
+
+@pytest.mark.parametrize("technique", [
+    ["--impl", "window", "--window", "8", "--sinks", "2"],
+    ["--impl", "h2o", "--kv-budget", "8"],
+    ["--impl", "static", "--kv-dtype", "int4", "--group-size", "4", "--k-quant", "per-channel",
+     "--kv-residual", "8"]])
+def test_bench_on_a_model_times_caches_that_cannot_simply_rewind(tiny, tmp_path, technique):
+    # each timed prefill starts from an empty cache (rewind to 0), each timed decode from the
+    # prompt's (the checkpoint): a ring that wrapped, an eviction, and KIVI's flushes
+    rows = _rows(tmp_path, "bench", "--model", str(tiny["llama"]), *technique,
+                 "--rounds", "2", "--warmup", "1")
+    assert rows.verified.iloc[0] and (rows.cached_ms_per_step > 0).all()
