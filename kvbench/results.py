@@ -371,9 +371,16 @@ def _memory_rows(result, env: dict[str, object]) -> list[dict[str, object]]:
     } for m in result.impls]
 
 
+# transformers' generate runs its own full cache: no technique of the point applies to it
+TECHNIQUE_COLUMNS = ("window", "sinks", "kv_budget", "kv_recent", "shared_prefix")
+
+
 def _model_cells(command: str, impl: str, result) -> dict[str, object]:
-    return {**config_cells(command, impl, result.config), "model": result.ref.label,
-            "layers": result.layers, **kv_cells(result.kv_format)}
+    cells = {**config_cells(command, impl, result.config), "model": result.ref.label,
+             "layers": result.layers}
+    if impl == "transformers":
+        return {**cells, **dict.fromkeys(TECHNIQUE_COLUMNS)}
+    return {**cells, **kv_cells(result.kv_format)}
 
 
 def model_verify_rows(report, env: dict[str, object]) -> list[dict[str, object]]:

@@ -395,3 +395,5 @@ def test_bench_on_a_model_times_caches_that_cannot_simply_rewind(tiny, tmp_path,
     rows = _rows(tmp_path, "bench", "--model", str(tiny["llama"]), *technique,
                  "--rounds", "2", "--warmup", "1")
     assert rows.verified.iloc[0] and (rows.cached_ms_per_step > 0).all()
+    hf = rows[rows.impl == "transformers"].iloc[0]  # its own full cache: no technique
+    assert hf[["kv_dtype", "k_quant", "window", "sinks", "kv_budget"]].isna().all()
