@@ -24,8 +24,10 @@ SHAPES = {
 }
 
 
-@pytest.mark.parametrize("rope", [False, True])
-@pytest.mark.parametrize("shape", list(SHAPES.values()), ids=list(SHAPES))
+@pytest.mark.parametrize("shape, rope", [
+    (shape, rope) for name, shape in SHAPES.items() for rope in (False, True)
+    # the long prompt (seconds a run) with RoPE only: its rotated copies are the larger peak
+    if name != "long" or rope], ids=lambda v: v if isinstance(v, bool) else None)
 def test_estimates_are_within_25_percent_of_the_measured_peaks(shape, rope):
     config = RunConfig(shape, rope=rope)
     names, _ = select_impls("all", config, measure="memory")  # what memory measures on the CPU
