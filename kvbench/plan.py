@@ -84,11 +84,10 @@ def _points_of(o: RunOptions, reference_cases: bool = False,
     options = ImplOptions(o.block_size, o.sdpa_backend, o.splits,
                           group_size=o.group_size, prealloc=o.prealloc)
     kv_dtypes = _kv_dtypes(o.kv_dtype, dtypes)
-    if (o.k_quant != "per-token" or o.kv_residual) and not GROUPED & set(kv_dtypes):
-        # the layout's own checks name what is wrong (no int format, a residual off the group)
-        KvFormat(None, o.group_size, o.k_quant, o.kv_residual)
-    for kv in GROUPED & set(kv_dtypes):
-        KvFormat(kv, o.group_size, o.k_quant, o.kv_residual)
+    if o.k_quant != "per-token" or o.kv_residual:  # KIVI's layout, checked before any point:
+        # KvFormat refuses it in one line (no int format, a residual off the group)
+        for kv in sorted(GROUPED & set(kv_dtypes)) or [None]:
+            KvFormat(kv, o.group_size, o.k_quant, o.kv_residual)
     ragged = (o.seq_lens is not None or o.len_dist is not None
               or o.window is not None or o.shared_prefix
               or o.kv_budget is not None)  # (not for the small case)

@@ -115,6 +115,15 @@ def dequantize_channels(codes, scale, zero, bits: int, group: int, D: int,
     return x.view(B, H, n, D).to(dtype)
 
 
+def kivi_codec(fmt: KvFormat, name: str):
+    """How KIVI's layout stores K or V ("k", "v"): (quantize, dequantize, positions per entry
+    of the scale and zero point tensors): K per channel one entry per token group, else one
+    per position (each entry then holding a vector's groups along D)."""
+    if name == "k" and fmt.per_channel:
+        return quantize_channels, dequantize_channels, fmt.group_size
+    return quantize_grouped, dequantize_grouped, 1
+
+
 def kivi_dequantized(x: torch.Tensor, name: str, fmt: KvFormat, dtype: torch.dtype) -> torch.Tensor:
     """K or V ("k", "v") of n positions [B, H, n, D] as KIVI's layout holds them at length n:
     the first n // flush · flush positions quantized and read back, the rest exact. A pure
@@ -124,12 +133,9 @@ def kivi_dequantized(x: torch.Tensor, name: str, fmt: KvFormat, dtype: torch.dty
     head, tail = x[:, :, :done], x[:, :, done:].to(dtype)
     if not done:
         return tail
-    if name == "k" and fmt.per_channel:
-        read = dequantize_channels(*quantize_channels(head, fmt.bits, fmt.group_size),
-                                   fmt.bits, fmt.group_size, D, dtype)
-    else:
-        read = dequantize_grouped(*quantize_grouped(head, fmt.bits, fmt.group_size), fmt.bits,
-                                  fmt.group_size, D, dtype)
+    quantize, dequantize, _ = kivi_codec(fmt, name)
+    read = dequantize(*quantize(head, fmt.bits, fmt.group_size), fmt.bits, fmt.group_size, D,
+                      dtype)
     return torch.cat([read, tail], dim=2)
 
 
@@ -245,13 +251,10 @@ class QuantizedStore:
             pending = torch.cat([residual[:, :, :start - self.flushed].to(x.dtype), x], dim=2)
             done = pending.shape[2] // F * F
             if done:
+                quantize, _, per = kivi_codec(fmt, name)
+                codes, scale, zero = quantize(pending[:, :, :done], fmt.bits, G)
                 at = slice(self.flushed, self.flushed + done)
-                if name == "k" and fmt.per_channel:
-                    codes, scale, zero = quantize_channels(pending[:, :, :done], fmt.bits, G)
-                    groups = slice(self.flushed // G, (self.flushed + done) // G)
-                else:
-                    codes, scale, zero = quantize_grouped(pending[:, :, :done], fmt.bits, G)
-                    groups = at
+                groups = slice(self.flushed // per, (self.flushed + done) // per)
                 self.tensors[f"{name}_codes"][:, :, at] = codes
                 self.tensors[f"{name}_scale"][:, :, groups] = scale
                 self.tensors[f"{name}_zero"][:, :, groups] = zero
@@ -298,14 +301,10 @@ class QuantizedStore:
         waiting = self.tensors[f"{name}_residual"][:, :, :length - done].to(dtype)
         if not done:
             return waiting
-        codes = self.tensors[f"{name}_codes"][:, :, :done]
-        if name == "k" and fmt.per_channel:
-            groups = done // fmt.group_size
-            read = dequantize_channels(codes, self.tensors["k_scale"][:, :, :groups],
-                                       self.tensors["k_zero"][:, :, :groups], fmt.bits,
-                                       fmt.group_size, self.head_dim, dtype)
-        else:
-            read = dequantize_grouped(codes, self.tensors[f"{name}_scale"][:, :, :done],
-                                      self.tensors[f"{name}_zero"][:, :, :done], fmt.bits,
-                                      fmt.group_size, self.head_dim, dtype)
+        _, dequantize, per = kivi_codec(fmt, name)
+        entries = done // per
+        read = dequantize(self.tensors[f"{name}_codes"][:, :, :done],
+                          self.tensors[f"{name}_scale"][:, :, :entries],
+                          self.tensors[f"{name}_zero"][:, :, :entries], fmt.bits,
+                          fmt.group_size, self.head_dim, dtype)
         return torch.cat([read, waiting], dim=2)

@@ -142,9 +142,6 @@ class H2OCache(FixedSlots):
     def rewind(self, length):
         if self.restored(length):
             pass
-        elif length == 0:  # a new prompt: nothing kept, nothing scored
-            self.pos.fill_(-1)
-            self.score.zero_()
         elif self.n_slots >= self.max_len:  # it never evicts: the scores decide nothing
             self.pos.masked_fill_(self.pos >= length, -1)
         else:

@@ -112,8 +112,7 @@ class WindowCache(FixedSlots):
         self._advance(k.shape[2])
 
     def rewind(self, length):
-        if (length and not self.restored(length) and self.length > self.ring
-                and length < self.length):  # back to 0 (a new prompt) keeps nothing
+        if not self.restored(length) and self.length > self.ring and length < self.length:
             raise KvbenchError("a ring that wrapped cannot rewind without a checkpoint: its "
                                "older positions are overwritten")
         self._rewound(length)

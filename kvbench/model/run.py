@@ -393,9 +393,10 @@ def bench(ref: ModelRef, config: RunConfig, names, options, impl_options: ImplOp
                 cm.checkpoint()
                 if cls.compiles:  # its first steps compile: never inside a timed sample
                     _steps(cm, tokens, T, G)
-            if options.prefill:
-                tasks[f"prefill:{name}"] = (lambda cm: cm.prefill(prompt),
-                                            lambda cm=cm: _rewound(cm, 0))
+            if options.prefill:  # each timed prefill fills caches of its own, as on one layer
+                tasks[f"prefill:{name}"] = (
+                    lambda fresh: fresh.prefill(prompt),
+                    lambda cls=cls: CachedModel(m.model, cls, config, impl_options))
             tasks[f"decode:{name}"] = (lambda cm: _steps(cm, tokens, T, G),
                                        lambda cm=cm: _rewound(cm, T))
         note = None
@@ -434,7 +435,7 @@ def _steps(cm: CachedModel, tokens, T: int, G: int) -> None:
 
 def _rewound(cm: CachedModel, length: int) -> CachedModel:
     for c in cm.caches:
-        if not (length and hasattr(c, "restored") and c.restored(length)):
+        if not (hasattr(c, "restored") and c.restored(length)):
             c.rewind(length)
     return cm
 
