@@ -41,6 +41,12 @@ class AttentionLayer:
 
     @classmethod
     def from_config(cls, config: RunConfig) -> AttentionLayer:
+        """The point's layer: this one, or with --attention mla kvbench.mla.MlaLayer (which
+        projects, decompresses and outputs through the same methods)."""
+        if config.shape.mla is not None:
+            from kvbench.mla import MlaLayer
+
+            return MlaLayer.from_config(config)
         return cls(config.shape, torch_dtype(config.dtype), config.device, config.seed,
                    config.rope)
 

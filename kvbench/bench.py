@@ -128,7 +128,6 @@ def bench(config: RunConfig, impls: tuple[str, ...], options: BenchOptions,
 
     s = config.shape
     fmt = impl_options.kv_format
-    kv_vector = fmt.vector_bytes(s.head_dim) if fmt.quantized else None  # what a step reads
     layer = AttentionLayer.from_config(config)
     x = make_inputs(config)
     prompt = padded_prompts(config, x)
@@ -179,9 +178,7 @@ def bench(config: RunConfig, impls: tuple[str, ...], options: BenchOptions,
         stats = time_interleaved(tasks, config.device, options.warmup, options.rounds, ranks)
         timings = [ImplTiming(
             name, stats.get(f"prefill:{name}"), stats[f"decode:{name}"],
-            costs.decode_min_bytes_per_step(
-                local.shape, config.dtype_bytes, kv_vector,
-                lambda t, cls=cls: cls.step_reads(local, impl_options, t)),
+            cls.min_bytes_per_step(local, impl_options),
             prompt_caches[name].stats(), cls.planned_bytes(local, impl_options),
             next(c for c in report.checks if c.impl == name)) for name, cls in classes.items()]
         recompute = stats.get("recompute")

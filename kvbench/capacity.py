@@ -62,6 +62,9 @@ class ModelSpec:
     # adjacent layers reads one K/V, cached by the group's first layer.
     share_layers: int = 1
     sinks: int = 0  # sliding layers also keep their first `sinks` positions (StreamingLLM)
+    # V's head dim where it differs from K's (an MLA layer's decompressed cache: K is
+    # qk_nope + qk_rope wide, V v_head_dim); None: head_dim
+    v_head_dim: int | None = None
 
     def __post_init__(self) -> None:
         checks = {"layers": self.layers}
@@ -96,6 +99,10 @@ class ModelSpec:
         return range(0, self.layers, self.share_layers)
 
     @property
+    def v_dim(self) -> int:
+        return self.v_head_dim or self.head_dim
+
+    @property
     def is_mla(self) -> bool:
         return self.mla_latent is not None or self.mla_rope is not None
 
@@ -109,6 +116,8 @@ class ModelSpec:
         if self.is_mla:
             return f"MLA d_c={self.mla_latent} d_rope={self.mla_rope}"
         dims = f"H_kv={self.kv_heads} D={self.head_dim}"
+        if self.v_head_dim not in (None, self.head_dim):
+            dims += f" (V {self.v_head_dim})"
         if not self.q_heads:
             return dims
         kind = ("MHA" if self.q_heads == self.kv_heads else
@@ -316,7 +325,7 @@ def token_bytes_per_layer(model: ModelSpec, fmt: CacheFormat, per_rank: bool) ->
     if fmt.per_channel:
         codes = math.ceil(model.head_dim * KV_DTYPE_BITS[fmt.kv_dtype] / 8)
         return heads * (codes + fmt.vector_bytes(model.head_dim))
-    return 2 * heads * fmt.vector_bytes(model.head_dim)
+    return heads * (fmt.vector_bytes(model.head_dim) + fmt.vector_bytes(model.v_dim))
 
 
 def kivi_bytes_per_layer(model: ModelSpec, fmt: CacheFormat, n: int, per_rank: bool) -> int:

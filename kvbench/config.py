@@ -25,6 +25,42 @@ def canonical_dtype(name: str) -> str:
 
 
 @dataclass(frozen=True)
+class MlaDims:
+    """Multi-head latent attention's dimensions (DeepSeek-V2/V3). Each token caches one vector:
+    a latent of kv_lora_rank (d_c) that every head's K and V are decompressed from, and a
+    decoupled RoPE key of qk_rope_dim that every head shares."""
+
+    kv_lora_rank: int = 256  # d_c
+    qk_rope_dim: int = 32  # the RoPE part of each query and of the shared key
+    qk_nope_dim: int = 64  # each head's query and key without position
+    v_head_dim: int = 64
+    q_lora_rank: int = 0  # 0: q projected from x directly; else through a normed latent
+
+    def __post_init__(self) -> None:
+        for name in ("kv_lora_rank", "qk_rope_dim", "qk_nope_dim", "v_head_dim"):
+            value = getattr(self, name)
+            if type(value) is not int or value < 1:
+                raise KvbenchError(f"--{name.replace('_', '-')} must be a positive integer, "
+                                   f"got {value!r}")
+        if type(self.q_lora_rank) is not int or self.q_lora_rank < 0:
+            raise KvbenchError(f"--q-lora-rank must be 0 (no query compression) or more, got "
+                               f"{self.q_lora_rank!r}")
+        if self.qk_rope_dim % 2:
+            raise KvbenchError(f"--qk-rope-dim must be even (RoPE rotates pairs), got "
+                               f"{self.qk_rope_dim}")
+
+    @property
+    def qk_dim(self) -> int:
+        """A head's query and key width: qk_nope + qk_rope (the scale is its inverse root)."""
+        return self.qk_nope_dim + self.qk_rope_dim
+
+    @property
+    def entry_dim(self) -> int:
+        """The cached vector per token: d_c + d_rope."""
+        return self.kv_lora_rank + self.qk_rope_dim
+
+
+@dataclass(frozen=True)
 class LayerShape:
     """Shapes of one causal GQA attention layer and the sequence it decodes."""
 
@@ -49,6 +85,9 @@ class LayerShape:
     # kv_recent (default: half the budget) and the heavy hitters by accumulated attention.
     kv_budget: int | None = None
     kv_recent: int | None = None
+    # Multi-head latent attention (--attention mla); None: GQA. An MLA shape has kv_heads =
+    # q_heads and head_dim = qk_nope + qk_rope: the per-head K that decompression yields.
+    mla: MlaDims | None = None
 
     def __post_init__(self) -> None:
         for name in ("batch", "prompt_len", "decode_len", "hidden", "q_heads", "kv_heads",
@@ -101,6 +140,14 @@ class LayerShape:
                 "each KV head must serve a whole number of query heads: use --kv-heads one of "
                 f"{', '.join(map(str, divisors(self.q_heads)))}"
             )
+
+    @property
+    def attention(self) -> str:
+        return "gqa" if self.mla is None else "mla"
+
+    def with_mla(self, dims: MlaDims) -> LayerShape:
+        """This shape as an MLA layer of `dims` (its q_heads heads each decompress K and V)."""
+        return replace(self, kv_heads=self.q_heads, head_dim=dims.qk_dim, mla=dims)
 
     @property
     def group(self) -> int:
@@ -159,7 +206,7 @@ class RunConfig:
     kv_residual: int = 0  # int formats: the newest positions kept unquantized (KIVI)
 
     def __post_init__(self) -> None:
-        if self.rope and self.shape.head_dim % 2:
+        if self.rope and self.shape.mla is None and self.shape.head_dim % 2:
             raise KvbenchError(
                 f"--rope needs an even --head-dim, got {self.shape.head_dim}; "
                 "use an even head dim or --no-rope"

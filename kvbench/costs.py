@@ -12,8 +12,15 @@ from kvbench.config import LayerShape
 
 
 def weight_elements(s: LayerShape) -> int:
-    """W_q [H, H_q·D] + W_k, W_v [H, H_kv·D] + W_o [H_q·D, H]."""
-    return 2 * s.hidden * s.q_heads * s.head_dim + 2 * s.hidden * s.kv_heads * s.head_dim
+    """W_q [H, H_q·D] + W_k, W_v [H, H_kv·D] + W_o [H_q·D, H]; an MLA layer's own (see
+    kvbench.mla): W_q (or W_dq, its norm and W_uq), W_dkv, the latent's norm, W_ukv, W_o."""
+    m, H, Hq = s.mla, s.hidden, s.q_heads
+    if m is None:
+        return 2 * H * Hq * s.head_dim + 2 * H * s.kv_heads * s.head_dim
+    q = (H * m.q_lora_rank + m.q_lora_rank + m.q_lora_rank * Hq * m.qk_dim if m.q_lora_rank
+         else H * Hq * m.qk_dim)
+    return (q + H * m.entry_dim + m.kv_lora_rank
+            + m.kv_lora_rank * Hq * (m.qk_nope_dim + m.v_head_dim) + Hq * m.v_head_dim * H)
 
 
 def kv_bytes(s: LayerShape, length: int, dtype_bytes: int) -> int:
@@ -28,38 +35,44 @@ def real_positions(s: LayerShape, length: int) -> int:
 
 
 def step_min_bytes(s: LayerShape, length: int, dtype_bytes: int,
-                   kv_vector_bytes: int | None = None, read: int | None = None) -> int:
+                   kv_vector_bytes: int | None = None, read: int | None = None,
+                   position_bytes: int | None = None) -> int:
     """Minimum bytes moved by the decode step whose cache holds `length` positions after it.
 
     kv_vector_bytes: bytes of one head's k (or v) at one position in a quantized cache (codes,
     scales and zero points); by default D·s. read: the cached positions the step reads over
     the batch, where an implementation reads more than each sequence's own (padding, whole
-    blocks, a whole preallocated cache); by default B·length.
+    blocks, a whole preallocated cache); by default B·length. position_bytes: what one cached
+    position of one sequence holds, where it is not K and V of H_kv heads (an MLA entry).
     """
     weights = weight_elements(s) * dtype_bytes
     vector = kv_vector_bytes if kv_vector_bytes is not None else s.head_dim * dtype_bytes
     read = s.batch * length if read is None else read
-    cache_read = 2 * read * s.kv_heads * vector
-    new_kv = 2 * s.batch * s.kv_heads * vector
+    position = 2 * s.kv_heads * vector if position_bytes is None else position_bytes
+    cache_read = read * position
+    new_kv = s.batch * position
     activations = 2 * s.batch * s.hidden * dtype_bytes  # x_t in, output out
     return weights + cache_read + new_kv + activations
 
 
 def step_flops(s: LayerShape, length: int) -> int:
     """Projections 2·B·(weight elements) plus attention 4·H_q·D per cached position of each
-    sequence (QK^T and PV): 4·B·H_q·T·D in a square batch."""
+    sequence (QK^T and PV): 4·B·H_q·T·D in a square batch. MLA: attention over decompressed
+    K and V, 2·H_q·(qk + v) per position."""
+    per_position = (2 * s.head_dim if s.mla is None else s.mla.qk_dim + s.mla.v_head_dim)
     return (2 * s.batch * weight_elements(s)
-            + 4 * s.q_heads * real_positions(s, length) * s.head_dim)
+            + 2 * s.q_heads * real_positions(s, length) * per_position)
 
 
 def decode_min_bytes_per_step(s: LayerShape, dtype_bytes: int,
-                              kv_vector_bytes: int | None = None, read=None) -> float:
+                              kv_vector_bytes: int | None = None, read=None,
+                              position_bytes: int | None = None) -> float:
     """Mean over the G steps of a decode from T_p + 1 to T_p + G cached positions (of the
     longest sequence). read(t): the positions a step reads over the batch; by default each
     sequence's own."""
     read = read or (lambda t: real_positions(s, t))
     lengths = range(s.prompt_len + 1, s.total_len + 1)
-    return sum(step_min_bytes(s, t, dtype_bytes, kv_vector_bytes, read(t))
+    return sum(step_min_bytes(s, t, dtype_bytes, kv_vector_bytes, read(t), position_bytes)
                for t in lengths) / len(lengths)
 
 

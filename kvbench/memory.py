@@ -24,6 +24,7 @@ from torch.utils._pytree import tree_leaves
 from kvbench import footprint
 from kvbench.attention import AttentionLayer, make_inputs, padded_prompts, recompute_each, sharded
 from kvbench.caches import IMPLEMENTATIONS, CachedAttention, ImplOptions
+from kvbench.caches.base import storage_bytes
 from kvbench.caches.compiled import release_static_buffers
 from kvbench.config import RunConfig
 from kvbench.device import free_bytes, synchronize
@@ -162,12 +163,6 @@ class MemoryResult:
 PHASES = ("recompute", "cached", "decode")  # the measured windows, in the order they run
 
 
-def storage_bytes(tensors) -> int:
-    """Bytes of the distinct storages behind `tensors` (views counted once)."""
-    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
-    return sum(storages.values())
-
-
 def memory(config: RunConfig, impls: tuple[str, ...],
            impl_options: ImplOptions | None = None, order: tuple[str, ...] = PHASES,
            warm: bool = True) -> MemoryResult:
@@ -262,6 +257,4 @@ def _position_bytes(impl: CachedAttention, stat: str, config: RunConfig,
         return None
     if stat == "blocks_saved":
         count *= options.block_size
-    s, fmt = config.shape, options.kv_format
-    vector = fmt.vector_bytes(s.head_dim) if fmt.quantized else s.head_dim * config.dtype_bytes
-    return count * 2 * s.kv_heads * vector  # K and V of every KV head
+    return count * type(impl).position_bytes(config, options)

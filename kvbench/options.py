@@ -63,6 +63,21 @@ class RunOptions:
     kv_heads: str | None = option(None, _list("KV heads H_kv; H_q must be a multiple.", "2"),
                                   show_default=False)
     head_dim: str | None = option(None, _list("Head dim D.", "64"), show_default=False)
+    attention: str = option("gqa", "The layer: gqa (grouped-query attention; --kv-heads, "
+                            "--head-dim) or mla (DeepSeek's multi-head latent attention; "
+                            "--kv-lora-rank and the dims below; RoPE on its decoupled part "
+                            "always).")
+    kv_lora_rank: int | None = option(None, "MLA: the latent's width d_c, cached per token. "
+                                      "\\[default: 256]", show_default=False)
+    qk_rope_dim: int | None = option(None, "MLA: the decoupled RoPE key's width (shared by "
+                                     "every head, cached beside the latent); even. "
+                                     "\\[default: 32]", show_default=False)
+    qk_nope_dim: int | None = option(None, "MLA: each head's query/key width without "
+                                     "position. \\[default: 64]", show_default=False)
+    v_head_dim: int | None = option(None, "MLA: each head's value width. \\[default: 64]",
+                                    show_default=False)
+    q_lora_rank: int | None = option(None, "MLA: the query's latent width; 0 projects the "
+                                     "query directly. \\[default: 0]", show_default=False)
     seed: int = option(0, "Seed of the weights and inputs.")
     impl: str = option("default", IMPL_HELP)
     rope: bool = option(False, "Rotary position embedding on q and k (k rotated before "

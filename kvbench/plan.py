@@ -68,7 +68,7 @@ def _points_of(o: RunOptions, reference_cases: bool = False,
     dtypes = [canonical_dtype(d) for d in o.dtype.split(",")]
     lists = {name: parse_int_list("--" + name.replace("_", "-"), getattr(o, name))
              for name in SHAPE_FIELDS if getattr(o, name) is not None}
-    shapes = _ragged(o, expand_shapes(base or timing_case(dev), lists), lists)
+    shapes = _mla(o, _ragged(o, expand_shapes(base or timing_case(dev), lists), lists), lists)
     # the cache techniques, one point per --kv-budget
     budgets = (parse_int_list("--kv-budget", o.kv_budget) if o.kv_budget is not None
                else [None])
@@ -92,7 +92,8 @@ def _points_of(o: RunOptions, reference_cases: bool = False,
               or o.window is not None or o.shared_prefix
               or o.kv_budget is not None)  # (not for the small case)
     if reference_cases and not lists and not ragged:
-        shapes = [SMALL_CASE] + shapes
+        mla = shapes[0].mla
+        shapes = [SMALL_CASE if mla is None else SMALL_CASE.with_mla(mla)] + shapes
     # A group larger than a head vector is one group of the whole vector, here as in
     # `kvbench capacity` (groups per vector: ceil(D / group size)).
     points, notes, refused, ran = [], [], {}, set()
@@ -106,12 +107,13 @@ def _points_of(o: RunOptions, reference_cases: bool = False,
         notes.append("timing float16/bfloat16 on the CPU: most CPUs have no fast half-precision "
                      "kernels, so these times say little about a GPU's")
     if spec == "default":
-        spec, left_out = default_impls(dev, measure)
+        spec, left_out = default_impls(dev, measure, shapes[0].attention)
         if left_out:
             notes.append(left_out)
     for shape, dt, kv in itertools.product(shapes, dtypes, kv_dtypes):
         kivi = (o.k_quant, o.kv_residual) if kv in GROUPED else ("per-token", 0)
-        config = RunConfig(shape, dt, dev, o.seed, o.rope, kv, o.group_size, o.tp, *kivi)
+        rope = o.rope or shape.mla is not None  # MLA rotates its decoupled part always
+        config = RunConfig(shape, dt, dev, o.seed, rope, kv, o.group_size, o.tp, *kivi)
         names, skipped = select_impls(spec, config, options, strict=False,
                                       measure=measure)
         ran.update(names)
@@ -173,6 +175,43 @@ def _ragged(o: RunOptions, shapes, lists: dict[str, list[int]]):
     return out
 
 
+MLA_OPTIONS = ("kv_lora_rank", "qk_rope_dim", "qk_nope_dim", "v_head_dim", "q_lora_rank")
+ATTENTION = ("gqa", "mla")
+
+
+def _mla(o: RunOptions, shapes, lists: dict[str, list[int]]):
+    """The shapes as MLA layers with --attention mla (their dims from the MLA options); as
+    they are otherwise, where an MLA option is refused."""
+    from kvbench.config import MlaDims
+
+    given = {name: getattr(o, name) for name in MLA_OPTIONS if getattr(o, name) is not None}
+    attention = o.attention.strip().lower()
+    if attention not in ATTENTION:
+        raise KvbenchError(f"unknown --attention {o.attention!r}; use gqa or mla")
+    if attention == "gqa":
+        if given:
+            flag = "--" + next(iter(given)).replace("_", "-")
+            raise KvbenchError(f"{flag} shapes an MLA layer; add --attention mla")
+        return shapes
+    if "kv_heads" in lists:
+        raise KvbenchError("--kv-heads does not apply to MLA: every head reads one shared "
+                           "latent, there are no KV heads; --kv-lora-rank sets the latent")
+    if "head_dim" in lists:
+        raise KvbenchError("--head-dim does not apply to MLA: use --qk-nope-dim, "
+                           "--qk-rope-dim and --v-head-dim")
+    for flag, value in (("--window", o.window), ("--kv-budget", o.kv_budget),
+                        ("--shared-prefix", o.shared_prefix or None)):
+        if value is not None:
+            raise KvbenchError(f"{flag} runs on GQA layers; MLA's caches keep every "
+                               f"position of every sequence: drop {flag}")
+    if o.tp != 1:
+        raise KvbenchError("--tp splits GQA layers by KV head; MLA's latent is one vector "
+                           "each rank would hold whole (kvbench capacity --tp plans that): "
+                           "drop --tp")
+    dims = MlaDims(**given)
+    return [s.with_mla(dims) for s in shapes]
+
+
 def _kv_dtypes(spec: str | None, dtypes: list[str]) -> list[str | None]:
     """--kv-dtype (one or a comma list) -> the storage formats to run; None = the activation
     dtype ("none", or the --dtype's own name)."""
@@ -204,14 +243,15 @@ def _kv_dtypes(spec: str | None, dtypes: list[str]) -> list[str | None]:
 CPU_LEFT_OUT = ("splitk", "compiled", "flex")
 
 
-def default_impls(device: str, measure: str | None) -> tuple[str, str | None]:
-    """--impl default: every implementation, but for bench and memory on the CPU the ones
-    that compile first; and the line that says so."""
-    from kvbench.caches import IMPLEMENTATIONS
+def default_impls(device: str, measure: str | None,
+                  attention: str = "gqa") -> tuple[str, str | None]:
+    """--impl default: every implementation of the layer's kind, but for bench and memory on
+    the CPU the ones that compile first; and the line that says so."""
+    from kvbench.caches import of_attention
 
-    if device != "cpu" or measure is None:
+    if device != "cpu" or measure is None or attention != "gqa":
         return "all", None
-    names = [n for n in IMPLEMENTATIONS if n not in CPU_LEFT_OUT]
+    names = [n for n in of_attention(attention) if n not in CPU_LEFT_OUT]
     return ",".join(names), (f"left out on the CPU by default: {', '.join(CPU_LEFT_OUT)} "
                              "(they compile first and run slower than eager here); "
                              "--impl all includes them")

@@ -166,11 +166,13 @@ class QuantizedStore:
     """
 
     def __init__(self, fmt: KvFormat, lead: tuple[int, int, int], head_dim: int, device,
-                 dtype: torch.dtype = torch.float32):
-        self.fmt, self.head_dim = fmt, head_dim
+                 dtype: torch.dtype = torch.float32, kinds: tuple[str, ...] = ("k", "v")):
+        """kinds: the vectors stored per position; ("k",) for one (an MLA latent entry,
+        written as k with v None)."""
+        self.fmt, self.head_dim, self.kinds = fmt, head_dim, kinds
         kv_heads = lead[1]
         self.tensors: dict[str, torch.Tensor] = {}
-        for kv in ("k", "v"):
+        for kv in kinds:
             if fmt.grouped:
                 nbytes = math.ceil(head_dim * fmt.bits / 8)
                 if kv == "k" and fmt.per_channel:  # a scale per channel and token group
@@ -208,7 +210,7 @@ class QuantizedStore:
         name. `first` (the prompt's write) sets fp8's scales, from the positions marked in
         `real` [B, n] when the prompt is padded (padding must not set them)."""
         parts = {}
-        for name, x in (("k", k), ("v", v)):
+        for name, x in zip(self.kinds, (k, v)):
             if self.fmt.grouped:
                 codes, scale, zero = quantize_grouped(x, self.fmt.bits, self.fmt.group_size)
                 parts |= {f"{name}_codes": codes, f"{name}_scale": scale,

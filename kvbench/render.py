@@ -93,9 +93,17 @@ def _prompts(s) -> str:
 
 def describe(config) -> str:
     s = config.shape
-    return (f"B={s.batch} {_prompts(s)} decode={s.decode_len} H={s.hidden} "
-            f"H_q={s.q_heads} H_kv={s.kv_heads} D={s.head_dim} {config.dtype} "
-            f"{config.device}{' rope' if config.rope else ''} seed={config.seed}"
+    if s.mla is None:
+        heads = (f"H_q={s.q_heads} H_kv={s.kv_heads} D={s.head_dim} {config.dtype} "
+                 f"{config.device}{' rope' if config.rope else ''}")
+    else:
+        m = s.mla
+        heads = (f"MLA H_q={s.q_heads} d_c={m.kv_lora_rank} rope={m.qk_rope_dim} "
+                 f"nope={m.qk_nope_dim} v={m.v_head_dim}"
+                 + (f" q_lora={m.q_lora_rank}" if m.q_lora_rank else "")
+                 + f" {config.dtype} {config.device}")
+    return (f"B={s.batch} {_prompts(s)} decode={s.decode_len} H={s.hidden} {heads} "
+            f"seed={config.seed}"
             + (f" tp={config.tp}" if config.tp > 1 else "")
             + (f" window={s.window} sinks={s.sinks}" if s.window is not None else "")
             + (f" shared-prefix={s.shared_prefix}" if s.shared_prefix else "")

@@ -27,6 +27,7 @@ from kvbench.attention import (
     sharded,
 )
 from kvbench.caches import IMPLEMENTATIONS, CachedAttention, ImplOptions
+from kvbench.caches.base import storage_bytes
 from kvbench.config import RunConfig
 from kvbench.device import free_bytes
 from kvbench.distributed import all_reduce
@@ -97,9 +98,11 @@ def verify(config: RunConfig, impls: dict[str, type[CachedAttention]] | None = N
     impls: name -> class; by default every registered implementation that can run here.
     """
     options = (options or ImplOptions()).at(config)
+    s = config.shape
     if impls is None:
         impls = {name: cls for name, cls in IMPLEMENTATIONS.items()
-                 if cls.inapplicable(config) is None and cls.unavailable(config, options) is None}
+                 if cls.attention == s.attention and cls.inapplicable(config) is None
+                 and cls.unavailable(config, options) is None}
     s = config.shape
     rtol, atol = TOLERANCES[config.dtype]
     layer = AttentionLayer.from_config(config)
@@ -168,6 +171,8 @@ def quantized_reference(layer: AttentionLayer, x: torch.Tensor, prompt: torch.Te
     B, T = x.shape[0], x.shape[1]
     if fmt.buffered:
         return _kivi_reference(layer, x, prompt, fmt)
+    if s.mla is not None:
+        return _latent_reference(layer, x, prompt, fmt)
     lens = torch.tensor(s.prompt_lens, device=x.device)
     rows = torch.arange(B, device=x.device)
     store = QuantizedStore(fmt, (B, s.kv_heads, T), s.head_dim, x.device)
@@ -188,6 +193,37 @@ def quantized_reference(layer: AttentionLayer, x: torch.Tensor, prompt: torch.Te
         scores = scores.masked_fill(padding[:, None, None, :], float("-inf"))
         attn = torch.softmax(scores, dim=-1) @ values  # [B, H_q, 1, D]
         outputs.append(attn.transpose(1, 2).reshape(B, 1, -1) @ w_o)
+    return outputs
+
+
+def _latent_reference(layer, x: torch.Tensor, prompt: torch.Tensor,
+                      fmt: KvFormat) -> list[torch.Tensor]:
+    """quantized_reference for an MLA layer's latent cache: each position's entry projected
+    as the implementations project it and stored in `fmt` (one vector per position), then
+    decompressed and attended to in float64, each sequence over its own positions."""
+    s = layer.shape
+    B, T = x.shape[0], x.shape[1]
+    lens = torch.tensor(s.prompt_lens, device=x.device)
+    rows = torch.arange(B, device=x.device)
+    cols = torch.arange(T, device=x.device)[None, :]
+    store = QuantizedStore(fmt, (B, 1, T), s.mla.entry_dim, x.device, layer.dtype,
+                           kinds=("k",))
+    store.write(layer.entry(prompt, 0), None, 0,
+                cols[:, : s.prompt_len] < lens[:, None] if s.ragged else None)
+    layer64 = layer.to(torch.float64)
+    outputs = []
+    for j in range(s.decode_len):
+        at = lens + j
+        x_t, start = x[rows, at][:, None], at[:, None] if s.ragged else at[0]
+        q_nope, q_pe = layer.query(x_t, start)
+        store.write_at(layer.entry(x_t, start), None, rows, at)
+        n = int(at.max()) + 1
+        keys, values = layer64.expand(store.read("k", n, torch.float64))
+        q = torch.cat((q_nope, q_pe), dim=-1).double()
+        scores = (q @ keys.transpose(-2, -1)) * layer.scale  # [B, H_q, 1, n]
+        scores = scores.masked_fill((cols[:, :n] > at[:, None])[:, None, None, :],
+                                    float("-inf"))
+        outputs.append(layer64.output(torch.softmax(scores, dim=-1) @ values))
     return outputs
 
 
@@ -296,10 +332,16 @@ def _check(name, cls, layer, options, x, prompt, real, config, ref_prefill, ref_
             worst = (got.double() - gate.double()).abs().max().item()
             message = (f"{where}: max |{against} - B| = {worst:.3e} exceeds rtol {rtol:g}, "
                        f"atol {atol:g}")
-    expected = (s.batch, s.kv_heads, cls.expected_cache_len(config), s.head_dim)
+    expected = cls.cache_shape(config)
     if cache_shape != expected and first_bad is None:
         first_bad = len(pairs) - 1
         message = f"final cache shape {list(cache_shape)} != expected {list(expected)}"
+    if cls.attention == "mla" and first_bad is None:  # MLA's point is its bytes: to the byte
+        held, planned = storage_bytes(impl.cache_tensors()), cls.planned_bytes(config, options)
+        if held != planned:
+            first_bad = len(pairs) - 1
+            message = (f"the cache holds {held:,} bytes; kvbench capacity plans {planned:,} "
+                       "for its layout")
 
     exact = gate_steps if gate_steps is not None else exact_steps
     fp64 = max((_max_abs(b, e) for b, e in zip(steps, exact) if b.shape == e.shape),

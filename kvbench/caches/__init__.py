@@ -11,6 +11,7 @@ from kvbench.caches.base import (  # noqa: I001
     SDPA_BACKENDS,
     CachedAttention,
     ImplOptions,
+    of_attention,
     parse_impls,
     register,
     select_impls,
@@ -25,6 +26,7 @@ from kvbench.caches.flex import FlexCache
 from kvbench.caches.compiled import CompiledCache
 from kvbench.caches.window import WindowCache
 from kvbench.caches.h2o import H2OCache
+from kvbench.caches.mla import MlaAbsorbedCache, MlaLatentCache, MlaNaiveCache
 
 __all__ = [
     "IMPLEMENTATIONS",
@@ -35,6 +37,9 @@ __all__ = [
     "FlexCache",
     "H2OCache",
     "ImplOptions",
+    "MlaAbsorbedCache",
+    "MlaLatentCache",
+    "MlaNaiveCache",
     "PagedCache",
     "PreallocatedCache",
     "SdpaCache",
@@ -42,6 +47,7 @@ __all__ = [
     "StaticCache",
     "TritonCache",
     "WindowCache",
+    "of_attention",
     "parse_impls",
     "register",
     "select_impls",

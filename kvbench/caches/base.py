@@ -103,8 +103,13 @@ def select_impls(spec: str, config: RunConfig, options: ImplOptions | None = Non
     options = (options or ImplOptions()).at(config)
     names, notes = [], []
     explicit = spec.strip().lower() != "all"
+    attention = config.shape.attention
     for name in parse_impls(spec):
         cls = IMPLEMENTATIONS[name]
+        if cls.attention != attention:  # a layer of another kind: never a note, an error
+            if explicit:
+                raise KvbenchError(attention_mismatch(name, attention))
+            continue
         reason = (cls.unstorable(options) or cls.inapplicable(config)
                   or cls.unavailable(config, options)
                   or (cls.unmeasured(config, measure) if measure else None))
@@ -115,6 +120,20 @@ def select_impls(spec: str, config: RunConfig, options: ImplOptions | None = Non
         else:
             notes.append((name, reason))
     return tuple(names), notes
+
+
+def of_attention(attention: str) -> list[str]:
+    """The implementations of one attention kind ("gqa", "mla"), in registry order."""
+    return [n for n, c in IMPLEMENTATIONS.items() if c.attention == attention]
+
+
+def attention_mismatch(name: str, attention: str) -> str:
+    """The line that refuses an implementation of the other attention kind."""
+    if attention == "mla":
+        return (f"--impl {name} runs GQA layers; with --attention mla use all or "
+                f"{', '.join(of_attention('mla'))}")
+    return (f"--impl {name} runs MLA layers; add --attention mla (or use one of "
+            f"{', '.join(of_attention('gqa'))})")
 
 
 def parse_impls(spec: str) -> tuple[str, ...]:
@@ -140,6 +159,7 @@ class CachedAttention(ABC):
 
     name: ClassVar[str]
     description: ClassVar[str]
+    attention: ClassVar[str] = "gqa"  # the layer it caches: "gqa", or "mla" (kvbench.mla)
     compiles: ClassVar[bool] = False  # its first step compiles (reported as compile_ms)
     kv_dtypes: ClassVar[frozenset[str]] = frozenset()  # the quantized formats it can store
     kivi: ClassVar[bool] = False  # whether it takes KIVI's layout (K per channel, a residual)
@@ -246,6 +266,38 @@ class CachedAttention(ABC):
         return config.shape.total_len
 
     @classmethod
+    def cache_shape(cls, config: RunConfig) -> tuple[int, ...]:
+        """The shape of K as its finished cache holds it (verify checks it)."""
+        s = config.shape
+        return (s.batch, s.kv_heads, cls.expected_cache_len(config), s.head_dim)
+
+    @classmethod
+    def cache_model(cls, config: RunConfig) -> capacity.ModelSpec:
+        """The layer as `kvbench capacity` plans its cache (one layer of this layout)."""
+        s = config.shape
+        return capacity.ModelSpec(name="layer", layers=1, kv_heads=s.kv_heads,
+                                  head_dim=s.head_dim)
+
+    @classmethod
+    def position_bytes(cls, config: RunConfig, options: ImplOptions) -> int:
+        """Bytes one position of one sequence takes in its cache (K and V of every KV head
+        in the stored format), the unit of a block pool's fragmentation."""
+        return capacity.token_bytes_per_layer(cls.cache_model(config),
+                                              _layout(config, options, False), False)
+
+    @classmethod
+    def min_bytes_per_step(cls, config: RunConfig, options: ImplOptions) -> float:
+        """The least a decode step of this cache must move, averaged over the G steps
+        (bench's %copy divides it by the time): weights, the cache it reads, the new
+        position, activations."""
+        from kvbench import costs
+
+        s, fmt = config.shape, options.kv_format
+        vector = fmt.vector_bytes(s.head_dim) if fmt.quantized else None
+        return costs.decode_min_bytes_per_step(
+            s, config.dtype_bytes, vector, lambda t: cls.step_reads(config, options, t))
+
+    @classmethod
     def unstorable(cls, options: ImplOptions) -> str | None:
         """Why it cannot store K/V in options.kv_dtype, or None."""
         if options.kv_dtype is not None and options.kv_format.buffered and not cls.kivi:
@@ -293,7 +345,8 @@ class CachedAttention(ABC):
     def planned_bytes(cls, config: RunConfig, options: ImplOptions) -> int:
         """`kvbench capacity`'s bytes for this cache: one layer, the positions it reserves
         per sequence in the stored format, rounded up to whole blocks if it stores blocks."""
-        return _planned(config, options, cls.reserved_lens(config, options), cls.blocked)
+        return _planned(config, options, cls.reserved_lens(config, options), cls.blocked,
+                        model=cls.cache_model(config))
 
     @classmethod
     def step_reads(cls, config: RunConfig, options: ImplOptions, length: int) -> int:
@@ -305,7 +358,7 @@ class CachedAttention(ABC):
     @staticmethod
     def payload_bytes(config: RunConfig, options: ImplOptions) -> int:
         """The bytes of distinct token states: Σ (T_i + G) positions in the stored format, a
-        shared prefix counted once."""
+        shared prefix counted once. An MLA layer's token state is its latent entry."""
         return _planned(config, options, config.shape.row_lens, False)
 
     @classmethod
@@ -318,14 +371,16 @@ class CachedAttention(ABC):
     def held_payload_bytes(cls, config: RunConfig, options: ImplOptions) -> int:
         """The token states it is meant to hold: every position (payload_bytes), or for a cache
         that keeps fewer by design (a window, eviction) the positions it keeps. Its share of
-        the reserved bytes is then between 0 and 100% by construction."""
-        return cls.payload_bytes(config, options)
+        the reserved bytes is then between 0 and 100% by construction. (An MLA cache that
+        decompresses holds every position in its own, larger layout.)"""
+        return _planned(config, options, config.shape.row_lens, False,
+                        model=cls.cache_model(config))
 
     @classmethod
     def unshared_bytes(cls, config: RunConfig, options: ImplOptions) -> int:
         """planned_bytes with every sequence's prefix its own (what sharing saves from)."""
         return _planned(config, options, cls.reserved_lens(config, options), cls.blocked,
-                        shared=False)
+                        shared=False, model=cls.cache_model(config))
 
     @abstractmethod
     def write(self, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -457,16 +512,33 @@ class FixedSlots(CachedAttention):
         return True
 
 
+def _layout(config: RunConfig, options: ImplOptions, blocked: bool) -> capacity.CacheFormat:
+    fmt = options.kv_format
+    return capacity.CacheFormat(fmt.name or capacity.kv_dtype(config.dtype), fmt.group_size,
+                                block_size=options.block_size if blocked else None,
+                                k_quant=fmt.k_quant, residual=fmt.residual,
+                                residual_bytes=config.dtype_bytes)
+
+
 def _planned(config: RunConfig, options: ImplOptions, lens, blocked: bool,
-             shared: bool = True) -> int:
-    s, fmt = config.shape, options.kv_format
-    model = capacity.ModelSpec(name="layer", layers=1, kv_heads=s.kv_heads, head_dim=s.head_dim)
-    layout = capacity.CacheFormat(fmt.name or capacity.kv_dtype(config.dtype), fmt.group_size,
-                                  block_size=options.block_size if blocked else None,
-                                  k_quant=fmt.k_quant, residual=fmt.residual,
-                                  residual_bytes=config.dtype_bytes)
+             shared: bool = True, model: capacity.ModelSpec | None = None) -> int:
+    """capacity's bytes for one layer of `model` (default: the point's GQA layer; an MLA
+    point's latent) holding `lens` positions per sequence."""
+    s = config.shape
+    if model is None:
+        model = (capacity.ModelSpec(name="layer", layers=1, kv_heads=s.kv_heads,
+                                    head_dim=s.head_dim) if s.mla is None else
+                 capacity.ModelSpec(name="layer", layers=1, mla_latent=s.mla.kv_lora_rank,
+                                    mla_rope=s.mla.qk_rope_dim))
     prefix = s.shared_prefix if shared else 0
-    return capacity.plan(model, layout, lens, shared_prefix=prefix).per_rank_bytes
+    return capacity.plan(model, _layout(config, options, blocked), lens,
+                         shared_prefix=prefix).per_rank_bytes
+
+
+def storage_bytes(tensors) -> int:
+    """Bytes of the distinct storages behind `tensors` (views counted once)."""
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
+    return sum(storages.values())
 
 
 def causal_prefill(layer: AttentionLayer, q, k, v) -> torch.Tensor:
@@ -494,5 +566,5 @@ def grouped_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     scores = (qg @ k.transpose(-2, -1)) * scale  # [B, H_kv, G, T]
     if visible is not None:
         scores = scores.masked_fill(~visible[:, None, None, :], float("-inf"))
-    out = torch.softmax(scores, dim=-1) @ v  # [B, H_kv, G, D]
-    return out.reshape(B, Hq, 1, D)
+    out = torch.softmax(scores, dim=-1) @ v  # [B, H_kv, G, D_v]
+    return out.reshape(B, Hq, 1, -1)

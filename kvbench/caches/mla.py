@@ -1,0 +1,217 @@
+"""MLA's caches (--attention mla; the layer is kvbench.mla's).
+
+- `mla-naive` caches every head's decompressed K and V, as a runtime that treats an MLA model
+  like any multi-head one would: H_q·(qk_nope + qk_rope + v) values per token.
+- `mla-latent` caches the entry, the latent and the shared RoPE key (d_c + d_rope values per
+  token), and decompresses every cached position at every step.
+- `mla-absorbed` caches the same entry and never decompresses it: W_uk is absorbed into the
+  query and W_uv into the output, so each step attends in the latent space, one 576-wide "KV
+  head" read by every query head (what FlashMLA and vLLM's MLA backends do).
+
+The prefill of the latent caches decompresses the prompt's entries and runs causal SDPA over
+K and V, as vLLM's MLA prefill does; decode is where absorption pays.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from kvbench import capacity
+from kvbench import footprint as fp
+from kvbench.caches.base import CachedAttention, grouped_decode_attention, register
+from kvbench.caches.static import PreallocatedCache
+from kvbench.capacity import QUANTIZED
+from kvbench.errors import KvbenchError
+from kvbench.quant import QuantizedStore
+
+
+class MlaCache(CachedAttention):
+    """What every MLA cache shares: the layer kind, and its figures from the MLA dims."""
+
+    attention = "mla"
+
+    @classmethod
+    def min_bytes_per_step(cls, config, options):
+        from kvbench import costs
+
+        return costs.decode_min_bytes_per_step(
+            config.shape, config.dtype_bytes, read=lambda t: cls.step_reads(config, options, t),
+            position_bytes=cls.position_bytes(config, options))
+
+    @classmethod
+    def step_reads(cls, config, options, length):
+        """Each sequence's own positions: MLA's caches mask nothing they do not read."""
+        from kvbench.costs import real_positions
+
+        return real_positions(config.shape, length)
+
+
+class LatentCache(MlaCache):
+    """The entries [B, 1, T_max, d_c + d_rope], preallocated and written in place (or in a
+    QuantizedStore of one vector per position: fp8 with one scale for the layer, as vLLM
+    stores MLA's fp8 cache, or an int format grouped along the entry)."""
+
+    kv_dtypes = frozenset(QUANTIZED)
+
+    @classmethod
+    def cache_model(cls, config):
+        m = config.shape.mla
+        return capacity.ModelSpec(name="layer", layers=1, mla_latent=m.kv_lora_rank,
+                                  mla_rope=m.qk_rope_dim)
+
+    @classmethod
+    def cache_shape(cls, config):
+        s = config.shape
+        return (s.batch, 1, cls.expected_cache_len(config), s.mla.entry_dim)
+
+    @classmethod
+    def footprint(cls, config, options):
+        s, b = config.shape, config.dtype_bytes
+        storage = cls.planned_bytes(config, options)
+        return fp.preallocated(s, True, b, storage, lambda t: cls.step_bytes(config, t),
+                               fp.sdpa_is_fused(config.device, config.dtype, s.head_dim))
+
+    @classmethod
+    def step_bytes(cls, config, t: int) -> int:
+        """A step's peak bytes over a cache of t positions (preflight estimate)."""
+        raise NotImplementedError
+
+    def __init__(self, layer, batch, max_len, options=None, lens=None):
+        super().__init__(layer, batch, max_len, options, lens)
+        m = layer.shape.mla
+        self.latent_dim = m.kv_lora_rank
+        self.store = None
+        if self.options.kv_dtype is not None:
+            self.store = QuantizedStore(self.options.kv_format, (batch, 1, max_len),
+                                        m.entry_dim, layer.device, layer.dtype, kinds=("k",))
+        else:
+            self.entries = torch.zeros(batch, 1, max_len, m.entry_dim, dtype=layer.dtype,
+                                       device=layer.device)
+
+    def entry(self, x: torch.Tensor, start) -> torch.Tensor:
+        """What to cache for x [B, T, H] at `start`: the layer's entry."""
+        return self.layer.entry(x, start)
+
+    def write(self, entry: torch.Tensor, _v=None) -> None:
+        """entry [B, 1, n, d_c + d_rope] at positions length..length+n-1 (a ragged batch's
+        steps: each sequence at its own length)."""
+        n = entry.shape[2]
+        if self.length + n > self.max_len:
+            raise KvbenchError(f"cache holds {self.max_len} positions; cannot append "
+                               f"{n} at {self.length}")
+        if self.deficit is None or self.length == 0:
+            if self.store is not None:
+                self.store.write(entry, None, self.length, self.real(n))
+            else:
+                self.entries[:, :, self.length:self.length + n] = entry
+        elif n != 1:
+            raise KvbenchError("a ragged batch appends one position per sequence at a time")
+        elif self.store is not None:
+            self.store.write_at(entry, None, self.rows, self.lens_dev)
+        else:
+            self.entries[self.rows, :, self.lens_dev] = entry[:, :, 0]
+        self._advance(n)
+
+    def kv(self):
+        """The cached entries [B, 1, T, d_c + d_rope] as keys, and their latents [B, 1, T,
+        d_c] as values: absorbed attention's view of them."""
+        if self.store is not None:
+            entries = self.store.read("k", self.length, self.layer.dtype)
+        else:
+            entries = self.entries[:, :, : self.length]
+        return entries, entries[..., : self.latent_dim]
+
+    def cache_tensors(self):
+        if self.store is not None:
+            return list(self.store.tensors.values())
+        return [self.entries]
+
+    def rewind(self, length):
+        self._rewound(length)
+
+    def prefill(self, x):
+        q_nope, q_pe = self.layer.query(x, 0)
+        entries = self.entry(x, 0)
+        self.write(entries)
+        k, v = self.layer.expand(entries)  # [B, H_q, T, qk], [B, H_q, T, v]
+        attn = F.scaled_dot_product_attention(torch.cat((q_nope, q_pe), dim=-1), k, v,
+                                              is_causal=True, scale=self.layer.scale)
+        return self.layer.output(attn)
+
+    def step(self, x_t):
+        start = self.start()
+        q_nope, q_pe = self.layer.query(x_t, start)  # [B, H_q, 1, nope], [B, H_q, 1, rope]
+        self.write(self.entry(x_t, start))
+        entries, latents = self.kv()
+        return self.layer.output(self.attend_latent(q_nope, q_pe, entries, latents))
+
+    def attend_latent(self, q_nope, q_pe, entries, latents) -> torch.Tensor:
+        """One query per head over the cached entries -> [B, H_q, 1, v]."""
+        raise NotImplementedError
+
+
+@register
+class MlaNaiveCache(MlaCache, PreallocatedCache):
+    name = "mla-naive"
+    description = ("MLA with every head's decompressed K and V cached (a GQA-style runtime's "
+                   "bytes)")
+
+    @classmethod
+    def cache_model(cls, config):
+        s = config.shape
+        return capacity.ModelSpec(name="layer", layers=1, kv_heads=s.q_heads,
+                                  head_dim=s.mla.qk_dim, v_head_dim=s.mla.v_head_dim)
+
+    @classmethod
+    def footprint(cls, config, options):
+        s, b = config.shape, config.dtype_bytes
+        return fp.preallocated(s, True, b, cls.planned_bytes(config, options),
+                               lambda t: (fp.grouped_step(s, True, t)
+                                          + fp.Sizes(s).kv(1)) * b,
+                               fp.sdpa_is_fused(config.device, config.dtype, s.head_dim))
+
+    def __init__(self, layer, batch, max_len, options=None, lens=None):
+        CachedAttention.__init__(self, layer, batch, max_len, options, lens)
+        m, Hq = layer.shape.mla, layer.shape.q_heads
+        self.store = None
+        zeros = {"dtype": layer.dtype, "device": layer.device}
+        self.k_cache = torch.zeros(batch, Hq, max_len, m.qk_dim, **zeros)
+        self.v_cache = torch.zeros(batch, Hq, max_len, m.v_head_dim, **zeros)
+
+
+@register
+class MlaLatentCache(LatentCache):
+    name = "mla-latent"
+    description = "MLA's latent and RoPE key cached; every position decompressed each step"
+
+    @classmethod
+    def step_bytes(cls, config, t):
+        s, b = config.shape, config.dtype_bytes
+        decompressed = s.batch * t * s.q_heads * (s.mla.qk_dim + 2 * s.mla.v_head_dim)
+        return (fp.grouped_step(s, True, t) + 2 * decompressed) * b
+
+    def attend_latent(self, q_nope, q_pe, entries, latents):
+        k, v = self.layer.expand(entries)  # every cached position, every head
+        return grouped_decode_attention(torch.cat((q_nope, q_pe), dim=-1), k, v,
+                                        self.layer.scale, self.visible(entries.shape[2]))
+
+
+@register
+class MlaAbsorbedCache(LatentCache):
+    name = "mla-absorbed"
+    description = ("MLA's latent and RoPE key cached; W_uk absorbed into the query, W_uv into "
+                   "the output: attention in the latent space (FlashMLA, vLLM)")
+
+    @classmethod
+    def step_bytes(cls, config, t):
+        s, b = config.shape, config.dtype_bytes
+        scores = s.batch * s.q_heads * t
+        return (fp.decode_step_small(s, True) + 3 * scores
+                + 2 * s.batch * s.q_heads * s.mla.entry_dim) * b
+
+    def attend_latent(self, q_nope, q_pe, entries, latents):
+        q = self.layer.absorb_query(q_nope, q_pe)  # [B, H_q, 1, d_c + d_rope]
+        attn = grouped_decode_attention(q, entries, latents, self.layer.scale,
+                                        self.visible(entries.shape[2]))  # [B, H_q, 1, d_c]
+        return self.layer.absorb_output(attn)
