@@ -29,8 +29,11 @@ IMPL_HELP = (
     "verify only, in Triton's interpreter); compiled (gpt-fast's step: a CUDA graph on CUDA, "
     "inductor C++ on the CPU) and flex (FlexAttention under torch.compile): CUDA and CPU, "
     "memory on CUDA only; window (a sliding-window ring buffer with --window, --sinks) and "
-    "h2o (token eviction under --kv-budget; lossy): CPU and CUDA. One that cannot run a point "
-    "is skipped with a note.")
+    "h2o (token eviction under --kv-budget; lossy): CPU and CUDA. With --attention mla: "
+    "mla-naive (decompressed K/V cached), mla-latent (latent cached, decompressed each "
+    "step), mla-absorbed (attention in the latent space): CPU and CUDA; triton-mla (a paged "
+    "latent pool read by a Triton split-K kernel): CUDA, on the CPU verify only. One that "
+    "cannot run a point is skipped with a note.")
 
 
 def option(default, help: str, *flags: str, commands: tuple[str, ...] = EXPERIMENTS,

@@ -7,12 +7,19 @@ from typer.testing import CliRunner
 from kvbench.attention import AttentionLayer, make_inputs
 from kvbench.caches import IMPLEMENTATIONS, ImplOptions, PagedCache, SdpaCache
 from kvbench.cli import app
-from kvbench.config import LayerShape, RunConfig
+from kvbench.config import LayerShape, MlaDims, RunConfig
 from kvbench.verify import verify
 
 SHAPE = LayerShape(batch=2, prompt_len=21, decode_len=6, hidden=32, q_heads=4, kv_heads=2,
                    head_dim=8)
+# The MLA implementations run SHAPE's batch and lengths as an MLA layer of small dims.
+MLA_SHAPE = SHAPE.with_mla(MlaDims(kv_lora_rank=16, qk_rope_dim=8, qk_nope_dim=8,
+                                   v_head_dim=12, q_lora_rank=12))
 runner = CliRunner()
+
+
+def shape_of(cls) -> LayerShape:
+    return MLA_SHAPE if cls.attention == "mla" else SHAPE
 
 
 def runnable(name: str, config: RunConfig):
@@ -25,7 +32,7 @@ def runnable(name: str, config: RunConfig):
 
 def at_shape(name: str):
     """The implementation's class, the layer and the inputs of SHAPE (or a skip)."""
-    config = RunConfig(SHAPE)
+    config = RunConfig(shape_of(IMPLEMENTATIONS[name]))
     return runnable(name, config), AttentionLayer.from_config(config), make_inputs(config)
 
 
@@ -176,7 +183,7 @@ class NoHostReads(TorchDispatchMode):
 
 
 def _prefill_and_decode(cls, options=None):
-    config = RunConfig(SHAPE)
+    config = RunConfig(shape_of(cls))
     layer, x = AttentionLayer.from_config(config), make_inputs(config)
     impl = cls(layer, 2, SHAPE.total_len, options)
     with torch.no_grad(), NoHostReads() as mode:
@@ -188,7 +195,7 @@ def _prefill_and_decode(cls, options=None):
 
 @pytest.mark.parametrize("name", list(IMPLEMENTATIONS))
 def test_no_implementation_reads_a_tensor_on_the_host_in_prefill_or_decode(name):
-    runnable(name, RunConfig(SHAPE))
+    runnable(name, RunConfig(shape_of(IMPLEMENTATIONS[name])))
     if IMPLEMENTATIONS[name].compiles and name != "splitk":
         pytest.skip("torch.compile refuses dispatch modes; the CUDA sync test covers it")
     impl = _prefill_and_decode(IMPLEMENTATIONS[name])

@@ -16,7 +16,8 @@ def _cuda_impls(config, compiling: bool):
     from kvbench.caches import IMPLEMENTATIONS
 
     return {n: c for n, c in IMPLEMENTATIONS.items()
-            if c.unavailable(config, ImplOptions()) is None and (n in COMPILING) == compiling}
+            if c.attention == config.shape.attention
+            and c.unavailable(config, ImplOptions()) is None and (n in COMPILING) == compiling}
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])

@@ -23,7 +23,8 @@ def eager(config: RunConfig):
     """Every implementation that can run `config` but the two that torch.compile builds: each
     new shape compiles them anew (seconds), so test_compiled checks them on shapes of its own."""
     return {n: c for n, c in IMPLEMENTATIONS.items()
-            if n not in ("compiled", "flex") and c.unavailable(config, ImplOptions()) is None}
+            if n not in ("compiled", "flex") and c.attention == config.shape.attention
+            and c.unavailable(config, ImplOptions()) is None}
 
 
 GQA = LayerShape(batch=2, prompt_len=7, decode_len=4, hidden=32, q_heads=4, kv_heads=2,
@@ -154,7 +155,7 @@ def test_long_prompt_prefill_does_not_build_the_square_score_matrix():
     config = RunConfig(shape)
     layer, x = AttentionLayer.from_config(config), make_inputs(config)
     for name, cls in IMPLEMENTATIONS.items():
-        if name == "concat" or cls.unavailable(config, ImplOptions()):
+        if name == "concat" or cls.attention != "gqa" or cls.unavailable(config, ImplOptions()):
             continue
         with torch.no_grad(), track_cpu_peak() as tracker:
             cls(layer, 1, shape.total_len).prefill(x[:, :8192])
