@@ -199,8 +199,7 @@ def _mla(o: RunOptions, shapes, lists: dict[str, list[int]]):
     if "head_dim" in lists:
         raise KvbenchError("--head-dim does not apply to MLA: use --qk-nope-dim, "
                            "--qk-rope-dim and --v-head-dim")
-    for flag, value in (("--window", o.window), ("--kv-budget", o.kv_budget),
-                        ("--shared-prefix", o.shared_prefix or None)):
+    for flag, value in (("--window", o.window), ("--kv-budget", o.kv_budget)):
         if value is not None:
             raise KvbenchError(f"{flag} runs on GQA layers; MLA's caches keep every "
                                f"position of every sequence: drop {flag}")

@@ -27,6 +27,7 @@ from kvbench.caches.compiled import CompiledCache
 from kvbench.caches.window import WindowCache
 from kvbench.caches.h2o import H2OCache
 from kvbench.caches.mla import MlaAbsorbedCache, MlaLatentCache, MlaNaiveCache
+from kvbench.caches.triton_mla import TritonMlaCache
 
 __all__ = [
     "IMPLEMENTATIONS",
@@ -46,6 +47,7 @@ __all__ = [
     "SplitKCache",
     "StaticCache",
     "TritonCache",
+    "TritonMlaCache",
     "WindowCache",
     "of_attention",
     "parse_impls",

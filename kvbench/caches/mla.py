@@ -47,12 +47,9 @@ class MlaCache(CachedAttention):
         return real_positions(config.shape, length)
 
 
-class LatentCache(MlaCache):
-    """The entries [B, 1, T_max, d_c + d_rope], preallocated and written in place (or in a
-    QuantizedStore of one vector per position: fp8 with one scale for the layer, as vLLM
-    stores MLA's fp8 cache, or an int format grouped along the entry)."""
-
-    kv_dtypes = frozenset(QUANTIZED)
+class LatentAttention(MlaCache):
+    """What the caches of MLA's entries share: their layout's figures, the prefill, and a step
+    that caches the new entry and attends with `attend_latent`."""
 
     @classmethod
     def cache_model(cls, config):
@@ -77,6 +74,37 @@ class LatentCache(MlaCache):
         """A step's peak bytes over a cache of t positions (preflight estimate)."""
         raise NotImplementedError
 
+    def entry(self, x: torch.Tensor, start) -> torch.Tensor:
+        """What to cache for x [B, T, H] at `start`: the layer's entry."""
+        return self.layer.entry(x, start)
+
+    def prefill(self, x):
+        q_nope, q_pe = self.layer.query(x, 0)
+        entries = self.entry(x, 0)
+        self.write(entries)
+        k, v = self.layer.expand(entries)  # [B, H_q, T, qk], [B, H_q, T, v]
+        attn = F.scaled_dot_product_attention(torch.cat((q_nope, q_pe), dim=-1), k, v,
+                                              is_causal=True, scale=self.layer.scale)
+        return self.layer.output(attn)
+
+    def step(self, x_t):
+        start = self.start()
+        q_nope, q_pe = self.layer.query(x_t, start)  # [B, H_q, 1, nope], [B, H_q, 1, rope]
+        self.write(self.entry(x_t, start))
+        return self.layer.output(self.attend_latent(q_nope, q_pe))
+
+    def attend_latent(self, q_nope: torch.Tensor, q_pe: torch.Tensor) -> torch.Tensor:
+        """One query per head over the cached entries -> [B, H_q, 1, v]."""
+        raise NotImplementedError
+
+
+class LatentCache(LatentAttention):
+    """The entries [B, 1, T_max, d_c + d_rope], preallocated and written in place (or in a
+    QuantizedStore of one vector per position: fp8 with one scale for the layer, as vLLM
+    stores MLA's fp8 cache, or an int format grouped along the entry)."""
+
+    kv_dtypes = frozenset(QUANTIZED)
+
     def __init__(self, layer, batch, max_len, options=None, lens=None):
         super().__init__(layer, batch, max_len, options, lens)
         m = layer.shape.mla
@@ -88,10 +116,6 @@ class LatentCache(MlaCache):
         else:
             self.entries = torch.zeros(batch, 1, max_len, m.entry_dim, dtype=layer.dtype,
                                        device=layer.device)
-
-    def entry(self, x: torch.Tensor, start) -> torch.Tensor:
-        """What to cache for x [B, T, H] at `start`: the layer's entry."""
-        return self.layer.entry(x, start)
 
     def write(self, entry: torch.Tensor, _v=None) -> None:
         """entry [B, 1, n, d_c + d_rope] at positions length..length+n-1 (a ragged batch's
@@ -129,26 +153,6 @@ class LatentCache(MlaCache):
 
     def rewind(self, length):
         self._rewound(length)
-
-    def prefill(self, x):
-        q_nope, q_pe = self.layer.query(x, 0)
-        entries = self.entry(x, 0)
-        self.write(entries)
-        k, v = self.layer.expand(entries)  # [B, H_q, T, qk], [B, H_q, T, v]
-        attn = F.scaled_dot_product_attention(torch.cat((q_nope, q_pe), dim=-1), k, v,
-                                              is_causal=True, scale=self.layer.scale)
-        return self.layer.output(attn)
-
-    def step(self, x_t):
-        start = self.start()
-        q_nope, q_pe = self.layer.query(x_t, start)  # [B, H_q, 1, nope], [B, H_q, 1, rope]
-        self.write(self.entry(x_t, start))
-        entries, latents = self.kv()
-        return self.layer.output(self.attend_latent(q_nope, q_pe, entries, latents))
-
-    def attend_latent(self, q_nope, q_pe, entries, latents) -> torch.Tensor:
-        """One query per head over the cached entries -> [B, H_q, 1, v]."""
-        raise NotImplementedError
 
 
 @register
@@ -191,7 +195,8 @@ class MlaLatentCache(LatentCache):
         decompressed = s.batch * t * s.q_heads * (s.mla.qk_dim + 2 * s.mla.v_head_dim)
         return (fp.grouped_step(s, True, t) + 2 * decompressed) * b
 
-    def attend_latent(self, q_nope, q_pe, entries, latents):
+    def attend_latent(self, q_nope, q_pe):
+        entries, _ = self.kv()
         k, v = self.layer.expand(entries)  # every cached position, every head
         return grouped_decode_attention(torch.cat((q_nope, q_pe), dim=-1), k, v,
                                         self.layer.scale, self.visible(entries.shape[2]))
@@ -210,7 +215,8 @@ class MlaAbsorbedCache(LatentCache):
         return (fp.decode_step_small(s, True) + 3 * scores
                 + 2 * s.batch * s.q_heads * s.mla.entry_dim) * b
 
-    def attend_latent(self, q_nope, q_pe, entries, latents):
+    def attend_latent(self, q_nope, q_pe):
+        entries, latents = self.kv()
         q = self.layer.absorb_query(q_nope, q_pe)  # [B, H_q, 1, d_c + d_rope]
         attn = grouped_decode_attention(q, entries, latents, self.layer.scale,
                                         self.visible(entries.shape[2]))  # [B, H_q, 1, d_c]

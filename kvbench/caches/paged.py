@@ -68,18 +68,7 @@ class PagedCache(CachedAttention):
         # sequence; its full blocks stay shared, a partly filled one is copied on write.
         self.prefix = s.shared_prefix
         n_blocks = sum(math.ceil(n / bs) for n in self.lens) - (batch - 1) * (self.prefix // bs)
-        lead = (n_blocks, s.kv_heads, bs)  # [N_blocks, H_kv, block_size, ...]
-        # Quantized, the pools are a QuantizedStore's tensors: codes, and for the int formats
-        # per-group scales and zero points, block by block.
-        self.store = None
-        if self.options.kv_dtype is not None:
-            self.store = QuantizedStore(self.options.kv_format, lead, s.head_dim, layer.device)
-        else:
-            shape = (*lead, s.head_dim)  # [N_blocks, H_kv, block_size, D]
-            # zeros: the gather pads short sequences with masked positions, whose weight of
-            # exactly zero must not meet a NaN left in uninitialised memory
-            self.k_pool = torch.zeros(shape, dtype=layer.dtype, device=layer.device)
-            self.v_pool = torch.zeros(shape, dtype=layer.dtype, device=layer.device)
+        self.allocate(n_blocks)
         self.free = deque(range(n_blocks))
         self.refs = [0] * n_blocks  # sequences whose table holds each block
         # The block tables live on the host, where blocks are handed out; the device holds a
@@ -90,6 +79,30 @@ class PagedCache(CachedAttention):
                                  device=layer.device)
         self.n_blocks = n_blocks
         self.uploads = 0
+
+    def allocate(self, n_blocks: int) -> None:
+        """The pools: [N_blocks, H_kv, block_size, D] for K and for V. Quantized, a
+        QuantizedStore's tensors: codes, and for the int formats per-group scales and zero
+        points, block by block."""
+        s, bs = self.layer.shape, self.options.block_size
+        lead = (n_blocks, s.kv_heads, bs)
+        self.store = None
+        if self.options.kv_dtype is not None:
+            self.store = QuantizedStore(self.options.kv_format, lead, s.head_dim,
+                                        self.layer.device)
+            return
+        # zeros: the gather pads short sequences with masked positions, whose weight of
+        # exactly zero must not meet a NaN left in uninitialised memory
+        zeros = {"dtype": self.layer.dtype, "device": self.layer.device}
+        self.k_pool = torch.zeros(*lead, s.head_dim, **zeros)
+        self.v_pool = torch.zeros(*lead, s.head_dim, **zeros)
+
+    def parts(self, k: torch.Tensor, v: torch.Tensor, real) -> list:
+        """(pool, values [B, heads, n, ...]) for each pool a write of k, v fills."""
+        if self.store is None:
+            return [(self.k_pool, k), (self.v_pool, v)]
+        return [(self.store.tensors[name], part) for name, part
+                in self.store.encode(k, v, self.length == 0, real).items()]
 
     def _upload(self) -> None:
         rows = torch.tensor([t + [0] * (self.blocks_per_seq - len(t)) for t in self.tables],
@@ -157,11 +170,7 @@ class PagedCache(CachedAttention):
         n, bs = k.shape[2], self.options.block_size
         self._grow(self.length + n)
         real = self.real(n) if self.length == 0 else None
-        if self.store is None:
-            parts = [(self.k_pool, k), (self.v_pool, v)]
-        else:
-            parts = [(self.store.tensors[name], part) for name, part
-                     in self.store.encode(k, v, self.length == 0, real).items()]
+        parts = self.parts(k, v, real)
         if self.prefix and self.length == 0:
             self._write_shared_prompt(parts, n, real)
             self._advance(n)
@@ -209,10 +218,10 @@ class PagedCache(CachedAttention):
             pool[blocks, :, p % bs] = values.transpose(1, 2)[r, p]
 
     def _gather(self, pool: torch.Tensor) -> torch.Tensor:
-        s, bs = self.layer.shape, self.options.block_size
+        bs = self.options.block_size
         n = math.ceil(self.length / bs)
         blocks = pool[self.table[:, :n]]  # [B, n, H_kv, bs, ...]
-        seq = blocks.transpose(1, 2).reshape(self.batch, s.kv_heads, n * bs, pool.shape[-1])
+        seq = blocks.transpose(1, 2).reshape(self.batch, pool.shape[1], n * bs, pool.shape[-1])
         return seq[:, :, : self.length]  # [B, H_kv, T, ...]
 
     def kv(self):

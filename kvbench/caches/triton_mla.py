@@ -1,0 +1,116 @@
+"""`triton-mla`: MLA's entries in a paged pool, read in place by a Triton split-K kernel with
+absorbed weights (kvbench.kernels.triton_mla).
+
+The pool is `paged`'s, one entry per position ([N_blocks, 1, block_size, d_c + d_rope]), with
+its block tables, ragged batches and shared prefixes (blocks stored once, copied on write).
+The prefill is the latent caches' (decompressed K and V through SDPA); each decode step moves
+the query into the latent space, runs the kernel over the pool, and applies W_uv to its
+output. On the CPU the kernel runs in Triton's interpreter: verify only, as for `triton`.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from kvbench import footprint as fp
+from kvbench.caches.base import register
+from kvbench.caches.mla import LatentAttention
+from kvbench.caches.paged import PagedCache
+from kvbench.caches.triton import TritonCache
+from kvbench.quant import QuantizedStore
+
+
+@register
+class TritonMlaCache(LatentAttention, PagedCache):
+    name = "triton-mla"
+    compiles = True  # on CUDA the first launch compiles the kernels
+    kv_dtypes = frozenset({"fp8"})  # decoded in registers with the layer's one scale
+    techniques = frozenset({"shared_prefix"})
+    description = ("MLA's latent entries in a paged pool, read in place by a Triton split-K "
+                   "kernel with absorbed weights (FlashMLA's formulation); CUDA, and CPU "
+                   "through Triton's interpreter (verify only)")
+    unavailable = classmethod(TritonCache.unavailable.__func__)
+    unmeasured = classmethod(TritonCache.unmeasured.__func__)
+
+    @classmethod
+    def footprint(cls, config, options):
+        s, b, bs = config.shape, config.dtype_bytes, options.block_size
+        pool = cls.planned_bytes(config, options)
+        table = s.batch * math.ceil(options.alloc_len(s) / bs) * fp.INDEX_BYTES
+        splits = options.splits or TritonCache.splits_for(config.device, s.batch, s.total_len)
+        partials = s.batch * s.q_heads * splits * (s.mla.kv_lora_rank + 2) * 4
+        step = (fp.decode_step_small(s, True) + 2 * s.batch * s.q_heads * s.mla.entry_dim) * b
+        return fp.preallocated(s, True, b, pool + table + partials, lambda t: step,
+                               fp.sdpa_is_fused(config.device, config.dtype, s.head_dim))
+
+    def __init__(self, layer, batch, max_len, options=None, lens=None):
+        super().__init__(layer, batch, max_len, options, lens)
+        from kvbench.kernels import triton_decode, triton_mla
+
+        m = layer.shape.mla
+        self.kernel, self.merge_kernel = triton_mla, triton_decode
+        self.processors = triton_decode.processors(torch.device(layer.device))
+        most = self.options.splits or triton_decode.choose_splits(
+            max(self.lens), batch, self.processors)
+        self.kernel_deficit = (self.deficit_dev if self.deficit_dev is not None else
+                               torch.zeros(batch, dtype=torch.long, device=layer.device))
+        f32 = {"dtype": torch.float32, "device": layer.device}
+        self.partials = (torch.empty(batch, layer.shape.q_heads, most, m.kv_lora_rank, **f32),
+                         torch.empty(batch, layer.shape.q_heads, most, **f32),
+                         torch.empty(batch, layer.shape.q_heads, most, **f32))
+        self.splits = 0
+
+    def allocate(self, n_blocks):
+        m, bs = self.layer.shape.mla, self.options.block_size
+        lead = (n_blocks, 1, bs)
+        self.store = None
+        if self.options.kv_dtype is not None:
+            self.store = QuantizedStore(self.options.kv_format, lead, m.entry_dim,
+                                        self.layer.device, self.layer.dtype, kinds=("k",))
+            return
+        self.pool = torch.zeros(*lead, m.entry_dim, dtype=self.layer.dtype,
+                                device=self.layer.device)
+
+    def parts(self, entry, _v, real):
+        if self.store is None:
+            return [(self.pool, entry)]
+        return [(self.store.tensors[name], part) for name, part
+                in self.store.encode(entry, None, self.length == 0, real).items()]
+
+    def write(self, entry, _v=None):
+        super().write(entry, None)
+
+    def kv(self):
+        """The entries gathered from the pool [B, 1, T, d_c + d_rope] and their latents
+        (for verify and the tests; decode reads the pool in place)."""
+        if self.store is None:
+            entries = self._gather(self.pool)
+        else:
+            stored = self.store.tensors
+            entries = self.store.decode("k", lambda t: self._gather(stored[t]), self.layer.dtype)
+        return entries, entries[..., : self.layer.shape.mla.kv_lora_rank]
+
+    def cache_tensors(self):
+        if self.store is not None:
+            return list(self.store.tensors.values())
+        return [self.pool]
+
+    def attend_latent(self, q_nope, q_pe):
+        B, Hq = q_nope.shape[:2]
+        m = self.layer.shape.mla
+        q = self.layer.absorb_query(q_nope, q_pe).reshape(B, Hq, m.entry_dim)
+        self.splits = self.options.splits or self.merge_kernel.choose_splits(
+            self.length, B, self.processors)
+        pool, scale = ((self.pool, None) if self.store is None else
+                       (self.store.tensors["k_codes"], self.store.tensors["k_scale"]))
+        self.kernel.split_partials(q.contiguous(), pool, self.table, self.kernel_deficit,
+                                   self.length, self.layer.scale, self.splits, self.partials,
+                                   m.kv_lora_rank, scale)
+        out = torch.empty(B, Hq, m.kv_lora_rank, dtype=q.dtype, device=q.device)
+        self.merge_kernel.merge(self.partials, self.splits, out)
+        return self.layer.absorb_output(out.reshape(B, Hq, 1, m.kv_lora_rank))
+
+    def stats(self):
+        return {**super().stats(), "splits": self.splits}
