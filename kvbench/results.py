@@ -176,6 +176,10 @@ TP_COLUMNS = ["tp", "world_size", "window", "sinks", "kv_budget", "kv_recent"]
 
 # --model runs: the model (a checkpoint's name, or a preset) and the layers run
 MODEL_COLUMNS = ["model", "layers"]
+# --attention mla: the layer kind and MLA's dims (empty for gqa; kv_heads then equals q_heads
+# and head_dim qk_nope + qk_rope, the decompressed K of each head)
+MLA_COLUMNS = ["attention", "kv_lora_rank", "qk_rope_dim", "qk_nope_dim", "v_head_dim",
+               "q_lora_rank"]
 
 # Column order is part of the interface: users' spreadsheets and scripts depend on it.
 CONFIG_COLUMNS = ["timestamp", "command", "impl", "batch", "prompt_len", "decode_len", "hidden",
@@ -202,7 +206,7 @@ VERIFY_COLUMNS = VERIFY_FIRST[:-len(ENV_COLUMNS)] + [
     "ppl_masked", "first_bad_layer",
     # --model: every layer's finished cache as `kvbench capacity` plans it (what the quality
     # above is bought with)
-    "kv_cache_bytes"] + ENV_COLUMNS
+    "kv_cache_bytes", *MLA_COLUMNS] + ENV_COLUMNS
 
 
 def _stats_columns(name: str) -> list[str]:
@@ -233,7 +237,7 @@ BENCH_COLUMNS = BENCH_FIRST[:-len(ENV_COLUMNS)] + [
     # --model: time to first token (prefill_ms), per decode step of the batch: ms, tokens/s,
     # the weight and K/V bytes read and written, the K/V share of them
     *MODEL_COLUMNS, "tokens_per_s", "weight_bytes_per_step", "kv_bytes_per_step",
-    "kv_share"] + ENV_COLUMNS
+    "kv_share", *MLA_COLUMNS] + ENV_COLUMNS
 
 
 def config_cells(command: str, impl: str, config) -> dict[str, object]:
@@ -248,7 +252,10 @@ def config_cells(command: str, impl: str, config) -> dict[str, object]:
             "world_size": config.tp, "window": s.window,
             "shared_prefix": s.shared_prefix or None, "kv_budget": s.kv_budget,
             "kv_recent": s.kv_recent,
-            "sinks": s.sinks if s.window is not None else None}
+            "sinks": s.sinks if s.window is not None else None,
+            "attention": s.attention,
+            **({} if s.mla is None else
+               {name: getattr(s.mla, name) for name in MLA_COLUMNS[1:]})}
 
 
 def _stats_cells(name: str, stats) -> dict[str, object]:
@@ -336,7 +343,7 @@ MEMORY_COLUMNS = MEMORY_FIRST[:-len(ENV_COLUMNS)] + [
     "shared_prefix", "kv_saved_bytes",
     # --model: every layer's cache (kv_cache_bytes, kv_planner_bytes), the weights, the
     # prefill and decode peaks (cached_, decode_peak_allocated_bytes)
-    *MODEL_COLUMNS,
+    *MODEL_COLUMNS, *MLA_COLUMNS,
 ] + ENV_COLUMNS
 
 

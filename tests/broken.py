@@ -10,7 +10,10 @@ from kvbench.caches import (
     StaticCache,
     TritonCache,
 )
+from kvbench.caches.base import grouped_decode_attention
+from kvbench.caches.mla import MlaAbsorbedCache, MlaLatentCache
 from kvbench.caches.static import PreallocatedCache
+from kvbench.caches.triton_mla import TritonMlaCache
 from kvbench.quant import QuantizedStore
 
 
@@ -517,3 +520,92 @@ class ResidualFlushedEarly(StaticCache):
         super().__init__(*args, **kwargs)
         fmt = self.store.fmt
         self.store.fmt = replace(fmt, residual=fmt.residual - fmt.group_size)
+
+
+# Faults of MLA's caches (--attention mla).
+
+class RopeOnLatent(MlaLatentCache):
+    """RoPE rotates the whole entry, the latent included, not only the decoupled key."""
+
+    name = "rope-on-latent"
+
+    def entry(self, x, start):
+        from kvbench.attention import apply_rope
+
+        entry = self.layer.entry(x, start)
+        return apply_rope(entry, self.layer.positions(x, start))  # (its k_pe part twice)
+
+
+class AbsorbedWukTransposed(MlaAbsorbedCache):
+    """W_uk absorbed as a reshape of W_ukv's columns instead of a transpose of each head's
+    block: [d_c, H_q·nope] read as if it were [H_q, nope, d_c]."""
+
+    name = "absorbed-wuk-transposed"
+
+    def attend_latent(self, q_nope, q_pe):
+        layer, m = self.layer, self.layer.shape.mla
+        Hq = layer.shape.q_heads
+        per_head = layer.w_ukv.view(m.kv_lora_rank, Hq, -1)[..., : m.qk_nope_dim]
+        w_uk_t = per_head.reshape(Hq, m.qk_nope_dim, m.kv_lora_rank)
+        entries, latents = self.kv()
+        q = torch.cat((q_nope @ w_uk_t, q_pe), dim=-1)
+        attn = grouped_decode_attention(q, entries, latents, layer.scale)
+        return layer.absorb_output(attn)
+
+
+class RopeKeyPerHead(MlaLatentCache):
+    """Caches the RoPE key once per query head, as a runtime that treats it as part of each
+    head's key would: the outputs are right, the bytes H_q times too many for that part."""
+
+    name = "rope-key-per-head"
+
+    def __init__(self, layer, batch, max_len, options=None, lens=None):
+        super().__init__(layer, batch, max_len, options, lens)
+        m = layer.shape.mla
+        self.entries = self.entries[..., : m.kv_lora_rank].clone()  # the latents alone
+        self.rope_keys = torch.zeros(batch, layer.shape.q_heads, max_len, m.qk_rope_dim,
+                                     dtype=layer.dtype, device=layer.device)
+
+    def write(self, entry, _v=None):
+        n, d_c, at = entry.shape[2], self.latent_dim, slice(self.length, self.length + entry.shape[2])
+        self.entries[:, :, at] = entry[..., :d_c]
+        self.rope_keys[:, :, at] = entry[..., d_c:].expand(-1, self.rope_keys.shape[1], -1, -1)
+        self._advance(n)
+
+    def kv(self):
+        entries = torch.cat((self.entries[:, :, : self.length],
+                             self.rope_keys[:, :1, : self.length]), dim=-1)
+        return entries, entries[..., : self.latent_dim]
+
+    def cache_tensors(self):
+        return [self.entries, self.rope_keys]
+
+
+class LatentNormSkipped(MlaAbsorbedCache):
+    """Caches the latent before its RMSNorm."""
+
+    name = "latent-norm-skipped"
+
+    def entry(self, x, start):
+        from kvbench.attention import apply_rope
+
+        layer, m = self.layer, self.layer.shape.mla
+        B, T, H = x.shape
+        ckv = (x.reshape(B * T, H) @ layer.w_dkv).view(B, 1, T, m.entry_dim)
+        latent, k_pe = ckv.split((m.kv_lora_rank, m.qk_rope_dim), dim=-1)
+        return torch.cat((latent, apply_rope(k_pe, layer.positions(x, start))), dim=-1)
+
+
+class MlaKernelBlockOffByOne(TritonMlaCache):
+    """The MLA kernel reads logical block i from the table entry of block i - 1."""
+
+    name = "mla-kernel-block-off-by-one"
+
+    def attend_latent(self, q_nope, q_pe):
+        table = self.table
+        self.table = table.clone()
+        self.table[:, 1:] = table[:, :-1]
+        try:
+            return super().attend_latent(q_nope, q_pe)
+        finally:
+            self.table = table
