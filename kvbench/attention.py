@@ -13,7 +13,7 @@ from dataclasses import replace
 import torch
 
 from kvbench.config import LayerShape, RunConfig
-from kvbench.device import torch_dtype
+from kvbench.device import matmul, torch_dtype
 from kvbench.distributed import all_reduce, rank
 
 ROPE_BASE = 10000.0
@@ -88,7 +88,7 @@ class AttentionLayer:
     def weight_bytes(self) -> int:
         return sum(w.numel() * w.element_size() for w in (self.w_qkv, self.w_o))
 
-    def project(self, x: torch.Tensor, start: int | torch.Tensor, gemm=torch.mm):
+    def project(self, x: torch.Tensor, start: int | torch.Tensor, gemm=matmul):
         """x [B, T, H] at positions start..start+T-1 -> q [B,H_q,T,D], k, v [B,H_kv,T,D].
 
         `start` may be a one-element device tensor (a compiled step's position), or [B, 1]
@@ -111,7 +111,7 @@ class AttentionLayer:
         """The weights a step reads (a compiled step keeps them at fixed addresses)."""
         return [self.w_qkv, self.w_o]
 
-    def output(self, attn: torch.Tensor, gemm=torch.mm) -> torch.Tensor:
+    def output(self, attn: torch.Tensor, gemm=matmul) -> torch.Tensor:
         """attn [B, H_q, T, D] -> [B, T, H]."""
         B, _, T, _ = attn.shape
         flat = attn.transpose(1, 2).reshape(B * T, -1)  # [B·T, H_q·D]
@@ -186,9 +186,9 @@ def dense_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     k = k.repeat_interleave(group, dim=1)  # [B, H_q, T, D]
     v = v.repeat_interleave(group, dim=1)
     T = q.shape[2]
-    scores = (q @ k.transpose(-2, -1)) * scale  # [B, H_q, T, T]
+    scores = matmul(q, k.transpose(-2, -1)) * scale  # [B, H_q, T, T]
     scores = scores.masked_fill(~visible(T, q.device, window, sinks), float("-inf"))
-    return torch.softmax(scores, dim=-1) @ v
+    return matmul(torch.softmax(scores, dim=-1), v)
 
 
 def visible(T: int, device, window: int | None = None, sinks: int = 0) -> torch.Tensor:

@@ -217,6 +217,12 @@ class RunConfig:
         return DTYPE_BYTES[self.dtype]
 
     @property
+    def compute_bytes(self) -> int:
+        """Bytes per element of path A's temporaries: on the CPU half-precision matmuls run in
+        float32 (kvbench.device.matmul), so their products are float32."""
+        return 4 if self.device == "cpu" and self.dtype_bytes == 2 else self.dtype_bytes
+
+    @property
     def kv_format(self):
         """How this point stores K/V (kvbench.kvformat.KvFormat)."""
         from kvbench.kvformat import KvFormat

@@ -53,7 +53,7 @@ def read_results(path: Path) -> tuple[str, pd.DataFrame]:
             return kind, df
     best = max(KINDS, key=lambda k: len(set(KINDS[k]) & set(columns)))
     missing = [c for c in FILE_KINDS[best][1] if c not in columns]
-    if len(missing) > len(KINDS[best]) // 2:
+    if len(missing) > len(FILE_KINDS[best][1]) // 2:
         raise KvbenchError(f"{path} is not a kvbench results file (no {', '.join(missing[:5])}"
                            f"{' …' if len(missing) > 5 else ''})")
     if missing:

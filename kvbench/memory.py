@@ -237,7 +237,7 @@ def memory(config: RunConfig, impls: tuple[str, ...],
                for name, cls in classes.items()]
     payload = CachedAttention.payload_bytes(local, impl_options)
     result = MemoryResult(config, payload, part.weight_bytes, windows["recompute", None],
-                          footprint.recompute(s, config.rope, config.dtype_bytes), results,
+                          footprint.recompute(s, config.rope, config.compute_bytes), results,
                           impl_options.kv_format, impl_options.prealloc)
     if config.tp > 1:
         from kvbench import distributed

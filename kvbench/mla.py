@@ -29,9 +29,11 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.nn.functional as F
 
 from kvbench.attention import apply_rope
 from kvbench.config import LayerShape
+from kvbench.device import matmul
 
 NORM_EPS = 1e-6  # DeepSeek-V3's RMSNorm epsilon
 
@@ -42,6 +44,20 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     y = x.to(compute)
     y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + NORM_EPS)
     return weight * y.to(x.dtype)
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                     scale: float) -> torch.Tensor:
+    """Causal SDPA over decompressed heads: q, k [B, H_q, T, qk], v [B, H_q, T, v] -> [B, H_q,
+    T, v]. Fused kernels take one head dim, so the narrower of V and Q/K is zero-padded to
+    the wider and the output sliced back, as vLLM's MLA prefill pads V; otherwise SDPA falls
+    back to materialising the T×T scores."""
+    E, Ev = q.shape[-1], v.shape[-1]
+    if Ev < E:
+        v = F.pad(v, (0, E - Ev))
+    elif E < Ev:  # zeros add nothing to the scores
+        q, k = F.pad(q, (0, Ev - E)), F.pad(k, (0, Ev - E))
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)[..., :Ev]
 
 
 class MlaLayer:
@@ -112,9 +128,9 @@ class MlaLayer:
         m, (B, T, H) = self.shape.mla, x.shape
         flat = x.reshape(B * T, H)
         if m.q_lora_rank:
-            q = rms_norm(flat @ self.w_dq, self.q_norm) @ self.w_uq
+            q = matmul(rms_norm(matmul(flat, self.w_dq), self.q_norm), self.w_uq)
         else:
-            q = flat @ self.w_q
+            q = matmul(flat, self.w_q)
         q = q.view(B, T, -1, m.qk_dim).transpose(1, 2)  # [B, H_q, T, qk]
         q_nope, q_pe = q.split((m.qk_nope_dim, m.qk_rope_dim), dim=-1)
         return q_nope, apply_rope(q_pe, self.positions(x, start))
@@ -123,7 +139,7 @@ class MlaLayer:
         """x [B, T, H] -> what MLA caches, [B, 1, T, d_c + d_rope]: the normed latent, then
         the rotated RoPE key (one 'KV head' that every query head reads)."""
         m, (B, T, H) = self.shape.mla, x.shape
-        ckv = (x.reshape(B * T, H) @ self.w_dkv).view(B, 1, T, m.entry_dim)
+        ckv = matmul(x.reshape(B * T, H), self.w_dkv).view(B, 1, T, m.entry_dim)
         latent, k_pe = ckv.split((m.kv_lora_rank, m.qk_rope_dim), dim=-1)
         return torch.cat((rms_norm(latent, self.kv_norm),
                           apply_rope(k_pe, self.positions(x, start))), dim=-1)
@@ -138,7 +154,7 @@ class MlaLayer:
         m, Hq = self.shape.mla, self.shape.q_heads
         B, _, T, _ = entries.shape
         latent, k_pe = entries[:, 0].split((m.kv_lora_rank, m.qk_rope_dim), dim=-1)
-        kv = (latent.reshape(B * T, -1) @ self.w_ukv).view(B, T, Hq, -1).transpose(1, 2)
+        kv = matmul(latent.reshape(B * T, -1), self.w_ukv).view(B, T, Hq, -1).transpose(1, 2)
         k_nope, v = kv.split((m.qk_nope_dim, m.v_head_dim), dim=-1)  # [B, H_q, T, .]
         k = torch.cat((k_nope, k_pe[:, None].expand(B, Hq, T, m.qk_rope_dim)), dim=-1)
         return k, v
@@ -153,14 +169,14 @@ class MlaLayer:
     def absorb_query(self, q_nope: torch.Tensor, q_pe: torch.Tensor) -> torch.Tensor:
         """[B, H_q, T, nope], [B, H_q, T, rope] -> the query in latent space [B, H_q, T,
         d_c + d_rope]: q_nope · W_ukᵀ per head, then q_pe (which meets the RoPE key)."""
-        return torch.cat((q_nope @ self.w_uk_t, q_pe), dim=-1)
+        return torch.cat((matmul(q_nope, self.w_uk_t), q_pe), dim=-1)
 
     def absorb_output(self, attn: torch.Tensor) -> torch.Tensor:
         """Attention over the latents [B, H_q, T, d_c] -> each head's value space [B, H_q, T,
         v] through W_uv."""
-        return attn @ self.w_uv
+        return matmul(attn, self.w_uv)
 
     def output(self, attn: torch.Tensor, gemm=None) -> torch.Tensor:
         """attn [B, H_q, T, v] -> [B, T, H]."""
         B, _, T, _ = attn.shape
-        return (attn.transpose(1, 2).reshape(B * T, -1) @ self.w_o).view(B, T, -1)
+        return matmul(attn.transpose(1, 2).reshape(B * T, -1), self.w_o).view(B, T, -1)

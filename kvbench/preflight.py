@@ -120,7 +120,8 @@ def verify_phases(config: RunConfig, impls, options, label: str = "verify",
     outputs = fp.Sizes(s).x(s.prompt_len) * b + s.decode_len * s.batch * s.hidden * b
     ref64 = layer_bytes(config, FP64_BYTES)
     exact = s.decode_len * s.batch * s.hidden * FP64_BYTES
-    path_a = max(fp.dense_prefill(s, config.rope, b), fp.recompute(s, config.rope, b))
+    cb = config.compute_bytes
+    path_a = max(fp.dense_prefill(s, config.rope, cb), fp.recompute(s, config.rope, cb))
     phases = [
         Phase(f"{label}: path A", base + outputs + path_a, mem, path_a_remedy),
         Phase(f"{label}: float64 reference", base + outputs + ref64
@@ -141,12 +142,13 @@ def bench_phases(config: RunConfig, impls, options, bench_options) -> list[Phase
     check = verification_config(config, bench_options.recompute)
     a_remedy = "--no-recompute (verifies on a short prompt), or " + _SHRINK
     phases = verify_phases(check, impls, options, "bench's verify", a_remedy)
-    s, b = config.shape, config.dtype_bytes
+    s = config.shape
     mem = _memory(config)
     feet = _impl_footprints(config, impls, options)
     held = layer_bytes(config) + 2 * copy_bytes(config.device) + sum(f.storage for f in feet.values())
     if bench_options.recompute:
-        phases.append(Phase("recompute (timed)", held + fp.recompute(s, config.rope, b), mem,
+        phases.append(Phase("recompute (timed)",
+                            held + fp.recompute(s, config.rope, config.compute_bytes), mem,
                             a_remedy))
     for name, f in feet.items():
         if bench_options.prefill:  # the timed prefill, then the prompt cache built likewise
@@ -159,9 +161,9 @@ def bench_phases(config: RunConfig, impls, options, bench_options) -> list[Phase
 
 def memory_phases(config: RunConfig, impls, options) -> list[Phase]:
     """kvbench.memory.memory: each measured window (and its untimed warm-up) in turn."""
-    s, b = config.shape, config.dtype_bytes
+    s = config.shape
     mem, base = _memory(config), layer_bytes(config)
-    phases = [Phase("recompute", base + fp.recompute(s, config.rope, b), mem,
+    phases = [Phase("recompute", base + fp.recompute(s, config.rope, config.compute_bytes), mem,
                     f"{_SHRINK} (path A is quadratic)")]
     for name, f in _impl_footprints(config, impls, options).items():
         phases.append(Phase(f"{name} prefill + decode", base + f.cached, mem, _remedy_for(name)))

@@ -185,8 +185,8 @@ def _spread(stats) -> str:
 def bench_table(result) -> Table:
     g = result.config.shape.decode_len
     t = _table(f"bench  {describe(result.config)}")
-    cols = ["impl", "prefill", "recompute", "cached", "IQR", "speedup", "ms/step", "GB/s",
-            "%copy"]
+    cols = ["impl", "prefill", "recompute", "cached", "IQR", "speedup", "ms/step", "MB/step",
+            "GB/s", "%copy"]
     for col in cols:
         t.add_column(col, justify="left" if col == "impl" else "right", no_wrap=True)
     rec = result.recompute
@@ -196,15 +196,16 @@ def bench_table(result) -> Table:
                   _ms(rec.median_ms) if rec else "skipped",
                   _ms(timing.decode.median_ms), _spread(timing.decode),
                   f"{speedup:.2f}×" if speedup else "—", _ms(result.ms_per_step(timing)),
+                  f"{timing.min_bytes_per_step / 1e6:.3g}",
                   f"{result.achieved_gbps(timing):.1f}",
                   f"{100 * result.bandwidth_fraction(timing):.0f}%"
                   + (" [yellow]?[/]" if result.suspect(timing) else ""))
     copy = result.copy_gbps
     t.caption = (f"times in ms; recompute and cached: all {g} decode steps, median of "
                  f"{result.options.rounds} rounds after {result.options.warmup} warmups; IQR of "
-                 "cached as % of median; GB/s = the bytes a step must move (the positions each "
-                 "implementation reads: padding, whole blocks, a whole preallocated cache) / "
-                 "cached step time; "
+                 "cached as % of median; MB/step = the bytes a step must move (weights, and "
+                 "the positions each implementation reads: padding, whole blocks, a whole "
+                 "preallocated cache); GB/s = MB/step / cached step time; "
                  f"copy bandwidth {copy:.1f} GB/s (read+write); verified {result.verified}"
                  + _tp_caption(result))
     return t

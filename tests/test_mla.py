@@ -107,9 +107,9 @@ def test_the_layer_and_its_caches_equal_transformers_deepseek_v3_attention(q_lor
     """The same weights in transformers' DeepseekV3Attention (rotate-half RoPE, eager
     attention), float64: path A and the eager MLA caches against it at every position."""
     transformers = pytest.importorskip("transformers")
-    from transformers.models.deepseek_v3 import modeling_deepseek_v3 as ds
-
     from dataclasses import replace
+
+    from transformers.models.deepseek_v3 import modeling_deepseek_v3 as ds
 
     shape = SHAPE.with_mla(replace(DIMS, q_lora_rank=q_lora_rank))
     config = RunConfig(shape, rope=True)
@@ -148,10 +148,10 @@ def test_the_layer_and_its_caches_equal_transformers_deepseek_v3_attention(q_lor
             assert torch.allclose(ours, theirs, rtol=1e-5, atol=1e-6), name
 
 
-def _cache_bytes(name: str, config: RunConfig, options=ImplOptions()) -> int:
+def _cache_bytes(name: str, config: RunConfig) -> int:
     cls = IMPLEMENTATIONS[name]
     layer = AttentionLayer.from_config(config)
-    impl = cls.build(layer, config, options)
+    impl = cls.build(layer, config, ImplOptions())
     return storage_bytes(impl.cache_tensors())
 
 
@@ -198,8 +198,8 @@ def test_deepseek_v3s_preset_plans_the_layout_the_latent_caches_hold():
     (["--attention", "mla", "--kv-heads", "2"], "--kv-heads does not apply to MLA"),
     (["--attention", "mla", "--head-dim", "64"], "--head-dim does not apply to MLA"),
     (["--attention", "mla", "--impl", "static"],
-     "--impl static runs GQA layers; with --attention mla use all or mla-naive, "
-     "mla-latent, mla-absorbed, triton-mla"),
+     ("--impl static runs GQA layers; with --attention mla use all or mla-naive, "
+      "mla-latent, mla-absorbed, triton-mla")),
     (["--impl", "mla-absorbed"], "--impl mla-absorbed runs MLA layers; add --attention mla"),
     (["--attention", "mlq"], "unknown --attention 'mlq'; use gqa or mla"),
     (["--attention", "mla", "--window", "8"], "--window runs on GQA layers"),

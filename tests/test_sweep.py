@@ -63,13 +63,13 @@ def test_shipped_sweep_files_parse(path):
 
     from kvbench.sweep import load_sweep
 
+    from dataclasses import fields
+
+    from kvbench.options import OUTPUT, RunOptions
+
     command = tomllib.loads(path.read_text()).get("command", "verify")
-    allowed = {"device", "dtype", "batch", "prompt_len", "decode_len", "hidden", "q_heads",
-               "kv_heads", "head_dim", "seed", "impl", "rope", "block_size", "sdpa_backend",
-               "warmup", "rounds", "recompute", "prefill", "splits", "kv_dtype", "group_size",
-               "seq_lens", "len_dist", "max_len", "prealloc", "window", "sinks",
-               "shared_prefix", "kv_budget", "kv_recent", "tp", "model", "layers", "text",
-               "k_quant", "kv_residual"}
+    allowed = {f.name for f in fields(RunOptions)
+               if command in f.metadata["commands"] and f.name not in OUTPUT}
     assert load_sweep(path, command, allowed)
 
 

@@ -15,7 +15,6 @@ K and V, as vLLM's MLA prefill does; decode is where absorption pays.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from kvbench import capacity
 from kvbench import footprint as fp
@@ -23,6 +22,7 @@ from kvbench.caches.base import CachedAttention, grouped_decode_attention, regis
 from kvbench.caches.static import PreallocatedCache
 from kvbench.capacity import QUANTIZED
 from kvbench.errors import KvbenchError
+from kvbench.mla import causal_attention
 from kvbench.quant import QuantizedStore
 
 
@@ -78,14 +78,17 @@ class LatentAttention(MlaCache):
         """What to cache for x [B, T, H] at `start`: the layer's entry."""
         return self.layer.entry(x, start)
 
+    def fill(self, x):
+        """The prompt's entries, no attention (bench --no-prefill)."""
+        self.write(self.entry(x, 0))
+
     def prefill(self, x):
         q_nope, q_pe = self.layer.query(x, 0)
         entries = self.entry(x, 0)
         self.write(entries)
         k, v = self.layer.expand(entries)  # [B, H_q, T, qk], [B, H_q, T, v]
-        attn = F.scaled_dot_product_attention(torch.cat((q_nope, q_pe), dim=-1), k, v,
-                                              is_causal=True, scale=self.layer.scale)
-        return self.layer.output(attn)
+        q = torch.cat((q_nope, q_pe), dim=-1)
+        return self.layer.output(causal_attention(q, k, v, self.layer.scale))
 
     def step(self, x_t):
         start = self.start()
@@ -182,6 +185,16 @@ class MlaNaiveCache(MlaCache, PreallocatedCache):
         zeros = {"dtype": layer.dtype, "device": layer.device}
         self.k_cache = torch.zeros(batch, Hq, max_len, m.qk_dim, **zeros)
         self.v_cache = torch.zeros(batch, Hq, max_len, m.v_head_dim, **zeros)
+
+    def prefill(self, x):
+        q, k, v = self.layer.project(x, 0)
+        self.write(k, v)
+        return self.layer.output(causal_attention(q, k, v, self.layer.scale))
+
+    def fill(self, x):
+        """The prompt's decompressed K and V, no attention (bench --no-prefill)."""
+        _, k, v = self.layer.project(x, 0)
+        self.write(k, v)
 
 
 @register
