@@ -68,6 +68,8 @@ class Mode:
     shared_prefix: str  # of those prompts, shared by every sequence
     rounds: tuple[str, ...]  # bench's warmup and rounds
     est_s: dict[str, float]  # each step's time estimate here
+    mla: tuple[str, ...] = ()  # an MLA layer (--attention mla and its dims)
+    mla_long: tuple[str, ...] = ()  # the batch and context MLA's decode is timed at
 
 
 def _shape(b, tp, g, h, hq, hkv, d) -> tuple[str, ...]:
@@ -84,7 +86,12 @@ GPU = Mode(False, "cuda", _shape(2, 256, 32, 512, 8, 2, 64), SMALL,
            # measured on a lent H200 on 2026-11-30 (torch 2.11), plus 15%; tp is a guess
            {"env": 8, "verify": 65, "bench": 35, "targets": 85, "allocation": 8,
             "memory": 12, "pytest": 92, "ragged": 48, "techniques": 27, "context": 26,
-            "tp": 120, "sdpa-backends": 30, "model": 165})
+            "tp": 120, "sdpa-backends": 30, "model": 165, "mla": 90},  # mla: a guess
+           # DeepSeek-V3's attention layer (128 heads, d_c 512, RoPE 64, q_lora 1536)
+           ("--attention", "mla", "--hidden", "7168", "--q-heads", "128", "--kv-lora-rank",
+            "512", "--qk-rope-dim", "64", "--qk-nope-dim", "128", "--v-head-dim", "128",
+            "--q-lora-rank", "1536"),
+           ("--batch", "16", "--prompt-len", "8192", "--decode-len", "8"))
 CPU = Mode(True, "cpu", _shape(2, 64, 8, 512, 8, 2, 64), SMALL,
            _shape(2, 512, 4, 256, 8, 2, 32),
            ("--seq-lens", "1,17,64,90", "--max-len", "100"), "16,64,256", "float32", "float32",
@@ -92,7 +99,9 @@ CPU = Mode(True, "cpu", _shape(2, 64, 8, 512, 8, 2, 64), SMALL,
            # measured on the 2-core CPU kvbench is developed on (a process starts in ~4 s)
            {"env": 8, "verify": 30, "bench": 40, "targets": 0, "allocation": 0,
             "memory": 12, "pytest": 0, "ragged": 20, "techniques": 25, "context": 25,
-            "tp": 0, "sdpa-backends": 0, "model": 0})
+            "tp": 0, "sdpa-backends": 0, "model": 0, "mla": 30},
+           ("--attention", "mla", "--hidden", "512", "--q-heads", "8"),
+           ("--batch", "2", "--prompt-len", "512", "--decode-len", "4"))
 
 EAGER = "concat,static,sdpa,paged,triton"  # no torch.compile graph
 COMPILING = ("compiled", "flex")
@@ -157,6 +166,14 @@ def plan(mode: Mode, out: Path, gpus: int) -> list[Step]:
                "--impl", "triton", *mode.long, "--no-recompute", "--no-prefill",
                *csv("bench-kv.csv")]],
              cuda_only="triton's time means nothing in Triton's interpreter"),
+        Step("mla", 4, "MLA (--attention mla, DeepSeek-V3's layer): verify every MLA cache "
+             "(triton-mla's kernel compiled), then bench their decode against the copy "
+             "bandwidth (FlashMLA: ~90% of HBM)", 90,
+             [[*kv, "verify", *dev, "--dtype", mode.halves, "--impl", "all", *mode.mla,
+               "--seq-lens", "300,45", "--decode-len", "8", *csv("verify-mla.csv")],
+              [*kv, "bench", *dev, *mode.rounds, "--dtype", mode.half, "--impl", "all",
+               *mode.mla, *mode.mla_long, "--no-recompute", "--no-prefill",
+               *csv("bench-mla.csv")]]),
         Step("allocation", 5, "the allocation check (python -W error)", 20,
              [[*py, "-W", "error", "-m", "kvbench", "capacity", "--allocate", "--case", "both",
                *csv("allocation.csv")]],

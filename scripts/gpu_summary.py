@@ -133,6 +133,15 @@ def details(out: Path) -> int:
         print("triton, quantized K/V at the long shape: ms/step (x faster than fp16; "
               "target >= 1.6 for int8 or fp8): " + ", ".join(
                   f"{f} {m:.3f} ({steps['fp16'] / m:.2f}x)" for f, m in steps.items()))
+    bad += verdicts(out, "verify-mla.csv", "verify, MLA (DeepSeek-V3's layer, ragged)")
+    mla = read(out, "bench-mla.csv")
+    if mla is not None:
+        r = mla.iloc[0]
+        print(f"bench, MLA B={r['batch']} T={r['prompt_len']}: ms/step, MB/step, % of copy "
+              "(FlashMLA: ~90% of HBM on an H800): " + ", ".join(
+                  f"{r['impl']} {r['cached_ms_per_step']:.3f} "
+                  f"{r['min_bytes_per_step'] / 1e6:.0f} {100 * r['bandwidth_fraction']:.0f}%"
+                  for _, r in mla.iterrows()))
     bad += verdicts(out, "verify-ragged.csv", "verify, ragged batch")
     serving = read(out, "memory-serving.csv")
     if serving is not None:

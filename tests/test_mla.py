@@ -192,6 +192,24 @@ def test_deepseek_v3s_preset_plans_the_layout_the_latent_caches_hold():
     assert _cache_bytes("mla-absorbed", RunConfig(shape, "bfloat16", rope=True)) == planned
 
 
+def test_a_deepseek_v3_config_json_plans_the_latent_layout(tmp_path):
+    import json
+
+    (tmp_path / "config.json").write_text(json.dumps({
+        "model_type": "deepseek_v3", "num_hidden_layers": 61, "num_attention_heads": 128,
+        "num_key_value_heads": 128, "hidden_size": 7168, "kv_lora_rank": 512,
+        "qk_rope_head_dim": 64, "qk_nope_head_dim": 128, "v_head_dim": 128,
+        "q_lora_rank": 1536}))
+    model = capacity.from_hf_config(tmp_path / "config.json")
+    assert (model.mla_latent, model.mla_rope) == (512, 64)
+    dims = MlaDims(kv_lora_rank=512, qk_rope_dim=64, qk_nope_dim=128, v_head_dim=128)
+    shape = LayerShape(batch=1, prompt_len=10, decode_len=2, hidden=64,
+                       q_heads=4).with_mla(dims)
+    config = RunConfig(shape, "bfloat16", rope=True)
+    assert IMPLEMENTATIONS["mla-latent"].cache_model(config) == capacity.ModelSpec(
+        name="layer", layers=1, mla_latent=model.mla_latent, mla_rope=model.mla_rope)
+
+
 @pytest.mark.parametrize("args, message", [
     (["--kv-lora-rank", "64"], "--kv-lora-rank shapes an MLA layer; add --attention mla"),
     (["--attention", "mla", "--qk-rope-dim", "31"], "--qk-rope-dim must be even"),
