@@ -59,13 +59,12 @@ def test_bad_sweep_files(tmp_path, text, message):
 
 @pytest.mark.parametrize("path", sorted(SWEEPS.glob("*.toml")), ids=lambda p: p.stem)
 def test_shipped_sweep_files_parse(path):
-    import tomllib
-
-    from kvbench.sweep import load_sweep
-
     from dataclasses import fields
 
+    import tomllib
+
     from kvbench.options import OUTPUT, RunOptions
+    from kvbench.sweep import load_sweep
 
     command = tomllib.loads(path.read_text()).get("command", "verify")
     allowed = {f.name for f in fields(RunOptions)
