@@ -143,6 +143,7 @@ def _pattern(layers: int, pattern: list[str]) -> tuple[str, ...]:
 def load_preset_file(path: Path) -> ModelSpec:
     data = read_toml(path, "preset")
     data.pop("architecture", None)  # the whole model's fields, for --model on the experiments
+    data.pop("attention", None)  # an MLA model's attention layer, for --model --layers 1
     pattern = data.pop("layer_pattern", None)
     if pattern:
         data["layer_types"] = _pattern(data["layers"], pattern)

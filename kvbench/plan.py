@@ -211,6 +211,34 @@ def _mla(o: RunOptions, shapes, lists: dict[str, list[int]]):
     return [s.with_mla(dims) for s in shapes]
 
 
+def attention_model(o: RunOptions) -> RunOptions:
+    """--model NAME of a preset whose whole model kvbench does not run but whose attention
+    layer it does (an MLA model's [attention] table): with --layers 1, the options of that
+    one layer (--attention mla, the preset's heads, hidden size and MLA dims). Otherwise o."""
+    if o.model is None:
+        return o
+    from kvbench.capacity import PRESET_DIR
+    from kvbench.files import read_toml
+
+    path = PRESET_DIR / f"{o.model.lower()}.toml"
+    if not path.is_file():
+        return o
+    data = read_toml(path, "preset")
+    layer = data.get("attention")
+    if not isinstance(layer, dict):
+        return o
+    if o.layers != 1:
+        raise KvbenchError(f"--model {o.model}: kvbench runs this model's attention layer, "
+                           "not the whole model (its MoE is capacity-only); add --layers 1")
+    given = [n for n in ("hidden", "q_heads", "kv_heads", "head_dim", *MLA_OPTIONS)
+             if getattr(o, n) is not None]
+    if given:
+        raise KvbenchError(f"--model {o.model} sets the layer's shape; drop "
+                           f"--{given[0].replace('_', '-')}")
+    return o.but(model=None, layers=None, attention="mla", hidden=str(layer["hidden"]),
+                 q_heads=str(data["q_heads"]), **{n: layer[n] for n in MLA_OPTIONS})
+
+
 def _kv_dtypes(spec: str | None, dtypes: list[str]) -> list[str | None]:
     """--kv-dtype (one or a comma list) -> the storage formats to run; None = the activation
     dtype ("none", or the --dtype's own name)."""

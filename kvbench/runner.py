@@ -215,6 +215,9 @@ def csv_target(csv: Path | None, kind: str) -> Path:
 
 def verify(o: RunOptions) -> None:
     """Plan, run and report verify; exit 1 on the first mismatch."""
+    from kvbench.plan import attention_model
+
+    o = attention_model(o)  # an MLA preset's one attention layer
     if o.model is not None:
         from kvbench.model.commands import run
 
@@ -242,6 +245,9 @@ def verify(o: RunOptions) -> None:
 
 def bench(o: RunOptions) -> None:
     """Plan, verify, time and report bench; exit 1 if an implementation disagrees."""
+    from kvbench.plan import attention_model
+
+    o = attention_model(o)  # an MLA preset's one attention layer
     if o.model is not None:
         from kvbench.model.commands import run
 
@@ -273,6 +279,9 @@ def bench(o: RunOptions) -> None:
 
 def memory(o: RunOptions) -> None:
     """Plan, measure and report memory."""
+    from kvbench.plan import attention_model
+
+    o = attention_model(o)  # an MLA preset's one attention layer
     if o.model is not None:
         from kvbench.model.commands import run
 

@@ -241,3 +241,22 @@ def test_verify_attention_mla_all_on_the_cli(tmp_path):
     rows = pd.read_csv(out)
     assert set(rows["impl"]) == set(MLA) and rows["passed"].all()
     assert set(rows["attention"]) == {"mla"} and set(rows["kv_lora_rank"]) == {256}
+
+
+def test_an_mla_preset_with_one_layer_is_its_attention_layer():
+    from kvbench.errors import KvbenchError
+    from kvbench.options import RunOptions
+    from kvbench.plan import attention_model
+
+    o = attention_model(RunOptions(model="deepseek-v3", layers=1))
+    assert (o.model, o.attention, o.hidden, o.q_heads) == (None, "mla", "7168", "128")
+    assert (o.kv_lora_rank, o.qk_rope_dim, o.qk_nope_dim, o.v_head_dim, o.q_lora_rank) == (
+        512, 64, 128, 128, 1536)
+    preset = capacity.preset("deepseek-v3")  # the same latent capacity plans
+    assert (o.kv_lora_rank, o.qk_rope_dim) == (preset.mla_latent, preset.mla_rope)
+    with pytest.raises(KvbenchError, match="add --layers 1"):
+        attention_model(RunOptions(model="deepseek-v3"))
+    with pytest.raises(KvbenchError, match="drop --hidden"):
+        attention_model(RunOptions(model="deepseek-v2", layers=1, hidden="512"))
+    llama = RunOptions(model="llama-3-8b", layers=1)
+    assert attention_model(llama) is llama  # a model kvbench runs whole is left to --model

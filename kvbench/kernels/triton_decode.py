@@ -199,9 +199,9 @@ def choose_splits(length: int, programs: int, processors: int) -> int:
     return max(1, min(wanted, tiles, MAX_SPLITS))
 
 
-def split_len(length: int, splits: int) -> int:
+def split_len(length: int, splits: int, tile: int = BLOCK_N) -> int:
     """Positions per split: the context divided evenly, rounded up to whole tiles."""
-    return math.ceil(math.ceil(length / splits) / BLOCK_N) * BLOCK_N
+    return math.ceil(math.ceil(length / splits) / tile) * tile
 
 
 def pad(n: int) -> int:

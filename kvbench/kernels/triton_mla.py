@@ -21,13 +21,11 @@ kvbench.kernels.triton_decode).
 
 from __future__ import annotations
 
-import math
-
 import torch
 import triton
 import triton.language as tl
 
-from kvbench.kernels.triton_decode import STATIC_LOOP, pad
+from kvbench.kernels.triton_decode import STATIC_LOOP, pad, split_len
 
 BLOCK_N = 32  # positions per tile
 BLOCK_H = 16  # query heads per program
@@ -102,11 +100,6 @@ def _stage1(Q, Pool, Table, Deficit, Acc, M, L, Fp8Scale, scale, length, split_l
 stage1 = triton.jit(_stage1, do_not_specialize=["length", "split_len"])
 
 
-def split_len(length: int, splits: int) -> int:
-    """Positions per split: the context divided evenly, rounded up to whole tiles."""
-    return math.ceil(math.ceil(length / splits) / BLOCK_N) * BLOCK_N
-
-
 def split_partials(q: torch.Tensor, pool: torch.Tensor, table: torch.Tensor,
                    deficit: torch.Tensor, length: int, scale: float, splits: int, partials,
                    latent_dim: int, fp8_scale: torch.Tensor | None = None) -> None:
@@ -124,7 +117,7 @@ def split_partials(q: torch.Tensor, pool: torch.Tensor, table: torch.Tensor,
     assert pool.stride(3) == 1 and q.stride(2) == 1 and acc.stride(3) == 1
     widen = INTERPRETED and q.dtype == torch.bfloat16
     precision = "ieee" if q.dtype == torch.float32 or widen else "tf32"
-    per_split = split_len(length, splits)
+    per_split = split_len(length, splits, BLOCK_N)
     stage1[(B, triton.cdiv(H, BLOCK_H), splits)](
         q, pool, table, deficit, acc, m, l, fp8_scale if fp8_scale is not None else pool,
         scale, length, per_split, pool.shape[2],
