@@ -52,6 +52,7 @@ class ImplTiming:
     stats: dict[str, object] = field(default_factory=dict)  # e.g. blocks_used, sdpa_backend
     kv_bytes: int | None = None  # the finished cache's K/V as the planner counts them
     check: object | None = None  # its verify ImplCheck: the error against path A
+    flops_per_step: float | None = None  # where its step's arithmetic differs from the point's
 
 
 @dataclass
@@ -82,8 +83,12 @@ class BenchResult:
         """Faster than the copy bandwidth allows: its bytes came from a cache, not memory."""
         return self.bandwidth_fraction(t) > 1
 
+    def flops(self, t: ImplTiming) -> float:
+        """FLOPs of one of t's decode steps: its own count, or the point's."""
+        return t.flops_per_step if t.flops_per_step is not None else self.flops_per_step
+
     def achieved_gflops(self, t: ImplTiming) -> float:
-        return self.flops_per_step / (self.ms_per_step(t) * 1e-3) / 1e9
+        return self.flops(t) / (self.ms_per_step(t) * 1e-3) / 1e9
 
 
 def _guarded(work, phase: str, impl: str | None, device: str):
@@ -180,7 +185,8 @@ def bench(config: RunConfig, impls: tuple[str, ...], options: BenchOptions,
             name, stats.get(f"prefill:{name}"), stats[f"decode:{name}"],
             cls.min_bytes_per_step(local, impl_options),
             prompt_caches[name].stats(), cls.planned_bytes(local, impl_options),
-            next(c for c in report.checks if c.impl == name)) for name, cls in classes.items()]
+            next(c for c in report.checks if c.impl == name), cls.flops_per_step(local))
+            for name, cls in classes.items()]
         recompute = stats.get("recompute")
         del prompt_caches, tasks
     return BenchResult(config, options, verified, recompute, timings,

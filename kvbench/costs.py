@@ -76,9 +76,29 @@ def decode_min_bytes_per_step(s: LayerShape, dtype_bytes: int,
                for t in lengths) / len(lengths)
 
 
-def decode_flops_per_step(s: LayerShape) -> float:
+def decode_flops_per_step(s: LayerShape, flops=None) -> float:
+    """The mean over the G steps of flops(s, t) (default step_flops)."""
+    flops = flops or step_flops
     lengths = range(s.prompt_len + 1, s.total_len + 1)
-    return sum(step_flops(s, t) for t in lengths) / len(lengths)
+    return sum(flops(s, t) for t in lengths) / len(lengths)
+
+
+def decompressing_step_flops(s: LayerShape, length: int) -> int:
+    """An MLA step that decompresses the whole cache (mla-latent): step_flops plus
+    2·d_c·H_q·(nope + v) per cached position."""
+    m = s.mla
+    return (step_flops(s, length) + 2 * real_positions(s, length) * m.kv_lora_rank
+            * s.q_heads * (m.qk_nope_dim + m.v_head_dim))
+
+
+def absorbed_step_flops(s: LayerShape, length: int) -> int:
+    """An absorbed MLA step: projections, the query's absorption (2·nope·d_c per head) and the
+    output's (2·d_c·v per head), and attention in the latent space, 2·H_q·(2·d_c + d_rope) per
+    cached position (scores over the whole entry, values its latent)."""
+    m = s.mla
+    per_query = 2 * s.q_heads * (m.qk_nope_dim * m.kv_lora_rank + m.kv_lora_rank * m.v_head_dim)
+    return (2 * s.batch * weight_elements(s) + s.batch * per_query
+            + 2 * s.q_heads * real_positions(s, length) * (2 * m.kv_lora_rank + m.qk_rope_dim))
 
 
 # A decode step's fixed cost (Python and kernel dispatch), in FLOP-equivalents at a CPU's

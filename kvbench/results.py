@@ -305,7 +305,7 @@ def bench_rows(result, env: dict[str, object]) -> list[dict[str, object]]:
             "noisy": any(x is not None and x.noisy for x in (t.decode, t.prefill, rec)),
             "suspect": result.suspect(t),
             "min_bytes_per_step": t.min_bytes_per_step,
-            "flops_per_step": result.flops_per_step, "copy_gbps": result.copy_gbps,
+            "flops_per_step": result.flops(t), "copy_gbps": result.copy_gbps,
             "achieved_gbps": result.achieved_gbps(t),
             "bandwidth_fraction": result.bandwidth_fraction(t),
             "achieved_gflops": result.achieved_gflops(t),

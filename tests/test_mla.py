@@ -260,3 +260,21 @@ def test_an_mla_preset_with_one_layer_is_its_attention_layer():
         attention_model(RunOptions(model="deepseek-v2", layers=1, hidden="512"))
     llama = RunOptions(model="llama-3-8b", layers=1)
     assert attention_model(llama) is llama  # a model kvbench runs whole is left to --model
+
+
+def test_the_cost_model_counts_the_layers_weights_and_each_steps_arithmetic():
+    from kvbench import costs
+
+    for q_lora_rank in (0, 24):
+        from dataclasses import replace
+
+        shape = SHAPE.with_mla(replace(DIMS, q_lora_rank=q_lora_rank))
+        layer = AttentionLayer.from_config(RunConfig(shape, rope=True))
+        assert costs.weight_elements(shape) == sum(w.numel() for w in layer.tensors())
+    s, t = SHAPE, 10  # B=2, H_q=4, d_c=32, rope=8, nope=16, v=12
+    weights = 2 * s.batch * costs.weight_elements(s)
+    assert costs.step_flops(s, t) == weights + 2 * 4 * (2 * t) * (24 + 12)
+    assert costs.decompressing_step_flops(s, t) == (costs.step_flops(s, t)
+                                                     + 2 * (2 * t) * 32 * 4 * (16 + 12))
+    assert costs.absorbed_step_flops(s, t) == (weights + 2 * 2 * 4 * (16 * 32 + 32 * 12)
+                                               + 2 * 4 * (2 * t) * (2 * 32 + 8))

@@ -298,6 +298,12 @@ class CachedAttention(ABC):
             s, config.dtype_bytes, vector, lambda t: cls.step_reads(config, options, t))
 
     @classmethod
+    def flops_per_step(cls, config: RunConfig) -> float | None:
+        """Its decode step's FLOPs, where they differ from the point's
+        (costs.decode_flops_per_step); None: the point's."""
+        return None
+
+    @classmethod
     def unstorable(cls, options: ImplOptions) -> str | None:
         """Why it cannot store K/V in options.kv_dtype, or None."""
         if options.kv_dtype is not None and options.kv_format.buffered and not cls.kivi:

@@ -203,6 +203,12 @@ class MlaLatentCache(LatentCache):
     description = "MLA's latent and RoPE key cached; every position decompressed each step"
 
     @classmethod
+    def flops_per_step(cls, config):
+        from kvbench import costs
+
+        return costs.decode_flops_per_step(config.shape, costs.decompressing_step_flops)
+
+    @classmethod
     def step_bytes(cls, config, t):
         s, b = config.shape, config.dtype_bytes
         decompressed = s.batch * t * s.q_heads * (s.mla.qk_dim + 2 * s.mla.v_head_dim)
@@ -215,8 +221,18 @@ class MlaLatentCache(LatentCache):
                                         self.layer.scale, self.visible(entries.shape[2]))
 
 
+class Absorbed(LatentAttention):
+    """Absorbed decode: attention in the latent space, with its own arithmetic."""
+
+    @classmethod
+    def flops_per_step(cls, config):
+        from kvbench import costs
+
+        return costs.decode_flops_per_step(config.shape, costs.absorbed_step_flops)
+
+
 @register
-class MlaAbsorbedCache(LatentCache):
+class MlaAbsorbedCache(Absorbed, LatentCache):
     name = "mla-absorbed"
     description = ("MLA's latent and RoPE key cached; W_uk absorbed into the query, W_uv into "
                    "the output: attention in the latent space (FlashMLA, vLLM)")

@@ -16,14 +16,14 @@ import torch
 
 from kvbench import footprint as fp
 from kvbench.caches.base import register
-from kvbench.caches.mla import LatentAttention
+from kvbench.caches.mla import Absorbed
 from kvbench.caches.paged import PagedCache
 from kvbench.caches.triton import TritonCache
 from kvbench.quant import QuantizedStore
 
 
 @register
-class TritonMlaCache(LatentAttention, PagedCache):
+class TritonMlaCache(Absorbed, PagedCache):
     name = "triton-mla"
     compiles = True  # on CUDA the first launch compiles the kernels
     kv_dtypes = frozenset({"fp8"})  # decoded in registers with the layer's one scale
