@@ -204,8 +204,31 @@ class RunConfig:
     tp: int = 1  # tensor-parallel ranks the layer is split over (kvbench.distributed)
     k_quant: str = "per-token"  # int formats: K per token, or per channel (KIVI)
     kv_residual: int = 0  # int formats: the newest positions kept unquantized (KIVI)
+    # Serving operations: the prompt in chunks of this many positions (None: one prefill);
+    # speculative decoding's verify step of this many positions (None: one per step), of
+    # which `accept` are kept: a count, or a rate at which each draft is accepted (seeded).
+    prefill_chunk: int | None = None
+    draft_len: int | None = None
+    accept: str | None = None
 
     def __post_init__(self) -> None:
+        s = self.shape
+        if self.prefill_chunk is not None:
+            if type(self.prefill_chunk) is not int or self.prefill_chunk < 1:
+                raise KvbenchError(f"--prefill-chunk must be a positive integer, got "
+                                   f"{self.prefill_chunk}")
+            if self.prefill_chunk > s.prompt_len:
+                raise KvbenchError(f"--prefill-chunk {self.prefill_chunk} is above the prompt "
+                                   f"({s.prompt_len} tokens); use at most {s.prompt_len}")
+        if self.draft_len is not None and (type(self.draft_len) is not int
+                                           or self.draft_len < 1):
+            raise KvbenchError(f"--draft-len must be a positive integer (positions verified "
+                               f"per step), got {self.draft_len}")
+        if self.accept is not None:
+            if self.draft_len is None:
+                raise KvbenchError("--accept is what a speculative step keeps; give "
+                                   "--draft-len K too")
+            accept_rule(self.accept, self.draft_len)
         if self.rope and self.shape.mla is None and self.shape.head_dim % 2:
             raise KvbenchError(
                 f"--rope needs an even --head-dim, got {self.shape.head_dim}; "
@@ -228,6 +251,28 @@ class RunConfig:
         from kvbench.kvformat import KvFormat
 
         return KvFormat(self.kv_dtype, self.group_size, self.k_quant, self.kv_residual)
+
+
+def accept_rule(text: str, draft_len: int) -> tuple[str, float]:
+    """--accept: ("count", n) for a whole number of positions kept per step (1..draft_len:
+    the target's own position and n - 1 drafts), or ("rate", r) for each draft accepted with
+    probability r in [0, 1]."""
+    value = str(text).strip()
+    try:
+        number = float(value)
+    except ValueError:
+        raise KvbenchError(f"--accept takes a count (1..{draft_len}) or a rate (0..1), got "
+                           f"{text!r}") from None
+    if value.isdigit():
+        if not 1 <= number <= draft_len:
+            raise KvbenchError(f"--accept {value} is outside 1..--draft-len {draft_len}: a "
+                               "step keeps the target's own position and at most all its "
+                               "drafts")
+        return "count", number
+    if not 0 <= number <= 1:
+        raise KvbenchError(f"--accept {value}: a rate is between 0 and 1 (or give a whole "
+                           f"count 1..{draft_len})")
+    return "rate", number
 
 
 # The reference cases of the source material (SPEC §1).

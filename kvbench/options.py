@@ -138,6 +138,19 @@ class RunOptions:
     kv_recent: int | None = option(
         None, "h2o: how many of the --kv-budget positions are the most recent ones. Default: "
         "half the budget.", show_default=False)
+    prefill_chunk: int | None = option(
+        None, "Chunked prefill: the prompt enters the cache C positions at a time, each chunk "
+        "attending to the cache so far and causally within itself (bench times it).",
+        show_default=False, commands=("verify", "bench"))
+    draft_len: int | None = option(
+        None, "Speculative decoding's verify step: each step appends K positions in one call "
+        "(the next true position, then K-1 drafts), keeps what --accept accepts and rolls "
+        "the rest back (bench: time per accepted token).", show_default=False,
+        commands=("verify", "bench"))
+    accept: str | None = option(
+        None, "With --draft-len: positions kept per step, a count 1..K, or a rate 0..1 at "
+        "which each draft is accepted (seeded). \\[default: 0.8]", show_default=False,
+        commands=("verify", "bench"))
     model: str | None = option(
         None, "Run the whole model: a local Hugging Face checkpoint folder, a .gguf file, or a "
         "preset (random weights at its real shape; see kvbench capacity --list-models). Sets "

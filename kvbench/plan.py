@@ -88,9 +88,11 @@ def _points_of(o: RunOptions, reference_cases: bool = False,
         # KvFormat refuses it in one line (no int format, a residual off the group)
         for kv in sorted(GROUPED & set(kv_dtypes)) or [None]:
             KvFormat(kv, o.group_size, o.k_quant, o.kv_residual)
+    _serving(o, kv_dtypes)
     ragged = (o.seq_lens is not None or o.len_dist is not None
               or o.window is not None or o.shared_prefix
-              or o.kv_budget is not None)  # (not for the small case)
+              or o.kv_budget is not None or o.prefill_chunk is not None
+              or o.draft_len is not None)  # (not for the small case)
     if reference_cases and not lists and not ragged:
         mla = shapes[0].mla
         shapes = [SMALL_CASE if mla is None else SMALL_CASE.with_mla(mla)] + shapes
@@ -113,7 +115,9 @@ def _points_of(o: RunOptions, reference_cases: bool = False,
     for shape, dt, kv in itertools.product(shapes, dtypes, kv_dtypes):
         kivi = (o.k_quant, o.kv_residual) if kv in GROUPED else ("per-token", 0)
         rope = o.rope or shape.mla is not None  # MLA rotates its decoupled part always
-        config = RunConfig(shape, dt, dev, o.seed, rope, kv, o.group_size, o.tp, *kivi)
+        config = RunConfig(shape, dt, dev, o.seed, rope, kv, o.group_size, o.tp, *kivi,
+                           prefill_chunk=o.prefill_chunk, draft_len=o.draft_len,
+                           accept=o.accept)
         names, skipped = select_impls(spec, config, options, strict=False,
                                       measure=measure)
         ran.update(names)
@@ -237,6 +241,22 @@ def attention_model(o: RunOptions) -> RunOptions:
                            f"--{given[0].replace('_', '-')}")
     return o.but(model=None, layers=None, attention="mla", hidden=str(layer["hidden"]),
                  q_heads=str(data["q_heads"]), **{n: layer[n] for n in MLA_OPTIONS})
+
+
+def _serving(o: RunOptions, kv_dtypes) -> None:
+    """Refuse what the serving operations do not take, in one line, before any point."""
+    if o.prefill_chunk is None and o.draft_len is None:
+        return
+    flag = "--prefill-chunk" if o.prefill_chunk is not None else "--draft-len"
+    if o.seq_lens is not None or o.len_dist is not None:
+        raise KvbenchError(f"{flag} runs on batches of equal lengths; drop --seq-lens and "
+                           "--len-dist")
+    if o.prefill_chunk is not None and any(kv is not None for kv in kv_dtypes):
+        raise KvbenchError("--prefill-chunk with a quantized --kv-dtype: a chunk would read "
+                           "the quantized cache while the gate is path A's exact prefill; "
+                           "drop one of them")
+    if o.tp != 1:
+        raise KvbenchError(f"{flag} runs on one device; drop --tp")
 
 
 def _kv_dtypes(spec: str | None, dtypes: list[str]) -> list[str | None]:

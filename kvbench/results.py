@@ -180,6 +180,8 @@ MODEL_COLUMNS = ["model", "layers"]
 # and head_dim qk_nope + qk_rope, the decompressed K of each head)
 MLA_COLUMNS = ["attention", "kv_lora_rank", "qk_rope_dim", "qk_nope_dim", "v_head_dim",
                "q_lora_rank"]
+# serving operations: --prefill-chunk, --draft-len and --accept (empty without them)
+SERVING_COLUMNS = ["prefill_chunk", "draft_len", "accept"]
 
 # Column order is part of the interface: users' spreadsheets and scripts depend on it.
 CONFIG_COLUMNS = ["timestamp", "command", "impl", "batch", "prompt_len", "decode_len", "hidden",
@@ -206,7 +208,7 @@ VERIFY_COLUMNS = VERIFY_FIRST[:-len(ENV_COLUMNS)] + [
     "ppl_masked", "first_bad_layer",
     # --model: every layer's finished cache as `kvbench capacity` plans it (what the quality
     # above is bought with)
-    "kv_cache_bytes", *MLA_COLUMNS] + ENV_COLUMNS
+    "kv_cache_bytes", *MLA_COLUMNS, *SERVING_COLUMNS] + ENV_COLUMNS
 
 
 def _stats_columns(name: str) -> list[str]:
@@ -237,7 +239,15 @@ BENCH_COLUMNS = BENCH_FIRST[:-len(ENV_COLUMNS)] + [
     # --model: time to first token (prefill_ms), per decode step of the batch: ms, tokens/s,
     # the weight and K/V bytes read and written, the K/V share of them
     *MODEL_COLUMNS, "tokens_per_s", "weight_bytes_per_step", "kv_bytes_per_step",
-    "kv_share", *MLA_COLUMNS] + ENV_COLUMNS
+    "kv_share", *MLA_COLUMNS, *SERVING_COLUMNS] + ENV_COLUMNS
+
+
+def serving_cells(config) -> dict[str, object]:
+    """verify and bench: the point's serving operations (kvbench.serving)."""
+    from kvbench.serving import DEFAULT_ACCEPT
+
+    return {"prefill_chunk": config.prefill_chunk, "draft_len": config.draft_len,
+            "accept": (config.accept or DEFAULT_ACCEPT) if config.draft_len else None}
 
 
 def config_cells(command: str, impl: str, config) -> dict[str, object]:
@@ -276,7 +286,7 @@ def kv_cells(fmt) -> dict[str, object]:
 
 def verify_rows(report, env: dict[str, object]) -> list[dict[str, object]]:
     return [{
-        **config_cells("verify", c.impl, report.config),
+        **config_cells("verify", c.impl, report.config), **serving_cells(report.config),
         "passed": c.passed, "max_abs_err": c.max_abs_err, "mean_abs_err": c.mean_abs_err,
         "prefill_max_abs_err": c.prefill_max_abs_err, "fp64_max_abs_err": c.fp64_max_abs_err,
         "recompute_fp64_max_abs_err": report.recompute_fp64_max_abs_err,
@@ -293,7 +303,7 @@ def bench_rows(result, env: dict[str, object]) -> list[dict[str, object]]:
     for t in result.timings:
         rec = result.recompute
         rows.append({
-            **config_cells("bench", t.impl, result.config),
+            **config_cells("bench", t.impl, result.config), **serving_cells(result.config),
             "warmup": result.options.warmup, "rounds": result.options.rounds,
             "verified": result.verified,
             **_stats_cells("prefill_ms", t.prefill),

@@ -80,9 +80,14 @@ class VerifyReport:
         return all(c.passed for c in self.checks)
 
 
-def run_cached(impl: CachedAttention, x: torch.Tensor, prompt: torch.Tensor):
-    """Prefill the (padded) prompt, then decode every remaining position:
-    (prefill out, [step outs])."""
+def run_cached(impl: CachedAttention, x: torch.Tensor, prompt: torch.Tensor,
+               config: RunConfig | None = None):
+    """Prefill the (padded) prompt, then decode every remaining position (with the point's
+    serving operations, kvbench.serving): (prefill out, [step outs])."""
+    if config is not None:
+        from kvbench import serving
+
+        return serving.run(impl, config, x, prompt)
     prefill = impl.prefill(prompt)
     return prefill, impl.decode(x)
 
@@ -290,7 +295,7 @@ def _check(name, cls, layer, options, x, prompt, real, config, ref_prefill, ref_
     try:
         impl = cls.build(layer, config, options)
         impl.record = cls.lossy  # a lossy cache keeps what it attended to, for its gate
-        prefill, steps = run_cached(impl, x, prompt)
+        prefill, steps = run_cached(impl, x, prompt, config)
         if cls.lossy:
             gate_steps = restricted_reference(layer, x, impl.kept, config.shape.prompt_len)
         if real is not None and prefill.shape[:2] == real.shape:
@@ -336,6 +341,8 @@ def _check(name, cls, layer, options, x, prompt, real, config, ref_prefill, ref_
     if cache_shape != expected and first_bad is None:
         first_bad = len(pairs) - 1
         message = f"final cache shape {list(cache_shape)} != expected {list(expected)}"
+    if first_bad is None and (wrong := impl.consistency()) is not None:
+        first_bad, message = len(pairs) - 1, wrong
     if cls.attention == "mla" and first_bad is None:  # MLA's point is its bytes: to the byte
         held, planned = storage_bytes(impl.cache_tensors()), cls.planned_bytes(config, options)
         if held != planned:

@@ -172,6 +172,9 @@ class CachedAttention(ABC):
     reserves: ClassVar[str] = "prealloc"
     # the techniques of TECHNIQUES it applies; a point asking for another skips it
     techniques: ClassVar[frozenset[str]] = frozenset()
+    # whether it takes many new positions in one call (`extend`): a chunked prefill
+    # (--prefill-chunk), a block of draft tokens verified at once (--draft-len)
+    extends: ClassVar[bool] = False
     # the option a point must give for it to run at all (window: --window; h2o: --kv-budget):
     # it changes what attention sees, so it is no full-attention cache without it
     requires: ClassVar[str | None] = None
@@ -250,6 +253,10 @@ class CachedAttention(ABC):
     def inapplicable(cls, config: RunConfig) -> str | None:
         """Why it cannot apply a technique the point asks for (`TECHNIQUES`), or why it does not
         run without the option it requires; or None."""
+        if (config.prefill_chunk or config.draft_len) and not cls.extends:
+            able = [n for n, c in IMPLEMENTATIONS.items() if c.extends]
+            return ("takes one position per call (--prefill-chunk and --draft-len run on "
+                    f"{', '.join(able)})")
         if cls.requires is not None and getattr(config.shape, cls.requires) is None:
             flag = "--" + cls.requires.replace("_", "-")
             return (f"changes what attention sees, so it runs only when {flag} is given "
@@ -436,6 +443,50 @@ class CachedAttention(ABC):
         the same prompt cache every sample). Only a cache that overwrites positions (a ring)
         needs to keep a copy."""
 
+    def extend(self, x: torch.Tensor) -> torch.Tensor:
+        """n new positions x [B, n, H] in one call (a prefill chunk, a block of draft tokens):
+        each attends to every cached position and causally to those before it in x; the cache
+        grows by n. -> [B, n, H]."""
+        first = self.length
+        q, k, v = self.layer.project(x, start=first)
+        self.write(k, v)
+        keys, values = self.kv()
+        return self.layer.output(block_attention(q, keys, values, self.layer.scale, first))
+
+    def prefill_chunked(self, x: torch.Tensor, chunk: int) -> torch.Tensor:
+        """The prompt x [B, T_p, H] in chunks of `chunk` positions, each through `extend`
+        (a serving engine's chunked prefill): -> [B, T_p, H], as `prefill`."""
+        return torch.cat([self.extend(x[:, i:i + chunk]) for i in range(0, x.shape[1], chunk)],
+                         dim=1)
+
+    def decode_speculative(self, x: torch.Tensor, draft: torch.Tensor, draft_len: int,
+                           kept) -> list[torch.Tensor]:
+        """Speculative decoding's verify step, repeated to the end of x [B, T, H]: each step
+        appends draft_len positions in one `extend`, the next true position then the draft
+        positions, keeps the first n = kept(step) of them (1 <= n <= draft_len: the true
+        position and the n - 1 drafts accepted, which are x's own) and takes the rest back
+        with `rewind`. The rejected drafts are `draft`'s hidden states [B, T, H] (a wrong
+        guess at each position). Returns one output [B, 1, H] per position of x after the
+        cached ones, as `decode`."""
+        outputs, step, end = [], 0, x.shape[1]
+        while self.length < end:
+            t = self.length
+            k = min(draft_len, end - t)
+            n = min(kept(step), k)
+            block = torch.cat((x[:, t:t + n], draft[:, t + n:t + k]), dim=1)
+            self.checkpoint()  # what a rewind past a quantized flush restores
+            out = self.extend(block)
+            outputs += [out[:, j:j + 1] for j in range(n)]
+            if n < k:
+                self.rewind(t + n)
+            step += 1
+        return outputs
+
+    def consistency(self) -> str | None:
+        """What is wrong with its own bookkeeping (a block pool's reference counts), or None;
+        verify fails an implementation that reports something."""
+        return None
+
     def decode(self, x: torch.Tensor, keep: bool = True) -> list[torch.Tensor]:
         """Step through every position of x [B, T, H] after the cached ones.
 
@@ -554,6 +605,17 @@ def causal_prefill(layer: AttentionLayer, q, k, v) -> torch.Tensor:
     the same T positions. q [B,H_q,T,D], k, v [B,H_kv,T,D] -> [B,H_q,T,D].
     """
     return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=layer.scale,
+                                          enable_gqa=True)
+
+
+def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                    first: int) -> torch.Tensor:
+    """n queries at positions first..first+n-1 over every cached position: q [B, H_q, n, D],
+    k, v [B, H_kv, T, D(v)] -> [B, H_q, n, D_v]. Query i sees key p when p <= first + i."""
+    n, T = q.shape[2], k.shape[2]
+    seen = (torch.arange(T, device=q.device)[None, :]
+            <= first + torch.arange(n, device=q.device)[:, None])  # [n, T]
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=seen, scale=scale,
                                           enable_gqa=True)
 
 

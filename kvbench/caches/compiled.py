@@ -91,6 +91,7 @@ def _raise_recompile_limits() -> None:
 @register
 class CompiledCache(PreallocatedCache):
     name = "compiled"
+    extends = False  # its compiled step keeps the position on the device: one at a time
     description = ("static cache, gpt-fast decode step under torch.compile: fixed shapes, "
                    "position as a device tensor; a CUDA graph on CUDA (reduce-overhead)")
     mode = "reduce-overhead"  # torch.compile's mode on CUDA

@@ -20,6 +20,7 @@ class ConcatCache(CachedAttention):
     """
 
     name = "concat"
+    extends = True
     description = "torch.cat append, repeat_interleave GQA, dense matmul+softmax"
     reserves = "padded"
 
@@ -39,6 +40,10 @@ class ConcatCache(CachedAttention):
         return q
 
     def write(self, k, v):
+        if self.length == 0:  # a chunked prefill's first chunk: nothing to append to yet
+            self.k, self.v, self.valid = k, v, None
+            self._advance(k.shape[2])
+            return
         self.k = torch.cat((self.k, k), dim=2)  # re-allocates and copies the whole cache
         self.v = torch.cat((self.v, v), dim=2)
         if self.valid is not None:

@@ -18,7 +18,12 @@ import torch
 
 from kvbench import capacity
 from kvbench import footprint as fp
-from kvbench.caches.base import CachedAttention, grouped_decode_attention, register
+from kvbench.caches.base import (
+    CachedAttention,
+    block_attention,
+    grouped_decode_attention,
+    register,
+)
 from kvbench.caches.static import PreallocatedCache
 from kvbench.capacity import QUANTIZED
 from kvbench.errors import KvbenchError
@@ -30,6 +35,7 @@ class MlaCache(CachedAttention):
     """What every MLA cache shares: the layer kind, and its figures from the MLA dims."""
 
     attention = "mla"
+    extends = True
 
     @classmethod
     def min_bytes_per_step(cls, config, options):
@@ -89,6 +95,14 @@ class LatentAttention(MlaCache):
         k, v = self.layer.expand(entries)  # [B, H_q, T, qk], [B, H_q, T, v]
         q = torch.cat((q_nope, q_pe), dim=-1)
         return self.layer.output(causal_attention(q, k, v, self.layer.scale))
+
+    def extend(self, x):
+        first = self.length
+        q_nope, q_pe = self.layer.query(x, first)
+        self.write(self.entry(x, first))
+        k, v = self.layer.expand(self.kv()[0])  # every cached position, decompressed
+        q = torch.cat((q_nope, q_pe), dim=-1)
+        return self.layer.output(block_attention(q, k, v, self.layer.scale, first))
 
     def step(self, x_t):
         start = self.start()

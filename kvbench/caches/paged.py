@@ -28,6 +28,7 @@ class PagedCache(CachedAttention):
     """
 
     name = "paged"
+    extends = True
     description = "block pool + per-sequence block tables, gather + grouped attention"
     kv_dtypes = frozenset(QUANTIZED)
     blocked = True
@@ -246,6 +247,23 @@ class PagedCache(CachedAttention):
         if released:
             self._upload()
         self._rewound(length)
+
+    def consistency(self):
+        """Each block's reference count against the tables that hold it: a block on the free
+        list that a table still names, or a count that disagrees, is a leak or a reuse."""
+        held: dict[int, int] = {}
+        for blocks in self.tables:
+            for block in blocks:
+                held[block] = held.get(block, 0) + 1
+        if freed := sorted(set(self.free) & set(held)):
+            return f"block {freed[0]} is on the free list but a block table still names it"
+        if wrong := [b for b in range(self.n_blocks) if self.refs[b] != held.get(b, 0)]:
+            b = wrong[0]
+            return f"block {b} counts {self.refs[b]} references; its tables hold {held.get(b, 0)}"
+        if len(self.free) + len(held) != self.n_blocks:
+            return (f"{self.n_blocks - len(self.free) - len(held)} blocks are neither free nor "
+                    "in a table (leaked)")
+        return None
 
     def stats(self):
         bs = self.options.block_size

@@ -1,0 +1,57 @@
+"""The serving operations verify and bench run on a cache: a chunked prefill and speculative
+decoding's verify step with rollback (kvbench.caches.base: `extend`, `prefill_chunked`,
+`decode_speculative`). Here: what they need beside the cache, from the point's options."""
+
+from __future__ import annotations
+
+import torch
+
+from kvbench.config import RunConfig, accept_rule
+from kvbench.device import torch_dtype
+
+DEFAULT_ACCEPT = "0.8"  # each draft accepted with this probability unless --accept says
+
+
+def kept_per_step(config: RunConfig):
+    """step -> the positions the step keeps (1..draft_len): a fixed count, or 1 (the target's
+    own position) plus the drafts accepted before the first rejection, each with --accept's
+    probability (seeded by --seed, the same sequence every run)."""
+    kind, value = accept_rule(config.accept or DEFAULT_ACCEPT, config.draft_len)
+    if kind == "count":
+        return lambda step: int(value)
+    g = torch.Generator().manual_seed(config.seed + 4)
+    drawn: dict[int, int] = {}
+
+    def kept(step: int) -> int:
+        while step not in drawn:  # drawn in order, so any caller sees the same counts
+            accepted = torch.rand(config.draft_len - 1, generator=g) < value
+            lead = int(accepted.long().cumprod(0).sum())
+            drawn[len(drawn)] = 1 + lead
+        return drawn[step]
+
+    return kept
+
+
+def drafts(config: RunConfig, x: torch.Tensor) -> torch.Tensor:
+    """The rejected drafts' hidden states [B, T, H]: seeded, unlike any true position, so an
+    implementation that still attends to one after its rollback changes the output."""
+    g = torch.Generator().manual_seed(config.seed + 3)
+    return (3 * torch.randn(x.shape, generator=g)).to(x.device, torch_dtype(config.dtype))
+
+
+def run(impl, config: RunConfig, x: torch.Tensor, prompt: torch.Tensor):
+    """Prefill then decode every remaining position, with the point's serving operations:
+    (prefill outputs [B, T_p, H], [step outputs [B, 1, H]])."""
+    if config.prefill_chunk is not None:
+        prefill = impl.prefill_chunked(prompt, config.prefill_chunk)
+    else:
+        prefill = impl.prefill(prompt)
+    return prefill, decode(impl, config, x)
+
+
+def decode(impl, config: RunConfig, x: torch.Tensor, keep: bool = True):
+    """Every position of x after the cached ones: one per step, or speculative steps."""
+    if config.draft_len is None:
+        return impl.decode(x, keep)
+    return impl.decode_speculative(x, drafts(config, x), config.draft_len,
+                                   kept_per_step(config))
