@@ -255,6 +255,10 @@ def _serving(o: RunOptions, kv_dtypes) -> None:
         raise KvbenchError("--prefill-chunk with a quantized --kv-dtype: a chunk would read "
                            "the quantized cache while the gate is path A's exact prefill; "
                            "drop one of them")
+    if o.draft_len is not None and (o.k_quant != "per-token" or o.kv_residual):
+        raise KvbenchError("--draft-len with KIVI's layout (--k-quant per-channel, "
+                           "--kv-residual): a verify step's flush quantizes positions that "
+                           "one-at-a-time decode still reads exactly; use a per-token format")
     if o.tp != 1:
         raise KvbenchError(f"{flag} runs on one device; drop --tp")
 

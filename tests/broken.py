@@ -609,3 +609,46 @@ class MlaKernelBlockOffByOne(TritonMlaCache):
             return super().attend_latent(q_nope, q_pe)
         finally:
             self.table = table
+
+
+# Faults of the serving operations (--prefill-chunk, --draft-len).
+
+class ChunkSeesOnlyItself(StaticCache):
+    """A prefill chunk attends within itself but not to the chunks before it."""
+
+    name = "chunk-sees-only-itself"
+
+    def extend(self, x):
+        from kvbench.caches.base import block_attention
+
+        first = self.length
+        q, k, v = self.layer.project(x, start=first)
+        self.write(k, v)
+        return self.layer.output(block_attention(q, k, v, self.layer.scale, 0))
+
+
+class RejectedStillVisible(ConcatCache):
+    """Never takes a speculative step's rejected positions back: the next step is appended
+    after them, and every later position attends to them."""
+
+    name = "rejected-still-visible"
+
+    def rewind(self, length):
+        pass
+
+
+class FreedBlockStillReferenced(PagedCache):
+    """Rolls back by returning its last blocks to the free list, but leaves them in the block
+    tables."""
+
+    name = "freed-block-still-referenced"
+
+    def rewind(self, length):
+        import math
+
+        keep = math.ceil(length / self.options.block_size)
+        for blocks in self.tables:
+            for block in blocks[keep:]:
+                if self.refs[block]:
+                    self._release(block)
+        self._rewound(length)

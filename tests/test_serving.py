@@ -1,0 +1,147 @@
+"""The serving operations: a chunked prefill and speculative decoding's verify step with
+rollback, on every implementation that takes them, and the faults verify must reject."""
+
+import pytest
+import torch
+from broken import (
+    ChunkSeesOnlyItself,
+    FreedBlockStillReferenced,
+    RejectedStillVisible,
+)
+from typer.testing import CliRunner
+
+from kvbench.caches import IMPLEMENTATIONS, ImplOptions
+from kvbench.cli import app
+from kvbench.config import LayerShape, MlaDims, RunConfig
+from kvbench.serving import kept_per_step
+from kvbench.verify import verify
+
+GQA = LayerShape(batch=2, prompt_len=23, decode_len=9, hidden=32, q_heads=4, kv_heads=2,
+                 head_dim=8)
+MLA = LayerShape(batch=2, prompt_len=23, decode_len=9, hidden=48, q_heads=4).with_mla(
+    MlaDims(kv_lora_rank=32, qk_rope_dim=8, qk_nope_dim=16, v_head_dim=12))
+runner = CliRunner()
+
+
+def extending(shape):
+    """Every implementation of the layer's kind that takes many positions per call (the ones
+    torch.compile builds do not)."""
+    config = RunConfig(shape, rope=True)
+    return {n: c for n, c in IMPLEMENTATIONS.items()
+            if c.extends and c.attention == shape.attention
+            and c.unavailable(config, ImplOptions()) is None}
+
+
+def test_the_implementations_that_extend():
+    assert set(extending(GQA)) - {"splitk"} == {"concat", "static", "sdpa", "paged", "triton"}
+    assert set(extending(MLA)) == {"mla-naive", "mla-latent", "mla-absorbed", "triton-mla"}
+    assert not any(IMPLEMENTATIONS[n].extends for n in ("compiled", "flex", "window", "h2o"))
+
+
+@pytest.mark.parametrize("shape", [GQA, MLA], ids=["gqa", "mla"])
+@pytest.mark.parametrize("chunk", [1, 5, 23])
+def test_a_chunked_prefill_equals_path_a(shape, chunk):
+    report = verify(RunConfig(shape, rope=True, prefill_chunk=chunk), extending(shape),
+                    ImplOptions(block_size=4))
+    for c in report.checks:
+        assert c.passed, (c.impl, c.message)
+
+
+@pytest.mark.parametrize("shape", [GQA, MLA], ids=["gqa", "mla"])
+@pytest.mark.parametrize("draft_len, accept", [(1, None), (4, "2"), (4, "0.6"), (6, "6")])
+def test_speculative_steps_keep_exactly_path_as_outputs(shape, draft_len, accept):
+    config = RunConfig(shape, rope=True, draft_len=draft_len, accept=accept, prefill_chunk=8)
+    report = verify(config, extending(shape), ImplOptions(block_size=4))
+    for c in report.checks:
+        assert c.passed, (c.impl, c.message)
+        assert c.cache_shape[2] == shape.total_len  # every rejected position taken back
+
+
+@pytest.mark.parametrize("kv_dtype", ["fp8", "int4", "int2"])
+def test_a_quantized_cache_rolls_back_to_what_one_position_at_a_time_stores(kv_dtype):
+    shape = LayerShape(batch=2, prompt_len=21, decode_len=19, hidden=32, q_heads=4,
+                       kv_heads=2, head_dim=8)
+    config = RunConfig(shape, rope=True, kv_dtype=kv_dtype, group_size=4, draft_len=5,
+                       accept="0.5")
+    names = ("static", "paged", "triton")
+    report = verify(config, {n: IMPLEMENTATIONS[n] for n in names}, ImplOptions(block_size=4))
+    for c in report.checks:
+        assert c.passed, (c.impl, c.message)
+
+
+def test_acceptance_is_seeded_and_bounded():
+    config = RunConfig(GQA, draft_len=5, accept="0.7", seed=3)
+    kept = kept_per_step(config)
+    first = [kept(i) for i in range(50)]
+    assert first == [kept_per_step(config)(i) for i in range(50)]  # the same every run
+    assert all(1 <= n <= 5 for n in first) and len(set(first)) > 2
+    assert {kept_per_step(RunConfig(GQA, draft_len=5, accept="0.0"))(i) for i in range(9)} == {1}
+    assert {kept_per_step(RunConfig(GQA, draft_len=5, accept="1.0"))(i) for i in range(9)} == {5}
+    assert kept_per_step(RunConfig(GQA, draft_len=5, accept="3"))(7) == 3
+
+
+def test_paged_returns_every_rejected_block():
+    from kvbench.attention import AttentionLayer, make_inputs
+    from kvbench.serving import drafts
+
+    config = RunConfig(GQA, rope=True, draft_len=6, accept="1")  # five drafts rejected a step
+    layer, x = AttentionLayer.from_config(config), make_inputs(config)
+    impl = IMPLEMENTATIONS["paged"].build(layer, config, ImplOptions(block_size=2))
+    with torch.no_grad():
+        impl.prefill(x[:, :23])
+        impl.decode_speculative(x, drafts(config, x), 6, kept_per_step(config))
+    assert impl.consistency() is None
+    assert impl.stats()["blocks_used"] == 2 * 16  # 32 positions in blocks of 2, nothing more
+    assert len(impl.free) == impl.n_blocks - 32
+
+
+@pytest.mark.parametrize("broken, options", [
+    (ChunkSeesOnlyItself, {"prefill_chunk": 8}),
+    (RejectedStillVisible, {"draft_len": 4, "accept": "2"}),
+    (FreedBlockStillReferenced, {"draft_len": 4, "accept": "1"}),
+])
+def test_verify_rejects_serving_faults(broken, options):
+    report = verify(RunConfig(GQA, rope=True, **options), {broken.name: broken},
+                    ImplOptions(block_size=2))
+    (check,) = report.checks
+    assert not check.passed
+    # the chunk fault spoils the prompt; the rollback faults a later decode step
+    assert (check.first_bad_step == 0) == (broken is ChunkSeesOnlyItself), check.message
+
+
+def test_the_pool_names_a_freed_block_a_table_still_holds():
+    from kvbench.attention import AttentionLayer, make_inputs
+
+    config = RunConfig(GQA, rope=True)
+    layer, x = AttentionLayer.from_config(config), make_inputs(config)
+    for cls, wrong in ((IMPLEMENTATIONS["paged"], False), (FreedBlockStillReferenced, True)):
+        impl = cls.build(layer, config, ImplOptions(block_size=2))
+        with torch.no_grad():
+            impl.prefill(x[:, :23])
+            impl.extend(x[:, 23:29])  # a block of six; then five of them rejected
+            impl.rewind(24)
+        message = impl.consistency()
+        assert (message is not None and "free list" in message) == wrong, message
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--draft-len", "0"], "--draft-len must be a positive integer"),
+    (["--draft-len", "4", "--accept", "5"], "--accept 5 is outside 1..--draft-len 4"),
+    (["--draft-len", "4", "--accept", "1.5"], "--accept 1.5: a rate is between 0 and 1"),
+    (["--accept", "2"], "--accept is what a speculative step keeps; give --draft-len K too"),
+    (["--prefill-chunk", "65"], "--prefill-chunk 65 is above the prompt (64 tokens)"),
+    (["--prefill-chunk", "8", "--seq-lens", "5,9"],
+     "--prefill-chunk runs on batches of equal lengths"),
+    (["--prefill-chunk", "8", "--kv-dtype", "fp8"], "--prefill-chunk with a quantized"),
+    (["--draft-len", "4", "--kv-dtype", "int4", "--k-quant", "per-channel"],
+     "--draft-len with KIVI's layout"),
+    (["--draft-len", "4", "--impl", "compiled"],
+     "--impl compiled cannot run here: takes one position per call"),
+])
+def test_serving_bad_input_is_one_line_and_exit_2(args, message, tmp_path):
+    out = tmp_path / "v.csv"
+    result = runner.invoke(app, ["verify", "--device", "cpu", *args, "--csv", str(out)])
+    assert result.exit_code == 2, result.output
+    assert message in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
+    assert not out.exists()
