@@ -6,7 +6,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from kvbench import bandwidth, costs
+from kvbench import bandwidth, costs, serving
 from kvbench.attention import AttentionLayer, make_inputs, padded_prompts, recompute_each, sharded
 from kvbench.caches import IMPLEMENTATIONS, ImplOptions
 from kvbench.config import RunConfig
@@ -114,7 +114,8 @@ def verification_config(config: RunConfig, recompute: bool) -> RunConfig:
         return replace(config, shape=replace(s.with_lens(lens, None, s.len_dist), decode_len=G))
     short = replace(s, prompt_len=min(s.prompt_len, NO_RECOMPUTE_VERIFY_PROMPT),
                     decode_len=G, max_len=None)
-    return replace(config, shape=short)
+    chunk = config.prefill_chunk and min(config.prefill_chunk, short.prompt_len)
+    return replace(config, shape=short, prefill_chunk=chunk)
 
 
 def bench(config: RunConfig, impls: tuple[str, ...], options: BenchOptions,
@@ -163,7 +164,8 @@ def bench(config: RunConfig, impls: tuple[str, ...], options: BenchOptions,
         for name, cls in classes.items():
             if options.prefill:
                 fresh_one = _guarded(lambda cls: fresh(cls), "prefill", name, dev)
-                tasks[f"prefill:{name}"] = (_guarded(lambda impl: impl.prefill(prompt),
+                tasks[f"prefill:{name}"] = (_guarded(lambda impl: serving.prefill(impl, config,
+                                                                                  prompt),
                                                      "prefill", name, dev),
                                             lambda f=fresh_one, cls=cls: f(cls))
             # One prompt cache per implementation; every sample decodes from it again.
@@ -177,13 +179,14 @@ def bench(config: RunConfig, impls: tuple[str, ...], options: BenchOptions,
                 if cls.compiles:  # its first steps compile: never inside a timed sample
                     impl.decode(x, keep=False)
                     impl.rewind(s.prompt_len)
-            tasks[f"decode:{name}"] = (_guarded(lambda impl: impl.decode(x, keep=False),
+            tasks[f"decode:{name}"] = (_guarded(lambda impl: serving.decode(impl, config, x,
+                                                                             keep=False),
                                                 "decode", name, dev),
                                        lambda impl=impl: _rewound(impl, s.prompt_len))
         stats = time_interleaved(tasks, config.device, options.warmup, options.rounds, ranks)
         timings = [ImplTiming(
             name, stats.get(f"prefill:{name}"), stats[f"decode:{name}"],
-            cls.min_bytes_per_step(local, impl_options),
+            cls.min_bytes_per_step(local, impl_options) / serving.mean_kept(config),
             prompt_caches[name].stats(), cls.planned_bytes(local, impl_options),
             next(c for c in report.checks if c.impl == name), cls.flops_per_step(local))
             for name, cls in classes.items()]

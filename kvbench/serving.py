@@ -39,19 +39,36 @@ def drafts(config: RunConfig, x: torch.Tensor) -> torch.Tensor:
     return (3 * torch.randn(x.shape, generator=g)).to(x.device, torch_dtype(config.dtype))
 
 
+def mean_kept(config: RunConfig) -> float:
+    """Positions a step keeps on average: 1 without --draft-len; a count; or for a rate r
+    over K - 1 drafts, 1 + r + r² + … + r^(K-1) (each draft kept if it and those before it
+    were accepted). A verify step reads the cache once for all of them, so the bytes a
+    step must move are spread over this many tokens."""
+    if config.draft_len is None:
+        return 1.0
+    kind, value = accept_rule(config.accept or DEFAULT_ACCEPT, config.draft_len)
+    if kind == "count":
+        return value
+    return sum(value ** i for i in range(config.draft_len))
+
+
+def prefill(impl, config: RunConfig, prompt: torch.Tensor) -> torch.Tensor:
+    """The prompt through the cache: one prefill, or chunks of --prefill-chunk."""
+    if config.prefill_chunk is not None:
+        return impl.prefill_chunked(prompt, config.prefill_chunk)
+    return impl.prefill(prompt)
+
+
 def run(impl, config: RunConfig, x: torch.Tensor, prompt: torch.Tensor):
     """Prefill then decode every remaining position, with the point's serving operations:
     (prefill outputs [B, T_p, H], [step outputs [B, 1, H]])."""
-    if config.prefill_chunk is not None:
-        prefill = impl.prefill_chunked(prompt, config.prefill_chunk)
-    else:
-        prefill = impl.prefill(prompt)
-    return prefill, decode(impl, config, x)
+    return prefill(impl, config, prompt), decode(impl, config, x)
 
 
 def decode(impl, config: RunConfig, x: torch.Tensor, keep: bool = True):
     """Every position of x after the cached ones: one per step, or speculative steps."""
     if config.draft_len is None:
         return impl.decode(x, keep)
-    return impl.decode_speculative(x, drafts(config, x), config.draft_len,
-                                   kept_per_step(config))
+    outputs = impl.decode_speculative(x, drafts(config, x), config.draft_len,
+                                      kept_per_step(config))
+    return outputs if keep else None
