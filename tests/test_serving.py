@@ -145,3 +145,28 @@ def test_serving_bad_input_is_one_line_and_exit_2(args, message, tmp_path):
     assert message in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1
     assert not out.exists()
+
+
+def test_bench_times_both_operations_and_writes_them_down(tmp_path):
+    import pandas as pd
+
+    out = tmp_path / "b.csv"
+    result = runner.invoke(app, ["bench", "--device", "cpu", "--batch", "2", "--prompt-len",
+                                 "40", "--decode-len", "12", "--hidden", "32", "--q-heads",
+                                 "4", "--kv-heads", "2", "--head-dim", "8", "--impl",
+                                 "static,paged", "--prefill-chunk", "16", "--draft-len", "4",
+                                 "--accept", "2", "--warmup", "0", "--rounds", "1",
+                                 "--csv", str(out)])
+    assert result.exit_code == 0, result.output
+    rows = pd.read_csv(out)
+    assert list(rows["impl"]) == ["static", "paged"]
+    assert (rows["prefill_chunk"] == 16).all() and (rows["draft_len"] == 4).all()
+    assert (rows["accept"].astype(str) == "2").all()
+    one_per_step = runner.invoke(app, ["bench", "--device", "cpu", "--batch", "2",
+                                       "--prompt-len", "40", "--decode-len", "12", "--hidden",
+                                       "32", "--q-heads", "4", "--kv-heads", "2",
+                                       "--head-dim", "8", "--impl", "static", "--warmup", "0",
+                                       "--rounds", "1", "--format", "csv", "-q", "--no-csv"])
+    plain = pd.read_csv(__import__("io").StringIO(one_per_step.stdout))
+    # a verify step reads the cache once for the two positions it keeps
+    assert rows["min_bytes_per_step"][0] == pytest.approx(plain["min_bytes_per_step"][0] / 2)
