@@ -39,7 +39,7 @@ def test_the_implementations_that_extend():
 
 
 @pytest.mark.parametrize("shape", [GQA, MLA], ids=["gqa", "mla"])
-@pytest.mark.parametrize("chunk", [1, 5, 23])
+@pytest.mark.parametrize("chunk", [1, 7])
 def test_a_chunked_prefill_equals_path_a(shape, chunk):
     report = verify(RunConfig(shape, rope=True, prefill_chunk=chunk), extending(shape),
                     ImplOptions(block_size=4))
@@ -48,7 +48,7 @@ def test_a_chunked_prefill_equals_path_a(shape, chunk):
 
 
 @pytest.mark.parametrize("shape", [GQA, MLA], ids=["gqa", "mla"])
-@pytest.mark.parametrize("draft_len, accept", [(1, None), (4, "2"), (4, "0.6"), (6, "6")])
+@pytest.mark.parametrize("draft_len, accept", [(4, "2"), (4, "0.6"), (6, "6")])
 def test_speculative_steps_keep_exactly_path_as_outputs(shape, draft_len, accept):
     config = RunConfig(shape, rope=True, draft_len=draft_len, accept=accept, prefill_chunk=8)
     report = verify(config, extending(shape), ImplOptions(block_size=4))
