@@ -136,6 +136,8 @@ def bench(config: RunConfig, impls: tuple[str, ...], options: BenchOptions,
     fmt = impl_options.kv_format
     layer = AttentionLayer.from_config(config)
     x = make_inputs(config)
+    if config.beams:  # each prompt's beams share it
+        x = serving.beam_inputs(config, x)
     prompt = padded_prompts(config, x)
     # With --tp the caches run this rank's shard (its heads); figures per step are per rank.
     part, local = sharded(config, layer)

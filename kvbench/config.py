@@ -210,6 +210,8 @@ class RunConfig:
     prefill_chunk: int | None = None
     draft_len: int | None = None
     accept: str | None = None
+    # Beam search: each prompt forked into this many beams, reordered every step
+    beams: int | None = None
 
     def __post_init__(self) -> None:
         s = self.shape
@@ -224,6 +226,9 @@ class RunConfig:
                                            or self.draft_len < 1):
             raise KvbenchError(f"--draft-len must be a positive integer (positions verified "
                                f"per step), got {self.draft_len}")
+        if self.beams is not None and (type(self.beams) is not int or self.beams < 2):
+            raise KvbenchError(f"--beams {self.beams}: one beam is plain decode; fork each "
+                               "prompt into 2 or more")
         if self.accept is not None:
             if self.draft_len is None:
                 raise KvbenchError("--accept is what a speculative step keeps; give "

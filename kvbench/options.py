@@ -151,6 +151,11 @@ class RunOptions:
         None, "With --draft-len: positions kept per step, a count 1..K, or a rate 0..1 at "
         "which each draft is accepted (seeded). \\[default: 0.8]", show_default=False,
         commands=("verify", "bench"))
+    beams: int | None = option(
+        None, "Beam search: each of --batch prompts forked into W beams (B·W rows), every "
+        "step reordering them by seeded parents: preallocated caches copy rows, paged ones "
+        "fork block tables by reference and copy a shared last block on write.",
+        show_default=False, commands=("verify", "bench"))
     model: str | None = option(
         None, "Run the whole model: a local Hugging Face checkpoint folder, a .gguf file, or a "
         "preset (random weights at its real shape; see kvbench capacity --list-models). Sets "

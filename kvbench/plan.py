@@ -92,7 +92,7 @@ def _points_of(o: RunOptions, reference_cases: bool = False,
     ragged = (o.seq_lens is not None or o.len_dist is not None
               or o.window is not None or o.shared_prefix
               or o.kv_budget is not None or o.prefill_chunk is not None
-              or o.draft_len is not None)  # (not for the small case)
+              or o.draft_len is not None or o.beams is not None)  # (not for the small case)
     if reference_cases and not lists and not ragged:
         mla = shapes[0].mla
         shapes = [SMALL_CASE if mla is None else SMALL_CASE.with_mla(mla)] + shapes
@@ -114,10 +114,12 @@ def _points_of(o: RunOptions, reference_cases: bool = False,
             notes.append(left_out)
     for shape, dt, kv in itertools.product(shapes, dtypes, kv_dtypes):
         kivi = (o.k_quant, o.kv_residual) if kv in GROUPED else ("per-token", 0)
+        if o.beams is not None and o.beams >= 1:  # the rows: each prompt's beams
+            shape = replace(shape, batch=shape.batch * o.beams)
         rope = o.rope or shape.mla is not None  # MLA rotates its decoupled part always
         config = RunConfig(shape, dt, dev, o.seed, rope, kv, o.group_size, o.tp, *kivi,
                            prefill_chunk=o.prefill_chunk, draft_len=o.draft_len,
-                           accept=o.accept)
+                           accept=o.accept, beams=o.beams)
         names, skipped = select_impls(spec, config, options, strict=False,
                                       measure=measure)
         ran.update(names)
@@ -245,9 +247,20 @@ def attention_model(o: RunOptions) -> RunOptions:
 
 def _serving(o: RunOptions, kv_dtypes) -> None:
     """Refuse what the serving operations do not take, in one line, before any point."""
-    if o.prefill_chunk is None and o.draft_len is None:
+    if o.prefill_chunk is None and o.draft_len is None and o.beams is None:
         return
-    flag = "--prefill-chunk" if o.prefill_chunk is not None else "--draft-len"
+    flag = ("--prefill-chunk" if o.prefill_chunk is not None else
+            "--draft-len" if o.draft_len is not None else "--beams")
+    if o.beams is not None:
+        if o.beams < 2:
+            raise KvbenchError(f"--beams {o.beams}: one beam is plain decode; fork each "
+                               "prompt into 2 or more")
+        if o.prefill_chunk is not None or o.draft_len is not None:
+            raise KvbenchError("--beams runs one position per step; drop --prefill-chunk "
+                               "and --draft-len")
+        if any(kv is not None for kv in kv_dtypes):
+            raise KvbenchError("--beams with a quantized --kv-dtype is not checked yet: its "
+                               "reference decodes one history per row; drop one of them")
     if o.seq_lens is not None or o.len_dist is not None:
         raise KvbenchError(f"{flag} runs on batches of equal lengths; drop --seq-lens and "
                            "--len-dist")

@@ -108,6 +108,9 @@ def describe(config) -> str:
             + (f" window={s.window} sinks={s.sinks}" if s.window is not None else "")
             + (f" shared-prefix={s.shared_prefix}" if s.shared_prefix else "")
             + (f" kv-budget={s.kv_budget}" if s.kv_budget is not None else "")
+            + (f" beams={config.beams}" if config.beams else "")
+            + (f" prefill-chunk={config.prefill_chunk}" if config.prefill_chunk else "")
+            + (f" draft-len={config.draft_len}" if config.draft_len else "")
             + (f" {kv_label(config.kv_format)}"
                if config.kv_dtype else ""))
 

@@ -181,7 +181,7 @@ MODEL_COLUMNS = ["model", "layers"]
 MLA_COLUMNS = ["attention", "kv_lora_rank", "qk_rope_dim", "qk_nope_dim", "v_head_dim",
                "q_lora_rank"]
 # serving operations: --prefill-chunk, --draft-len and --accept (empty without them)
-SERVING_COLUMNS = ["prefill_chunk", "draft_len", "accept"]
+SERVING_COLUMNS = ["prefill_chunk", "draft_len", "accept", "beams"]
 
 # Column order is part of the interface: users' spreadsheets and scripts depend on it.
 CONFIG_COLUMNS = ["timestamp", "command", "impl", "batch", "prompt_len", "decode_len", "hidden",
@@ -247,7 +247,8 @@ def serving_cells(config) -> dict[str, object]:
     from kvbench.serving import DEFAULT_ACCEPT
 
     return {"prefill_chunk": config.prefill_chunk, "draft_len": config.draft_len,
-            "accept": (config.accept or DEFAULT_ACCEPT) if config.draft_len else None}
+            "accept": (config.accept or DEFAULT_ACCEPT) if config.draft_len else None,
+            "beams": config.beams}
 
 
 def config_cells(command: str, impl: str, config) -> dict[str, object]:

@@ -67,8 +67,59 @@ def run(impl, config: RunConfig, x: torch.Tensor, prompt: torch.Tensor):
 
 def decode(impl, config: RunConfig, x: torch.Tensor, keep: bool = True):
     """Every position of x after the cached ones: one per step, or speculative steps."""
+    if config.beams is not None:
+        return beam_decode(impl, config, x, keep)
     if config.draft_len is None:
         return impl.decode(x, keep)
     outputs = impl.decode_speculative(x, drafts(config, x), config.draft_len,
                                       kept_per_step(config))
     return outputs if keep else None
+
+
+# Beam search (--beams W): the batch's rows are its prompts' beams, W each, in order.
+
+def beam_inputs(config: RunConfig, x: torch.Tensor) -> torch.Tensor:
+    """x [B·W, T, H] with each prompt's beams sharing its prompt (the first beam's), every
+    row keeping its own tokens after it: the hidden state beam i is given at each step."""
+    W, T_p = config.beams, config.shape.prompt_len
+    rows = x.clone()
+    grouped = rows.view(-1, W, *x.shape[1:])
+    grouped[:, :, :T_p] = grouped[:, :1, :T_p]
+    return rows
+
+
+def parents(config: RunConfig) -> list[torch.Tensor]:
+    """Each step's parent of every row [B·W] (seeded): at the first step every beam forks
+    from its prompt's first; later, each beam continues a beam of its own prompt drawn
+    uniformly (two beams may share a parent, and a beam may have no child)."""
+    W, G, rows = config.beams, config.shape.decode_len, config.shape.batch
+    g = torch.Generator().manual_seed(config.seed + 5)
+    first = torch.arange(rows) // W * W
+    steps = [first]
+    for _ in range(G - 1):
+        steps.append(first + torch.randint(W, (rows,), generator=g))
+    return steps
+
+
+def beam_decode(impl, config: RunConfig, x: torch.Tensor, keep: bool = True):
+    """G beam steps: reorder the cache's rows by the step's parents, then one position."""
+    T_p, outputs = config.shape.prompt_len, []
+    for j, chosen in enumerate(parents(config)):
+        impl.reorder(chosen.to(x.device))
+        out = impl.step(x[:, T_p + j:T_p + j + 1])
+        if keep:
+            outputs.append(out)
+    return outputs if keep else None
+
+
+def beam_reference(layer, x: torch.Tensor, config: RunConfig) -> list[torch.Tensor]:
+    """Path A for every beam: each step recomputes each beam's own history (its prompt, then
+    the tokens of its ancestors and its own) -> G outputs [B·W, 1, H]."""
+    from kvbench.attention import recompute_step
+
+    T_p = config.shape.prompt_len
+    history, outputs = x[:, :T_p], []
+    for j, chosen in enumerate(parents(config)):
+        history = torch.cat((history[chosen.to(x.device)], x[:, T_p + j:T_p + j + 1]), dim=1)
+        outputs.append(recompute_step(layer, history))
+    return outputs

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kvbench import serving
 from kvbench.attention import (
     AttentionLayer,
     make_inputs,
@@ -85,8 +86,6 @@ def run_cached(impl: CachedAttention, x: torch.Tensor, prompt: torch.Tensor,
     """Prefill the (padded) prompt, then decode every remaining position (with the point's
     serving operations, kvbench.serving): (prefill out, [step outs])."""
     if config is not None:
-        from kvbench import serving
-
         return serving.run(impl, config, x, prompt)
     prefill = impl.prefill(prompt)
     return prefill, impl.decode(x)
@@ -112,6 +111,8 @@ def verify(config: RunConfig, impls: dict[str, type[CachedAttention]] | None = N
     rtol, atol = TOLERANCES[config.dtype]
     layer = AttentionLayer.from_config(config)
     x = make_inputs(config)
+    if config.beams:  # each prompt's beams share it
+        x = serving.beam_inputs(config, x)
     prompt = padded_prompts(config, x)
     # A ragged batch's prefill is compared at each sequence's own positions only.
     real = (torch.arange(s.prompt_len)[None] < torch.tensor(s.prompt_lens)[:, None]
@@ -120,10 +121,14 @@ def verify(config: RunConfig, impls: dict[str, type[CachedAttention]] | None = N
     with torch.no_grad():
         with device_errors("verify: path A", free=lambda: free_bytes(config.device)):
             ref_prefill = prefill_each(layer, x, s.prompt_lens)
-            ref_steps = recompute_each(layer, x, s.prompt_lens)
             layer64 = layer.to(torch.float64)
             x64 = x.double()
-            exact_steps = recompute_each(layer64, x64, s.prompt_lens)
+            if config.beams:  # each beam against path A on its own history
+                ref_steps = serving.beam_reference(layer, x, config)
+                exact_steps = serving.beam_reference(layer64, x64, config)
+            else:
+                ref_steps = recompute_each(layer, x, s.prompt_lens)
+                exact_steps = recompute_each(layer64, x64, s.prompt_lens)
             recompute_fp64 = max(_max_abs(a, e) for a, e in zip(ref_steps, exact_steps))
             fmt = options.kv_format
             gate_steps = (quantized_reference(layer, x, prompt, fmt) if fmt.quantized

@@ -652,3 +652,25 @@ class FreedBlockStillReferenced(PagedCache):
                 if self.refs[block]:
                     self._release(block)
         self._rewound(length)
+
+
+class BeamWritesSiblingsBlock(PagedCache):
+    """Forks block tables by reference but never copies a shared block before writing it: a
+    beam writes into the last block its siblings still read."""
+
+    name = "beam-writes-siblings-block"
+
+    def _own(self, row, index):
+        if self.forked:
+            return False
+        return super()._own(row, index)
+
+
+class ReorderKeepsRows(StaticCache):
+    """Beam search's reorder that copies nothing: each row keeps its own history whatever
+    its parent."""
+
+    name = "reorder-keeps-rows"
+
+    def reorder(self, parents):
+        pass

@@ -4,9 +4,11 @@ rollback, on every implementation that takes them, and the faults verify must re
 import pytest
 import torch
 from broken import (
+    BeamWritesSiblingsBlock,
     ChunkSeesOnlyItself,
     FreedBlockStillReferenced,
     RejectedStillVisible,
+    ReorderKeepsRows,
 )
 from typer.testing import CliRunner
 
@@ -170,3 +172,67 @@ def test_bench_times_both_operations_and_writes_them_down(tmp_path):
     plain = pd.read_csv(__import__("io").StringIO(one_per_step.stdout))
     # a verify step reads the cache once for the two positions it keeps
     assert rows["min_bytes_per_step"][0] == pytest.approx(plain["min_bytes_per_step"][0] / 2)
+
+
+def forking(shape):
+    config = RunConfig(shape, rope=True)
+    return {n: c for n, c in IMPLEMENTATIONS.items()
+            if c.forks and c.attention == shape.attention
+            and c.unavailable(config, ImplOptions()) is None}
+
+
+@pytest.mark.parametrize("shape", [GQA, MLA], ids=["gqa", "mla"])
+def test_every_beam_equals_path_a_on_its_own_history(shape):
+    from dataclasses import replace
+
+    rows = replace(shape, batch=2 * 3)  # two prompts, three beams each
+    report = verify(RunConfig(rows, rope=True, beams=3), forking(shape),
+                    ImplOptions(block_size=4))
+    assert len(report.checks) >= 4
+    for c in report.checks:
+        assert c.passed, (c.impl, c.message)
+
+
+def test_paged_forks_blocks_by_reference():
+    from dataclasses import replace
+
+    from kvbench.attention import AttentionLayer, make_inputs
+    from kvbench.serving import beam_decode, beam_inputs
+
+    config = RunConfig(replace(GQA, batch=4), rope=True, beams=4)  # one prompt, four beams
+    layer = AttentionLayer.from_config(config)
+    x = beam_inputs(config, make_inputs(config))
+    impl = IMPLEMENTATIONS["paged"].build(layer, config, ImplOptions(block_size=4))
+    with torch.no_grad():
+        impl.prefill(x[:, :23])
+        beam_decode(impl, config, x)
+    assert impl.consistency() is None
+    # 32 positions: 8 blocks a beam; the prompt's 5 full blocks are stored once for all four
+    # beams, each beam owns the blocks it wrote after the fork
+    assert impl.stats()["blocks_used"] < 4 * 8
+
+
+@pytest.mark.parametrize("broken", [BeamWritesSiblingsBlock, ReorderKeepsRows])
+def test_verify_rejects_beam_faults(broken):
+    from dataclasses import replace
+
+    rows = replace(GQA, batch=2 * 3)
+    (check,) = verify(RunConfig(rows, rope=True, beams=3), {broken.name: broken},
+                      ImplOptions(block_size=4)).checks
+    assert not check.passed and check.first_bad_step >= 1, check.message
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--beams", "1"], "--beams 1: one beam is plain decode"),
+    (["--beams", "2", "--kv-dtype", "fp8"], "--beams with a quantized --kv-dtype"),
+    (["--beams", "2", "--draft-len", "4"], "--beams runs one position per step"),
+    (["--beams", "2", "--impl", "window", "--window", "8"],
+     "--impl window cannot run here: cannot reorder its rows"),
+])
+def test_beam_bad_input_is_one_line_and_exit_2(args, message, tmp_path):
+    out = tmp_path / "v.csv"
+    result = runner.invoke(app, ["verify", "--device", "cpu", *args, "--csv", str(out)])
+    assert result.exit_code == 2, result.output
+    assert message in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
+    assert not out.exists()

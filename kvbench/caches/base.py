@@ -175,6 +175,8 @@ class CachedAttention(ABC):
     # whether it takes many new positions in one call (`extend`): a chunked prefill
     # (--prefill-chunk), a block of draft tokens verified at once (--draft-len)
     extends: ClassVar[bool] = False
+    # whether its rows can be reordered between steps (`reorder`: beam search's forks)
+    forks: ClassVar[bool] = False
     # the option a point must give for it to run at all (window: --window; h2o: --kv-budget):
     # it changes what attention sees, so it is no full-attention cache without it
     requires: ClassVar[str | None] = None
@@ -253,6 +255,9 @@ class CachedAttention(ABC):
     def inapplicable(cls, config: RunConfig) -> str | None:
         """Why it cannot apply a technique the point asks for (`TECHNIQUES`), or why it does not
         run without the option it requires; or None."""
+        if config.beams and not cls.forks:
+            able = [n for n, c in IMPLEMENTATIONS.items() if c.forks]
+            return f"cannot reorder its rows (--beams runs on {', '.join(able)})"
         if (config.prefill_chunk or config.draft_len) and not cls.extends:
             able = [n for n, c in IMPLEMENTATIONS.items() if c.extends]
             return ("takes one position per call (--prefill-chunk and --draft-len run on "
@@ -481,6 +486,14 @@ class CachedAttention(ABC):
                 self.rewind(t + n)
             step += 1
         return outputs
+
+    def reorder(self, parents: torch.Tensor) -> None:
+        """Beam search between steps: row i continues row parents[i]'s history (a fork where
+        two rows name one parent). By default every cached tensor's rows are copied, as
+        Hugging Face's reorder_cache does."""
+        for t in self.cache_tensors():
+            if t.dim() >= 3 and t.shape[0] == self.batch:  # (not fp8's per-head scales)
+                t.copy_(t[parents])
 
     def consistency(self) -> str | None:
         """What is wrong with its own bookkeeping (a block pool's reference counts), or None;

@@ -92,6 +92,7 @@ def _raise_recompile_limits() -> None:
 class CompiledCache(PreallocatedCache):
     name = "compiled"
     extends = False  # its compiled step keeps the position on the device: one at a time
+    forks = False
     description = ("static cache, gpt-fast decode step under torch.compile: fixed shapes, "
                    "position as a device tensor; a CUDA graph on CUDA (reduce-overhead)")
     mode = "reduce-overhead"  # torch.compile's mode on CUDA

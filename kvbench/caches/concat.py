@@ -21,6 +21,7 @@ class ConcatCache(CachedAttention):
 
     name = "concat"
     extends = True
+    forks = True
     description = "torch.cat append, repeat_interleave GQA, dense matmul+softmax"
     reserves = "padded"
 
@@ -62,6 +63,9 @@ class ConcatCache(CachedAttention):
 
     def kv(self):
         return self.k, self.v
+
+    def reorder(self, parents):
+        self.k, self.v = self.k[parents], self.v[parents]
 
     def rewind(self, length):
         # torch.cat never writes in place, so a slice still holds the original positions.

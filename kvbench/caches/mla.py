@@ -36,6 +36,7 @@ class MlaCache(CachedAttention):
 
     attention = "mla"
     extends = True
+    forks = True
 
     @classmethod
     def min_bytes_per_step(cls, config, options):

@@ -29,6 +29,8 @@ class PagedCache(CachedAttention):
 
     name = "paged"
     extends = True
+    forks = True
+    forked = False  # rows share blocks after a reorder: a step copies a shared block first
     description = "block pool + per-sequence block tables, gather + grouped attention"
     kv_dtypes = frozenset(QUANTIZED)
     blocked = True
@@ -176,7 +178,7 @@ class PagedCache(CachedAttention):
             self._write_shared_prompt(parts, n, real)
             self._advance(n)
             return
-        if self.prefix and n == 1:  # a step may write into a block still shared: copy it
+        if (self.prefix or self.forked) and n == 1:  # a step may write into a shared block
             self._own_targets(self.row_lengths())
         if self.deficit is None:
             pos = torch.arange(self.length, self.length + n, device=k.device)
@@ -247,6 +249,22 @@ class PagedCache(CachedAttention):
         if released:
             self._upload()
         self._rewound(length)
+
+    def reorder(self, parents):
+        """Fork by reference: row i takes row parents[i]'s block table, each block one more
+        reference, and the old tables' blocks one fewer (freed at none). The partly filled
+        last block a step writes into is copied then, if still shared (copy on write)."""
+        rows = parents.tolist()  # a host decision, as a scheduler makes it
+        tables = [list(self.tables[p]) for p in rows]
+        for blocks in tables:
+            for block in blocks:
+                self.refs[block] += 1
+        for blocks in self.tables:
+            for block in blocks:
+                self._release(block)
+        self.tables = tables
+        self.forked = True
+        self._upload()
 
     def consistency(self):
         """Each block's reference count against the tables that hold it: a block on the free

@@ -12,6 +12,7 @@ from kvbench.quant import QuantizedStore
 
 class PreallocatedCache(CachedAttention):
     extends = True
+    forks = True
     """Storage preallocated for prompt + decode, [B, H_kv, T_max, D], written in place.
 
     A ragged batch's padded prompt is written whole (its padding is masked, then overwritten
