@@ -226,7 +226,8 @@ BENCH_FIRST = CONFIG_COLUMNS + [
 BENCH_COLUMNS = BENCH_FIRST[:-len(ENV_COLUMNS)] + [
     "splits", "block_size", "kv_dtype", "group_size", "k_quant", "kv_residual",
     *RAGGED_COLUMNS, *TP_COLUMNS,
-    "shared_prefix",
+    # --beams: the cache bytes a reorder copied per step (rows, or blocks copied on write)
+    "shared_prefix", "copied_bytes_per_step",
     # --tp: a step's all-reduce timed alone, and the median spread between the slowest and
     # the fastest rank of the cached decode samples (each sample's time is its slowest rank's)
     "allreduce_ms", "decode_rank_spread_ms",

@@ -203,10 +203,16 @@ def test_paged_forks_blocks_by_reference():
     layer = AttentionLayer.from_config(config)
     x = beam_inputs(config, make_inputs(config))
     impl = IMPLEMENTATIONS["paged"].build(layer, config, ImplOptions(block_size=4))
+    copy = IMPLEMENTATIONS["static"].build(layer, config, ImplOptions())
     with torch.no_grad():
-        impl.prefill(x[:, :23])
-        beam_decode(impl, config, x)
+        for cache in (impl, copy):
+            cache.prefill(x[:, :23])
+            beam_decode(cache, config, x)
     assert impl.consistency() is None
+    # static copies every row every step (reorder_cache); paged only the blocks it shares
+    # and writes into: at most one block of K and V per beam and step
+    assert copy.stats()["copied_bytes_per_step"] == 2 * 4 * 2 * 32 * 8 * 4
+    assert impl.stats()["copied_bytes_per_step"] <= 4 * 2 * 2 * 4 * 8 * 4
     # 32 positions: 8 blocks a beam; the prompt's 5 full blocks are stored once for all four
     # beams, each beam owns the blocks it wrote after the fork
     assert impl.stats()["blocks_used"] < 4 * 8

@@ -494,6 +494,17 @@ class CachedAttention(ABC):
         for t in self.cache_tensors():
             if t.dim() >= 3 and t.shape[0] == self.batch:  # (not fp8's per-head scales)
                 t.copy_(t[parents])
+                self.copied_bytes += t.numel() * t.element_size()
+        self.reorders += 1
+
+    copied_bytes = 0  # bytes a beam reorder copied, over every reorder so far
+    reorders = 0
+
+    def fork_stats(self) -> dict[str, object]:
+        """Beam search: the cache bytes copied per reorder (a step), on average."""
+        if not self.reorders:
+            return {}
+        return {"copied_bytes_per_step": self.copied_bytes / self.reorders}
 
     def consistency(self) -> str | None:
         """What is wrong with its own bookkeeping (a block pool's reference counts), or None;
@@ -522,7 +533,7 @@ class CachedAttention(ABC):
 
     def stats(self) -> dict[str, object]:
         """Implementation-specific counters for the report (e.g. blocks used)."""
-        return {}
+        return self.fork_stats()
 
 
 class FixedSlots(CachedAttention):

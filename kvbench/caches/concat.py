@@ -66,6 +66,8 @@ class ConcatCache(CachedAttention):
 
     def reorder(self, parents):
         self.k, self.v = self.k[parents], self.v[parents]
+        self.copied_bytes += 2 * self.k.numel() * self.k.element_size()
+        self.reorders += 1
 
     def rewind(self, length):
         # torch.cat never writes in place, so a slice still holds the original positions.

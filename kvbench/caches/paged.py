@@ -156,6 +156,8 @@ class PagedCache(CachedAttention):
         for pool in self.cache_tensors():
             if pool.dim() >= 3:  # the pools (not fp8's per-head scales)
                 pool[copy] = pool[block]
+                if self.forked:  # (a shared prefix's copies are not a beam's)
+                    self.copied_bytes += pool[block].numel() * pool.element_size()
         self.refs[block] -= 1
         self.tables[row][index] = copy
         return True
@@ -264,6 +266,7 @@ class PagedCache(CachedAttention):
                 self._release(block)
         self.tables = tables
         self.forked = True
+        self.reorders += 1
         self._upload()
 
     def consistency(self):
@@ -293,4 +296,4 @@ class PagedCache(CachedAttention):
                 "unused_positions": used * bs - stored,
                 "blocks_saved": unshared - used,
                 "blocks_allocated": self.n_blocks,
-                "block_size": self.options.block_size}
+                "block_size": self.options.block_size, **self.fork_stats()}

@@ -74,7 +74,7 @@ class SdpaCache(PreallocatedCache):
                                                   scale=self.layer.scale, enable_gqa=True)
 
     def stats(self):
-        return {"sdpa_backend": self.backend()}
+        return {"sdpa_backend": self.backend(), **self.fork_stats()}
 
     def backend(self) -> str:
         """Which SDPA backend runs the decode step, where torch lets us tell."""

@@ -91,4 +91,4 @@ class SplitKCache(PreallocatedCache):
         return out.reshape(B, Hq, 1, D)
 
     def stats(self):
-        return {"compile_ms": _compile_ms}
+        return {"compile_ms": _compile_ms, **self.fork_stats()}
