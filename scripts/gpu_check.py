@@ -85,7 +85,7 @@ GPU = Mode(False, "cuda", _shape(2, 256, 32, 512, 8, 2, 64), SMALL,
            ("--prompt-len", "1000", "--decode-len", "16"), "512", (),
            # measured on a lent H200 on 2026-11-30 (torch 2.11), plus 15%; tp is a guess
            {"env": 8, "verify": 65, "bench": 35, "targets": 85, "allocation": 8,
-            "memory": 12, "pytest": 92, "ragged": 48, "techniques": 27, "context": 26,
+            "memory": 12, "pytest": 92, "ragged": 48, "techniques": 45, "context": 26,
             "tp": 120, "sdpa-backends": 30, "model": 165, "mla": 90},  # mla: a guess
            # DeepSeek-V3's attention layer (128 heads, d_c 512, RoPE 64, q_lora 1536)
            ("--attention", "mla", "--hidden", "7168", "--q-heads", "128", "--kv-lora-rank",
@@ -98,7 +98,7 @@ CPU = Mode(True, "cpu", _shape(2, 64, 8, 512, 8, 2, 64), SMALL,
            ("--prompt-len", "300", "--decode-len", "8"), "128", ("--warmup", "1", "--rounds", "3"),
            # measured on the 2-core CPU kvbench is developed on (a process starts in ~4 s)
            {"env": 8, "verify": 30, "bench": 40, "targets": 0, "allocation": 0,
-            "memory": 12, "pytest": 0, "ragged": 20, "techniques": 25, "context": 25,
+            "memory": 12, "pytest": 0, "ragged": 20, "techniques": 40, "context": 25,
             "tp": 0, "sdpa-backends": 0, "model": 0, "mla": 30},
            ("--attention", "mla", "--hidden", "512", "--q-heads", "8"),
            ("--batch", "2", "--prompt-len", "512", "--decode-len", "4"))
@@ -204,7 +204,8 @@ def plan(mode: Mode, out: Path, gpus: int) -> list[Step]:
                "--max-len", "32768" if not mode.rehearse else "256", "--decode-len", "8",
                *layer_of(mode.long), "--no-recompute", "--no-prefill",
                *csv("bench-ragged.csv")]]),
-        Step("techniques", 6, "window, shared prefix and h2o: verify", 45,
+        Step("techniques", 6, "window, shared prefix, h2o, chunked prefill, speculative "
+             "rollback and beams: verify", 60,
              [[*kv, "verify", *dev, "--dtype", mode.half, "--impl", "window", "--window",
                "256", "--sinks", "4", "--rope", *mode.technique,
                *csv("verify-techniques.csv")],
@@ -213,6 +214,13 @@ def plan(mode: Mode, out: Path, gpus: int) -> list[Step]:
                *mode.technique, *csv("verify-techniques.csv")],
               [*kv, "verify", *dev, "--dtype", mode.half, "--impl", "h2o", "--kv-budget",
                "256", *mode.technique,
+               *csv("verify-techniques.csv")],
+              # the serving operations: a chunked prefill with speculative rollback, beams
+              [*kv, "verify", *dev, "--dtype", mode.half, "--impl", EAGER, "--rope",
+               "--prefill-chunk", "100", "--draft-len", "4", "--accept", "0.7",
+               *mode.technique, *csv("verify-techniques.csv")],
+              [*kv, "verify", *dev, "--dtype", mode.half, "--impl", EAGER, "--rope",
+               "--beams", "3", "--batch", "2", *mode.technique,
                *csv("verify-techniques.csv")]]),
         Step("context", 6, "bench against context length, then its plot", 90,
              [[*kv, "bench", *dev, *mode.rounds, "--dtype", mode.half, "--impl", measured, "--prompt-len",

@@ -155,7 +155,7 @@ def details(out: Path) -> int:
         print("bench, ragged decode (lognormal B=32): ms/step, % of copy: " + ", ".join(
             f"{r['impl']} {r['cached_ms_per_step']:.3f} {100 * r['bandwidth_fraction']:.0f}%"
             for _, r in rb.iterrows()))
-    bad += verdicts(out, "verify-techniques.csv", "verify, window / shared prefix / h2o (gate)")
+    bad += verdicts(out, "verify-techniques.csv", "verify, window / shared prefix / h2o (gate) / chunked prefill + speculative / beams")
     bad += verdicts(out, "verify-model.csv", "verify, the whole llama-3-8b shape")
     model = read(out, "bench-model.csv")
     if model is not None:

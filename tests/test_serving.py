@@ -139,6 +139,11 @@ def test_the_pool_names_a_freed_block_a_table_still_holds():
      "--draft-len with KIVI's layout"),
     (["--draft-len", "4", "--impl", "compiled"],
      "--impl compiled cannot run here: takes one position per call"),
+    (["--beams", "1"], "--beams 1: one beam is plain decode"),
+    (["--beams", "2", "--kv-dtype", "fp8"], "--beams with a quantized --kv-dtype"),
+    (["--beams", "2", "--draft-len", "4"], "--beams runs one position per step"),
+    (["--beams", "2", "--impl", "window", "--window", "8"],
+     "--impl window cannot run here: cannot reorder its rows"),
 ])
 def test_serving_bad_input_is_one_line_and_exit_2(args, message, tmp_path):
     out = tmp_path / "v.csv"
@@ -226,19 +231,3 @@ def test_verify_rejects_beam_faults(broken):
     (check,) = verify(RunConfig(rows, rope=True, beams=3), {broken.name: broken},
                       ImplOptions(block_size=4)).checks
     assert not check.passed and check.first_bad_step >= 1, check.message
-
-
-@pytest.mark.parametrize("args, message", [
-    (["--beams", "1"], "--beams 1: one beam is plain decode"),
-    (["--beams", "2", "--kv-dtype", "fp8"], "--beams with a quantized --kv-dtype"),
-    (["--beams", "2", "--draft-len", "4"], "--beams runs one position per step"),
-    (["--beams", "2", "--impl", "window", "--window", "8"],
-     "--impl window cannot run here: cannot reorder its rows"),
-])
-def test_beam_bad_input_is_one_line_and_exit_2(args, message, tmp_path):
-    out = tmp_path / "v.csv"
-    result = runner.invoke(app, ["verify", "--device", "cpu", *args, "--csv", str(out)])
-    assert result.exit_code == 2, result.output
-    assert message in result.stderr
-    assert len(result.stderr.strip().splitlines()) == 1
-    assert not out.exists()
