@@ -258,9 +258,9 @@ def _serving(o: RunOptions, kv_dtypes) -> None:
         if o.prefill_chunk is not None or o.draft_len is not None:
             raise KvbenchError("--beams runs one position per step; drop --prefill-chunk "
                                "and --draft-len")
-        if any(kv is not None for kv in kv_dtypes):
-            raise KvbenchError("--beams with a quantized --kv-dtype is not checked yet: its "
-                               "reference decodes one history per row; drop one of them")
+        if o.k_quant != "per-token" or o.kv_residual:
+            raise KvbenchError("--beams with KIVI's layout (--k-quant per-channel, "
+                               "--kv-residual) is not checked yet; use a per-token format")
     if o.seq_lens is not None or o.len_dist is not None:
         raise KvbenchError(f"{flag} runs on batches of equal lengths; drop --seq-lens and "
                            "--len-dist")

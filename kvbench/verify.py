@@ -131,7 +131,8 @@ def verify(config: RunConfig, impls: dict[str, type[CachedAttention]] | None = N
                 exact_steps = recompute_each(layer64, x64, s.prompt_lens)
             recompute_fp64 = max(_max_abs(a, e) for a, e in zip(ref_steps, exact_steps))
             fmt = options.kv_format
-            gate_steps = (quantized_reference(layer, x, prompt, fmt) if fmt.quantized
+            beams = serving.parents(config) if config.beams else None
+            gate_steps = (quantized_reference(layer, x, prompt, fmt, beams) if fmt.quantized
                           else None)
         if real is not None:
             ref_prefill = ref_prefill[real]  # [Σ T_i, H]
@@ -169,20 +170,22 @@ def _across_ranks(checks: list[ImplCheck]) -> list[ImplCheck]:
 
 
 def quantized_reference(layer: AttentionLayer, x: torch.Tensor, prompt: torch.Tensor,
-                        fmt: KvFormat) -> list[torch.Tensor]:
+                        fmt: KvFormat, parents=None) -> list[torch.Tensor]:
     """Float64 decode outputs [B, 1, H] over the cache a correct implementation stores in `fmt`.
 
     k and v are projected exactly as the implementations project them (the padded prompt in
     one call, then one position per sequence per step), so the same values are quantized;
     attention and the output projection then run in float64 over the dequantized cache, each
     sequence over its own positions (fp8's scales come from the prompts' real positions).
+    parents (--beams): each step's parent of every row; the stored rows are reordered by them
+    before the step, so each row holds its own beam's history.
     """
     s = layer.shape
     B, T = x.shape[0], x.shape[1]
     if fmt.buffered:
         return _kivi_reference(layer, x, prompt, fmt)
     if s.mla is not None:
-        return _latent_reference(layer, x, prompt, fmt)
+        return _latent_reference(layer, x, prompt, fmt, parents)
     lens = torch.tensor(s.prompt_lens, device=x.device)
     rows = torch.arange(B, device=x.device)
     store = QuantizedStore(fmt, (B, s.kv_heads, T), s.head_dim, x.device)
@@ -193,6 +196,10 @@ def quantized_reference(layer: AttentionLayer, x: torch.Tensor, prompt: torch.Te
     outputs = []
     for j in range(s.decode_len):
         at = lens + j  # each sequence's position
+        if parents is not None:
+            for t in store.tensors.values():
+                if t.dim() >= 3:  # per-position codes, scales and zero points
+                    t.copy_(t[parents[j].to(t.device)])
         q, k, v = layer.project(x[rows, at][:, None], start=at[:, None] if s.ragged else at[0])
         store.write_at(k, v, rows, at)
         n = int(at.max()) + 1
@@ -207,7 +214,7 @@ def quantized_reference(layer: AttentionLayer, x: torch.Tensor, prompt: torch.Te
 
 
 def _latent_reference(layer, x: torch.Tensor, prompt: torch.Tensor,
-                      fmt: KvFormat) -> list[torch.Tensor]:
+                      fmt: KvFormat, parents=None) -> list[torch.Tensor]:
     """quantized_reference for an MLA layer's latent cache: each position's entry projected
     as the implementations project it and stored in `fmt` (one vector per position), then
     decompressed and attended to in float64, each sequence over its own positions."""
@@ -224,6 +231,10 @@ def _latent_reference(layer, x: torch.Tensor, prompt: torch.Tensor,
     outputs = []
     for j in range(s.decode_len):
         at = lens + j
+        if parents is not None:  # --beams: each row its own beam's stored history
+            for t in store.tensors.values():
+                if t.dim() >= 3:
+                    t.copy_(t[parents[j].to(t.device)])
         x_t, start = x[rows, at][:, None], at[:, None] if s.ragged else at[0]
         q_nope, q_pe = layer.query(x_t, start)
         store.write_at(layer.entry(x_t, start), None, rows, at)

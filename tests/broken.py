@@ -674,3 +674,21 @@ class ReorderKeepsRows(StaticCache):
 
     def reorder(self, parents):
         pass
+
+
+class CopyOnWriteSkipsScales(PagedCache):
+    """Copies a shared block's codes on write, but not its scales and zero points."""
+
+    name = "copy-on-write-skips-scales"
+
+    def _own(self, row, index):
+        block = self.tables[row][index]
+        if self.refs[block] == 1:
+            return False
+        copy = self._take()
+        for name, pool in self.store.tensors.items():
+            if name.endswith("codes"):
+                pool[copy] = pool[block]
+        self.refs[block] -= 1
+        self.tables[row][index] = copy
+        return True

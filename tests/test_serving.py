@@ -6,6 +6,7 @@ import torch
 from broken import (
     BeamWritesSiblingsBlock,
     ChunkSeesOnlyItself,
+    CopyOnWriteSkipsScales,
     FreedBlockStillReferenced,
     RejectedStillVisible,
     ReorderKeepsRows,
@@ -140,7 +141,8 @@ def test_the_pool_names_a_freed_block_a_table_still_holds():
     (["--draft-len", "4", "--impl", "compiled"],
      "--impl compiled cannot run here: takes one position per call"),
     (["--beams", "1"], "--beams 1: one beam is plain decode"),
-    (["--beams", "2", "--kv-dtype", "fp8"], "--beams with a quantized --kv-dtype"),
+    (["--beams", "2", "--kv-dtype", "int4", "--k-quant", "per-channel"],
+     "--beams with KIVI's layout"),
     (["--beams", "2", "--draft-len", "4"], "--beams runs one position per step"),
     (["--beams", "2", "--impl", "window", "--window", "8"],
      "--impl window cannot run here: cannot reorder its rows"),
@@ -229,5 +231,30 @@ def test_verify_rejects_beam_faults(broken):
 
     rows = replace(GQA, batch=2 * 3)
     (check,) = verify(RunConfig(rows, rope=True, beams=3), {broken.name: broken},
+                      ImplOptions(block_size=4)).checks
+    assert not check.passed and check.first_bad_step >= 1, check.message
+
+
+@pytest.mark.parametrize("shape, names", [(GQA, ("static", "paged", "triton")),
+                                          (MLA, ("mla-absorbed", "triton-mla"))],
+                         ids=["gqa", "mla"])
+@pytest.mark.parametrize("kv_dtype", ["fp8", "int4"])
+def test_quantized_beams_copy_codes_and_scales(shape, names, kv_dtype):
+    from dataclasses import replace
+
+    config = RunConfig(replace(shape, batch=2 * 3), rope=True, beams=3, kv_dtype=kv_dtype,
+                       group_size=4)
+    names = [n for n in names if kv_dtype in IMPLEMENTATIONS[n].kv_dtypes]
+    report = verify(config, {n: IMPLEMENTATIONS[n] for n in names}, ImplOptions(block_size=4))
+    for c in report.checks:
+        assert c.passed, (c.impl, c.message)
+
+
+def test_verify_rejects_a_copy_on_write_that_skips_the_scales():
+    from dataclasses import replace
+
+    config = RunConfig(replace(GQA, batch=2 * 3), rope=True, beams=3, kv_dtype="int4",
+                       group_size=4)
+    (check,) = verify(config, {"fault": CopyOnWriteSkipsScales},
                       ImplOptions(block_size=4)).checks
     assert not check.passed and check.first_bad_step >= 1, check.message
