@@ -1,0 +1,89 @@
+"""Continuous batching's bookkeeping (kvbench.scheduler) on a seeded trace of 1,000 requests:
+no request lost or duplicated, no block leaked or held twice, under both preemption modes and
+both ways of reserving blocks."""
+
+import pytest
+
+from kvbench.errors import KvbenchError
+from kvbench.lengths import parse_len_dist
+from kvbench.scheduler import BlockPool, Request, Scheduler, trace
+
+TRACE = trace(1000, seed=0, prompt=parse_len_dist("lognormal:200:1.0"),
+              output=parse_len_dist("lognormal:100:1.0"), per_step=0.5, max_len=2048)
+
+
+def test_the_trace_is_seeded_and_shaped():
+    again = trace(1000, seed=0, prompt=parse_len_dist("lognormal:200:1.0"),
+                  output=parse_len_dist("lognormal:100:1.0"), per_step=0.5, max_len=2048)
+    assert again == TRACE and len({r.id for r in TRACE}) == 1000
+    assert all(1 <= r.output_len and r.reach <= 2048 for r in TRACE)
+    arrivals = [r.arrival for r in TRACE]
+    assert arrivals == sorted(arrivals) and 1800 < arrivals[-1] < 2200  # 0.5 a step
+
+
+class Checked(Scheduler):
+    """Checks every step: each block free or held by exactly one running sequence, which
+    holds enough blocks for what it caches."""
+
+    def step(self):
+        super().step()
+        held = [b for seq in self.running for b in seq.blocks]
+        assert len(held) == len(set(held)) == len(self.pool.owner)
+        assert not set(held) & set(self.pool.free)
+        assert len(held) + len(self.pool.free) == self.pool.n_blocks
+        for seq in self.running:
+            assert len(seq.blocks) >= self.blocks_for(seq.length)
+
+
+@pytest.mark.parametrize("reserve", ["paged", "prealloc"])
+@pytest.mark.parametrize("preempt", ["recompute", "swap"])
+def test_no_request_lost_or_duplicated_and_no_block_leaked(reserve, preempt):
+    scheduler = Checked(TRACE, n_blocks=600, block_size=16, reserve=reserve, preempt=preempt)
+    records = scheduler.run()
+    assert sorted(records) == list(range(1000))
+    for r in records.values():
+        assert r.finished is not None and r.first_token is not None
+        assert r.request.arrival <= r.first_token <= r.finished
+    # every token generated exactly once per request (a preempted one resumes, not restarts)
+    assert sum(scheduler.decoded) == sum(r.output_len for r in TRACE)
+    assert len(scheduler.pool.free) == 600 and not scheduler.pool.owner  # all returned
+    assert max(scheduler.blocks_in_use) <= 600
+    if reserve == "paged":  # the budget is tight enough that sequences were preempted
+        assert sum(r.preempted for r in records.values()) > 0
+        assert (scheduler.swapped_blocks > 0) == (preempt == "swap")
+        assert (scheduler.recomputed_tokens > 0) == (preempt == "recompute")
+
+
+def test_paged_serves_the_trace_sooner_than_preallocating():
+    paged = Scheduler(TRACE, n_blocks=600, block_size=16, reserve="paged")
+    oracle = Scheduler(TRACE, n_blocks=600, block_size=16, reserve="prealloc")
+    max_len = Scheduler(TRACE, n_blocks=600, block_size=16, reserve="prealloc",
+                        reserve_len=2048)
+    for s in (paged, oracle, max_len):
+        s.run()
+    # the same work in fewer steps: more sequences at once
+    assert paged.now < oracle.now < max_len.now
+
+
+def test_a_request_bigger_than_the_whole_budget_is_one_line():
+    big = [Request(0, 0, 1000, 100)]
+    with pytest.raises(KvbenchError, match="that request can never run"):
+        Scheduler(big, n_blocks=10, block_size=16)
+
+
+def test_the_pool_refuses_a_block_freed_by_another():
+    pool = BlockPool(2)
+    block = pool.take(7)
+    with pytest.raises(AssertionError, match="does not hold"):
+        pool.release(block, 8)
+
+
+def test_a_scheduler_that_leaks_a_finished_sequences_blocks_is_caught():
+    class Leaky(Checked):
+        def _finish_if_done(self, seq):
+            if seq.generated >= seq.request.output_len:
+                seq.blocks = []  # forgotten, never returned to the pool
+            super()._finish_if_done(seq)
+
+    with pytest.raises((AssertionError, KvbenchError)):
+        Leaky(TRACE, n_blocks=600, block_size=16).run(max_steps=20_000)
