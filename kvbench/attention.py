@@ -132,11 +132,15 @@ def sharded(config: RunConfig, layer: AttentionLayer) -> tuple[AttentionLayer, R
 
 def make_inputs(config: RunConfig) -> torch.Tensor:
     """Hidden states for the prompt and the G continuation positions: [B, T_p + G, H]. In a
-    ragged batch sequence i's tokens are its first T_i + G; see `padded_prompts`."""
+    ragged batch sequence i's tokens are its first T_i + G; see `padded_prompts`. With
+    --beams the rows are each prompt's beams, which share its prompt."""
     s = config.shape
     g = torch.Generator().manual_seed(config.seed + 1)
     x = torch.randn(s.batch, s.total_len, s.hidden, generator=g)
     x[:, : s.shared_prefix] = x[0, : s.shared_prefix]  # --shared-prefix: one system prompt
+    if config.beams:  # --beams: each prompt's W beams share it, then each its own tokens
+        beams = x.view(-1, config.beams, *x.shape[1:])
+        beams[:, :, : s.prompt_len] = beams[:, :1, : s.prompt_len]
     return x.to(device=config.device, dtype=torch_dtype(config.dtype))
 
 

@@ -136,8 +136,6 @@ def bench(config: RunConfig, impls: tuple[str, ...], options: BenchOptions,
     fmt = impl_options.kv_format
     layer = AttentionLayer.from_config(config)
     x = make_inputs(config)
-    if config.beams:  # each prompt's beams share it
-        x = serving.beam_inputs(config, x)
     prompt = padded_prompts(config, x)
     # With --tp the caches run this rank's shard (its heads); figures per step are per rank.
     part, local = sharded(config, layer)
@@ -163,6 +161,7 @@ def bench(config: RunConfig, impls: tuple[str, ...], options: BenchOptions,
             tasks["recompute"] = (_guarded(lambda _: recompute_each(layer, x, s.prompt_lens),
                                            "recompute", None, dev), lambda: None)
         prompt_caches = {}
+        decode = serving.decoder(config, x)  # its drafts or parents drawn once, untimed
         for name, cls in classes.items():
             if options.prefill:
                 fresh_one = _guarded(lambda cls: fresh(cls), "prefill", name, dev)
@@ -181,8 +180,7 @@ def bench(config: RunConfig, impls: tuple[str, ...], options: BenchOptions,
                 if cls.compiles:  # its first steps compile: never inside a timed sample
                     impl.decode(x, keep=False)
                     impl.rewind(s.prompt_len)
-            tasks[f"decode:{name}"] = (_guarded(lambda impl: serving.decode(impl, config, x,
-                                                                             keep=False),
+            tasks[f"decode:{name}"] = (_guarded(lambda impl: decode(impl, keep=False),
                                                 "decode", name, dev),
                                        lambda impl=impl: _rewound(impl, s.prompt_len))
         stats = time_interleaved(tasks, config.device, options.warmup, options.rounds, ranks)

@@ -114,7 +114,7 @@ def _points_of(o: RunOptions, reference_cases: bool = False,
             notes.append(left_out)
     for shape, dt, kv in itertools.product(shapes, dtypes, kv_dtypes):
         kivi = (o.k_quant, o.kv_residual) if kv in GROUPED else ("per-token", 0)
-        if o.beams is not None and o.beams >= 1:  # the rows: each prompt's beams
+        if o.beams:  # the rows: each prompt's beams (_serving refused fewer than 2)
             shape = replace(shape, batch=shape.batch * o.beams)
         rope = o.rope or shape.mla is not None  # MLA rotates its decoupled part always
         config = RunConfig(shape, dt, dev, o.seed, rope, kv, o.group_size, o.tp, *kivi,
@@ -258,9 +258,6 @@ def _serving(o: RunOptions, kv_dtypes) -> None:
         if o.prefill_chunk is not None or o.draft_len is not None:
             raise KvbenchError("--beams runs one position per step; drop --prefill-chunk "
                                "and --draft-len")
-        if o.k_quant != "per-token" or o.kv_residual:
-            raise KvbenchError("--beams with KIVI's layout (--k-quant per-channel, "
-                               "--kv-residual) is not checked yet; use a per-token format")
     if o.seq_lens is not None or o.len_dist is not None:
         raise KvbenchError(f"{flag} runs on batches of equal lengths; drop --seq-lens and "
                            "--len-dist")
@@ -268,10 +265,11 @@ def _serving(o: RunOptions, kv_dtypes) -> None:
         raise KvbenchError("--prefill-chunk with a quantized --kv-dtype: a chunk would read "
                            "the quantized cache while the gate is path A's exact prefill; "
                            "drop one of them")
-    if o.draft_len is not None and (o.k_quant != "per-token" or o.kv_residual):
-        raise KvbenchError("--draft-len with KIVI's layout (--k-quant per-channel, "
-                           "--kv-residual): a verify step's flush quantizes positions that "
-                           "one-at-a-time decode still reads exactly; use a per-token format")
+    if o.prefill_chunk is None and (o.k_quant != "per-token" or o.kv_residual):
+        # a verify step's flush quantizes positions one-at-a-time decode still reads
+        # exactly, and a beam's reference holds no residual: neither is checked yet
+        raise KvbenchError(f"{flag} with KIVI's layout (--k-quant per-channel, "
+                           "--kv-residual) is not checked yet; use a per-token format")
     if o.tp != 1:
         raise KvbenchError(f"{flag} runs on one device; drop --tp")
 

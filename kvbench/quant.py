@@ -289,6 +289,13 @@ class QuantizedStore:
                 self.tensors[f"{n}_residual"].copy_(copy)
         self.length = length
 
+    def reorder(self, parents: torch.Tensor) -> None:
+        """Static layout, beam search: row i takes row parents[i]'s positions (codes, scales,
+        zero points; fp8's per-head scales are no row's)."""
+        for t in self.tensors.values():
+            if t.dim() >= 3:
+                t.copy_(t[parents.to(t.device)])
+
     def write_at(self, k: torch.Tensor, v: torch.Tensor, rows: torch.Tensor,
                  positions: torch.Tensor) -> None:
         """Static layout: k, v [B, H_kv, 1, D], sequence b at its own position positions[b]."""

@@ -12,11 +12,15 @@ from kvbench.device import torch_dtype
 DEFAULT_ACCEPT = "0.8"  # each draft accepted with this probability unless --accept says
 
 
+def _acceptance(config: RunConfig) -> tuple[str, float]:
+    return accept_rule(config.accept or DEFAULT_ACCEPT, config.draft_len)
+
+
 def kept_per_step(config: RunConfig):
     """step -> the positions the step keeps (1..draft_len): a fixed count, or 1 (the target's
     own position) plus the drafts accepted before the first rejection, each with --accept's
     probability (seeded by --seed, the same sequence every run)."""
-    kind, value = accept_rule(config.accept or DEFAULT_ACCEPT, config.draft_len)
+    kind, value = _acceptance(config)
     if kind == "count":
         return lambda step: int(value)
     g = torch.Generator().manual_seed(config.seed + 4)
@@ -46,7 +50,7 @@ def mean_kept(config: RunConfig) -> float:
     step must move are spread over this many tokens."""
     if config.draft_len is None:
         return 1.0
-    kind, value = accept_rule(config.accept or DEFAULT_ACCEPT, config.draft_len)
+    kind, value = _acceptance(config)
     if kind == "count":
         return value
     return sum(value ** i for i in range(config.draft_len))
@@ -62,31 +66,28 @@ def prefill(impl, config: RunConfig, prompt: torch.Tensor) -> torch.Tensor:
 def run(impl, config: RunConfig, x: torch.Tensor, prompt: torch.Tensor):
     """Prefill then decode every remaining position, with the point's serving operations:
     (prefill outputs [B, T_p, H], [step outputs [B, 1, H]])."""
-    return prefill(impl, config, prompt), decode(impl, config, x)
+    return prefill(impl, config, prompt), decoder(config, x)(impl)
 
 
-def decode(impl, config: RunConfig, x: torch.Tensor, keep: bool = True):
-    """Every position of x after the cached ones: one per step, or speculative steps."""
+def decoder(config: RunConfig, x: torch.Tensor):
+    """(impl, keep=True) -> every position of x after impl's cached ones: one per step,
+    speculative steps, or beam steps. What the point's steps need beside the cache (the
+    drafts, the acceptances, the parents) is drawn once, here, not inside a timed decode."""
     if config.beams is not None:
-        return beam_decode(impl, config, x, keep)
+        chosen = [p.to(x.device) for p in parents(config)]
+        return lambda impl, keep=True: beam_decode(impl, config, x, chosen, keep)
     if config.draft_len is None:
-        return impl.decode(x, keep)
-    outputs = impl.decode_speculative(x, drafts(config, x), config.draft_len,
-                                      kept_per_step(config))
-    return outputs if keep else None
+        return lambda impl, keep=True: impl.decode(x, keep)
+    draft, kept = drafts(config, x), kept_per_step(config)
+
+    def speculative(impl, keep=True):
+        outputs = impl.decode_speculative(x, draft, config.draft_len, kept)
+        return outputs if keep else None
+
+    return speculative
 
 
 # Beam search (--beams W): the batch's rows are its prompts' beams, W each, in order.
-
-def beam_inputs(config: RunConfig, x: torch.Tensor) -> torch.Tensor:
-    """x [B·W, T, H] with each prompt's beams sharing its prompt (the first beam's), every
-    row keeping its own tokens after it: the hidden state beam i is given at each step."""
-    W, T_p = config.beams, config.shape.prompt_len
-    rows = x.clone()
-    grouped = rows.view(-1, W, *x.shape[1:])
-    grouped[:, :, :T_p] = grouped[:, :1, :T_p]
-    return rows
-
 
 def parents(config: RunConfig) -> list[torch.Tensor]:
     """Each step's parent of every row [B·W] (seeded): at the first step every beam forks
@@ -101,11 +102,13 @@ def parents(config: RunConfig) -> list[torch.Tensor]:
     return steps
 
 
-def beam_decode(impl, config: RunConfig, x: torch.Tensor, keep: bool = True):
-    """G beam steps: reorder the cache's rows by the step's parents, then one position."""
+def beam_decode(impl, config: RunConfig, x: torch.Tensor, chosen: list[torch.Tensor],
+                keep: bool = True):
+    """G beam steps: reorder the cache's rows by the step's parents (`chosen`, from
+    `parents`), then one position."""
     T_p, outputs = config.shape.prompt_len, []
-    for j, chosen in enumerate(parents(config)):
-        impl.reorder(chosen.to(x.device))
+    for j, rows in enumerate(chosen):
+        impl.reorder(rows)
         out = impl.step(x[:, T_p + j:T_p + j + 1])
         if keep:
             outputs.append(out)

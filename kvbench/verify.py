@@ -81,16 +81,6 @@ class VerifyReport:
         return all(c.passed for c in self.checks)
 
 
-def run_cached(impl: CachedAttention, x: torch.Tensor, prompt: torch.Tensor,
-               config: RunConfig | None = None):
-    """Prefill the (padded) prompt, then decode every remaining position (with the point's
-    serving operations, kvbench.serving): (prefill out, [step outs])."""
-    if config is not None:
-        return serving.run(impl, config, x, prompt)
-    prefill = impl.prefill(prompt)
-    return prefill, impl.decode(x)
-
-
 def _max_abs(a: torch.Tensor, b: torch.Tensor) -> float:
     return (a.double() - b.double()).abs().max().item()
 
@@ -111,8 +101,6 @@ def verify(config: RunConfig, impls: dict[str, type[CachedAttention]] | None = N
     rtol, atol = TOLERANCES[config.dtype]
     layer = AttentionLayer.from_config(config)
     x = make_inputs(config)
-    if config.beams:  # each prompt's beams share it
-        x = serving.beam_inputs(config, x)
     prompt = padded_prompts(config, x)
     # A ragged batch's prefill is compared at each sequence's own positions only.
     real = (torch.arange(s.prompt_len)[None] < torch.tensor(s.prompt_lens)[:, None]
@@ -196,10 +184,8 @@ def quantized_reference(layer: AttentionLayer, x: torch.Tensor, prompt: torch.Te
     outputs = []
     for j in range(s.decode_len):
         at = lens + j  # each sequence's position
-        if parents is not None:
-            for t in store.tensors.values():
-                if t.dim() >= 3:  # per-position codes, scales and zero points
-                    t.copy_(t[parents[j].to(t.device)])
+        if parents is not None:  # --beams: each row its own beam's stored history
+            store.reorder(parents[j])
         q, k, v = layer.project(x[rows, at][:, None], start=at[:, None] if s.ragged else at[0])
         store.write_at(k, v, rows, at)
         n = int(at.max()) + 1
@@ -232,9 +218,7 @@ def _latent_reference(layer, x: torch.Tensor, prompt: torch.Tensor,
     for j in range(s.decode_len):
         at = lens + j
         if parents is not None:  # --beams: each row its own beam's stored history
-            for t in store.tensors.values():
-                if t.dim() >= 3:
-                    t.copy_(t[parents[j].to(t.device)])
+            store.reorder(parents[j])
         x_t, start = x[rows, at][:, None], at[:, None] if s.ragged else at[0]
         q_nope, q_pe = layer.query(x_t, start)
         store.write_at(layer.entry(x_t, start), None, rows, at)
@@ -311,7 +295,7 @@ def _check(name, cls, layer, options, x, prompt, real, config, ref_prefill, ref_
     try:
         impl = cls.build(layer, config, options)
         impl.record = cls.lossy  # a lossy cache keeps what it attended to, for its gate
-        prefill, steps = run_cached(impl, x, prompt, config)
+        prefill, steps = serving.run(impl, config, x, prompt)
         if cls.lossy:
             gate_steps = restricted_reference(layer, x, impl.kept, config.shape.prompt_len)
         if real is not None and prefill.shape[:2] == real.shape:

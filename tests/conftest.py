@@ -33,3 +33,22 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "cuda" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture
+def refused(tmp_path):
+    """refused(args, message): `kvbench verify --device cpu ARGS` is bad input: exit 2, one
+    line on stderr that says `message`, and no results file written."""
+    from typer.testing import CliRunner
+
+    from kvbench.cli import app
+
+    def check(args, message):
+        out = tmp_path / "v.csv"
+        result = CliRunner().invoke(app, ["verify", "--device", "cpu", *args, "--csv", str(out)])
+        assert result.exit_code == 2, result.output
+        assert message in result.stderr
+        assert len(result.stderr.strip().splitlines()) == 1
+        assert not out.exists()
+
+    return check

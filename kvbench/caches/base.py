@@ -177,6 +177,8 @@ class CachedAttention(ABC):
     extends: ClassVar[bool] = False
     # whether its rows can be reordered between steps (`reorder`: beam search's forks)
     forks: ClassVar[bool] = False
+    copied_bytes = 0  # bytes beam reorders copied so far (rows, or blocks copied on write)
+    reorders = 0
     # the option a point must give for it to run at all (window: --window; h2o: --kv-budget):
     # it changes what attention sees, so it is no full-attention cache without it
     requires: ClassVar[str | None] = None
@@ -285,10 +287,9 @@ class CachedAttention(ABC):
 
     @classmethod
     def cache_model(cls, config: RunConfig) -> capacity.ModelSpec:
-        """The layer as `kvbench capacity` plans its cache (one layer of this layout)."""
-        s = config.shape
-        return capacity.ModelSpec(name="layer", layers=1, kv_heads=s.kv_heads,
-                                  head_dim=s.head_dim)
+        """The layer as `kvbench capacity` plans its cache (one layer of this layout): by
+        default the point's layer (`layer_model`)."""
+        return layer_model(config.shape)
 
     @classmethod
     def position_bytes(cls, config: RunConfig, options: ImplOptions) -> int:
@@ -479,7 +480,6 @@ class CachedAttention(ABC):
             k = min(draft_len, end - t)
             n = min(kept(step), k)
             block = torch.cat((x[:, t:t + n], draft[:, t + n:t + k]), dim=1)
-            self.checkpoint()  # what a rewind past a quantized flush restores
             out = self.extend(block)
             outputs += [out[:, j:j + 1] for j in range(n)]
             if n < k:
@@ -496,9 +496,6 @@ class CachedAttention(ABC):
                 t.copy_(t[parents])
                 self.copied_bytes += t.numel() * t.element_size()
         self.reorders += 1
-
-    copied_bytes = 0  # bytes a beam reorder copied, over every reorder so far
-    reorders = 0
 
     def fork_stats(self) -> dict[str, object]:
         """Beam search: the cache bytes copied per reorder (a step), on average."""
@@ -601,16 +598,22 @@ def _layout(config: RunConfig, options: ImplOptions, blocked: bool) -> capacity.
                                 residual_bytes=config.dtype_bytes)
 
 
+def layer_model(s) -> capacity.ModelSpec:
+    """One layer of shape s as `kvbench capacity` plans it: H_kv heads of K and V of D, or
+    for an MLA layer its latent and RoPE key."""
+    if s.mla is None:
+        return capacity.ModelSpec(name="layer", layers=1, kv_heads=s.kv_heads,
+                                  head_dim=s.head_dim)
+    return capacity.ModelSpec(name="layer", layers=1, mla_latent=s.mla.kv_lora_rank,
+                              mla_rope=s.mla.qk_rope_dim)
+
+
 def _planned(config: RunConfig, options: ImplOptions, lens, blocked: bool,
              shared: bool = True, model: capacity.ModelSpec | None = None) -> int:
-    """capacity's bytes for one layer of `model` (default: the point's GQA layer; an MLA
-    point's latent) holding `lens` positions per sequence."""
+    """capacity's bytes for one layer of `model` (default: the point's, `layer_model`)
+    holding `lens` positions per sequence."""
     s = config.shape
-    if model is None:
-        model = (capacity.ModelSpec(name="layer", layers=1, kv_heads=s.kv_heads,
-                                    head_dim=s.head_dim) if s.mla is None else
-                 capacity.ModelSpec(name="layer", layers=1, mla_latent=s.mla.kv_lora_rank,
-                                    mla_rope=s.mla.qk_rope_dim))
+    model = model or layer_model(s)
     prefix = s.shared_prefix if shared else 0
     return capacity.plan(model, _layout(config, options, blocked), lens,
                          shared_prefix=prefix).per_rank_bytes

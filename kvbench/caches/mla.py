@@ -26,7 +26,6 @@ from kvbench.caches.base import (
 )
 from kvbench.caches.static import PreallocatedCache
 from kvbench.capacity import QUANTIZED
-from kvbench.errors import KvbenchError
 from kvbench.mla import causal_attention
 from kvbench.quant import QuantizedStore
 
@@ -57,12 +56,6 @@ class MlaCache(CachedAttention):
 class LatentAttention(MlaCache):
     """What the caches of MLA's entries share: their layout's figures, the prefill, and a step
     that caches the new entry and attends with `attend_latent`."""
-
-    @classmethod
-    def cache_model(cls, config):
-        m = config.shape.mla
-        return capacity.ModelSpec(name="layer", layers=1, mla_latent=m.kv_lora_rank,
-                                  mla_rope=m.qk_rope_dim)
 
     @classmethod
     def cache_shape(cls, config):
@@ -116,44 +109,25 @@ class LatentAttention(MlaCache):
         raise NotImplementedError
 
 
-class LatentCache(LatentAttention):
+class LatentCache(LatentAttention, PreallocatedCache):
     """The entries [B, 1, T_max, d_c + d_rope], preallocated and written in place (or in a
     QuantizedStore of one vector per position: fp8 with one scale for the layer, as vLLM
     stores MLA's fp8 cache, or an int format grouped along the entry)."""
 
     kv_dtypes = frozenset(QUANTIZED)
 
-    def __init__(self, layer, batch, max_len, options=None, lens=None):
-        super().__init__(layer, batch, max_len, options, lens)
-        m = layer.shape.mla
+    def allocate(self):
+        m, layer = self.layer.shape.mla, self.layer
         self.latent_dim = m.kv_lora_rank
-        self.store = None
         if self.options.kv_dtype is not None:
-            self.store = QuantizedStore(self.options.kv_format, (batch, 1, max_len),
+            self.store = QuantizedStore(self.options.kv_format, (self.batch, 1, self.max_len),
                                         m.entry_dim, layer.device, layer.dtype, kinds=("k",))
-        else:
-            self.entries = torch.zeros(batch, 1, max_len, m.entry_dim, dtype=layer.dtype,
-                                       device=layer.device)
+            return
+        self.entries = torch.zeros(self.batch, 1, self.max_len, m.entry_dim,
+                                   dtype=layer.dtype, device=layer.device)
 
-    def write(self, entry: torch.Tensor, _v=None) -> None:
-        """entry [B, 1, n, d_c + d_rope] at positions length..length+n-1 (a ragged batch's
-        steps: each sequence at its own length)."""
-        n = entry.shape[2]
-        if self.length + n > self.max_len:
-            raise KvbenchError(f"cache holds {self.max_len} positions; cannot append "
-                               f"{n} at {self.length}")
-        if self.deficit is None or self.length == 0:
-            if self.store is not None:
-                self.store.write(entry, None, self.length, self.real(n))
-            else:
-                self.entries[:, :, self.length:self.length + n] = entry
-        elif n != 1:
-            raise KvbenchError("a ragged batch appends one position per sequence at a time")
-        elif self.store is not None:
-            self.store.write_at(entry, None, self.rows, self.lens_dev)
-        else:
-            self.entries[self.rows, :, self.lens_dev] = entry[:, :, 0]
-        self._advance(n)
+    def dense(self):
+        return [self.entries]
 
     def kv(self):
         """The cached entries [B, 1, T, d_c + d_rope] as keys, and their latents [B, 1, T,
@@ -163,14 +137,6 @@ class LatentCache(LatentAttention):
         else:
             entries = self.entries[:, :, : self.length]
         return entries, entries[..., : self.latent_dim]
-
-    def cache_tensors(self):
-        if self.store is not None:
-            return list(self.store.tensors.values())
-        return [self.entries]
-
-    def rewind(self, length):
-        self._rewound(length)
 
 
 @register
@@ -193,13 +159,14 @@ class MlaNaiveCache(MlaCache, PreallocatedCache):
                                           + fp.Sizes(s).kv(1)) * b,
                                fp.sdpa_is_fused(config.device, config.dtype, s.head_dim))
 
-    def __init__(self, layer, batch, max_len, options=None, lens=None):
-        CachedAttention.__init__(self, layer, batch, max_len, options, lens)
-        m, Hq = layer.shape.mla, layer.shape.q_heads
-        self.store = None
+    def allocate(self):
+        """Every head's K [B, H_q, T_max, qk] and V [B, H_q, T_max, v]."""
+        m, layer = self.layer.shape.mla, self.layer
         zeros = {"dtype": layer.dtype, "device": layer.device}
-        self.k_cache = torch.zeros(batch, Hq, max_len, m.qk_dim, **zeros)
-        self.v_cache = torch.zeros(batch, Hq, max_len, m.v_head_dim, **zeros)
+        self.k_cache = torch.zeros(self.batch, layer.shape.q_heads, self.max_len, m.qk_dim,
+                                   **zeros)
+        self.v_cache = torch.zeros(self.batch, layer.shape.q_heads, self.max_len,
+                                   m.v_head_dim, **zeros)
 
     def prefill(self, x):
         q, k, v = self.layer.project(x, 0)

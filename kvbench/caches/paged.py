@@ -100,10 +100,15 @@ class PagedCache(CachedAttention):
         self.k_pool = torch.zeros(*lead, s.head_dim, **zeros)
         self.v_pool = torch.zeros(*lead, s.head_dim, **zeros)
 
-    def parts(self, k: torch.Tensor, v: torch.Tensor, real) -> list:
-        """(pool, values [B, heads, n, ...]) for each pool a write of k, v fills."""
+    def dense(self) -> list[torch.Tensor]:
+        """The unquantized pools a write fills, one per value written."""
+        return [self.k_pool, self.v_pool]
+
+    def parts(self, k: torch.Tensor, v: torch.Tensor | None, real) -> list:
+        """(pool, values [B, heads, n, ...]) for each pool a write of k, v fills (v None: a
+        pool of one value per position)."""
         if self.store is None:
-            return [(self.k_pool, k), (self.v_pool, v)]
+            return list(zip(self.dense(), (k,) if v is None else (k, v)))
         return [(self.store.tensors[name], part) for name, part
                 in self.store.encode(k, v, self.length == 0, real).items()]
 
@@ -170,7 +175,7 @@ class PagedCache(CachedAttention):
         if any(copied):
             self._upload()
 
-    def write(self, k: torch.Tensor, v: torch.Tensor) -> None:
+    def write(self, k: torch.Tensor, v: torch.Tensor | None = None) -> None:
         """k, v [B, H_kv, n, D] at positions length..length+n-1."""
         n, bs = k.shape[2], self.options.block_size
         self._grow(self.length + n)
@@ -239,7 +244,7 @@ class PagedCache(CachedAttention):
     def cache_tensors(self):
         if self.store is not None:
             return list(self.store.tensors.values())
-        return [self.k_pool, self.v_pool]
+        return self.dense()
 
     def rewind(self, length):
         released = False

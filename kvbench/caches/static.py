@@ -24,14 +24,23 @@ class PreallocatedCache(CachedAttention):
 
     def __init__(self, layer, batch, max_len, options=None, lens=None):
         super().__init__(layer, batch, max_len, options, lens)
-        s = layer.shape
         self.store = None
+        self.allocate()
+
+    def allocate(self) -> None:
+        """The storage: K and V [B, H_kv, T_max, D], or a QuantizedStore of them."""
+        s, layer = self.layer.shape, self.layer
         if self.options.kv_dtype is not None:
-            self.store = QuantizedStore(self.options.kv_format, (batch, s.kv_heads, max_len),
-                                        s.head_dim, layer.device, layer.dtype)
+            self.store = QuantizedStore(self.options.kv_format,
+                                        (self.batch, s.kv_heads, self.max_len), s.head_dim,
+                                        layer.device, layer.dtype)
             return
-        shape = (batch, s.kv_heads, max_len, s.head_dim)  # [B, H_kv, T_max, D]
+        shape = (self.batch, s.kv_heads, self.max_len, s.head_dim)  # [B, H_kv, T_max, D]
         self.k_cache, self.v_cache = self.allocate_kv(shape)
+
+    def dense(self) -> list[torch.Tensor]:
+        """The unquantized storage a write fills, one tensor per value written."""
+        return [self.k_cache, self.v_cache]
 
     def allocate_kv(self, shape: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V storage of `shape`, zeroed. Zeros, not empty: a masked position weighs
@@ -44,11 +53,13 @@ class PreallocatedCache(CachedAttention):
     def cache_tensors(self):
         if self.store is not None:
             return list(self.store.tensors.values())
-        return [self.k_cache, self.v_cache]
+        return self.dense()
 
-    def write(self, k: torch.Tensor, v: torch.Tensor) -> None:
-        """k, v [B, H_kv, n, D] at positions length..length+n-1."""
+    def write(self, k: torch.Tensor, v: torch.Tensor | None = None) -> None:
+        """k, v [B, H_kv, n, D] at positions length..length+n-1 (v None: a cache of one
+        value per position, `dense` one tensor)."""
         n = k.shape[2]
+        values = (k,) if v is None else (k, v)
         if self.length + n > self.max_len:
             raise KvbenchError(f"cache holds {self.max_len} positions; cannot append "
                                f"{n} at {self.length}")
@@ -56,15 +67,15 @@ class PreallocatedCache(CachedAttention):
             if self.store is not None:
                 self.store.write(k, v, self.length, self.real(n))
             else:
-                self.k_cache[:, :, self.length:self.length + n] = k
-                self.v_cache[:, :, self.length:self.length + n] = v
+                for cache, x in zip(self.dense(), values):
+                    cache[:, :, self.length:self.length + n] = x
         elif n != 1:
             raise KvbenchError("a ragged batch appends one position per sequence at a time")
         elif self.store is not None:  # each sequence at its own length
             self.store.write_at(k, v, self.rows, self.lens_dev)
         else:
-            self.k_cache[self.rows, :, self.lens_dev] = k[:, :, 0]
-            self.v_cache[self.rows, :, self.lens_dev] = v[:, :, 0]
+            for cache, x in zip(self.dense(), values):
+                cache[self.rows, :, self.lens_dev] = x[:, :, 0]
         self._advance(n)
 
     def kv(self):

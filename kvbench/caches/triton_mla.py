@@ -73,14 +73,8 @@ class TritonMlaCache(Absorbed, PagedCache):
         self.pool = torch.zeros(*lead, m.entry_dim, dtype=self.layer.dtype,
                                 device=self.layer.device)
 
-    def parts(self, entry, _v, real):
-        if self.store is None:
-            return [(self.pool, entry)]
-        return [(self.store.tensors[name], part) for name, part
-                in self.store.encode(entry, None, self.length == 0, real).items()]
-
-    def write(self, entry, _v=None):
-        super().write(entry, None)
+    def dense(self):
+        return [self.pool]
 
     def kv(self):
         """The entries gathered from the pool [B, 1, T, d_c + d_rope] and their latents
@@ -91,11 +85,6 @@ class TritonMlaCache(Absorbed, PagedCache):
             stored = self.store.tensors
             entries = self.store.decode("k", lambda t: self._gather(stored[t]), self.layer.dtype)
         return entries, entries[..., : self.layer.shape.mla.kv_lora_rank]
-
-    def cache_tensors(self):
-        if self.store is not None:
-            return list(self.store.tensors.values())
-        return [self.pool]
 
     def attend_latent(self, q_nope, q_pe):
         B, Hq = q_nope.shape[:2]
