@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import inspect
+import math
 import os
 import sys
 from pathlib import Path
@@ -205,6 +206,48 @@ def capacity(
     from kvbench import planner
 
     planner.capacity(model=model, list_models=list_models, from_config=from_config, layers=layers, kv_heads=kv_heads, head_dim=head_dim, q_heads=q_heads, mla_latent=mla_latent, mla_rope=mla_rope, batch=batch, seq_len=seq_len, seq_lens=seq_lens, len_dist=len_dist, max_len=max_len, seed=seed, kv_dtype=kv_dtype, group_size=group_size, k_quant=k_quant, kv_residual=kv_residual, tp=tp, block_size=block_size, window=window, sinks=sinks, shared_prefix=shared_prefix, share_layers=share_layers, gpu_mem=gpu_mem, weight_dtype=weight_dtype, weights_bytes=weights_bytes, margin=margin, utilization=utilization, allocate=allocate, case=case, device=device, csv=csv)
+
+
+@app.command("serve-sim", epilog=EXIT_CODES, help=_unwrap("""
+    Continuous batching on a seeded request trace: admit while KV blocks last, decode every
+    running sequence each step, preempt when blocks run out, free at completion.
+
+    The same trace and pool are served once per --reserve (paged blocks taken as sequences
+    grow; prealloc: --max-len reserved per request; oracle: each request's own length), every
+    step run on one attention layer and timed. Reports requests and tokens per second, time
+    to first token and per output token, blocks in use and preemptions; every request's
+    outputs are checked against path A, the request recomputed alone (exit 1 if any differ).
+    """))
+def serve_sim(
+    requests: Annotated[int, typer.Option(help="Requests in the trace.")] = 200,
+    len_dist: Annotated[str, typer.Option(help="Prompt lengths: uniform:LO:HI or lognormal:MEAN:SIGMA.")] = "lognormal:256:1.0",
+    output_dist: Annotated[str, typer.Option(help="Output lengths, as --len-dist.")] = "lognormal:128:1.0",
+    max_len: Annotated[int, typer.Option(help="The longest a request may get (prompt + output): caps the draws; prealloc reserves it.")] = 2048,
+    rate: Annotated[float, typer.Option(help="Poisson arrivals, requests per second of the measured clock. \\[default: all at once]")] = math.inf,
+    kv_blocks: Annotated[int, typer.Option(help="KV blocks in the pool (the memory budget).")] = 512,
+    block_size: Annotated[int, typer.Option(help="Positions per block.")] = 16,
+    reserve: Annotated[str, typer.Option(help="Ways of reserving to serve the trace with: paged, prealloc, oracle (comma-separated).")] = "paged,prealloc",
+    preempt: Annotated[str, typer.Option(help="When blocks run out: recompute (free and prefill again) or swap (to host memory and back).")] = "recompute",
+    hidden: Annotated[int, typer.Option(help="Hidden size H.")] = 512,
+    q_heads: Annotated[int, typer.Option(help="Query heads H_q.")] = 8,
+    kv_heads: Annotated[int, typer.Option(help="KV heads H_kv.")] = 2,
+    head_dim: Annotated[int, typer.Option(help="Head dim D.")] = 64,
+    dtype: Annotated[str, typer.Option(help="float32, float16 or bfloat16.")] = "float32",
+    device: Annotated[str, typer.Option(help="auto, cpu, cuda or cuda:N.")] = "auto",
+    seed: Annotated[int, typer.Option(help="Seed of the trace, the weights and the inputs.")] = 0,
+    host_mem: Annotated[str | None, typer.Option(help="Host memory this run may use, e.g. 64GiB. \\[default: MemAvailable]")] = None,
+    csv: CsvPath = None,
+    steps_csv: Annotated[Path | None, typer.Option(help="The per-step log. \\[default: the --csv path with -steps]")] = None,
+):
+    from kvbench import servesim
+
+    options = servesim.SimOptions(
+        requests=requests, len_dist=len_dist, output_dist=output_dist, max_len=max_len,
+        rate=rate, kv_blocks=kv_blocks, block_size=block_size,
+        reserve=tuple(r.strip() for r in reserve.split(",") if r.strip()), preempt=preempt,
+        hidden=hidden, q_heads=q_heads, kv_heads=kv_heads, head_dim=head_dim, dtype=dtype,
+        device=device, seed=seed, host_mem=host_mem, csv=csv, steps_csv=steps_csv)
+    servesim.run(options)
 
 
 @command

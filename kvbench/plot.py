@@ -365,6 +365,50 @@ def plot_model_quality(df: pd.DataFrame, plt):
     fig.suptitle(f"kvbench verify — {df['model'].iloc[0]}: quality against cache bytes")
     return fig
 
+def plot_serve_steps(df: pd.DataFrame, plt):
+    """serve-sim's log, the latest run: KV memory in use and output tokens per second over
+    the run's clock, one line per way of reserving."""
+    df = df[df["timestamp"] == df["timestamp"].iloc[-1]]
+    fig, (mem, rate) = plt.subplots(2, 1, figsize=(8, 6.4), sharex=True)
+    for reserve, g in df.groupby("reserve", sort=False):
+        t = g["time_s"].to_numpy()
+        mem.plot(t, g["kv_bytes_in_use"] / MIB, lw=1, label=reserve)
+        window = max(1, len(g) // 50)  # tokens/s over a moving window of steps
+        tokens = g["tokens"].rolling(window, min_periods=1).sum()
+        span = g["time_s"].diff(window).fillna(g["time_s"])
+        rate.plot(t, tokens / span.where(span > 0), lw=1, label=reserve)
+    mem.set_ylabel("KV blocks in use, MiB")
+    rate.set_ylabel("output tokens / s")
+    rate.set_xlabel("time, s (the sum of the timed steps)")
+    for ax in (mem, rate):
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle(_title(df.assign(dtype=None), "serve-sim: memory in use and throughput"))
+    return fig
+
+
+def plot_serve(df: pd.DataFrame, plt):
+    """serve-sim's summary, the latest run: requests/s and TTFT/TPOT medians per reserve."""
+    df = df[df["timestamp"] == df["timestamp"].iloc[-1]]
+    fig, (thr, lat) = plt.subplots(1, 2, figsize=(9, 4))
+    thr.bar(df["reserve"], df["requests_per_s"])
+    thr.set_ylabel("requests / s")
+    for i, (_, r) in enumerate(df.iterrows()):
+        thr.annotate(f"{r.requests_per_s / df['requests_per_s'].min():.2f}×",
+                     (i, r.requests_per_s), ha="center", va="bottom", fontsize=8)
+    x = range(len(df))
+    lat.bar([i - 0.2 for i in x], df["ttft_p50_ms"], 0.4, label="TTFT p50")
+    lat.bar([i + 0.2 for i in x], df["tpot_p50_ms"], 0.4, label="TPOT p50")
+    lat.set_xticks(list(x), df["reserve"])
+    lat.set_yscale("log")
+    lat.set_ylabel("ms")
+    lat.legend(fontsize=8)
+    for ax in (thr, lat):
+        ax.grid(True, axis="y", alpha=0.3)
+    fig.suptitle(_title(df, f"serve-sim: {int(df['requests'].iloc[0])} requests, "
+                            f"{int(df['kv_blocks'].iloc[0])} blocks"))
+    return fig
+
 
 def plot(kind: str, df: pd.DataFrame, output: Path) -> list[Path]:
     """Draw the file's rows to `output`; a memory file that mixes square and ragged batches
@@ -378,7 +422,8 @@ def plot(kind: str, df: pd.DataFrame, output: Path) -> list[Path]:
 
 def _plot_one(kind: str, df: pd.DataFrame, output: Path) -> list[Path]:
     drawers = {"bench": plot_bench, "memory": plot_memory, "capacity": plot_capacity,
-               "verify": plot_verify}
+               "verify": plot_verify, "serve-sim": plot_serve,
+               "serve-sim-steps": plot_serve_steps}
     if kind in ("bench", "verify") and df["kv_dtype"].nunique(dropna=False) > 1:
         drawers[kind] = lambda df, plt: plot_frontier(kind, df, plt)
     if kind == "memory" and df["seq_lens"].notna().any() and df["kv_waste"].notna().any():
@@ -391,7 +436,7 @@ def _plot_one(kind: str, df: pd.DataFrame, output: Path) -> list[Path]:
         drawers[kind] = plot_model_quality
     if kind not in drawers:
         raise KvbenchError(f"nothing to plot in {kind} results; plot takes bench, memory, "
-                           "capacity or verify results")
+                           "capacity, verify or serve-sim results")
     plt = _pyplot()
     fig = drawers[kind](df, plt)
     fig.tight_layout()

@@ -513,6 +513,67 @@ def allocation_rows(results, env: dict[str, object]) -> list[dict[str, object]]:
         "free_before_bytes": r.free_before_bytes, "passed": r.passed, **env,
     } for r in results]
 
+# serve-sim: one row per way of reserving on a trace (kvbench.servesim); times in ms except
+# the run's duration; rate_per_s empty when every request arrived at once
+SERVE_FIRST = [
+    "timestamp", "command", "reserve", "preempt", "requests", "len_dist", "output_dist",
+    "max_len", "rate_per_s", "kv_blocks", "block_size", "kv_pool_bytes", "hidden", "q_heads",
+    "kv_heads", "head_dim", "dtype", "device", "seed", "passed", "max_abs_err", "duration_s",
+    "steps", "requests_per_s", "output_tokens_per_s", "prompt_tokens", "output_tokens",
+    "ttft_p50_ms", "ttft_p90_ms", "ttft_p99_ms", "tpot_p50_ms", "tpot_p90_ms", "tpot_p99_ms",
+    "latency_per_token_mean_ms", "mean_batch", "max_batch", "mean_blocks_in_use",
+    "max_blocks_in_use", "mean_kv_bytes_in_use", "preemptions", "recomputed_tokens",
+    "swapped_blocks",
+] + ENV_COLUMNS
+SERVE_COLUMNS = SERVE_FIRST
+# serve-sim's per-step log (its -steps.csv): the clock at each step's end, sequences decoded,
+# tokens made, blocks held
+SERVE_STEP_FIRST = ["timestamp", "command", "reserve", "step", "time_s", "batch", "tokens",
+                    "blocks_in_use", "kv_bytes_in_use"] + ENV_COLUMNS
+SERVE_STEP_COLUMNS = SERVE_STEP_FIRST
+
+
+def serve_rows(o, device: str, served, stamp: str, block_bytes: int,
+               env: dict[str, object]) -> list[dict[str, object]]:
+    from kvbench.servesim import PERCENTILES, percentile
+
+    rows = []
+    for s in served:
+        row = {"timestamp": stamp, "command": "serve-sim", "reserve": s.reserve,
+               "preempt": o.preempt, "requests": o.requests, "len_dist": o.len_dist,
+               "output_dist": o.output_dist, "max_len": o.max_len,
+               "rate_per_s": o.rate if math.isfinite(o.rate) else None,
+               "kv_blocks": o.kv_blocks, "block_size": o.block_size,
+               "kv_pool_bytes": block_bytes * o.kv_blocks, "hidden": o.hidden,
+               "q_heads": o.q_heads, "kv_heads": o.kv_heads, "head_dim": o.head_dim,
+               "dtype": o.dtype, "device": device, "seed": o.seed, "passed": s.passed,
+               "max_abs_err": s.max_abs_err, "duration_s": s.duration_s, "steps": s.steps,
+               "requests_per_s": s.requests_per_s, "output_tokens_per_s": s.tokens_per_s,
+               "prompt_tokens": s.prompt_tokens, "output_tokens": s.output_tokens,
+               "latency_per_token_mean_ms": 1e3 * sum(s.latency_per_token_s)
+               / len(s.latency_per_token_s),
+               "mean_batch": sum(s.batch) / s.steps, "max_batch": max(s.batch),
+               "mean_blocks_in_use": sum(s.blocks_in_use) / s.steps,
+               "max_blocks_in_use": max(s.blocks_in_use),
+               "mean_kv_bytes_in_use": block_bytes * sum(s.blocks_in_use) / s.steps,
+               "preemptions": s.preemptions, "recomputed_tokens": s.recomputed_tokens,
+               "swapped_blocks": s.swapped_blocks, **env}
+        for name, values in (("ttft", s.ttft_s), ("tpot", s.tpot_s)):
+            for q in PERCENTILES:
+                p = percentile(values, q)
+                row[f"{name}_p{q}_ms"] = None if p is None else 1e3 * p
+        rows.append(row)
+    return rows
+
+
+def serve_step_rows(served, stamp: str, block_bytes: int,
+                    env: dict[str, object]) -> list[dict[str, object]]:
+    return [{"timestamp": stamp, "command": "serve-sim", "reserve": s.reserve, "step": i,
+             "time_s": s.step_end_s[i], "batch": s.batch[i], "tokens": s.tokens[i],
+             "blocks_in_use": s.blocks_in_use[i],
+             "kv_bytes_in_use": block_bytes * s.blocks_in_use[i], **env}
+            for s in served for i in range(s.steps)]
+
 
 # kind -> (the columns this release writes, the columns of the first release). Later releases
 # add columns, never remove one, so every file of a kind has its first release's columns.
@@ -522,4 +583,6 @@ FILE_KINDS = {
     "memory": (MEMORY_COLUMNS, MEMORY_FIRST),
     "capacity": (CAPACITY_COLUMNS, CAPACITY_FIRST),
     "allocation": (ALLOCATION_COLUMNS, ALLOCATION_FIRST),
+    "serve-sim": (SERVE_COLUMNS, SERVE_FIRST),
+    "serve-sim-steps": (SERVE_STEP_COLUMNS, SERVE_STEP_FIRST),
 }

@@ -1,14 +1,21 @@
 """Continuous batching's bookkeeping: a seeded request trace, a pool of KV blocks and a
-scheduler that admits requests while blocks last, decodes every running sequence each step,
-frees a sequence's blocks when it finishes, and preempts when the pool runs dry (vLLM's
-policy: the most recently admitted sequence goes first, by recompute or by swap). No torch:
-this is the accounting a serving engine does on the host, stepped in discrete decode steps.
+scheduler that decodes every running sequence each step, preempts when the pool runs dry,
+admits waiting requests while blocks last and frees a sequence's blocks when it finishes
+(vLLM's policy: the most recently admitted sequence is preempted first, by recompute or by
+swap, and nothing new is admitted in a step that preempted). No torch: this is the
+accounting a serving engine does on the host. An `engine` (kvbench.engine) may carry out
+each decision on a real cache as it is made; without one the scheduler only counts.
 
 Two ways to reserve, on the same trace and pool: `paged` takes a block whenever a sequence's
-next token needs one; `prealloc` reserves, when it admits a request, the blocks of the
+next position needs one; `prealloc` reserves, when it admits a request, the blocks of the
 longest a request may get (`reserve_len`, a server's --max-len, as a cache preallocated to
 the maximum length does; without it the request's own prompt + output, an oracle no server
 has).
+
+Positions: a request of prompt P generating O tokens caches P + O - 1 positions (its last
+token is never fed back). Its prefill writes positions 0..P-1 and yields token 1; the step
+that yields token g+1 writes position P+g-1. A sequence resumed by recompute prefills its
+prompt and its g tokens (positions 0..P+g-1) and so yields token g+1.
 """
 
 from __future__ import annotations
@@ -28,28 +35,28 @@ RESERVE = ("paged", "prealloc")
 @dataclass(frozen=True)
 class Request:
     id: int
-    arrival: int  # the step it arrives at
+    arrival: float  # when it arrives, on the scheduler's clock (steps, or seconds)
     prompt_len: int
     output_len: int  # tokens it generates, the first with its prefill
 
     @property
     def reach(self) -> int:
-        """Positions it holds once finished."""
+        """Prompt + output: the positions a server reserving per request must allow for."""
         return self.prompt_len + self.output_len
 
 
-def trace(n: int, seed: int, prompt: LenDist, output: LenDist, per_step: float,
+def trace(n: int, seed: int, prompt: LenDist, output: LenDist, rate: float,
           max_len: int) -> list[Request]:
-    """n requests arriving as a Poisson process of `per_step` requests per decode step, their
-    prompt and output lengths drawn from the distributions (seeded), prompt + output capped
-    at max_len."""
+    """n requests arriving as a Poisson process of `rate` requests per unit of the clock
+    (math.inf: all at 0), their prompt and output lengths drawn from the distributions
+    (seeded), prompt + output capped at max_len."""
     rng = random.Random(seed)
     prompts = draw(prompt, n, seed, max_len - 1)
     outputs = draw(output, n, seed + 1, max_len - 1)
     now, requests = 0.0, []
     for i, (p, o) in enumerate(zip(prompts, outputs)):
-        now += rng.expovariate(per_step)
-        requests.append(Request(i, int(now), p, max(1, min(o, max_len - p))))
+        now += 0.0 if math.isinf(rate) else rng.expovariate(rate)
+        requests.append(Request(i, now, p, max(1, min(o, max_len - p))))
     return requests
 
 
@@ -82,17 +89,22 @@ class Running:
     request: Request
     blocks: list[int] = field(default_factory=list)
     generated: int = 0  # tokens generated so far (kept across a preemption)
-    admitted: int = 0
+    swapped: bool = False  # its cache waits in host memory (preempted by swap)
 
     @property
     def length(self) -> int:
-        """Positions cached: the prompt and every generated token but the newest."""
+        """Positions cached once its next token is made: the prompt and every token so far."""
         return self.request.prompt_len + self.generated
+
+    @property
+    def cached(self) -> int:
+        """Positions cached now (the newest token is not yet fed back)."""
+        return self.request.prompt_len + max(self.generated - 1, 0)
 
 
 @dataclass
 class Record:
-    """One request's life: when it arrived, got its first token and finished."""
+    """One request's life, in steps: when it got its first token and finished."""
 
     request: Request
     first_token: int | None = None
@@ -101,44 +113,55 @@ class Record:
 
 
 class Scheduler:
-    """Admits, decodes, finishes and preempts on a BlockPool, one decode step at a time.
+    """Decodes, preempts, finishes and admits on a BlockPool, one step at a time.
 
-    A step: arrived requests are admitted first come first served while their blocks can be
-    taken (paged: the prompt's blocks and the first token's; prealloc: every block the
-    request may reach); an admitted request's prefill yields its first token. Then every
-    other running sequence decodes one token, taking a block when its next position starts
-    one; when none is free the most recently admitted sequence is preempted (recompute:
-    its blocks freed, it waits at the head of the queue and recomputes its prompt and
-    tokens when readmitted; swap: its blocks' contents go to host memory and come back on
-    readmission). A finished sequence frees its blocks.
+    A step: requests whose arrival is due join the queue. Every running sequence decodes one
+    token, oldest first, taking a block when its next position starts one; when none is free
+    the most recently admitted sequence is preempted (recompute: its blocks freed, it waits
+    at the head of the queue and prefills its prompt and tokens again when readmitted; swap:
+    its blocks' contents go to host memory and come back on readmission, into whatever
+    blocks are free then). A finished sequence frees its blocks. Then, if nothing was
+    preempted, waiting requests are admitted first come first served while their blocks can
+    be taken (paged: what their prefill writes; prealloc: every block the request may reach);
+    an admitted request's prefill yields its next token, a swapped one's cache is copied
+    back and it decodes from the next step.
     """
 
     def __init__(self, requests: list[Request], n_blocks: int, block_size: int,
                  reserve: str = "paged", preempt: str = "recompute",
-                 reserve_len: int | None = None):
+                 reserve_len: int | None = None, engine=None):
         if reserve not in RESERVE:
-            raise KvbenchError(f"unknown reserve {reserve!r}; use paged or prealloc")
+            raise KvbenchError(f"unknown --reserve {reserve!r}; use paged or prealloc")
         if preempt not in PREEMPT:
             raise KvbenchError(f"unknown --preempt {preempt!r}; use recompute or swap")
         self.block_size, self.reserve, self.preempt = block_size, reserve, preempt
         self.reserve_len = reserve_len
         for r in requests:
-            if self.blocks_for(r.reach) > n_blocks:
+            if self.blocks_for(self._reserved(r)) > n_blocks:
                 raise KvbenchError(
                     f"request {r.id} ({r.prompt_len} prompt + {r.output_len} output tokens) "
-                    f"needs {self.blocks_for(r.reach)} blocks of {block_size} but the budget "
-                    f"is {n_blocks}: that request can never run; raise --kv-blocks or "
-                    "lower --max-len")
+                    f"needs {self.blocks_for(self._reserved(r))} blocks of {block_size} but "
+                    f"the budget is {n_blocks}: that request can never run; raise "
+                    "--kv-blocks or lower --max-len")
+        self.engine = engine
         self.pool = BlockPool(n_blocks)
         self.pending = deque(sorted(requests, key=lambda r: (r.arrival, r.id)))
         self.waiting: deque[Running] = deque()
-        self.running: list[Running] = []
+        self.running: list[Running] = []  # in the order admitted
         self.records = {r.id: Record(r) for r in requests}
-        self.now = 0
+        self.now = 0  # steps taken
+        self.preemptions = 0
         self.swapped_blocks = 0  # block copies to and from the host (swap)
         self.recomputed_tokens = 0  # positions prefilled again (recompute)
         self.blocks_in_use: list[int] = []  # per step
         self.decoded: list[int] = []  # tokens generated per step
+        self.batch: list[int] = []  # sequences decoding per step
+
+    def _reserved(self, r: Request) -> int:
+        """Positions a request needs blocks for at most."""
+        if self.reserve == "prealloc":
+            return self.reserve_len or r.reach
+        return r.reach - 1
 
     def blocks_for(self, positions: int) -> int:
         return math.ceil(positions / self.block_size)
@@ -147,6 +170,11 @@ class Scheduler:
     def done(self) -> bool:
         return not (self.pending or self.waiting or self.running)
 
+    @property
+    def idle(self) -> bool:
+        """Nothing to do until the next arrival."""
+        return not (self.waiting or self.running)
+
     def run(self, max_steps: int = 10**7) -> dict[int, Record]:
         while not self.done:
             if self.now >= max_steps:
@@ -154,43 +182,58 @@ class Scheduler:
             self.step()
         return self.records
 
-    def step(self) -> None:
-        while self.pending and self.pending[0].arrival <= self.now:
+    def step(self, clock: float | None = None) -> None:
+        """One step; requests arrived by `clock` (default: the step count) join the queue."""
+        clock = self.now if clock is None else clock
+        while self.pending and self.pending[0].arrival <= clock:
             self.waiting.append(Running(self.pending.popleft()))
-        tokens = self._admit()
+        before = self.preemptions
+        decoding = []
         for seq in list(self.running):
-            if seq.admitted == self.now or seq not in self.running:
-                continue  # its prefill gave this step's token, or it was preempted
-            if not self._grow(seq, seq.length + 1):
-                continue  # preempted itself
+            if seq not in self.running:
+                continue  # preempted by an older sequence's growth this step
+            if self._grow(seq, seq.length):
+                decoding.append(seq)
+        if decoding and self.engine is not None:
+            self.engine.decode(decoding)
+        for seq in decoding:
             seq.generated += 1
-            tokens += 1
             self._finish_if_done(seq)
+        tokens = len(decoding)
+        if self.preemptions == before:
+            tokens += self._admit()
         self.blocks_in_use.append(len(self.pool.owner))
         self.decoded.append(tokens)
+        self.batch.append(len(decoding))
         self.now += 1
 
     def _admit(self) -> int:
         tokens = 0
         while self.waiting:
             seq = self.waiting[0]
-            # a sequence back from preemption resumes with the tokens it had
-            need = (self.blocks_for(self.reserve_len or seq.request.reach)
-                    if self.reserve == "prealloc" else self.blocks_for(seq.length + 1))
+            if self.reserve == "prealloc":
+                need = self.blocks_for(self._reserved(seq.request))
+            else:  # a swapped sequence's cache; else what its prefill writes
+                need = self.blocks_for(seq.cached if seq.swapped else seq.length)
             if need > len(self.pool.free):
                 break
             self.waiting.popleft()
             seq.blocks = [self.pool.take(seq.request.id) for _ in range(need)]
-            if self.preempt == "swap" and self.records[seq.request.id].preempted:
-                self.swapped_blocks += self.blocks_for(seq.length)  # back from the host
-            elif seq.generated:
-                self.recomputed_tokens += seq.length  # its prompt and tokens prefilled again
-            seq.admitted = self.now
             self.running.append(seq)
+            if seq.swapped:  # back from the host; it decodes from the next step
+                self.swapped_blocks += self.blocks_for(seq.cached)
+                if self.engine is not None:
+                    self.engine.swap_in(seq)
+                seq.swapped = False
+                continue
+            if seq.generated:
+                self.recomputed_tokens += seq.cached  # its prompt and tokens, again
+            if self.engine is not None:
+                self.engine.prefill(seq)
             record = self.records[seq.request.id]
             if record.first_token is None:
                 record.first_token = self.now
-            seq.generated += 1  # the prefill's token (or the resumed step's)
+            seq.generated += 1
             tokens += 1
             self._finish_if_done(seq)
         return tokens
@@ -212,11 +255,15 @@ class Scheduler:
     def _preempt(self, seq: Running) -> None:
         self.running.remove(seq)
         if self.preempt == "swap":
-            self.swapped_blocks += len(seq.blocks)  # to the host
+            self.swapped_blocks += self.blocks_for(seq.cached)  # to the host
+            if self.engine is not None:
+                self.engine.swap_out(seq)
+            seq.swapped = True
         for block in seq.blocks:
             self.pool.release(block, seq.request.id)
         seq.blocks = []
         self.records[seq.request.id].preempted += 1
+        self.preemptions += 1
         self.waiting.appendleft(seq)
 
     def _finish_if_done(self, seq: Running) -> None:
@@ -227,3 +274,5 @@ class Scheduler:
             self.pool.release(block, seq.request.id)
         seq.blocks = []
         self.records[seq.request.id].finished = self.now
+        if self.engine is not None:
+            self.engine.finish(seq)

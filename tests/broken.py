@@ -692,3 +692,59 @@ class CopyOnWriteSkipsScales(PagedCache):
         self.refs[block] -= 1
         self.tables[row][index] = copy
         return True
+
+
+# Continuous batching (kvbench.engine): engines that get one of a serving engine's cache
+# operations wrong. serve-sim's check against path A must reject each.
+from kvbench.engine import Engine  # noqa: E402
+
+
+class SwapInSkipped(Engine):
+    """Back from the host, the sequence reads whatever its new blocks held: the copy back
+    is forgotten."""
+
+    def swap_in(self, seq):
+        self.host.pop(seq.request.id)
+
+
+class DecodeReadsPastTheEnd(Engine):
+    """Attention reads one slot past each sequence's last position (a length off by one):
+    a stale K/V left in the block by an earlier owner."""
+
+    def attend(self, q, seqs, lengths):
+        bs = self.block_size
+        return super().attend(q, seqs, [min(n + 1, len(s.blocks) * bs)
+                                        for s, n in zip(seqs, lengths)])
+
+
+class RecomputeRestartsAtThePrompt(Engine):
+    """A sequence resumed by recompute prefills its prompt only: the tokens it had made
+    before preemption are gone from its cache, though it goes on from them."""
+
+    def prefill(self, seq):
+        if not seq.generated:
+            return super().prefill(seq)
+        n, bs = seq.request.prompt_len, self.block_size
+        pos = torch.arange(n)
+        q, k, v = self.layer.project(self.inputs(seq.request, pos)[None], start=0)
+        table = torch.tensor(seq.blocks)
+        self._write(table[pos // bs], pos % bs, k[0].transpose(0, 1), v[0].transpose(0, 1))
+        x = self.inputs(seq.request, torch.tensor([seq.length - 1]))[None]
+        q, k, v = self.layer.project(x, start=seq.length - 1)
+        self._write(table[(seq.length - 1) // bs][None], torch.tensor([(seq.length - 1) % bs]),
+                    k[0].transpose(0, 1), v[0].transpose(0, 1))
+        out = self.attend(q[:, :, 0], [seq], [seq.length])
+        self._keep(seq, self.layer.output(out[:, :, None])[0, 0])
+
+
+class LastOutputOverwritesThePrevious(Engine):
+    """Odd requests' last output is stored over the one before it: one output made twice
+    and one never."""
+
+    def _keep(self, seq, out):
+        if seq.generated == seq.request.output_len - 1 > 0 and seq.request.id % 2:
+            seq.generated -= 1
+            super()._keep(seq, out)
+            seq.generated += 1
+        else:
+            super()._keep(seq, out)

@@ -37,18 +37,18 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture
 def refused(tmp_path):
-    """refused(args, message): `kvbench verify --device cpu ARGS` is bad input: exit 2, one
-    line on stderr that says `message`, and no results file written."""
+    """refused(args, message, command="verify"): `kvbench COMMAND --device cpu ARGS` is bad
+    input: exit 2, one line on stderr that says `message`, and no results file written."""
     from typer.testing import CliRunner
 
     from kvbench.cli import app
 
-    def check(args, message):
+    def check(args, message, command="verify"):
         out = tmp_path / "v.csv"
-        result = CliRunner().invoke(app, ["verify", "--device", "cpu", *args, "--csv", str(out)])
+        result = CliRunner().invoke(app, [command, "--device", "cpu", *args, "--csv", str(out)])
         assert result.exit_code == 2, result.output
         assert message in result.stderr
         assert len(result.stderr.strip().splitlines()) == 1
-        assert not out.exists()
+        assert not list(tmp_path.glob("*.csv"))
 
     return check

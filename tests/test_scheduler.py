@@ -9,12 +9,12 @@ from kvbench.lengths import parse_len_dist
 from kvbench.scheduler import BlockPool, Request, Scheduler, trace
 
 TRACE = trace(1000, seed=0, prompt=parse_len_dist("lognormal:200:1.0"),
-              output=parse_len_dist("lognormal:100:1.0"), per_step=0.5, max_len=2048)
+              output=parse_len_dist("lognormal:100:1.0"), rate=0.5, max_len=2048)
 
 
 def test_the_trace_is_seeded_and_shaped():
     again = trace(1000, seed=0, prompt=parse_len_dist("lognormal:200:1.0"),
-                  output=parse_len_dist("lognormal:100:1.0"), per_step=0.5, max_len=2048)
+                  output=parse_len_dist("lognormal:100:1.0"), rate=0.5, max_len=2048)
     assert again == TRACE and len({r.id for r in TRACE}) == 1000
     assert all(1 <= r.output_len and r.reach <= 2048 for r in TRACE)
     arrivals = [r.arrival for r in TRACE]
@@ -32,7 +32,7 @@ class Checked(Scheduler):
         assert not set(held) & set(self.pool.free)
         assert len(held) + len(self.pool.free) == self.pool.n_blocks
         for seq in self.running:
-            assert len(seq.blocks) >= self.blocks_for(seq.length)
+            assert len(seq.blocks) >= self.blocks_for(seq.cached)
 
 
 @pytest.mark.parametrize("reserve", ["paged", "prealloc"])

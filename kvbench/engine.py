@@ -1,0 +1,165 @@
+"""Continuous batching carried out for real: a Scheduler's decisions (kvbench.scheduler) run
+on one attention layer over a shared pool of KV blocks, as a serving engine runs them.
+
+The pool is [N_blocks, H_kv, block_size, D] for K and for V; a sequence's block table is the
+list of blocks the scheduler gave it. A prefill runs the request's prompt (and, resumed by
+recompute, its tokens so far) through causal attention and writes every position's K and V
+into its blocks. A decode step runs every running sequence's next position in one batch: one
+projection, each K and V written into its sequence's block, then attention that reads each
+sequence's own blocks in place, block by block (a log-sum-exp over blocks, as a paged decode
+kernel does; nothing padded, nothing copied into a contiguous cache). Swap copies a
+preempted sequence's blocks to host memory and back into whatever blocks it gets next.
+
+Each request's inputs are rows of a seeded table of random rows, at an offset of its own, so
+they are known without drawing anything while a step is timed. Every output a request makes
+is kept and, once it finishes, compared with path A: the whole request recomputed alone.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from kvbench.attention import AttentionLayer, full_forward
+from kvbench.scheduler import Request, Running
+
+ROWS = 8192  # rows in the table of inputs
+
+
+class Engine:
+    """Runs the scheduler's prefills, decode steps and swaps on a real block pool."""
+
+    def __init__(self, layer: AttentionLayer, n_blocks: int, block_size: int, seed: int):
+        s = layer.shape
+        self.layer, self.block_size = layer, block_size
+        lead = (n_blocks, s.kv_heads, block_size, s.head_dim)
+        zeros = {"dtype": layer.dtype, "device": layer.device}
+        self.k_pool, self.v_pool = torch.zeros(lead, **zeros), torch.zeros(lead, **zeros)
+        g = torch.Generator().manual_seed(seed + 1)
+        self.rows = torch.randn(ROWS, s.hidden, generator=g).to(**zeros)
+        self.host: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # swapped out
+        self.outputs: dict[int, torch.Tensor] = {}  # request -> [output_len, H]
+        self.made: dict[int, list[int]] = {}  # request -> times each output was made
+        self.finished: list[Request] = []  # awaiting the check against path A
+
+    @property
+    def pool_bytes(self) -> int:
+        return 2 * self.k_pool.numel() * self.k_pool.element_size()
+
+    def offset(self, r: Request) -> int:
+        return (r.id * 2654435761) % ROWS
+
+    def inputs(self, r: Request, positions: torch.Tensor) -> torch.Tensor:
+        """Request r's inputs at these positions: [..., H]."""
+        return self.rows[(positions + self.offset(r)) % ROWS]
+
+    def _keep(self, seq: Running, out: torch.Tensor) -> None:
+        """out [H]: the output that makes token seq.generated + 1."""
+        rid, g = seq.request.id, seq.generated
+        if rid not in self.outputs:
+            self.outputs[rid] = torch.zeros(seq.request.output_len, out.shape[-1],
+                                            dtype=out.dtype, device=out.device)
+            self.made[rid] = [0] * seq.request.output_len
+        self.outputs[rid][g] = out
+        self.made[rid][g] += 1
+
+    def _write(self, blocks: torch.Tensor, offsets: torch.Tensor, k: torch.Tensor,
+               v: torch.Tensor) -> None:
+        """k, v [N, H_kv, D] into pool slots (blocks[i], offsets[i])."""
+        self.k_pool[blocks, :, offsets] = k
+        self.v_pool[blocks, :, offsets] = v
+
+    def prefill(self, seq: Running) -> None:
+        """Positions 0..length-1 through causal attention, all written to the blocks."""
+        n, bs, dev = seq.length, self.block_size, self.layer.device
+        pos = torch.arange(n, device=dev)
+        x = self.inputs(seq.request, pos)[None]  # [1, n, H]
+        q, k, v = self.layer.project(x, start=0)
+        table = torch.tensor(seq.blocks, device=dev)
+        self._write(table[pos // bs], pos % bs, k[0].transpose(0, 1), v[0].transpose(0, 1))
+        attn = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.layer.scale,
+                                              enable_gqa=True)
+        self._keep(seq, self.layer.output(attn)[0, -1])
+
+    def decode(self, seqs: list[Running]) -> None:
+        """Each sequence's position length-1 in one batch; attention over its own blocks."""
+        bs, dev = self.block_size, self.layer.device
+        lengths = [seq.length for seq in seqs]
+        pos = torch.tensor(lengths, device=dev) - 1  # [B]
+        offsets = torch.tensor([self.offset(seq.request) for seq in seqs], device=dev)
+        x = self.rows[(pos + offsets) % ROWS][:, None]  # [B, 1, H]
+        q, k, v = self.layer.project(x, start=pos[:, None])  # q [B, H_q, 1, D]
+        last = torch.tensor([seq.blocks[(n - 1) // bs] for seq, n in zip(seqs, lengths)],
+                            device=dev)
+        self._write(last, pos % bs, k[:, :, 0], v[:, :, 0])
+        attn = self.attend(q[:, :, 0], seqs, lengths)  # [B, H_q, D]
+        out = self.layer.output(attn[:, :, None])[:, 0]  # [B, H]
+        for seq, o in zip(seqs, out):
+            self._keep(seq, o)
+
+    def attend(self, q: torch.Tensor, seqs: list[Running], lengths: list[int]) -> torch.Tensor:
+        """q [B, H_q, D] against each sequence's first `length` positions, read block by
+        block from the pool: each block's scores, then the sequences' log-sum-exp over their
+        blocks. In float32."""
+        bs, dev = self.block_size, self.layer.device
+        B, Hq, D = q.shape
+        Hkv = self.k_pool.shape[1]
+        blocks, owner, first = [], [], []
+        for i, (seq, n) in enumerate(zip(seqs, lengths)):
+            used = seq.blocks[: -(-n // bs)]  # a preallocated reservation's unused blocks
+            blocks += used                    # are not read
+            owner += [i] * len(used)
+            first += range(0, len(used) * bs, bs)
+        blocks, owner = torch.tensor(blocks, device=dev), torch.tensor(owner, device=dev)
+        first = torch.tensor(first, device=dev)
+        k = self.k_pool[blocks].float()  # [N, H_kv, bs, D]
+        v = self.v_pool[blocks].float()
+        qb = q.float().view(B, Hkv, Hq // Hkv, D)[owner]  # [N, H_kv, G, D]
+        scores = (qb @ k.transpose(-1, -2)) * self.layer.scale  # [N, H_kv, G, bs]
+        n = torch.tensor(lengths, device=dev)[owner]
+        valid = first[:, None] + torch.arange(bs, device=dev) < n[:, None]  # [N, bs]
+        scores = scores.masked_fill(~valid[:, None, None], float("-inf"))
+        m = torch.full((B, Hkv, Hq // Hkv), float("-inf"), device=dev)
+        top = scores.amax(-1)  # [N, H_kv, G]
+        m = m.scatter_reduce(0, owner[:, None, None].expand_as(top), top, "amax")
+        p = torch.exp(scores - m[owner][..., None])
+        denom = torch.zeros_like(m).index_add(0, owner, p.sum(-1))
+        acc = torch.zeros(B, Hkv, Hq // Hkv, D, device=dev).index_add(0, owner, p @ v)
+        return (acc / denom[..., None]).view(B, Hq, D).to(q.dtype)
+
+    def swap_out(self, seq: Running) -> None:
+        """The blocks holding its cached positions, copied to host memory."""
+        used = torch.tensor(seq.blocks[: -(-seq.cached // self.block_size)],
+                            device=self.layer.device)
+        self.host[seq.request.id] = (self.k_pool[used].to("cpu"), self.v_pool[used].to("cpu"))
+
+    def swap_in(self, seq: Running) -> None:
+        """Back from host memory, into the blocks it holds now."""
+        k, v = self.host.pop(seq.request.id)
+        into = torch.tensor(seq.blocks[: k.shape[0]], device=self.layer.device)
+        self.k_pool[into] = k.to(self.layer.device)
+        self.v_pool[into] = v.to(self.layer.device)
+
+    def finish(self, seq: Running) -> None:
+        self.finished.append(seq.request)
+
+    def check(self, rtol: float, atol: float) -> list[tuple[Request, float, str | None]]:
+        """The requests finished since the last check against path A, each recomputed alone:
+        (request, max |A − B|, what is wrong or None)."""
+        out = []
+        for r in self.finished:
+            made = self.made.pop(r.id)
+            got = self.outputs.pop(r.id)
+            pos = torch.arange(r.prompt_len + r.output_len - 1, device=self.layer.device)
+            want = full_forward(self.layer, self.inputs(r, pos)[None])[0, r.prompt_len - 1:]
+            err = (got.float() - want.float()).abs()
+            wrong = None
+            if made != [1] * r.output_len:
+                bad = next(i for i, m in enumerate(made) if m != 1)
+                wrong = f"output {bad} was made {made[bad]} times"
+            elif not bool((err <= atol + rtol * want.float().abs()).all()):
+                bad = int((err > atol + rtol * want.float().abs()).any(-1).nonzero()[0])
+                wrong = f"output {bad} differs from path A by {float(err[bad].max()):.3g}"
+            out.append((r, float(err.max()), wrong))
+        self.finished = []
+        return out

@@ -1,0 +1,118 @@
+"""kvbench serve-sim: continuous batching timed on real decode steps, every request checked
+against path A, on a trace small enough for the CPU; engines with a cache bug are caught."""
+
+import math
+
+import numpy as np
+import pandas as pd
+import pytest
+from typer.testing import CliRunner
+
+import broken
+from kvbench.cli import app
+from kvbench.load import read_results
+from kvbench.servesim import SimOptions, percentile, requests, serve
+
+runner = CliRunner()
+# 40 requests on 40 blocks of 8: tight enough that paged preempts
+SMALL = ["--requests", "40", "--len-dist", "lognormal:40:0.8", "--output-dist",
+         "lognormal:24:0.8", "--max-len", "160", "--kv-blocks", "40", "--block-size", "8",
+         "--hidden", "64", "--q-heads", "4", "--kv-heads", "2", "--head-dim", "16",
+         "--device", "cpu"]
+OPTIONS = SimOptions(requests=40, len_dist="lognormal:40:0.8", output_dist="lognormal:24:0.8",
+                     max_len=160, kv_blocks=40, block_size=8, hidden=64, q_heads=4, kv_heads=2,
+                     head_dim=16, device="cpu")
+
+
+def layer():
+    import torch
+
+    from kvbench.attention import AttentionLayer
+    from kvbench.config import LayerShape
+
+    shape = LayerShape(hidden=64, q_heads=4, kv_heads=2, head_dim=16)
+    return AttentionLayer(shape, torch.float32, "cpu", 0, rope=True)
+
+
+@pytest.mark.parametrize("preempt", ["recompute", "swap"])
+def test_serve_sim_serves_every_request_as_path_a_does(tmp_path, preempt):
+    out = tmp_path / "s.csv"
+    result = runner.invoke(app, ["serve-sim", *SMALL, "--reserve", "paged,prealloc,oracle",
+                                 "--preempt", preempt, "--csv", str(out)])
+    assert result.exit_code == 0, result.output
+    kind, df = read_results(out)
+    assert kind == "serve-sim" and list(df["reserve"]) == ["paged", "prealloc", "oracle"]
+    assert df["passed"].all() and (df["max_abs_err"] < 1e-4).all()
+    assert (df["output_tokens"] == sum(r.output_len for r in requests(OPTIONS))).all()
+    paged, prealloc, oracle = (df.iloc[i] for i in range(3))
+    assert paged["preemptions"] > 0 and prealloc["preemptions"] == 0
+    assert (paged["swapped_blocks"] > 0) == (preempt == "swap")
+    assert (paged["recomputed_tokens"] > 0) == (preempt == "recompute")
+    # the same trace and blocks: paged runs more sequences at once, in fewer steps
+    assert paged["mean_batch"] > oracle["mean_batch"] > prealloc["mean_batch"]
+    assert paged["steps"] < prealloc["steps"]
+    assert prealloc["max_blocks_in_use"] <= 40 and prealloc["max_batch"] == 40 // 20
+    assert (df["ttft_p50_ms"] <= df["ttft_p99_ms"]).all() and (df["requests_per_s"] > 0).all()
+    kind, steps = read_results(tmp_path / "s-steps.csv")
+    assert kind == "serve-sim-steps"
+    for reserve, g in steps.groupby("reserve"):
+        row = df[df["reserve"] == reserve].iloc[0]
+        assert len(g) == row["steps"] and g["tokens"].sum() == row["output_tokens"]
+        assert g["time_s"].is_monotonic_increasing
+        assert g["time_s"].iloc[-1] == pytest.approx(row["duration_s"])
+    for f in (out, tmp_path / "s-steps.csv"):
+        assert runner.invoke(app, ["plot", str(f)]).exit_code == 0
+        assert f.with_suffix(".png").stat().st_size > 0
+
+
+@pytest.mark.parametrize("fault", [broken.SwapInSkipped, broken.DecodeReadsPastTheEnd,
+                                   broken.RecomputeRestartsAtThePrompt,
+                                   broken.LastOutputOverwritesThePrevious])
+def test_serve_sim_catches_an_engine_that_gets_the_cache_wrong(monkeypatch, fault):
+    import kvbench.engine
+
+    monkeypatch.setattr(kvbench.engine, "Engine", fault)
+    preempt = "swap" if fault is broken.SwapInSkipped else "recompute"
+    o = SimOptions(**{**OPTIONS.__dict__, "preempt": preempt})
+    served = serve(o, "paged", requests(o), layer(), "cpu")
+    assert served.preemptions > 0
+    assert not served.passed, fault.__name__
+
+
+def test_a_failed_check_exits_1_and_keeps_its_rows(tmp_path, monkeypatch):
+    import kvbench.engine
+
+    monkeypatch.setattr(kvbench.engine, "Engine", broken.DecodeReadsPastTheEnd)
+    out = tmp_path / "s.csv"
+    result = runner.invoke(app, ["serve-sim", *SMALL, "--reserve", "paged", "--csv", str(out)])
+    assert result.exit_code == 1
+    assert "differs from path A" in result.stderr
+    assert not pd.read_csv(out)["passed"].any()
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--requests", "5", "--len-dist", "uniform:100:100", "--max-len", "400", "--kv-blocks",
+      "4"], "that request can never run"),
+    (["--reserve", "paged,lifo"], "--reserve paged,lifo: use one or more of"),
+    (["--rate", "0"], "--rate 0: give requests per second above 0"),
+    (["--kv-blocks", "0"], "--kv-blocks must be a positive integer"),
+    (["--len-dist", "normal:3:4"], "--len-dist 'normal:3:4'"),
+    (["--preempt", "drop"], "unknown --preempt 'drop'"),
+    (["--kv-blocks", "100000000", "--host-mem", "1GiB"], "lower --kv-blocks"),
+])
+def test_bad_input_is_one_line(refused, args, message):
+    refused(args, message, command="serve-sim")
+
+
+def test_percentiles_are_numpys():
+    values = [3.0, 1.0, 4.0, 1.0, 5.0, 9.0, 2.0, 6.0]
+    for q in (0, 50, 90, 99, 100):
+        assert percentile(values, q) == pytest.approx(np.percentile(values, q))
+    assert percentile([], 50) is None
+
+
+def test_all_at_once_and_poisson_arrivals():
+    assert {r.arrival for r in requests(OPTIONS)} == {0.0}
+    timed = requests(SimOptions(**{**OPTIONS.__dict__, "rate": 10.0}))
+    gaps = np.diff([0.0] + [r.arrival for r in timed])
+    assert math.isclose(gaps.mean(), 0.1, rel_tol=0.4) and (gaps > 0).all()
