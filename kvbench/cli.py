@@ -228,6 +228,7 @@ def serve_sim(
     block_size: Annotated[int, typer.Option(help="Positions per block.")] = 16,
     reserve: Annotated[str, typer.Option(help="Ways of reserving to serve the trace with: paged, prealloc, oracle (comma-separated).")] = "paged,prealloc",
     preempt: Annotated[str, typer.Option(help="When blocks run out: recompute (free and prefill again) or swap (to host memory and back).")] = "recompute",
+    prefill_chunk: Annotated[int | None, typer.Option(help="Chunked prefill: at most this many prompt positions prefilled per step, between the others' decode steps. \\[default: each prompt whole]")] = None,
     hidden: Annotated[int, typer.Option(help="Hidden size H.")] = 512,
     q_heads: Annotated[int, typer.Option(help="Query heads H_q.")] = 8,
     kv_heads: Annotated[int, typer.Option(help="KV heads H_kv.")] = 2,
@@ -245,6 +246,7 @@ def serve_sim(
         requests=requests, len_dist=len_dist, output_dist=output_dist, max_len=max_len,
         rate=rate, kv_blocks=kv_blocks, block_size=block_size,
         reserve=tuple(r.strip() for r in reserve.split(",") if r.strip()), preempt=preempt,
+        prefill_chunk=prefill_chunk,
         hidden=hidden, q_heads=q_heads, kv_heads=kv_heads, head_dim=head_dim, dtype=dtype,
         device=device, seed=seed, host_mem=host_mem, csv=csv, steps_csv=steps_csv)
     servesim.run(options)

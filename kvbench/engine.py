@@ -10,6 +10,10 @@ sequence's own blocks in place, block by block (a log-sum-exp over blocks, as a 
 kernel does; nothing padded, nothing copied into a contiguous cache). Swap copies a
 preempted sequence's blocks to host memory and back into whatever blocks it gets next.
 
+With a prefill chunk the scheduler spreads a prompt's prefill over several steps, each chunk
+attending to the positions written before it; decode steps of the other sequences go on in
+between (the stall a whole prompt's prefill would cause is what chunking bounds).
+
 Each request's inputs are rows of a seeded table of random rows, at an offset of its own, so
 they are known without drawing anything while a step is timed. Every output a request makes
 is kept and, once it finishes, compared with path A: the whole request recomputed alone.
@@ -69,17 +73,31 @@ class Engine:
         self.k_pool[blocks, :, offsets] = k
         self.v_pool[blocks, :, offsets] = v
 
-    def prefill(self, seq: Running) -> None:
-        """Positions 0..length-1 through causal attention, all written to the blocks."""
-        n, bs, dev = seq.length, self.block_size, self.layer.device
-        pos = torch.arange(n, device=dev)
-        x = self.inputs(seq.request, pos)[None]  # [1, n, H]
-        q, k, v = self.layer.project(x, start=0)
+    def prefill(self, seq: Running, start: int, end: int) -> None:
+        """Positions start..end-1 of seq's prefill (a chunk of it, or all of it from 0),
+        written to its blocks; the chunk's queries attend causally to every position before
+        them. The last position's output, once the prefill reaches seq.length."""
+        bs, dev = self.block_size, self.layer.device
+        pos = torch.arange(start, end, device=dev)
+        q, k, v = self.layer.project(self.inputs(seq.request, pos)[None], start=start)
         table = torch.tensor(seq.blocks, device=dev)
         self._write(table[pos // bs], pos % bs, k[0].transpose(0, 1), v[0].transpose(0, 1))
-        attn = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.layer.scale,
-                                              enable_gqa=True)
-        self._keep(seq, self.layer.output(attn)[0, -1])
+        if start == 0:
+            attn = F.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                                  scale=self.layer.scale, enable_gqa=True)
+        else:  # the chunk against the positions before it, read back from the pool
+            keys, values = (self._contiguous(pool, table, end) for pool in
+                            (self.k_pool, self.v_pool))
+            seen = torch.arange(end, device=dev)[None] <= pos[:, None]  # [n, end]
+            attn = F.scaled_dot_product_attention(q, keys, values, attn_mask=seen,
+                                                  scale=self.layer.scale, enable_gqa=True)
+        if end == seq.length:
+            self._keep(seq, self.layer.output(attn[:, :, -1:])[0, 0])
+
+    def _contiguous(self, pool: torch.Tensor, table: torch.Tensor, n: int) -> torch.Tensor:
+        """One sequence's first n positions of `pool`, [1, H_kv, n, D]."""
+        blocks = pool[table[: -(-n // self.block_size)]]  # [nb, H_kv, bs, D]
+        return blocks.transpose(0, 1).reshape(1, pool.shape[1], -1, pool.shape[-1])[:, :, :n]
 
     def decode(self, seqs: list[Running]) -> None:
         """Each sequence's position length-1 in one batch; attention over its own blocks."""

@@ -517,9 +517,10 @@ def allocation_rows(results, env: dict[str, object]) -> list[dict[str, object]]:
 # the run's duration; rate_per_s empty when every request arrived at once
 SERVE_FIRST = [
     "timestamp", "command", "reserve", "preempt", "requests", "len_dist", "output_dist",
-    "max_len", "rate_per_s", "kv_blocks", "block_size", "kv_pool_bytes", "hidden", "q_heads",
+    "max_len", "rate_per_s", "kv_blocks", "block_size", "prefill_chunk", "kv_pool_bytes",
+    "hidden", "q_heads",
     "kv_heads", "head_dim", "dtype", "device", "seed", "passed", "max_abs_err", "duration_s",
-    "steps", "requests_per_s", "output_tokens_per_s", "prompt_tokens", "output_tokens",
+    "steps", "step_p50_ms", "step_max_ms", "requests_per_s", "output_tokens_per_s", "prompt_tokens", "output_tokens",
     "ttft_p50_ms", "ttft_p90_ms", "ttft_p99_ms", "tpot_p50_ms", "tpot_p90_ms", "tpot_p99_ms",
     "latency_per_token_mean_ms", "mean_batch", "max_batch", "mean_blocks_in_use",
     "max_blocks_in_use", "mean_kv_bytes_in_use", "preemptions", "recomputed_tokens",
@@ -544,6 +545,7 @@ def serve_rows(o, device: str, served, stamp: str, block_bytes: int,
                "output_dist": o.output_dist, "max_len": o.max_len,
                "rate_per_s": o.rate if math.isfinite(o.rate) else None,
                "kv_blocks": o.kv_blocks, "block_size": o.block_size,
+               "prefill_chunk": o.prefill_chunk,
                "kv_pool_bytes": block_bytes * o.kv_blocks, "hidden": o.hidden,
                "q_heads": o.q_heads, "kv_heads": o.kv_heads, "head_dim": o.head_dim,
                "dtype": o.dtype, "device": device, "seed": o.seed, "passed": s.passed,
@@ -558,6 +560,8 @@ def serve_rows(o, device: str, served, stamp: str, block_bytes: int,
                "mean_kv_bytes_in_use": block_bytes * sum(s.blocks_in_use) / s.steps,
                "preemptions": s.preemptions, "recomputed_tokens": s.recomputed_tokens,
                "swapped_blocks": s.swapped_blocks, **env}
+        row["step_p50_ms"] = 1e3 * percentile(s.step_s, 50)
+        row["step_max_ms"] = 1e3 * max(s.step_s)
         for name, values in (("ttft", s.ttft_s), ("tpot", s.tpot_s)):
             for q in PERCENTILES:
                 p = percentile(values, q)

@@ -90,6 +90,7 @@ class Running:
     blocks: list[int] = field(default_factory=list)
     generated: int = 0  # tokens generated so far (kept across a preemption)
     swapped: bool = False  # its cache waits in host memory (preempted by swap)
+    prefilled: int | None = None  # positions its prefill has written so far; None: decoding
 
     @property
     def length(self) -> int:
@@ -98,7 +99,10 @@ class Running:
 
     @property
     def cached(self) -> int:
-        """Positions cached now (the newest token is not yet fed back)."""
+        """Positions cached now (the newest token is not yet fed back; mid-prefill, the
+        positions its chunks have written)."""
+        if self.prefilled is not None:
+            return self.prefilled
         return self.request.prompt_len + max(self.generated - 1, 0)
 
 
@@ -124,12 +128,15 @@ class Scheduler:
     preempted, waiting requests are admitted first come first served while their blocks can
     be taken (paged: what their prefill writes; prealloc: every block the request may reach);
     an admitted request's prefill yields its next token, a swapped one's cache is copied
-    back and it decodes from the next step.
+    back and it decodes from the next step. With `chunk`, a step prefills at most that many
+    prompt positions, all sequences together, oldest prefill first: a long prompt is spread
+    over several steps, the running sequences decoding in each, and yields its token when its
+    last chunk is written.
     """
 
     def __init__(self, requests: list[Request], n_blocks: int, block_size: int,
                  reserve: str = "paged", preempt: str = "recompute",
-                 reserve_len: int | None = None, engine=None):
+                 reserve_len: int | None = None, engine=None, chunk: int | None = None):
         if reserve not in RESERVE:
             raise KvbenchError(f"unknown --reserve {reserve!r}; use paged or prealloc")
         if preempt not in PREEMPT:
@@ -144,6 +151,7 @@ class Scheduler:
                     f"the budget is {n_blocks}: that request can never run; raise "
                     "--kv-blocks or lower --max-len")
         self.engine = engine
+        self.chunk = chunk  # prompt positions prefilled per step, all sequences together
         self.pool = BlockPool(n_blocks)
         self.pending = deque(sorted(requests, key=lambda r: (r.arrival, r.id)))
         self.waiting: deque[Running] = deque()
@@ -190,53 +198,76 @@ class Scheduler:
         before = self.preemptions
         decoding = []
         for seq in list(self.running):
-            if seq not in self.running:
-                continue  # preempted by an older sequence's growth this step
+            if seq not in self.running or seq.prefilled is not None:
+                continue  # preempted by an older sequence's growth this step; or prefilling
             if self._grow(seq, seq.length):
                 decoding.append(seq)
+        decoding = [seq for seq in decoding if seq in self.running]
         if decoding and self.engine is not None:
             self.engine.decode(decoding)
         for seq in decoding:
             seq.generated += 1
             self._finish_if_done(seq)
         tokens = len(decoding)
+        budget = self.chunk or math.inf
+        for seq in [seq for seq in self.running if seq.prefilled is not None]:
+            budget, made = self._prefill(seq, budget)  # prefills begun in earlier steps
+            tokens += made
         if self.preemptions == before:
-            tokens += self._admit()
+            tokens += self._admit(budget)
         self.blocks_in_use.append(len(self.pool.owner))
         self.decoded.append(tokens)
         self.batch.append(len(decoding))
         self.now += 1
 
-    def _admit(self) -> int:
+    def _admit(self, budget: float) -> int:
+        """Waiting sequences admitted while blocks last, their prefills begun within the
+        step's budget of prompt positions; tokens made."""
         tokens = 0
         while self.waiting:
             seq = self.waiting[0]
+            if not seq.swapped and budget <= 0:
+                break  # no prompt positions left to prefill this step
             if self.reserve == "prealloc":
                 need = self.blocks_for(self._reserved(seq.request))
-            else:  # a swapped sequence's cache; else what its prefill writes
-                need = self.blocks_for(seq.cached if seq.swapped else seq.length)
+            elif seq.swapped and seq.prefilled is None:  # its cache, back from the host
+                need = self.blocks_for(seq.cached)
+            else:  # what its prefill writes
+                need = self.blocks_for(seq.length)
             if need > len(self.pool.free):
                 break
             self.waiting.popleft()
             seq.blocks = [self.pool.take(seq.request.id) for _ in range(need)]
             self.running.append(seq)
-            if seq.swapped:  # back from the host; it decodes from the next step
+            if seq.swapped:  # back from the host; it goes on from the next step
                 self.swapped_blocks += self.blocks_for(seq.cached)
                 if self.engine is not None:
                     self.engine.swap_in(seq)
                 seq.swapped = False
                 continue
-            if seq.generated:
-                self.recomputed_tokens += seq.cached  # its prompt and tokens, again
-            if self.engine is not None:
-                self.engine.prefill(seq)
-            record = self.records[seq.request.id]
-            if record.first_token is None:
-                record.first_token = self.now
-            seq.generated += 1
-            tokens += 1
-            self._finish_if_done(seq)
+            seq.prefilled = 0
+            budget, made = self._prefill(seq, budget)
+            tokens += made
         return tokens
+
+    def _prefill(self, seq: Running, budget: float) -> tuple[float, int]:
+        """The next chunk of seq's prefill, at most `budget` positions: the budget left and
+        the tokens made (1 when the prefill completes)."""
+        n = int(min(budget, seq.length - seq.prefilled))
+        if n <= 0:
+            return budget, 0
+        if self.engine is not None:
+            self.engine.prefill(seq, seq.prefilled, seq.prefilled + n)
+        seq.prefilled += n
+        if seq.prefilled < seq.length:
+            return budget - n, 0
+        seq.prefilled = None
+        record = self.records[seq.request.id]
+        if record.first_token is None:
+            record.first_token = self.now
+        seq.generated += 1
+        self._finish_if_done(seq)
+        return budget - n, 1
 
     def _grow(self, seq: Running, positions: int) -> bool:
         """Blocks for `positions`; preempting the newest sequences while none is free.
@@ -259,6 +290,9 @@ class Scheduler:
             if self.engine is not None:
                 self.engine.swap_out(seq)
             seq.swapped = True
+        else:  # what it had computed is thrown away and prefilled again when readmitted
+            self.recomputed_tokens += seq.cached
+            seq.prefilled = None
         for block in seq.blocks:
             self.pool.release(block, seq.request.id)
         seq.blocks = []

@@ -38,6 +38,7 @@ class SimOptions:
     block_size: int = 16
     reserve: tuple[str, ...] = ("paged", "prealloc")
     preempt: str = "recompute"
+    prefill_chunk: int | None = None  # prompt positions prefilled per step; None: whole
     hidden: int = 512
     q_heads: int = 8
     kv_heads: int = 2
@@ -65,6 +66,9 @@ class SimOptions:
         if unknown or not self.reserve:
             raise KvbenchError(f"--reserve {','.join(self.reserve)}: use one or more of "
                                f"{', '.join(RESERVES)}, comma-separated")
+        if self.prefill_chunk is not None and self.prefill_chunk < 1:
+            raise KvbenchError(f"--prefill-chunk must be a positive integer, got "
+                               f"{self.prefill_chunk}; omit it to prefill each prompt whole")
         if self.preempt not in PREEMPT:
             raise KvbenchError(f"unknown --preempt {self.preempt!r}; use recompute or swap")
         if self.q_heads % self.kv_heads:
@@ -82,7 +86,7 @@ class SimOptions:
                          reserve="paged" if reserve == "paged" else "prealloc",
                          preempt=self.preempt,
                          reserve_len=self.max_len if reserve == "prealloc" else None,
-                         engine=engine)
+                         engine=engine, chunk=self.prefill_chunk)
 
 
 def requests(o: SimOptions):
@@ -99,6 +103,7 @@ class Served:
     duration_s: float
     steps: int
     step_end_s: list[float] = field(repr=False)
+    step_s: list[float] = field(repr=False)  # each step's own time
     batch: list[int] = field(repr=False)
     tokens: list[int] = field(repr=False)
     blocks_in_use: list[int] = field(repr=False)
@@ -170,7 +175,7 @@ def serve(o: SimOptions, reserve: str, reqs, layer, device: str) -> Served:
     warm.run()
     engine.check(rtol, atol)
     sched = o.scheduler(reserve, reqs, engine)
-    clock, ends, failures, max_err = 0.0, [], [], 0.0
+    clock, ends, took, failures, max_err = 0.0, [], [], [], 0.0
     while not sched.done:
         if sched.idle:  # nothing to do before the next arrival
             clock = max(clock, sched.pending[0].arrival)
@@ -178,7 +183,8 @@ def serve(o: SimOptions, reserve: str, reqs, layer, device: str) -> Served:
         start = time.perf_counter()
         sched.step(clock)
         synchronize(device)
-        clock += time.perf_counter() - start
+        took.append(time.perf_counter() - start)
+        clock += took[-1]
         ends.append(clock)
         for r, err, wrong in engine.check(rtol, atol):  # not timed
             max_err = max(max_err, err)
@@ -195,7 +201,7 @@ def serve(o: SimOptions, reserve: str, reqs, layer, device: str) -> Served:
         if r.output_len > 1:
             tpot.append((done - first) / (r.output_len - 1))
         per_token.append((done - r.arrival) / r.output_len)
-    return Served(reserve, clock, sched.now, ends, sched.batch, sched.decoded,
+    return Served(reserve, clock, sched.now, ends, took, sched.batch, sched.decoded,
                   sched.blocks_in_use, ttft, tpot, per_token,
                   output_tokens=sum(r.output_len for r in reqs),
                   prompt_tokens=sum(r.prompt_len for r in reqs),
@@ -209,9 +215,6 @@ def run(o: SimOptions) -> list[Served]:
     from path A."""
     from kvbench import render, results
 
-    reqs = requests(o)
-    for reserve in o.reserve:  # a request that cannot run refuses the run before any work
-        o.scheduler(reserve, reqs)
     csv = o.csv or results.default_csv("serve-sim")
     steps_csv = o.steps_csv or csv.with_name(f"{csv.stem}-steps.csv")
     results.check_csv(csv, results.SERVE_COLUMNS, results.SERVE_FIRST)
@@ -226,6 +229,9 @@ def run(o: SimOptions) -> list[Served]:
 
     device = resolve_device(o.device)
     preflight(o, device)
+    reqs = requests(o)
+    for reserve in o.reserve:  # a request that cannot run refuses the run before any work
+        o.scheduler(reserve, reqs)
     shape = LayerShape(hidden=o.hidden, q_heads=o.q_heads, kv_heads=o.kv_heads,
                        head_dim=o.head_dim)
     layer = AttentionLayer(shape, torch_dtype(o.dtype), device, o.seed, rope=True)

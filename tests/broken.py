@@ -719,22 +719,37 @@ class DecodeReadsPastTheEnd(Engine):
 
 class RecomputeRestartsAtThePrompt(Engine):
     """A sequence resumed by recompute prefills its prompt only: the tokens it had made
-    before preemption are gone from its cache, though it goes on from them."""
+    before preemption are never written back to its cache, though it goes on from them."""
 
-    def prefill(self, seq):
-        if not seq.generated:
-            return super().prefill(seq)
-        n, bs = seq.request.prompt_len, self.block_size
-        pos = torch.arange(n)
-        q, k, v = self.layer.project(self.inputs(seq.request, pos)[None], start=0)
-        table = torch.tensor(seq.blocks)
-        self._write(table[pos // bs], pos % bs, k[0].transpose(0, 1), v[0].transpose(0, 1))
-        x = self.inputs(seq.request, torch.tensor([seq.length - 1]))[None]
-        q, k, v = self.layer.project(x, start=seq.length - 1)
-        self._write(table[(seq.length - 1) // bs][None], torch.tensor([(seq.length - 1) % bs]),
-                    k[0].transpose(0, 1), v[0].transpose(0, 1))
+    def prefill(self, seq, start, end):
+        P = seq.request.prompt_len
+        if not seq.generated or end <= P:
+            return super().prefill(seq, start, end)
+        if start < P:
+            super().prefill(seq, start, P)
+        if end < seq.length:
+            return
+        at = seq.length - 1  # the newest token only, then attention over the stale rest
+        q, k, v = self.layer.project(self.inputs(seq.request, torch.tensor([at]))[None],
+                                     start=at)
+        self._write(torch.tensor([seq.blocks[at // self.block_size]]),
+                    torch.tensor([at % self.block_size]), k[0].transpose(0, 1),
+                    v[0].transpose(0, 1))
         out = self.attend(q[:, :, 0], [seq], [seq.length])
         self._keep(seq, self.layer.output(out[:, :, None])[0, 0])
+
+
+class ChunkSeesOnlyItself(Engine):
+    """A prefill chunk reads zeros in place of the chunks before it: they were written to
+    the pool but never read back."""
+
+    def _contiguous(self, pool, table, n):
+        whole = super()._contiguous(pool, table, n)
+        return whole.masked_fill(torch.arange(n)[None, None, :, None] < self._start, 0.0)
+
+    def prefill(self, seq, start, end):
+        self._start = start
+        super().prefill(seq, start, end)
 
 
 class LastOutputOverwritesThePrevious(Engine):

@@ -37,8 +37,10 @@ class Checked(Scheduler):
 
 @pytest.mark.parametrize("reserve", ["paged", "prealloc"])
 @pytest.mark.parametrize("preempt", ["recompute", "swap"])
-def test_no_request_lost_or_duplicated_and_no_block_leaked(reserve, preempt):
-    scheduler = Checked(TRACE, n_blocks=600, block_size=16, reserve=reserve, preempt=preempt)
+@pytest.mark.parametrize("chunk", [None, 64])
+def test_no_request_lost_or_duplicated_and_no_block_leaked(reserve, preempt, chunk):
+    scheduler = Checked(TRACE, n_blocks=600, block_size=16, reserve=reserve, preempt=preempt,
+                        chunk=chunk)
     records = scheduler.run()
     assert sorted(records) == list(range(1000))
     for r in records.values():

@@ -65,15 +65,28 @@ def test_serve_sim_serves_every_request_as_path_a_does(tmp_path, preempt):
         assert f.with_suffix(".png").stat().st_size > 0
 
 
+def test_chunked_prefill_serves_every_request_and_bounds_the_step(tmp_path):
+    out = tmp_path / "s.csv"
+    for chunk in ([], ["--prefill-chunk", "16"]):
+        result = runner.invoke(app, ["serve-sim", *SMALL, "--reserve", "paged", *chunk,
+                                     "--csv", str(out)])
+        assert result.exit_code == 0, result.output
+    whole, chunked = (r for _, r in pd.read_csv(out).iterrows())
+    assert whole["passed"] and chunked["passed"] and chunked["prefill_chunk"] == 16
+    assert chunked["steps"] > whole["steps"]  # prompts spread over more steps
+
+
 @pytest.mark.parametrize("fault", [broken.SwapInSkipped, broken.DecodeReadsPastTheEnd,
                                    broken.RecomputeRestartsAtThePrompt,
-                                   broken.LastOutputOverwritesThePrevious])
+                                   broken.LastOutputOverwritesThePrevious,
+                                   broken.ChunkSeesOnlyItself])
 def test_serve_sim_catches_an_engine_that_gets_the_cache_wrong(monkeypatch, fault):
     import kvbench.engine
 
     monkeypatch.setattr(kvbench.engine, "Engine", fault)
     preempt = "swap" if fault is broken.SwapInSkipped else "recompute"
-    o = SimOptions(**{**OPTIONS.__dict__, "preempt": preempt})
+    chunk = 16 if fault is broken.ChunkSeesOnlyItself else None
+    o = SimOptions(**{**OPTIONS.__dict__, "preempt": preempt, "prefill_chunk": chunk})
     served = serve(o, "paged", requests(o), layer(), "cpu")
     assert served.preemptions > 0
     assert not served.passed, fault.__name__
@@ -98,6 +111,7 @@ def test_a_failed_check_exits_1_and_keeps_its_rows(tmp_path, monkeypatch):
     (["--kv-blocks", "0"], "--kv-blocks must be a positive integer"),
     (["--len-dist", "normal:3:4"], "--len-dist 'normal:3:4'"),
     (["--preempt", "drop"], "unknown --preempt 'drop'"),
+    (["--prefill-chunk", "0"], "--prefill-chunk must be a positive integer"),
     (["--kv-blocks", "100000000", "--host-mem", "1GiB"], "lower --kv-blocks"),
 ])
 def test_bad_input_is_one_line(refused, args, message):
