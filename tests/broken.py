@@ -739,7 +739,7 @@ class RecomputeRestartsAtThePrompt(Engine):
         self._keep(seq, self.layer.output(out[:, :, None])[0, 0])
 
 
-class ChunkSeesOnlyItself(Engine):
+class ChunkReadsZerosBeforeIt(Engine):
     """A prefill chunk reads zeros in place of the chunks before it: they were written to
     the pool but never read back."""
 

@@ -79,13 +79,13 @@ def test_chunked_prefill_serves_every_request_and_bounds_the_step(tmp_path):
 @pytest.mark.parametrize("fault", [broken.SwapInSkipped, broken.DecodeReadsPastTheEnd,
                                    broken.RecomputeRestartsAtThePrompt,
                                    broken.LastOutputOverwritesThePrevious,
-                                   broken.ChunkSeesOnlyItself])
+                                   broken.ChunkReadsZerosBeforeIt])
 def test_serve_sim_catches_an_engine_that_gets_the_cache_wrong(monkeypatch, fault):
     import kvbench.engine
 
     monkeypatch.setattr(kvbench.engine, "Engine", fault)
     preempt = "swap" if fault is broken.SwapInSkipped else "recompute"
-    chunk = 16 if fault is broken.ChunkSeesOnlyItself else None
+    chunk = 16 if fault is broken.ChunkReadsZerosBeforeIt else None
     o = SimOptions(**{**OPTIONS.__dict__, "preempt": preempt, "prefill_chunk": chunk})
     served = serve(o, "paged", requests(o), layer(), "cpu")
     assert served.preemptions > 0
