@@ -387,11 +387,41 @@ def plot_serve_steps(df: pd.DataFrame, plt):
     return fig
 
 
+SERVE_KEYS = ["reserve", "preempt", "prefill_chunk", "requests", "len_dist", "output_dist",
+              "max_len", "rate_per_s", "kv_blocks", "block_size", "hidden", "q_heads",
+              "kv_heads", "head_dim", "dtype", "device"]
+
+
+def _serve_label(r) -> str:
+    chunk = f", chunk {int(r.prefill_chunk)}" if pd.notna(r.prefill_chunk) else ""
+    return f"{r.reserve}{chunk}"
+
+
 def plot_serve(df: pd.DataFrame, plt):
-    """serve-sim's summary, the latest run: requests/s and TTFT/TPOT medians per reserve."""
+    """serve-sim's summary. Runs at several --rate: latency per output token and TPOT p99
+    against the rate, one line per way of reserving (the vLLM paper's Fig. 12). One rate:
+    requests/s and TTFT/TPOT medians per way of reserving, the latest run."""
+    df = latest(df, SERVE_KEYS)
+    if df["rate_per_s"].nunique() > 1:
+        fig, (norm, tail) = plt.subplots(1, 2, figsize=(10, 4.2))
+        df = df[df["rate_per_s"].notna()].assign(label=lambda d: d.apply(_serve_label, axis=1))
+        for label, g in df.groupby("label", sort=False):
+            g = g.sort_values("rate_per_s")
+            norm.plot(g["rate_per_s"], g["latency_per_token_mean_ms"], "o-", label=label)
+            tail.plot(g["rate_per_s"], g["tpot_p99_ms"], "o-", label=label)
+        norm.set_ylabel("mean latency per output token, ms")
+        tail.set_ylabel("TPOT p99, ms")
+        for ax in (norm, tail):
+            ax.set_xlabel("requests / s")
+            ax.set_yscale("log")
+            ax.grid(True, alpha=0.3)
+            ax.legend(fontsize=8)
+        fig.suptitle(_title(df, "serve-sim: latency against request rate"))
+        return fig
     df = df[df["timestamp"] == df["timestamp"].iloc[-1]]
+    labels = list(df.apply(_serve_label, axis=1))
     fig, (thr, lat) = plt.subplots(1, 2, figsize=(9, 4))
-    thr.bar(df["reserve"], df["requests_per_s"])
+    thr.bar(labels, df["requests_per_s"])
     thr.set_ylabel("requests / s")
     for i, (_, r) in enumerate(df.iterrows()):
         thr.annotate(f"{r.requests_per_s / df['requests_per_s'].min():.2f}×",
@@ -399,7 +429,7 @@ def plot_serve(df: pd.DataFrame, plt):
     x = range(len(df))
     lat.bar([i - 0.2 for i in x], df["ttft_p50_ms"], 0.4, label="TTFT p50")
     lat.bar([i + 0.2 for i in x], df["tpot_p50_ms"], 0.4, label="TPOT p50")
-    lat.set_xticks(list(x), df["reserve"])
+    lat.set_xticks(list(x), labels)
     lat.set_yscale("log")
     lat.set_ylabel("ms")
     lat.legend(fontsize=8)

@@ -479,13 +479,14 @@ def serve_table(o, device: str, served) -> Table:
 def show_serve(o, device: str, served) -> None:
     out.print(serve_table(o, device, served))
     by = {s.reserve: s for s in served}
-    if "paged" in by:
-        for other in ("prealloc", "oracle"):
-            if other in by:
-                ratio = by["paged"].requests_per_s / by[other].requests_per_s
-                out.print(f"paged serves {ratio:.2f}× the requests per second of {other} "
-                          "on the same trace and blocks (the vLLM paper: 2–4× at equal "
-                          "latency)")
+    others = [r for r in ("prealloc", "oracle") if r in by]
+    if "paged" in by and others:
+        paged = by["paged"]
+        ratios = ", ".join(f"{paged.requests_per_s / by[r].requests_per_s:.2f}× {r}'s "
+                           f"({sum(paged.batch) / sum(by[r].batch) * by[r].steps / paged.steps:.2f}× "
+                           "the batch)" for r in others)
+        out.print(f"paged serves {ratios} requests per second on the same trace and blocks "
+                  "(the vLLM paper: 2–4× the throughput at the same latency, on GPUs)")
 
 
 def show(command: str, result, stderr: bool = False) -> None:

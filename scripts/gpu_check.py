@@ -70,6 +70,7 @@ class Mode:
     est_s: dict[str, float]  # each step's time estimate here
     mla: tuple[str, ...] = ()  # an MLA layer (--attention mla and its dims)
     mla_long: tuple[str, ...] = ()  # the batch and context MLA's decode is timed at
+    serve: tuple[str, ...] = ()  # serve-sim's trace, pool and layer
 
 
 def _shape(b, tp, g, h, hq, hkv, d) -> tuple[str, ...]:
@@ -86,12 +87,15 @@ GPU = Mode(False, "cuda", _shape(2, 256, 32, 512, 8, 2, 64), SMALL,
            # measured on a lent H200 on 2026-11-30 (torch 2.11), plus 15%; tp is a guess
            {"env": 8, "verify": 65, "bench": 35, "targets": 85, "allocation": 8,
             "memory": 12, "pytest": 92, "ragged": 48, "techniques": 45, "context": 26,
-            "tp": 120, "sdpa-backends": 30, "model": 165, "mla": 90},  # mla: a guess
+            "tp": 120, "sdpa-backends": 30, "model": 165, "mla": 90,  # mla: a guess
+            "serve-sim": 60},  # a guess
            # DeepSeek-V3's attention layer (128 heads, d_c 512, RoPE 64, q_lora 1536)
            ("--attention", "mla", "--hidden", "7168", "--q-heads", "128", "--kv-lora-rank",
             "512", "--qk-rope-dim", "64", "--qk-nope-dim", "128", "--v-head-dim", "128",
             "--q-lora-rank", "1536"),
-           ("--batch", "16", "--prompt-len", "8192", "--decode-len", "8"))
+           ("--batch", "16", "--prompt-len", "8192", "--decode-len", "8"),
+           # 400 requests on 1,024 blocks of 16: prealloc to 2,048 holds 8 at once
+           ("--requests", "400", "--kv-blocks", "1024"))
 CPU = Mode(True, "cpu", _shape(2, 64, 8, 512, 8, 2, 64), SMALL,
            _shape(2, 512, 4, 256, 8, 2, 32),
            ("--seq-lens", "1,17,64,90", "--max-len", "100"), "16,64,256", "float32", "float32",
@@ -99,9 +103,11 @@ CPU = Mode(True, "cpu", _shape(2, 64, 8, 512, 8, 2, 64), SMALL,
            # measured on the 2-core CPU kvbench is developed on (a process starts in ~4 s)
            {"env": 8, "verify": 30, "bench": 40, "targets": 0, "allocation": 0,
             "memory": 12, "pytest": 0, "ragged": 20, "techniques": 40, "context": 25,
-            "tp": 0, "sdpa-backends": 0, "model": 0, "mla": 30},
+            "tp": 0, "sdpa-backends": 0, "model": 0, "mla": 30, "serve-sim": 15},
            ("--attention", "mla", "--hidden", "512", "--q-heads", "8"),
-           ("--batch", "2", "--prompt-len", "512", "--decode-len", "4"))
+           ("--batch", "2", "--prompt-len", "512", "--decode-len", "4"),
+           ("--requests", "40", "--len-dist", "lognormal:40:0.8", "--output-dist",
+            "lognormal:24:0.8", "--max-len", "160", "--kv-blocks", "40", "--block-size", "8"))
 
 EAGER = "concat,static,sdpa,paged,triton"  # no torch.compile graph
 COMPILING = ("compiled", "flex")
@@ -222,6 +228,12 @@ def plan(mode: Mode, out: Path, gpus: int) -> list[Step]:
               [*kv, "verify", *dev, "--dtype", mode.half, "--impl", EAGER, "--rope",
                "--beams", "3", "--batch", "2", *mode.technique,
                *csv("verify-techniques.csv")]]),
+        Step("serve-sim", 6, "continuous batching: paged against preallocated on one trace, "
+             "every request checked against path A; chunked prefill; swap", 60,
+             [[*kv, "serve-sim", *dev, "--dtype", mode.half, *mode.serve, "--reserve",
+               "paged,prealloc,oracle", *csv("serve-sim.csv")],
+              [*kv, "serve-sim", *dev, "--dtype", mode.half, *mode.serve, "--reserve", "paged",
+               "--prefill-chunk", "64", "--preempt", "swap", *csv("serve-sim.csv")]]),
         Step("context", 6, "bench against context length, then its plot", 90,
              [[*kv, "bench", *dev, *mode.rounds, "--dtype", mode.half, "--impl", measured, "--prompt-len",
                mode.contexts, "--decode-len", "16", *csv("bench-context.csv")],
