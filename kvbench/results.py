@@ -527,10 +527,10 @@ SERVE_FIRST = [
     "swapped_blocks",
 ] + ENV_COLUMNS
 SERVE_COLUMNS = SERVE_FIRST
-# serve-sim's per-step log (its -steps.csv): the clock at each step's end, sequences decoded,
-# tokens made, blocks held
-SERVE_STEP_FIRST = ["timestamp", "command", "reserve", "step", "time_s", "batch", "tokens",
-                    "blocks_in_use", "kv_bytes_in_use"] + ENV_COLUMNS
+# serve-sim's per-step log (its -steps.csv): the clock at each step's end, the step's own
+# time, sequences decoded, tokens made, blocks held
+SERVE_STEP_FIRST = ["timestamp", "command", "reserve", "step", "time_s", "step_ms", "batch",
+                    "tokens", "blocks_in_use", "kv_bytes_in_use"] + ENV_COLUMNS
 SERVE_STEP_COLUMNS = SERVE_STEP_FIRST
 
 
@@ -573,8 +573,8 @@ def serve_rows(o, device: str, served, stamp: str, block_bytes: int,
 def serve_step_rows(served, stamp: str, block_bytes: int,
                     env: dict[str, object]) -> list[dict[str, object]]:
     return [{"timestamp": stamp, "command": "serve-sim", "reserve": s.reserve, "step": i,
-             "time_s": s.step_end_s[i], "batch": s.batch[i], "tokens": s.tokens[i],
-             "blocks_in_use": s.blocks_in_use[i],
+             "time_s": s.step_end_s[i], "step_ms": 1e3 * s.step_s[i], "batch": s.batch[i],
+             "tokens": s.tokens[i], "blocks_in_use": s.blocks_in_use[i],
              "kv_bytes_in_use": block_bytes * s.blocks_in_use[i], **env}
             for s in served for i in range(s.steps)]
 
