@@ -223,7 +223,7 @@ def serve_sim(
     len_dist: Annotated[str, typer.Option(help="Prompt lengths: uniform:LO:HI or lognormal:MEAN:SIGMA.")] = "lognormal:256:1.0",
     output_dist: Annotated[str, typer.Option(help="Output lengths, as --len-dist.")] = "lognormal:128:1.0",
     max_len: Annotated[int, typer.Option(help="The longest a request may get (prompt + output): caps the draws; prealloc reserves it.")] = 2048,
-    rate: Annotated[float, typer.Option(help="Poisson arrivals, requests per second of the measured clock. \\[default: all at once]")] = math.inf,
+    rate: Annotated[float | None, typer.Option(help="Poisson arrivals, requests per second of the measured clock. \\[default: all at once]")] = None,
     kv_blocks: Annotated[int, typer.Option(help="KV blocks in the pool (the memory budget).")] = 512,
     block_size: Annotated[int, typer.Option(help="Positions per block.")] = 16,
     reserve: Annotated[str, typer.Option(help="Ways of reserving to serve the trace with: paged, prealloc, oracle (comma-separated).")] = "paged,prealloc",
@@ -233,7 +233,7 @@ def serve_sim(
     q_heads: Annotated[int, typer.Option(help="Query heads H_q.")] = 8,
     kv_heads: Annotated[int, typer.Option(help="KV heads H_kv.")] = 2,
     head_dim: Annotated[int, typer.Option(help="Head dim D.")] = 64,
-    dtype: Annotated[str, typer.Option(help="float32, float16 or bfloat16.")] = "float32",
+    dtype: Annotated[str, typer.Option(help="float32|fp32, float16|fp16, bfloat16|bf16.")] = "float32",
     device: Annotated[str, typer.Option(help="auto, cpu, cuda or cuda:N.")] = "auto",
     seed: Annotated[int, typer.Option(help="Seed of the trace, the weights and the inputs.")] = 0,
     host_mem: Annotated[str | None, typer.Option(help="Host memory this run may use, e.g. 64GiB. \\[default: MemAvailable]")] = None,
@@ -244,7 +244,7 @@ def serve_sim(
 
     options = servesim.SimOptions(
         requests=requests, len_dist=len_dist, output_dist=output_dist, max_len=max_len,
-        rate=rate, kv_blocks=kv_blocks, block_size=block_size,
+        rate=math.inf if rate is None else rate, kv_blocks=kv_blocks, block_size=block_size,
         reserve=tuple(r.strip() for r in reserve.split(",") if r.strip()), preempt=preempt,
         prefill_chunk=prefill_chunk,
         hidden=hidden, q_heads=q_heads, kv_heads=kv_heads, head_dim=head_dim, dtype=dtype,

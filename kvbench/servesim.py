@@ -18,6 +18,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from kvbench.config import canonical_dtype
 from kvbench.errors import KvbenchError
 from kvbench.lengths import parse_len_dist
 from kvbench.scheduler import PREEMPT, Scheduler, trace
@@ -74,9 +75,7 @@ class SimOptions:
         if self.q_heads % self.kv_heads:
             raise KvbenchError(f"--q-heads {self.q_heads} is not a multiple of --kv-heads "
                                f"{self.kv_heads}; each KV head serves a whole group")
-        if self.dtype not in ("float32", "float16", "bfloat16"):
-            raise KvbenchError(f"unknown --dtype {self.dtype!r}; use float32, float16 or "
-                               "bfloat16")
+        object.__setattr__(self, "dtype", canonical_dtype(self.dtype))
         parse_len_dist(self.len_dist)
         parse_len_dist(self.output_dist)
 

@@ -111,3 +111,23 @@ def test_compiled_steps_compile_once_on_cuda(name):
     impl.prefill(x[:, :100])
     impl.decode(x)
     assert counters["stats"]["unique_graphs"] == 1
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("preempt", ["recompute", "swap"])
+def test_serve_sim_serves_every_request_as_path_a_does_on_cuda(dtype, preempt):
+    from kvbench.attention import AttentionLayer
+    from kvbench.config import LayerShape
+    from kvbench.device import torch_dtype
+    from kvbench.servesim import SimOptions, requests, serve
+
+    o = SimOptions(requests=40, len_dist="lognormal:40:0.8", output_dist="lognormal:24:0.8",
+                   max_len=160, kv_blocks=40, block_size=8, dtype=dtype, device="cuda:0",
+                   preempt=preempt, prefill_chunk=32)
+    layer = AttentionLayer(LayerShape(hidden=o.hidden, q_heads=o.q_heads,
+                                      kv_heads=o.kv_heads, head_dim=o.head_dim),
+                           torch_dtype(dtype), "cuda:0", 0, rope=True)
+    for reserve in ("paged", "prealloc"):
+        served = serve(o, reserve, requests(o), layer, "cuda:0")
+        assert served.passed, served.failures[:3]
+    assert served.preemptions == 0  # prealloc's, the last
