@@ -461,18 +461,21 @@ def serve_table(o, device: str, served) -> Table:
     t = _table(f"serve-sim  {o.requests} requests arriving {rate}; prompts {o.len_dist}, "
                f"outputs {o.output_dist}\n{o.kv_blocks} blocks of {o.block_size}  H={o.hidden} "
                f"H_q={o.q_heads} H_kv={o.kv_heads} D={o.head_dim}  {o.dtype}  {device}")
-    for name in ("reserve", "req/s", "tok/s", "TTFT\np50", "TTFT\np99", "TPOT\np50",
-                 "TPOT\np99", "batch", "blocks", "pre-\nempt", "verify"):
-        t.add_column(name, justify="left" if name in ("reserve", "verify") else "right")
+    for name in ("reserve", "req/s", "tok/s", "TTFT\np50 s", "TTFT\np99 s", "TPOT\np50 ms",
+                 "TPOT\np99 ms", "batch", "held", "pre-\nempt", "path A"):
+        t.add_column(name, justify="left" if name in ("reserve", "path A") else "right",
+                     no_wrap=name in ("reserve", "path A"))
     for s in served:
-        ms = [percentile(v, q) for v in (s.ttft_s, s.tpot_s) for q in (50, 99)]
+        ttft = [percentile(s.ttft_s, q) for q in (50, 99)]
+        tpot = [percentile(s.tpot_s, q) for q in (50, 99)]
         t.add_row(s.reserve, f"{s.requests_per_s:,.1f}", f"{s.tokens_per_s:,.0f}",
-                  *("n/a" if m is None else _ms(1e3 * m) for m in ms),
+                  *(f"{x:,.2f}" for x in ttft),
+                  *("n/a" if x is None else f"{1e3 * x:,.2f}" for x in tpot),
                   f"{sum(s.batch) / s.steps:,.1f}",
-                  f"{sum(s.blocks_in_use) / s.steps:,.0f}/{o.kv_blocks}",
+                  f"{sum(s.blocks_in_use) / s.steps:,.0f}",
                   f"{s.preemptions:,}", "PASS" if s.passed else "[red]FAIL[/]")
-    t.caption = ("times in ms; batch and blocks: mean per step; TTFT from arrival to the "
-                 "first token, TPOT per later token")
+    t.caption = (f"batch: sequences decoding, held: blocks held (of {o.kv_blocks}), the mean "
+                 "per step; TTFT from arrival to the first token, TPOT per later token")
     return t
 
 
