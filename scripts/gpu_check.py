@@ -103,7 +103,7 @@ CPU = Mode(True, "cpu", _shape(2, 64, 8, 512, 8, 2, 64), SMALL,
            # measured on the 2-core CPU kvbench is developed on (a process starts in ~4 s)
            {"env": 8, "verify": 30, "bench": 40, "targets": 0, "allocation": 0,
             "memory": 12, "pytest": 0, "ragged": 20, "techniques": 40, "context": 25,
-            "tp": 0, "sdpa-backends": 0, "model": 0, "mla": 30, "serve-sim": 15},
+            "tp": 0, "sdpa-backends": 0, "model": 0, "mla": 30, "serve-sim": 20},
            ("--attention", "mla", "--hidden", "512", "--q-heads", "8"),
            ("--batch", "2", "--prompt-len", "512", "--decode-len", "4"),
            ("--requests", "40", "--len-dist", "lognormal:40:0.8", "--output-dist",
