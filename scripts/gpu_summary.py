@@ -156,6 +156,16 @@ def details(out: Path) -> int:
             f"{r['impl']} {r['cached_ms_per_step']:.3f} {100 * r['bandwidth_fraction']:.0f}%"
             for _, r in rb.iterrows()))
     bad += verdicts(out, "verify-techniques.csv", "verify, window / shared prefix / h2o (gate) / chunked prefill + speculative / beams")
+    serve = read(out, "serve-sim.csv")
+    if serve is not None:
+        print("serve-sim (one trace, one pool): req/s, mean batch, TPOT p99 ms, step max ms, "
+              "preemptions, path A (vLLM paper: 2-4x paged over preallocated): " + "; ".join(
+                  f"{r['reserve']}{'' if pd.isna(r['prefill_chunk']) else ' chunk %d' % r['prefill_chunk']}"
+                  f"{' swap' if r['preempt'] == 'swap' else ''} {r['requests_per_s']:.1f} "
+                  f"{r['mean_batch']:.1f} {r['tpot_p99_ms']:.2f} {r['step_max_ms']:.1f} "
+                  f"{r['preemptions']} {'PASS' if r['passed'] else 'FAIL'}"
+                  for _, r in serve.iterrows()))
+        bad += int((~serve["passed"].astype(bool)).sum())
     bad += verdicts(out, "verify-model.csv", "verify, the whole llama-3-8b shape")
     model = read(out, "bench-model.csv")
     if model is not None:
