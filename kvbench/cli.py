@@ -224,7 +224,8 @@ def serve_sim(
     output_dist: Annotated[str, typer.Option(help="Output lengths, as --len-dist.")] = "lognormal:128:1.0",
     max_len: Annotated[int, typer.Option(help="The longest a request may get (prompt + output): caps the draws; prealloc reserves it.")] = 2048,
     rate: Annotated[float | None, typer.Option(help="Poisson arrivals, requests per second of the measured clock. \\[default: all at once]")] = None,
-    kv_blocks: Annotated[int, typer.Option(help="KV blocks in the pool (the memory budget).")] = 512,
+    kv_blocks: Annotated[int | None, typer.Option(help="KV blocks in the pool (the memory budget). \\[default: 512]")] = None,
+    kv_mem: Annotated[str | None, typer.Option(help="The pool's size instead, e.g. 64MiB: as many blocks as fit (K and V, this layer, --dtype).")] = None,
     block_size: Annotated[int, typer.Option(help="Positions per block.")] = 16,
     reserve: Annotated[str, typer.Option(help="Ways of reserving to serve the trace with: paged, prealloc, oracle (comma-separated).")] = "paged,prealloc",
     preempt: Annotated[str, typer.Option(help="When blocks run out: recompute (free and prefill again) or swap (to host memory and back).")] = "recompute",
@@ -242,9 +243,12 @@ def serve_sim(
 ):
     from kvbench import servesim
 
+    if kv_blocks is not None and kv_mem is not None:
+        raise KvbenchError("--kv-blocks and --kv-mem both size the pool; give one")
     options = servesim.SimOptions(
         requests=requests, len_dist=len_dist, output_dist=output_dist, max_len=max_len,
-        rate=math.inf if rate is None else rate, kv_blocks=kv_blocks, block_size=block_size,
+        rate=math.inf if rate is None else rate, kv_blocks=512 if kv_blocks is None else kv_blocks,
+        kv_mem=kv_mem, block_size=block_size,
         reserve=tuple(r.strip() for r in reserve.split(",") if r.strip()), preempt=preempt,
         prefill_chunk=prefill_chunk,
         hidden=hidden, q_heads=q_heads, kv_heads=kv_heads, head_dim=head_dim, dtype=dtype,

@@ -36,6 +36,7 @@ class SimOptions:
     max_len: int = 2048
     rate: float = math.inf  # arrivals per second
     kv_blocks: int = 512
+    kv_mem: str | None = None  # the pool's size instead (e.g. 64MiB): as many blocks as fit
     block_size: int = 16
     reserve: tuple[str, ...] = ("paged", "prealloc")
     preempt: str = "recompute"
@@ -52,6 +53,17 @@ class SimOptions:
     steps_csv: Path | None = None
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "dtype", canonical_dtype(self.dtype))
+        if self.kv_mem is not None:
+            from kvbench.capacity import parse_size
+
+            size = {"float32": 4, "float16": 2, "bfloat16": 2}[self.dtype]
+            block = 2 * self.kv_heads * self.block_size * self.head_dim * size
+            blocks = parse_size(self.kv_mem, "--kv-mem") // max(block, 1)
+            if blocks < 1:
+                raise KvbenchError(f"--kv-mem {self.kv_mem} holds no block of {block:,} bytes "
+                                   f"(K and V, {self.block_size} positions); give more")
+            object.__setattr__(self, "kv_blocks", blocks)
         for name in ("requests", "max_len", "kv_blocks", "block_size", "hidden", "q_heads",
                      "kv_heads", "head_dim"):
             if getattr(self, name) < 1:
@@ -75,7 +87,6 @@ class SimOptions:
         if self.q_heads % self.kv_heads:
             raise KvbenchError(f"--q-heads {self.q_heads} is not a multiple of --kv-heads "
                                f"{self.kv_heads}; each KV head serves a whole group")
-        object.__setattr__(self, "dtype", canonical_dtype(self.dtype))
         parse_len_dist(self.len_dist)
         parse_len_dist(self.output_dist)
 

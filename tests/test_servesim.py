@@ -112,10 +112,20 @@ def test_a_failed_check_exits_1_and_keeps_its_rows(tmp_path, monkeypatch):
     (["--len-dist", "normal:3:4"], "--len-dist 'normal:3:4'"),
     (["--preempt", "drop"], "unknown --preempt 'drop'"),
     (["--prefill-chunk", "0"], "--prefill-chunk must be a positive integer"),
+    (["--kv-mem", "1KiB"], "--kv-mem 1KiB holds no block"),
+    (["--kv-mem", "8MiB", "--kv-blocks", "10"], "give one"),
+    (["--kv-mem", "lots"], "--kv-mem 'lots' is not a size"),
     (["--kv-blocks", "100000000", "--host-mem", "1GiB"], "lower --kv-blocks"),
 ])
 def test_bad_input_is_one_line(refused, args, message):
     refused(args, message, command="serve-sim")
+
+
+def test_kv_mem_sizes_the_pool_in_whole_blocks():
+    # K and V of 2 heads × 16 positions × 64 dims in float32: 16 KiB a block
+    assert SimOptions(kv_mem="8MiB").kv_blocks == 512
+    assert SimOptions(kv_mem="8MiB", dtype="fp16").kv_blocks == 1024
+    assert SimOptions(kv_mem="20KiB").kv_blocks == 1
 
 
 def test_percentiles_are_numpys():
