@@ -243,11 +243,9 @@ def serve_sim(
 ):
     from kvbench import servesim
 
-    if kv_blocks is not None and kv_mem is not None:
-        raise KvbenchError("--kv-blocks and --kv-mem both size the pool; give one")
     options = servesim.SimOptions(
         requests=requests, len_dist=len_dist, output_dist=output_dist, max_len=max_len,
-        rate=math.inf if rate is None else rate, kv_blocks=512 if kv_blocks is None else kv_blocks,
+        rate=math.inf if rate is None else rate, kv_blocks=kv_blocks,
         kv_mem=kv_mem, block_size=block_size,
         reserve=tuple(r.strip() for r in reserve.split(",") if r.strip()), preempt=preempt,
         prefill_chunk=prefill_chunk,

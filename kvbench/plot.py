@@ -383,7 +383,7 @@ def plot_serve_steps(df: pd.DataFrame, plt):
     for ax in (mem, rate):
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=8)
-    fig.suptitle(_title(df.assign(dtype=None), "serve-sim: memory in use and throughput"))
+    fig.suptitle(_title(df, "serve-sim: memory in use and throughput"))
     return fig
 
 

@@ -471,8 +471,7 @@ def serve_table(o, device: str, served) -> Table:
         t.add_row(s.reserve, f"{s.requests_per_s:,.1f}", f"{s.tokens_per_s:,.0f}",
                   *(f"{x:,.2f}" for x in ttft),
                   *("n/a" if x is None else f"{1e3 * x:,.2f}" for x in tpot),
-                  f"{sum(s.batch) / s.steps:,.1f}",
-                  f"{sum(s.blocks_in_use) / s.steps:,.0f}",
+                  f"{s.mean_batch:,.1f}", f"{s.mean_blocks_in_use:,.0f}",
                   f"{s.preemptions:,}", "PASS" if s.passed else "[red]FAIL[/]")
     t.caption = (f"batch: sequences decoding, held: blocks held (of {o.kv_blocks}), the mean "
                  "per step; TTFT from arrival to the first token, TPOT per later token")
@@ -486,7 +485,7 @@ def show_serve(o, device: str, served) -> None:
     if "paged" in by and others:
         paged = by["paged"]
         ratios = ", ".join(f"{paged.requests_per_s / by[r].requests_per_s:.2f}× {r}'s "
-                           f"({sum(paged.batch) / sum(by[r].batch) * by[r].steps / paged.steps:.2f}× "
+                           f"({paged.mean_batch / by[r].mean_batch:.2f}× "
                            "the batch)" for r in others)
         out.print(f"paged serves {ratios} requests per second on the same trace and blocks "
                   "(the vLLM paper: 2–4× the throughput at the same latency, on GPUs)")

@@ -534,7 +534,7 @@ SERVE_STEP_FIRST = ["timestamp", "command", "reserve", "step", "time_s", "step_m
 SERVE_STEP_COLUMNS = SERVE_STEP_FIRST
 
 
-def serve_rows(o, device: str, served, stamp: str, block_bytes: int,
+def serve_rows(o, device: str, served, stamp: str,
                env: dict[str, object]) -> list[dict[str, object]]:
     from kvbench.servesim import PERCENTILES, percentile
 
@@ -546,7 +546,7 @@ def serve_rows(o, device: str, served, stamp: str, block_bytes: int,
                "rate_per_s": o.rate if math.isfinite(o.rate) else None,
                "kv_blocks": o.kv_blocks, "block_size": o.block_size,
                "prefill_chunk": o.prefill_chunk,
-               "kv_pool_bytes": block_bytes * o.kv_blocks, "hidden": o.hidden,
+               "kv_pool_bytes": o.pool_bytes, "hidden": o.hidden,
                "q_heads": o.q_heads, "kv_heads": o.kv_heads, "head_dim": o.head_dim,
                "dtype": o.dtype, "device": device, "seed": o.seed, "passed": s.passed,
                "max_abs_err": s.max_abs_err, "duration_s": s.duration_s, "steps": s.steps,
@@ -554,10 +554,10 @@ def serve_rows(o, device: str, served, stamp: str, block_bytes: int,
                "prompt_tokens": s.prompt_tokens, "output_tokens": s.output_tokens,
                "latency_per_token_mean_ms": 1e3 * sum(s.latency_per_token_s)
                / len(s.latency_per_token_s),
-               "mean_batch": sum(s.batch) / s.steps, "max_batch": max(s.batch),
-               "mean_blocks_in_use": sum(s.blocks_in_use) / s.steps,
+               "mean_batch": s.mean_batch, "max_batch": max(s.batch),
+               "mean_blocks_in_use": s.mean_blocks_in_use,
                "max_blocks_in_use": max(s.blocks_in_use),
-               "mean_kv_bytes_in_use": block_bytes * sum(s.blocks_in_use) / s.steps,
+               "mean_kv_bytes_in_use": o.block_bytes * s.mean_blocks_in_use,
                "preemptions": s.preemptions, "recomputed_tokens": s.recomputed_tokens,
                "swapped_blocks": s.swapped_blocks, **env}
         row["step_p50_ms"] = 1e3 * percentile(s.step_s, 50)

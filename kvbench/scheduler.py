@@ -60,6 +60,26 @@ def trace(n: int, seed: int, prompt: LenDist, output: LenDist, rate: float,
     return requests
 
 
+def reserved(r: Request, reserve: str, reserve_len: int | None) -> int:
+    """Positions a request needs blocks for at most: prealloc's reservation (reserve_len, or
+    the request's own reach), or what paged fills (its last token is never cached)."""
+    if reserve == "prealloc":
+        return reserve_len or r.reach
+    return r.reach - 1
+
+
+def refuse_unfit(requests: list[Request], n_blocks: int, block_size: int, reserve: str,
+                 reserve_len: int | None = None) -> None:
+    """One line for the first request the whole pool cannot hold, before anything runs."""
+    for r in requests:
+        need = math.ceil(reserved(r, reserve, reserve_len) / block_size)
+        if need > n_blocks:
+            raise KvbenchError(
+                f"request {r.id} ({r.prompt_len} prompt + {r.output_len} output tokens) "
+                f"needs {need} blocks of {block_size} but the budget is {n_blocks}: that "
+                "request can never run; raise --kv-blocks or lower --max-len")
+
+
 class BlockPool:
     """Fixed-size blocks handed out from a free list, each with one owner at a time."""
 
@@ -143,13 +163,7 @@ class Scheduler:
             raise KvbenchError(f"unknown --preempt {preempt!r}; use recompute or swap")
         self.block_size, self.reserve, self.preempt = block_size, reserve, preempt
         self.reserve_len = reserve_len
-        for r in requests:
-            if self.blocks_for(self._reserved(r)) > n_blocks:
-                raise KvbenchError(
-                    f"request {r.id} ({r.prompt_len} prompt + {r.output_len} output tokens) "
-                    f"needs {self.blocks_for(self._reserved(r))} blocks of {block_size} but "
-                    f"the budget is {n_blocks}: that request can never run; raise "
-                    "--kv-blocks or lower --max-len")
+        refuse_unfit(requests, n_blocks, block_size, reserve, reserve_len)
         self.engine = engine
         self.chunk = chunk  # prompt positions prefilled per step, all sequences together
         self.pool = BlockPool(n_blocks)
@@ -166,10 +180,7 @@ class Scheduler:
         self.batch: list[int] = []  # sequences decoding per step
 
     def _reserved(self, r: Request) -> int:
-        """Positions a request needs blocks for at most."""
-        if self.reserve == "prealloc":
-            return self.reserve_len or r.reach
-        return r.reach - 1
+        return reserved(r, self.reserve, self.reserve_len)
 
     def blocks_for(self, positions: int) -> int:
         return math.ceil(positions / self.block_size)

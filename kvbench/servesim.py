@@ -18,12 +18,13 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kvbench.config import canonical_dtype
+from kvbench.config import DTYPE_BYTES, canonical_dtype
 from kvbench.errors import KvbenchError
 from kvbench.lengths import parse_len_dist
-from kvbench.scheduler import PREEMPT, Scheduler, trace
+from kvbench.scheduler import PREEMPT, Scheduler, refuse_unfit, trace
 
 RESERVES = ("paged", "prealloc", "oracle")
+DEFAULT_BLOCKS = 512
 WARMUP_REQUESTS = 4
 PERCENTILES = (50, 90, 99)
 
@@ -35,7 +36,7 @@ class SimOptions:
     output_dist: str = "lognormal:128:1.0"  # output lengths
     max_len: int = 2048
     rate: float = math.inf  # arrivals per second
-    kv_blocks: int = 512
+    kv_blocks: int | None = None  # the pool's blocks; None: DEFAULT_BLOCKS, or from kv_mem
     kv_mem: str | None = None  # the pool's size instead (e.g. 64MiB): as many blocks as fit
     block_size: int = 16
     reserve: tuple[str, ...] = ("paged", "prealloc")
@@ -55,15 +56,18 @@ class SimOptions:
     def __post_init__(self) -> None:
         object.__setattr__(self, "dtype", canonical_dtype(self.dtype))
         if self.kv_mem is not None:
+            if self.kv_blocks is not None:
+                raise KvbenchError("--kv-blocks and --kv-mem both size the pool; give one")
             from kvbench.capacity import parse_size
 
-            size = {"float32": 4, "float16": 2, "bfloat16": 2}[self.dtype]
-            block = 2 * self.kv_heads * self.block_size * self.head_dim * size
-            blocks = parse_size(self.kv_mem, "--kv-mem") // max(block, 1)
+            blocks = parse_size(self.kv_mem, "--kv-mem") // max(self.block_bytes, 1)
             if blocks < 1:
-                raise KvbenchError(f"--kv-mem {self.kv_mem} holds no block of {block:,} bytes "
-                                   f"(K and V, {self.block_size} positions); give more")
+                raise KvbenchError(f"--kv-mem {self.kv_mem} holds no block of "
+                                   f"{self.block_bytes:,} bytes (K and V, {self.block_size} "
+                                   "positions); give more")
             object.__setattr__(self, "kv_blocks", blocks)
+        elif self.kv_blocks is None:
+            object.__setattr__(self, "kv_blocks", DEFAULT_BLOCKS)
         for name in ("requests", "max_len", "kv_blocks", "block_size", "hidden", "q_heads",
                      "kv_heads", "head_dim"):
             if getattr(self, name) < 1:
@@ -90,13 +94,24 @@ class SimOptions:
         parse_len_dist(self.len_dist)
         parse_len_dist(self.output_dist)
 
+    @property
+    def block_bytes(self) -> int:
+        """K and V of one block of this layer, in --dtype."""
+        return 2 * self.kv_heads * self.block_size * self.head_dim * DTYPE_BYTES[self.dtype]
+
+    @property
+    def pool_bytes(self) -> int:
+        return self.block_bytes * self.kv_blocks
+
+    def reservation(self, reserve: str) -> dict:
+        """The Scheduler's reserve and reserve_len for one way of reserving."""
+        return {"reserve": "paged" if reserve == "paged" else "prealloc",
+                "reserve_len": self.max_len if reserve == "prealloc" else None}
+
     def scheduler(self, reserve: str, requests, engine=None) -> Scheduler:
         """The scheduler of one way of reserving."""
-        return Scheduler(requests, self.kv_blocks, self.block_size,
-                         reserve="paged" if reserve == "paged" else "prealloc",
-                         preempt=self.preempt,
-                         reserve_len=self.max_len if reserve == "prealloc" else None,
-                         engine=engine, chunk=self.prefill_chunk)
+        return Scheduler(requests, self.kv_blocks, self.block_size, preempt=self.preempt,
+                         engine=engine, chunk=self.prefill_chunk, **self.reservation(reserve))
 
 
 def requests(o: SimOptions):
@@ -133,6 +148,14 @@ class Served:
         return not self.failures
 
     @property
+    def mean_batch(self) -> float:
+        return sum(self.batch) / self.steps
+
+    @property
+    def mean_blocks_in_use(self) -> float:
+        return sum(self.blocks_in_use) / self.steps
+
+    @property
     def requests_per_s(self) -> float:
         return len(self.ttft_s) / self.duration_s
 
@@ -152,23 +175,18 @@ def percentile(values: list[float], q: float) -> float | None:
     return v[lo] + (v[hi] - v[lo]) * (at - lo)
 
 
-def pool_bytes(o: SimOptions, dtype_bytes: int) -> int:
-    return 2 * o.kv_blocks * o.kv_heads * o.block_size * o.head_dim * dtype_bytes
-
-
 def preflight(o: SimOptions, device: str) -> None:
     """Refuse, before allocating, a pool the device cannot hold: the pool, the blocks a
     step reads copied out of it (at most the pool again, in float32) and a margin."""
     from kvbench.preflight import DEVICE, HOST, available_memory
     from kvbench.render import human_bytes
 
-    size = {"float32": 4, "float16": 2, "bfloat16": 2}[o.dtype]
-    need = pool_bytes(o, size) + pool_bytes(o, 4) * 2 + 64 * 2**20
+    need = o.pool_bytes + 2 * o.pool_bytes * 4 // DTYPE_BYTES[o.dtype] + 64 * 2**20
     have = available_memory(device, o.host_mem)[HOST if device == "cpu" else DEVICE]
     if need > have:
         raise KvbenchError(
             f"--kv-blocks {o.kv_blocks} of {o.block_size} positions needs about "
-            f"{human_bytes(need)} ({human_bytes(pool_bytes(o, size))} of pool) but "
+            f"{human_bytes(need)} ({human_bytes(o.pool_bytes)} of pool) but "
             f"{device} has {human_bytes(have)} available; lower --kv-blocks")
 
 
@@ -241,7 +259,7 @@ def run(o: SimOptions) -> list[Served]:
     preflight(o, device)
     reqs = requests(o)
     for reserve in o.reserve:  # a request that cannot run refuses the run before any work
-        o.scheduler(reserve, reqs)
+        refuse_unfit(reqs, o.kv_blocks, o.block_size, **o.reservation(reserve))
     shape = LayerShape(hidden=o.hidden, q_heads=o.q_heads, kv_heads=o.kv_heads,
                        head_dim=o.head_dim)
     layer = AttentionLayer(shape, torch_dtype(o.dtype), device, o.seed, rope=True)
@@ -252,10 +270,9 @@ def run(o: SimOptions) -> list[Served]:
                 served.append(serve(o, reserve, reqs, layer, device))
     env = environment(device)
     stamp = results.timestamp()
-    block_bytes = pool_bytes(o, torch_dtype(o.dtype).itemsize) // o.kv_blocks
-    results.append_csv(csv, results.serve_rows(o, device, served, stamp, block_bytes, env),
+    results.append_csv(csv, results.serve_rows(o, device, served, stamp, env),
                        results.SERVE_COLUMNS, results.SERVE_FIRST)
-    results.append_csv(steps_csv, results.serve_step_rows(served, stamp, block_bytes, env),
+    results.append_csv(steps_csv, results.serve_step_rows(served, stamp, o.block_bytes, env),
                        results.SERVE_STEP_COLUMNS, results.SERVE_STEP_FIRST)
     render.show_serve(o, device, served)
     render.note(f"wrote {csv} and {steps_csv}")

@@ -160,7 +160,8 @@ def details(out: Path) -> int:
     if serve is not None:
         print("serve-sim (one trace, one pool): req/s, mean batch, TPOT p99 ms, step max ms, "
               "preemptions, path A (vLLM paper: 2-4x paged over preallocated): " + "; ".join(
-                  f"{r['reserve']}{'' if pd.isna(r['prefill_chunk']) else ' chunk %d' % r['prefill_chunk']}"
+                  f"{r['reserve']}"
+                  f"{'' if pd.isna(r['prefill_chunk']) else f' chunk {r.prefill_chunk:.0f}'}"
                   f"{' swap' if r['preempt'] == 'swap' else ''} {r['requests_per_s']:.1f} "
                   f"{r['mean_batch']:.1f} {r['tpot_p99_ms']:.2f} {r['step_max_ms']:.1f} "
                   f"{r['preemptions']} {'PASS' if r['passed'] else 'FAIL'}"

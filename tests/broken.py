@@ -14,6 +14,7 @@ from kvbench.caches.base import grouped_decode_attention
 from kvbench.caches.mla import MlaAbsorbedCache, MlaLatentCache
 from kvbench.caches.static import PreallocatedCache
 from kvbench.caches.triton_mla import TritonMlaCache
+from kvbench.engine import Engine
 from kvbench.quant import QuantizedStore
 
 
@@ -681,22 +682,14 @@ class CopyOnWriteSkipsScales(PagedCache):
 
     name = "copy-on-write-skips-scales"
 
-    def _own(self, row, index):
-        block = self.tables[row][index]
-        if self.refs[block] == 1:
-            return False
-        copy = self._take()
+    def _copy_block(self, block, copy):
         for name, pool in self.store.tensors.items():
             if name.endswith("codes"):
                 pool[copy] = pool[block]
-        self.refs[block] -= 1
-        self.tables[row][index] = copy
-        return True
 
 
 # Continuous batching (kvbench.engine): engines that get one of a serving engine's cache
 # operations wrong. serve-sim's check against path A must reject each.
-from kvbench.engine import Engine  # noqa: E402
 
 
 class SwapInSkipped(Engine):

@@ -223,7 +223,8 @@ def test_a_deepseek_v3_config_json_plans_the_latent_layout(tmp_path):
     (["--attention", "mla", "--window", "8"], "--window runs on GQA layers"),
 ])
 def test_mla_bad_input_is_one_line_and_exit_2(args, message, refused):
-    refused(args, message)
+    code, lines, written = refused(args)
+    assert code == 2 and len(lines) == 1 and message in lines[0] and not written, lines
 
 
 def test_verify_attention_mla_all_on_the_cli(tmp_path):

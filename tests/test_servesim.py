@@ -3,12 +3,12 @@ against path A, on a trace small enough for the CPU; engines with a cache bug ar
 
 import math
 
+import broken
 import numpy as np
 import pandas as pd
 import pytest
 from typer.testing import CliRunner
 
-import broken
 from kvbench.cli import app
 from kvbench.load import read_results
 from kvbench.servesim import SimOptions, percentile, requests, serve
@@ -118,7 +118,8 @@ def test_a_failed_check_exits_1_and_keeps_its_rows(tmp_path, monkeypatch):
     (["--kv-blocks", "100000000", "--host-mem", "1GiB"], "lower --kv-blocks"),
 ])
 def test_bad_input_is_one_line(refused, args, message):
-    refused(args, message, command="serve-sim")
+    code, lines, written = refused(args, command="serve-sim")
+    assert code == 2 and len(lines) == 1 and message in lines[0] and not written, lines
 
 
 def test_kv_mem_sizes_the_pool_in_whole_blocks():

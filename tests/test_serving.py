@@ -148,7 +148,8 @@ def test_the_pool_names_a_freed_block_a_table_still_holds():
      "--impl window cannot run here: cannot reorder its rows"),
 ])
 def test_serving_bad_input_is_one_line_and_exit_2(args, message, refused):
-    refused(args, message)
+    code, lines, written = refused(args)
+    assert code == 2 and len(lines) == 1 and message in lines[0] and not written, lines
 
 
 def test_bench_times_both_operations_and_writes_them_down(tmp_path):

@@ -158,14 +158,18 @@ class PagedCache(CachedAttention):
         if self.refs[block] == 1:
             return False
         copy = self._take()
+        self._copy_block(block, copy)
+        self.refs[block] -= 1
+        self.tables[row][index] = copy
+        return True
+
+    def _copy_block(self, block: int, copy: int) -> None:
+        """Block `block`'s contents into block `copy`: every pool's, codes and scales alike."""
         for pool in self.cache_tensors():
             if pool.dim() >= 3:  # the pools (not fp8's per-head scales)
                 pool[copy] = pool[block]
                 if self.forked:  # (a shared prefix's copies are not a beam's)
                     self.copied_bytes += pool[block].numel() * pool.element_size()
-        self.refs[block] -= 1
-        self.tables[row][index] = copy
-        return True
 
     def _own_targets(self, positions: list[int | None]) -> None:
         """Before sequence i writes position positions[i] (None: nothing): its block must be
