@@ -18,7 +18,7 @@ from dataclasses import dataclass, replace
 from kvbench.config import LayerShape
 
 BOOL_BYTES = 1
-INDEX_BYTES = 8  # int64 block ids and positions
+INDEX_BYTES = 4  # int32 block ids (caches/blocktable.py)
 
 
 @dataclass(frozen=True)

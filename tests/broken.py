@@ -392,6 +392,19 @@ class WritesSharedBlock(PagedCache):
         return False
 
 
+class UploadsWholeTable(PagedCache):
+    """Uploads every row of its block table whenever a block is opened."""
+
+    name = "uploads-whole-table"
+
+    def _grow(self, length):
+        opened = sum(map(len, self.tables))
+        super()._grow(length)
+        if sum(map(len, self.tables)) > opened:
+            for row, blocks in enumerate(self.tables):
+                self.block_table.set_row(row, blocks)
+
+
 class FreesSharedBlock(PagedCache):
     """Copy on write frees the shared block, though other sequences still hold it."""
 

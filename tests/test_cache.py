@@ -210,11 +210,48 @@ def test_a_host_read_in_a_step_is_caught():
         _prefill_and_decode(ReadsOnHost)
 
 
-def test_paged_uploads_its_table_once_per_prefill_and_per_new_block():
-    # 21 prompt positions in blocks of 8 -> 3 blocks; steps to 22..27 open a 4th block at 25.
-    paged = _prefill_and_decode(PagedCache, ImplOptions(block_size=8))
-    assert paged.uploads == 2
-    assert paged.table.tolist() == [t + [-1] * (4 - len(t)) for t in paged.tables]
+def _decode_uploads(cls, max_len: int) -> tuple[int, int]:
+    """(bytes the decode uploaded to the device table, blocks it opened): a paged cache of
+    blocks of 2 over SHAPE's prompt, reserving max_len positions per sequence."""
+    config = RunConfig(SHAPE)
+    layer, x = AttentionLayer.from_config(config), make_inputs(config)
+    with torch.no_grad():
+        paged = cls(layer, 2, max_len, ImplOptions(block_size=2), lens=(27, 27))
+        paged.prefill(x[:, :21])  # 11 blocks per sequence
+        before, opened = paged.block_table.uploaded_bytes, sum(map(len, paged.tables))
+        paged.decode(x, keep=False)  # 22..27: blocks 12, 13 and 14 of each sequence
+        opened = sum(map(len, paged.tables)) - opened
+    assert torch.equal(paged.table[:, :14].long(), torch.tensor(paged.tables))
+    return paged.block_table.uploaded_bytes - before, opened
+
+
+def test_paged_uploads_only_the_entries_of_the_blocks_it_opens():
+    # each opened block is one (row, column, id) entry of three int32: 12 bytes, however
+    # wide the table may grow (27 positions or 32,768 reserved per sequence)
+    assert _decode_uploads(PagedCache, 27) == (6 * 12, 6)
+    assert _decode_uploads(PagedCache, 32768) == (6 * 12, 6)
+
+
+def test_a_whole_table_upload_is_caught():
+    from broken import UploadsWholeTable
+
+    uploaded, opened = _decode_uploads(UploadsWholeTable, 32768)
+    assert uploaded > 12 * opened
+
+
+def test_the_device_table_grows_by_doubling_and_keeps_its_entries():
+    from kvbench.caches.blocktable import BlockTable
+
+    t = BlockTable(2, "cpu", most=10)
+    t.set_row(0, [5, 6, 7])
+    assert t.width == 3
+    t.set([1], [3], [9])  # column 3: doubles to 6
+    assert t.width == 6 and t.table[0, :3].tolist() == [5, 6, 7] and int(t.table[1, 3]) == 9
+    t.set([0], [6], [1])  # doubling to 12 is capped at the widest a row needs
+    assert t.width == 10
+    t.set([3], [0], [4])  # rows double too
+    assert t.rows == 4 and t.table[:2, :7].tolist() == [[5, 6, 7, 0, 0, 0, 1],
+                                                        [0, 0, 0, 9, 0, 0, 0]]
 
 
 # FlexAttention's CUDA kernels need D >= 16 (torch 2.11 raises NotImplementedError below)

@@ -9,6 +9,7 @@ import torch
 
 from kvbench import footprint as fp
 from kvbench.caches.base import CachedAttention, register
+from kvbench.caches.blocktable import BlockTable
 from kvbench.capacity import QUANTIZED
 from kvbench.errors import KvbenchError
 from kvbench.quant import QuantizedStore
@@ -20,7 +21,8 @@ class PagedCache(CachedAttention):
 
     Pool [N_blocks, H_kv, block_size, D] for K and for V, as many blocks as the batch's
     sequences take at their final lengths. A sequence takes blocks from the free list as it
-    grows; its table lists them in order. Attention gathers the sequence's blocks (a copy; a
+    grows; its table lists them in order (kept on the host, where blocks are handed out, and
+    on the device, appended to: caches/blocktable.py). Attention gathers the sequence's blocks (a copy; a
     production kernel reads them in place) and attends like `static`. In a ragged batch each
     sequence takes only the blocks its own length needs, and only its real positions are
     written; the gather pads the shorter sequences (their unused table entries are 0, a real
@@ -75,13 +77,25 @@ class PagedCache(CachedAttention):
         self.free = deque(range(n_blocks))
         self.refs = [0] * n_blocks  # sequences whose table holds each block
         # The block tables live on the host, where blocks are handed out; the device holds a
-        # copy for the gather, uploaded whole (one copy, no host sync) when a block is taken.
+        # copy for the kernels, appended to entry by entry as blocks are taken (blocktable).
         self.tables: list[list[int]] = [[] for _ in range(batch)]
-        # [B, blocks_per_seq] block ids; 0 past a sequence's blocks: never read unmasked
-        self.table = torch.zeros((batch, self.blocks_per_seq), dtype=torch.long,
-                                 device=layer.device)
+        self.block_table = BlockTable(batch, layer.device, most=self.blocks_per_seq)
         self.n_blocks = n_blocks
-        self.uploads = 0
+
+    @property
+    def table(self) -> torch.Tensor:
+        """[B, width] int32 block ids on the device; past a sequence's blocks: never read
+        unmasked."""
+        return self.block_table.table
+
+    @table.setter
+    def table(self, table: torch.Tensor) -> None:
+        self.block_table.table = table
+
+    def reserve_table(self) -> None:
+        """The device table at its full width (every block a sequence may reach) now, so
+        that it is never reallocated later: a captured graph reads it at one address."""
+        self.block_table.reserve(self.batch, self.blocks_per_seq)
 
     def allocate(self, n_blocks: int) -> None:
         """The pools: [N_blocks, H_kv, block_size, D] for K and for V. Quantized, a
@@ -112,15 +126,6 @@ class PagedCache(CachedAttention):
         return [(self.store.tensors[name], part) for name, part
                 in self.store.encode(k, v, self.length == 0, real).items()]
 
-    def _upload(self) -> None:
-        rows = torch.tensor([t + [0] * (self.blocks_per_seq - len(t)) for t in self.tables],
-                            dtype=torch.long)
-        if self.table.is_cuda:  # from pinned memory the copy is queued, not waited for
-            self.table.copy_(rows.pin_memory(), non_blocking=True)
-        else:
-            self.table.copy_(rows)
-        self.uploads += 1
-
     def _take(self) -> int:
         if not self.free:
             raise KvbenchError("paged cache: the block pool is exhausted")
@@ -134,22 +139,27 @@ class PagedCache(CachedAttention):
             self.free.appendleft(block)
 
     def _grow(self, length: int) -> None:
-        """Blocks for `length` positions of the longest sequence (each takes its own)."""
-        opened = False
+        """Blocks for `length` positions of the longest sequence (each takes its own); only
+        the new entries go to the device table."""
+        rows, cols, ids = [], [], []
         if self.prefix and not any(self.tables):  # the prefix's blocks, once for all
             shared = [self._take() for _ in range(math.ceil(self.prefix / self.options.block_size))]
             for block in shared:
                 self.refs[block] = self.batch
-            for blocks in self.tables:
+            for row, blocks in enumerate(self.tables):
+                rows += [row] * len(shared)
+                cols += range(len(shared))
+                ids += shared
                 blocks.extend(shared)
-            opened = True
-        for blocks, deficit in zip(self.tables, self.deficit or (0,) * self.batch):
+        for row, (blocks, deficit) in enumerate(zip(self.tables,
+                                                    self.deficit or (0,) * self.batch)):
             need = math.ceil((length - deficit) / self.options.block_size)
             while len(blocks) < need:
+                rows.append(row)
+                cols.append(len(blocks))
                 blocks.append(self._take())
-                opened = True
-        if opened:
-            self._upload()
+                ids.append(blocks[-1])
+        self.block_table.set(rows, cols, ids)
 
     def _own(self, row: int, index: int) -> bool:
         """Copy on write: give sequence `row` a block of its own in place of a shared one
@@ -175,9 +185,10 @@ class PagedCache(CachedAttention):
         """Before sequence i writes position positions[i] (None: nothing): its block must be
         its own."""
         bs = self.options.block_size
-        copied = [p is not None and self._own(i, p // bs) for i, p in enumerate(positions)]
-        if any(copied):
-            self._upload()
+        owned = [(i, p // bs) for i, p in enumerate(positions)
+                 if p is not None and self._own(i, p // bs)]
+        self.block_table.set([i for i, _ in owned], [c for _, c in owned],
+                             [self.tables[i][c] for i, c in owned])
 
     def write(self, k: torch.Tensor, v: torch.Tensor | None = None) -> None:
         """k, v [B, H_kv, n, D] at positions length..length+n-1."""
@@ -251,14 +262,11 @@ class PagedCache(CachedAttention):
         return self.dense()
 
     def rewind(self, length):
-        released = False
+        # the released blocks' entries stay in the device table, never read unmasked
         for blocks, deficit in zip(self.tables, self.deficit or (0,) * self.batch):
             keep = math.ceil((length - deficit) / self.options.block_size)
             while len(blocks) > keep:
                 self._release(blocks.pop())
-                released = True
-        if released:
-            self._upload()
         self._rewound(length)
 
     def reorder(self, parents):
@@ -274,9 +282,9 @@ class PagedCache(CachedAttention):
             for block in blocks:
                 self._release(block)
         self.tables = tables
+        self.block_table.reorder(parents)  # the same rows, gathered on the device
         self.forked = True
         self.reorders += 1
-        self._upload()
 
     def consistency(self):
         """Each block's reference count against the tables that hold it: a block on the free
