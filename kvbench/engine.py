@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from kvbench.attention import AttentionLayer, full_forward
+from kvbench.caches.blocktable import BlockTable
 from kvbench.scheduler import Request, Running
 
 ROWS = 8192  # rows in the table of inputs
@@ -45,6 +46,31 @@ class Engine:
         self.outputs: dict[int, torch.Tensor] = {}  # request -> [output_len, H]
         self.made: dict[int, list[int]] = {}  # request -> times each output was made
         self.finished: list[Request] = []  # awaiting the check against path A
+        # Each sequence's blocks on the device, a row per sequence, appended to as the
+        # scheduler hands blocks out: a step uploads its sequences' rows and lengths and the
+        # blocks opened since the last step, never whole block lists.
+        self.tables = BlockTable(1, layer.device)
+        self.slot: dict[int, int] = {}  # request -> its row of the table
+        self.synced: dict[int, int] = {}  # request -> blocks of its row on the device
+        self.free_slots: list[int] = []
+
+    def _row(self, seq: Running, resync: bool = False) -> int:
+        """seq's row of the device table, with every block it holds; `resync` when it was
+        (re)admitted: its blocks may all be new."""
+        rid = seq.request.id
+        if rid not in self.slot:
+            self.slot[rid] = self.free_slots.pop() if self.free_slots else len(self.slot)
+            resync = True
+        row = self.slot[rid]
+        start = 0 if resync else self.synced[rid]
+        self.tables.set_row(row, seq.blocks[start:], start)
+        self.synced[rid] = len(seq.blocks)
+        return row
+
+    def _rows(self, seqs: list[Running]) -> torch.Tensor:
+        """[B] the sequences' rows of the table, each synced."""
+        rows = [self._row(seq) for seq in seqs]
+        return torch.tensor(rows, device=self.layer.device)
 
     def offset(self, r: Request) -> int:
         return (r.id * 2654435761) % ROWS
@@ -76,7 +102,7 @@ class Engine:
         bs, dev = self.block_size, self.layer.device
         pos = torch.arange(start, end, device=dev)
         q, k, v = self.layer.project(self.inputs(seq.request, pos)[None], start=start)
-        table = torch.tensor(seq.blocks, device=dev)
+        table = self.tables[self._row(seq, resync=start == 0)]  # [width]
         self._write(table[pos // bs], pos % bs, k[0].transpose(0, 1), v[0].transpose(0, 1))
         if start == 0:
             attn = F.scaled_dot_product_attention(q, k, v, is_causal=True,
@@ -91,46 +117,45 @@ class Engine:
             self._keep(seq, self.layer.output(attn[:, :, -1:])[0, 0])
 
     def _contiguous(self, pool: torch.Tensor, table: torch.Tensor, n: int) -> torch.Tensor:
-        """One sequence's first n positions of `pool`, [1, H_kv, n, D]."""
+        """One sequence's first n positions of `pool` (table: its row), [1, H_kv, n, D]."""
         blocks = pool[table[: -(-n // self.block_size)]]  # [nb, H_kv, bs, D]
         return blocks.transpose(0, 1).reshape(1, pool.shape[1], -1, pool.shape[-1])[:, :, :n]
 
     def decode(self, seqs: list[Running]) -> None:
         """Each sequence's position length-1 in one batch; attention over its own blocks."""
         bs, dev = self.block_size, self.layer.device
-        lengths = [seq.length for seq in seqs]
-        pos = torch.tensor(lengths, device=dev) - 1  # [B]
+        rows = self._rows(seqs)  # [B]
+        lengths = torch.tensor([seq.length for seq in seqs], device=dev)  # [B]
+        pos = lengths - 1
         offsets = torch.tensor([self.offset(seq.request) for seq in seqs], device=dev)
         x = self.rows[(pos + offsets) % ROWS][:, None]  # [B, 1, H]
         q, k, v = self.layer.project(x, start=pos[:, None])  # q [B, H_q, 1, D]
-        last = torch.tensor([seq.blocks[(n - 1) // bs] for seq, n in zip(seqs, lengths)],
-                            device=dev)
+        last = self.tables[rows, pos // bs]  # [B]
         self._write(last, pos % bs, k[:, :, 0], v[:, :, 0])
-        attn = self.attend(q[:, :, 0], seqs, lengths)  # [B, H_q, D]
+        attn = self.attend(q[:, :, 0], rows, lengths)  # [B, H_q, D]
         out = self.layer.output(attn[:, :, None])[:, 0]  # [B, H]
         for seq, o in zip(seqs, out):
             self._keep(seq, o)
 
-    def attend(self, q: torch.Tensor, seqs: list[Running], lengths: list[int]) -> torch.Tensor:
-        """q [B, H_q, D] against each sequence's first `length` positions, read block by
-        block from the pool: each block's scores, then the sequences' log-sum-exp over their
-        blocks. In float32."""
+    def attend(self, q: torch.Tensor, rows: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        """q [B, H_q, D] against each sequence's first lengths[i] positions (its row rows[i]
+        of the table), read block by block from the pool: each block's scores, then the
+        sequences' log-sum-exp over their blocks. In float32."""
         bs, dev = self.block_size, self.layer.device
         B, Hq, D = q.shape
         Hkv = self.k_pool.shape[1]
-        blocks, owner, first = [], [], []
-        for i, (seq, n) in enumerate(zip(seqs, lengths)):
-            used = seq.blocks[: -(-n // bs)]  # a preallocated reservation's unused blocks
-            blocks += used                    # are not read
-            owner += [i] * len(used)
-            first += range(0, len(used) * bs, bs)
-        blocks, owner = torch.tensor(blocks, device=dev), torch.tensor(owner, device=dev)
-        first = torch.tensor(first, device=dev)
+        # the blocks each sequence's positions fill (a preallocated reservation's unused
+        # blocks are not read), flattened on the device: N blocks in all
+        used = -(-lengths // bs)  # [B]
+        width = torch.arange(self.tables.width, device=dev)
+        owner, column = (width[None, :] < used[:, None]).nonzero(as_tuple=True)  # [N] each
+        blocks = self.tables[rows[owner], column]
+        first = column * bs
         k = self.k_pool[blocks].float()  # [N, H_kv, bs, D]
         v = self.v_pool[blocks].float()
         qb = q.float().view(B, Hkv, Hq // Hkv, D)[owner]  # [N, H_kv, G, D]
         scores = (qb @ k.transpose(-1, -2)) * self.layer.scale  # [N, H_kv, G, bs]
-        n = torch.tensor(lengths, device=dev)[owner]
+        n = lengths[owner]
         valid = first[:, None] + torch.arange(bs, device=dev) < n[:, None]  # [N, bs]
         scores = scores.masked_fill(~valid[:, None, None], float("-inf"))
         m = torch.full((B, Hkv, Hq // Hkv), float("-inf"), device=dev)
@@ -143,19 +168,20 @@ class Engine:
 
     def swap_out(self, seq: Running) -> None:
         """The blocks holding its cached positions, copied to host memory."""
-        used = torch.tensor(seq.blocks[: -(-seq.cached // self.block_size)],
-                            device=self.layer.device)
+        used = self.tables[self._row(seq), : -(-seq.cached // self.block_size)]
         self.host[seq.request.id] = (self.k_pool[used].to("cpu"), self.v_pool[used].to("cpu"))
 
     def swap_in(self, seq: Running) -> None:
         """Back from host memory, into the blocks it holds now."""
         k, v = self.host.pop(seq.request.id)
-        into = torch.tensor(seq.blocks[: k.shape[0]], device=self.layer.device)
+        into = self.tables[self._row(seq, resync=True), : k.shape[0]]
         self.k_pool[into] = k.to(self.layer.device)
         self.v_pool[into] = v.to(self.layer.device)
 
     def finish(self, seq: Running) -> None:
         self.finished.append(seq.request)
+        self.free_slots.append(self.slot.pop(seq.request.id))  # its row, for the next
+        del self.synced[seq.request.id]
 
     def check(self, rtol: float, atol: float) -> list[tuple[Request, float, str | None]]:
         """The requests finished since the last check against path A, each recomputed alone:

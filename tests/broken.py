@@ -717,10 +717,9 @@ class DecodeReadsPastTheEnd(Engine):
     """Attention reads one slot past each sequence's last position (a length off by one):
     a stale K/V left in the block by an earlier owner."""
 
-    def attend(self, q, seqs, lengths):
+    def attend(self, q, rows, lengths):
         bs = self.block_size
-        return super().attend(q, seqs, [min(n + 1, len(s.blocks) * bs)
-                                        for s, n in zip(seqs, lengths)])
+        return super().attend(q, rows, torch.minimum(lengths + 1, -(-lengths // bs) * bs))
 
 
 class RecomputeRestartsAtThePrompt(Engine):
@@ -741,7 +740,7 @@ class RecomputeRestartsAtThePrompt(Engine):
         self._write(torch.tensor([seq.blocks[at // self.block_size]]),
                     torch.tensor([at % self.block_size]), k[0].transpose(0, 1),
                     v[0].transpose(0, 1))
-        out = self.attend(q[:, :, 0], [seq], [seq.length])
+        out = self.attend(q[:, :, 0], torch.tensor([self._row(seq)]), torch.tensor([seq.length]))
         self._keep(seq, self.layer.output(out[:, :, None])[0, 0])
 
 
