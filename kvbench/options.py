@@ -88,9 +88,10 @@ class RunOptions:
     block_size: int = option(16, "paged: positions per block.")
     sdpa_backend: str = option("auto", "sdpa: auto, math, flash, efficient or cudnn.")
     splits: int | None = option(
-        None, "triton: split the context into N parts per decode step. Default: enough that "
-        "B·H_kv·N programs give every SM (CPU core) two, at most one per 64 positions, at most "
-        "64.", show_default=False)
+        None, "triton, triton-mla: split every sequence into N parts (at most one per tile). "
+        "Default: planned per sequence on the device, so that the batch's tiles fill whole "
+        "waves of programs over the SMs (a long sequence takes many splits, a short one one).",
+        show_default=False)
     kv_dtype: str | None = option(
         None, "Store K/V quantized: fp8 (e4m3, a float32 scale per KV head), int8, int4 or "
         "int2 (an fp16 scale and zero point per --group-size elements); a comma list runs "

@@ -135,20 +135,14 @@ class _TritonFault(TritonCache):
 
     def attend(self, q, keys=None, values=None):
         B, Hq, _, D = q.shape
-        self.splits = self.options.splits or 1
-        k_pool, v_pool, table, length = self.fault()
-        self.kernel.split_partials(q.reshape(B, Hq, D), k_pool, v_pool, table,
-                                   self.deficit_fault(), length, self.layer.scale, self.splits,
-                                   self.partials)
+        k_pool, v_pool, table, lengths = self.fault()
+        self.kernel.split_partials(q.reshape(B, Hq, D), k_pool, v_pool, table, lengths,
+                                   self.layer.scale, self.launch, longest=self.length + 1)
         out = torch.empty(B, Hq, D, dtype=q.dtype, device=q.device)
         return self.merge(out).reshape(B, Hq, 1, D)
 
-
-    def deficit_fault(self):
-        return self.kernel_deficit
-
     def fault(self):
-        return self.k_pool, self.v_pool, self.table, self.length
+        return self.k_pool, self.v_pool, self.table, self.kernel_lens
 
 
 class BlockOffByOne(_TritonFault):
@@ -159,7 +153,7 @@ class BlockOffByOne(_TritonFault):
     def fault(self):
         table = self.table.clone()
         table[:, 1:] = self.table[:, :-1]
-        return self.k_pool, self.v_pool, table, self.length
+        return self.k_pool, self.v_pool, table, self.kernel_lens
 
 
 class NoTailMask(_TritonFault):
@@ -169,7 +163,7 @@ class NoTailMask(_TritonFault):
 
     def fault(self):
         bs = self.options.block_size
-        return self.k_pool, self.v_pool, self.table, -(-self.length // bs) * bs
+        return self.k_pool, self.v_pool, self.table, -(-self.kernel_lens // bs) * bs
 
 
 class WrongKvHead(_TritonFault):
@@ -178,7 +172,7 @@ class WrongKvHead(_TritonFault):
     name = "wrong-kv-head"
 
     def fault(self):
-        return self.k_pool.flip(1), self.v_pool.flip(1), self.table, self.length
+        return self.k_pool.flip(1), self.v_pool.flip(1), self.table, self.kernel_lens
 
 
 class UnscaledMerge(TritonCache):
@@ -187,7 +181,7 @@ class UnscaledMerge(TritonCache):
     name = "unscaled-merge"
 
     def merge(self, out):
-        acc, _, l = (p[:, :, : self.splits] for p in self.partials)
+        acc, _, l = self.launch.partials
         live = l > 0  # splits past the end hold nothing
         total = (acc * live[..., None]).sum(2) / (l * live).sum(2)[..., None]
         return out.copy_(total)
@@ -328,8 +322,8 @@ class KernelLengthOfAnother(_TritonFault):
 
     name = "kernel-length-of-another"
 
-    def deficit_fault(self):
-        return self.kernel_deficit.roll(-1)
+    def fault(self):
+        return self.k_pool, self.v_pool, self.table, self.kernel_lens.roll(-1)
 
 
 class KernelReadsPadding(_TritonFault):
@@ -337,8 +331,8 @@ class KernelReadsPadding(_TritonFault):
 
     name = "kernel-reads-padding"
 
-    def deficit_fault(self):
-        return self.kernel_deficit - 1
+    def fault(self):
+        return self.k_pool, self.v_pool, self.table, self.kernel_lens + 1
 
 
 # Faults of the sliding-window ring buffer (`window`).

@@ -64,9 +64,20 @@ def test_triton_equals_recompute(heads, head_dim, block_size, dtype):
     assert result.cache_shape == config.shape.cache_shape
 
 
+@pytest.fixture
+def tiles_of_16(monkeypatch):
+    """The kernel at 16 positions a tile (the default 64 would leave the tests' short
+    sequences one tile each), planning for 16 processors whatever the machine."""
+    from kvbench.caches import triton as triton_cache
+    from kvbench.kernels.config import KernelConfig
+
+    monkeypatch.setattr(triton_cache, "kernel_config", lambda *a: KernelConfig(block_n=16))
+    monkeypatch.setattr(triton_decode, "processors", lambda device: 16)
+
+
 @pytest.mark.parametrize("splits", [1, 2, 3, 7])
-def test_any_split_count_gives_the_same_answer(splits):
-    # 7 splits of 42 positions at 64 per tile: most splits are empty, and merge must skip them
+def test_any_split_count_gives_the_same_answer(tiles_of_16, splits):
+    # 101..103 positions: 7 tiles of 16, so 7 splits of one tile each, the last partial
     config = RunConfig(shape("gqa", 64, prompt_len=100, decode_len=3))
     (result,) = check(config, {"triton": TritonCache}, splits=splits).values()
     assert result.passed, result.message
@@ -117,21 +128,50 @@ def test_the_faults_fail_for_their_bug_not_the_shape():
         assert check(config, {"triton": TritonCache}, **options)["triton"].passed
 
 
-@pytest.mark.parametrize("length, programs, processors, expected", [
-    (32768, 64, 132, 5),  # B=8, H_kv=8 on an H200: two programs per SM
-    (100, 8, 132, 2),  # short context: at most one split per 64-position tile
-    (1 << 20, 1, 132, triton_decode.MAX_SPLITS),
-    (4096, 512, 132, 1),  # enough (sequence, head) programs already
+@pytest.mark.parametrize("lengths, units, target, fixed, expected", [
+    # B=8 at 32k, H_kv=8 on an H200 (2 programs on each of 132 SMs): 512 tiles of 64 each,
+    # 32,768 tile-programs over 264 -> 125 tiles a split -> 512 // 125 = 4 splits of 128;
+    # 256 programs, one full wave (5 would make 320: a second, mostly idle)
+    ([32768] * 8, 8, 264, 0, [4] * 8),
+    # ragged: tiles 32, 2, 2, 469; (505 x 8) / 264 -> 16 a split; 469 // 16 = 29 splits of
+    # ceil(469 / 29) = 17 tiles -> 28 splits cover them; the short ones one each
+    ([2000, 100, 100, 30000], 8, 264, 0, [2, 1, 1, 28]),
+    ([4096] * 64, 8, 264, 0, [1] * 64),  # B·H_kv = 512 programs already fill the waves
+    ([100, 1], 8, 264, 7, [2, 1]),  # pinned: 7 splits, but never more than a sequence's tiles
 ])
-def test_split_rule(length, programs, processors, expected):
-    assert triton_decode.choose_splits(length, programs, processors) == expected
+def test_the_split_plan_worked_by_hand(lengths, units, target, fixed, expected):
+    assert triton_decode.plan_splits(lengths, units, target, 64, 33, fixed) == expected
+    # what the grid must hold: at most target / units splits of a sequence
+    assert triton_decode.grid_splits(32768, 8, 264, 64) == 33
+    assert triton_decode.grid_splits(100, 8, 264, 64) == 2  # no more than its tiles
+    assert triton_decode.grid_splits(100, 8, 264, 64, fixed=7) == 7
+
+
+def test_the_kernel_splits_each_sequence_as_the_host_plan_says(tiles_of_16):
+    # lengths 150, 3, 64, 77 + 4 decoded: 10, 1, 5, 6 tiles of 16; 2 KV heads, 32 programs
+    # wanted (2 waves of 16): 44 tile-programs / 32 -> 2 tiles a split -> 5, 1, 2, 3 splits
+    # (5 tiles in 2 splits of 3). The kernel's live splits (exp-sums > 0) must be those.
+    config = RunConfig(LayerShape(decode_len=4, hidden=64, q_heads=8, kv_heads=2,
+                                  head_dim=32).with_lens(RAGGED_LENS))
+    from kvbench.attention import AttentionLayer, make_inputs
+
+    layer, x = AttentionLayer.from_config(config), make_inputs(config)
+    cache = TritonCache.build(layer, config)
+    cache.prefill(x[:, :150])
+    cache.decode(x)
+    live = (cache.launch.partials[2] > 0).sum(-1)  # [B, H_q]
+    plan = cache.launch.plan(cache.row_lengths(), 2)
+    assert cache.launch.splits == 10 and plan == [5, 1, 2, 3]
+    assert live.tolist() == [[n] * 8 for n in plan]
 
 
 @pytest.mark.parametrize("kv_dtype, layout, block_size, dtype", pairwise(
-    ["fp8", "int8", "int4", "int2"], [(64, 32), (96, 64)], [1, 16], ["float32", "bfloat16"]))
+    ["fp8", "int8", "int4", "int2"], [(64, 32), (96, 64), (32, 8)], [1, 16],
+    ["float32", "bfloat16"]))
 def test_quantized_pools_decoded_in_registers_pass_the_exact_check(kv_dtype, layout,
                                                                     block_size, dtype):
-    head_dim, group = layout  # 96 in groups of 64: a partial group
+    # 96 in groups of 64: a partial group; groups of 8: decoded element by element
+    head_dim, group = layout
     config = RunConfig(shape("gqa", head_dim), dtype)
     report = verify(config, {"triton": TritonCache},
                     ImplOptions(block_size=block_size, splits=2, kv_dtype=kv_dtype,

@@ -49,8 +49,31 @@ def prepare(device_type: str) -> str | None:
     return None
 
 
+class KernelLengths:
+    """A paged cache whose kernels read each sequence's cached length from the device: an
+    int32 [B] tensor advanced in place with the cache, so a captured step replays at the
+    right lengths. Mixed in before the cache class."""
+
+    def init_kernel_lens(self) -> None:
+        self.kernel_lens = torch.tensor([-d for d in (self.deficit or (0,) * self.batch)],
+                                        dtype=torch.int32, device=self.layer.device)
+
+    def _advance(self, n):
+        super()._advance(n)
+        self.kernel_lens += n  # on the device: no upload
+
+    def _rewound(self, length):
+        super()._rewound(length)
+        self.kernel_lens.copy_(torch.tensor(self.row_lengths(), dtype=torch.int32))
+
+    def stats(self):
+        """splits: the most any sequence took at the last length (the kernels' plan)."""
+        return {**super().stats(),
+                "splits": max(self.launch.plan(self.row_lengths(), self.units))}
+
+
 @register
-class TritonCache(PagedCache):
+class TritonCache(KernelLengths, PagedCache):
     name = "triton"
     compiles = True  # on CUDA the first launch compiles the kernels
     kv_dtypes = frozenset(QUANTIZED)  # decoded in registers as each tile is loaded
@@ -74,12 +97,28 @@ class TritonCache(PagedCache):
         s, b, bs = config.shape, config.dtype_bytes, options.block_size
         pool = cls.planned_bytes(config, options)
         table = s.batch * math.ceil(options.alloc_len(s) / bs) * fp.INDEX_BYTES
-        splits = options.splits or cls.splits_for(config.device, s.batch * s.kv_heads,
-                                                  s.total_len)
+        splits = cls.grid_splits(config, options, s.kv_heads)
         partials = s.batch * s.q_heads * splits * (s.head_dim + 2) * 4  # acc, m, l in float32
         step = fp.decode_step_small(s, config.rope) * b
         return fp.preallocated(s, config.rope, b, pool + table + partials, lambda t: step,
                                fp.sdpa_is_fused(config.device, config.dtype, s.head_dim))
+
+    @classmethod
+    def grid_splits(cls, config, options, units: int) -> int:
+        """The kernel grid's split dimension at this point (what the partials hold)."""
+        from kvbench.kernels import triton_decode
+
+        kernel = cls.kernel_config(config, options)
+        target = kernel.waves * triton_decode.processors(torch.device(config.device))
+        return triton_decode.grid_splits(options.alloc_len(config.shape), units, target,
+                                         kernel.block_n, options.splits or 0)
+
+    @classmethod
+    def kernel_config(cls, config, options):
+        """The launch configuration tuned for this device and case, or the default."""
+        return kernel_config(config.device, config.dtype, options.kv_dtype,
+                             config.shape.head_dim, config.shape.q_heads // config.shape.kv_heads,
+                             options.block_size)
 
     @classmethod
     def step_reads(cls, config, options, length):
@@ -88,29 +127,19 @@ class TritonCache(PagedCache):
 
         return real_positions(config.shape, length)
 
-    @staticmethod
-    def splits_for(device: str, programs: int, length: int) -> int:
-        from kvbench.kernels import triton_decode
-
-        dev = torch.device(device)
-        return triton_decode.choose_splits(length, programs, triton_decode.processors(dev))
-
     def __init__(self, layer, batch, max_len, options=None, lens=None):
         super().__init__(layer, batch, max_len, options, lens)
         from kvbench.kernels import triton_decode
 
         s = layer.shape
-        self.kernel = triton_decode
-        self.processors = triton_decode.processors(torch.device(layer.device))
-        most = self.options.splits or triton_decode.choose_splits(
-            max(self.lens), batch * s.kv_heads, self.processors)  # grows with the length
-        self.kernel_deficit = (self.deficit_dev if self.deficit_dev is not None else
-                               torch.zeros(batch, dtype=torch.long, device=layer.device))
-        f32 = {"dtype": torch.float32, "device": layer.device}
-        self.partials = (torch.empty(batch, s.q_heads, most, s.head_dim, **f32),  # acc
-                         torch.empty(batch, s.q_heads, most, **f32),  # running max m
-                         torch.empty(batch, s.q_heads, most, **f32))  # exp-sum l
-        self.splits = 0
+        self.kernel, self.units = triton_decode, s.kv_heads
+        config = kernel_config(layer.device, str(layer.dtype).replace("torch.", ""),
+                               self.options.kv_dtype, s.head_dim, s.q_heads // s.kv_heads,
+                               self.options.block_size)
+        self.launch = triton_decode.Launch.make(batch, s.q_heads, s.head_dim, max_len,
+                                                self.units, layer.device, config,
+                                                self.options.splits or 0)
+        self.init_kernel_lens()
 
     def step(self, x_t):
         q, k, v = self.layer.project(x_t, start=self.start())  # q [B, H_q, 1, D]
@@ -119,11 +148,9 @@ class TritonCache(PagedCache):
 
     def attend(self, q, keys=None, values=None):
         B, Hq, _, D = q.shape
-        self.splits = self.options.splits or self.kernel.choose_splits(
-            self.length, B * self.layer.shape.kv_heads, self.processors)
         self.kernel.split_partials(q.reshape(B, Hq, D), *self.pools_read(), self.table,
-                                   self.kernel_deficit, self.length, self.layer.scale, self.splits, self.partials,
-                                   self.store)
+                                   self.kernel_lens, self.layer.scale, self.launch, self.store,
+                                   self.length)
         out = torch.empty(B, Hq, D, dtype=q.dtype, device=q.device)
         return self.merge(out).reshape(B, Hq, 1, D)
 
@@ -133,9 +160,19 @@ class TritonCache(PagedCache):
             return self.store.tensors["k_codes"], self.store.tensors["v_codes"]
         return self.k_pool, self.v_pool
 
-
     def merge(self, out: torch.Tensor) -> torch.Tensor:
-        return self.kernel.merge(self.partials, self.splits, out)
+        return self.kernel.merge(self.launch, self.kernel_lens, out, self.units)
 
-    def stats(self):
-        return {**super().stats(), "splits": self.splits}
+
+
+def kernel_config(device: str, dtype: str, kv_dtype: str | None, head_dim: int, group: int,
+                  page: int):
+    """The tuning table's configuration for this case on this device (CUDA), else the
+    default (the CPU's interpreter has no launch parameters to tune)."""
+    from kvbench.kernels import tuning
+
+    dev = torch.device(device)
+    if dev.type != "cuda":
+        return tuning.DEFAULT
+    name = torch.cuda.get_device_name(dev)
+    return tuning.lookup(name, dtype, kv_dtype, head_dim, group, page)[0]

@@ -18,12 +18,12 @@ from kvbench import footprint as fp
 from kvbench.caches.base import register
 from kvbench.caches.mla import Absorbed
 from kvbench.caches.paged import PagedCache
-from kvbench.caches.triton import TritonCache
+from kvbench.caches.triton import KernelLengths, TritonCache, kernel_config
 from kvbench.quant import QuantizedStore
 
 
 @register
-class TritonMlaCache(Absorbed, PagedCache):
+class TritonMlaCache(KernelLengths, Absorbed, PagedCache):
     name = "triton-mla"
     compiles = True  # on CUDA the first launch compiles the kernels
     kv_dtypes = frozenset({"fp8"})  # decoded in registers with the layer's one scale
@@ -36,31 +36,37 @@ class TritonMlaCache(Absorbed, PagedCache):
 
     @classmethod
     def footprint(cls, config, options):
+        from kvbench.kernels.triton_mla import units
+
         s, b, bs = config.shape, config.dtype_bytes, options.block_size
         pool = cls.planned_bytes(config, options)
         table = s.batch * math.ceil(options.alloc_len(s) / bs) * fp.INDEX_BYTES
-        splits = options.splits or TritonCache.splits_for(config.device, s.batch, s.total_len)
+        splits = TritonCache.grid_splits.__func__(cls, config, options, units(s.q_heads))
         partials = s.batch * s.q_heads * splits * (s.mla.kv_lora_rank + 2) * 4
         step = (fp.decode_step_small(s, True) + 2 * s.batch * s.q_heads * s.mla.entry_dim) * b
         return fp.preallocated(s, True, b, pool + table + partials, lambda t: step,
                                fp.sdpa_is_fused(config.device, config.dtype, s.head_dim))
 
+    @classmethod
+    def kernel_config(cls, config, options):
+        s = config.shape
+        return kernel_config(config.device, config.dtype, options.kv_dtype, s.mla.entry_dim,
+                             s.q_heads, options.block_size)
+
     def __init__(self, layer, batch, max_len, options=None, lens=None):
         super().__init__(layer, batch, max_len, options, lens)
         from kvbench.kernels import triton_decode, triton_mla
 
-        m = layer.shape.mla
+        s = layer.shape
         self.kernel, self.merge_kernel = triton_mla, triton_decode
-        self.processors = triton_decode.processors(torch.device(layer.device))
-        most = self.options.splits or triton_decode.choose_splits(
-            max(self.lens), batch, self.processors)
-        self.kernel_deficit = (self.deficit_dev if self.deficit_dev is not None else
-                               torch.zeros(batch, dtype=torch.long, device=layer.device))
-        f32 = {"dtype": torch.float32, "device": layer.device}
-        self.partials = (torch.empty(batch, layer.shape.q_heads, most, m.kv_lora_rank, **f32),
-                         torch.empty(batch, layer.shape.q_heads, most, **f32),
-                         torch.empty(batch, layer.shape.q_heads, most, **f32))
-        self.splits = 0
+        self.units = triton_mla.units(s.q_heads)
+        config = kernel_config(layer.device, str(layer.dtype).replace("torch.", ""),
+                               self.options.kv_dtype, s.mla.entry_dim, s.q_heads,
+                               self.options.block_size)
+        self.launch = triton_decode.Launch.make(batch, s.q_heads, s.mla.kv_lora_rank,
+                                                max_len, self.units, layer.device, config,
+                                                self.options.splits or 0)
+        self.init_kernel_lens()
 
     def allocate(self, n_blocks):
         m, bs = self.layer.shape.mla, self.options.block_size
@@ -90,16 +96,13 @@ class TritonMlaCache(Absorbed, PagedCache):
         B, Hq = q_nope.shape[:2]
         m = self.layer.shape.mla
         q = self.layer.absorb_query(q_nope, q_pe).reshape(B, Hq, m.entry_dim)
-        self.splits = self.options.splits or self.merge_kernel.choose_splits(
-            self.length, B, self.processors)
         pool, scale = ((self.pool, None) if self.store is None else
                        (self.store.tensors["k_codes"], self.store.tensors["k_scale"]))
-        self.kernel.split_partials(q.contiguous(), pool, self.table, self.kernel_deficit,
-                                   self.length, self.layer.scale, self.splits, self.partials,
-                                   m.kv_lora_rank, scale)
+        self.kernel.split_partials(q.contiguous(), pool, self.table, self.kernel_lens,
+                                   self.layer.scale, self.launch, m.kv_lora_rank, scale,
+                                   self.length)
         out = torch.empty(B, Hq, m.kv_lora_rank, dtype=q.dtype, device=q.device)
-        self.merge_kernel.merge(self.partials, self.splits, out)
+        self.merge_kernel.merge(self.launch, self.kernel_lens, out, self.units)
         return self.layer.absorb_output(out.reshape(B, Hq, 1, m.kv_lora_rank))
 
-    def stats(self):
-        return {**super().stats(), "splits": self.splits}
+

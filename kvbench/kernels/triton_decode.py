@@ -5,16 +5,36 @@ attention derive from:
 
 - Stage 1, one program per (sequence, KV head, split). It loads the G = H_q/H_kv query heads
   that share the KV head once, as a [G, D] tile. It then walks its split of the context in
-  tiles of BLOCK_N positions. Each position's block comes from the block table, so K and V
-  are loaded from the pool where they lie, never gathered into a copy. Each K/V tile serves
-  all G queries through `tl.dot` ([G, D] x [D, BLOCK_N]). The split keeps an online softmax:
-  its running max m, exp-sum l and exp-weighted V sum acc.
-- Stage 2, one program per (sequence, query head). It merges the splits by log-sum-exp:
-  each split is rescaled by exp(m_split - m_max) before the sums are added.
+  tiles of BLOCK_N positions. Each tile's blocks come from the block table, so K and V are
+  loaded from the pool where they lie, never gathered into a copy. Each K/V tile serves all G
+  queries through `tl.dot` ([G, D] x [D, BLOCK_N]). The split keeps an online softmax: its
+  running max m, exp-sum l and exp-weighted V sum acc.
+- Stage 2, one program per (sequence, query head). It merges the sequence's splits by
+  log-sum-exp: each split is rescaled by exp(m_split - m_max) before the sums are added.
 
-Any block size works: the block of each position is looked up on its own. Head dims that are
-not powers of two (80, 96) are padded to the next one and masked, as are G and the last tile.
-tl.dot needs tiles of at least 16 on GPUs, so G and D are padded to 16 at least.
+What makes it fast (SGLang's and vLLM's decode kernels, FlashInfer's planner):
+
+- **Splits per sequence, from the device's size.** Every program reads each sequence's
+  length from device memory and plans the same way (`_plan`): the batch's work in tiles, over
+  `target` programs (a few per SM: `KernelConfig.waves`), gives the tiles one split takes;
+  a sequence gets as many splits as its tiles fill, rounded down so the programs fit whole
+  waves (flash-attn's `num_splits_heuristic` weighs the same wave efficiency). A long
+  sequence of a ragged batch is spread over many programs, a short one takes one, and the
+  programs a sequence does not need exit at once.
+- **Graph-safe.** Lengths live on the device and the grid is fixed ((B, H_kv, SPLITS), SPLITS
+  set when the cache is built), so a decode step that launches these kernels can be captured
+  in a CUDA graph and replayed as the cache grows.
+- **Pages as constexprs.** The page (block) size is a compile-time constant: a tile inside
+  one page looks its block up once and loads contiguous rows; a tile of whole pages looks up
+  one id per page; other sizes (not a power of two) look each position up.
+- **Quantized pools do less per byte.** fp8: codes converted straight to the activation
+  dtype, K's per-head scale folded into the softmax scale and V's into the output. int8/4/2
+  in groups of >= 16: each group's scale multiplies the group's partial dot products for K
+  and is folded into the probabilities for V, each scale and zero point loaded once per tile
+  (smaller groups decode element by element, `_dequantized`).
+- **Tunable.** BLOCK_N, num_warps, num_stages and the waves are a `KernelConfig`, looked up
+  per device, dtype, K/V format, head dim, group and page size in the table `kvbench tune`
+  writes (kvbench/kernels/tuning.py).
 
 On CPU tensors the kernels run in Triton's interpreter. Triton chooses it when
 TRITON_INTERPRET=1 as it is imported (its own library functions are decorated then) and as
@@ -27,128 +47,251 @@ from __future__ import annotations
 
 import math
 import os
+from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
-BLOCK_N = 64  # positions per tile
+from kvbench.kernels.config import KernelConfig
+
 MAX_SPLITS = 64
+
+
+def _plan(Lengths, b, s, batch, target, fixed, BLOCK_B: tl.constexpr, TILE: tl.constexpr,
+          UNITS: tl.constexpr, SPLITS: tl.constexpr):
+    """Split s of sequence b: (its length, first tile, end tile, the sequence's splits).
+
+    fixed > 0: every sequence in min(fixed, its tiles) splits. Otherwise the batch's tiles
+    times the UNITS programs each (KV heads) over `target` programs give the tiles a split
+    takes; a sequence's tiles over that, rounded down (so the programs fit the waves), at
+    least 1 and at most SPLITS. Its tiles are then shared out evenly."""
+    length = tl.load(Lengths + b).to(tl.int32)
+    tiles = tl.cdiv(length, TILE)
+    offs = tl.arange(0, BLOCK_B)
+    lengths = tl.load(Lengths + offs, mask=offs < batch, other=0).to(tl.int32)
+    total = tl.sum(tl.cdiv(lengths, TILE), 0) * UNITS
+    chunk = tl.maximum(tl.cdiv(total, target), 1)
+    planned = tl.minimum(tl.maximum(tiles // chunk, 1), SPLITS)
+    n = tl.where(fixed > 0, tl.minimum(fixed, tiles), planned)
+    per = tl.maximum(tl.cdiv(tiles, tl.maximum(n, 1)), 1)
+    n = tl.cdiv(tiles, per)  # none empty
+    return length, s * per, tl.minimum((s + 1) * per, tiles), n
+
+
+def plan_splits(lengths: list[int], units: int, target: int, tile: int, splits: int,
+                fixed: int = 0) -> list[int]:
+    """The splits `_plan` gives each sequence (the host's mirror, for reports and tests)."""
+    tiles = [math.ceil(n / tile) for n in lengths]
+    chunk = max(math.ceil(sum(tiles) * units / target), 1)
+    out = []
+    for t in tiles:
+        n = min(fixed, t) if fixed > 0 else min(max(t // chunk, 1), splits)
+        per = max(math.ceil(t / max(n, 1)), 1)
+        out.append(math.ceil(t / per))
+    return out
+
+
+def grid_splits(capacity: int, units: int, target: int, tile: int, fixed: int = 0) -> int:
+    """The grid's split dimension: the most splits `_plan` can give a sequence of up to
+    `capacity` positions (a split takes at least total·units/target tiles, so a sequence
+    gets at most target/units), at most MAX_SPLITS."""
+    if fixed:
+        return fixed
+    return max(1, min(MAX_SPLITS, max(1, target // units), math.ceil(capacity / tile)))
+
+
+def _tile(Table, b, t, length, stride_tb, BLOCK_N: tl.constexpr, PAGE: tl.constexpr):
+    """Where tile t of sequence b lies: each position's block id (int64; one for the whole
+    tile when it lies in one page), its offset in the block [BLOCK_N], and which positions
+    are cached. The page size decides how the tile finds its blocks."""
+    offs_n = tl.arange(0, BLOCK_N)
+    pos = t * BLOCK_N + offs_n
+    valid = pos < length
+    row = Table + b * stride_tb
+    if PAGE % BLOCK_N == 0:  # the tile lies in one page: one id, contiguous rows
+        block = tl.load(row + (t * BLOCK_N) // PAGE, mask=t * BLOCK_N < length,
+                        other=0).to(tl.int64)
+        off = (t * BLOCK_N) % PAGE + offs_n
+    elif BLOCK_N % PAGE == 0:  # whole pages: one id per page
+        PAGES: tl.constexpr = BLOCK_N // PAGE
+        first = t * PAGES + tl.arange(0, PAGES)
+        blocks = tl.load(row + first, mask=first * PAGE < length, other=0).to(tl.int64)
+        block = tl.reshape(tl.broadcast_to(blocks[:, None], (PAGES, PAGE)), (BLOCK_N,))
+        off = offs_n % PAGE
+    else:  # a page size that is not a power of two: each position looked up
+        block = tl.load(row + pos // PAGE, mask=valid, other=0).to(tl.int64)
+        off = pos % PAGE
+    return block, off, valid
+
+
+def _codes(C, slot, dims, mask, BITS: tl.constexpr):
+    """Integer codes at pool offsets slot (broadcast) + element dims, packed 8/BITS to a
+    byte (the lower index in the lower bits), as int32."""
+    per_byte: tl.constexpr = 8 // BITS
+    codes = tl.load(C + slot + dims // per_byte, mask=mask, other=0)
+    return (codes.to(tl.int32) >> ((dims % per_byte) * BITS)) & ((1 << BITS) - 1)
 
 
 def _dequantized(C, S, Z, slot_c, slot_m, offs_d, mask, BITS: tl.constexpr,
                  GROUP: tl.constexpr):
-    """[BLOCK_D, BLOCK_N] float32 values of BLOCK_N positions of a grouped int pool, decoded
-    in registers: codes packed 8/BITS to a byte (lower index in the lower bits), each group of
-    GROUP elements with its fp16 scale S and zero point Z (x = q·s + z, as kvbench.quant)."""
-    per_byte: tl.constexpr = 8 // BITS
-    codes = tl.load(C + slot_c[None, :] + (offs_d // per_byte)[:, None], mask=mask, other=0)
-    q = (codes.to(tl.int32) >> ((offs_d % per_byte) * BITS)[:, None]) & ((1 << BITS) - 1)
+    """[BLOCK_D, BLOCK_N] float32 values of a grouped int pool, element by element (groups
+    smaller than tl.dot's 16, or not powers of two): x = q·s + z, as kvbench.quant."""
+    q = _codes(C, slot_c[None, :], offs_d[:, None], mask, BITS)
     group = (offs_d // GROUP)[:, None]
     s = tl.load(S + slot_m[None, :] + group, mask=mask, other=0.0).to(tl.float32)
     z = tl.load(Z + slot_m[None, :] + group, mask=mask, other=0.0).to(tl.float32)
     return q.to(tl.float32) * s + z
 
 
-def _stage1(Q, K, V, Table, Deficit, Acc, M, L, KS, KZ, VS, VZ, scale, length, split_len, page,
+def _stage1(Q, K, V, Table, Lengths, Acc, M, L, KS, KZ, VS, VZ, scale, batch, target, fixed,
             stride_qb, stride_qh, stride_kn, stride_kh, stride_kt, stride_tb,
             stride_ab, stride_ah, stride_as, stride_mb, stride_mh,
             stride_sn, stride_sh, stride_st,
             G: tl.constexpr, D: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
-            BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, WIDEN: tl.constexpr,
-            BITS: tl.constexpr, GROUP: tl.constexpr, FP8: tl.constexpr,
+            BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr, PAGE: tl.constexpr,
+            SPLITS: tl.constexpr, UNITS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+            WIDEN: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr,
+            GROUPED: tl.constexpr, BLOCK_J: tl.constexpr, FP8: tl.constexpr,
             STATIC_TILES: tl.constexpr):
-    """BITS = 0: K and V pools in the activation dtype. BITS = 8, 4 or 2: K and V are pools of
-    codes, with scale (KS, VS) and zero-point (KZ, VZ) pools of strides stride_s*, dequantized
-    while the tile is loaded. FP8: K and V are float8 e4m3 pools and KS, VS one float32 scale
-    per KV head.
+    """BITS = 0: K and V pools in the activation dtype. FP8: float8 e4m3 pools, KS and VS one
+    float32 scale per KV head. BITS = 8, 4 or 2: pools of codes with fp16 scale (KS, VS) and
+    zero-point (KZ, VZ) pools of strides stride_s*, one per GROUP elements; GROUPED: GROUP is
+    a power of two >= 16, so each group is its own tl.dot.
 
-    STATIC_TILES = 0: the loop runs over the tiles from the split's start to its sequence's
-    end, a count known at run time (compiled kernels). STATIC_TILES = N > 0: over all N tiles
-    of the split, those past the end masked: for interpreters that cannot take a run-time
-    loop bound (Triton 3.6's with numpy >= 2.4 converts it to a Python int and fails). A tile
-    with nothing left changes nothing (the shift below keeps exp from giving NaN)."""
+    STATIC_TILES = 0: the loop runs over the split's tiles, bounds known at run time (compiled
+    kernels). STATIC_TILES = N > 0: N tiles from the split's first, those past its end
+    masked: for interpreters that cannot take a run-time loop bound (Triton 3.6's with numpy
+    >= 2.4 converts it to a Python int and fails)."""
     b = tl.program_id(0)
     h = tl.program_id(1)
     s = tl.program_id(2)
     offs_g = tl.arange(0, BLOCK_G)
     offs_d = tl.arange(0, BLOCK_D)
-    offs_n = tl.arange(0, BLOCK_N)
     mask_g = offs_g < G
     mask_d = offs_d < D
     heads = h * G + offs_g  # the query heads that share KV head h
-    q = tl.load(Q + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
-                mask=mask_g[:, None] & mask_d[None, :], other=0.0)  # [BLOCK_G, BLOCK_D]
+    stat = b * stride_mb + heads * stride_mh + s
+    length, first, end, n = _plan(Lengths, b, s, batch, target, fixed, BLOCK_B, BLOCK_N,
+                                  UNITS, SPLITS)
+    if s >= n:  # a split this sequence does not need: marked empty for stage 2
+        tl.store(L + stat, tl.zeros([BLOCK_G], dtype=tl.float32), mask=mask_g)
+        return
+    q_ptrs = Q + b * stride_qb + heads[:, None] * stride_qh
+    q = tl.load(q_ptrs + offs_d[None, :], mask=mask_g[:, None] & mask_d[None, :],
+                other=0.0)  # [BLOCK_G, BLOCK_D]
     if WIDEN:
         q = q.to(tl.float32)
+    qk_scale = scale
+    if FP8:  # K's scale folded into the softmax scale; V's applied to the output at the end
+        qk_scale = scale * tl.load(KS + h)
+    dtype = Q.dtype.element_ty
+    NG: tl.constexpr = (D + GROUP - 1) // GROUP
+    offs_j = tl.arange(0, BLOCK_J)  # a group's elements (GROUPED)
 
-    start = s * split_len
-    # sequence b holds `length` - Deficit[b] positions (a ragged batch; 0 for the longest)
-    end = tl.minimum(start + split_len, length - tl.load(Deficit + b))
     m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
     # (the bound written in the range itself: 3.6's interpreter fails on it through a variable)
-    for t in range(STATIC_TILES if STATIC_TILES > 0 else tl.cdiv(end - start, BLOCK_N)):
-        n0 = start + t * BLOCK_N
-        pos = n0 + offs_n
-        valid = pos < end  # masks the tail: a partly filled last block, or the split's end
-        block = tl.load(Table + b * stride_tb + pos // page, mask=valid, other=0)
-        slot = block.to(tl.int64) * stride_kn + h * stride_kh + (pos % page) * stride_kt
+    for i in range(STATIC_TILES if STATIC_TILES > 0 else end - first):
+        t = first + i
+        block, off, valid = _tile(Table, b, t, tl.where(t < end, length, 0), stride_tb,
+                                  BLOCK_N, PAGE)
+        slot = block * stride_kn + h * stride_kh + off * stride_kt  # [BLOCK_N]
+        slot_m = block * stride_sn + h * stride_sh + off * stride_st  # (grouped int pools)
+        kmask = valid[None, :] & mask_d[:, None]
         if BITS == 0:
-            k = tl.load(K + slot[None, :] + offs_d[:, None],
-                        mask=valid[None, :] & mask_d[:, None], other=0.0)  # [BLOCK_D, BLOCK_N]
-        elif FP8:
-            k = (tl.load(K + slot[None, :] + offs_d[:, None], mask=valid[None, :] & mask_d[:, None],
-                         other=0.0).to(tl.float32) * tl.load(KS + h)).to(Q.dtype.element_ty)
+            k = tl.load(K + slot[None, :] + offs_d[:, None], mask=kmask, other=0.0)
+            if FP8:
+                k = k.to(dtype)  # [BLOCK_D, BLOCK_N]
+            if WIDEN:
+                k = k.to(tl.float32)
+            scores = tl.dot(q, k, input_precision=DOT_PRECISION)  # [BLOCK_G, BLOCK_N]
+        elif GROUPED:
+            # x = c·s + z per group: q·x = s·(q·c) + z·Σq over the group's elements
+            scores = tl.zeros([BLOCK_G, BLOCK_N], dtype=tl.float32)
+            for j in tl.static_range(NG):
+                dims = j * GROUP + offs_j
+                dmask = dims < D
+                q_j = tl.load(q_ptrs + dims[None, :], mask=mask_g[:, None] & dmask[None, :],
+                              other=0.0)  # [BLOCK_G, GROUP]
+                c_j = _codes(K, slot[None, :], dims[:, None],
+                             valid[None, :] & dmask[:, None], BITS)  # [GROUP, N]
+                if WIDEN:  # (the interpreter's int -> bfloat16 conversion is wrong)
+                    q_j, c_j = q_j.to(tl.float32), c_j.to(tl.float32)
+                else:
+                    c_j = c_j.to(dtype)
+                s_j = tl.load(KS + slot_m + j, mask=valid, other=0.0).to(tl.float32)
+                z_j = tl.load(KZ + slot_m + j, mask=valid, other=0.0).to(tl.float32)
+                part = tl.dot(q_j, c_j, input_precision=DOT_PRECISION)
+                scores += part * s_j[None, :] + tl.sum(q_j.to(tl.float32), 1)[:, None] * z_j[None, :]
         else:
-            slot_m = block.to(tl.int64) * stride_sn + h * stride_sh + (pos % page) * stride_st
-            k = _dequantized(K, KS, KZ, slot, slot_m, offs_d, valid[None, :] & mask_d[:, None],
-                             BITS, GROUP).to(Q.dtype.element_ty)
-        if WIDEN:
-            k = k.to(tl.float32)
-        scores = tl.dot(q, k, input_precision=DOT_PRECISION) * scale  # [BLOCK_G, BLOCK_N]
-        scores = tl.where(valid[None, :], scores, float("-inf"))
+            k = _dequantized(K, KS, KZ, slot, slot_m, offs_d, kmask, BITS, GROUP).to(dtype)
+            if WIDEN:
+                k = k.to(tl.float32)
+            scores = tl.dot(q, k, input_precision=DOT_PRECISION)
+        scores = tl.where(valid[None, :], scores * qk_scale, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(scores, 1))
         # -inf while nothing is valid yet: shift by 0 then, so exp gives 0 rather than NaN
         shift = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.exp(m_i - shift)
         p = tl.exp(scores - shift[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None]
+        vmask = valid[:, None] & mask_d[None, :]
         if BITS == 0:
-            v = tl.load(V + slot[:, None] + offs_d[None, :],
-                        mask=valid[:, None] & mask_d[None, :], other=0.0)  # [BLOCK_N, BLOCK_D]
-        elif FP8:
-            v = (tl.load(V + slot[:, None] + offs_d[None, :], mask=valid[:, None] & mask_d[None, :],
-                         other=0.0).to(tl.float32) * tl.load(VS + h)).to(Q.dtype.element_ty)
+            v = tl.load(V + slot[:, None] + offs_d[None, :], mask=vmask, other=0.0)
+            if FP8:
+                v = v.to(dtype)  # [BLOCK_N, BLOCK_D]
+            if WIDEN:
+                v = v.to(tl.float32)
+            acc += tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        elif GROUPED:
+            # Σ_n p·(c·s + z) = (p·s)·c + Σ_n p·z for each group's elements
+            for j in tl.static_range(NG):
+                in_j = (offs_d >= j * GROUP) & (offs_d < (j + 1) * GROUP) & mask_d
+                c_j = _codes(V, slot[:, None], offs_d[None, :],
+                             valid[:, None] & in_j[None, :], BITS)  # [N, BLOCK_D]
+                if WIDEN:
+                    c_j = c_j.to(tl.float32)
+                else:
+                    c_j = c_j.to(dtype)
+                s_j = tl.load(VS + slot_m + j, mask=valid, other=0.0).to(tl.float32)
+                z_j = tl.load(VZ + slot_m + j, mask=valid, other=0.0).to(tl.float32)
+                w = p * s_j[None, :]
+                pv = tl.dot(w.to(c_j.dtype), c_j, input_precision=DOT_PRECISION)
+                acc += pv + tl.where(in_j[None, :], tl.sum(p * z_j[None, :], 1)[:, None], 0.0)
         else:
             v = tl.trans(_dequantized(V, VS, VZ, slot, slot_m, offs_d,
-                                      valid[None, :] & mask_d[:, None], BITS,
-                                      GROUP).to(Q.dtype.element_ty))
-        if WIDEN:
-            v = v.to(tl.float32)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+                                      valid[None, :] & mask_d[:, None], BITS, GROUP).to(dtype))
+            if WIDEN:
+                v = v.to(tl.float32)
+            acc += tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
+    if FP8:
+        acc = acc * tl.load(VS + h)
 
     out = b * stride_ab + heads[:, None] * stride_ah + s * stride_as + offs_d[None, :]
     tl.store(Acc + out, acc, mask=mask_g[:, None] & mask_d[None, :])
-    stat = b * stride_mb + heads * stride_mh + s
     tl.store(M + stat, m_i, mask=mask_g)
-    tl.store(L + stat, l_i, mask=mask_g)  # l = 0 marks an empty split
+    tl.store(L + stat, l_i, mask=mask_g)
 
 
-def _stage2(Acc, M, L, Out, splits, stride_ab, stride_ah, stride_as, stride_mb, stride_mh,
-            stride_ob, stride_oh, D: tl.constexpr, BLOCK_S: tl.constexpr,
-            BLOCK_D: tl.constexpr):
+def _stage2(Acc, M, L, Out, Lengths, batch, target, fixed, stride_ab, stride_ah, stride_as,
+            stride_mb, stride_mh, stride_ob, stride_oh, D: tl.constexpr,
+            BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_B: tl.constexpr,
+            TILE: tl.constexpr, UNITS: tl.constexpr, SPLITS: tl.constexpr):
+    """Sequence b's splits (the plan stage 1 made) merged into query head `head`'s output."""
     b = tl.program_id(0)
     head = tl.program_id(1)
+    _, _, _, n = _plan(Lengths, b, 0, batch, target, fixed, BLOCK_B, TILE, UNITS, SPLITS)
     offs_s = tl.arange(0, BLOCK_S)
     offs_d = tl.arange(0, BLOCK_D)
-    mask_s = offs_s < splits
+    mask_s = offs_s < n
     mask_d = offs_d < D
     stat = b * stride_mb + head * stride_mh + offs_s
     l_s = tl.load(L + stat, mask=mask_s, other=0.0)
-    live = l_s > 0  # splits past the end of the context saw no position
+    live = l_s > 0  # a split whose positions all weigh 0 adds nothing
     m_s = tl.where(live, tl.load(M + stat, mask=mask_s, other=0.0), float("-inf"))
     m_max = tl.max(m_s, 0)
     weight = tl.where(live, tl.exp(m_s - m_max), 0.0)  # each split rescaled to the global max
@@ -173,11 +316,16 @@ def _interpreter_takes_loaded_bounds() -> bool:
     return version(triton.__version__) >= (3, 7) or version(numpy.__version__) < (2, 4)
 
 
-# In the interpreter, loop over every tile of a split (masked) where a run-time bound fails.
+# In the interpreter, loop over a host-given count of tiles (masked) where a run-time bound fails.
 STATIC_LOOP = INTERPRETED and not _interpreter_takes_loaded_bounds()
+_plan = triton.jit(_plan)
+_tile = triton.jit(_tile)
+_codes = triton.jit(_codes)
 _dequantized = triton.jit(_dequantized)
-stage1 = triton.jit(_stage1, do_not_specialize=["length", "split_len"])
-stage2 = triton.jit(_stage2, do_not_specialize=["splits"])
+# batch, target and fixed are constant for a cache's life; not specializing them keeps one
+# kernel whatever their values
+stage1 = triton.jit(_stage1, do_not_specialize=["batch", "target", "fixed"])
+stage2 = triton.jit(_stage2, do_not_specialize=["batch", "target", "fixed"])
 
 
 def processors(device: torch.device) -> int:
@@ -187,45 +335,62 @@ def processors(device: torch.device) -> int:
     return os.cpu_count() or 1
 
 
-def choose_splits(length: int, programs: int, processors: int) -> int:
-    """Splits of the context for one decode step.
-
-    Enough (sequence, KV head, split) programs to give every processor two, so that one wave
-    does not leave most of the GPU idle when B·H_kv is small; no more splits than tiles of
-    context (each split gets at least one BLOCK_N tile), and at most MAX_SPLITS.
-    """
-    tiles = max(1, math.ceil(length / BLOCK_N))
-    wanted = math.ceil(2 * processors / programs)
-    return max(1, min(wanted, tiles, MAX_SPLITS))
-
-
-def split_len(length: int, splits: int, tile: int = BLOCK_N) -> int:
-    """Positions per split: the context divided evenly, rounded up to whole tiles."""
-    return math.ceil(math.ceil(length / splits) / tile) * tile
-
-
 def pad(n: int) -> int:
     """n rounded up to a power of two, at least 16 (tl.dot's smallest tile)."""
     return max(16, triton.next_power_of_2(n))
 
 
-def split_partials(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
-                   table: torch.Tensor, deficit: torch.Tensor, length: int, scale: float,
-                   splits: int, partials, store=None) -> None:
-    """Stage 1: each split's running max, exp-sum and exp-weighted V sum into `partials`.
+@dataclass
+class Launch:
+    """What a cache fixes once for its kernels: the grid's splits, the planner's target, the
+    configuration, and the float32 partials [B, H_q, SPLITS, width], [B, H_q, SPLITS] x 2."""
 
-    q [B, H_q, D]; k_pool, v_pool [N_blocks, H_kv, block_size, D]; table [B, blocks] block
-    ids; sequence b reads its first length - deficit[b] positions (deficit [B] int64: 0 for
-    every sequence of a square batch), split as the longest is. partials = (acc [B, H_q, S, D],
-    m [B, H_q, S], l [B, H_q, S]) in float32, with S >= splits. Quantized, k_pool and v_pool
-    are the codes of `store` (a kvbench.quant.QuantizedStore over the pool layout), whose
-    scales and zero points the kernel reads beside them: [N_blocks, H_kv, block_size, groups]
-    for the int formats, one scale per KV head for fp8.
+    splits: int
+    target: int
+    fixed: int
+    config: KernelConfig
+    partials: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+
+    @classmethod
+    def make(cls, batch: int, q_heads: int, width: int, capacity: int, units: int,
+             device, config: KernelConfig, fixed: int = 0) -> Launch:
+        target = config.waves * processors(torch.device(device))
+        splits = grid_splits(capacity, units, target, config.block_n, fixed)
+        f32 = {"dtype": torch.float32, "device": device}
+        return cls(splits, target, fixed, config,
+                   (torch.empty(batch, q_heads, splits, width, **f32),  # acc
+                    torch.empty(batch, q_heads, splits, **f32),  # running max m
+                    torch.empty(batch, q_heads, splits, **f32)))  # exp-sum l
+
+    def plan(self, lengths: list[int], units: int) -> list[int]:
+        """Each sequence's splits at these lengths (what the kernels do on the device)."""
+        return plan_splits(lengths, units, self.target, self.config.block_n, self.splits,
+                           self.fixed)
+
+
+def static_tiles(longest: int, launch: Launch) -> int:
+    """The interpreter's fixed loop count: at least a split's most tiles (0 where not
+    needed)."""
+    return math.ceil(longest / launch.config.block_n) if STATIC_LOOP else 0
+
+
+def split_partials(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
+                   table: torch.Tensor, lengths: torch.Tensor, scale: float, launch: Launch,
+                   store=None, longest: int = 0) -> None:
+    """Stage 1: each split's running max, exp-sum and exp-weighted V sum into the partials.
+
+    q [B, H_q, D]; k_pool, v_pool [N_blocks, H_kv, block_size, D]; table [B, blocks] int32
+    block ids; lengths [B] the positions each sequence reads (device). Quantized, k_pool and
+    v_pool are the codes of `store` (a kvbench.quant.QuantizedStore over the pool layout),
+    whose scales and zero points the kernel reads beside them: [N_blocks, H_kv, block_size,
+    groups] for the int formats, one scale per KV head for fp8. `longest`: the longest
+    length, for the interpreter's fixed loop only.
     """
     B, Hq, D = q.shape
     Hkv, page = k_pool.shape[1], k_pool.shape[2]
     G = Hq // Hkv
-    acc, m, l = partials
+    acc, m, l = launch.partials
+    cfg = launch.config
     bits, group, fp8 = 0, 1, False
     ks = kz = k_pool  # unused unless quantized
     vs = vz = v_pool
@@ -233,34 +398,41 @@ def split_partials(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
         t, fmt = store.tensors, store.fmt
         bits, fp8 = fmt.bits, not fmt.grouped
         ks, vs = t["k_scale"], t["v_scale"]
-        if not fp8:
+        if fp8:
+            bits = 0
+        else:
             group, kz, vz = fmt.group_size, t["k_zero"], t["v_zero"]
-    meta = (0, 0, 0) if fp8 else (ks.stride(0), ks.stride(1), ks.stride(2))
+    meta = (0, 0, 0) if bits == 0 else (ks.stride(0), ks.stride(1), ks.stride(2))
     assert k_pool.stride(3) == 1 and q.stride(2) == 1 and acc.stride(3) == 1 and m.stride(2) == 1
     # Triton's interpreter gets tl.dot wrong on bfloat16 tiles (3.9: errors of 1e10), so there
     # they are widened to float32 after loading; compiled kernels multiply bfloat16 natively.
     widen = INTERPRETED and q.dtype == torch.bfloat16
     # float32: exact products; the GPUs' TF32 default would miss float32's tolerance
     precision = "ieee" if q.dtype == torch.float32 or widen else "tf32"
-    per_split = split_len(length, splits)
-    stage1[(B, Hkv, splits)](
-        q, k_pool, v_pool, table, deficit, acc, m, l, ks, kz, vs, vz, scale, length,
-        per_split, page,
+    grouped = bits > 0 and group >= 16 and group & (group - 1) == 0
+    stage1[(B, Hkv, launch.splits)](
+        q, k_pool, v_pool, table, lengths, acc, m, l, ks, kz, vs, vz, scale, B,
+        launch.target, launch.fixed,
         q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), k_pool.stride(2),
         table.stride(0), acc.stride(0), acc.stride(1), acc.stride(2), m.stride(0), m.stride(1),
         *meta,
-        G=G, D=D, BLOCK_G=pad(G), BLOCK_D=pad(D), BLOCK_N=BLOCK_N, DOT_PRECISION=precision,
-        WIDEN=widen, BITS=bits, GROUP=group, FP8=fp8,
-        STATIC_TILES=per_split // BLOCK_N if STATIC_LOOP else 0)  # a split's tiles
+        G=G, D=D, BLOCK_G=pad(G), BLOCK_D=pad(D), BLOCK_N=cfg.block_n,
+        BLOCK_B=triton.next_power_of_2(B), PAGE=page, SPLITS=launch.splits, UNITS=Hkv,
+        DOT_PRECISION=precision, WIDEN=widen, BITS=bits, GROUP=group, GROUPED=grouped,
+        BLOCK_J=group if grouped else 16, FP8=fp8, STATIC_TILES=static_tiles(longest, launch),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
 
-def merge(partials, splits: int, out: torch.Tensor) -> torch.Tensor:
-    """Stage 2: the first `splits` partials merged by log-sum-exp into out [B, H_q, D]."""
-    acc, m, l = partials
+def merge(launch: Launch, lengths: torch.Tensor, out: torch.Tensor, units: int) -> torch.Tensor:
+    """Stage 2: each sequence's splits merged by log-sum-exp into out [B, H_q, D]; units:
+    the programs stage 1 ran per (sequence, split) (KV heads, or MLA's head blocks)."""
+    acc, m, l = launch.partials
     B, Hq, D = out.shape
     assert out.stride(2) == 1
     stage2[(B, Hq)](
-        acc, m, l, out, splits, acc.stride(0), acc.stride(1), acc.stride(2), m.stride(0),
-        m.stride(1), out.stride(0), out.stride(1),
-        D=D, BLOCK_S=triton.next_power_of_2(max(splits, 2)), BLOCK_D=pad(D))
+        acc, m, l, out, lengths, B, launch.target, launch.fixed, acc.stride(0), acc.stride(1),
+        acc.stride(2), m.stride(0), m.stride(1), out.stride(0), out.stride(1),
+        D=D, BLOCK_S=triton.next_power_of_2(max(launch.splits, 2)), BLOCK_D=pad(D),
+        BLOCK_B=triton.next_power_of_2(B), TILE=launch.config.block_n, UNITS=units,
+        SPLITS=launch.splits)
     return out

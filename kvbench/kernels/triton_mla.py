@@ -14,8 +14,11 @@ FlashMLA and vLLM's Triton MLA decode work this way; the tile sizes follow vLLM'
   softmax keeps the running max m, exp-sum l and the weighted latent sum acc [BLOCK_H, d_c].
 - Stage 2 merges the splits by log-sum-exp: kvbench.kernels.triton_decode's, with D = d_c.
 
-fp8: the pool holds float8 e4m3 codes and one float32 scale for the layer (as vLLM's fp8 MLA
-cache), applied as each tile is loaded. On CPU tensors it runs in Triton's interpreter (see
+Splits are planned per sequence on the device, lengths read from device memory and the grid
+fixed, as in triton_decode (graph-safe); the units of work per (sequence, split) are the
+blocks of BLOCK_H heads. fp8: the pool holds float8 e4m3 codes and one float32 scale for the
+layer (as vLLM's fp8 MLA cache), converted straight to the activation dtype, the scale folded
+into the softmax scale and the output. On CPU tensors it runs in Triton's interpreter (see
 kvbench.kernels.triton_decode).
 """
 
@@ -25,19 +28,19 @@ import torch
 import triton
 import triton.language as tl
 
-from kvbench.kernels.triton_decode import STATIC_LOOP, pad, split_len
+from kvbench.kernels.triton_decode import _plan, _tile, pad, static_tiles
 
-BLOCK_N = 32  # positions per tile
 BLOCK_H = 16  # query heads per program
 
 
-def _stage1(Q, Pool, Table, Deficit, Acc, M, L, Fp8Scale, scale, length, split_len, page,
+def _stage1(Q, Pool, Table, Lengths, Acc, M, L, Fp8Scale, scale, batch, target, fixed,
             stride_qb, stride_qh, stride_pn, stride_pt, stride_tb,
             stride_ab, stride_ah, stride_as, stride_mb, stride_mh,
             H: tl.constexpr, C: tl.constexpr, R: tl.constexpr, BLOCK_H: tl.constexpr,
             BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
-            DOT_PRECISION: tl.constexpr, WIDEN: tl.constexpr, FP8: tl.constexpr,
-            STATIC_TILES: tl.constexpr):
+            BLOCK_B: tl.constexpr, PAGE: tl.constexpr, SPLITS: tl.constexpr,
+            UNITS: tl.constexpr, DOT_PRECISION: tl.constexpr, WIDEN: tl.constexpr,
+            FP8: tl.constexpr, STATIC_TILES: tl.constexpr):
     """Q [B, H, C + R] (the absorbed queries); Pool [N_blocks, 1, page, C + R] entries.
     STATIC_TILES: as triton_decode's (interpreters that cannot take a run-time loop bound)."""
     b = tl.program_id(0)
@@ -46,40 +49,44 @@ def _stage1(Q, Pool, Table, Deficit, Acc, M, L, Fp8Scale, scale, length, split_l
     heads = hb * BLOCK_H + tl.arange(0, BLOCK_H)
     offs_c = tl.arange(0, BLOCK_C)
     offs_r = tl.arange(0, BLOCK_R)
-    offs_n = tl.arange(0, BLOCK_N)
     mask_h = heads < H
     mask_c = offs_c < C
     mask_r = offs_r < R
+    stat = b * stride_mb + heads * stride_mh + s
+    length, first, end, n = _plan(Lengths, b, s, batch, target, fixed, BLOCK_B, BLOCK_N,
+                                  UNITS, SPLITS)
+    if s >= n:  # a split this sequence does not need: marked empty for stage 2
+        tl.store(L + stat, tl.zeros([BLOCK_H], dtype=tl.float32), mask=mask_h)
+        return
     q_rows = Q + b * stride_qb + heads[:, None] * stride_qh
     q_c = tl.load(q_rows + offs_c[None, :], mask=mask_h[:, None] & mask_c[None, :], other=0.0)
     q_r = tl.load(q_rows + C + offs_r[None, :], mask=mask_h[:, None] & mask_r[None, :],
                   other=0.0)
     if WIDEN:
         q_c, q_r = q_c.to(tl.float32), q_r.to(tl.float32)
+    qk_scale = scale
+    if FP8:  # the layer's one scale: folded into the softmax scale and the output
+        qk_scale = scale * tl.load(Fp8Scale)
 
-    start = s * split_len
-    end = tl.minimum(start + split_len, length - tl.load(Deficit + b))
     m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_C], dtype=tl.float32)
-    for t in range(STATIC_TILES if STATIC_TILES > 0 else tl.cdiv(end - start, BLOCK_N)):
-        pos = start + t * BLOCK_N + offs_n
-        valid = pos < end
-        block = tl.load(Table + b * stride_tb + pos // page, mask=valid, other=0)
-        slot = block.to(tl.int64) * stride_pn + (pos % page) * stride_pt
+    for i in range(STATIC_TILES if STATIC_TILES > 0 else end - first):
+        t = first + i
+        block, off, valid = _tile(Table, b, t, tl.where(t < end, length, 0), stride_tb,
+                                  BLOCK_N, PAGE)
+        slot = block * stride_pn + off * stride_pt  # [BLOCK_N]
         c = tl.load(Pool + slot[None, :] + offs_c[:, None],
                     mask=valid[None, :] & mask_c[:, None], other=0.0)  # [BLOCK_C, BLOCK_N]
         r = tl.load(Pool + slot[None, :] + C + offs_r[:, None],
                     mask=valid[None, :] & mask_r[:, None], other=0.0)  # [BLOCK_R, BLOCK_N]
         if FP8:
-            f = tl.load(Fp8Scale)
-            c = (c.to(tl.float32) * f).to(Q.dtype.element_ty)
-            r = (r.to(tl.float32) * f).to(Q.dtype.element_ty)
+            c, r = c.to(Q.dtype.element_ty), r.to(Q.dtype.element_ty)
         if WIDEN:
             c, r = c.to(tl.float32), r.to(tl.float32)
         scores = (tl.dot(q_c, c, input_precision=DOT_PRECISION)
-                  + tl.dot(q_r, r, input_precision=DOT_PRECISION)) * scale  # [BLOCK_H, BLOCK_N]
-        scores = tl.where(valid[None, :], scores, float("-inf"))
+                  + tl.dot(q_r, r, input_precision=DOT_PRECISION)) * qk_scale
+        scores = tl.where(valid[None, :], scores, float("-inf"))  # [BLOCK_H, BLOCK_N]
         m_new = tl.maximum(m_i, tl.max(scores, 1))
         shift = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.exp(m_i - shift)
@@ -89,40 +96,47 @@ def _stage1(Q, Pool, Table, Deficit, Acc, M, L, Fp8Scale, scale, length, split_l
         acc = acc * alpha[:, None] + tl.dot(p.to(c.dtype), tl.trans(c),
                                             input_precision=DOT_PRECISION)
         m_i = m_new
+    if FP8:
+        acc = acc * tl.load(Fp8Scale)
 
     out = b * stride_ab + heads[:, None] * stride_ah + s * stride_as + offs_c[None, :]
     tl.store(Acc + out, acc, mask=mask_h[:, None] & mask_c[None, :])
-    stat = b * stride_mb + heads * stride_mh + s
     tl.store(M + stat, m_i, mask=mask_h)
     tl.store(L + stat, l_i, mask=mask_h)
 
 
-stage1 = triton.jit(_stage1, do_not_specialize=["length", "split_len"])
+stage1 = triton.jit(_stage1, do_not_specialize=["batch", "target", "fixed"])
+
+
+def units(q_heads: int) -> int:
+    """Programs per (sequence, split): the blocks of BLOCK_H query heads."""
+    return triton.cdiv(q_heads, BLOCK_H)
 
 
 def split_partials(q: torch.Tensor, pool: torch.Tensor, table: torch.Tensor,
-                   deficit: torch.Tensor, length: int, scale: float, splits: int, partials,
-                   latent_dim: int, fp8_scale: torch.Tensor | None = None) -> None:
-    """Stage 1 into partials = (acc [B, H_q, S, d_c], m, l [B, H_q, S]) float32, S >= splits.
+                   lengths: torch.Tensor, scale: float, launch, latent_dim: int,
+                   fp8_scale: torch.Tensor | None = None, longest: int = 0) -> None:
+    """Stage 1 into launch.partials = (acc [B, H_q, S, d_c], m, l [B, H_q, S]) float32.
 
     q [B, H_q, d_c + d_rope]; pool [N_blocks, 1, block_size, d_c + d_rope] (fp8 codes when
-    fp8_scale, one float32, is given); table [B, blocks]; sequence b reads its first
-    length - deficit[b] positions.
+    fp8_scale, one float32, is given); table [B, blocks] int32; lengths [B] on the device.
     """
     from kvbench.kernels.triton_decode import INTERPRETED
 
     B, H, W = q.shape
     C, R = latent_dim, W - latent_dim
-    acc, m, l = partials
+    acc, m, l = launch.partials
+    cfg = launch.config
     assert pool.stride(3) == 1 and q.stride(2) == 1 and acc.stride(3) == 1
     widen = INTERPRETED and q.dtype == torch.bfloat16
     precision = "ieee" if q.dtype == torch.float32 or widen else "tf32"
-    per_split = split_len(length, splits, BLOCK_N)
-    stage1[(B, triton.cdiv(H, BLOCK_H), splits)](
-        q, pool, table, deficit, acc, m, l, fp8_scale if fp8_scale is not None else pool,
-        scale, length, per_split, pool.shape[2],
+    stage1[(B, units(H), launch.splits)](
+        q, pool, table, lengths, acc, m, l, fp8_scale if fp8_scale is not None else pool,
+        scale, B, launch.target, launch.fixed,
         q.stride(0), q.stride(1), pool.stride(0), pool.stride(2), table.stride(0),
         acc.stride(0), acc.stride(1), acc.stride(2), m.stride(0), m.stride(1),
-        H=H, C=C, R=R, BLOCK_H=BLOCK_H, BLOCK_C=pad(C), BLOCK_R=pad(R), BLOCK_N=BLOCK_N,
-        DOT_PRECISION=precision, WIDEN=widen, FP8=fp8_scale is not None,
-        STATIC_TILES=per_split // BLOCK_N if STATIC_LOOP else 0)
+        H=H, C=C, R=R, BLOCK_H=BLOCK_H, BLOCK_C=pad(C), BLOCK_R=pad(R), BLOCK_N=cfg.block_n,
+        BLOCK_B=triton.next_power_of_2(B), PAGE=pool.shape[2], SPLITS=launch.splits,
+        UNITS=units(H), DOT_PRECISION=precision, WIDEN=widen, FP8=fp8_scale is not None,
+        STATIC_TILES=static_tiles(longest, launch),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)

@@ -1,0 +1,28 @@
+"""A Triton decode kernel's launch configuration (no torch or triton: the tuning table and the
+CLI read it anywhere)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class KernelConfig:
+    """How a decode kernel is launched: positions per tile, warps and pipeline stages per
+    program, and the programs per SM the split planner aims at."""
+
+    block_n: int = 64
+    num_warps: int = 4
+    num_stages: int = 2
+    waves: int = 2
+
+    def __post_init__(self) -> None:
+        for name in ("block_n", "num_warps", "num_stages", "waves"):
+            value = getattr(self, name)
+            if type(value) is not int or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.block_n < 16 or self.block_n & (self.block_n - 1):
+            raise ValueError(f"block_n must be a power of two >= 16, got {self.block_n}")
+
+    def label(self) -> str:
+        return f"N{self.block_n}/w{self.num_warps}/s{self.num_stages}/x{self.waves}"
