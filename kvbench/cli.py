@@ -255,6 +255,31 @@ def serve_sim(
 
 
 @command
+def tune(
+    dtype: Annotated[str, typer.Option(help="float16|fp16, bfloat16|bf16 or float32|fp32.")] = "float16",
+    kv_dtype: Annotated[str, typer.Option(help="K/V formats to tune: a comma list of none (the activation dtype), fp8, int8, int4, int2.")] = "none,int8,fp8,int4",
+    block_size: Annotated[str, typer.Option(help="Page (block) sizes to tune, a comma list.")] = "16",
+    budget: Annotated[float, typer.Option(help="Seconds the search may take; past them the best so far is kept.")] = 150.0,
+    rounds: Annotated[int, typer.Option(help="Timed rounds per configuration (median).")] = 9,
+    rehearse: Annotated[bool, typer.Option("--rehearse", metavar="", help="Run the plan on the CPU in Triton's interpreter at small shapes (times describe the interpreter; registers and spills are sm_90's, compiled here).")] = False,
+    device: Annotated[str, typer.Option(help="auto, cuda or cuda:N.")] = "auto",
+    table: Annotated[Path | None, typer.Option(help="Tuning table to update. \\[default: the package's; with --rehearse results/tune-rehearsal.json]")] = None,
+    csv: CsvPath = None,
+):
+    """Search the Triton decode kernel's launch configuration on this GPU.
+
+    Times the kernel alone (both stages, CUDA events) at the long shape (B=8, 32k positions,
+    H_q=32, H_kv=8, D=128) and a ragged lognormal batch (B=32), over BLOCK_N, warps, stages
+    and waves, each checked against exact attention first; prints registers, spills and
+    shared memory per configuration, and writes the best per device, dtype, K/V format, head
+    dim, group and page size to the table the kernel reads.
+    """
+    from kvbench import tune as tuner
+
+    tuner.command(device, dtype, kv_dtype, block_size, rehearse, budget, rounds, table, csv)
+
+
+@command
 def plot(results: Annotated[Path, typer.Argument(help="A CSV that kvbench wrote.")],
          output: Annotated[Path | None, typer.Option("-o", "--output",
                            help="Image to write. \\[default: RESULTS with .png]")] = None):

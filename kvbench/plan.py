@@ -134,6 +134,11 @@ def _points_of(o: RunOptions, reference_cases: bool = False,
                 notes.append(line)
         if names:
             points.append((config, names))
+    if dev.startswith("cuda") and ran & {"triton", "triton-mla"}:
+        from kvbench.kernels import tuning
+
+        if line := tuning.untuned_note(dev):
+            notes.append(line)
     # Named explicitly and unable to run any point: an error, not a note.
     for name, reason in refused.items():
         if explicit and name not in ran:

@@ -669,3 +669,39 @@ def show_plans(command: str, plans) -> None:
     bad = [p for p in plans if not p.fits]
     out.print(f"{len(plans) - len(bad)} of {len(plans)} points fit"
               + (f"; {len(bad)} would be skipped (--force runs them)" if bad else ""))
+
+
+def tune_table(result, kv, page) -> Table:
+    """One K/V format and page size: every configuration tried, at each case."""
+    fmt = kv or result.dtype
+    t = _table(f"tune  {result.device}  {result.dtype}, K/V {fmt}, pages of {page}")
+    for name in ("config", "case", "ms", "GB/s", "%copy", "splits", "regs", "spill", "smem",
+                 "check"):
+        t.add_column(name, justify="left" if name in ("config", "case", "check") else "right",
+                     no_wrap=True)
+    best = result.best.get((kv, page))
+    for trial in (x for x in result.trials if (x.kv_dtype, x.page) == (kv, page)):
+        gbps = trial.gbps()
+        mark = " ★" if trial.config == best else ""
+        t.add_row(trial.config.label() + mark, trial.case,
+                  "—" if trial.ms is None else f"{trial.ms:,.3f}",
+                  "—" if gbps is None else f"{gbps:,.0f}",
+                  "—" if gbps is None else f"{100 * gbps / result.copy_gbps:.0f}%",
+                  str(trial.splits), *("—" if x is None else f"{x:,}" for x in
+                                       (trial.regs, trial.spills, trial.shared)),
+                  "PASS" if trial.passed else f"[red]FAIL[/] {trial.max_abs_err:.2g}")
+    t.caption = (f"config: BLOCK_N/warps/stages/waves (★ the best over the cases); ms: stage 1 "
+                 f"+ 2, median; %copy of {result.copy_gbps:,.0f} GB/s; regs, spill (bytes) "
+                 f"and smem (bytes) of stage 1: {result.resources_from}")
+    return t
+
+
+def show_tune(result) -> None:
+    for kv, page in dict.fromkeys((t.kv_dtype, t.page) for t in result.trials):
+        out.print(tune_table(result, kv, page))
+    if result.rehearse:
+        note("a rehearsal: Triton's interpreter on the CPU, whose times describe the "
+             "interpreter; registers and spills are the GPU's")
+    if result.out_of_time:
+        warn("the budget ran out before every search finished; the best so far was kept "
+             "(raise --budget)")

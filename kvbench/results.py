@@ -527,6 +527,14 @@ SERVE_FIRST = [
     "swapped_blocks",
 ] + ENV_COLUMNS
 SERVE_COLUMNS = SERVE_FIRST
+# kvbench tune: one row per configuration and case
+TUNE_FIRST = [
+    "timestamp", "command", "case", "batch", "seq_lens", "q_heads", "kv_heads", "head_dim",
+    "dtype", "kv_dtype", "block_size", "block_n", "num_warps", "num_stages", "waves",
+    "rehearse", "passed", "max_abs_err", "kernel_ms", "bytes_read", "achieved_gbps",
+    "copy_gbps", "bandwidth_fraction", "splits", "registers", "spill_bytes", "shared_bytes",
+    "best"] + ENV_COLUMNS
+TUNE_COLUMNS = TUNE_FIRST
 # serve-sim's per-step log (its -steps.csv): the clock at each step's end, the step's own
 # time, sequences decoded, tokens made, blocks held
 SERVE_STEP_FIRST = ["timestamp", "command", "reserve", "step", "time_s", "step_ms", "batch",
@@ -588,5 +596,28 @@ FILE_KINDS = {
     "capacity": (CAPACITY_COLUMNS, CAPACITY_FIRST),
     "allocation": (ALLOCATION_COLUMNS, ALLOCATION_FIRST),
     "serve-sim": (SERVE_COLUMNS, SERVE_FIRST),
+    "tune": (TUNE_COLUMNS, TUNE_FIRST),
     "serve-sim-steps": (SERVE_STEP_COLUMNS, SERVE_STEP_FIRST),
 }
+
+
+def tune_rows(result, cases, stamp: str, env: dict[str, object]) -> list[dict[str, object]]:
+    """One row per trial: its case, format, page and configuration, and what it measured."""
+    shapes = {c.name: c for c in cases}
+    rows = []
+    for t in result.trials:
+        c, gbps = shapes[t.case], t.gbps()
+        rows.append({
+            "timestamp": stamp, "command": "tune", "case": t.case, "batch": len(c.lengths),
+            "seq_lens": ",".join(map(str, c.lengths)), "q_heads": c.q_heads,
+            "kv_heads": c.kv_heads, "head_dim": c.head_dim, "dtype": result.dtype,
+            "kv_dtype": t.kv_dtype, "block_size": t.page, "block_n": t.config.block_n,
+            "num_warps": t.config.num_warps, "num_stages": t.config.num_stages,
+            "waves": t.config.waves, "rehearse": result.rehearse, "passed": t.passed,
+            "max_abs_err": t.max_abs_err, "kernel_ms": t.ms, "bytes_read": t.bytes_read,
+            "achieved_gbps": gbps, "copy_gbps": result.copy_gbps,
+            "bandwidth_fraction": None if gbps is None else gbps / result.copy_gbps,
+            "splits": t.splits, "registers": t.regs, "spill_bytes": t.spills,
+            "shared_bytes": t.shared,
+            "best": result.best.get((t.kv_dtype, t.page)) == t.config, **env})
+    return rows

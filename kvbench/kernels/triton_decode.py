@@ -376,7 +376,7 @@ def static_tiles(longest: int, launch: Launch) -> int:
 
 def split_partials(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
                    table: torch.Tensor, lengths: torch.Tensor, scale: float, launch: Launch,
-                   store=None, longest: int = 0) -> None:
+                   store=None, longest: int = 0):
     """Stage 1: each split's running max, exp-sum and exp-weighted V sum into the partials.
 
     q [B, H_q, D]; k_pool, v_pool [N_blocks, H_kv, block_size, D]; table [B, blocks] int32
@@ -384,8 +384,17 @@ def split_partials(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
     v_pool are the codes of `store` (a kvbench.quant.QuantizedStore over the pool layout),
     whose scales and zero points the kernel reads beside them: [N_blocks, H_kv, block_size,
     groups] for the int formats, one scale per KV head for fp8. `longest`: the longest
-    length, for the interpreter's fixed loop only.
+    length, for the interpreter's fixed loop only. Returns Triton's compiled kernel (its
+    registers and shared memory; None in the interpreter).
     """
+    grid, args, constants = stage1_args(q, k_pool, v_pool, table, lengths, scale, launch,
+                                        store, longest)
+    return stage1[grid](*args, **constants)
+
+
+def stage1_args(q, k_pool, v_pool, table, lengths, scale, launch: Launch, store=None,
+                longest: int = 0):
+    """(grid, arguments, constexprs and launch options) of stage 1 (split_partials')."""
     B, Hq, D = q.shape
     Hkv, page = k_pool.shape[1], k_pool.shape[2]
     G = Hq // Hkv
@@ -410,17 +419,18 @@ def split_partials(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
     # float32: exact products; the GPUs' TF32 default would miss float32's tolerance
     precision = "ieee" if q.dtype == torch.float32 or widen else "tf32"
     grouped = bits > 0 and group >= 16 and group & (group - 1) == 0
-    stage1[(B, Hkv, launch.splits)](
-        q, k_pool, v_pool, table, lengths, acc, m, l, ks, kz, vs, vz, scale, B,
-        launch.target, launch.fixed,
-        q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), k_pool.stride(2),
-        table.stride(0), acc.stride(0), acc.stride(1), acc.stride(2), m.stride(0), m.stride(1),
-        *meta,
+    args = (q, k_pool, v_pool, table, lengths, acc, m, l, ks, kz, vs, vz, scale, B,
+            launch.target, launch.fixed,
+            q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), k_pool.stride(2),
+            table.stride(0), acc.stride(0), acc.stride(1), acc.stride(2), m.stride(0),
+            m.stride(1), *meta)
+    constants = dict(
         G=G, D=D, BLOCK_G=pad(G), BLOCK_D=pad(D), BLOCK_N=cfg.block_n,
         BLOCK_B=triton.next_power_of_2(B), PAGE=page, SPLITS=launch.splits, UNITS=Hkv,
         DOT_PRECISION=precision, WIDEN=widen, BITS=bits, GROUP=group, GROUPED=grouped,
         BLOCK_J=group if grouped else 16, FP8=fp8, STATIC_TILES=static_tiles(longest, launch),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    return (B, Hkv, launch.splits), args, constants
 
 
 def merge(launch: Launch, lengths: torch.Tensor, out: torch.Tensor, units: int) -> torch.Tensor:

@@ -26,10 +26,16 @@ def key(device: str, dtype: str, kv_format: str | None, head_dim: int, group: in
     return f"{device}|{dtype}|{kv_format or 'none'}|{head_dim}|{group}|{page}"
 
 
+_read: dict[tuple[Path, float], dict] = {}  # (path, its mtime) -> the table
+
+
 def load(path: Path = TABLE) -> dict:
     """The table: {"entries": {key: {"config": {...}, ...}}}; empty when there is none."""
     if not path.exists():
         return {"entries": {}}
+    stamp = (path, path.stat().st_mtime)
+    if stamp in _read:
+        return _read[stamp]
     try:
         table = json.loads(path.read_text())
         entries = table["entries"]
@@ -38,6 +44,7 @@ def load(path: Path = TABLE) -> dict:
     except (ValueError, KeyError, TypeError) as err:
         raise KvbenchError(f"{path}: not a tuning table kvbench wrote ({err}); delete it "
                            "or run kvbench tune again") from None
+    _read[stamp] = table
     return table
 
 
@@ -60,10 +67,26 @@ def other_devices(device: str, path: Path = TABLE) -> list[str]:
 def save(entries: dict[str, dict], path: Path = TABLE) -> None:
     """Merge entries {key: {"config": KernelConfig, ...figures}} into the table at path,
     replacing those of the same key; written whole to a temporary file, then renamed."""
-    table = load(path)
+    table = {"entries": dict(load(path)["entries"])}
     for k, entry in entries.items():
         table["entries"][k] = {**entry, "config": asdict(entry["config"])}
     table["entries"] = dict(sorted(table["entries"].items()))
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(table, indent=1) + "\n")
     tmp.replace(path)
+
+
+def untuned_note(device: str, path: Path = TABLE) -> str | None:
+    """One line when the table has entries for other devices but none for this one (they
+    are ignored and the kernel takes its defaults), else None."""
+    from kvbench.device import device_name
+
+    name = device_name(device)
+    table = load(path)["entries"]
+    if any(k.split("|", 1)[0] == name for k in table):
+        return None
+    others = other_devices(name, path)
+    if not others:
+        return None
+    return (f"the tuning table {path} has entries for {', '.join(others)}, not {name}: triton "
+            "runs its default configuration here (kvbench tune writes this device's)")
