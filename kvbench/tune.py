@@ -213,7 +213,6 @@ class _Bench:
 
     def trial(self, config: KernelConfig, rounds: int, rehearse: bool) -> Trial:
         from kvbench.kernels import triton_decode as kernel
-        from kvbench.timing import time_samples
 
         c = self.cache
         B, Hq, D = self.q.shape
@@ -231,7 +230,7 @@ class _Bench:
                       splits=max(launch.plan(list(self.case.lengths), c.units)))
         try:
             compiled = step()
-        except Exception as err:  # noqa: BLE001 - a configuration the device cannot run
+        except Exception as err:
             if type(err).__name__ not in ("OutOfResources", "CompilationError"):
                 raise
             return trial
@@ -287,16 +286,13 @@ def _bytes_read(cache, case: Case) -> int:
 
 
 def _compile_request(q, cache, launch) -> dict:
-    """Stage 1 as `cache` launches it, as compiled code runs it (never widening bfloat16 or
-    walking the interpreter's fixed loop), for kernels.aot."""
+    """Stage 1 as `cache` launches it with `launch`, for kernels.aot."""
     from kvbench.kernels import aot
     from kvbench.kernels import triton_decode as kernel
 
     _, args, constants = kernel.stage1_args(q, *cache.pools_read(), cache.table,
                                             cache.kernel_lens, cache.layer.scale, launch,
                                             cache.store, 0)
-    constants = {**constants, "WIDEN": False, "STATIC_TILES": 0,
-                 "DOT_PRECISION": "ieee" if q.dtype == torch.float32 else "tf32"}
     return aot.request("gqa", kernel.stage1.arg_names, args, constants)
 
 
@@ -306,10 +302,10 @@ def command(device: str, dtype: str, kv_dtypes: str, block_sizes: str, rehearse:
     from pathlib import Path
 
     from kvbench import render, results
+    from kvbench.config import canonical_dtype
     from kvbench.device import resolve_device
     from kvbench.env import environment
     from kvbench.kernels import tuning
-    from kvbench.config import canonical_dtype
 
     dev = resolve_device(device) if not rehearse else "cpu"
     if rehearse and device not in ("auto", "cpu"):

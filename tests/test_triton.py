@@ -55,7 +55,7 @@ def check(config: RunConfig, impls, **options):
 
 
 @pytest.mark.parametrize("heads, head_dim, block_size, dtype", pairwise(
-    list(HEADS), [4, 64, 80, 96, 128], [1, 16, 64], ["float32", "bfloat16"]))
+    list(HEADS), [4, 64, 80, 96, 128], [1, 12, 16, 64], ["float32", "bfloat16"]))
 def test_triton_equals_recompute(heads, head_dim, block_size, dtype):
     # 37 + 5 positions: never a whole number of blocks of 16 or 64, so the last block is partial
     config = RunConfig(shape(heads, head_dim), dtype)
@@ -234,3 +234,52 @@ def test_the_static_tile_loop_is_chosen_only_where_the_interpreter_needs_it(monk
         monkeypatch.setattr(triton_decode.triton, "__version__", tri)
         monkeypatch.setattr(numpy, "__version__", np_version)
         assert triton_decode._interpreter_takes_loaded_bounds() is takes
+
+
+def _filled(cls, shape, dtype, **options):
+    """A cache of `cls` over random K/V of `shape` (the query heads' inputs too)."""
+    from kvbench.attention import AttentionLayer, make_inputs
+
+    config = RunConfig(shape, dtype, kv_dtype=options.get("kv_dtype"),
+                       group_size=options.get("group_size", 64))
+    layer = AttentionLayer.from_config(config)
+    cache = cls.build(layer, config, ImplOptions(**options))
+    cache.prefill(make_inputs(config)[:, :shape.prompt_len])
+    return cache
+
+
+def test_every_kernel_variant_compiles_for_an_h200():
+    # The interpreter runs the kernels' logic, not the GPU compiler: each variant (dtype,
+    # K/V format and its decode path, the three ways a tile finds its pages, MLA, stage 2)
+    # is compiled here for sm_90 as the lent GPU will compile it.
+    import torch
+
+    from kvbench.caches import TritonMlaCache
+    from kvbench.config import MlaDims
+    from kvbench.kernels import aot
+
+    cases = [  # (dtype, page, options): pages of 16 and 1 (whole pages per 64-tile), 64
+        ("float16", 16, {}),  # (one page a tile), 12 (each position looked up)
+        ("bfloat16", 64, {"kv_dtype": "fp8"}),
+        ("float16", 12, {"kv_dtype": "int8", "group_size": 64}),
+        ("float32", 1, {"kv_dtype": "int4", "group_size": 32}),
+        ("float16", 16, {"kv_dtype": "int2", "group_size": 8}),  # element by element
+    ]
+    requests = []
+    for dtype, page, options in cases:
+        cache = _filled(TritonCache, shape("gqa", 128, prompt_len=40, decode_len=1), dtype,
+                        block_size=page, **options)
+        q = torch.randn(2, 8, 128).to(cache.layer.dtype)
+        requests += aot.cache_requests(cache, q)
+    mla = LayerShape(batch=2, prompt_len=40, decode_len=1, hidden=64, q_heads=16, kv_heads=16,
+                     head_dim=16).with_mla(MlaDims(kv_lora_rank=512, qk_rope_dim=64))
+    for dtype, options in (("bfloat16", {}), ("float16", {"kv_dtype": "fp8"})):
+        cache = _filled(TritonMlaCache, mla, dtype, block_size=64, **options)
+        requests += aot.cache_requests(cache, torch.randn(2, 16, 576).to(cache.layer.dtype))
+    answers = aot.resources(requests)
+    if not any(answers):
+        pytest.skip("Triton cannot compile for sm_90 here (no CUDA backend or cuobjdump)")
+    failed = [(r["kernel"], r["function"], r["constexprs"]) for r, a in zip(requests, answers)
+              if a is None]
+    assert not failed, failed
+    assert all(spills == 0 for _, spills, _ in answers)

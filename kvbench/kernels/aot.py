@@ -24,11 +24,18 @@ TYPES = {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32", "int32": "i32
 KERNELS = {"gqa": "kvbench.kernels.triton_decode", "mla": "kvbench.kernels.triton_mla"}
 
 
-def request(kernel: str, arg_names: list[str], args: tuple, constants: dict) -> dict:
-    """A compile request for `kernel` ("gqa" or "mla" stage 1) as launched with these
-    arguments: each argument's Triton type, the constexprs and the launch options."""
+def request(kernel: str, arg_names: list[str], args: tuple, constants: dict,
+            function: str = "stage1") -> dict:
+    """A compile request for `function` of `kernel` ("gqa" or "mla") as launched with these
+    arguments: each argument's Triton type, the constexprs and the launch options. Compiled
+    code never widens bfloat16 or walks the interpreter's fixed loop, so those constexprs
+    take their compiled values."""
     import torch
 
+    if "WIDEN" in constants:
+        dtype = args[0].dtype
+        constants = {**constants, "WIDEN": False, "STATIC_TILES": 0,
+                     "DOT_PRECISION": "ieee" if dtype == torch.float32 else "tf32"}
     options = {k: constants[k] for k in ("num_warps", "num_stages") if k in constants}
     signature = {}
     for name, value in zip(arg_names, args):
@@ -39,7 +46,38 @@ def request(kernel: str, arg_names: list[str], args: tuple, constants: dict) -> 
         else:
             signature[name] = "i32"
     consts = {k: v for k, v in constants.items() if k not in options}
-    return {"kernel": kernel, "signature": signature, "constexprs": consts, "options": options}
+    return {"kernel": kernel, "function": function, "signature": signature,
+            "constexprs": consts, "options": options}
+
+
+def cache_requests(cache, q) -> list[dict]:
+    """Both stages of the decode kernels a `triton` or `triton-mla` cache launches, as it
+    launches them for a query q ([B, H_q, D]; MLA: [B, H_q, d_c + d_rope])."""
+    import torch
+
+    from kvbench.kernels import triton_decode
+
+    launch = cache.launch
+    if cache.attention == "mla":
+        from kvbench.kernels import triton_mla
+
+        m = cache.layer.shape.mla
+        pool, scale = ((cache.pool, None) if cache.store is None else
+                       (cache.store.tensors["k_codes"], cache.store.tensors["k_scale"]))
+        _, args, constants = triton_mla.stage1_args(q, pool, cache.table, cache.kernel_lens,
+                                                    cache.layer.scale, launch, m.kv_lora_rank,
+                                                    scale)
+        first = request("mla", triton_mla.stage1.arg_names, args, constants)
+        width = m.kv_lora_rank
+    else:
+        _, args, constants = triton_decode.stage1_args(q, *cache.pools_read(), cache.table,
+                                                       cache.kernel_lens, cache.layer.scale,
+                                                       launch, cache.store)
+        first = request("gqa", triton_decode.stage1.arg_names, args, constants)
+        width = q.shape[-1]
+    out = torch.empty(*q.shape[:2], width, dtype=q.dtype)
+    _, args, constants = triton_decode.stage2_args(launch, cache.kernel_lens, out, cache.units)
+    return [first, request("gqa", triton_decode.stage2.arg_names, args, constants, "stage2")]
 
 
 def resources(requests: list[dict], arch: int = 90, timeout_s: float = 600) -> list:
@@ -51,7 +89,7 @@ def resources(requests: list[dict], arch: int = 90, timeout_s: float = 600) -> l
     try:
         done = subprocess.run([sys.executable, "-m", "kvbench.kernels.aot", str(arch)],
                               input=json.dumps(requests), capture_output=True, text=True,
-                              env=env, timeout=timeout_s)
+                              env=env, timeout=timeout_s, check=False)
     except (OSError, subprocess.SubprocessError):
         return [None] * len(requests)
     answers = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("[")
@@ -68,7 +106,7 @@ def _compile(req: dict, arch: int):
     from triton.backends.compiler import GPUTarget
 
     module = importlib.import_module(KERNELS[req["kernel"]])
-    jit = module.stage1
+    jit = getattr(module, req["function"])
     names = list(jit.arg_names)
     signature = {n: ("constexpr" if n in req["constexprs"] else req["signature"][n])
                  for n in names}
@@ -82,7 +120,7 @@ def _compile(req: dict, arch: int):
         with open(path, "wb") as f:
             f.write(compiled.asm["cubin"])
         usage = subprocess.run([tool, "--dump-resource-usage", path], capture_output=True,
-                               text=True, timeout=60).stdout
+                               text=True, timeout=60, check=False).stdout
     regs, local = re.search(r"REG:(\d+)", usage), re.search(r"LOCAL:(\d+)", usage)
     if regs is None:
         return None

@@ -424,25 +424,33 @@ def stage1_args(q, k_pool, v_pool, table, lengths, scale, launch: Launch, store=
             q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), k_pool.stride(2),
             table.stride(0), acc.stride(0), acc.stride(1), acc.stride(2), m.stride(0),
             m.stride(1), *meta)
-    constants = dict(
-        G=G, D=D, BLOCK_G=pad(G), BLOCK_D=pad(D), BLOCK_N=cfg.block_n,
-        BLOCK_B=triton.next_power_of_2(B), PAGE=page, SPLITS=launch.splits, UNITS=Hkv,
-        DOT_PRECISION=precision, WIDEN=widen, BITS=bits, GROUP=group, GROUPED=grouped,
-        BLOCK_J=group if grouped else 16, FP8=fp8, STATIC_TILES=static_tiles(longest, launch),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    constants = {
+        "G": G, "D": D, "BLOCK_G": pad(G), "BLOCK_D": pad(D), "BLOCK_N": cfg.block_n,
+        "BLOCK_B": triton.next_power_of_2(B), "PAGE": page, "SPLITS": launch.splits,
+        "UNITS": Hkv, "DOT_PRECISION": precision, "WIDEN": widen, "BITS": bits,
+        "GROUP": group, "GROUPED": grouped, "BLOCK_J": group if grouped else 16, "FP8": fp8,
+        "STATIC_TILES": static_tiles(longest, launch),
+        "num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
     return (B, Hkv, launch.splits), args, constants
 
 
 def merge(launch: Launch, lengths: torch.Tensor, out: torch.Tensor, units: int) -> torch.Tensor:
     """Stage 2: each sequence's splits merged by log-sum-exp into out [B, H_q, D]; units:
     the programs stage 1 ran per (sequence, split) (KV heads, or MLA's head blocks)."""
+    grid, args, constants = stage2_args(launch, lengths, out, units)
+    stage2[grid](*args, **constants)
+    return out
+
+
+def stage2_args(launch: Launch, lengths: torch.Tensor, out: torch.Tensor, units: int):
+    """(grid, arguments, constexprs) of stage 2 (merge's)."""
     acc, m, l = launch.partials
     B, Hq, D = out.shape
     assert out.stride(2) == 1
-    stage2[(B, Hq)](
-        acc, m, l, out, lengths, B, launch.target, launch.fixed, acc.stride(0), acc.stride(1),
-        acc.stride(2), m.stride(0), m.stride(1), out.stride(0), out.stride(1),
-        D=D, BLOCK_S=triton.next_power_of_2(max(launch.splits, 2)), BLOCK_D=pad(D),
-        BLOCK_B=triton.next_power_of_2(B), TILE=launch.config.block_n, UNITS=units,
-        SPLITS=launch.splits)
-    return out
+    args = (acc, m, l, out, lengths, B, launch.target, launch.fixed, acc.stride(0),
+            acc.stride(1), acc.stride(2), m.stride(0), m.stride(1), out.stride(0),
+            out.stride(1))
+    constants = {"D": D, "BLOCK_S": triton.next_power_of_2(max(launch.splits, 2)),
+                     "BLOCK_D": pad(D), "BLOCK_B": triton.next_power_of_2(B),
+                     "TILE": launch.config.block_n, "UNITS": units, "SPLITS": launch.splits}
+    return (B, Hq), args, constants

@@ -115,12 +115,21 @@ def units(q_heads: int) -> int:
 
 def split_partials(q: torch.Tensor, pool: torch.Tensor, table: torch.Tensor,
                    lengths: torch.Tensor, scale: float, launch, latent_dim: int,
-                   fp8_scale: torch.Tensor | None = None, longest: int = 0) -> None:
+                   fp8_scale: torch.Tensor | None = None, longest: int = 0):
     """Stage 1 into launch.partials = (acc [B, H_q, S, d_c], m, l [B, H_q, S]) float32.
 
     q [B, H_q, d_c + d_rope]; pool [N_blocks, 1, block_size, d_c + d_rope] (fp8 codes when
     fp8_scale, one float32, is given); table [B, blocks] int32; lengths [B] on the device.
+    Returns Triton's compiled kernel (None in the interpreter).
     """
+    grid, args, constants = stage1_args(q, pool, table, lengths, scale, launch, latent_dim,
+                                        fp8_scale, longest)
+    return stage1[grid](*args, **constants)
+
+
+def stage1_args(q, pool, table, lengths, scale, launch, latent_dim: int, fp8_scale=None,
+                longest: int = 0):
+    """(grid, arguments, constexprs and launch options) of stage 1 (split_partials')."""
     from kvbench.kernels.triton_decode import INTERPRETED
 
     B, H, W = q.shape
@@ -130,13 +139,14 @@ def split_partials(q: torch.Tensor, pool: torch.Tensor, table: torch.Tensor,
     assert pool.stride(3) == 1 and q.stride(2) == 1 and acc.stride(3) == 1
     widen = INTERPRETED and q.dtype == torch.bfloat16
     precision = "ieee" if q.dtype == torch.float32 or widen else "tf32"
-    stage1[(B, units(H), launch.splits)](
-        q, pool, table, lengths, acc, m, l, fp8_scale if fp8_scale is not None else pool,
-        scale, B, launch.target, launch.fixed,
-        q.stride(0), q.stride(1), pool.stride(0), pool.stride(2), table.stride(0),
-        acc.stride(0), acc.stride(1), acc.stride(2), m.stride(0), m.stride(1),
-        H=H, C=C, R=R, BLOCK_H=BLOCK_H, BLOCK_C=pad(C), BLOCK_R=pad(R), BLOCK_N=cfg.block_n,
-        BLOCK_B=triton.next_power_of_2(B), PAGE=pool.shape[2], SPLITS=launch.splits,
-        UNITS=units(H), DOT_PRECISION=precision, WIDEN=widen, FP8=fp8_scale is not None,
-        STATIC_TILES=static_tiles(longest, launch),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    args = (q, pool, table, lengths, acc, m, l, fp8_scale if fp8_scale is not None else pool,
+            scale, B, launch.target, launch.fixed,
+            q.stride(0), q.stride(1), pool.stride(0), pool.stride(2), table.stride(0),
+            acc.stride(0), acc.stride(1), acc.stride(2), m.stride(0), m.stride(1))
+    constants = {
+        "H": H, "C": C, "R": R, "BLOCK_H": BLOCK_H, "BLOCK_C": pad(C), "BLOCK_R": pad(R),
+        "BLOCK_N": cfg.block_n, "BLOCK_B": triton.next_power_of_2(B), "PAGE": pool.shape[2],
+        "SPLITS": launch.splits, "UNITS": units(H), "DOT_PRECISION": precision,
+        "WIDEN": widen, "FP8": fp8_scale is not None, "STATIC_TILES": static_tiles(longest, launch),
+        "num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
+    return (B, units(H), launch.splits), args, constants
