@@ -53,6 +53,7 @@ class ImplTiming:
     kv_bytes: int | None = None  # the finished cache's K/V as the planner counts them
     check: object | None = None  # its verify ImplCheck: the error against path A
     flops_per_step: float | None = None  # where its step's arithmetic differs from the point's
+    graph: Stats | None = None  # --graph: all G steps captured in a graph and replayed
 
 
 @dataclass
@@ -90,6 +91,20 @@ class BenchResult:
     def achieved_gflops(self, t: ImplTiming) -> float:
         return self.flops(t) / (self.ms_per_step(t) * 1e-3) / 1e9
 
+    def graph_ms_per_step(self, t: ImplTiming) -> float | None:
+        return None if t.graph is None else t.graph.median_ms / self.config.shape.decode_len
+
+    def graph_speedup(self, t: ImplTiming) -> float | None:
+        """Its eager step's time over its captured step's."""
+        graph = self.graph_ms_per_step(t)
+        return None if graph is None else self.ms_per_step(t) / graph
+
+    def graph_bandwidth_fraction(self, t: ImplTiming) -> float | None:
+        graph = self.graph_ms_per_step(t)
+        if graph is None:
+            return None
+        return t.min_bytes_per_step / (graph * 1e-3) / 1e9 / self.copy_gbps
+
 
 def _guarded(work, phase: str, impl: str | None, device: str):
     """work, with a runtime error inside it reported as a DeviceError naming the phase."""
@@ -123,10 +138,18 @@ def bench(config: RunConfig, impls: tuple[str, ...], options: BenchOptions,
     """Verify, then time. Raises VerificationFailed rather than time a wrong answer."""
     impl_options = (impl_options or ImplOptions()).at(config)
     classes = {name: IMPLEMENTATIONS[name] for name in impls}
+    graphed = config.graph  # each step also timed captured (where it can be)
+    config = replace(config, graph=False)
     check = verification_config(config, options.recompute)
     report = verify(check, classes, impl_options)
     if not report.passed:
         raise VerificationFailed(report)
+    captured = {n: c for n, c in classes.items()
+                if graphed and c.uncapturable(config, impl_options) is None}
+    if captured:  # the captured steps verified too: a fast wrong replay is never timed
+        graph_report = verify(replace(check, graph=True), captured, impl_options)
+        if not graph_report.passed:
+            raise VerificationFailed(graph_report)
     s = check.shape
     verified = ("against recompute at this configuration" if options.recompute else
                 f"against recompute at prompt {s.prompt_len}, decode {s.decode_len} "
@@ -183,12 +206,24 @@ def bench(config: RunConfig, impls: tuple[str, ...], options: BenchOptions,
             tasks[f"decode:{name}"] = (_guarded(lambda impl: decode(impl, keep=False),
                                                 "decode", name, dev),
                                        lambda impl=impl: _rewound(impl, s.prompt_len))
+            if name in captured:  # a cache of its own, its step captured before the rounds
+                with device_errors("graph capture", name, free=lambda: free_bytes(dev)):
+                    graph_impl = prompt_caches[f"graph:{name}"] = fresh(cls)
+                    graph_impl.fill(prompt)
+                    graph_impl.checkpoint()
+                    graph_impl.decode(x, keep=False, graph=True)
+                    graph_impl.rewind(s.prompt_len)
+                tasks[f"graph:{name}"] = (
+                    _guarded(lambda impl: impl.decode(x, keep=False, graph=True), "graph",
+                             name, dev),
+                    lambda impl=graph_impl: _rewound(impl, s.prompt_len))
         stats = time_interleaved(tasks, config.device, options.warmup, options.rounds, ranks)
         timings = [ImplTiming(
             name, stats.get(f"prefill:{name}"), stats[f"decode:{name}"],
             cls.min_bytes_per_step(local, impl_options) / serving.mean_kept(config),
             prompt_caches[name].stats(), cls.planned_bytes(local, impl_options),
-            next(c for c in report.checks if c.impl == name), cls.flops_per_step(local))
+            next(c for c in report.checks if c.impl == name), cls.flops_per_step(local),
+            stats.get(f"graph:{name}"))
             for name, cls in classes.items()]
         recompute = stats.get("recompute")
         del prompt_caches, tasks

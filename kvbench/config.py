@@ -212,6 +212,8 @@ class RunConfig:
     accept: str | None = None
     # Beam search: each prompt forked into this many beams, reordered every step
     beams: int | None = None
+    # --graph: the decode steps of implementations that can be captured, through a graph
+    graph: bool = False
 
     def __post_init__(self) -> None:
         s = self.shape

@@ -157,6 +157,11 @@ class RunOptions:
         "step reordering them by seeded parents: preallocated caches copy rows, paged ones "
         "fork block tables by reference and copy a shared last block on write.",
         show_default=False, commands=("verify", "bench"))
+    graph: bool = option(
+        False, "Also run each decode step captured in a graph and replayed (static, sdpa, "
+        "paged, triton): verify checks the captured steps (on the CPU through a recorder with "
+        "a CUDA graph's semantics); bench on CUDA times each both ways, so a row says how "
+        "much of a step is launch overhead.", commands=("verify", "bench"))
     model: str | None = option(
         None, "Run the whole model: a local Hugging Face checkpoint folder, a .gguf file, or a "
         "preset (random weights at its real shape; see kvbench capacity --list-models). Sets "

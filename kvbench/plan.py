@@ -41,6 +41,27 @@ def expand(o: RunOptions, reference_cases: bool = False, measure: str | None = N
     return points, options, notes
 
 
+def _uncaptured(names, config, options, explicit: bool, notes: list[str]) -> None:
+    """--graph: an implementation named explicitly that cannot be captured is refused in one
+    line naming those that can; with all/default, a note says which run uncaptured."""
+    from kvbench.caches import IMPLEMENTATIONS
+
+    able = ", ".join(n for n, c in IMPLEMENTATIONS.items() if c.graph_safe)
+    left = []
+    for name in names:
+        cls = IMPLEMENTATIONS[name]
+        reason = cls.uncapturable(config, options.at(config))
+        if reason is None:
+            continue
+        if explicit:
+            raise KvbenchError(f"--graph cannot capture {name}'s step: {reason} (it captures "
+                               f"{able})")
+        left.append(name)
+    line = f"--graph: {', '.join(left)} run without a graph (it captures {able})"
+    if left and line not in notes:
+        notes.append(line)
+
+
 def _points_of(o: RunOptions, reference_cases: bool = False,
                measure: str | None = None, base=None):
     """Options -> [(RunConfig, implementation names)], the implementation options, and notes
@@ -65,6 +86,12 @@ def _points_of(o: RunOptions, reference_cases: bool = False,
     from kvbench.kvformat import KvFormat
 
     dev = resolve_device(o.device)
+    if o.graph and measure == "bench" and not dev.startswith("cuda"):
+        raise KvbenchError("bench --graph times CUDA graphs, and there is no CUDA device here; "
+                           "verify --graph checks the captured steps on the CPU")
+    if o.graph and o.model is not None:
+        raise KvbenchError("--graph captures one layer's step; with --model the whole "
+                           "model's step is captured by bench's graph row (see the README)")
     dtypes = [canonical_dtype(d) for d in o.dtype.split(",")]
     lists = {name: parse_int_list("--" + name.replace("_", "-"), getattr(o, name))
              for name in SHAPE_FIELDS if getattr(o, name) is not None}
@@ -119,9 +146,11 @@ def _points_of(o: RunOptions, reference_cases: bool = False,
         rope = o.rope or shape.mla is not None  # MLA rotates its decoupled part always
         config = RunConfig(shape, dt, dev, o.seed, rope, kv, o.group_size, o.tp, *kivi,
                            prefill_chunk=o.prefill_chunk, draft_len=o.draft_len,
-                           accept=o.accept, beams=o.beams)
+                           accept=o.accept, beams=o.beams, graph=o.graph)
         names, skipped = select_impls(spec, config, options, strict=False,
                                       measure=measure)
+        if o.graph:
+            _uncaptured(names, config, options, explicit, notes)
         ran.update(names)
         by_reason: dict[str, list[str]] = {}
         for name, reason in skipped:

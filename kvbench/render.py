@@ -172,6 +172,12 @@ def _quantized_verify_table(report) -> Table:
 
 def show_verify(report, stderr: bool = False) -> None:
     (err if stderr else out).print(verify_table(report))
+    captured = [c.impl for c in report.checks if c.stats.get("graph")]
+    if captured:
+        where = "a CUDA graph" if report.config.device.startswith("cuda") else (
+            "the CPU's recorder of a CUDA graph's semantics")
+        (err if stderr else out).print(f"decode steps captured once and replayed through "
+                                       f"{where}: {', '.join(captured)}")
 
 
 def _ms(x: float) -> str:
@@ -229,8 +235,24 @@ def _tp_caption(result) -> str:
 
 def show_bench(result) -> None:
     out.print(bench_table(result))
+    for line in graph_lines(result):
+        out.print(line)
     for line in bench_warnings(result):
         warn(line)
+
+
+def graph_lines(result) -> list[str]:
+    """--graph: each captured step against its eager step."""
+    lines = []
+    for t in result.timings:
+        speedup = result.graph_speedup(t)
+        if speedup is None:
+            continue
+        lines.append(f"{t.impl} captured in a CUDA graph: {_ms(result.graph_ms_per_step(t))} "
+                     f"ms/step, {speedup:.2f}× its eager step ({100 * (1 - 1 / speedup):.0f}% "
+                     f"of that was launch and host overhead), "
+                     f"{100 * result.graph_bandwidth_fraction(t):.0f}% of copy")
+    return lines
 
 
 def bench_warnings(result) -> list[str]:

@@ -208,7 +208,9 @@ VERIFY_COLUMNS = VERIFY_FIRST[:-len(ENV_COLUMNS)] + [
     "ppl_masked", "first_bad_layer",
     # --model: every layer's finished cache as `kvbench capacity` plans it (what the quality
     # above is bought with)
-    "kv_cache_bytes", *MLA_COLUMNS, *SERVING_COLUMNS] + ENV_COLUMNS
+    "kv_cache_bytes", *MLA_COLUMNS, *SERVING_COLUMNS,
+    # --graph: whether its decode steps ran captured in a graph (CUDA; the CPU's recorder)
+    "graph"] + ENV_COLUMNS
 
 
 def _stats_columns(name: str) -> list[str]:
@@ -240,7 +242,12 @@ BENCH_COLUMNS = BENCH_FIRST[:-len(ENV_COLUMNS)] + [
     # --model: time to first token (prefill_ms), per decode step of the batch: ms, tokens/s,
     # the weight and K/V bytes read and written, the K/V share of them
     *MODEL_COLUMNS, "tokens_per_s", "weight_bytes_per_step", "kv_bytes_per_step",
-    "kv_share", *MLA_COLUMNS, *SERVING_COLUMNS] + ENV_COLUMNS
+    "kv_share", *MLA_COLUMNS, *SERVING_COLUMNS,
+    # --graph: the same decode captured in a CUDA graph and replayed, timed in the same
+    # rounds; graph_speedup = cached / graph per step (1 - 1/graph_speedup of the eager step
+    # was launch and host overhead)
+    *_stats_columns("decode_graph_ms"), "graph_ms_per_step", "graph_speedup",
+    "graph_bandwidth_fraction"] + ENV_COLUMNS
 
 
 def serving_cells(config) -> dict[str, object]:
@@ -328,7 +335,11 @@ def bench_rows(result, env: dict[str, object]) -> list[dict[str, object]]:
             "verify_max_abs_err": t.check.max_abs_err if t.check else None,
             "verify_mean_abs_err": t.check.mean_abs_err if t.check else None,
             "verify_cosine": t.check.cosine if t.check else None,
-            "lossy": (t.check.lossy or None) if t.check else None, **env,
+            "lossy": (t.check.lossy or None) if t.check else None,
+            **_stats_cells("decode_graph_ms", t.graph),
+            "graph_ms_per_step": result.graph_ms_per_step(t),
+            "graph_speedup": result.graph_speedup(t),
+            "graph_bandwidth_fraction": result.graph_bandwidth_fraction(t), **env,
         })
     return rows
 

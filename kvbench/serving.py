@@ -69,6 +69,11 @@ def run(impl, config: RunConfig, x: torch.Tensor, prompt: torch.Tensor):
     return prefill(impl, config, prompt), decoder(config, x)(impl)
 
 
+def captures(impl, config: RunConfig) -> bool:
+    """Whether this point decodes impl through a captured graph (--graph, where it can)."""
+    return config.graph and type(impl).uncapturable(config, impl.options) is None
+
+
 def decoder(config: RunConfig, x: torch.Tensor):
     """(impl, keep=True) -> every position of x after impl's cached ones: one per step,
     speculative steps, or beam steps. What the point's steps need beside the cache (the
@@ -77,7 +82,7 @@ def decoder(config: RunConfig, x: torch.Tensor):
         chosen = [p.to(x.device) for p in parents(config)]
         return lambda impl, keep=True: beam_decode(impl, config, x, chosen, keep)
     if config.draft_len is None:
-        return lambda impl, keep=True: impl.decode(x, keep)
+        return lambda impl, keep=True: impl.decode(x, keep, graph=captures(impl, config))
     draft, kept = drafts(config, x), kept_per_step(config)
 
     def speculative(impl, keep=True):

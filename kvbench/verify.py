@@ -363,6 +363,7 @@ def _check(name, cls, layer, options, x, prompt, real, config, ref_prefill, ref_
         prefill_max_abs_err=_max_abs(prefill, ref_prefill) if prefill.shape == ref_prefill.shape
         else float("inf"),
         fp64_max_abs_err=fp64, cache_shape=cache_shape, first_bad_step=first_bad,
-        message=message, stats=impl.stats(), cosine=cosine,
+        message=message, stats={**impl.stats(), "graph": serving.captures(impl, config) or None},
+        cosine=cosine,
         # lossy where something was dropped (an eviction that evicted) or quantized
         lossy=cls.drops(config) or options.kv_dtype is not None)

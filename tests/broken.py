@@ -195,7 +195,7 @@ class FlexIntPosition(FlexCache):
 
     name = "flex-int-position"
 
-    def attend_all(self, q):
+    def attend_compiled(self, q):
         full, pos = self.block_mask, self.length
 
         def at_position(b, h, q_idx, kv_idx):
@@ -762,3 +762,57 @@ class LastOutputOverwritesThePrevious(Engine):
             seq.generated += 1
         else:
             super()._keep(seq, out)
+
+
+# Captured decode steps (--graph) that are not graph-safe: each replays wrong, or is refused,
+# as a CUDA graph would.
+
+class GraphSlicesByHostLength(StaticCache):
+    """Its captured step attends over the first `length + 1` positions, a Python number:
+    the graph keeps the length it was captured at."""
+
+    name = "graph-slices-by-host-length"
+
+    def attend_all(self, q, visible):
+        n = self.length + 1
+        return grouped_decode_attention(q, self.k_cache[:, :, :n], self.v_cache[:, :, :n],
+                                        self.layer.scale, visible[:, :n])
+
+
+class GraphReadsLengthOnHost(StaticCache):
+    """Its captured step reads the position back on the host (.item())."""
+
+    name = "graph-reads-length-on-host"
+
+    def graph_step(self, x_t):
+        int(self.at[0])
+        return super().graph_step(x_t)
+
+
+class GraphKernelLengthsFromHost(TritonCache):
+    """The kernel reads lengths built from the host's list at each step: a graph replays
+    the lengths of the step it captured."""
+
+    name = "graph-kernel-lengths-from-host"
+
+    def attend(self, q, keys=None, values=None):
+        real = self.kernel_lens
+        self.kernel_lens = torch.tensor(self.row_lengths(), dtype=torch.int32)
+        try:
+            return super().attend(q, keys, values)
+        finally:
+            self.kernel_lens = real
+
+
+class GraphTakesBlocksInside(PagedCache):
+    """Takes the next position's block inside its captured step: a replay never takes
+    another, and writes past the last block it was given."""
+
+    name = "graph-takes-blocks-inside"
+
+    def before_graph_step(self):
+        pass
+
+    def graph_step(self, x_t):
+        self._grow(self.length + 1)
+        return super().graph_step(x_t)

@@ -172,9 +172,9 @@ def test_memory_writes_bytes_and_leaves_reserved_empty_on_cpu(tmp_path):
     # h2o also holds each slot's position (int64) and accumulated score (float32)
     h2o = df[df["impl"] == "h2o"]
     assert (h2o["after_allocated_bytes"] == payload + 1 * 2 * 9 * (8 + 4)).all()
-    # paged holds whole blocks: 9 positions -> one block of 16, plus its [1, 1] int64 table
+    # paged holds whole blocks: 9 positions -> one block of 16, plus its [1, 1] int32 table
     paged = df[df["impl"] == "paged"]
-    assert (paged["after_allocated_bytes"] == payload // 9 * 16 + 8).all()
+    assert (paged["after_allocated_bytes"] == payload // 9 * 16 + 4).all()
     assert df["cached_peak_reserved_bytes"].isna().all()
     assert "n/a" in result.stdout
 

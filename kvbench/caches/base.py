@@ -179,6 +179,9 @@ class CachedAttention(ABC):
     forks: ClassVar[bool] = False
     copied_bytes = 0  # bytes beam reorders copied so far (rows, or blocks copied on write)
     reorders = 0
+    # whether its decode step can be captured in a CUDA graph (`graph_step`): everything
+    # that changes between steps lives on the device at fixed addresses
+    graph_safe: ClassVar[bool] = False
     # the option a point must give for it to run at all (window: --window; h2o: --kv-budget):
     # it changes what attention sees, so it is no full-attention cache without it
     requires: ClassVar[str | None] = None
@@ -198,6 +201,8 @@ class CachedAttention(ABC):
         self.lens = tuple(lens) if lens is not None else (max_len,) * batch
         self.length = 0  # positions cached so far (of the longest sequence)
         self.deficit = self.deficit_dev = self.lens_dev = None  # None: every sequence alike
+        self.at = None  # captured steps: [B] each sequence's cached length, on the device
+        self.captured = None  # the captured decode step (graphs.CapturedDecode), once made
         if len(set(self.lens)) > 1:
             longest = max(self.lens)
             self.deficit = tuple(longest - n for n in self.lens)
@@ -223,13 +228,22 @@ class CachedAttention(ABC):
     def _advance(self, n: int) -> None:
         """n more positions cached in every sequence."""
         self.length += n
+        self._advance_device(n)
+
+    def _advance_device(self, n: int) -> None:
+        """The device's counters of cached positions, advanced in place (a captured step
+        advances them itself, and reads them at the addresses it was captured with)."""
         if self.lens_dev is not None:
             self.lens_dev += n
+        if self.at is not None:
+            self.at += n
 
     def _rewound(self, length: int) -> None:
         self.length = length
         if self.lens_dev is not None:
-            self.lens_dev = length - self.deficit_dev
+            self.lens_dev.copy_(length - self.deficit_dev)
+        if self.at is not None:
+            self.at.copy_(torch.tensor(self.row_lengths()))
 
     def start(self):
         """The position each sequence's next token takes: an int, or [B, 1] when ragged."""
@@ -508,12 +522,57 @@ class CachedAttention(ABC):
         verify fails an implementation that reports something."""
         return None
 
-    def decode(self, x: torch.Tensor, keep: bool = True) -> list[torch.Tensor]:
+    @classmethod
+    def uncapturable(cls, config: RunConfig, options: ImplOptions) -> str | None:
+        """Why its decode step cannot be captured in a graph at this point, or None."""
+        if not cls.graph_safe:
+            return "its decode step depends on the host"
+        if config.beams or config.shape.shared_prefix:
+            return "beams and shared prefixes decide copies on the host every step"
+        if config.prefill_chunk or config.draft_len:
+            return "--graph captures one decode step; --prefill-chunk and --draft-len extend"
+        return None
+
+    def graph_step(self, x_t: torch.Tensor) -> torch.Tensor:
+        """The decode step as a graph captures it: x_t [B, 1, H] -> [B, 1, H] at each
+        sequence's position read from the device, the device's counters advanced in place,
+        nothing read on the host. The host's `length` is the caller's (CapturedDecode)."""
+        raise NotImplementedError(f"{self.name} has no graph-safe step")
+
+    def enter_graph(self) -> None:
+        """Before the first captured step: the device state a graph reads, made once."""
+        self.at = torch.tensor(self.row_lengths(), device=self.layer.device)  # [B]
+        self.everyone = torch.arange(self.batch, device=self.layer.device)
+        self.positions_all = torch.arange(self.max_len, device=self.layer.device)
+
+    def before_graph_step(self) -> None:
+        """Host work the next captured step needs done outside the graph (a block taken)."""
+
+    def graph_state(self) -> list[torch.Tensor]:
+        """The device tensors a captured step advances (restored after its capture ran)."""
+        return [t for t in (self.at, self.lens_dev) if t is not None]
+
+    def graph_visible(self) -> torch.Tensor:
+        """[B, T_max] True at each sequence's cached positions and the one being written."""
+        return self.positions_all[None, :] <= self.at[:, None]
+
+    def step_captured(self, x_t: torch.Tensor) -> torch.Tensor:
+        """`step` through the captured graph (captured at the first call): the output is the
+        graph's buffer, valid until the next step."""
+        if self.captured is None:
+            from kvbench.graphs import CapturedDecode
+
+            self.enter_graph()
+            self.captured = CapturedDecode(self)
+        return self.captured.step(x_t)
+
+    def decode(self, x: torch.Tensor, keep: bool = True,
+               graph: bool = False) -> list[torch.Tensor]:
         """Step through every position of x [B, T, H] after the cached ones.
 
         Returns the G outputs [B, 1, H]; with keep=False none are held (timing, memory).
         In a ragged batch sequence i's next tokens start at its own length, so they are
-        gathered into [B, G, H] first.
+        gathered into [B, G, H] first. graph: each step through the captured graph.
         """
         first = self.length
         if self.deficit_dev is not None:
@@ -521,11 +580,13 @@ class CachedAttention(ABC):
             x = x[self.rows[:, None], at]  # [B, G, H]: row i from its own position on
             first = 0
         outputs = []
+        step = self.step_captured if graph else self.step
         for t in range(first, x.shape[1]):
             if keep:
-                outputs.append(self.step(x[:, t:t + 1]))
+                out = step(x[:, t:t + 1])
+                outputs.append(out.clone() if graph else out)  # (the graph reuses its buffer)
             else:
-                self.step(x[:, t:t + 1])  # dropped at once: not counted in the next step's peak
+                step(x[:, t:t + 1])  # dropped at once: not counted in the next step's peak
         return outputs
 
     def stats(self) -> dict[str, object]:

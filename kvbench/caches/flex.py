@@ -93,7 +93,7 @@ class FlexCache(CompiledCache):
         self.block_mask = create_block_mask(causal, B=None, H=None, Q_LEN=max_len,
                                             KV_LEN=max_len, device=layer.device)
 
-    def attend_all(self, q):
+    def attend_compiled(self, q):
         full = self.block_mask
         pos = self.pos
         if self.deficit_dev is None:

@@ -8,7 +8,7 @@ from collections import deque
 import torch
 
 from kvbench import footprint as fp
-from kvbench.caches.base import CachedAttention, register
+from kvbench.caches.base import CachedAttention, grouped_decode_attention, register
 from kvbench.caches.blocktable import BlockTable
 from kvbench.capacity import QUANTIZED
 from kvbench.errors import KvbenchError
@@ -38,6 +38,7 @@ class PagedCache(CachedAttention):
     blocked = True
     reserves = "blocks"
     techniques = frozenset({"shared_prefix"})  # stores a shared prefix's blocks once
+    graph_safe = True
 
     @classmethod
     def footprint(cls, config, options):
@@ -125,6 +126,45 @@ class PagedCache(CachedAttention):
             return list(zip(self.dense(), (k,) if v is None else (k, v)))
         return [(self.store.tensors[name], part) for name, part
                 in self.store.encode(k, v, self.length == 0, real).items()]
+
+    @classmethod
+    def uncapturable(cls, config, options):
+        if options.kv_dtype is not None:
+            return ("its quantized gather decodes over the host's length (--graph captures "
+                    "quantized K/V on triton)")
+        return super().uncapturable(config, options)
+
+    def enter_graph(self):
+        super().enter_graph()
+        self.reserve_table()  # never reallocated under a graph
+
+    def before_graph_step(self):
+        self._grow(self.length + 1)  # the next position's block, on the host
+
+    def graph_write(self, k, v) -> torch.Tensor:
+        """k, v [B, H_kv, 1, D] at each sequence's position on the device; -> the positions."""
+        at = self.at
+        bs = self.options.block_size
+        blocks = self.table[self.everyone, at // bs]  # [B]
+        for pool, values in self.parts(k, v, None):
+            pool[blocks, :, at % bs] = values[:, :, 0]
+        return at
+
+    def graph_step(self, x_t):
+        """The block of each sequence's position from the device table; attention gathers
+        every block the table can hold, masked past each sequence (fixed shapes)."""
+        q, k, v = self.layer.project(x_t, start=self.at[:, None])
+        self.graph_write(k, v)
+        T = self.max_len
+        keys, values = (self._gather_all(pool)[:, :, :T] for pool in (self.k_pool, self.v_pool))
+        out = grouped_decode_attention(q, keys, values, self.layer.scale, self.graph_visible())
+        self._advance_device(1)
+        return self.layer.output(out)
+
+    def _gather_all(self, pool: torch.Tensor) -> torch.Tensor:
+        """Every block of the full-width table: [B, H_kv, width · block_size, D]."""
+        blocks = pool[self.table]  # [B, width, H_kv, bs, D]
+        return blocks.transpose(1, 2).reshape(self.batch, pool.shape[1], -1, pool.shape[-1])
 
     def _take(self) -> int:
         if not self.free:

@@ -23,6 +23,7 @@ class SdpaCache(PreallocatedCache):
 
     name = "sdpa"
     description = "static cache, SDPA with enable_gqa on the valid slice"
+    graph_safe = True
 
     @classmethod
     def footprint(cls, config, options):
@@ -71,6 +72,13 @@ class SdpaCache(PreallocatedCache):
         pinned = self.options.sdpa_backend
         with sdpa_kernel(_BACKENDS[pinned]) if pinned != "auto" else nullcontext():
             return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask,
+                                                  scale=self.layer.scale, enable_gqa=True)
+
+    def attend_all(self, q, visible):
+        pinned = self.options.sdpa_backend
+        with sdpa_kernel(_BACKENDS[pinned]) if pinned != "auto" else nullcontext():
+            return F.scaled_dot_product_attention(q, self.k_cache, self.v_cache,
+                                                  attn_mask=visible[:, None, None, :],
                                                   scale=self.layer.scale, enable_gqa=True)
 
     def stats(self):

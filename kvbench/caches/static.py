@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from kvbench.caches.base import CachedAttention, register
+from kvbench.caches.base import CachedAttention, grouped_decode_attention, register
 from kvbench.capacity import QUANTIZED
 from kvbench.errors import KvbenchError
 from kvbench.quant import QuantizedStore
@@ -78,6 +78,29 @@ class PreallocatedCache(CachedAttention):
                 cache[self.rows, :, self.lens_dev] = x[:, :, 0]
         self._advance(n)
 
+    @classmethod
+    def uncapturable(cls, config, options):
+        if options.kv_dtype is not None:
+            return ("a quantized store is read back over the host's length (--graph captures "
+                    "quantized K/V on triton)")
+        return super().uncapturable(config, options)
+
+    def graph_step(self, x_t):
+        """Each sequence's position from the device (`at`); attention over the whole
+        preallocated cache, masked past it (fixed shapes: gpt-fast's step)."""
+        at = self.at  # [B]
+        q, k, v = self.layer.project(x_t, start=at[:, None])
+        for cache, x in zip(self.dense(), (k, v)):
+            cache[self.everyone, :, at] = x[:, :, 0]
+        out = self.attend_all(q, self.graph_visible())
+        self._advance_device(1)
+        return self.layer.output(out)
+
+    def attend_all(self, q, visible):
+        """q [B, H_q, 1, D] over all T_max positions, `visible` [B, T_max] of them."""
+        return grouped_decode_attention(q, self.k_cache, self.v_cache, self.layer.scale,
+                                        visible)
+
     def kv(self):
         if self.store is not None:
             return (self.store.read("k", self.length, self.layer.dtype),
@@ -100,6 +123,7 @@ class StaticCache(PreallocatedCache):
 
     name = "static"
     description = "preallocated cache, in-place write, grouped view GQA, dense attention"
+    graph_safe = True
     kv_dtypes = frozenset(QUANTIZED)
     kivi = True
 

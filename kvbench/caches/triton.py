@@ -20,7 +20,7 @@ import sys
 import torch
 
 from kvbench import footprint as fp
-from kvbench.caches.base import register
+from kvbench.caches.base import CachedAttention, register
 from kvbench.caches.paged import PagedCache
 from kvbench.capacity import QUANTIZED
 
@@ -58,9 +58,12 @@ class KernelLengths:
         self.kernel_lens = torch.tensor([-d for d in (self.deficit or (0,) * self.batch)],
                                         dtype=torch.int32, device=self.layer.device)
 
-    def _advance(self, n):
-        super()._advance(n)
+    def _advance_device(self, n):
+        super()._advance_device(n)
         self.kernel_lens += n  # on the device: no upload
+
+    def graph_state(self):
+        return [*super().graph_state(), self.kernel_lens]
 
     def _rewound(self, length):
         super()._rewound(length)
@@ -146,11 +149,24 @@ class TritonCache(KernelLengths, PagedCache):
         self.write(k, v)
         return self.layer.output(self.attend(q))
 
+    @classmethod
+    def uncapturable(cls, config, options):  # any K/V format: the kernel decodes it
+        return CachedAttention.uncapturable.__func__(cls, config, options)
+
+    def graph_step(self, x_t):
+        """The kernels read each sequence's length from the device: no mask, no gather."""
+        q, k, v = self.layer.project(x_t, start=self.at[:, None])
+        self.graph_write(k, v)
+        self._advance_device(1)
+        return self.layer.output(self.attend(q))
+
     def attend(self, q, keys=None, values=None):
         B, Hq, _, D = q.shape
+        # (the interpreter's fixed loop walks the capacity under a graph: lengths grow)
+        longest = self.max_len if self.captured is not None else self.length
         self.kernel.split_partials(q.reshape(B, Hq, D), *self.pools_read(), self.table,
                                    self.kernel_lens, self.layer.scale, self.launch, self.store,
-                                   self.length)
+                                   longest)
         out = torch.empty(B, Hq, D, dtype=q.dtype, device=q.device)
         return self.merge(out).reshape(B, Hq, 1, D)
 

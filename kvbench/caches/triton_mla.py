@@ -28,6 +28,7 @@ class TritonMlaCache(KernelLengths, Absorbed, PagedCache):
     compiles = True  # on CUDA the first launch compiles the kernels
     kv_dtypes = frozenset({"fp8"})  # decoded in registers with the layer's one scale
     techniques = frozenset({"shared_prefix"})
+    graph_safe = False  # (its kernel is: lengths on the device; its latent write is not yet)
     description = ("MLA's latent entries in a paged pool, read in place by a Triton split-K "
                    "kernel with absorbed weights (FlashMLA's formulation); CUDA, and CPU "
                    "through Triton's interpreter (verify only)")

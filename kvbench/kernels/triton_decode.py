@@ -53,6 +53,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kvbench import graphs
 from kvbench.kernels.config import KernelConfig
 
 MAX_SPLITS = 64
@@ -389,7 +390,7 @@ def split_partials(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
     """
     grid, args, constants = stage1_args(q, k_pool, v_pool, table, lengths, scale, launch,
                                         store, longest)
-    return stage1[grid](*args, **constants)
+    return graphs.launch(stage1[grid], *args, **constants)
 
 
 def stage1_args(q, k_pool, v_pool, table, lengths, scale, launch: Launch, store=None,
@@ -438,7 +439,7 @@ def merge(launch: Launch, lengths: torch.Tensor, out: torch.Tensor, units: int) 
     """Stage 2: each sequence's splits merged by log-sum-exp into out [B, H_q, D]; units:
     the programs stage 1 ran per (sequence, split) (KV heads, or MLA's head blocks)."""
     grid, args, constants = stage2_args(launch, lengths, out, units)
-    stage2[grid](*args, **constants)
+    graphs.launch(stage2[grid], *args, **constants)
     return out
 
 

@@ -28,6 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kvbench import graphs
 from kvbench.kernels.triton_decode import _plan, _tile, pad, static_tiles
 
 BLOCK_H = 16  # query heads per program
@@ -124,7 +125,7 @@ def split_partials(q: torch.Tensor, pool: torch.Tensor, table: torch.Tensor,
     """
     grid, args, constants = stage1_args(q, pool, table, lengths, scale, launch, latent_dim,
                                         fp8_scale, longest)
-    return stage1[grid](*args, **constants)
+    return graphs.launch(stage1[grid], *args, **constants)
 
 
 def stage1_args(q, pool, table, lengths, scale, launch, latent_dim: int, fp8_scale=None,
