@@ -128,33 +128,43 @@ def capture(fn: Callable[[], torch.Tensor], device) -> Recorded | Cuda:
     return Recorded(fn)
 
 
-class CapturedDecode:
-    """A cache's decode step captured at its first call and replayed at every later one.
+class Captured:
+    """A decode step over one or more caches (a layer's, or every layer's of a model),
+    captured at its first call and replayed at every later one.
 
-    The cache provides `graph_step(x_t)` (device work only: it advances the device counters
-    itself), `before_graph_step()` (host work outside the graph, e.g. taking the next block)
-    and `graph_state()` (the device counters, restored after the capture's own run). The
-    input is copied into a static buffer before each replay; the output is the graph's own
-    buffer, overwritten by the next replay (copy it to keep it).
+    Each cache provides `before_graph_step()` (host work outside the graph, e.g. taking the
+    next block), `graph_state()` (the device counters its step advances, restored after the
+    capture's own run) and `length` (the host's mirror, advanced here). step_fn(x) is the
+    device work: it reads x from a static buffer, copied into before each replay. The output
+    is the graph's own buffer, overwritten by the next replay (copy it to keep it).
+
+    capture=False runs step_fn itself each step (a torch.compile'd step on the CPU, whose
+    inductor kernels the recorder cannot see).
     """
 
-    def __init__(self, cache):
-        self.cache, self.graph, self.x = cache, None, None
+    def __init__(self, step_fn: Callable, caches: list, device, capture: bool = True):
+        self.step_fn, self.caches, self.device = step_fn, caches, device
+        self.capture, self.graph, self.x = capture, None, None
 
-    def step(self, x_t: torch.Tensor) -> torch.Tensor:
-        c = self.cache
-        if c.length >= c.max_len:
-            raise KvbenchError(f"cache holds {c.max_len} positions; cannot append 1 at "
-                               f"{c.length}")
-        c.before_graph_step()
-        if self.graph is None:
-            self.x = x_t.clone()
-            saved = [t.clone() for t in c.graph_state()]
-            self.graph = capture(lambda: c.graph_step(self.x), c.layer.device)
-            for t, value in zip(c.graph_state(), saved):  # undo the capture's own step
+    def step(self, x: torch.Tensor) -> torch.Tensor:
+        for c in self.caches:
+            if c.length >= c.max_len:
+                raise KvbenchError(f"cache holds {c.max_len} positions; cannot append 1 at "
+                                   f"{c.length}")
+            c.before_graph_step()
+        if not self.capture:
+            out = self.step_fn(x)
+        elif self.graph is None:
+            self.x = x.clone()
+            state = [t for c in self.caches for t in c.graph_state()]
+            saved = [t.clone() for t in state]
+            self.graph = capture(lambda: self.step_fn(self.x), self.device)
+            for t, value in zip(state, saved):  # undo the capture's own step
                 t.copy_(value)
+            out = self.graph.replay()
         else:
-            self.x.copy_(x_t)
-        out = self.graph.replay()
-        c.length += 1  # the host's mirror; the graph advanced the device's
+            self.x.copy_(x)
+            out = self.graph.replay()
+        for c in self.caches:
+            c.length += 1  # the host's mirror; the step advanced the device's
         return out

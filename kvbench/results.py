@@ -421,7 +421,7 @@ def model_verify_rows(report, env: dict[str, object]) -> list[dict[str, object]]
         "lossy": c.lossy or None, "ppl": c.quality.ppl, "ppl_path_a": report.reference.ppl,
         "kl_mean": c.quality.kl_mean, "kl_max": c.quality.kl_max, "top1_agree": c.quality.top1,
         "ppl_masked": report.masked.ppl if report.masked is not None else None,
-        "kv_cache_bytes": c.cache_bytes, **env,
+        "kv_cache_bytes": c.cache_bytes, "graph": c.graph or None, **env,
     } for c in report.checks]
 
 
@@ -439,7 +439,11 @@ def model_bench_rows(result, env: dict[str, object]) -> list[dict[str, object]]:
         "weight_bytes_per_step": result.weight_bytes_per_step,
         "kv_bytes_per_step": t.kv_bytes_per_step, "kv_share": result.kv_share(t),
         "verify_max_abs_err": t.check.max_abs_err if t.check else None,
-        "lossy": (t.check.lossy or None) if t.check else None, **env,
+        "lossy": (t.check.lossy or None) if t.check else None,
+        **_stats_cells("decode_graph_ms", t.graph),
+        "graph_ms_per_step": result.graph_ms_per_token(t),
+        "graph_speedup": result.graph_speedup(t),
+        "graph_bandwidth_fraction": result.graph_bandwidth_fraction(t), **env,
     } for t in result.timings]
 
 

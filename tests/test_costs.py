@@ -114,3 +114,37 @@ def test_each_implementation_counts_what_its_step_reads():
     assert reads["paged"] == 4 + 8 + 12  # whole blocks of 4: 4, 7 and 11 positions
     assert reads["compiled"] == 3 * 40  # the whole preallocated cache
     assert reads["flex"] == 3 * 40  # up to the end of the 128-position mask block (capped)
+
+
+def test_graph_figures_by_hand():
+    # --graph: the same 4 steps captured take 2 ms (0.5 ms a step) against 8 ms eager
+    from dataclasses import replace
+
+    r = known_result()
+    r.timings[0] = replace(r.timings[0], graph=Stats(2.0, 1.9, 2.4, 0.1, 9))
+    (t,) = r.timings
+    assert r.graph_ms_per_step(t) == 0.5
+    assert r.graph_speedup(t) == 4.0  # 2 ms eager per step / 0.5 captured
+    assert r.graph_bandwidth_fraction(t) == pytest.approx(1.6)  # 4e6 B / 0.5 ms = 8 GB/s / 5
+    (row,) = bench_rows(r, {})
+    assert (row["decode_graph_ms"], row["graph_ms_per_step"], row["graph_speedup"]) == (
+        2.0, 0.5, 4.0)
+    (plain,) = bench_rows(known_result(), {})
+    assert plain["graph_speedup"] is None and "decode_graph_ms" not in plain
+
+
+def test_model_graph_figures_by_hand():
+    # a whole model, B=2, G=4: eager 40 ms for the 4 steps (10 ms a token), the graph 16 ms
+    # (4 ms); a step moves 3e6 weight + 1e6 K/V bytes; copy 2 GB/s
+    from kvbench.model.run import ModelBenchResult, ModelTiming
+
+    config = RunConfig(LayerShape(batch=2, prompt_len=8, decode_len=4, hidden=8, q_heads=2,
+                                  kv_heads=1, head_dim=4))
+    t = ModelTiming("static", None, Stats(40.0, 39.0, 41.0, 1.0, 9), 1e6,
+                    graph=Stats(16.0, 15.0, 17.0, 0.5, 9))
+    r = ModelBenchResult(config, None, 2, BenchOptions(), 3_000_000, 2.0, [t])
+    assert r.ms_per_token(t) == 10.0 and r.graph_ms_per_token(t) == 4.0
+    assert r.graph_speedup(t) == 2.5
+    assert r.tokens_per_s(t) == 200.0  # 2 sequences a step, 100 steps a second
+    assert r.bandwidth_fraction(t) == pytest.approx(0.2)  # 4e6 B / 10 ms = 0.4 GB/s / 2
+    assert r.graph_bandwidth_fraction(t) == pytest.approx(0.5)  # 4e6 B / 4 ms = 1 GB/s / 2

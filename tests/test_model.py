@@ -397,3 +397,48 @@ def test_bench_on_a_model_times_caches_that_cannot_simply_rewind(tiny, tmp_path,
     assert rows.verified.iloc[0] and (rows.cached_ms_per_step > 0).all()
     hf = rows[rows.impl == "transformers"].iloc[0]  # its own full cache: no technique
     assert hf[["kv_dtype", "k_quant", "window", "sinks", "kv_budget"]].isna().all()
+
+
+@pytest.mark.compiles
+@pytest.mark.parametrize("impl", ["static", "triton"])
+def test_the_whole_model_as_one_compiled_step_gives_the_eager_logits(tiny, impl):
+    # every layer, the final norm and the LM head in one torch.compile'd step (inductor on the
+    # CPU; on CUDA it is also captured in one CUDA graph), against the eager step's logits
+    from kvbench.caches import IMPLEMENTATIONS
+    from kvbench.caches.triton import prepare
+
+    if impl == "triton" and (reason := prepare("cpu")):
+        pytest.skip(reason)
+    ref, config = _config(tiny["llama"], prompt=20, decode=4, batch=2)
+    m = run.load(ref, config, None, None)
+    logits = {}
+    for graph in (False, True):
+        cm = transformer.CachedModel(m.model, IMPLEMENTATIONS[impl], config, ImplOptions())
+        logits[graph] = torch.cat(run.decode(cm, m.tokens, 20, 4, graph=graph)[1], dim=1)
+    assert cm.caches[0].length == 24
+    assert torch.allclose(logits[True], logits[False], rtol=1e-4, atol=1e-4)
+
+
+def test_a_layer_that_is_not_graph_safe_fails_the_whole_model_captured(tiny):
+    # the eager whole-model step through the CPU's recorder (compile=False): a layer that
+    # slices by the host's length replays the length it was captured at
+    from broken import GraphSlicesByHostLength
+
+    ref, config = _config(tiny["llama"], prompt=20, decode=4)
+    m = run.load(ref, config, None, None)
+    from kvbench.caches import StaticCache
+
+    out = {}
+    for cls in (StaticCache, GraphSlicesByHostLength):
+        cm = transformer.CachedModel(m.model, cls, config, ImplOptions())
+        cm.prefill(m.tokens[:, :20])
+        out[cls] = torch.cat([cm.step_graphed(m.tokens[:, 20 + j:21 + j], compile=False).clone()
+                              for j in range(4)], dim=1)
+    want = path_a_steps(m, 20, 4)
+    assert torch.allclose(out[StaticCache], want, rtol=1e-3, atol=2e-3)
+    assert not torch.allclose(out[GraphSlicesByHostLength], want, rtol=1e-3, atol=2e-3)
+
+
+def path_a_steps(m, T: int, G: int) -> torch.Tensor:
+    return torch.cat([run.path_a(m, m.tokens[:, :T + j])[:, -1:] for j in range(1, G + 1)],
+                     dim=1)

@@ -202,7 +202,7 @@ class CachedAttention(ABC):
         self.length = 0  # positions cached so far (of the longest sequence)
         self.deficit = self.deficit_dev = self.lens_dev = None  # None: every sequence alike
         self.at = None  # captured steps: [B] each sequence's cached length, on the device
-        self.captured = None  # the captured decode step (graphs.CapturedDecode), once made
+        self.captured = None  # the captured decode step (graphs.Captured), once made
         if len(set(self.lens)) > 1:
             longest = max(self.lens)
             self.deficit = tuple(longest - n for n in self.lens)
@@ -536,7 +536,7 @@ class CachedAttention(ABC):
     def graph_step(self, x_t: torch.Tensor) -> torch.Tensor:
         """The decode step as a graph captures it: x_t [B, 1, H] -> [B, 1, H] at each
         sequence's position read from the device, the device's counters advanced in place,
-        nothing read on the host. The host's `length` is the caller's (CapturedDecode)."""
+        nothing read on the host. The host's `length` is the caller's (graphs.Captured)."""
         raise NotImplementedError(f"{self.name} has no graph-safe step")
 
     def enter_graph(self) -> None:
@@ -560,10 +560,10 @@ class CachedAttention(ABC):
         """`step` through the captured graph (captured at the first call): the output is the
         graph's buffer, valid until the next step."""
         if self.captured is None:
-            from kvbench.graphs import CapturedDecode
+            from kvbench.graphs import Captured
 
             self.enter_graph()
-            self.captured = CapturedDecode(self)
+            self.captured = Captured(self.graph_step, [self], self.layer.device)
         return self.captured.step(x_t)
 
     def decode(self, x: torch.Tensor, keep: bool = True,

@@ -375,6 +375,7 @@ def static_tiles(longest: int, launch: Launch) -> int:
     return math.ceil(longest / launch.config.block_n) if STATIC_LOOP else 0
 
 
+@torch.compiler.disable  # (a compiled model step calls it as it is: a Triton launch)
 def split_partials(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
                    table: torch.Tensor, lengths: torch.Tensor, scale: float, launch: Launch,
                    store=None, longest: int = 0):
@@ -435,6 +436,7 @@ def stage1_args(q, k_pool, v_pool, table, lengths, scale, launch: Launch, store=
     return (B, Hkv, launch.splits), args, constants
 
 
+@torch.compiler.disable
 def merge(launch: Launch, lengths: torch.Tensor, out: torch.Tensor, units: int) -> torch.Tensor:
     """Stage 2: each sequence's splits merged by log-sum-exp into out [B, H_q, D]; units:
     the programs stage 1 ran per (sequence, split) (KV heads, or MLA's head blocks)."""

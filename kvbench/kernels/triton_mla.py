@@ -114,6 +114,7 @@ def units(q_heads: int) -> int:
     return triton.cdiv(q_heads, BLOCK_H)
 
 
+@torch.compiler.disable  # (a compiled model step calls it as it is: a Triton launch)
 def split_partials(q: torch.Tensor, pool: torch.Tensor, table: torch.Tensor,
                    lengths: torch.Tensor, scale: float, launch, latent_dim: int,
                    fp8_scale: torch.Tensor | None = None, longest: int = 0):

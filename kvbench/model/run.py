@@ -125,6 +125,7 @@ class ModelCheck:
     first_bad_layer: int | None = None  # the first layer whose output differs there
     message: str = ""
     cache_bytes: int | None = None  # every layer's cache as `kvbench capacity` plans it
+    graph: bool = False  # its steps ran as the whole model's graph (--graph)
 
 
 @dataclass
@@ -180,10 +181,16 @@ def lossy(cls, config: RunConfig) -> bool:
             or (s.window is not None and s.total_len > s.window + s.sinks))
 
 
-def decode(cm: CachedModel, tokens: torch.Tensor, T: int, G: int, hidden: list | None = None):
-    """Prefill T tokens, then G teacher-forced steps: (prompt logits, [step logits])."""
+def decode(cm: CachedModel, tokens: torch.Tensor, T: int, G: int, hidden: list | None = None,
+           graph: bool = False):
+    """Prefill T tokens, then G teacher-forced steps: (prompt logits, [step logits]).
+    graph: the steps through the whole model's graph (CachedModel.step_graphed; no layer
+    outputs are kept then)."""
     prompt = cm.prefill(tokens[:, :T])
     steps = []
+    if graph:
+        return prompt, [cm.step_graphed(tokens[:, T + j - 1:T + j]).clone()
+                        for j in range(1, G + 1)]
     for j in range(1, G + 1):
         layer_out = [] if hidden is not None else None
         steps.append(cm.step(tokens[:, T + j - 1:T + j], layer_out))
@@ -219,13 +226,15 @@ def verify(ref: ModelRef, config: RunConfig, names, options: ImplOptions, layers
             masked=masked)
         for name in names:
             cls = IMPLEMENTATIONS[name]
+            graph = config.graph and cls.uncapturable(config, options.at(config)) is None
             with device_errors("verify: prefill + decode", name):
                 cm = CachedModel(m.model, cls, config, options)
                 hidden: list = []
-                prompt, steps = decode(cm, tokens, T, G, hidden)
+                prompt, steps = decode(cm, tokens, T, G, None if graph else hidden, graph)
             steps = torch.cat(steps, dim=1)
             check = _check(name, lossy(cls, config), prompt, steps, ref_prompt, ref_steps,
                            targets, rtol, atol, m, tokens, T, hidden)
+            check.graph = graph
             if masked is not None and "window" in cls.techniques:
                 # exact against the same window as a mask: the decode must be its logits
                 err, bad = _compare(masked_steps, steps, rtol, atol)
@@ -284,7 +293,7 @@ def _check(name, is_lossy, prompt, steps, ref_prompt, ref_steps, targets, rtol, 
     check.passed, check.first_bad_step = False, first
     check.message = (f"logits differ from path A by up to {err:.3g} (tolerance atol {atol:g} "
                      f"+ rtol {rtol:g}) from {where}")
-    if first > 0:
+    if first > 0 and hidden:
         check.first_bad_layer = _first_bad_layer(m, tokens, T, first, hidden[first - 1],
                                                  rtol, atol)
         if check.first_bad_layer is not None:
@@ -314,6 +323,7 @@ class ModelTiming:
     decode: object  # Stats of G steps
     kv_bytes_per_step: float  # K/V read and written by one step of the batch, every layer
     check: ModelCheck | None = None
+    graph: object | None = None  # Stats of G steps as the whole model's graph (--graph)
 
 
 @dataclass
@@ -344,6 +354,19 @@ class ModelBenchResult:
         gbps = self.bytes_per_step(t) / (self.ms_per_token(t) * 1e-3) / 1e9
         return gbps / self.copy_gbps
 
+    def graph_ms_per_token(self, t: ModelTiming) -> float | None:
+        return None if t.graph is None else t.graph.median_ms / self.config.shape.decode_len
+
+    def graph_speedup(self, t: ModelTiming) -> float | None:
+        graph = self.graph_ms_per_token(t)
+        return None if graph is None else self.ms_per_token(t) / graph
+
+    def graph_bandwidth_fraction(self, t: ModelTiming) -> float | None:
+        graph = self.graph_ms_per_token(t)
+        if graph is None:
+            return None
+        return self.bytes_per_step(t) / (graph * 1e-3) / 1e9 / self.copy_gbps
+
 
 HF_ROW = "transformers"  # the row of transformers' generate with its static cache
 
@@ -369,14 +392,22 @@ def bench(ref: ModelRef, config: RunConfig, names, options, impl_options: ImplOp
     from kvbench import bandwidth
     from kvbench.timing import time_interleaved
 
+    graphed, config = config.graph, replace(config, graph=False)
     s = config.shape
     T, G = s.prompt_len, s.decode_len
     check_config = replace(config, shape=replace(s, decode_len=min(G, 4)))
     report = verify(ref, check_config, names, impl_options, layers, text)
-    if not report.passed:
-        from kvbench.bench import VerificationFailed
+    from kvbench.bench import VerificationFailed
 
+    if not report.passed:
         raise VerificationFailed(report)
+    captured = [n for n in names if graphed and IMPLEMENTATIONS[n].uncapturable(
+        config, impl_options.at(config)) is None]
+    if captured:  # the whole model's graph verified too before it is timed
+        graph_report = verify(ref, replace(check_config, graph=True), captured, impl_options,
+                              layers, text)
+        if not graph_report.passed:
+            raise VerificationFailed(graph_report)
     m = load(ref, config, layers, text)
     tokens = m.tokens
     prompt = tokens[:, :T]
@@ -399,6 +430,15 @@ def bench(ref: ModelRef, config: RunConfig, names, options, impl_options: ImplOp
                     lambda cls=cls: CachedModel(m.model, cls, config, impl_options))
             tasks[f"decode:{name}"] = (lambda cm: _steps(cm, tokens, T, G),
                                        lambda cm=cm: _rewound(cm, T))
+            if name in captured:  # its own caches; compiled and captured before the rounds
+                with device_errors("graph capture", name):
+                    cmg = caches[f"graph:{name}"] = CachedModel(m.model, cls, config,
+                                                                impl_options)
+                    cmg.prefill(prompt)
+                    cmg.checkpoint()
+                    _steps(cmg, tokens, T, G, graph=True)
+                tasks[f"graph:{name}"] = (lambda cm: _steps(cm, tokens, T, G, graph=True),
+                                          lambda cm=cmg: _rewound(cm, T))
         note = None
         if m.hf is not None:
             tasks[f"prefill:{HF_ROW}"] = (lambda _: _generate(m.hf, prompt, 1), lambda: None)
@@ -412,7 +452,7 @@ def bench(ref: ModelRef, config: RunConfig, names, options, impl_options: ImplOp
         timings.append(ModelTiming(
             name, stats.get(f"prefill:{name}"), stats[f"decode:{name}"],
             kv_bytes_per_step(cls, config, impl_options.at(config), len(m.model.blocks)),
-            next(c for c in report.checks if c.impl == name)))
+            next(c for c in report.checks if c.impl == name), stats.get(f"graph:{name}")))
     if m.hf is not None:  # generate(G + 1) − generate(1): G steps after the first token
         from kvbench.timing import Stats
 
@@ -428,9 +468,10 @@ def bench(ref: ModelRef, config: RunConfig, names, options, impl_options: ImplOp
                             impl_options.at(config).kv_format, note)
 
 
-def _steps(cm: CachedModel, tokens, T: int, G: int) -> None:
+def _steps(cm: CachedModel, tokens, T: int, G: int, graph: bool = False) -> None:
+    step = cm.step_graphed if graph else cm.step
     for j in range(1, G + 1):
-        cm.step(tokens[:, T + j - 1:T + j])
+        step(tokens[:, T + j - 1:T + j])
 
 
 def _rewound(cm: CachedModel, length: int) -> CachedModel:

@@ -255,6 +255,34 @@ class CachedModel:
         """One token per sequence [B, 1] -> logits [B, 1, V]; every cache one longer."""
         return self.model.forward(tokens, lambda i, x: self.caches[i].step(x), hidden)
 
+    def graph_step(self, tokens: torch.Tensor) -> torch.Tensor:
+        """One token per sequence [B, 1] -> logits [B, 1, V] with every layer's graph-safe
+        step: device work only, each cache's counters advanced on the device."""
+        return self.model.forward(tokens, lambda i, x: self.caches[i].graph_step(x))
+
+    def step_graphed(self, tokens: torch.Tensor, compile: bool = True) -> torch.Tensor:
+        """`step` as one graph of the whole model: every layer, the final norm and the LM
+        head, compiled by torch.compile (inductor fuses RMSNorm's and RoPE's small ops) and,
+        on CUDA, captured in a CUDA graph at the first call and replayed after (gpt-fast's
+        decode). On the CPU the compiled step runs as inductor built it; compile=False
+        captures the eager step in the CPU's recorder instead (kvbench.graphs). The logits
+        are the graph's buffer until the next step."""
+        if getattr(self, "captured", None) is None:
+            from kvbench import graphs
+
+            for c in self.caches:
+                c.enter_graph()
+            fn = self.graph_step
+            if compile:
+                from kvbench.caches.compiled import _raise_recompile_limits
+
+                _raise_recompile_limits()
+                fn = torch.compile(fn, dynamic=False)
+            cuda = torch.device(self.model.device).type == "cuda"
+            self.captured = graphs.Captured(fn, self.caches, self.model.device,
+                                            capture=cuda or not compile)
+        return self.captured.step(tokens)
+
     def rewind(self, length: int) -> None:
         for c in self.caches:
             c.rewind(length)

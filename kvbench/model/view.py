@@ -67,15 +67,26 @@ def bench_table(result) -> Table:
                   f"{result.bytes_per_step(timing) / 1e6:,.2f}",
                   f"{result.kv_share(timing):.1%}",
                   f"{100 * pct:.0f}%" + (" [yellow]?[/]" if pct > 1 else ""))
+        if timing.graph is not None:
+            ms, pct = result.graph_ms_per_token(timing), result.graph_bandwidth_fraction(timing)
+            t.add_row(f"{timing.impl} graph", "—", _ms(ms), _spread(timing.graph),
+                      f"{result.config.shape.batch * 1e3 / ms:,.1f}",
+                      f"{result.bytes_per_step(timing) / 1e6:,.2f}",
+                      f"{result.kv_share(timing):.1%}",
+                      f"{100 * pct:.0f}%" + (" [yellow]?[/]" if pct > 1 else ""))
     s = result.config.shape
+    graphed = any(t.graph is not None for t in result.timings)
     t.caption = (f"TTFT: the prompt's forward; ms/token: one decode step of the batch (all "
                  f"{s.decode_len} steps / {s.decode_len}), median of {result.options.rounds} "
                  f"rounds after {result.options.warmup} warmups; MB/token: the weights "
                  f"({human_bytes(result.weight_bytes_per_step)}) + the K/V read and written "
                  f"by one step; %copy = MB/token / ms/token against the copy bandwidth "
                  f"{result.copy_gbps:.1f} GB/s measured in the same rounds; transformers = its "
-                 "generate with the static cache, greedy (its ms/token: generate of G+1 tokens "
-                 "minus generate of 1, over G)"
+                 "generate with the static cache, greedy, which transformers compiles on CUDA "
+                 "(its ms/token: generate of G+1 tokens minus generate of 1, over G)"
+                 + ("; graph: the whole model's step (every layer, the final norm, the LM "
+                    "head) compiled by torch.compile and, on CUDA, replayed as one CUDA graph"
+                    if graphed else "")
                  + (f"; {result.note}" if result.note else ""))
     return t
 
