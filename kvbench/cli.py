@@ -263,7 +263,7 @@ def tune(
     rounds: Annotated[int, typer.Option(help="Timed rounds per configuration (median).")] = 9,
     rehearse: Annotated[bool, typer.Option("--rehearse", metavar="", help="Run the plan on the CPU in Triton's interpreter at small shapes (times describe the interpreter; registers and spills are sm_90's, compiled here).")] = False,
     device: Annotated[str, typer.Option(help="auto, cuda or cuda:N.")] = "auto",
-    table: Annotated[Path | None, typer.Option(help="Tuning table to update. \\[default: the package's; with --rehearse results/tune-rehearsal.json]")] = None,
+    table: Annotated[Path | None, typer.Option(help="Tuning table to update. \\[default: $KVBENCH_TUNING_TABLE, else the package's; with --rehearse results/tune-rehearsal.json]")] = None,
     csv: CsvPath = None,
 ):
     """Search the Triton decode kernel's launch configuration on this GPU.

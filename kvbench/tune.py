@@ -19,6 +19,7 @@ same kernel compiled here for an H100/H200 (sm_90) where Triton can (kvbench/ker
 from __future__ import annotations
 
 import math
+import os
 import time
 from dataclasses import dataclass, field, replace
 
@@ -328,8 +329,10 @@ def command(device: str, dtype: str, kv_dtypes: str, block_sizes: str, rehearse:
     dtype = canonical_dtype(dtype)
     csv = csv or results.default_csv("tune")
     results.check_csv(csv, results.TUNE_COLUMNS, results.TUNE_FIRST)
-    table = Path(table) if table else (Path("results/tune-rehearsal.json") if rehearse
-                                       else tuning.TABLE)
+    if table is None:  # $KVBENCH_TUNING_TABLE, else the package's (a rehearsal: its own)
+        table = (tuning.table_path() if os.environ.get(tuning.TABLE_VAR) or not rehearse
+                 else Path("results/tune-rehearsal.json"))
+    table = Path(table)
     tuning.load(table)  # a broken table is refused before the search
     with render.status("tune: the Triton decode kernel's configurations"):
         result = run(dev, dtype, kvs, pages, rehearse, budget_s, rounds)

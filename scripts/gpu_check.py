@@ -2,14 +2,18 @@
 
     scripts/gpu-check.sh OUTDIR [SECONDS]              on a GPU (default budget 540 s)
     scripts/gpu-check.sh --rehearse OUTDIR [SECONDS]   the same plan at small shapes on the CPU
-    scripts/gpu-check.sh --skip STEP,STEP OUTDIR ...    leave steps out (a second loan that
-                                                        reruns only what the first did not pass)
+    scripts/gpu-check.sh --skip STEP,STEP OUTDIR ...    leave steps out (a second command that
+                                                        runs only what the first did not pass;
+                                                        `unchanged` names the steps that passed
+                                                        on an H200 and have not changed since)
 
 A lent GPU comes for minutes, one command runs at most 10 of them and only a few files come
 back, so the check is built for that:
 
-- Steps run in priority order (environment, verify, bench, the GPU targets, the allocation
-  check and memory, then everything else). Each runs in a process group of its own under a
+- Steps run in priority order: the environment; the kernel diagnosis (kvbench tune); the
+  GPU targets (the long shape, quantized K/V, a ragged batch, captured steps, the whole
+  model, MLA); verify and bench at the timing case; the allocation check and memory; then
+  everything else. Each runs in a process group of its own under a
   timeout taken from what is left of the budget; a step whose estimate no longer fits is
   skipped and named. A step that fails or times out is named and the next one runs.
 - OUTDIR holds three files: summary.txt (rewritten as each step starts and ends, so a run
@@ -71,6 +75,7 @@ class Mode:
     mla: tuple[str, ...] = ()  # an MLA layer (--attention mla and its dims)
     mla_long: tuple[str, ...] = ()  # the batch and context MLA's decode is timed at
     serve: tuple[str, ...] = ()  # serve-sim's trace, pool and layer
+    tune: tuple[str, ...] = ()  # kvbench tune's options (the kernel diagnosis)
 
 
 def _shape(b, tp, g, h, hq, hkv, d) -> tuple[str, ...]:
@@ -85,29 +90,37 @@ GPU = Mode(False, "cuda", _shape(2, 256, 32, 512, 8, 2, 64), SMALL,
            "16,64,256,1024,4096", "float16", "float16,bfloat16",
            ("--prompt-len", "1000", "--decode-len", "16"), "512", (),
            # measured on a lent H200 on 2026-11-30 (torch 2.11), plus 15%; tp is a guess
-           {"env": 8, "verify": 65, "bench": 35, "targets": 85, "allocation": 8,
-            "memory": 12, "pytest": 92, "ragged": 48, "techniques": 45, "context": 26,
-            "tp": 120, "sdpa-backends": 30, "model": 165, "mla": 90,  # mla: a guess
-            "serve-sim": 60},  # a guess
+           # tune, graph and the model's graph: guesses (not yet run on a GPU)
+           {"env": 8, "tune": 110, "verify": 65, "bench": 35, "targets": 100, "graph": 60,
+            "allocation": 8, "memory": 12, "pytest": 92, "ragged": 30, "techniques": 45,
+            "context": 26, "tp": 120, "sdpa-backends": 30, "model": 240, "mla": 90,
+            "serve-sim": 60},
            # DeepSeek-V3's attention layer (128 heads, d_c 512, RoPE 64, q_lora 1536)
            ("--attention", "mla", "--hidden", "7168", "--q-heads", "128", "--kv-lora-rank",
             "512", "--qk-rope-dim", "64", "--qk-nope-dim", "128", "--v-head-dim", "128",
             "--q-lora-rank", "1536"),
-           ("--batch", "16", "--prompt-len", "8192", "--decode-len", "8"),
+           ("--batch", "8", "--prompt-len", "32768", "--decode-len", "8"),
            # 400 requests on 1,024 blocks of 16: prealloc to 2,048 holds 8 at once
-           ("--requests", "400", "--kv-blocks", "1024"))
+           ("--requests", "400", "--kv-blocks", "1024"),
+           ("--budget", "100", "--rounds", "5", "--kv-dtype", "none,int8,fp8,int4"))
 CPU = Mode(True, "cpu", _shape(2, 64, 8, 512, 8, 2, 64), SMALL,
            _shape(2, 512, 4, 256, 8, 2, 32),
            ("--seq-lens", "1,17,64,90", "--max-len", "100"), "16,64,256", "float32", "float32",
            ("--prompt-len", "300", "--decode-len", "8"), "128", ("--warmup", "1", "--rounds", "3"),
            # measured on the 2-core CPU kvbench is developed on (a process starts in ~4 s)
-           {"env": 8, "verify": 30, "bench": 40, "targets": 0, "allocation": 0,
-            "memory": 12, "pytest": 0, "ragged": 20, "techniques": 40, "context": 25,
-            "tp": 0, "sdpa-backends": 0, "model": 0, "mla": 30, "serve-sim": 20},
+           {"env": 8, "tune": 30, "verify": 30, "bench": 40, "targets": 0, "graph": 25,
+            "allocation": 0, "memory": 12, "pytest": 0, "ragged": 20, "techniques": 40,
+            "context": 25, "tp": 0, "sdpa-backends": 0, "model": 0, "mla": 30,
+            "serve-sim": 20},
            ("--attention", "mla", "--hidden", "512", "--q-heads", "8"),
            ("--batch", "2", "--prompt-len", "512", "--decode-len", "4"),
            ("--requests", "40", "--len-dist", "lognormal:40:0.8", "--output-dist",
-            "lognormal:24:0.8", "--max-len", "160", "--kv-blocks", "40", "--block-size", "8"))
+            "lognormal:24:0.8", "--max-len", "160", "--kv-blocks", "40", "--block-size", "8"),
+           ("--rehearse", "--kv-dtype", "int8", "--rounds", "1"))
+
+# Steps whose code has not changed since they passed on an H200 (2026-11-30, b5af75c):
+# `--skip unchanged` leaves them out of a loan
+UNCHANGED = ("allocation", "sdpa-backends")
 
 EAGER = "concat,static,sdpa,paged,triton"  # no torch.compile graph
 COMPILING = ("compiled", "flex")
@@ -151,35 +164,69 @@ def plan(mode: Mode, out: Path, gpus: int) -> list[Step]:
     # the GPU measures triton; on the CPU it runs in Triton's interpreter (verify only)
     measured = EAGER if not mode.rehearse else "concat,static,sdpa,paged"
     long_impls = "static,sdpa,paged,triton" if not mode.rehearse else "static,sdpa,paged"
+    ragged_bench = ["--batch", "32" if not mode.rehearse else "4", "--len-dist",
+                    "lognormal:2000:1.0" if not mode.rehearse else "lognormal:100:1.0",
+                    "--max-len", "32768" if not mode.rehearse else "256", "--decode-len", "8",
+                    *layer_of(mode.long), "--no-recompute", "--no-prefill"]
     steps = [
         Step("env", 1, "versions, GPU, allocator settings, host memory, copy bandwidth", 15,
              [[*py, str(REPO / "scripts" / "gpu_env.py"), mode.device]]),
-        Step("verify", 2, f"verify --impl {all_impls} at the timing case, {mode.halves}; the "
+        Step("tune", 2, "the kernel diagnosis: kvbench tune (the Triton decode kernel's "
+             "configurations at the long shape and a ragged batch; registers, spills, shared "
+             "memory; the best per K/V format to the tuning table the later steps read)", 110,
+             [[*kv, "tune", *mode.tune, *csv("tune.csv")]]),
+        Step("targets", 3, "the long shape (B=8 T=32k): triton and sdpa against the copy "
+             "bandwidth; int8, fp8 and int4 triton against fp16; a lognormal ragged batch", 120,
+             [[*kv, "bench", *dev, *mode.rounds, "--dtype", mode.half, "--impl", long_impls,
+               *mode.long, "--no-recompute", "--no-prefill", *csv("bench-long.csv")],
+              [*kv, "bench", *dev, *mode.rounds, "--dtype", mode.half, "--kv-dtype",
+               "none,int8,fp8,int4", "--impl", "triton", *mode.long, "--no-recompute",
+               "--no-prefill", *csv("bench-kv.csv")],
+              [*kv, "bench", *dev, *mode.rounds, "--dtype", mode.half, "--impl",
+               long_impls, *ragged_bench, *csv("bench-ragged.csv")]],
+             cuda_only="triton's time means nothing in Triton's interpreter"),
+        Step("graph", 3, "captured steps: verify --graph, then bench --graph at the timing "
+             "case (each step eager and replayed; compiled, its inductor step captured, "
+             "against eager static)", 60,
+             [[*kv, "verify", *dev, "--dtype", mode.half, "--graph", "--impl",
+               "static,sdpa,paged,triton" if not mode.rehearse else "static,sdpa,paged",
+               "--rope", *mode.ragged, *csv("verify-graph.csv")],
+              [*kv, "bench", *dev, *mode.rounds, "--dtype", mode.half, "--graph", "--impl",
+               "static,sdpa,paged,triton,compiled", *mode.timing, *csv("bench.csv")]]
+             if not mode.rehearse else
+             [[*kv, "verify", *dev, "--dtype", mode.half, "--graph", "--impl",
+               "static,sdpa,paged,triton", "--rope", *mode.ragged,
+               *csv("verify-graph.csv")]]),
+        Step("model", 4, "the whole Llama-3-8B shape (random weights, bfloat16): verify "
+             "(eager and the whole step as one graph), then bench at B=8, 4k context, each "
+             "step eager and as one graph (TTFT, ms/token, KV share, % of the copy "
+             "bandwidth)", 240,
+             [[*kv, "verify", *dev, "--model", "llama-3-8b", "--dtype", "bfloat16", "--impl",
+               EAGER, "--prompt-len", "512", "--decode-len", "8", *csv("verify-model.csv")],
+              [*kv, "bench", *dev, *mode.rounds, "--model", "llama-3-8b", "--dtype", "bfloat16",
+               "--impl", "static,sdpa,paged,triton", "--graph", "--batch", "8",
+               "--prompt-len", "4096", "--decode-len", "32", *csv("bench-model.csv")]],
+             cuda_only="an 8B model's weights are no rehearsal's (tests/test_model.py runs "
+             "the model path and its graph on tiny checkpoints)"),
+        Step("mla", 4, "MLA (--attention mla, DeepSeek-V3's layer): verify every MLA cache "
+             "(triton-mla's kernel compiled), then bench the latent caches' decode at B=8, "
+             "32k against the copy bandwidth (FlashMLA: ~90% of HBM)", 90,
+             [[*kv, "verify", *dev, "--dtype", mode.halves, "--impl", "all", *mode.mla,
+               "--seq-lens", "300,45", "--decode-len", "8", *csv("verify-mla.csv")],
+              [*kv, "bench", *dev, *mode.rounds, "--dtype", mode.half, "--impl",
+               "mla-absorbed,triton-mla" if not mode.rehearse else "all",
+               *mode.mla, *mode.mla_long, "--no-recompute", "--no-prefill",
+               *csv("bench-mla.csv")]]),
+        Step("verify", 5, f"verify --impl {all_impls} at the timing case, {mode.halves}; the "
              "small case without compiling", 150,
              [[*kv, "verify", *dev, "--dtype", mode.halves, "--impl", all_impls,
                *mode.timing, *csv("verify.csv")],
               [*kv, "verify", *dev, "--dtype", "float32,float16,bfloat16", "--impl",
                EAGER, *mode.small, *csv("verify.csv")]]),
-        Step("bench", 3, f"bench at the timing case, {mode.half} (compiled vs eager static)", 90,
+        Step("bench", 5, f"bench --impl {all_impls} at the timing case, {mode.half}", 90,
              [[*kv, "bench", *dev, *mode.rounds, "--dtype", mode.half, "--impl",
                all_impls if not mode.rehearse else "concat,static,sdpa,paged,compiled",
-               *mode.timing, *csv("bench.csv")]]),
-        Step("targets", 4, "triton against the copy bandwidth at B=8 T=32k; int8 and fp8 "
-             "triton against fp16", 120,
-             [[*kv, "bench", *dev, *mode.rounds, "--dtype", mode.half, "--impl", long_impls, *mode.long,
-               "--no-recompute", "--no-prefill", *csv("bench-long.csv")],
-              [*kv, "bench", *dev, *mode.rounds, "--dtype", mode.half, "--kv-dtype", "none,int8,fp8",
-               "--impl", "triton", *mode.long, "--no-recompute", "--no-prefill",
-               *csv("bench-kv.csv")]],
-             cuda_only="triton's time means nothing in Triton's interpreter"),
-        Step("mla", 4, "MLA (--attention mla, DeepSeek-V3's layer): verify every MLA cache "
-             "(triton-mla's kernel compiled), then bench their decode against the copy "
-             "bandwidth (FlashMLA: ~90% of HBM)", 90,
-             [[*kv, "verify", *dev, "--dtype", mode.halves, "--impl", "all", *mode.mla,
-               "--seq-lens", "300,45", "--decode-len", "8", *csv("verify-mla.csv")],
-              [*kv, "bench", *dev, *mode.rounds, "--dtype", mode.half, "--impl", "all",
-               *mode.mla, *mode.mla_long, "--no-recompute", "--no-prefill",
-               *csv("bench-mla.csv")]]),
+               *mode.timing, *csv("bench-all.csv")]]),
         Step("allocation", 5, "the allocation check (python -W error)", 20,
              [[*py, "-W", "error", "-m", "kvbench", "capacity", "--allocate", "--case", "both",
                *csv("allocation.csv")]],
@@ -188,28 +235,15 @@ def plan(mode: Mode, out: Path, gpus: int) -> list[Step]:
              [[*kv, "memory", *dev, "--dtype", mode.half, "--impl",
                EAGER if not mode.rehearse else "concat,static,sdpa,paged",
                *mode.timing, *csv("memory.csv")]]),
-        Step("model", 6, "the whole Llama-3-8B shape (random weights, bfloat16): verify, then "
-             "bench at B=8, 4k context (TTFT, ms/token, KV share, % of the copy bandwidth)", 120,
-             [[*kv, "verify", *dev, "--model", "llama-3-8b", "--dtype", "bfloat16", "--impl",
-               EAGER, "--prompt-len", "512", "--decode-len", "8", *csv("verify-model.csv")],
-              [*kv, "bench", *dev, *mode.rounds, "--model", "llama-3-8b", "--dtype", "bfloat16",
-               "--impl", "static,sdpa,paged,triton", "--batch", "8", "--prompt-len", "4096",
-               "--decode-len", "32", *csv("bench-model.csv")]],
-             cuda_only="an 8B model's weights are no rehearsal's (tests/test_model.py runs "
-             "the model path on tiny checkpoints)"),
         Step("pytest", 6, "pytest's CUDA tests that build no torch.compile graph", 90,
              [[*py, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "-m",
                "cuda and not compiles", str(REPO / "tests")]],
              cuda_only="the CUDA tests skip without a GPU"),
-        Step("ragged", 6, "ragged batches: verify, then a lognormal batch decoded", 60,
+        Step("ragged", 6, "ragged batches: verify", 30,
              [[*kv, "verify", *dev, "--dtype", mode.half, "--impl", EAGER, "--rope",
-               *mode.ragged, *csv("verify-ragged.csv")],
-              [*kv, "bench", *dev, *mode.rounds, "--dtype", mode.half, "--impl", measured, "--batch",
-               "32" if not mode.rehearse else "4", "--len-dist",
-               "lognormal:2000:1.0" if not mode.rehearse else "lognormal:100:1.0",
-               "--max-len", "32768" if not mode.rehearse else "256", "--decode-len", "8",
-               *layer_of(mode.long), "--no-recompute", "--no-prefill",
-               *csv("bench-ragged.csv")]]),
+               *mode.ragged, *csv("verify-ragged.csv")]]
+             + ([[*kv, "bench", *dev, *mode.rounds, "--dtype", mode.half, "--impl", measured,
+                  *ragged_bench, *csv("bench-ragged.csv")]] if mode.rehearse else [])),
         Step("techniques", 6, "window, shared prefix, h2o, chunked prefill, speculative "
              "rollback and beams: verify", 60,
              [[*kv, "verify", *dev, "--dtype", mode.half, "--impl", "window", "--window",
@@ -276,6 +310,9 @@ class Check:
         self.log.write_text("")
         self.log_full = False
         self.compile_log = self.work / "compiles.tsv"
+        # outside the work folder on a GPU, so that a second command of the same loan (a
+        # machine kept warm keeps the checkout's ignored results/) reads what tune wrote
+        self.tuned = (self.work if mode.rehearse else REPO / "results") / "tuned.json"
         self.env_lines: list[str] = []
         self.child: subprocess.Popen | None = None
         self.steps: list[Step] = []
@@ -298,7 +335,10 @@ class Check:
         self.steps = steps
         env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
                "COLUMNS": "140", "PYTHONWARNINGS": "ignore",
-               "KVBENCH_COMPILE_LOG": str(self.compile_log)}
+               "KVBENCH_COMPILE_LOG": str(self.compile_log),
+               # tune writes the table every later step's kernels read; it comes back in
+               # results.tar.gz, to be committed as kvbench/kernels/tuned.json
+               "KVBENCH_TUNING_TABLE": str(self.tuned)}
         if not self.mode.rehearse:
             # a lent machine's RAM grows on demand: MemAvailable understates it
             env.setdefault(HOST_MEM_VAR, str(meminfo("MemTotal") or 0))
@@ -391,6 +431,8 @@ class Check:
 
     def archive(self) -> None:
         files = sorted(p for p in self.work.iterdir() if p.suffix in (".csv", ".png", ".tsv"))
+        if self.tuned.exists():
+            files.append(self.tuned)
         tmp = self.out / ".results.tar.gz.tmp"
         with tarfile.open(tmp, "w:gz") as tar:
             for p in files:
@@ -473,6 +515,8 @@ def main(argv: list[str]) -> int:
             print(f"gpu-check: --skip needs a comma list of steps; {usage}", file=sys.stderr)
             return 2
         skip = [s for s in args[i + 1].split(",") if s]
+        if "unchanged" in skip:  # the named set: passed on an H200 and not changed since
+            skip = [s for s in skip if s != "unchanged"] + list(UNCHANGED)
         del args[i:i + 2]
     if not args or len(args) > 2 or args[0].startswith("-"):
         print(f"gpu-check: {usage}", file=sys.stderr)
@@ -497,7 +541,8 @@ def main(argv: list[str]) -> int:
     unknown = sorted(set(skip) - {s.name for s in steps})
     if unknown:
         print(f"gpu-check: --skip {','.join(unknown)}: no such step; the steps are "
-              f"{', '.join(s.name for s in steps)}", file=sys.stderr)
+              f"{', '.join(s.name for s in steps)}, and unchanged names "
+              f"{','.join(UNCHANGED)}", file=sys.stderr)
         return 2
     for s in steps:
         if s.name in skip:

@@ -1,6 +1,7 @@
 """The Triton decode kernels' launch configurations, per device: a small table `kvbench tune`
 writes (kvbench/kernels/tuned.json, shipped in the package) and the kernels read.
 
+$KVBENCH_TUNING_TABLE names another table to read (and `kvbench tune` to write) instead.
 A key names what a configuration was tuned for: the device's name, the activation dtype,
 the K/V format, the head dim, the query heads per KV head and the page (block) size, e.g.
 "NVIDIA H200|float16|int8|128|4|16". Where the table has no entry the kernel takes
@@ -11,14 +12,21 @@ budgets). No torch here: the planner and the CLI read it without a device.
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import asdict
 from pathlib import Path
 
 from kvbench.errors import KvbenchError
 from kvbench.kernels.config import KernelConfig
 
-TABLE = Path(__file__).with_name("tuned.json")
+PACKAGE_TABLE = Path(__file__).with_name("tuned.json")
+TABLE_VAR = "KVBENCH_TUNING_TABLE"  # another table to read and write (gpu-check sets it)
 DEFAULT = KernelConfig()
+
+
+def table_path() -> Path:
+    """The table the kernels read: $KVBENCH_TUNING_TABLE where set, else the package's."""
+    return Path(os.environ[TABLE_VAR]) if os.environ.get(TABLE_VAR) else PACKAGE_TABLE
 
 
 def key(device: str, dtype: str, kv_format: str | None, head_dim: int, group: int,
@@ -29,8 +37,9 @@ def key(device: str, dtype: str, kv_format: str | None, head_dim: int, group: in
 _read: dict[tuple[Path, float], dict] = {}  # (path, its mtime) -> the table
 
 
-def load(path: Path = TABLE) -> dict:
+def load(path: Path | None = None) -> dict:
     """The table: {"entries": {key: {"config": {...}, ...}}}; empty when there is none."""
+    path = path or table_path()
     if not path.exists():
         return {"entries": {}}
     stamp = (path, path.stat().st_mtime)
@@ -49,7 +58,7 @@ def load(path: Path = TABLE) -> dict:
 
 
 def lookup(device: str, dtype: str, kv_format: str | None, head_dim: int, group: int,
-           page: int, path: Path = TABLE) -> tuple[KernelConfig, bool]:
+           page: int, path: Path | None = None) -> tuple[KernelConfig, bool]:
     """The configuration tuned for this case on this device, or DEFAULT; and whether it
     came from the table."""
     entry = load(path)["entries"].get(key(device, dtype, kv_format, head_dim, group, page))
@@ -58,15 +67,16 @@ def lookup(device: str, dtype: str, kv_format: str | None, head_dim: int, group:
     return KernelConfig(**entry["config"]), True
 
 
-def other_devices(device: str, path: Path = TABLE) -> list[str]:
+def other_devices(device: str, path: Path | None = None) -> list[str]:
     """Devices the table has entries for besides `device` (their entries are ignored)."""
     names = {k.split("|", 1)[0] for k in load(path)["entries"]}
     return sorted(names - {device})
 
 
-def save(entries: dict[str, dict], path: Path = TABLE) -> None:
+def save(entries: dict[str, dict], path: Path | None = None) -> None:
     """Merge entries {key: {"config": KernelConfig, ...figures}} into the table at path,
     replacing those of the same key; written whole to a temporary file, then renamed."""
+    path = path or table_path()
     table = {"entries": dict(load(path)["entries"])}
     for k, entry in entries.items():
         table["entries"][k] = {**entry, "config": asdict(entry["config"])}
@@ -76,12 +86,13 @@ def save(entries: dict[str, dict], path: Path = TABLE) -> None:
     tmp.replace(path)
 
 
-def untuned_note(device: str, path: Path = TABLE) -> str | None:
+def untuned_note(device: str, path: Path | None = None) -> str | None:
     """One line when the table has entries for other devices but none for this one (they
     are ignored and the kernel takes its defaults), else None."""
     from kvbench.device import device_name
 
     name = device_name(device)
+    path = path or table_path()
     table = load(path)["entries"]
     if any(k.split("|", 1)[0] == name for k in table):
         return None
