@@ -131,3 +131,81 @@ def test_serve_sim_serves_every_request_as_path_a_does_on_cuda(dtype, preempt):
         served = serve(o, reserve, requests(o), layer, "cuda:0")
         assert served.passed, served.failures[:3]
     assert served.preemptions == 0  # prealloc's, the last
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("kv_dtype", [None, "int8", "fp8", "int4"])
+def test_triton_kernel_formats_and_plans_on_cuda(dtype, kv_dtype):
+    # the compiled kernel's quantized paths (folded fp8 scales, per-group dot products) and a
+    # ragged batch whose long sequence takes many splits
+    from kvbench.caches import TritonCache
+    from kvbench.config import LayerShape
+
+    shape = LayerShape(decode_len=4, hidden=256, q_heads=32, kv_heads=8, head_dim=128).with_lens(
+        (4000, 3, 64, 777))
+    config = RunConfig(shape, dtype, "cuda:0", kv_dtype=kv_dtype, group_size=64)
+    report = verify(config, {"triton": TritonCache},
+                    ImplOptions(block_size=16, kv_dtype=kv_dtype, group_size=64))
+    assert report.passed, report.checks[0].message
+
+
+@pytest.mark.parametrize("name", ["static", "sdpa", "paged", "triton"])
+@pytest.mark.parametrize("ragged", [False, True])
+def test_captured_steps_equal_recompute_on_cuda(name, ragged):
+    from kvbench.caches import IMPLEMENTATIONS
+    from kvbench.config import LayerShape
+
+    shape = LayerShape(batch=3, prompt_len=300, decode_len=8, hidden=256, q_heads=8,
+                       kv_heads=2, head_dim=64)
+    if ragged:
+        shape = shape.with_lens((300, 17, 129), max_len=400)
+    config = RunConfig(shape, "float16", "cuda:0", rope=True, graph=True)
+    (check,) = verify(config, {name: IMPLEMENTATIONS[name]}, ImplOptions(block_size=16)).checks
+    assert check.passed and check.stats["graph"], check.message
+
+
+def test_a_captured_step_that_is_not_graph_safe_fails_on_cuda():
+    from broken import GraphSlicesByHostLength, GraphTakesBlocksInside
+
+    shape = CUDA_TIMING_CASE
+    for cls in (GraphSlicesByHostLength, GraphTakesBlocksInside):
+        (check,) = verify(RunConfig(shape, "float16", "cuda:0", graph=True), {cls.name: cls},
+                          ImplOptions(block_size=16)).checks
+        assert not check.passed, cls.name
+
+
+@pytest.mark.compiles
+def test_the_whole_model_as_one_cuda_graph_gives_the_eager_logits():
+    import torch
+
+    from kvbench.caches import IMPLEMENTATIONS
+    from kvbench.model import run, transformer
+    from kvbench.model.spec import resolve
+
+    ref = resolve("llama-3-8b")
+    config = RunConfig(transformer.layer_shape(ref.arch, batch=2, prompt_len=64, decode_len=4),
+                       "bfloat16", "cuda:0", rope=True)
+    m = run.load(ref, config, 2, None)
+    for impl in ("sdpa", "triton"):
+        logits = {}
+        for graph in (False, True):
+            cm = transformer.CachedModel(m.model, IMPLEMENTATIONS[impl], config, ImplOptions())
+            with torch.no_grad():
+                logits[graph] = torch.cat(run.decode(cm, m.tokens, 64, 4, graph=graph)[1], 1)
+        assert torch.allclose(logits[True].float(), logits[False].float(), rtol=6e-2,
+                              atol=3e-1), impl
+
+
+@pytest.mark.compiles  # (Triton compiles, not torch.compile: gpu-check's tune step runs it)
+def test_tune_on_cuda_checks_times_and_writes_the_table(tmp_path):
+    from kvbench import tune
+    from kvbench.kernels import tuning
+
+    result = tune.run("cuda", "float16", [None], [16], rehearse=False, budget_s=60, rounds=2)
+    assert result.trials and all(t.passed for t in result.trials)
+    assert all(t.regs and t.regs > 0 and t.ms > 0 for t in result.trials)
+    best = result.best[(None, 16)]
+    table = tmp_path / "tuned.json"
+    tuning.save({tuning.key(result.device, "float16", None, 128, 4, 16): {"config": best}},
+                table)
+    assert tuning.lookup(result.device, "float16", None, 128, 4, 16, table) == (best, True)
