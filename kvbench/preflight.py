@@ -146,6 +146,11 @@ def bench_phases(config: RunConfig, impls, options, bench_options) -> list[Phase
     mem = _memory(config)
     feet = _impl_footprints(config, impls, options)
     held = layer_bytes(config) + 2 * copy_bytes(config.device) + sum(f.storage for f in feet.values())
+    if config.graph:  # --graph: a second prompt cache of each one captured
+        from kvbench.caches import IMPLEMENTATIONS
+
+        held += sum(f.storage for name, f in feet.items()
+                    if IMPLEMENTATIONS[name].uncapturable(config, options) is None)
     if bench_options.recompute:
         phases.append(Phase("recompute (timed)",
                             held + fp.recompute(s, config.rope, config.compute_bytes), mem,

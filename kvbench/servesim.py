@@ -221,14 +221,7 @@ def serve(o: SimOptions, reserve: str, reqs, layer, device: str) -> Served:
                                 f"output tokens): {wrong}")
     if leaked := o.kv_blocks - len(sched.pool.free):
         failures.append(f"{leaked} blocks were never returned to the pool")
-    ttft, tpot, per_token = [], [], []
-    for rec in sched.records.values():
-        r = rec.request
-        first, done = ends[rec.first_token], ends[rec.finished]
-        ttft.append(first - r.arrival)
-        if r.output_len > 1:
-            tpot.append((done - first) / (r.output_len - 1))
-        per_token.append((done - r.arrival) / r.output_len)
+    ttft, tpot, per_token = latencies(sched.records.values(), ends)
     return Served(reserve, clock, sched.now, ends, took, sched.batch, sched.decoded,
                   sched.blocks_in_use, ttft, tpot, per_token,
                   output_tokens=sum(r.output_len for r in reqs),
@@ -236,6 +229,22 @@ def serve(o: SimOptions, reserve: str, reqs, layer, device: str) -> Served:
                   preemptions=sched.preemptions, recomputed_tokens=sched.recomputed_tokens,
                   swapped_blocks=sched.swapped_blocks, max_abs_err=max_err,
                   failures=failures)
+
+
+def latencies(records, ends: list[float]) -> tuple[list[float], list[float], list[float]]:
+    """Each request's time to first token (from its arrival to the end of the step that made
+    it), time per output token after the first ((finish − first) / (outputs − 1), for
+    requests of two or more outputs) and latency per output token ((finish − arrival) /
+    outputs), in seconds; ends[i] is the clock at the end of step i."""
+    ttft, tpot, per_token = [], [], []
+    for rec in records:
+        r = rec.request
+        first, done = ends[rec.first_token], ends[rec.finished]
+        ttft.append(first - r.arrival)
+        if r.output_len > 1:
+            tpot.append((done - first) / (r.output_len - 1))
+        per_token.append((done - r.arrival) / r.output_len)
+    return ttft, tpot, per_token
 
 
 def run(o: SimOptions) -> list[Served]:

@@ -228,3 +228,26 @@ def test_a_memory_file_mixing_square_and_ragged_rows_draws_each_on_its_own(tmp_p
     assert seen["ragged"]["seq_lens"].notna().all() and seen["square"]["seq_lens"].isna().all()
     for name in ("mixed.png", "mixed-square.png"):
         assert (tmp_path / name).read_bytes()[:4] == b"\x89PNG"
+
+
+def test_the_most_recent_row_of_a_rerun_is_the_one_judged(bench_csv, tmp_path):
+    # the new file holds each configuration twice: an old slow run, then the rerun at the
+    # baseline's speed. The rerun (the last row) is compared: nothing regressed. The other
+    # choice (the first row) would see every configuration 3x slower.
+    from kvbench.compare import compare
+    from kvbench.load import read_results
+
+    base = pd.read_csv(bench_csv)
+    slow = base.copy()
+    slow["decode_cached_ms"] *= 3
+    pd.concat([slow, base]).to_csv(tmp_path / "new.csv", index=False)
+    (kb, b), (kn, n) = read_results(bench_csv), read_results(tmp_path / "new.csv")
+    result = compare(kb, b, n, kn, 0.1)
+    cached = [c for c in result.changes if c.metric == "decode_cached_ms"]
+    assert len(cached) == 4 and all(c.ratio == 1.0 for c in cached)
+    assert not result.regressions and result.only_new == 0
+    # and the other way round: the slow run last is the one judged
+    pd.concat([base, slow]).to_csv(tmp_path / "new2.csv", index=False)
+    kn, n = read_results(tmp_path / "new2.csv")
+    cached = [c for c in compare(kb, b, n, kn, 0.1).changes if c.metric == "decode_cached_ms"]
+    assert all(c.ratio == pytest.approx(3.0) for c in cached)

@@ -274,3 +274,17 @@ def test_the_cost_model_counts_the_layers_weights_and_each_steps_arithmetic():
                                                      + 2 * (2 * t) * 32 * 4 * (16 + 12))
     assert costs.absorbed_step_flops(s, t) == (weights + 2 * 2 * 4 * (16 * 32 + 32 * 12)
                                                + 2 * 4 * (2 * t) * (2 * 32 + 8))
+
+
+def test_the_decompressing_caches_step_estimate_is_what_its_step_holds():
+    # mla-latent decompresses every cached position each step: per position and head the
+    # [k_nope | v] product (nope + v), K with the RoPE key (qk) and V's contiguous copy (v).
+    # At 600 positions that is the step's peak; the estimate must be within 10% of what the
+    # allocator saw (a V left out would be a quarter short)
+    from kvbench.memory import memory
+
+    s = LayerShape(batch=2, prompt_len=600, decode_len=4, hidden=64, q_heads=8).with_mla(
+        MlaDims(kv_lora_rank=32, qk_rope_dim=8, qk_nope_dim=16, v_head_dim=24))
+    (m,) = memory(RunConfig(s, rope=True), ("mla-latent",)).impls
+    measured = m.decode.peak_allocated_bytes
+    assert abs(m.estimate.decode - measured) <= 0.1 * measured, (m.estimate.decode, measured)

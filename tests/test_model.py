@@ -442,3 +442,122 @@ def test_a_layer_that_is_not_graph_safe_fails_the_whole_model_captured(tiny):
 def path_a_steps(m, T: int, G: int) -> torch.Tensor:
     return torch.cat([run.path_a(m, m.tokens[:, :T + j])[:, -1:] for j in range(1, G + 1)],
                      dim=1)
+
+
+# Every figure of the whole-model path, worked out by hand on a small case.
+
+def test_quality_is_kl_of_the_reference_against_the_run_and_agreement_with_path_a():
+    # two sequences, two steps, three tokens; the run's and path A's distributions are not
+    # mirror images (KL's two directions differ), and the text's next tokens (targets) are
+    # not path A's choices, so each plausible slip gives another number
+    P = torch.tensor([[[0.7, 0.2, 0.1], [0.1, 0.3, 0.6]], [[0.5, 0.4, 0.1], [0.3, 0.3, 0.4]]])
+    Q = torch.tensor([[[0.2, 0.6, 0.2], [0.2, 0.2, 0.6]], [[0.3, 0.6, 0.1], [0.25, 0.35, 0.4]]])
+    targets = torch.tensor([[2, 2], [0, 0]])
+    q = run.Quality.of(Q.log(), P.log(), targets)
+
+    def kl(p, r):
+        return sum(a * math.log(a / b) for a, b in zip(p, r))
+
+    step1 = (kl(P[0, 0].tolist(), Q[0, 0].tolist()) + kl(P[1, 0].tolist(), Q[1, 0].tolist())) / 2
+    step2 = (kl(P[0, 1].tolist(), Q[0, 1].tolist()) + kl(P[1, 1].tolist(), Q[1, 1].tolist())) / 2
+    assert q.kl_mean == pytest.approx((step1 + step2) / 2)
+    assert q.kl_max == pytest.approx(max(step1, step2))
+    reverse = kl(Q[0, 0].tolist(), P[0, 0].tolist())
+    assert abs(reverse - kl(P[0, 0].tolist(), Q[0, 0].tolist())) > 0.01  # the test can tell
+    # perplexity: exp(mean −log Q(target)) over the 4 predictions
+    nll = -(math.log(0.2) + math.log(0.6) + math.log(0.3) + math.log(0.25)) / 4
+    assert q.ppl == pytest.approx(math.exp(nll))
+    # top-1 against path A's choices (0, 2, 0, 2): the run picks 1, 2, 1, 2 -> 2 of 4 (against
+    # the targets 2, 2, 0, 0 it would be 1 of 4)
+    assert q.top1 == pytest.approx(2 / 4)
+
+
+def test_the_step_weights_are_every_layer_the_final_norm_and_the_head(tiny):
+    # the tiny Llama: hidden 64, 4 query heads and 2 KV heads of 32, MLP 96, vocab 128,
+    # 2 layers, an untied head, float32; the embedding is a lookup, not read whole
+    ref, config = _config(tiny["llama"])
+    m = run.load(ref, config, None, None)
+    qkv, o = 64 * (4 + 2 * 2) * 32, 4 * 32 * 64
+    mlp = 64 * 2 * 96 + 96 * 64
+    layer = qkv + o + mlp + 2 * 64  # and its two norms
+    rope = 32 // 2  # each layer's inverse frequencies, read by its RoPE
+    assert m.model.step_weight_bytes() == 4 * (2 * (layer + rope) + 64 + 64 * 128)
+
+
+def test_kv_bytes_per_step_count_k_and_v_read_and_the_new_position_written():
+    # B=2, T_p=8, G=2, H_kv=2, D=32, float32, 3 layers: `static` reads 2 x 9 then 2 x 10
+    # positions (19 on average) and writes 2; each position is K and V of 2 heads of 32
+    from kvbench.caches import IMPLEMENTATIONS
+
+    s = _gqa_shape(batch=2, prompt_len=8, decode_len=2)
+    per_position = 2 * 2 * 32 * 4
+    assert run.kv_bytes_per_step(IMPLEMENTATIONS["static"], RunConfig(s), ImplOptions(),
+                                 3) == 3 * (19 + 2) * per_position
+
+
+def _gqa_shape(**sizes):
+    from kvbench.config import LayerShape
+
+    return LayerShape(hidden=64, q_heads=4, kv_heads=2, head_dim=32, **sizes)
+
+
+def test_transformers_steps_are_net_of_its_first_token():
+    from kvbench.timing import Stats
+
+    first = Stats(10.0, 9.0, 12.0, 1.0, 9)  # generate(1): the prompt and the first token
+    whole = Stats(50.0, 48.0, 55.0, 2.0, 9)  # generate(G + 1)
+    steps = run.after_first_token(first, whole)
+    assert (steps.median_ms, steps.min_ms, steps.max_ms, steps.iqr_ms) == (40.0, 36.0, 46.0,
+                                                                           3.0)
+
+
+def test_the_preflight_holds_two_copies_of_a_checkpoints_weights_where_transformers_runs(tiny):
+    from kvbench.model.commands import preflight
+
+    ref, config = _config(tiny["llama"])
+    weights = ref.arch.weight_count() * 4  # float32
+    for command, copies in (("verify", 2), ("bench", 2), ("memory", 1)):
+        plan = preflight(command, ref, None, None)(config, ("static",), ImplOptions())
+        assert plan.phases[0].name == "weights" and plan.phases[0].peak_bytes == copies * weights
+    assert ref.arch.weight_count() == (
+        2 * (64 * (4 + 2 * 2) * 32 + 4 * 32 * 64 + 3 * 64 * 96 + 2 * 64) + 64
+        + 2 * 128 * 64)  # the layers, the final norm, the embedding and the untied head
+
+
+class _WrongAtStep:
+    """A `static` cache that goes wrong from one decode step on: before that step the values
+    of its first half of positions are negated, so it (and every later one) reads wrong V."""
+
+    def step(self, x_t):
+        if self.length == self.wrong_from:
+            self.v_cache[:, :, : self.length // 2] *= -1.0
+        return super().step(x_t)
+
+
+def _faulty_layer(monkeypatch, layer: int, step: int):
+    from kvbench.caches import StaticCache
+
+    class Wrong(_WrongAtStep, StaticCache):
+        pass
+
+    real = transformer.CachedModel.__init__
+
+    def init(self, model, cls, config, options):
+        real(self, model, cls, config, options)
+        wrong = Wrong.build(model.blocks[layer].attn, config, options)
+        wrong.wrong_from = config.shape.prompt_len + step - 1
+        for i in range(len(self.caches)):
+            if i == layer:
+                self.caches[i] = wrong
+
+    monkeypatch.setattr(transformer.CachedModel, "__init__", init)
+
+
+@pytest.mark.parametrize("layer, step", [(0, 6), (1, 2), (1, 6)])
+def test_the_gate_checks_every_step_and_names_the_step_and_layer(tiny, monkeypatch, layer,
+                                                                  step):
+    # a cache wrong from decode step `step` (the last is 6) in one layer only: verify fails
+    # there, not before, and names that layer
+    _faulty_layer(monkeypatch, layer, step)
+    check = _fails(*_config(tiny["llama"], prompt=24, decode=6))
+    assert (check.first_bad_step, check.first_bad_layer) == (step, layer)

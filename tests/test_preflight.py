@@ -223,3 +223,21 @@ def test_force_past_the_memory_is_one_error_line_exit_3(tmp_path):
     errors = [ln for ln in result.stderr.splitlines() if ln.startswith("kvbench:")]
     assert len(errors) == 1 and "out of memory" in errors[0]
     assert "Traceback" not in result.output and not out.exists()
+
+
+def test_bench_graph_plans_a_second_cache_for_each_captured_implementation():
+    # --graph keeps a prompt cache of its own for each implementation it captures (static,
+    # sdpa here; concat is not captured): every later phase holds their storage once more
+    from dataclasses import replace
+
+    from kvbench.bench import BenchOptions
+
+    config = RunConfig(SHAPES["gqa"])
+    impls = ("concat", "static", "sdpa")
+    plain = preflight.plan("bench", config, impls, ImplOptions(), BenchOptions())
+    graphed = preflight.plan("bench", replace(config, graph=True), impls, ImplOptions(),
+                             BenchOptions())
+    storage = {n: IMPLEMENTATIONS[n].footprint(config, ImplOptions()).storage for n in impls}
+    extra = storage["static"] + storage["sdpa"]
+    timed = [(a, b) for a, b in zip(plain.phases, graphed.phases) if "(timed)" in a.name]
+    assert timed and all(b.peak_bytes - a.peak_bytes == extra for a, b in timed)

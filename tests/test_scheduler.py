@@ -89,3 +89,62 @@ def test_a_scheduler_that_leaks_a_finished_sequences_blocks_is_caught():
 
     with pytest.raises((AssertionError, KvbenchError)):
         Leaky(TRACE, n_blocks=600, block_size=16).run(max_steps=20_000)
+
+
+# The scheduler's decisions on traces small enough to follow by hand; each test fails when
+# its decision is reversed.
+
+def _states(scheduler, steps):
+    """After each step: the running requests and the waiting ones, by id."""
+    out = []
+    for _ in range(steps):
+        scheduler.step()
+        out.append(([q.request.id for q in scheduler.running],
+                    [q.request.id for q in scheduler.waiting], len(scheduler.pool.free)))
+    return out
+
+
+def test_the_newest_sequence_is_preempted_and_none_is_admitted_in_that_step():
+    # 4 blocks of 4 positions; three prompts of 4 arrive together and take one block each.
+    # Step 2: request 0 grows into the last free block; request 1 needs one more, none is
+    # free, so the most recently admitted (2) is preempted. Request 0 then finishes (2
+    # outputs) and frees 2 blocks, but a step that preempted admits nothing: 2 waits a step.
+    reqs = [Request(0, 0.0, 4, 2), Request(1, 0.0, 4, 6), Request(2, 0.0, 4, 6)]
+    s = Scheduler(reqs, n_blocks=4, block_size=4)
+    states = _states(s, 3)
+    assert states[0] == ([0, 1, 2], [], 1)
+    assert states[1] == ([1], [2], 2)  # 2 preempted (not 0, the oldest); not readmitted
+    assert [s.records[i].preempted for i in range(3)] == [0, 0, 1]
+    assert states[2][0] == [1, 2]  # readmitted in the next step
+
+
+class _Prefills:
+    """An engine that records each prefill call (step, request, first, end)."""
+
+    def __init__(self, scheduler_now):
+        self.now, self.calls = scheduler_now, []
+
+    def prefill(self, seq, start, end):
+        self.calls.append((self.now(), seq.request.id, start, end))
+
+    def decode(self, seqs):
+        pass
+
+    def finish(self, seq):
+        pass
+
+
+def test_a_step_prefills_its_whole_chunk_budget_oldest_prefill_first():
+    # chunks of 8 positions a step, two prompts of 20: request 0's prompt in 8 + 8 + 4, and
+    # in that third step the 4 left of the budget begin request 1's; then 8, then 8
+    reqs = [Request(0, 0.0, 20, 3), Request(1, 0.0, 20, 3)]
+    s = Scheduler(reqs, n_blocks=100, block_size=4, chunk=8)
+    s.engine = engine = _Prefills(lambda: s.now)
+    s.run()
+    assert engine.calls == [(0, 0, 0, 8), (1, 0, 8, 16), (2, 0, 16, 20), (2, 1, 0, 4),
+                            (3, 1, 4, 12), (4, 1, 12, 20)]
+    by_step = {}
+    for step, _, start, end in engine.calls:
+        by_step[step] = by_step.get(step, 0) + end - start
+    assert by_step == {0: 8, 1: 8, 2: 8, 3: 8, 4: 8}
+    assert s.records[0].first_token == 2 and s.records[1].first_token == 4

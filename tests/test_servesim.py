@@ -141,3 +141,39 @@ def test_all_at_once_and_poisson_arrivals():
     timed = requests(SimOptions(**{**OPTIONS.__dict__, "rate": 10.0}))
     gaps = np.diff([0.0] + [r.arrival for r in timed])
     assert math.isclose(gaps.mean(), 0.1, rel_tol=0.4) and (gaps > 0).all()
+
+
+def test_latencies_by_hand():
+    # steps end at 0.5, 1.0, 2.0, 2.5, 4.0 s (Poisson-like arrivals at 0.0, 0.7 and 1.9 s)
+    from kvbench.scheduler import Record, Request
+    from kvbench.servesim import latencies
+
+    ends = [0.5, 1.0, 2.0, 2.5, 4.0]
+    records = [Record(Request(0, 0.0, 10, 3), first_token=0, finished=2),
+               Record(Request(1, 0.7, 5, 1), first_token=1, finished=1),
+               Record(Request(2, 1.9, 8, 4), first_token=2, finished=4)]
+    ttft, tpot, per_token = latencies(records, ends)
+    assert ttft == pytest.approx([0.5, 0.3, 0.1])  # first token's step end − arrival
+    assert tpot == pytest.approx([0.75, 2.0 / 3])  # (finish − first) / (outputs − 1); 1 output: none
+    assert per_token == pytest.approx([2.0 / 3, 0.3, 0.525])  # (finish − arrival) / outputs
+
+
+def test_serve_rows_by_hand():
+    # 10 requests' TTFTs 0.1..1.0 s: p50 0.55, p90 0.91, p99 0.991 (linear between ranks);
+    # 40 output and 100 prompt tokens in 2 s: 20 output tokens a second
+    from kvbench.results import serve_rows
+    from kvbench.servesim import Served
+
+    ttft = [0.1 * i for i in range(1, 11)]
+    served = Served("paged", 2.0, 4, [0.5, 1.0, 1.5, 2.0], [0.5, 0.4, 0.6, 0.5], [2, 3, 3, 1],
+                    [5, 10, 15, 10], [4, 6, 6, 2], ttft, [0.02, 0.04], [0.1, 0.3],
+                    output_tokens=40, prompt_tokens=100)
+    (row,) = serve_rows(OPTIONS, "cpu", [served], "t", {})
+    assert (row["ttft_p50_ms"], row["ttft_p90_ms"], row["ttft_p99_ms"]) == pytest.approx(
+        (550.0, 910.0, 991.0))
+    assert row["tpot_p50_ms"] == pytest.approx(30.0) and row["tpot_p99_ms"] == pytest.approx(39.8)
+    assert row["output_tokens_per_s"] == 20.0 and row["requests_per_s"] == 5.0
+    assert row["latency_per_token_mean_ms"] == pytest.approx(200.0)
+    assert (row["mean_batch"], row["max_batch"]) == (2.25, 3)
+    assert (row["mean_blocks_in_use"], row["max_blocks_in_use"]) == (4.5, 6)
+    assert row["step_p50_ms"] == pytest.approx(500.0) and row["step_max_ms"] == 600.0

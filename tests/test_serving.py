@@ -254,3 +254,43 @@ def test_verify_rejects_a_copy_on_write_that_skips_the_scales():
     (check,) = verify(config, {"fault": CopyOnWriteSkipsScales},
                       ImplOptions(block_size=4)).checks
     assert not check.passed and check.first_bad_step >= 1, check.message
+
+
+# The serving operations' figures and decisions, worked out by hand.
+
+def test_mean_positions_kept_per_step_by_hand():
+    from kvbench.serving import mean_kept
+
+    assert mean_kept(RunConfig(GQA)) == 1.0  # no speculation: one position a step
+    assert mean_kept(RunConfig(GQA, draft_len=4, accept="3")) == 3.0
+    # a rate r over K - 1 = 3 drafts: 1 + r + r² + r³ (the first n drafts kept with r^n)
+    assert mean_kept(RunConfig(GQA, draft_len=4, accept="0.5")) == pytest.approx(1.875)
+    assert mean_kept(RunConfig(GQA, draft_len=2, accept="0.5")) == pytest.approx(1.5)
+
+
+def test_acceptance_keeps_the_drafts_before_the_first_rejection_only():
+    # the same draws kept_per_step makes (seed + 4), counted by hand: a draft after a
+    # rejected one is never kept, however its own draw came out
+    config = RunConfig(GQA, draft_len=6, accept="0.6", seed=3)
+    kept = kept_per_step(config)
+    g = torch.Generator().manual_seed(config.seed + 4)
+    later_accepted = 0
+    for step in range(40):
+        accepted = (torch.rand(5, generator=g) < 0.6).tolist()
+        lead = next((i for i, a in enumerate(accepted) if not a), len(accepted))
+        later_accepted += sum(accepted[lead:])
+        assert kept(step) == 1 + lead
+    assert later_accepted > 0  # the draws had accepted drafts after a rejection to ignore
+
+
+def test_each_prompts_beams_fork_from_its_own_beams():
+    from kvbench.serving import parents
+
+    from dataclasses import replace
+
+    config = RunConfig(replace(GQA, batch=6), beams=3)  # 2 prompts of 3 beams
+    steps = parents(config)
+    assert steps[0].tolist() == [0, 0, 0, 3, 3, 3]  # every beam from its prompt's first
+    for chosen in steps[1:]:  # then any beam of the same prompt, never another prompt's
+        assert all(row // 3 == parent // 3 for row, parent in enumerate(chosen.tolist()))
+    assert len({tuple(c.tolist()) for c in steps[1:]}) > 1  # drawn, not fixed

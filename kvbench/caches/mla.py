@@ -192,9 +192,13 @@ class MlaLatentCache(LatentCache):
 
     @classmethod
     def step_bytes(cls, config, t):
+        """Live at its peak, per cached position and head: the decompressed [k_nope | v]
+        (nope + v), K with the RoPE key joined (qk), and V's contiguous copy for the
+        matmul (v)."""
         s, b = config.shape, config.dtype_bytes
-        decompressed = s.batch * t * s.q_heads * (s.mla.qk_dim + 2 * s.mla.v_head_dim)
-        return (fp.grouped_step(s, True, t) + 2 * decompressed) * b
+        m = s.mla
+        decompressed = s.batch * t * s.q_heads * (m.qk_dim + m.qk_nope_dim + 2 * m.v_head_dim)
+        return (fp.grouped_step(s, True, t) + decompressed) * b
 
     def attend_latent(self, q_nope, q_pe):
         entries, _ = self.kv()

@@ -74,10 +74,15 @@ def preflight(command: str, ref, layers, host_mem):
         if mem == DEVICE and ref.trained:
             phases.append(Phase("weights (loaded on the host)", weights, HOST, shrink))
         for name in names:
-            f = IMPLEMENTATIONS[name].footprint(config, options)
+            cls = IMPLEMENTATIONS[name]
+            f = cls.footprint(config, options)
             transient = max(f.prefill - f.storage, f.decode, 0)
+            # bench --graph: a second set of caches, the whole model's graph over them
+            sets = 2 if (config.graph and command == "bench"
+                         and cls.uncapturable(config, options) is None) else 1
             phases.append(Phase(f"{name}: {arch.layers} layers' caches", weights
-                                + arch.layers * f.storage + transient + acts, mem, shrink))
+                                + sets * arch.layers * f.storage + transient + acts, mem,
+                                shrink))
         return Plan(config, tuple(names), tuple(phases),
                     available_memory(config.device, host_mem),
                     model=f"{arch.name} ({arch.layers} of {ref.arch.layers} layers)")

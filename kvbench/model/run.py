@@ -453,12 +453,9 @@ def bench(ref: ModelRef, config: RunConfig, names, options, impl_options: ImplOp
             name, stats.get(f"prefill:{name}"), stats[f"decode:{name}"],
             kv_bytes_per_step(cls, config, impl_options.at(config), len(m.model.blocks)),
             next(c for c in report.checks if c.impl == name), stats.get(f"graph:{name}")))
-    if m.hf is not None:  # generate(G + 1) − generate(1): G steps after the first token
-        from kvbench.timing import Stats
-
+    if m.hf is not None:
         first, whole = stats[f"prefill:{HF_ROW}"], stats[f"decode:{HF_ROW}"]
-        steps = Stats(whole.median_ms - first.median_ms, whole.min_ms - first.max_ms,
-                      whole.max_ms - first.min_ms, whole.iqr_ms + first.iqr_ms, whole.rounds)
+        steps = after_first_token(first, whole)
         static = IMPLEMENTATIONS["static"]
         timings.append(ModelTiming(HF_ROW, first, steps, kv_bytes_per_step(
             static, config, ImplOptions(), len(m.model.blocks))))
@@ -466,6 +463,15 @@ def bench(ref: ModelRef, config: RunConfig, names, options, impl_options: ImplOp
                             m.model.step_weight_bytes(),
                             bandwidth.copy_gbps(stats["copy"], copy_bytes), timings,
                             impl_options.at(config).kv_format, note)
+
+
+def after_first_token(first, whole):
+    """generate(G + 1) − generate(1): the G steps after the first token, as Stats (the
+    median of the difference; its extremes from the opposite extremes; spreads added)."""
+    from kvbench.timing import Stats
+
+    return Stats(whole.median_ms - first.median_ms, whole.min_ms - first.max_ms,
+                 whole.max_ms - first.min_ms, whole.iqr_ms + first.iqr_ms, whole.rounds)
 
 
 def _steps(cm: CachedModel, tokens, T: int, G: int, graph: bool = False) -> None:
