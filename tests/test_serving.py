@@ -284,9 +284,9 @@ def test_acceptance_keeps_the_drafts_before_the_first_rejection_only():
 
 
 def test_each_prompts_beams_fork_from_its_own_beams():
-    from kvbench.serving import parents
-
     from dataclasses import replace
+
+    from kvbench.serving import parents
 
     config = RunConfig(replace(GQA, batch=6), beams=3)  # 2 prompts of 3 beams
     steps = parents(config)
