@@ -148,3 +148,80 @@ def test_a_step_prefills_its_whole_chunk_budget_oldest_prefill_first():
         by_step[step] = by_step.get(step, 0) + end - start
     assert by_step == {0: 8, 1: 8, 2: 8, 3: 8, 4: 8}
     assert s.records[0].first_token == 2 and s.records[1].first_token == 4
+
+
+def test_a_trace_caps_each_request_and_draws_outputs_apart_from_prompts():
+    # prompts of exactly 10 against --max-len 10: the prompt keeps 9 positions and the output
+    # the 1 left; prompts of 3 leave 7 positions for outputs drawn at 9
+    from kvbench.lengths import LenDist, draw
+
+    long = trace(4, seed=1, prompt=LenDist("uniform", 10, 10), output=LenDist("uniform", 5, 5),
+                 rate=float("inf"), max_len=10)
+    assert [(r.arrival, r.prompt_len, r.output_len) for r in long] == [(0.0, 9, 1)] * 4
+    short = trace(4, seed=1, prompt=LenDist("uniform", 3, 3), output=LenDist("uniform", 9, 9),
+                  rate=float("inf"), max_len=10)
+    assert [(r.prompt_len, r.output_len) for r in short] == [(3, 7)] * 4
+    # the same distribution for both: outputs are drawn with a seed of their own (seed + 1)
+    dist = LenDist("uniform", 1, 1000)
+    same = trace(50, seed=3, prompt=dist, output=dist, rate=1.0, max_len=4096)
+    assert [r.prompt_len for r in same] == list(draw(dist, 50, 3, 4095))
+    assert [r.output_len for r in same] == [min(o, 4096 - r.prompt_len) for o, r in
+                                            zip(draw(dist, 50, 4, 4095), same)]
+    gaps = [b.arrival - a.arrival for a, b in zip(same, same[1:])]
+    assert all(g > 0 for g in gaps) and same[0].arrival > 0  # Poisson: every arrival its own
+
+
+class Counted(Scheduler):
+    """Counts every preemption as it happens, with what the sequence had cached: the
+    scheduler's own counters must add up to these."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.events = []  # (request, positions cached) at each preemption
+
+    def _preempt(self, seq):
+        self.events.append((seq.request.id, seq.cached))
+        super()._preempt(seq)
+
+
+class _Swaps:
+    """An engine that counts the blocks each swap moves."""
+
+    def __init__(self, block_size):
+        self.block_size, self.out, self.back = block_size, [], []
+
+    def swap_out(self, seq):
+        self.out.append(-(-seq.cached // self.block_size))
+
+    def swap_in(self, seq):
+        self.back.append(-(-seq.cached // self.block_size))
+
+    def prefill(self, seq, start, end):
+        pass
+
+    def decode(self, seqs):
+        pass
+
+    def finish(self, seq):
+        pass
+
+
+@pytest.mark.parametrize("preempt", ["recompute", "swap"])
+def test_preemption_counters_add_up_to_every_preemption(preempt):
+    s = Counted(TRACE[:300], n_blocks=300, block_size=16, preempt=preempt)
+    s.engine = engine = _Swaps(16)
+    records = s.run()
+    per_request = {}
+    for rid, _ in s.events:
+        per_request[rid] = per_request.get(rid, 0) + 1
+    assert max(per_request.values()) >= 2  # some request was preempted more than once
+    assert s.preemptions == len(s.events)
+    assert {i: r.preempted for i, r in records.items() if r.preempted} == per_request
+    if preempt == "recompute":
+        assert s.recomputed_tokens == sum(cached for _, cached in s.events)
+        assert s.swapped_blocks == 0 and not engine.out
+    else:
+        # each swapped sequence came back, its blocks moved out and in again
+        assert len(engine.back) == len(engine.out) == len(s.events)
+        assert s.swapped_blocks == sum(engine.out) + sum(engine.back)
+        assert s.recomputed_tokens == 0

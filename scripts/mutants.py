@@ -1,0 +1,143 @@
+"""Mutation testing of the modules a change touches (mutmut), within a time budget.
+
+    scripts/mutants.sh [--budget SECONDS] MODULE [MODULE ...]   e.g. kvbench/serving.py
+    scripts/mutants.sh [--budget SECONDS] --changed [REF]       the modules changed since REF
+                                                                (default: HEAD~1)
+
+mutmut changes one thing at a time in the named modules (an operator, a constant, a
+comparison, an argument) and runs the tests that cover them; a mutant no test kills is a
+change to the code that the tests cannot see. Each module is tested with its own tests
+(`TESTS` below: tests/test_<name>.py by default), so a run takes minutes, not the whole
+suite per mutant. The run happens in a copy of the checkout (mutmut writes a `mutants/`
+folder and its own config); the survivors are listed at the end with their diffs, and the
+exit status is 1 when there are any. Past --budget (default 900 s) the run stops and what
+finished is reported, with the number of mutants left unrun.
+
+The project's rule (README, Development): a survivor that changes a figure a user reads or a
+decision kvbench makes gets a test that kills it; a harmless one (a message's wording, an
+equivalent rewrite) is listed with the reason in the change's notes.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+DEFAULT_BUDGET_S = 900
+
+# module -> the tests that cover it, where they are not tests/test_<name>.py
+TESTS = {
+    "kvbench/model/": ["tests/test_model.py", "tests/test_costs.py"],
+    "kvbench/scheduler.py": ["tests/test_scheduler.py", "tests/test_servesim.py"],
+    "kvbench/engine.py": ["tests/test_servesim.py"],
+    "kvbench/servesim.py": ["tests/test_servesim.py"],
+    "kvbench/compare.py": ["tests/test_compare_plot.py"],
+    "kvbench/plot.py": ["tests/test_compare_plot.py"],
+    "kvbench/serving.py": ["tests/test_serving.py"],
+    "kvbench/mla.py": ["tests/test_mla.py"],
+    "kvbench/caches/mla.py": ["tests/test_mla.py"],
+    "kvbench/bench.py": ["tests/test_costs.py", "tests/test_cli.py"],
+    "kvbench/kernels/triton_decode.py": ["tests/test_triton.py"],
+    "kvbench/caches/paged.py": ["tests/test_cache.py", "tests/test_serving.py"],
+}
+
+
+def tests_for(module: str) -> list[str]:
+    for prefix, tests in TESTS.items():
+        if module == prefix or (prefix.endswith("/") and module.startswith(prefix)):
+            return tests
+    own = REPO / "tests" / f"test_{Path(module).stem}.py"
+    if not own.exists():
+        raise SystemExit(f"mutants: no tests/test_{Path(module).stem}.py for {module}; add it "
+                         "to TESTS in scripts/mutants.py")
+    return [str(own.relative_to(REPO))]
+
+
+def changed(ref: str) -> list[str]:
+    out = subprocess.run(["git", "diff", "--name-only", ref, "--", "kvbench"], cwd=REPO,
+                         capture_output=True, text=True, check=True).stdout
+    return [p for p in out.split() if p.endswith(".py") and (REPO / p).exists()
+            and not p.endswith("__init__.py")]
+
+
+def configure(copy: Path, modules: list[str], tests: list[str]) -> None:
+    """mutmut's settings in the copy's pyproject: these modules, these tests, the whole
+    package beside them."""
+    text = (copy / "pyproject.toml").read_text()
+    section = ("[tool.mutmut]\n"
+               f"source_paths = {modules!r}\n".replace("'", '"')
+               + f"pytest_add_cli_args_test_selection = {tests!r}\n".replace("'", '"')
+               + 'also_copy = ["kvbench/", "configs/", "tests/", "scripts/"]\n'
+               'pytest_add_cli_args = ["-q", "-x", "-p", "no:cacheprovider", "-m", '
+               '"not cuda"]\n'
+               # a mutant that hangs (a loop that never ends) is killed at 3x the tests' time
+               "timeout_multiplier = 3.0\n"
+               "mutate_only_covered_lines = true\n")
+    text = re.sub(r"\[tool\.mutmut\]\n(?:[^\[\n].*\n|\n)*", section + "\n", text)
+    (copy / "pyproject.toml").write_text(text)
+
+
+def main(argv: list[str]) -> int:
+    budget = DEFAULT_BUDGET_S
+    if "--budget" in argv:
+        i = argv.index("--budget")
+        budget = float(argv[i + 1])
+        del argv[i:i + 2]
+    if argv[:1] == ["--changed"]:
+        modules = changed(argv[1] if len(argv) > 1 else "HEAD~1")
+    else:
+        modules = argv
+    if not modules:
+        print("mutants: no module to mutate (name kvbench/... files, or --changed REF)",
+              file=sys.stderr)
+        return 2
+    tests = sorted({t for m in modules for t in tests_for(m)})
+    copy = Path(tempfile.mkdtemp(prefix="kvbench-mutants-"))
+    files = subprocess.run(["git", "ls-files"], cwd=REPO, capture_output=True, text=True,
+                           check=True).stdout.split()
+    for f in files:
+        (copy / f).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(REPO / f, copy / f)
+    configure(copy, modules, tests)
+    print(f"mutants: {', '.join(modules)} against {', '.join(tests)} (budget {budget:.0f} s, "
+          f"in {copy})", flush=True)
+    run = subprocess.Popen([sys.executable, "-m", "mutmut", "run", "--max-children", "2"],
+                           cwd=copy, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                           start_new_session=True)
+    try:
+        run.wait(timeout=budget)
+        stopped = False
+    except subprocess.TimeoutExpired:  # mutmut and the workers it forked, all of them
+        os.killpg(run.pid, signal.SIGKILL)
+        run.wait()
+        stopped = True
+    results = subprocess.run([sys.executable, "-m", "mutmut", "results", "--all", "true"],
+                             cwd=copy, capture_output=True, text=True, check=False).stdout
+    status = {}
+    for line in results.splitlines():
+        if ":" in line:
+            name, state = line.rsplit(":", 1)
+            status[name.strip()] = state.strip()
+    survivors = [n for n, s in status.items() if s == "survived"]
+    counts = {}
+    for s in status.values():
+        counts[s] = counts.get(s, 0) + 1
+    print("mutants: " + ", ".join(f"{n} {s}" for s, n in sorted(counts.items()))
+          + (" (the budget ran out; the rest did not run)" if stopped else ""))
+    for name in survivors:
+        diff = subprocess.run([sys.executable, "-m", "mutmut", "show", name], cwd=copy,
+                              capture_output=True, text=True, check=False).stdout
+        print(f"\nsurvived: {name}\n{diff.strip()}")
+    shutil.rmtree(copy, ignore_errors=True)
+    return 1 if survivors else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
