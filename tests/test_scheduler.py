@@ -2,6 +2,8 @@
 no request lost or duplicated, no block leaked or held twice, under both preemption modes and
 both ways of reserving blocks."""
 
+import itertools
+
 import pytest
 
 from kvbench.errors import KvbenchError
@@ -167,7 +169,7 @@ def test_a_trace_caps_each_request_and_draws_outputs_apart_from_prompts():
     assert [r.prompt_len for r in same] == list(draw(dist, 50, 3, 4095))
     assert [r.output_len for r in same] == [min(o, 4096 - r.prompt_len) for o, r in
                                             zip(draw(dist, 50, 4, 4095), same)]
-    gaps = [b.arrival - a.arrival for a, b in zip(same, same[1:])]
+    gaps = [b.arrival - a.arrival for a, b in itertools.pairwise(same)]
     assert all(g > 0 for g in gaps) and same[0].arrival > 0  # Poisson: every arrival its own
 
 
