@@ -235,6 +235,20 @@ def test_model_rows_carry_the_points_kv_format(tiny, tmp_path):
     assert rows.lossy.all()
 
 
+def test_a_presets_transformers_row_is_its_own_model_at_the_presets_shape(tiny):
+    # bench on a preset times transformers' generate on transformers' own model at the
+    # preset's shape (random weights of its own): here the tiny Llama's architecture, 1 layer
+    from kvbench.model.load import random_transformers
+
+    arch = resolve(str(tiny["llama"])).arch.first(1)
+    hf = random_transformers(arch, torch.float32, "cpu")
+    c = hf.config
+    assert (c.num_hidden_layers, c.hidden_size, c.num_key_value_heads, c.vocab_size) == (
+        1, 64, 2, 128)
+    params = sum(p.numel() for p in hf.parameters())
+    assert params == arch.weight_count()  # the same shape, to the parameter
+
+
 def test_bench_on_a_model_has_transformers_row_and_shares_that_hold(tiny, tmp_path):
     rows = _rows(tmp_path, "bench", "--model", str(tiny["llama"]), "--impl", "static,paged",
                  "--rounds", "2", "--warmup", "1")
@@ -522,6 +536,14 @@ def test_the_preflight_holds_two_copies_of_a_checkpoints_weights_where_transform
     assert ref.arch.weight_count() == (
         2 * (64 * (4 + 2 * 2) * 32 + 4 * 32 * 64 + 3 * 64 * 96 + 2 * 64) + 64
         + 2 * 128 * 64)  # the layers, the final norm, the embedding and the untied head
+    # a preset: kvbench's random weights, and in bench transformers' own model for its row
+    preset = resolve("llama-2-7b")
+    assert not preset.trained
+    config = RunConfig(layer_shape(preset.arch, batch=1, prompt_len=8, decode_len=2))
+    weights = preset.arch.first(1).weight_count() * 4
+    for command, copies in (("verify", 1), ("bench", 2), ("memory", 1)):
+        plan = preflight(command, preset, 1, None)(config, ("static",), ImplOptions())
+        assert plan.phases[0].peak_bytes == copies * weights
 
 
 class _WrongAtStep:

@@ -65,7 +65,10 @@ def preflight(command: str, ref, layers, host_mem):
         options = options.at(config)
         s, b = config.shape, config.dtype_bytes
         mem = DEVICE if config.device.startswith("cuda") else HOST
-        weights = arch.weight_count() * b * (2 if ref.trained and command != "memory" else 1)
+        # a checkpoint: transformers' copy beside kvbench's (path A, generate); a preset's
+        # bench: transformers' own model at its shape (generate's row)
+        second = (ref.trained and command != "memory") or command == "bench"
+        weights = arch.weight_count() * b * (2 if second else 1)
         tokens = s.batch * (s.total_len + 1)
         # logits (and their float64 log-softmax for the quality figures), one layer's MLP
         acts = tokens * (arch.vocab * (b + 16) + (arch.hidden * 4 + 2 * arch.intermediate) * b)

@@ -66,6 +66,23 @@ def converted(ref: ModelRef) -> Path:
     return folder
 
 
+def random_transformers(arch, dtype: torch.dtype, device: str):
+    """transformers' own model at a preset's shape (arch, its layers) with random weights of
+    its own, on the device: what its `generate` costs at that shape. Its weights are not
+    kvbench's, so it is timed beside the caches, never compared with them. None without
+    transformers."""
+    try:
+        tf = _transformers()
+    except KvbenchError:
+        return None
+    fields = {k: v for k, v in arch.config.items() if not k.startswith("_")}
+    fields["num_hidden_layers"] = arch.layers
+    config = tf.AutoConfig.for_model(**fields)
+    with torch.device(device):
+        model = tf.AutoModelForCausalLM.from_config(config, dtype=dtype)
+    return model.eval()
+
+
 def load(ref: ModelRef, dtype: torch.dtype, device: str):
     """The transformers model (eval mode, on the device, in dtype) and its tokenizer."""
     tf = _transformers()

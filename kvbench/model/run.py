@@ -439,12 +439,18 @@ def bench(ref: ModelRef, config: RunConfig, names, options, impl_options: ImplOp
                     _steps(cmg, tokens, T, G, graph=True)
                 tasks[f"graph:{name}"] = (lambda cm: _steps(cm, tokens, T, G, graph=True),
                                           lambda cm=cmg: _rewound(cm, T))
-        note = None
-        if m.hf is not None:
-            tasks[f"prefill:{HF_ROW}"] = (lambda _: _generate(m.hf, prompt, 1), lambda: None)
-            tasks[f"decode:{HF_ROW}"] = (lambda _: _generate(m.hf, prompt, G + 1), lambda: None)
-        else:
-            note = "no transformers row: random weights have no transformers model"
+        note, hf = None, m.hf
+        if hf is None:  # a preset: transformers' own model at its shape, random weights
+            from kvbench.model.load import random_transformers
+
+            with device_errors("transformers' model", HF_ROW):
+                hf = random_transformers(m.model.arch, m.model.embed.dtype, dev)
+            note = ("no transformers row: transformers is not installed" if hf is None else
+                    "transformers: its own model at this shape with random weights of its "
+                    "own (timed, not compared)")
+        if hf is not None:
+            tasks[f"prefill:{HF_ROW}"] = (lambda _: _generate(hf, prompt, 1), lambda: None)
+            tasks[f"decode:{HF_ROW}"] = (lambda _: _generate(hf, prompt, G + 1), lambda: None)
         stats = time_interleaved(tasks, dev, options.warmup, options.rounds)
     timings = []
     for name in names:
@@ -453,7 +459,7 @@ def bench(ref: ModelRef, config: RunConfig, names, options, impl_options: ImplOp
             name, stats.get(f"prefill:{name}"), stats[f"decode:{name}"],
             kv_bytes_per_step(cls, config, impl_options.at(config), len(m.model.blocks)),
             next(c for c in report.checks if c.impl == name), stats.get(f"graph:{name}")))
-    if m.hf is not None:
+    if hf is not None:
         first, whole = stats[f"prefill:{HF_ROW}"], stats[f"decode:{HF_ROW}"]
         steps = after_first_token(first, whole)
         static = IMPLEMENTATIONS["static"]
