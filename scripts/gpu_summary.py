@@ -104,7 +104,7 @@ def targets(out: Path) -> list[str]:
         fastest = pd.concat([ours["cached_ms_per_step"],
                              ours.get("graph_ms_per_step", pd.Series(dtype=float))]).min()
         theirs = float(model[model["impl"] == "transformers"]["cached_ms_per_step"].iloc[-1])
-        faster = theirs / float(fastest) if fastest == fastest else None
+        faster = None if pd.isna(fastest) else theirs / float(fastest)
     lines.append(target("the whole model: transformers' generate (static cache, compiled) "
                         "ms/token over kvbench's fastest, x", faster, 1.0, "x"))
     mla = _fraction(read(out, "bench-mla.csv"), "triton-mla")
