@@ -159,7 +159,7 @@ class RunOptions:
         show_default=False, commands=("verify", "bench"))
     graph: bool = option(
         False, "Also run each decode step captured in a graph and replayed (static, sdpa, "
-        "paged, triton): verify checks the captured steps (on the CPU through a recorder with "
+        "paged, triton, triton-mla): verify checks the captured steps (on the CPU through a recorder with "
         "a CUDA graph's semantics); bench on CUDA times each both ways, so a row says how "
         "much of a step is launch overhead.", commands=("verify", "bench"))
     model: str | None = option(

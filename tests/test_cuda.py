@@ -164,6 +164,20 @@ def test_captured_steps_equal_recompute_on_cuda(name, ragged):
     assert check.passed and check.stats["graph"], check.message
 
 
+def test_triton_mla_captured_steps_equal_recompute_on_cuda():
+    from kvbench.caches import IMPLEMENTATIONS
+    from kvbench.config import LayerShape, MlaDims
+
+    shape = LayerShape(decode_len=6, hidden=256, q_heads=16).with_lens(
+        (300, 17, 129), max_len=400).with_mla(MlaDims(kv_lora_rank=128, qk_rope_dim=32))
+    for kv_dtype in (None, "fp8"):
+        config = RunConfig(shape, "bfloat16", "cuda:0", rope=True, graph=True,
+                           kv_dtype=kv_dtype)
+        (check,) = verify(config, {"triton-mla": IMPLEMENTATIONS["triton-mla"]},
+                          ImplOptions(block_size=16, kv_dtype=kv_dtype)).checks
+        assert check.passed and check.stats["graph"], check.message
+
+
 def test_a_captured_step_that_is_not_graph_safe_fails_on_cuda():
     from broken import GraphSlicesByHostLength, GraphTakesBlocksInside
 

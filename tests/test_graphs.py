@@ -54,6 +54,19 @@ def test_captured_steps_equal_recompute(name, ragged):
     assert check.stats["graph"] is True
 
 
+@pytest.mark.parametrize("kv_dtype", [None, "fp8"])
+def test_triton_mla_captures_its_steps(kv_dtype):
+    from kvbench.config import MlaDims
+
+    assert prepare("cpu") is None
+    shape = SHAPE.with_lens((21, 9)).with_mla(MlaDims(kv_lora_rank=32, qk_rope_dim=8,
+                                                      qk_nope_dim=16, v_head_dim=12))
+    config = RunConfig(shape, rope=True, graph=True, kv_dtype=kv_dtype)
+    (check,) = verify(config, {"triton-mla": IMPLEMENTATIONS["triton-mla"]},
+                      ImplOptions(block_size=4, kv_dtype=kv_dtype)).checks
+    assert check.passed and check.stats["graph"], check.message
+
+
 def test_triton_captures_quantized_k_v():
     assert prepare("cpu") is None
     config = RunConfig(SHAPE, graph=True, kv_dtype="int8", group_size=16)

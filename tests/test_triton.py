@@ -273,7 +273,7 @@ def test_every_kernel_variant_compiles_for_an_h200():
         requests += aot.cache_requests(cache, q)
     mla = LayerShape(batch=2, prompt_len=40, decode_len=1, hidden=64, q_heads=16, kv_heads=16,
                      head_dim=16).with_mla(MlaDims(kv_lora_rank=512, qk_rope_dim=64))
-    for dtype, options in (("bfloat16", {}), ("float16", {"kv_dtype": "fp8"})):
+    for dtype, options in (("float16", {"kv_dtype": "fp8"}),):  # (the heaviest compile)
         cache = _filled(TritonMlaCache, mla, dtype, block_size=64, **options)
         requests += aot.cache_requests(cache, torch.randn(2, 16, 576).to(cache.layer.dtype))
     answers = aot.resources(requests)

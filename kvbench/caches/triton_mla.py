@@ -28,7 +28,7 @@ class TritonMlaCache(KernelLengths, Absorbed, PagedCache):
     compiles = True  # on CUDA the first launch compiles the kernels
     kv_dtypes = frozenset({"fp8"})  # decoded in registers with the layer's one scale
     techniques = frozenset({"shared_prefix"})
-    graph_safe = False  # (its kernel is: lengths on the device; its latent write is not yet)
+    graph_safe = True
     description = ("MLA's latent entries in a paged pool, read in place by a Triton split-K "
                    "kernel with absorbed weights (FlashMLA's formulation); CUDA, and CPU "
                    "through Triton's interpreter (verify only)")
@@ -69,6 +69,21 @@ class TritonMlaCache(KernelLengths, Absorbed, PagedCache):
                                                 self.options.splits or 0)
         self.init_kernel_lens()
 
+    @classmethod
+    def uncapturable(cls, config, options):  # fp8 too: the kernel decodes it
+        from kvbench.caches.base import CachedAttention
+
+        return CachedAttention.uncapturable.__func__(cls, config, options)
+
+    def graph_step(self, x_t):
+        """Each sequence's entry written at its position on the device; the kernel reads the
+        lengths there too."""
+        at = self.at[:, None]
+        q_nope, q_pe = self.layer.query(x_t, at)
+        self.graph_write(self.entry(x_t, at), None)
+        self._advance_device(1)
+        return self.layer.output(self.attend_latent(q_nope, q_pe))
+
     def allocate(self, n_blocks):
         m, bs = self.layer.shape.mla, self.options.block_size
         lead = (n_blocks, 1, bs)
@@ -99,9 +114,11 @@ class TritonMlaCache(KernelLengths, Absorbed, PagedCache):
         q = self.layer.absorb_query(q_nope, q_pe).reshape(B, Hq, m.entry_dim)
         pool, scale = ((self.pool, None) if self.store is None else
                        (self.store.tensors["k_codes"], self.store.tensors["k_scale"]))
+        # (the interpreter's fixed loop walks the capacity under a graph: lengths grow)
+        longest = self.max_len if self.captured is not None else self.length
         self.kernel.split_partials(q.contiguous(), pool, self.table, self.kernel_lens,
                                    self.layer.scale, self.launch, m.kv_lora_rank, scale,
-                                   self.length)
+                                   longest)
         out = torch.empty(B, Hq, m.kv_lora_rank, dtype=q.dtype, device=q.device)
         self.merge_kernel.merge(self.launch, self.kernel_lens, out, self.units)
         return self.layer.absorb_output(out.reshape(B, Hq, 1, m.kv_lora_rank))
