@@ -56,8 +56,8 @@ def cases(rehearse: bool, seed: int = 0) -> list[Case]:
     from kvbench.lengths import LenDist, draw
 
     if rehearse:  # Triton's interpreter takes about a second per 100 tiles
-        return [Case("long", (128,) * 2, 8, 2, 64),
-                Case("ragged", draw(LenDist("lognormal", 40, 1.0), 4, seed, 160), 8, 2, 64)]
+        return [Case("long", (96,) * 2, 8, 2, 64),
+                Case("ragged", draw(LenDist("lognormal", 30, 1.0), 3, seed, 96), 8, 2, 64)]
     return [Case("long", (32768,) * 8, 32, 8, 128),
             Case("ragged", draw(LenDist("lognormal", 2000, 1.0), 32, seed, 32768), 32, 8, 128)]
 

@@ -205,15 +205,15 @@ def ranks(*args, tmp_path) -> list[subprocess.CompletedProcess]:
 def test_the_memory_command_exits_cleanly_every_time(tmp_path):
     # a rank that left while its peer still talked to it, or whose interpreter tore down
     # gloo's threads, aborted now and then (SIGABRT after the rows were written: torchrun
-    # then exits 1). Each rank's own exit status, 4 runs (each starts two interpreters: 7 s)
+    # then exits 1). Each rank's own exit status, 3 runs (each starts two interpreters: 7 s)
     codes = []
-    for i in range(4):
+    for i in range(3):
         for r in ranks("memory", "--tp", "2", *SMALL, "--kv-heads", "2,1", "--impl", "static",
                        "--csv", str(tmp_path / f"m{i}.csv"), tmp_path=tmp_path):
             codes.append(r.returncode)
             assert "Traceback" not in r.stderr and "terminate called" not in r.stderr, r.stderr
         assert len(pd.read_csv(tmp_path / f"m{i}.csv")) == 4  # a row per point and rank
-    assert codes == [0] * 8
+    assert codes == [0] * 6
 
 
 @pytest.mark.parametrize("tp, kv_heads", [(4, 2), (4, 1), (4, 4), (2, 8)])

@@ -46,7 +46,6 @@ in both 3.6 and 3.9 are used.
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass
 
 import torch
@@ -278,17 +277,16 @@ def _stage1(Q, K, V, Table, Lengths, Acc, M, L, KS, KZ, VS, VZ, scale, batch, ta
     tl.store(L + stat, l_i, mask=mask_g)
 
 
-def _stage2(Acc, M, L, Out, Lengths, batch, target, fixed, stride_ab, stride_ah, stride_as,
-            stride_mb, stride_mh, stride_ob, stride_oh, D: tl.constexpr,
-            BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_B: tl.constexpr,
-            TILE: tl.constexpr, UNITS: tl.constexpr, SPLITS: tl.constexpr):
-    """Sequence b's splits (the plan stage 1 made) merged into query head `head`'s output."""
+def _stage2(Acc, M, L, Out, stride_ab, stride_ah, stride_as, stride_mb, stride_mh,
+            stride_ob, stride_oh, D: tl.constexpr, SPLITS: tl.constexpr,
+            BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Sequence b's splits merged into query head `head`'s output. Stage 1 wrote an exp-sum
+    of 0 for every split a sequence did not take, so the live ones are those with l > 0."""
     b = tl.program_id(0)
     head = tl.program_id(1)
-    _, _, _, n = _plan(Lengths, b, 0, batch, target, fixed, BLOCK_B, TILE, UNITS, SPLITS)
     offs_s = tl.arange(0, BLOCK_S)
     offs_d = tl.arange(0, BLOCK_D)
-    mask_s = offs_s < n
+    mask_s = offs_s < SPLITS
     mask_d = offs_d < D
     stat = b * stride_mb + head * stride_mh + offs_s
     l_s = tl.load(L + stat, mask=mask_s, other=0.0)
@@ -297,7 +295,8 @@ def _stage2(Acc, M, L, Out, Lengths, batch, target, fixed, stride_ab, stride_ah,
     m_max = tl.max(m_s, 0)
     weight = tl.where(live, tl.exp(m_s - m_max), 0.0)  # each split rescaled to the global max
     acc = tl.load(Acc + b * stride_ab + head * stride_ah + offs_s[:, None] * stride_as
-                  + offs_d[None, :], mask=mask_s[:, None] & mask_d[None, :], other=0.0)
+                  + offs_d[None, :], mask=(mask_s & live)[:, None] & mask_d[None, :],
+                  other=0.0)
     out = tl.sum(acc * weight[:, None], 0) / tl.sum(l_s * weight, 0)
     tl.store(Out + b * stride_ob + head * stride_oh + offs_d,
              out.to(Out.dtype.element_ty), mask=mask_d)
@@ -326,14 +325,15 @@ _dequantized = triton.jit(_dequantized)
 # batch, target and fixed are constant for a cache's life; not specializing them keeps one
 # kernel whatever their values
 stage1 = triton.jit(_stage1, do_not_specialize=["batch", "target", "fixed"])
-stage2 = triton.jit(_stage2, do_not_specialize=["batch", "target", "fixed"])
+stage2 = triton.jit(_stage2)
 
 
 def processors(device: torch.device) -> int:
-    """Streaming multiprocessors on CUDA; CPU cores on the CPU."""
+    """Streaming multiprocessors on CUDA. On the CPU, 1: Triton's interpreter runs one
+    program at a time, so more splits only add programs."""
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count
-    return os.cpu_count() or 1
+    return 1
 
 
 def pad(n: int) -> int:
@@ -446,14 +446,13 @@ def merge(launch: Launch, lengths: torch.Tensor, out: torch.Tensor, units: int) 
 
 
 def stage2_args(launch: Launch, lengths: torch.Tensor, out: torch.Tensor, units: int):
-    """(grid, arguments, constexprs) of stage 2 (merge's)."""
+    """(grid, arguments, constexprs) of stage 2 (merge's). lengths and units are stage 1's
+    business: stage 2 merges every split stage 1 left an exp-sum in."""
     acc, m, l = launch.partials
     B, Hq, D = out.shape
     assert out.stride(2) == 1
-    args = (acc, m, l, out, lengths, B, launch.target, launch.fixed, acc.stride(0),
-            acc.stride(1), acc.stride(2), m.stride(0), m.stride(1), out.stride(0),
-            out.stride(1))
-    constants = {"D": D, "BLOCK_S": triton.next_power_of_2(max(launch.splits, 2)),
-                     "BLOCK_D": pad(D), "BLOCK_B": triton.next_power_of_2(B),
-                     "TILE": launch.config.block_n, "UNITS": units, "SPLITS": launch.splits}
+    args = (acc, m, l, out, acc.stride(0), acc.stride(1), acc.stride(2), m.stride(0),
+            m.stride(1), out.stride(0), out.stride(1))
+    constants = {"D": D, "SPLITS": launch.splits,
+                 "BLOCK_S": triton.next_power_of_2(max(launch.splits, 2)), "BLOCK_D": pad(D)}
     return (B, Hq), args, constants
