@@ -3,6 +3,9 @@
     scripts/mutants.sh [--budget SECONDS] MODULE [MODULE ...]   e.g. kvbench/serving.py
     scripts/mutants.sh [--budget SECONDS] --changed [REF]       the modules changed since REF
                                                                 (default: HEAD~1)
+    scripts/mutants.sh --only 'kvbench.model.run.x_kv_bytes*' kvbench/model/run.py
+                                                                only the mutants whose names
+                                                                match (mutmut's globs)
 
 mutmut changes one thing at a time in the named modules (an operator, a constant, a
 comparison, an argument) and runs the tests that cover them; a mutant no test kills is a
@@ -79,16 +82,22 @@ def configure(copy: Path, modules: list[str], tests: list[str]) -> None:
                '"not cuda"]\n'
                # a mutant that hangs (a loop that never ends) is killed at 3x the tests' time
                "timeout_multiplier = 3.0\n"
+               # torch is not fork-safe: workers fork from a server that never ran a test
+               'process_isolation = "forkserver"\n'
                "mutate_only_covered_lines = true\n")
     text = re.sub(r"\[tool\.mutmut\]\n(?:[^\[\n].*\n|\n)*", section + "\n", text)
     (copy / "pyproject.toml").write_text(text)
 
 
 def main(argv: list[str]) -> int:
-    budget = DEFAULT_BUDGET_S
+    budget, only = DEFAULT_BUDGET_S, []
     if "--budget" in argv:
         i = argv.index("--budget")
         budget = float(argv[i + 1])
+        del argv[i:i + 2]
+    while "--only" in argv:
+        i = argv.index("--only")
+        only.append(argv[i + 1])
         del argv[i:i + 2]
     if argv[:1] == ["--changed"]:
         modules = changed(argv[1] if len(argv) > 1 else "HEAD~1")
@@ -108,7 +117,7 @@ def main(argv: list[str]) -> int:
     configure(copy, modules, tests)
     print(f"mutants: {', '.join(modules)} against {', '.join(tests)} (budget {budget:.0f} s, "
           f"in {copy})", flush=True)
-    run = subprocess.Popen([sys.executable, "-m", "mutmut", "run", "--max-children", "2"],
+    run = subprocess.Popen([sys.executable, "-m", "mutmut", "run", "--max-children", "2", *only],
                            cwd=copy, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                            start_new_session=True)
     try:
