@@ -73,8 +73,8 @@ def test_bench_derived_figures_by_hand():
     (t,) = r.timings
     assert r.speedup(t) == 5.0  # 40 / 8
     assert r.ms_per_step(t) == 2.0  # 8 ms / 4 steps
-    assert r.achieved_gbps(t) == pytest.approx(2.0)  # 4e6 B / 2 ms
-    assert r.bandwidth_fraction(t) == pytest.approx(0.4)  # 2 / 5
+    assert r.achieved_gbps(t) == pytest.approx(2.0, rel=1e-12)  # 4e6 B / 2 ms
+    assert r.bandwidth_fraction(t) == pytest.approx(0.4, rel=1e-12)  # 2 / 5
     assert r.achieved_gflops(t) == pytest.approx(3.0)  # 6e6 FLOP / 2 ms
 
 
@@ -125,7 +125,7 @@ def test_graph_figures_by_hand():
     (t,) = r.timings
     assert r.graph_ms_per_step(t) == 0.5
     assert r.graph_speedup(t) == 4.0  # 2 ms eager per step / 0.5 captured
-    assert r.graph_bandwidth_fraction(t) == pytest.approx(1.6)  # 4e6 B / 0.5 ms = 8 GB/s / 5
+    assert r.graph_bandwidth_fraction(t) == pytest.approx(1.6, rel=1e-12)  # 4e6 B / 0.5 ms = 8 GB/s / 5
     (row,) = bench_rows(r, {})
     assert (row["decode_graph_ms"], row["graph_ms_per_step"], row["graph_speedup"]) == (
         2.0, 0.5, 4.0)
@@ -146,5 +146,5 @@ def test_model_graph_figures_by_hand():
     assert r.ms_per_token(t) == 10.0 and r.graph_ms_per_token(t) == 4.0
     assert r.graph_speedup(t) == 2.5
     assert r.tokens_per_s(t) == 200.0  # 2 sequences a step, 100 steps a second
-    assert r.bandwidth_fraction(t) == pytest.approx(0.2)  # 4e6 B / 10 ms = 0.4 GB/s / 2
-    assert r.graph_bandwidth_fraction(t) == pytest.approx(0.5)  # 4e6 B / 4 ms = 1 GB/s / 2
+    assert r.bandwidth_fraction(t) == pytest.approx(0.2, rel=1e-12)  # 4e6 B / 10 ms = 0.4 GB/s / 2
+    assert r.graph_bandwidth_fraction(t) == pytest.approx(0.5, rel=1e-12)  # 4e6 B / 4 ms = 1 GB/s / 2

@@ -4,6 +4,7 @@ checkpoints of each supported architecture (built here with transformers, in sec
 import json
 import math
 from dataclasses import replace
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -583,3 +584,30 @@ def test_the_gate_checks_every_step_and_names_the_step_and_layer(tiny, monkeypat
     _faulty_layer(monkeypatch, layer, step)
     check = _fails(*_config(tiny["llama"], prompt=24, decode=6))
     assert (check.first_bad_step, check.first_bad_layer) == (step, layer)
+
+
+def test_the_first_bad_layer_is_judged_at_atol_times_one_plus_the_layers_largest_value():
+    # float32's tolerances (rtol 1e-3, atol 2e-3); each layer's last position reads [0, 9], so
+    # an element may differ by 2e-3 * (1 + 9) = 0.02 plus 1e-3 * |a|: 0.02 at 0, 0.029 at 9
+    from kvbench.model.run import _first_bad_layer
+
+    rtol, atol = run.TOLERANCES["float32"]
+    a = torch.tensor([[[5.0, 5.0], [0.0, 9.0]]], dtype=torch.float64)  # [B=1, T=2, H=2]
+
+    class Reference:
+        def full_forward(self, tokens, hidden):
+            hidden.extend([a, a, a])
+
+    m = SimpleNamespace(model=Reference())
+    clean = torch.tensor([[[0.019, 9.028]]])  # within 0.02 and 0.029: rounding, not a bug
+    beyond = torch.tensor([[[0.021, 9.0]]])  # 0.001 past 0.02
+    bad = torch.tensor([[[1.0, 9.0]]])
+
+    def first(*outputs):
+        return _first_bad_layer(m, torch.zeros(1, 2, dtype=torch.long), 1, 1, list(outputs),
+                                rtol, atol)
+
+    assert first(clean, bad, bad) == 1
+    assert first(clean, clean, beyond) == 2
+    assert first(beyond, clean, clean) == 0
+    assert first(clean, clean, clean) is None
