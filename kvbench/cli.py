@@ -25,7 +25,7 @@ class _Group(TyperGroup):
     SIGTERM into exit 143."""
 
     def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
-        from kvbench.runner import Terminated, terminate_on_sigterm
+        from kvbench.planning.runner import Terminated, terminate_on_sigterm
 
         try:
             terminate_on_sigterm()
@@ -44,7 +44,7 @@ class _Group(TyperGroup):
         except (typer.Abort, KeyboardInterrupt):
             _fail("interrupted", 130)
         except Exception as e:
-            from kvbench import distributed
+            from kvbench.measure import distributed
 
             if not distributed.multiprocess():
                 raise
@@ -55,7 +55,7 @@ class _Group(TyperGroup):
             first = str(e).strip().splitlines()[0] if str(e).strip() else ""
             _fail(f"{type(e).__name__}: {first} (KVBENCH_TRACEBACK=1 shows where)", 3)
         code = code if isinstance(code, int) else 0
-        from kvbench import distributed
+        from kvbench.measure import distributed
 
         if distributed.world() is not None:  # under torchrun: every rank leaves together
             distributed.leave(code)
@@ -63,7 +63,7 @@ class _Group(TyperGroup):
 
 
 def _fail(message: str, code: int):
-    from kvbench import distributed
+    from kvbench.measure import distributed
 
     if distributed.multiprocess():
         # under torchrun: bad input is refused alike on every rank, so rank 0 says it once;
@@ -140,9 +140,9 @@ def verify(o):
     With no shape option it runs the small reference case and the device's timing case.
     Exit status 1 on any mismatch.
     """
-    from kvbench import runner
+    from kvbench import subjects
 
-    runner.verify(o)
+    subjects.run(o, "verify")
 
 
 @experiment
@@ -152,17 +152,17 @@ def bench(o):
     Within a point, recompute and the implementations are timed interleaved, round by round,
     so drift on a shared machine hits each alike.
     """
-    from kvbench import runner
+    from kvbench import subjects
 
-    runner.bench(o)
+    subjects.run(o, "bench")
 
 
 @experiment
 def memory(o):
     """Theoretical KV payload vs allocated vs reserved memory, per phase."""
-    from kvbench import runner
+    from kvbench import subjects
 
-    runner.memory(o)
+    subjects.run(o, "memory")
 
 
 @command
@@ -203,7 +203,7 @@ def capacity(
     csv: CsvPath = None,
 ):
     """Plan the KV cache of a real model on a real GPU; --allocate checks it on CUDA."""
-    from kvbench import planner
+    from kvbench.experiments import capacity as planner
 
     planner.capacity(model=model, list_models=list_models, from_config=from_config, layers=layers, kv_heads=kv_heads, head_dim=head_dim, q_heads=q_heads, mla_latent=mla_latent, mla_rope=mla_rope, batch=batch, seq_len=seq_len, seq_lens=seq_lens, len_dist=len_dist, max_len=max_len, seed=seed, kv_dtype=kv_dtype, group_size=group_size, k_quant=k_quant, kv_residual=kv_residual, tp=tp, block_size=block_size, window=window, sinks=sinks, shared_prefix=shared_prefix, share_layers=share_layers, gpu_mem=gpu_mem, weight_dtype=weight_dtype, weights_bytes=weights_bytes, margin=margin, utilization=utilization, allocate=allocate, case=case, device=device, csv=csv)
 
@@ -241,7 +241,7 @@ def serve_sim(
     csv: CsvPath = None,
     steps_csv: Annotated[Path | None, typer.Option(help="The per-step log. \\[default: the --csv path with -steps]")] = None,
 ):
-    from kvbench import servesim
+    from kvbench.experiments import servesim
 
     options = servesim.SimOptions(
         requests=requests, len_dist=len_dist, output_dist=output_dist, max_len=max_len,
@@ -274,7 +274,7 @@ def tune(
     shared memory per configuration, and writes the best per device, dtype, K/V format, head
     dim, group and page size to the table the kernel reads.
     """
-    from kvbench import tune as tuner
+    from kvbench.experiments import tune as tuner
 
     tuner.command(device, dtype, kv_dtype, block_size, rehearse, budget, rounds, table, csv)
 
@@ -285,9 +285,9 @@ def plot(results: Annotated[Path, typer.Argument(help="A CSV that kvbench wrote.
                            help="Image to write. \\[default: RESULTS with .png]")] = None):
     """Draw what the results allow: decode time, speedup and bandwidth against context;
     memory bars; the largest batch against context for capacity rows."""
-    from kvbench import render
-    from kvbench.load import read_results
-    from kvbench.plot import plot as draw
+    from kvbench.report import render
+    from kvbench.report.load import read_results
+    from kvbench.report.plot import plot as draw
 
     kind, df = read_results(results)
     for written in draw(kind, df, output or results.with_suffix(".png")):
@@ -305,10 +305,10 @@ def compare(baseline: Annotated[Path, typer.Argument(help="Baseline results CSV.
                 "--allow-noisy", metavar="", help="With --fail-above: exit 0 for changes too noisy to "
                 "judge (regressions still fail).")] = False):
     """Compare results with a baseline, configuration by configuration."""
-    from kvbench import render
-    from kvbench.compare import compare as run_compare
-    from kvbench.compare import parse_threshold
-    from kvbench.load import read_results
+    from kvbench.report import render
+    from kvbench.report.compare import compare as run_compare
+    from kvbench.report.compare import parse_threshold
+    from kvbench.report.load import read_results
 
     threshold = parse_threshold(fail_above) if fail_above is not None else None
     kind, base_df = read_results(baseline)

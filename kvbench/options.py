@@ -228,13 +228,13 @@ def signature(command: str) -> inspect.Signature:
 def from_context(ctx: typer.Context, values: dict | None = None) -> RunOptions:
     """The command's option values (`values`, Typer's converted keyword arguments; default
     ctx.params), with a sweep file's filling those not given explicitly."""
-    from kvbench.sweep import load_sweep
+    from kvbench.planning.sweep import load_sweep
 
     values = dict(ctx.params if values is None else values)
     if values.get("format") not in FORMATS:
         raise KvbenchError(f"--format {values.get('format')!r}: use table, csv or json")
     if values.get("host_mem") is not None:  # refused here, before any work
-        from kvbench.hostmem import parse_host_mem
+        from kvbench.measure.hostmem import parse_host_mem
 
         parse_host_mem(values["host_mem"])
     path = values.get("config")

@@ -47,7 +47,7 @@ sys.path[:0] = [str(REPO), str(REPO / "scripts")]
 
 import gpu_summary
 
-from kvbench.hostmem import HOST_MEM_VAR, meminfo
+from kvbench.measure.hostmem import HOST_MEM_VAR, meminfo
 
 DEFAULT_BUDGET_S = 540
 FINISH_S = 5  # kept back for the last summary and archive

@@ -18,9 +18,9 @@ def main(device: str) -> int:
     import numpy
     import torch
 
-    from kvbench import bandwidth
-    from kvbench.hostmem import host_available, host_memory_note
-    from kvbench.timing import time_samples
+    from kvbench.measure import bandwidth
+    from kvbench.measure.hostmem import host_available, host_memory_note
+    from kvbench.measure.timing import time_samples
 
     try:
         import triton

@@ -1,9 +1,9 @@
 """Mutation testing of the modules a change touches (mutmut), within a time budget.
 
-    scripts/mutants.sh [--budget SECONDS] MODULE [MODULE ...]   e.g. kvbench/serving.py
+    scripts/mutants.sh [--budget SECONDS] MODULE [MODULE ...]   e.g. kvbench/serving/ops.py
     scripts/mutants.sh [--budget SECONDS] --changed [REF]       the modules changed since REF
                                                                 (default: HEAD~1)
-    scripts/mutants.sh --only 'kvbench.model.run.x_kv_bytes*' kvbench/model/run.py
+    scripts/mutants.sh --only 'kvbench.experiments.model.run.x_kv_bytes*' kvbench/experiments/model/run.py
                                                                 only the mutants whose names
                                                                 match (mutmut's globs)
 
@@ -37,16 +37,18 @@ DEFAULT_BUDGET_S = 900
 
 # module -> the tests that cover it, where they are not tests/test_<name>.py
 TESTS = {
-    "kvbench/model/": ["tests/test_model.py", "tests/test_costs.py"],
-    "kvbench/scheduler.py": ["tests/test_scheduler.py", "tests/test_servesim.py"],
-    "kvbench/engine.py": ["tests/test_servesim.py"],
-    "kvbench/servesim.py": ["tests/test_servesim.py"],
-    "kvbench/compare.py": ["tests/test_compare_plot.py"],
-    "kvbench/plot.py": ["tests/test_compare_plot.py"],
-    "kvbench/serving.py": ["tests/test_serving.py"],
-    "kvbench/mla.py": ["tests/test_mla.py"],
+    "kvbench/layers/model/": ["tests/test_model.py", "tests/test_costs.py"],
+    "kvbench/experiments/model/": ["tests/test_model.py", "tests/test_costs.py"],
+    "kvbench/subjects/": ["tests/test_model.py", "tests/test_cli.py", "tests/test_mla.py"],
+    "kvbench/serving/scheduler.py": ["tests/test_scheduler.py", "tests/test_servesim.py"],
+    "kvbench/serving/engine.py": ["tests/test_servesim.py"],
+    "kvbench/experiments/servesim.py": ["tests/test_servesim.py"],
+    "kvbench/report/compare.py": ["tests/test_compare_plot.py"],
+    "kvbench/report/plot.py": ["tests/test_compare_plot.py"],
+    "kvbench/serving/ops.py": ["tests/test_serving.py"],
+    "kvbench/layers/mla.py": ["tests/test_mla.py"],
     "kvbench/caches/mla.py": ["tests/test_mla.py"],
-    "kvbench/bench.py": ["tests/test_costs.py", "tests/test_cli.py"],
+    "kvbench/experiments/bench.py": ["tests/test_costs.py", "tests/test_cli.py"],
     "kvbench/kernels/triton_decode.py": ["tests/test_triton.py"],
     "kvbench/caches/paged.py": ["tests/test_cache.py", "tests/test_serving.py"],
 }

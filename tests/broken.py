@@ -14,8 +14,8 @@ from kvbench.caches.base import grouped_decode_attention
 from kvbench.caches.mla import MlaAbsorbedCache, MlaLatentCache
 from kvbench.caches.static import PreallocatedCache
 from kvbench.caches.triton_mla import TritonMlaCache
-from kvbench.engine import Engine
-from kvbench.quant import QuantizedStore
+from kvbench.formats.quant import QuantizedStore
+from kvbench.serving.engine import Engine
 
 
 class RopeOffByOne(StaticCache):
@@ -228,7 +228,7 @@ class _QuantizedFault(StaticCache):
         return self.combine(q, s, z).to(self.layer.dtype)
 
     def unpack(self, codes, bits, D):
-        from kvbench.quant import unpack
+        from kvbench.formats.quant import unpack
 
         return unpack(codes, bits, D)
 
@@ -538,7 +538,7 @@ class RopeOnLatent(MlaLatentCache):
     name = "rope-on-latent"
 
     def entry(self, x, start):
-        from kvbench.attention import apply_rope
+        from kvbench.layers.attention import apply_rope
 
         entry = self.layer.entry(x, start)
         return apply_rope(entry, self.layer.positions(x, start))  # (its k_pe part twice)
@@ -595,7 +595,7 @@ class LatentNormSkipped(MlaAbsorbedCache):
     name = "latent-norm-skipped"
 
     def entry(self, x, start):
-        from kvbench.attention import apply_rope
+        from kvbench.layers.attention import apply_rope
 
         layer, m = self.layer, self.layer.shape.mla
         B, T, H = x.shape
@@ -695,7 +695,7 @@ class CopyOnWriteSkipsScales(PagedCache):
                 pool[copy] = pool[block]
 
 
-# Continuous batching (kvbench.engine): engines that get one of a serving engine's cache
+# Continuous batching (kvbench.serving.engine): engines that get one of a serving engine's cache
 # operations wrong. serve-sim's check against path A must reject each.
 
 

@@ -1,11 +1,11 @@
 """Deliberately broken measurement code: the tests that check the real code must reject each.
 
 Each variant is the real code with one bug, reading the clock and synchronize through
-kvbench.timing so the tests' fake device drives them the same way.
+kvbench.measure.timing so the tests' fake device drives them the same way.
 """
 
-from kvbench import costs, timing
-from kvbench.timing import Stats
+from kvbench.measure import costs, timing
+from kvbench.measure.timing import Stats
 
 
 def _loop(tasks, device, warmup, rounds, sync_before=True, sync_after=True, time_setup=False):

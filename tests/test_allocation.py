@@ -1,8 +1,8 @@
 import pytest
 import torch
 
-from kvbench.allocation import CASES, allocator_model, check_allocation
 from kvbench.errors import KvbenchError
+from kvbench.measure.allocation import CASES, allocator_model, check_allocation
 
 MIB = 2**20
 

@@ -4,11 +4,11 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from typer.testing import CliRunner
 
-from kvbench.attention import AttentionLayer, make_inputs
 from kvbench.caches import IMPLEMENTATIONS, ImplOptions, PagedCache, SdpaCache
 from kvbench.cli import app
-from kvbench.config import LayerShape, MlaDims, RunConfig
-from kvbench.verify import verify
+from kvbench.experiments.verify import verify
+from kvbench.layers.attention import AttentionLayer, make_inputs
+from kvbench.sizing.config import LayerShape, MlaDims, RunConfig
 
 SHAPE = LayerShape(batch=2, prompt_len=21, decode_len=6, hidden=32, q_heads=4, kv_heads=2,
                    head_dim=8)
@@ -353,8 +353,8 @@ def test_a_prompt_cache_filled_without_attention_decodes_as_a_prefilled_one(name
 
 
 def test_the_no_prefill_bench_of_concat_plans_no_dense_prefill():
-    from kvbench import preflight
-    from kvbench.bench import BenchOptions
+    from kvbench.experiments.bench import BenchOptions
+    from kvbench.planning import preflight
 
     long = LayerShape(batch=4, prompt_len=4096, decode_len=8, hidden=1024, q_heads=32,
                       kv_heads=8, head_dim=128)

@@ -6,10 +6,10 @@ import pandas as pd
 import pytest
 from typer.testing import CliRunner
 
-from kvbench import capacity as cap
-from kvbench.capacity import CacheFormat, ModelSpec, parse_size, plan
 from kvbench.cli import app
 from kvbench.errors import KvbenchError
+from kvbench.sizing import capacity as cap
+from kvbench.sizing.capacity import CacheFormat, ModelSpec, parse_size, plan
 
 GIB, MIB, KIB = 2**30, 2**20, 2**10
 runner = CliRunner()
@@ -291,7 +291,7 @@ def test_planner_does_not_import_torch(tmp_path):
 # --- serving: preallocation against paging (--len-dist) -------------------------------------
 
 def test_len_dist_parses_draws_reproducibly_and_caps():
-    from kvbench.lengths import draw, parse_len_dist
+    from kvbench.sizing.lengths import draw, parse_len_dist
 
     dist = parse_len_dist("lognormal:1024:1.0")
     lens = draw(dist, 20_000, seed=3, max_len=8192)
@@ -306,7 +306,7 @@ def test_len_dist_parses_draws_reproducibly_and_caps():
 
 
 def test_serving_counts_preallocated_against_paged_sequences():
-    from kvbench.capacity import serving
+    from kvbench.sizing.capacity import serving
 
     model = spec(8)  # 32 layers, H_kv 8, D 128: 128 KiB per token in fp16
     per_token = 128 * 2**10
@@ -395,7 +395,7 @@ def test_kivis_layout_by_hand():
     # per token K's codes (64 B) and V's codes and group scales (64 + 4·4 B), per head and
     # layer; K's channel scales, 4,096 / 32 groups × 128 channels × 4 B; the residual's 128
     # positions of K and V in fp16
-    from kvbench.capacity import CacheFormat, ModelSpec, plan
+    from kvbench.sizing.capacity import CacheFormat, ModelSpec, plan
 
     model = ModelSpec(name="m", layers=32, kv_heads=8, head_dim=128)
     per_token = plan(model, CacheFormat("int4", 32), (4096,))

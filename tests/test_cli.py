@@ -4,7 +4,7 @@ from typer.testing import CliRunner
 
 from kvbench import __version__
 from kvbench.cli import app
-from kvbench.results import BENCH_COLUMNS, VERIFY_COLUMNS
+from kvbench.report.results import BENCH_COLUMNS, VERIFY_COLUMNS
 
 runner = CliRunner()
 TINY = ["--device", "cpu", "--batch", "1", "--prompt-len", "6", "--decode-len", "3",
@@ -157,7 +157,7 @@ def test_bench_refuses_to_time_a_mismatch(tmp_path, monkeypatch):
 
 
 def test_memory_writes_bytes_and_leaves_reserved_empty_on_cpu(tmp_path):
-    from kvbench.results import MEMORY_COLUMNS
+    from kvbench.report.results import MEMORY_COLUMNS
 
     out = tmp_path / "m.csv"
     result = run("memory", *TINY, "--csv", str(out))

@@ -3,7 +3,7 @@ import pytest
 from typer.testing import CliRunner
 
 from kvbench.cli import app
-from kvbench.results import BENCH_COLUMNS
+from kvbench.report.results import BENCH_COLUMNS
 
 runner = CliRunner()
 TINY = ["--device", "cpu", "--batch", "1", "--decode-len", "2", "--hidden", "32",
@@ -37,8 +37,8 @@ def test_compare_same_file_is_all_noise(bench_csv):
 
 
 def test_compare_ratios_by_hand(bench_csv, tmp_path):
-    from kvbench.compare import compare
-    from kvbench.load import read_results
+    from kvbench.report.compare import compare
+    from kvbench.report.load import read_results
 
     base = scaled(bench_csv, tmp_path / "base.csv", 1.0)
     slow = scaled(bench_csv, tmp_path / "slow.csv", 1.5)
@@ -120,7 +120,7 @@ def test_plot_draws_ragged_memory_rows_as_shares_holding_tokens(tmp_path):
             "4", "--kv-heads", "2", "--head-dim", "8", "--batch", "8", "--impl", "static,paged",
             "--len-dist", "lognormal:30:1.0,uniform:1:60", "--max-len", "128", "--csv", str(mem)]
     assert runner.invoke(app, args).exit_code == 0
-    from kvbench import plot
+    from kvbench.report import plot
 
     drawn = []
     original = plot.plot_serving
@@ -142,8 +142,8 @@ def test_plot_capacity_without_fit_says_what_is_missing(tmp_path):
 
 
 def test_a_change_within_the_spreads_is_noise(bench_csv, tmp_path):
-    from kvbench.compare import compare
-    from kvbench.load import read_results
+    from kvbench.report.compare import compare
+    from kvbench.report.load import read_results
 
     base = scaled(bench_csv, tmp_path / "base.csv", 1.0)  # IQR = 1% of the median
     near = scaled(bench_csv, tmp_path / "near.csv", 1.015)
@@ -189,8 +189,8 @@ def test_a_16x_slowdown_with_wide_spreads_is_never_passed_silently(bench_csv, tm
 
 
 def test_each_run_is_judged_by_its_own_spread(bench_csv, tmp_path):
-    from kvbench.compare import compare
-    from kvbench.load import read_results
+    from kvbench.report.compare import compare
+    from kvbench.report.load import read_results
 
     # base tight, new wide: the new run's range reaches back over the base's -> undecided;
     # judged with the base's tight spread alone it would read as a clear regression
@@ -214,7 +214,7 @@ def test_a_memory_file_mixing_square_and_ragged_rows_draws_each_on_its_own(tmp_p
              str(mem)]
     assert runner.invoke(app, [*small, "--seq-lens", "3,9,20"]).exit_code == 0
     assert runner.invoke(app, [*small, "--prompt-len", "8"]).exit_code == 0
-    from kvbench import plot
+    from kvbench.report import plot
 
     seen = {}
     originals = plot.plot_serving, plot.plot_memory
@@ -234,8 +234,8 @@ def test_the_most_recent_row_of_a_rerun_is_the_one_judged(bench_csv, tmp_path):
     # the new file holds each configuration twice: an old slow run, then the rerun at the
     # baseline's speed. The rerun (the last row) is compared: nothing regressed. The other
     # choice (the first row) would see every configuration 3x slower.
-    from kvbench.compare import compare
-    from kvbench.load import read_results
+    from kvbench.report.compare import compare
+    from kvbench.report.load import read_results
 
     base = pd.read_csv(bench_csv)
     slow = base.copy()

@@ -7,12 +7,12 @@ from broken import FlexIntPosition
 from torch._dynamo.utils import counters
 from typer.testing import CliRunner
 
-from kvbench.attention import AttentionLayer, make_inputs
 from kvbench.caches import IMPLEMENTATIONS, CompiledCache, FlexCache
 from kvbench.caches import compiled as compiled_module
 from kvbench.cli import app
-from kvbench.config import LayerShape, RunConfig
-from kvbench.verify import verify
+from kvbench.experiments.verify import verify
+from kvbench.layers.attention import AttentionLayer, make_inputs
+from kvbench.sizing.config import LayerShape, RunConfig
 
 COMPILED = {"compiled": CompiledCache, "flex": FlexCache}
 runner = CliRunner()

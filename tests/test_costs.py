@@ -3,11 +3,11 @@
 import broken_measure
 import pytest
 
-from kvbench import bandwidth, costs
-from kvbench.bench import BenchOptions, BenchResult, ImplTiming
-from kvbench.config import CUDA_TIMING_CASE, LayerShape, RunConfig
-from kvbench.results import bench_rows
-from kvbench.timing import Stats
+from kvbench.experiments.bench import BenchOptions, BenchResult, ImplTiming
+from kvbench.measure import bandwidth, costs
+from kvbench.measure.timing import Stats
+from kvbench.report.results import bench_rows
+from kvbench.sizing.config import CUDA_TIMING_CASE, LayerShape, RunConfig
 
 TINY = LayerShape(batch=1, prompt_len=3, decode_len=1, hidden=4, q_heads=2, kv_heads=1,
                   head_dim=2)
@@ -136,7 +136,7 @@ def test_graph_figures_by_hand():
 def test_model_graph_figures_by_hand():
     # a whole model, B=2, G=4: eager 40 ms for the 4 steps (10 ms a token), the graph 16 ms
     # (4 ms); a step moves 3e6 weight + 1e6 K/V bytes; copy 2 GB/s
-    from kvbench.model.run import ModelBenchResult, ModelTiming
+    from kvbench.experiments.model.run import ModelBenchResult, ModelTiming
 
     config = RunConfig(LayerShape(batch=2, prompt_len=8, decode_len=4, hidden=8, q_heads=2,
                                   kv_heads=1, head_dim=4))

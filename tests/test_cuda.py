@@ -3,8 +3,8 @@
 import pytest
 
 from kvbench.caches import ImplOptions
-from kvbench.config import CUDA_TIMING_CASE, SMALL_CASE, RunConfig
-from kvbench.verify import verify
+from kvbench.experiments.verify import verify
+from kvbench.sizing.config import CUDA_TIMING_CASE, SMALL_CASE, RunConfig
 
 pytestmark = pytest.mark.cuda
 
@@ -47,7 +47,7 @@ def test_compiled_and_flex_equal_recompute_on_cuda(rope):
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 @pytest.mark.parametrize("compiling", [False, pytest.param(True, marks=pytest.mark.compiles)])
 def test_every_implementation_is_exact_on_a_ragged_batch_on_cuda(dtype, compiling):
-    from kvbench.config import LayerShape
+    from kvbench.sizing.config import LayerShape
 
     if compiling and dtype != "float16":
         pytest.skip("compiled and flex: float16 only (a graph per dtype)")
@@ -63,7 +63,7 @@ def test_every_implementation_is_exact_on_a_ragged_batch_on_cuda(dtype, compilin
 def test_verify_rejects_ragged_faults_on_cuda():
     from broken import AttendsPadding, KernelLengthOfAnother, SwappedLengthsPaged
 
-    from kvbench.config import LayerShape
+    from kvbench.sizing.config import LayerShape
 
     shape = LayerShape(decode_len=4, hidden=256, q_heads=8, kv_heads=2, head_dim=64).with_lens(
         (150, 3, 64, 77))
@@ -84,7 +84,7 @@ def test_verify_rejects_a_lossy_cache_on_cuda():
 @pytest.mark.parametrize("head_dim", [80, 96, 128])
 def test_triton_compiled_kernel_equals_recompute(dtype, block_size, head_dim):
     from kvbench.caches import ImplOptions, TritonCache
-    from kvbench.config import LayerShape
+    from kvbench.sizing.config import LayerShape
 
     shape = LayerShape(batch=3, prompt_len=300, decode_len=6, hidden=256, q_heads=8,
                        kv_heads=2, head_dim=head_dim)
@@ -98,9 +98,9 @@ def test_triton_compiled_kernel_equals_recompute(dtype, block_size, head_dim):
 def test_compiled_steps_compile_once_on_cuda(name):
     from torch._dynamo.utils import counters
 
-    from kvbench.attention import AttentionLayer, make_inputs
     from kvbench.caches import IMPLEMENTATIONS
-    from kvbench.config import LayerShape
+    from kvbench.layers.attention import AttentionLayer, make_inputs
+    from kvbench.sizing.config import LayerShape
 
     shape = LayerShape(batch=2, prompt_len=100, decode_len=40, hidden=256, q_heads=8,
                        kv_heads=2, head_dim=64)
@@ -116,10 +116,10 @@ def test_compiled_steps_compile_once_on_cuda(name):
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 @pytest.mark.parametrize("preempt", ["recompute", "swap"])
 def test_serve_sim_serves_every_request_as_path_a_does_on_cuda(dtype, preempt):
-    from kvbench.attention import AttentionLayer
-    from kvbench.config import LayerShape
-    from kvbench.device import torch_dtype
-    from kvbench.servesim import SimOptions, requests, serve
+    from kvbench.experiments.servesim import SimOptions, requests, serve
+    from kvbench.layers.attention import AttentionLayer
+    from kvbench.measure.device import torch_dtype
+    from kvbench.sizing.config import LayerShape
 
     o = SimOptions(requests=40, len_dist="lognormal:40:0.8", output_dist="lognormal:24:0.8",
                    max_len=160, kv_blocks=40, block_size=8, dtype=dtype, device="cuda:0",
@@ -139,7 +139,7 @@ def test_triton_kernel_formats_and_plans_on_cuda(dtype, kv_dtype):
     # the compiled kernel's quantized paths (folded fp8 scales, per-group dot products) and a
     # ragged batch whose long sequence takes many splits
     from kvbench.caches import TritonCache
-    from kvbench.config import LayerShape
+    from kvbench.sizing.config import LayerShape
 
     shape = LayerShape(decode_len=4, hidden=256, q_heads=32, kv_heads=8, head_dim=128).with_lens(
         (4000, 3, 64, 777))
@@ -153,7 +153,7 @@ def test_triton_kernel_formats_and_plans_on_cuda(dtype, kv_dtype):
 @pytest.mark.parametrize("ragged", [False, True])
 def test_captured_steps_equal_recompute_on_cuda(name, ragged):
     from kvbench.caches import IMPLEMENTATIONS
-    from kvbench.config import LayerShape
+    from kvbench.sizing.config import LayerShape
 
     shape = LayerShape(batch=3, prompt_len=300, decode_len=8, hidden=256, q_heads=8,
                        kv_heads=2, head_dim=64)
@@ -166,7 +166,7 @@ def test_captured_steps_equal_recompute_on_cuda(name, ragged):
 
 def test_triton_mla_captured_steps_equal_recompute_on_cuda():
     from kvbench.caches import IMPLEMENTATIONS
-    from kvbench.config import LayerShape, MlaDims
+    from kvbench.sizing.config import LayerShape, MlaDims
 
     shape = LayerShape(decode_len=6, hidden=256, q_heads=16).with_lens(
         (300, 17, 129), max_len=400).with_mla(MlaDims(kv_lora_rank=128, qk_rope_dim=32))
@@ -193,8 +193,9 @@ def test_the_whole_model_as_one_cuda_graph_gives_the_eager_logits():
     import torch
 
     from kvbench.caches import IMPLEMENTATIONS
-    from kvbench.model import run, transformer
-    from kvbench.model.spec import resolve
+    from kvbench.experiments.model import run
+    from kvbench.layers.model import transformer
+    from kvbench.layers.model.spec import resolve
 
     ref = resolve("llama-3-8b")
     config = RunConfig(transformer.layer_shape(ref.arch, batch=2, prompt_len=64, decode_len=4),
@@ -212,7 +213,7 @@ def test_the_whole_model_as_one_cuda_graph_gives_the_eager_logits():
 
 @pytest.mark.compiles  # (Triton compiles, not torch.compile: gpu-check's tune step runs it)
 def test_tune_on_cuda_checks_times_and_writes_the_table(tmp_path):
-    from kvbench import tune
+    from kvbench.experiments import tune
     from kvbench.kernels import tuning
 
     result = tune.run("cuda", "float16", [None], [16], rehearse=False, budget_s=60, rounds=2)

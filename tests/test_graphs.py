@@ -1,4 +1,4 @@
-"""Captured decode steps (--graph): on the CPU through kvbench.graphs' recorder, which keeps a
+"""Captured decode steps (--graph): on the CPU through kvbench.kernels.graphs' recorder, which keeps a
 CUDA graph's contract (tensors by address, numbers frozen, no host reads), and the faults a
 step that is not graph-safe shows."""
 
@@ -6,12 +6,12 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from kvbench import graphs
 from kvbench.caches import IMPLEMENTATIONS, ImplOptions
 from kvbench.caches.triton import prepare
 from kvbench.cli import app
-from kvbench.config import LayerShape, RunConfig
-from kvbench.verify import verify
+from kvbench.experiments.verify import verify
+from kvbench.kernels import graphs
+from kvbench.sizing.config import LayerShape, RunConfig
 
 runner = CliRunner()
 SHAPE = LayerShape(batch=2, prompt_len=21, decode_len=6, hidden=32, q_heads=4, kv_heads=2,
@@ -56,7 +56,7 @@ def test_captured_steps_equal_recompute(name, ragged):
 
 @pytest.mark.parametrize("kv_dtype", [None, "fp8"])
 def test_triton_mla_captures_its_steps(kv_dtype):
-    from kvbench.config import MlaDims
+    from kvbench.sizing.config import MlaDims
 
     assert prepare("cpu") is None
     shape = SHAPE.with_lens((21, 9)).with_mla(MlaDims(kv_lora_rank=32, qk_rope_dim=8,
@@ -98,7 +98,7 @@ def test_a_host_read_in_a_captured_step_is_refused():
 
 
 def test_a_rewound_captured_cache_replays_the_same_steps():
-    from kvbench.attention import AttentionLayer, make_inputs
+    from kvbench.layers.attention import AttentionLayer, make_inputs
 
     config = RunConfig(SHAPE)
     layer, x = AttentionLayer.from_config(config), make_inputs(config)

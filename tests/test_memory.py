@@ -1,10 +1,10 @@
 import pytest
 import torch
 
-from kvbench.attention import AttentionLayer, make_inputs
 from kvbench.caches import ConcatCache
-from kvbench.config import LayerShape, RunConfig
-from kvbench.memory import memory, track_cpu_peak
+from kvbench.experiments.memory import memory, track_cpu_peak
+from kvbench.layers.attention import AttentionLayer, make_inputs
+from kvbench.sizing.config import LayerShape, RunConfig
 
 
 def test_cpu_tracker_is_exact_on_known_allocations_and_frees():
@@ -101,7 +101,7 @@ def test_prealloc_exact_reserves_the_longest_sequence():
 def test_the_window_ring_stays_at_sinks_plus_window_and_matches_the_planner():
     from dataclasses import replace
 
-    from kvbench.capacity import CacheFormat, ModelSpec, plan
+    from kvbench.sizing.capacity import CacheFormat, ModelSpec, plan
 
     base = LayerShape(batch=2, prompt_len=20, hidden=32, q_heads=4, kv_heads=2, head_dim=8,
                       window=8, sinks=2)
@@ -123,7 +123,7 @@ def test_a_shared_prefix_is_stored_once_as_capacity_plans():
     from dataclasses import replace
 
     from kvbench.caches import ImplOptions
-    from kvbench.capacity import CacheFormat, ModelSpec, plan
+    from kvbench.sizing.capacity import CacheFormat, ModelSpec, plan
 
     shape = replace(RAGGED, shared_prefix=5)  # prompts of 5, 17 and 40 share their first 5
     result = memory(RunConfig(shape), ("paged",), ImplOptions(block_size=4))

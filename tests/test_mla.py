@@ -13,13 +13,13 @@ from broken import (
 )
 from typer.testing import CliRunner
 
-from kvbench import capacity
-from kvbench.attention import AttentionLayer, full_forward, make_inputs
 from kvbench.caches import IMPLEMENTATIONS, ImplOptions, of_attention
 from kvbench.caches.base import storage_bytes
 from kvbench.cli import app
-from kvbench.config import LayerShape, MlaDims, RunConfig
-from kvbench.verify import verify
+from kvbench.experiments.verify import verify
+from kvbench.layers.attention import AttentionLayer, full_forward, make_inputs
+from kvbench.sizing import capacity
+from kvbench.sizing.config import LayerShape, MlaDims, RunConfig
 
 DIMS = MlaDims(kv_lora_rank=32, qk_rope_dim=8, qk_nope_dim=16, v_head_dim=12)
 SHAPE = LayerShape(batch=2, prompt_len=9, decode_len=5, hidden=48, q_heads=4).with_mla(DIMS)
@@ -242,7 +242,7 @@ def test_verify_attention_mla_all_on_the_cli(tmp_path):
 def test_an_mla_preset_with_one_layer_is_its_attention_layer():
     from kvbench.errors import KvbenchError
     from kvbench.options import RunOptions
-    from kvbench.plan import attention_model
+    from kvbench.subjects.layer import attention_model
 
     o = attention_model(RunOptions(model="deepseek-v3", layers=1))
     assert (o.model, o.attention, o.hidden, o.q_heads) == (None, "mla", "7168", "128")
@@ -259,7 +259,7 @@ def test_an_mla_preset_with_one_layer_is_its_attention_layer():
 
 
 def test_the_cost_model_counts_the_layers_weights_and_each_steps_arithmetic():
-    from kvbench import costs
+    from kvbench.measure import costs
 
     for q_lora_rank in (0, 24):
         from dataclasses import replace
@@ -281,7 +281,7 @@ def test_the_decompressing_caches_step_estimate_is_what_its_step_holds():
     # [k_nope | v] product (nope + v), K with the RoPE key (qk) and V's contiguous copy (v).
     # At 600 positions that is the step's peak; the estimate must be within 10% of what the
     # allocator saw (a V left out would be a quarter short)
-    from kvbench.memory import memory
+    from kvbench.experiments.memory import memory
 
     s = LayerShape(batch=2, prompt_len=600, decode_len=4, hidden=64, q_heads=8).with_mla(
         MlaDims(kv_lora_rank=32, qk_rope_dim=8, qk_nope_dim=16, v_head_dim=24))

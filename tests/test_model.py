@@ -13,12 +13,13 @@ from typer.testing import CliRunner
 transformers = pytest.importorskip("transformers")
 
 from kvbench.caches import ImplOptions
-from kvbench.capacity import PRESET_DIR, CacheFormat, from_hf_config, plan, presets
 from kvbench.cli import app
-from kvbench.config import RunConfig
-from kvbench.model import run, transformer
-from kvbench.model.spec import resolve
-from kvbench.model.transformer import layer_shape
+from kvbench.experiments.model import run
+from kvbench.layers.model import transformer
+from kvbench.layers.model.spec import resolve
+from kvbench.layers.model.transformer import layer_shape
+from kvbench.sizing.capacity import PRESET_DIR, CacheFormat, from_hf_config, plan, presets
+from kvbench.sizing.config import RunConfig
 
 runner = CliRunner()
 # head dim 32: every implementation runs (the CPU flex kernel refuses 8 and 16)
@@ -239,7 +240,7 @@ def test_model_rows_carry_the_points_kv_format(tiny, tmp_path):
 def test_a_presets_transformers_row_is_its_own_model_at_the_presets_shape(tiny):
     # bench on a preset times transformers' generate on transformers' own model at the
     # preset's shape (random weights of its own): here the tiny Llama's architecture, 1 layer
-    from kvbench.model.load import random_transformers
+    from kvbench.layers.model.load import random_transformers
 
     arch = resolve(str(tiny["llama"])).arch.first(1)
     hf = random_transformers(arch, torch.float32, "cpu")
@@ -265,7 +266,7 @@ def test_a_preset_runs_random_weights_at_its_shape_and_dry_run_shows_the_plan():
 
 
 def test_every_runnable_preset_has_its_published_parameter_count():
-    from kvbench.files import read_toml
+    from kvbench.sizing.files import read_toml
 
     runnable = [name for name in presets()
                 if "gguf_package" not in read_toml(PRESET_DIR / f"{name}.toml", "preset")
@@ -511,13 +512,13 @@ def test_kv_bytes_per_step_count_k_and_v_read_and_the_new_position_written():
 
 
 def _gqa_shape(**sizes):
-    from kvbench.config import LayerShape
+    from kvbench.sizing.config import LayerShape
 
     return LayerShape(hidden=64, q_heads=4, kv_heads=2, head_dim=32, **sizes)
 
 
 def test_transformers_steps_are_net_of_its_first_token():
-    from kvbench.timing import Stats
+    from kvbench.measure.timing import Stats
 
     first = Stats(10.0, 9.0, 12.0, 1.0, 9)  # generate(1): the prompt and the first token
     whole = Stats(50.0, 48.0, 55.0, 2.0, 9)  # generate(G + 1)
@@ -527,7 +528,7 @@ def test_transformers_steps_are_net_of_its_first_token():
 
 
 def test_the_preflight_holds_two_copies_of_a_checkpoints_weights_where_transformers_runs(tiny):
-    from kvbench.model.commands import preflight
+    from kvbench.subjects.model import preflight
 
     ref, config = _config(tiny["llama"])
     weights = ref.arch.weight_count() * 4  # float32
@@ -589,7 +590,7 @@ def test_the_gate_checks_every_step_and_names_the_step_and_layer(tiny, monkeypat
 def test_the_first_bad_layer_is_judged_at_atol_times_one_plus_the_layers_largest_value():
     # float32's tolerances (rtol 1e-3, atol 2e-3); each layer's last position reads [0, 9], so
     # an element may differ by 2e-3 * (1 + 9) = 0.02 plus 1e-3 * |a|: 0.02 at 0, 0.029 at 9
-    from kvbench.model.run import _first_bad_layer
+    from kvbench.experiments.model.run import _first_bad_layer
 
     rtol, atol = run.TOLERANCES["float32"]
     a = torch.tensor([[[5.0, 5.0], [0.0, 9.0]]], dtype=torch.float64)  # [B=1, T=2, H=2]

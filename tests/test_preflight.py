@@ -5,11 +5,12 @@ import pandas as pd
 import pytest
 from typer.testing import CliRunner
 
-from kvbench import hostmem, preflight
 from kvbench.caches import IMPLEMENTATIONS, ImplOptions, select_impls
 from kvbench.cli import app
-from kvbench.config import LayerShape, RunConfig
-from kvbench.memory import PHASES, memory
+from kvbench.experiments.memory import PHASES, memory
+from kvbench.measure import hostmem
+from kvbench.planning import preflight
+from kvbench.sizing.config import LayerShape, RunConfig
 
 runner = CliRunner()
 SHAPES = {
@@ -230,7 +231,7 @@ def test_bench_graph_plans_a_second_cache_for_each_captured_implementation():
     # sdpa here; concat is not captured): every later phase holds their storage once more
     from dataclasses import replace
 
-    from kvbench.bench import BenchOptions
+    from kvbench.experiments.bench import BenchOptions
 
     config = RunConfig(SHAPES["gqa"])
     impls = ("concat", "static", "sdpa")

@@ -14,11 +14,10 @@ from broken import (
 )
 
 from kvbench.caches import ImplOptions, PagedCache, StaticCache
-from kvbench.capacity import CacheFormat, ModelSpec, plan
-from kvbench.config import LayerShape, RunConfig
 from kvbench.errors import KvbenchError
-from kvbench.kvformat import KvFormat
-from kvbench.quant import (
+from kvbench.experiments.verify import verify
+from kvbench.formats.kvformat import KvFormat
+from kvbench.formats.quant import (
     QuantizedStore,
     dequantize_channels,
     dequantize_grouped,
@@ -28,7 +27,8 @@ from kvbench.quant import (
     quantize_grouped,
     unpack,
 )
-from kvbench.verify import verify
+from kvbench.sizing.capacity import CacheFormat, ModelSpec, plan
+from kvbench.sizing.config import LayerShape, RunConfig
 
 
 @pytest.mark.parametrize("bits", [8, 4, 2])
@@ -132,7 +132,7 @@ def test_verify_rejects_fp8_scales_set_by_padding():
 @pytest.mark.parametrize("group", [32, 64, 128])
 @pytest.mark.parametrize("head_dim", [96, 128])  # 96 with groups of 64: a partial last group
 def test_memory_measures_the_planners_bytes_for_every_format(name, group, head_dim):
-    from kvbench.memory import memory
+    from kvbench.experiments.memory import memory
 
     shape = LayerShape(batch=2, prompt_len=21, decode_len=3, hidden=64, q_heads=4,
                        kv_heads=2, head_dim=head_dim)
@@ -288,7 +288,7 @@ def test_verify_rejects_each_kivi_fault(broken, k_quant, residual, step):
     ("int4", "per-channel", 0, 32), ("int2", "per-channel", 128, 32),
     ("int4", "per-token", 128, 128), ("int8", "per-channel", 0, 7)])
 def test_memory_measures_the_planners_bytes_in_kivis_layout(name, k_quant, residual, group):
-    from kvbench.memory import memory
+    from kvbench.experiments.memory import memory
 
     shape = LayerShape(batch=2, prompt_len=41, decode_len=3, hidden=64, q_heads=4,
                        kv_heads=2, head_dim=64)

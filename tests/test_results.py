@@ -2,7 +2,7 @@ import pandas as pd
 import pytest
 
 from kvbench.errors import KvbenchError
-from kvbench.results import append_csv, check_csv
+from kvbench.report.results import append_csv, check_csv
 
 COLS = ["a_ms", "b_bytes", "c"]
 
@@ -54,7 +54,7 @@ def test_an_earlier_file_takes_rows_with_new_columns(tmp_path):
 
 
 def test_merged_header_keeps_the_old_order():
-    from kvbench.results import merged_header
+    from kvbench.report.results import merged_header
 
     assert merged_header(["a", "c"], ["a", "b", "c", "d"]) == ["a", "b", "c", "d"]
     assert merged_header(["c", "a"], ["a", "b", "c"]) == ["c", "a", "b"]
@@ -76,7 +76,7 @@ def test_an_old_memory_file_is_upgraded_and_read_by_compare_and_plot(tmp_path):
     from typer.testing import CliRunner
 
     from kvbench.cli import app
-    from kvbench.results import MEMORY_COLUMNS, MEMORY_FIRST
+    from kvbench.report.results import MEMORY_COLUMNS, MEMORY_FIRST
 
     old = Path(__file__).parent / "data" / "memory-0.1.0.csv"  # written by kvbench 0.1.0
     path = tmp_path / "memory.csv"
@@ -102,7 +102,7 @@ def test_an_old_memory_file_is_upgraded_and_read_by_compare_and_plot(tmp_path):
 def test_old_bench_and_verify_files_still_read(tmp_path):
     from pathlib import Path
 
-    from kvbench.load import read_results
+    from kvbench.report.load import read_results
 
     data = Path(__file__).parent / "data"
     assert read_results(data / "bench-0.1.0.csv")[0] == "bench"

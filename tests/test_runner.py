@@ -1,4 +1,4 @@
-"""kvbench.runner: rows on disk as each point finishes, SIGTERM handled as Ctrl-C, the
+"""kvbench.planning.runner: rows on disk as each point finishes, SIGTERM handled as Ctrl-C, the
 results location checked before the first point."""
 
 import os
@@ -45,7 +45,7 @@ def test_sigterm_after_two_points_keeps_their_rows_and_exits_143(tmp_path):
 
 
 def test_rows_are_on_disk_before_the_next_point_runs(tmp_path, monkeypatch):
-    from kvbench import runner as run_module
+    from kvbench.planning import runner as run_module
 
     out = tmp_path / "v.csv"
     seen = []
@@ -105,9 +105,9 @@ def _unlock(folder: Path) -> None:
 
 
 def test_the_sweep_estimate_scales_the_first_points_time_by_each_points_work():
-    from kvbench.config import LayerShape
-    from kvbench.costs import point_work
-    from kvbench.runner import _estimate
+    from kvbench.measure.costs import point_work
+    from kvbench.planning.runner import _estimate
+    from kvbench.sizing.config import LayerShape
 
     small = LayerShape(prompt_len=64)
     assert point_work(replace(small, prompt_len=256), 2) > point_work(small, 2)

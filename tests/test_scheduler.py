@@ -1,4 +1,4 @@
-"""Continuous batching's bookkeeping (kvbench.scheduler) on a seeded trace of 1,000 requests:
+"""Continuous batching's bookkeeping (kvbench.serving.scheduler) on a seeded trace of 1,000 requests:
 no request lost or duplicated, no block leaked or held twice, under both preemption modes and
 both ways of reserving blocks."""
 
@@ -7,8 +7,8 @@ import itertools
 import pytest
 
 from kvbench.errors import KvbenchError
-from kvbench.lengths import parse_len_dist
-from kvbench.scheduler import BlockPool, Request, Scheduler, trace
+from kvbench.serving.scheduler import BlockPool, Request, Scheduler, trace
+from kvbench.sizing.lengths import parse_len_dist
 
 TRACE = trace(1000, seed=0, prompt=parse_len_dist("lognormal:200:1.0"),
               output=parse_len_dist("lognormal:100:1.0"), rate=0.5, max_len=2048)
@@ -155,7 +155,7 @@ def test_a_step_prefills_its_whole_chunk_budget_oldest_prefill_first():
 def test_a_trace_caps_each_request_and_draws_outputs_apart_from_prompts():
     # prompts of exactly 10 against --max-len 10: the prompt keeps 9 positions and the output
     # the 1 left; prompts of 3 leave 7 positions for outputs drawn at 9
-    from kvbench.lengths import LenDist, draw
+    from kvbench.sizing.lengths import LenDist, draw
 
     long = trace(4, seed=1, prompt=LenDist("uniform", 10, 10), output=LenDist("uniform", 5, 5),
                  rate=float("inf"), max_len=10)

@@ -10,8 +10,9 @@ import pytest
 from typer.testing import CliRunner
 
 from kvbench.cli import app
-from kvbench.load import read_results
-from kvbench.servesim import SimOptions, percentile, requests, serve
+from kvbench.experiments.servesim import SimOptions, requests, serve
+from kvbench.measure.timing import percentile
+from kvbench.report.load import read_results
 
 runner = CliRunner()
 # 40 requests on 40 blocks of 8: tight enough that paged preempts
@@ -27,8 +28,8 @@ OPTIONS = SimOptions(requests=40, len_dist="lognormal:40:0.8", output_dist="logn
 def layer():
     import torch
 
-    from kvbench.attention import AttentionLayer
-    from kvbench.config import LayerShape
+    from kvbench.layers.attention import AttentionLayer
+    from kvbench.sizing.config import LayerShape
 
     shape = LayerShape(hidden=64, q_heads=4, kv_heads=2, head_dim=16)
     return AttentionLayer(shape, torch.float32, "cpu", 0, rope=True)
@@ -81,9 +82,9 @@ def test_chunked_prefill_serves_every_request_and_bounds_the_step(tmp_path):
                                    broken.LastOutputOverwritesThePrevious,
                                    broken.ChunkReadsZerosBeforeIt])
 def test_serve_sim_catches_an_engine_that_gets_the_cache_wrong(monkeypatch, fault):
-    import kvbench.engine
+    import kvbench.serving.engine
 
-    monkeypatch.setattr(kvbench.engine, "Engine", fault)
+    monkeypatch.setattr(kvbench.serving.engine, "Engine", fault)
     preempt = "swap" if fault is broken.SwapInSkipped else "recompute"
     chunk = 16 if fault is broken.ChunkReadsZerosBeforeIt else None
     o = SimOptions(**{**OPTIONS.__dict__, "preempt": preempt, "prefill_chunk": chunk})
@@ -93,9 +94,9 @@ def test_serve_sim_catches_an_engine_that_gets_the_cache_wrong(monkeypatch, faul
 
 
 def test_a_failed_check_exits_1_and_keeps_its_rows(tmp_path, monkeypatch):
-    import kvbench.engine
+    import kvbench.serving.engine
 
-    monkeypatch.setattr(kvbench.engine, "Engine", broken.DecodeReadsPastTheEnd)
+    monkeypatch.setattr(kvbench.serving.engine, "Engine", broken.DecodeReadsPastTheEnd)
     out = tmp_path / "s.csv"
     result = runner.invoke(app, ["serve-sim", *SMALL, "--reserve", "paged", "--csv", str(out)])
     assert result.exit_code == 1
@@ -145,8 +146,8 @@ def test_all_at_once_and_poisson_arrivals():
 
 def test_latencies_by_hand():
     # steps end at 0.5, 1.0, 2.0, 2.5, 4.0 s (Poisson-like arrivals at 0.0, 0.7 and 1.9 s)
-    from kvbench.scheduler import Record, Request
-    from kvbench.servesim import latencies
+    from kvbench.experiments.servesim import latencies
+    from kvbench.serving.scheduler import Record, Request
 
     ends = [0.5, 1.0, 2.0, 2.5, 4.0]
     records = [Record(Request(0, 0.0, 10, 3), first_token=0, finished=2),
@@ -161,8 +162,8 @@ def test_latencies_by_hand():
 def test_serve_rows_by_hand():
     # 10 requests' TTFTs 0.1..1.0 s: p50 0.55, p90 0.91, p99 0.991 (linear between ranks);
     # 40 output and 100 prompt tokens in 2 s: 20 output tokens a second
-    from kvbench.results import serve_rows
-    from kvbench.servesim import Served
+    from kvbench.experiments.servesim import Served
+    from kvbench.report.results import serve_rows
 
     ttft = [0.1 * i for i in range(1, 11)]
     served = Served("paged", 2.0, 4, [0.5, 1.0, 1.5, 2.0], [0.5, 0.4, 0.6, 0.5], [2, 3, 3, 1],

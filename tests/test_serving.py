@@ -15,9 +15,9 @@ from typer.testing import CliRunner
 
 from kvbench.caches import IMPLEMENTATIONS, ImplOptions
 from kvbench.cli import app
-from kvbench.config import LayerShape, MlaDims, RunConfig
-from kvbench.serving import kept_per_step
-from kvbench.verify import verify
+from kvbench.experiments.verify import verify
+from kvbench.serving.ops import kept_per_step
+from kvbench.sizing.config import LayerShape, MlaDims, RunConfig
 
 GQA = LayerShape(batch=2, prompt_len=23, decode_len=9, hidden=32, q_heads=4, kv_heads=2,
                  head_dim=8)
@@ -84,8 +84,8 @@ def test_acceptance_is_seeded_and_bounded():
 
 
 def test_paged_returns_every_rejected_block():
-    from kvbench.attention import AttentionLayer, make_inputs
-    from kvbench.serving import drafts
+    from kvbench.layers.attention import AttentionLayer, make_inputs
+    from kvbench.serving.ops import drafts
 
     config = RunConfig(GQA, rope=True, draft_len=6, accept="1")  # five drafts rejected a step
     layer, x = AttentionLayer.from_config(config), make_inputs(config)
@@ -113,7 +113,7 @@ def test_verify_rejects_serving_faults(broken, options):
 
 
 def test_the_pool_names_a_freed_block_a_table_still_holds():
-    from kvbench.attention import AttentionLayer, make_inputs
+    from kvbench.layers.attention import AttentionLayer, make_inputs
 
     config = RunConfig(GQA, rope=True)
     layer, x = AttentionLayer.from_config(config), make_inputs(config)
@@ -199,8 +199,8 @@ def test_every_beam_equals_path_a_on_its_own_history(shape):
 def test_paged_forks_blocks_by_reference():
     from dataclasses import replace
 
-    from kvbench.attention import AttentionLayer, make_inputs
-    from kvbench.serving import beam_decode, parents
+    from kvbench.layers.attention import AttentionLayer, make_inputs
+    from kvbench.serving.ops import beam_decode, parents
 
     config = RunConfig(replace(GQA, batch=4), rope=True, beams=4)  # one prompt, four beams
     layer = AttentionLayer.from_config(config)
@@ -259,7 +259,7 @@ def test_verify_rejects_a_copy_on_write_that_skips_the_scales():
 # The serving operations' figures and decisions, worked out by hand.
 
 def test_mean_positions_kept_per_step_by_hand():
-    from kvbench.serving import mean_kept
+    from kvbench.serving.ops import mean_kept
 
     assert mean_kept(RunConfig(GQA)) == 1.0  # no speculation: one position a step
     assert mean_kept(RunConfig(GQA, draft_len=4, accept="3")) == 3.0
@@ -286,7 +286,7 @@ def test_acceptance_keeps_the_drafts_before_the_first_rejection_only():
 def test_each_prompts_beams_fork_from_its_own_beams():
     from dataclasses import replace
 
-    from kvbench.serving import parents
+    from kvbench.serving.ops import parents
 
     config = RunConfig(replace(GQA, batch=6), beams=3)  # 2 prompts of 3 beams
     steps = parents(config)

@@ -7,8 +7,8 @@ import pytest
 from typer.testing import CliRunner
 
 from kvbench.cli import app
-from kvbench.results import BENCH_COLUMNS, VERIFY_COLUMNS
-from kvbench.timing import time_interleaved
+from kvbench.measure.timing import time_interleaved
+from kvbench.report.results import BENCH_COLUMNS, VERIFY_COLUMNS
 
 runner = CliRunner()
 SMALL = ["--device", "cpu", "--batch", "1", "--hidden", "32", "--q-heads", "4", "--kv-heads",
@@ -64,7 +64,7 @@ def test_shipped_sweep_files_parse(path):
     import tomllib
 
     from kvbench.options import OUTPUT, RunOptions
-    from kvbench.sweep import load_sweep
+    from kvbench.planning.sweep import load_sweep
 
     command = tomllib.loads(path.read_text()).get("command", "verify")
     allowed = {f.name for f in fields(RunOptions)
@@ -116,7 +116,7 @@ def test_a_device_file_is_refused_not_replaced(tmp_path):
 
 
 def test_ctrl_c_keeps_completed_rows_and_exits_130(tmp_path, monkeypatch):
-    import kvbench.verify as v
+    import kvbench.experiments.verify as v
 
     real, calls = v.verify, []
 

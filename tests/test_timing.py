@@ -8,8 +8,8 @@ then measures exactly the work's host + device time, and each broken variant som
 import broken_measure
 import pytest
 
-from kvbench import timing
-from kvbench.timing import Stats, time_interleaved, time_samples
+from kvbench.measure import timing
+from kvbench.measure.timing import Stats, time_interleaved, time_samples
 
 SETUP_HOST_MS, SETUP_DEVICE_MS = 100.0, 50.0
 WORK_HOST_MS, WORK_DEVICE_MS = 1.0, 5.0

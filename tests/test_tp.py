@@ -10,7 +10,7 @@ import pandas as pd
 import pytest
 import torch.multiprocessing as mp
 
-from kvbench.capacity import CacheFormat, ModelSpec, plan
+from kvbench.sizing.capacity import CacheFormat, ModelSpec, plan
 
 SMALL = ["--device", "cpu", "--batch", "2", "--prompt-len", "9", "--decode-len", "3",
          "--hidden", "32", "--q-heads", "4", "--head-dim", "8"]
@@ -83,7 +83,7 @@ def test_a_failing_rank_ends_the_group_with_a_clear_message(tmp_path):
     assert r.returncode != 0
     assert time.monotonic() - start < 60
     assert "kvbench: error: rank 1: RuntimeError: injected on rank 1" in r.stderr
-    assert "kvbench/verify.py" not in r.stderr  # one line, not kvbench's traceback
+    assert "kvbench/experiments/verify.py" not in r.stderr  # one line, not kvbench's traceback
 
 
 def test_tp_unlike_the_world_size_is_one_line(tmp_path):
@@ -122,11 +122,11 @@ def test_bad_tp_is_one_line_exit_2(tmp_path, args, message):
 def _verify_with_fault(rank: int, store: str, fault: str, results) -> None:
     import torch.distributed as dist
 
-    from kvbench import distributed
-    from kvbench.attention import AttentionLayer
     from kvbench.caches import StaticCache
-    from kvbench.config import LayerShape, RunConfig
-    from kvbench.verify import verify
+    from kvbench.experiments.verify import verify
+    from kvbench.layers.attention import AttentionLayer
+    from kvbench.measure import distributed
+    from kvbench.sizing.config import LayerShape, RunConfig
 
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
     distributed._group = distributed.Group(2, rank, rank, "gloo")
@@ -222,8 +222,8 @@ def test_every_rank_takes_the_kv_heads_its_query_heads_read(tp, kv_heads):
     # ranks, rank r's query heads read KV head (r * H_q/tp) // G: not always rank 0's
     import torch
 
-    from kvbench.attention import AttentionLayer
-    from kvbench.config import LayerShape, RunConfig
+    from kvbench.layers.attention import AttentionLayer
+    from kvbench.sizing.config import LayerShape, RunConfig
 
     shape = LayerShape(batch=1, prompt_len=4, decode_len=1, hidden=32, q_heads=8,
                        kv_heads=kv_heads, head_dim=4)

@@ -17,9 +17,9 @@ from broken import (
 )
 
 from kvbench.caches import ImplOptions, TritonCache
-from kvbench.config import LayerShape, RunConfig
+from kvbench.experiments.verify import verify
 from kvbench.kernels import triton_decode
-from kvbench.verify import verify
+from kvbench.sizing.config import LayerShape, RunConfig
 
 HEADS = {"mha": (8, 8), "gqa": (8, 2), "mqa": (8, 1)}  # (H_q, H_kv)
 
@@ -153,7 +153,7 @@ def test_the_kernel_splits_each_sequence_as_the_host_plan_says(tiles_of_16):
     # (5 tiles in 2 splits of 3). The kernel's live splits (exp-sums > 0) must be those.
     config = RunConfig(LayerShape(decode_len=4, hidden=64, q_heads=8, kv_heads=2,
                                   head_dim=32).with_lens(RAGGED_LENS))
-    from kvbench.attention import AttentionLayer, make_inputs
+    from kvbench.layers.attention import AttentionLayer, make_inputs
 
     layer, x = AttentionLayer.from_config(config), make_inputs(config)
     cache = TritonCache.build(layer, config)
@@ -238,7 +238,7 @@ def test_the_static_tile_loop_is_chosen_only_where_the_interpreter_needs_it(monk
 
 def _filled(cls, shape, dtype, **options):
     """A cache of `cls` over random K/V of `shape` (the query heads' inputs too)."""
-    from kvbench.attention import AttentionLayer, make_inputs
+    from kvbench.layers.attention import AttentionLayer, make_inputs
 
     config = RunConfig(shape, dtype, kv_dtype=options.get("kv_dtype"),
                        group_size=options.get("group_size", 64))
@@ -255,8 +255,8 @@ def test_every_kernel_variant_compiles_for_an_h200():
     import torch
 
     from kvbench.caches import TritonMlaCache
-    from kvbench.config import MlaDims
     from kvbench.kernels import aot
+    from kvbench.sizing.config import MlaDims
 
     cases = [  # (dtype, page, options): pages of 16 and 1 (whole pages per 64-tile), 64
         ("float16", 16, {}),  # (one page a tile), 12 (each position looked up)

@@ -59,8 +59,8 @@ def test_the_rehearsal_checks_times_and_writes_the_best(tmp_path):
 
 def test_a_configuration_that_answers_wrong_is_never_the_best(monkeypatch):
     pytest.importorskip("triton")
-    from kvbench import tune
     from kvbench.caches.triton import prepare
+    from kvbench.experiments import tune
     from kvbench.kernels import triton_decode
 
     assert prepare("cpu") is None
@@ -94,7 +94,7 @@ def test_the_kernel_reads_its_device_s_entry_and_ignores_others(tmp_path, monkey
                  ("NVIDIA H100", "float16", "int8", 128, 4, 16),
                  ("NVIDIA H200", "float16", "int8", 128, 4, 64)):
         assert tuning.lookup(*args, path=table) == (tuning.DEFAULT, False)
-    from kvbench import device
+    from kvbench.measure import device
 
     monkeypatch.setattr(device, "device_name", lambda dev: "NVIDIA H100")
     note = tuning.untuned_note("cuda", table)

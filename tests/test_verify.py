@@ -15,8 +15,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvbench.caches import IMPLEMENTATIONS, ImplOptions
-from kvbench.config import SMALL_CASE, LayerShape, RunConfig
-from kvbench.verify import verify
+from kvbench.experiments.verify import verify
+from kvbench.sizing.config import SMALL_CASE, LayerShape, RunConfig
 
 
 def eager(config: RunConfig):
@@ -114,7 +114,12 @@ def test_every_implementation_is_exact_on_a_ragged_batch(lens, rope, dtype, bloc
 
 
 def test_a_ragged_batch_is_checked_against_each_sequence_run_alone():
-    from kvbench.attention import AttentionLayer, make_inputs, recompute_decode, recompute_each
+    from kvbench.layers.attention import (
+        AttentionLayer,
+        make_inputs,
+        recompute_decode,
+        recompute_each,
+    )
 
     config = RunConfig(RAGGED, rope=True)
     layer, x = AttentionLayer.from_config(config), make_inputs(config)
@@ -149,8 +154,8 @@ def test_long_prompt_prefill_does_not_build_the_square_score_matrix():
     # 8192 tokens x 8 heads of fp32 scores would be 2 GiB; the cached prefill must not need it.
     shape = LayerShape(batch=1, prompt_len=8192, decode_len=1, hidden=64, q_heads=8,
                        kv_heads=2, head_dim=8)
-    from kvbench.attention import AttentionLayer, make_inputs
-    from kvbench.memory import track_cpu_peak
+    from kvbench.experiments.memory import track_cpu_peak
+    from kvbench.layers.attention import AttentionLayer, make_inputs
 
     config = RunConfig(shape)
     layer, x = AttentionLayer.from_config(config), make_inputs(config)
@@ -282,8 +287,8 @@ def test_a_fault_at_the_last_decode_step_alone_fails():
 
 
 def _h2o(budget: int, recent: int, prompt_len: int = 10):
-    from kvbench.attention import AttentionLayer
     from kvbench.caches import H2OCache
+    from kvbench.layers.attention import AttentionLayer
 
     shape = LayerShape(batch=1, prompt_len=prompt_len, decode_len=4, hidden=32, q_heads=4,
                        kv_heads=2, head_dim=8, kv_budget=budget, kv_recent=recent)
@@ -294,7 +299,7 @@ def _h2o(budget: int, recent: int, prompt_len: int = 10):
 def test_h2o_keeps_the_heaviest_prompt_positions(monkeypatch):
     # verify's gate checks attention over whatever was kept, so it cannot see which positions
     # should have been: plant the scores and check the choice itself
-    from kvbench.attention import make_inputs
+    from kvbench.layers.attention import make_inputs
 
     impl, config = _h2o(budget=4, recent=2)
     planted = torch.tensor([0.1, 0.2, 0.3, 9.0, 0.4, 5.0, 0.5, 0.6, 0.7, 0.8])  # T = 10
@@ -307,7 +312,7 @@ def test_h2o_keeps_the_heaviest_prompt_positions(monkeypatch):
 
 
 def test_h2o_evicts_the_lightest_position_outside_the_recent_window():
-    from kvbench.attention import make_inputs
+    from kvbench.layers.attention import make_inputs
 
     impl, config = _h2o(budget=4, recent=1, prompt_len=4)
     x = make_inputs(config)

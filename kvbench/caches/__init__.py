@@ -3,6 +3,8 @@
 Importing this package registers every implementation, in the order `--impl all` runs them.
 Adding one is a new module here that subclasses CachedAttention, decorates it with
 `@register`, and is listed below.
+
+May import: kernels, measure, sizing, formats and errors (a cache is handed its layer).
 """
 
 # The import order below is the order `--impl all` runs them in.

@@ -10,18 +10,20 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, replace
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
 import torch.nn.functional as F
 
-from kvbench import capacity
-from kvbench import footprint as fp
-from kvbench.attention import AttentionLayer
-from kvbench.capacity import QUANTIZED
-from kvbench.config import RunConfig
 from kvbench.errors import KvbenchError
-from kvbench.kvformat import KvFormat
+from kvbench.formats.kvformat import KvFormat
+from kvbench.measure import footprint as fp
+from kvbench.sizing import capacity
+from kvbench.sizing.capacity import QUANTIZED
+from kvbench.sizing.config import RunConfig
+
+if TYPE_CHECKING:  # a cache is handed its layer; it never builds one
+    from kvbench.layers.attention import AttentionLayer
 
 SDPA_BACKENDS = ("auto", "math", "flash", "efficient", "cudnn")
 PREALLOC = ("max-len", "exact")  # what a preallocating cache reserves per sequence
@@ -159,7 +161,7 @@ class CachedAttention(ABC):
 
     name: ClassVar[str]
     description: ClassVar[str]
-    attention: ClassVar[str] = "gqa"  # the layer it caches: "gqa", or "mla" (kvbench.mla)
+    attention: ClassVar[str] = "gqa"  # the layer it caches: "gqa", or "mla" (kvbench.layers.mla)
     compiles: ClassVar[bool] = False  # its first step compiles (reported as compile_ms)
     kv_dtypes: ClassVar[frozenset[str]] = frozenset()  # the quantized formats it can store
     kivi: ClassVar[bool] = False  # whether it takes KIVI's layout (K per channel, a residual)
@@ -317,7 +319,7 @@ class CachedAttention(ABC):
         """The least a decode step of this cache must move, averaged over the G steps
         (bench's %copy divides it by the time): weights, the cache it reads, the new
         position, activations."""
-        from kvbench import costs
+        from kvbench.measure import costs
 
         s, fmt = config.shape, options.kv_format
         vector = fmt.vector_bytes(s.head_dim) if fmt.quantized else None
@@ -560,7 +562,7 @@ class CachedAttention(ABC):
         """`step` through the captured graph (captured at the first call): the output is the
         graph's buffer, valid until the next step."""
         if self.captured is None:
-            from kvbench.graphs import Captured
+            from kvbench.kernels.graphs import Captured
 
             self.enter_graph()
             self.captured = Captured(self.graph_step, [self], self.layer.device)

@@ -4,7 +4,7 @@ The step reads the whole max-length static cache [B, H_kv, T_max, D] through SDP
 so its shapes never change. The position is a device tensor the step advances itself, and the
 positions the mask compares it with are precomputed. torch.compile traces the step once
 (inductor fuses its small ops); on CUDA that compiled step is then captured in a CUDA graph
-(kvbench.graphs) and every later step is one replay: no Dynamo guards, no CUDA-graph-tree
+(kvbench.kernels.graphs) and every later step is one replay: no Dynamo guards, no CUDA-graph-tree
 bookkeeping, no input copies, no clone of the output when it is not kept (gpt-fast: 25.5 ->
 107.0 tok/s for Llama-7B). On the CPU the compiled step runs through inductor's C++ backend.
 
@@ -36,9 +36,9 @@ import weakref
 import torch
 import torch.nn.functional as F
 
-from kvbench import footprint as fp
 from kvbench.caches.base import register
 from kvbench.caches.static import PreallocatedCache
+from kvbench.measure import footprint as fp
 
 # One graph per shape and dtype; a sweep (or the test suite) runs many through the same
 # step. Past torch's limits (8 per function, 256 in all) fullgraph would refuse to compile.

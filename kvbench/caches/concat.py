@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from kvbench import footprint as fp
-from kvbench.attention import dense_causal_attention
 from kvbench.caches.base import CachedAttention, register
+from kvbench.kernels.reference import dense_causal_attention
+from kvbench.measure import footprint as fp
 
 
 @register

@@ -18,9 +18,9 @@ from __future__ import annotations
 
 import torch
 
-from kvbench import footprint as fp
 from kvbench.caches.base import register
 from kvbench.caches.compiled import CompiledCache, compiler_missing
+from kvbench.measure import footprint as fp
 
 
 def _flex_missing() -> str | None:

@@ -16,9 +16,9 @@ from __future__ import annotations
 
 import torch
 
-from kvbench import footprint as fp
 from kvbench.caches.base import FixedSlots, causal_prefill, register
 from kvbench.errors import KvbenchError
+from kvbench.measure import footprint as fp
 
 
 @register

@@ -1,4 +1,4 @@
-"""MLA's caches (--attention mla; the layer is kvbench.mla's).
+"""MLA's caches (--attention mla; the layer is kvbench.layers.mla's).
 
 - `mla-naive` caches every head's decompressed K and V, as a runtime that treats an MLA model
   like any multi-head one would: H_q·(qk_nope + qk_rope + v) values per token.
@@ -16,8 +16,6 @@ from __future__ import annotations
 
 import torch
 
-from kvbench import capacity
-from kvbench import footprint as fp
 from kvbench.caches.base import (
     CachedAttention,
     block_attention,
@@ -25,9 +23,11 @@ from kvbench.caches.base import (
     register,
 )
 from kvbench.caches.static import PreallocatedCache
-from kvbench.capacity import QUANTIZED
-from kvbench.mla import causal_attention
-from kvbench.quant import QuantizedStore
+from kvbench.formats.quant import QuantizedStore
+from kvbench.kernels.reference import causal_attention
+from kvbench.measure import footprint as fp
+from kvbench.sizing import capacity
+from kvbench.sizing.capacity import QUANTIZED
 
 
 class MlaCache(CachedAttention):
@@ -39,7 +39,7 @@ class MlaCache(CachedAttention):
 
     @classmethod
     def min_bytes_per_step(cls, config, options):
-        from kvbench import costs
+        from kvbench.measure import costs
 
         return costs.decode_min_bytes_per_step(
             config.shape, config.dtype_bytes, read=lambda t: cls.step_reads(config, options, t),
@@ -48,7 +48,7 @@ class MlaCache(CachedAttention):
     @classmethod
     def step_reads(cls, config, options, length):
         """Each sequence's own positions: MLA's caches mask nothing they do not read."""
-        from kvbench.costs import real_positions
+        from kvbench.measure.costs import real_positions
 
         return real_positions(config.shape, length)
 
@@ -186,7 +186,7 @@ class MlaLatentCache(LatentCache):
 
     @classmethod
     def flops_per_step(cls, config):
-        from kvbench import costs
+        from kvbench.measure import costs
 
         return costs.decode_flops_per_step(config.shape, costs.decompressing_step_flops)
 
@@ -212,7 +212,7 @@ class Absorbed(LatentAttention):
 
     @classmethod
     def flops_per_step(cls, config):
-        from kvbench import costs
+        from kvbench.measure import costs
 
         return costs.decode_flops_per_step(config.shape, costs.absorbed_step_flops)
 

@@ -7,12 +7,12 @@ from collections import deque
 
 import torch
 
-from kvbench import footprint as fp
 from kvbench.caches.base import CachedAttention, grouped_decode_attention, register
 from kvbench.caches.blocktable import BlockTable
-from kvbench.capacity import QUANTIZED
 from kvbench.errors import KvbenchError
-from kvbench.quant import QuantizedStore
+from kvbench.formats.quant import QuantizedStore
+from kvbench.measure import footprint as fp
+from kvbench.sizing.capacity import QUANTIZED
 
 
 @register

@@ -9,9 +9,9 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from kvbench import footprint as fp
 from kvbench.caches.base import SDPA_BACKENDS, backend_declined, register
 from kvbench.caches.static import PreallocatedCache
+from kvbench.measure import footprint as fp
 
 _BACKENDS = {"math": SDPBackend.MATH, "flash": SDPBackend.FLASH_ATTENTION,
              "efficient": SDPBackend.EFFICIENT_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION}
@@ -40,7 +40,7 @@ class SdpaCache(PreallocatedCache):
         if options.sdpa_backend == "auto":
             return None
         s = config.shape
-        from kvbench.device import torch_dtype
+        from kvbench.measure.device import torch_dtype
 
         dt, dev = torch_dtype(config.dtype), config.device
         q = torch.zeros(s.batch, s.q_heads, 1, s.head_dim, dtype=dt, device=dev)

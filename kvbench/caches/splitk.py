@@ -12,10 +12,10 @@ import time
 import numpy as np
 import torch
 
-from kvbench import footprint as fp
 from kvbench.caches.base import register
 from kvbench.caches.static import PreallocatedCache
 from kvbench.kernels import numba_splitk
+from kvbench.measure import footprint as fp
 
 _compile_ms: float | None = None
 
@@ -61,7 +61,7 @@ class SplitKCache(PreallocatedCache):
     @classmethod
     def step_reads(cls, config, options, length):
         """Each sequence's own positions."""
-        from kvbench.costs import real_positions
+        from kvbench.measure.costs import real_positions
 
         return real_positions(config.shape, length)
 

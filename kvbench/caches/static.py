@@ -5,9 +5,9 @@ from __future__ import annotations
 import torch
 
 from kvbench.caches.base import CachedAttention, grouped_decode_attention, register
-from kvbench.capacity import QUANTIZED
 from kvbench.errors import KvbenchError
-from kvbench.quant import QuantizedStore
+from kvbench.formats.quant import QuantizedStore
+from kvbench.sizing.capacity import QUANTIZED
 
 
 class PreallocatedCache(CachedAttention):

@@ -19,10 +19,10 @@ import sys
 
 import torch
 
-from kvbench import footprint as fp
 from kvbench.caches.base import CachedAttention, register
 from kvbench.caches.paged import PagedCache
-from kvbench.capacity import QUANTIZED
+from kvbench.measure import footprint as fp
+from kvbench.sizing.capacity import QUANTIZED
 
 NEEDS_TRITON = ('needs triton: CUDA builds of torch bring it; on CPU pip install -e ".[dev]" '
                 "(the kernel runs in Triton's interpreter)")
@@ -126,7 +126,7 @@ class TritonCache(KernelLengths, PagedCache):
     @classmethod
     def step_reads(cls, config, options, length):
         """Each sequence's own positions, read in place."""
-        from kvbench.costs import real_positions
+        from kvbench.measure.costs import real_positions
 
         return real_positions(config.shape, length)
 

@@ -14,12 +14,12 @@ import math
 
 import torch
 
-from kvbench import footprint as fp
 from kvbench.caches.base import register
 from kvbench.caches.mla import Absorbed
 from kvbench.caches.paged import PagedCache
 from kvbench.caches.triton import KernelLengths, TritonCache, kernel_config
-from kvbench.quant import QuantizedStore
+from kvbench.formats.quant import QuantizedStore
+from kvbench.measure import footprint as fp
 
 
 @register

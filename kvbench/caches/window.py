@@ -19,10 +19,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kvbench import footprint as fp
-from kvbench.attention import visibility
 from kvbench.caches.base import FixedSlots, causal_prefill, register
 from kvbench.errors import KvbenchError
+from kvbench.kernels.reference import visibility
+from kvbench.measure import footprint as fp
 
 
 @register

@@ -52,7 +52,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kvbench import graphs
+from kvbench.kernels import graphs
 from kvbench.kernels.config import KernelConfig
 
 MAX_SPLITS = 64
@@ -136,7 +136,7 @@ def _codes(C, slot, dims, mask, BITS: tl.constexpr):
 def _dequantized(C, S, Z, slot_c, slot_m, offs_d, mask, BITS: tl.constexpr,
                  GROUP: tl.constexpr):
     """[BLOCK_D, BLOCK_N] float32 values of a grouped int pool, element by element (groups
-    smaller than tl.dot's 16, or not powers of two): x = q·s + z, as kvbench.quant."""
+    smaller than tl.dot's 16, or not powers of two): x = q·s + z, as kvbench.formats.quant."""
     q = _codes(C, slot_c[None, :], offs_d[:, None], mask, BITS)
     group = (offs_d // GROUP)[:, None]
     s = tl.load(S + slot_m[None, :] + group, mask=mask, other=0.0).to(tl.float32)
@@ -383,7 +383,7 @@ def split_partials(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
 
     q [B, H_q, D]; k_pool, v_pool [N_blocks, H_kv, block_size, D]; table [B, blocks] int32
     block ids; lengths [B] the positions each sequence reads (device). Quantized, k_pool and
-    v_pool are the codes of `store` (a kvbench.quant.QuantizedStore over the pool layout),
+    v_pool are the codes of `store` (a kvbench.formats.quant.QuantizedStore over the pool layout),
     whose scales and zero points the kernel reads beside them: [N_blocks, H_kv, block_size,
     groups] for the int formats, one scale per KV head for fp8. `longest`: the longest
     length, for the interpreter's fixed loop only. Returns Triton's compiled kernel (its

@@ -28,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kvbench import graphs
+from kvbench.kernels import graphs
 from kvbench.kernels.triton_decode import _plan, _tile, pad, static_tiles
 
 BLOCK_H = 16  # query heads per program

@@ -89,7 +89,7 @@ def save(entries: dict[str, dict], path: Path | None = None) -> None:
 def untuned_note(device: str, path: Path | None = None) -> str | None:
     """One line when the table has entries for other devices but none for this one (they
     are ignored and the kernel takes its defaults), else None."""
-    from kvbench.device import device_name
+    from kvbench.measure.device import device_name
 
     name = device_name(device)
     path = path or table_path()

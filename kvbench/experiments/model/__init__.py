@@ -1,0 +1,1 @@
+"""verify, bench and memory of a whole decoder (`run`) and their tables (`view`)."""

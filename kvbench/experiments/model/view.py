@@ -1,0 +1,110 @@
+"""The tables of --model runs."""
+
+from __future__ import annotations
+
+from rich.table import Table
+
+from kvbench.experiments.model import run
+from kvbench.report.render import _ms, _result, _sci, _spread, _table, human_bytes, kv_label, mib
+
+
+def _title(command: str, result) -> str:
+    s = result.config.shape
+    return (f"{command}  {result.ref.label}, {result.layers} layers: B={s.batch} "
+            f"prompt={s.prompt_len} decode={s.decode_len} {result.config.dtype} "
+            f"{result.config.device}"
+            + (f" window={s.window} sinks={s.sinks}" if s.window is not None else "")
+            + (f" kv-budget={s.kv_budget}" if s.kv_budget is not None else "")
+            + (f" {kv_label(result.config.kv_format)}" if result.config.kv_dtype
+               else ""))
+
+
+def verify_table(report) -> Table:
+    t = _table(_title("verify", report))
+    trained = report.ref.trained
+    cols = ["impl", "result", "max|Δlogit|"] + (["ppl", "KL mean", "KL max", "top-1"]
+                                                  if trained else []) + ["failure"]
+    for col in cols:
+        t.add_column(col, justify="left" if col in ("impl", "result", "failure") else "right",
+                     no_wrap=col != "failure")
+    for c in report.checks:
+        q = c.quality
+        result = "[yellow]lossy[/]" if c.lossy else _result(c)
+        quality = [f"{q.ppl:.3f}", _sci(q.kl_mean), _sci(q.kl_max), f"{q.top1:.1%}"]
+        t.add_row(c.impl, result, _sci(c.max_abs_err), *(quality if trained else []),
+                  c.message or "—")
+    ref = report.reference
+    if report.masked is not None:
+        q = report.masked
+        t.add_row("[dim]masked A[/]", "[dim]reference[/]", "—", f"{q.ppl:.3f}", _sci(q.kl_mean),
+                  _sci(q.kl_max), f"{q.top1:.1%}", "—")
+    t.caption = (("masked A = transformers' forward under the window's mask (sinks + the last "
+                  "W positions): a windowed cache must give its logits, within the tolerance; "
+                  if report.masked is not None else "")
+                 + f"A = transformers' forward with no cache, once per step (one forward over "
+                 f"the whole text beyond {run.PER_STEP_PATH_A} steps); B = kvbench's "
+                 f"decode through each cache; logits compared at every prompt position and "
+                 f"step, tolerance rtol={report.rtol:g} atol={report.atol:g}, and the same "
+                 "most likely token"
+                 + (f"; path A perplexity {ref.ppl:.3f} over the {report.config.shape.decode_len}"
+                    f" decoded tokens; …{report.context!r} → path A's next tokens "
+                    f"{report.greedy!r}; lossy rows (quantized, evicting, windowed) are "
+                    "reported, not gated" if trained else
+                    "; random weights: path A is kvbench's own cacheless forward"))
+    return t
+
+
+def bench_table(result) -> Table:
+    t = _table(_title("bench", result))
+    for col in ("impl", "TTFT ms", "ms/token", "IQR", "tok/s", "MB/token", "KV share",
+                "%copy"):
+        t.add_column(col, justify="left" if col == "impl" else "right", no_wrap=True)
+    for timing in result.timings:
+        pct = result.bandwidth_fraction(timing)
+        t.add_row(timing.impl, _ms(timing.prefill.median_ms) if timing.prefill else "skipped",
+                  _ms(result.ms_per_token(timing)), _spread(timing.decode),
+                  f"{result.tokens_per_s(timing):,.1f}",
+                  f"{result.bytes_per_step(timing) / 1e6:,.2f}",
+                  f"{result.kv_share(timing):.1%}",
+                  f"{100 * pct:.0f}%" + (" [yellow]?[/]" if pct > 1 else ""))
+        if timing.graph is not None:
+            ms, pct = result.graph_ms_per_token(timing), result.graph_bandwidth_fraction(timing)
+            t.add_row(f"{timing.impl} graph", "—", _ms(ms), _spread(timing.graph),
+                      f"{result.config.shape.batch * 1e3 / ms:,.1f}",
+                      f"{result.bytes_per_step(timing) / 1e6:,.2f}",
+                      f"{result.kv_share(timing):.1%}",
+                      f"{100 * pct:.0f}%" + (" [yellow]?[/]" if pct > 1 else ""))
+    s = result.config.shape
+    graphed = any(t.graph is not None for t in result.timings)
+    t.caption = (f"TTFT: the prompt's forward; ms/token: one decode step of the batch (all "
+                 f"{s.decode_len} steps / {s.decode_len}), median of {result.options.rounds} "
+                 f"rounds after {result.options.warmup} warmups; MB/token: the weights "
+                 f"({human_bytes(result.weight_bytes_per_step)}) + the K/V read and written "
+                 f"by one step; %copy = MB/token / ms/token against the copy bandwidth "
+                 f"{result.copy_gbps:.1f} GB/s measured in the same rounds; transformers = its "
+                 "generate with the static cache, greedy, which transformers compiles on CUDA "
+                 "(its ms/token: generate of G+1 tokens minus generate of 1, over G)"
+                 + ("; graph: the whole model's step (every layer, the final norm, the LM "
+                    "head) compiled by torch.compile and, on CUDA, replayed as one CUDA graph"
+                    if graphed else "")
+                 + (f"; {result.note}" if result.note else ""))
+    return t
+
+
+def memory_table(result) -> Table:
+    t = _table(_title("memory", result))
+    for col in ("impl", "K/V MiB", "planner MiB", "prefill peak", "decode peak"):
+        t.add_column(col, justify="left" if col == "impl" else "right", no_wrap=True)
+    for m in result.impls:
+        same = m.cache_bytes == m.planner_bytes
+        t.add_row(m.impl, mib(m.cache_bytes), mib(m.planner_bytes)
+                  + ("" if same else " [red]≠[/]"), mib(m.prefill_peak_bytes),
+                  mib(m.decode_peak_bytes))
+    t.caption = (f"MiB; K/V: every layer's cache tensors once decoded; planner: kvbench "
+                 f"capacity's bytes for the model at this point; weights "
+                 f"{human_bytes(result.weight_bytes)} (not in the peaks); peaks above what "
+                 "was held before: building the caches and the prefill, then the decode steps")
+    return t
+
+
+TABLES = {"verify": verify_table, "bench": bench_table, "memory": memory_table}

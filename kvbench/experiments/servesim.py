@@ -1,0 +1,282 @@
+"""`kvbench serve-sim`: continuous batching on a seeded request trace, timed on real decode
+steps and verified request by request.
+
+The same trace and the same pool of KV blocks are served once per way of reserving
+(kvbench.serving.scheduler): paged takes blocks as sequences grow, prealloc reserves --max-len per
+request as a cache preallocated to the maximum length does, oracle reserves each request's
+own prompt + output (the vLLM paper's Orca (Oracle), which no server can know). Every step
+is carried out by kvbench.serving.engine on one attention layer and timed; the clock the requests
+arrive and are served on is the sum of those step times (arrivals at --rate requests per
+second; with no --rate all arrive at once, a throughput run). Each finished request's outputs
+are compared with path A, the request recomputed alone; the check is not timed.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from kvbench.errors import KvbenchError
+from kvbench.serving.scheduler import PREEMPT, Scheduler, refuse_unfit, trace
+from kvbench.sizing.config import DTYPE_BYTES, canonical_dtype
+from kvbench.sizing.lengths import parse_len_dist
+
+RESERVES = ("paged", "prealloc", "oracle")
+DEFAULT_BLOCKS = 512
+WARMUP_REQUESTS = 4
+
+
+@dataclass(frozen=True)
+class SimOptions:
+    requests: int = 200
+    len_dist: str = "lognormal:256:1.0"  # prompt lengths
+    output_dist: str = "lognormal:128:1.0"  # output lengths
+    max_len: int = 2048
+    rate: float = math.inf  # arrivals per second
+    kv_blocks: int | None = None  # the pool's blocks; None: DEFAULT_BLOCKS, or from kv_mem
+    kv_mem: str | None = None  # the pool's size instead (e.g. 64MiB): as many blocks as fit
+    block_size: int = 16
+    reserve: tuple[str, ...] = ("paged", "prealloc")
+    preempt: str = "recompute"
+    prefill_chunk: int | None = None  # prompt positions prefilled per step; None: whole
+    hidden: int = 512
+    q_heads: int = 8
+    kv_heads: int = 2
+    head_dim: int = 64
+    dtype: str = "float32"
+    device: str = "auto"
+    seed: int = 0
+    host_mem: str | None = None
+    csv: Path | None = None
+    steps_csv: Path | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "dtype", canonical_dtype(self.dtype))
+        if self.kv_mem is not None:
+            if self.kv_blocks is not None:
+                raise KvbenchError("--kv-blocks and --kv-mem both size the pool; give one")
+            from kvbench.sizing.capacity import parse_size
+
+            blocks = parse_size(self.kv_mem, "--kv-mem") // max(self.block_bytes, 1)
+            if blocks < 1:
+                raise KvbenchError(f"--kv-mem {self.kv_mem} holds no block of "
+                                   f"{self.block_bytes:,} bytes (K and V, {self.block_size} "
+                                   "positions); give more")
+            object.__setattr__(self, "kv_blocks", blocks)
+        elif self.kv_blocks is None:
+            object.__setattr__(self, "kv_blocks", DEFAULT_BLOCKS)
+        for name in ("requests", "max_len", "kv_blocks", "block_size", "hidden", "q_heads",
+                     "kv_heads", "head_dim"):
+            if getattr(self, name) < 1:
+                raise KvbenchError(f"--{name.replace('_', '-')} must be a positive integer, "
+                                   f"got {getattr(self, name)}")
+        if self.max_len < 2:
+            raise KvbenchError(f"--max-len {self.max_len}: a request needs at least 1 prompt "
+                               "and 1 output token; give --max-len 2 or more")
+        if not self.rate > 0:
+            raise KvbenchError(f"--rate {self.rate:g}: give requests per second above 0, or "
+                               "omit it to have every request arrive at once")
+        unknown = [r for r in self.reserve if r not in RESERVES]
+        if unknown or not self.reserve:
+            raise KvbenchError(f"--reserve {','.join(self.reserve)}: use one or more of "
+                               f"{', '.join(RESERVES)}, comma-separated")
+        if self.prefill_chunk is not None and self.prefill_chunk < 1:
+            raise KvbenchError(f"--prefill-chunk must be a positive integer, got "
+                               f"{self.prefill_chunk}; omit it to prefill each prompt whole")
+        if self.preempt not in PREEMPT:
+            raise KvbenchError(f"unknown --preempt {self.preempt!r}; use recompute or swap")
+        if self.q_heads % self.kv_heads:
+            raise KvbenchError(f"--q-heads {self.q_heads} is not a multiple of --kv-heads "
+                               f"{self.kv_heads}; each KV head serves a whole group")
+        parse_len_dist(self.len_dist)
+        parse_len_dist(self.output_dist)
+
+    @property
+    def block_bytes(self) -> int:
+        """K and V of one block of this layer, in --dtype."""
+        return 2 * self.kv_heads * self.block_size * self.head_dim * DTYPE_BYTES[self.dtype]
+
+    @property
+    def pool_bytes(self) -> int:
+        return self.block_bytes * self.kv_blocks
+
+    def reservation(self, reserve: str) -> dict:
+        """The Scheduler's reserve and reserve_len for one way of reserving."""
+        return {"reserve": "paged" if reserve == "paged" else "prealloc",
+                "reserve_len": self.max_len if reserve == "prealloc" else None}
+
+    def scheduler(self, reserve: str, requests, engine=None) -> Scheduler:
+        """The scheduler of one way of reserving."""
+        return Scheduler(requests, self.kv_blocks, self.block_size, preempt=self.preempt,
+                         engine=engine, chunk=self.prefill_chunk, **self.reservation(reserve))
+
+
+def requests(o: SimOptions):
+    """The trace, with lengths drawn from --len-dist (prompts) and --output-dist."""
+    return trace(o.requests, o.seed, parse_len_dist(o.len_dist), parse_len_dist(o.output_dist),
+                 o.rate, o.max_len)
+
+
+@dataclass
+class Served:
+    """One way of reserving, run on the trace: the measured figures and the per-step log."""
+
+    reserve: str
+    duration_s: float
+    steps: int
+    step_end_s: list[float] = field(repr=False)
+    step_s: list[float] = field(repr=False)  # each step's own time
+    batch: list[int] = field(repr=False)
+    tokens: list[int] = field(repr=False)
+    blocks_in_use: list[int] = field(repr=False)
+    ttft_s: list[float] = field(repr=False)
+    tpot_s: list[float] = field(repr=False)
+    latency_per_token_s: list[float] = field(repr=False)
+    output_tokens: int = 0
+    prompt_tokens: int = 0
+    preemptions: int = 0
+    recomputed_tokens: int = 0
+    swapped_blocks: int = 0
+    max_abs_err: float = 0.0
+    failures: list[str] = field(default_factory=list)
+
+    @property
+    def passed(self) -> bool:
+        return not self.failures
+
+    @property
+    def mean_batch(self) -> float:
+        return sum(self.batch) / self.steps
+
+    @property
+    def mean_blocks_in_use(self) -> float:
+        return sum(self.blocks_in_use) / self.steps
+
+    @property
+    def requests_per_s(self) -> float:
+        return len(self.ttft_s) / self.duration_s
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.output_tokens / self.duration_s
+
+
+def preflight(o: SimOptions, device: str) -> None:
+    """Refuse, before allocating, a pool the device cannot hold: the pool, the blocks a
+    step reads copied out of it (at most the pool again, in float32) and a margin."""
+    from kvbench.planning.preflight import DEVICE, HOST, available_memory
+    from kvbench.report.render import human_bytes
+
+    need = o.pool_bytes + 2 * o.pool_bytes * 4 // DTYPE_BYTES[o.dtype] + 64 * 2**20
+    have = available_memory(device, o.host_mem)[HOST if device == "cpu" else DEVICE]
+    if need > have:
+        raise KvbenchError(
+            f"--kv-blocks {o.kv_blocks} of {o.block_size} positions needs about "
+            f"{human_bytes(need)} ({human_bytes(o.pool_bytes)} of pool) but "
+            f"{device} has {human_bytes(have)} available; lower --kv-blocks")
+
+
+def serve(o: SimOptions, reserve: str, reqs, layer, device: str) -> Served:
+    """The trace served by one way of reserving, every step timed."""
+    from kvbench.experiments.verify import TOLERANCES
+    from kvbench.measure.device import synchronize
+    from kvbench.serving.engine import Engine
+
+    rtol, atol = TOLERANCES[o.dtype]
+    engine = Engine(layer, o.kv_blocks, o.block_size, o.seed)
+    # warm-up: the first steps' one-time costs (allocator, kernels) before the clock starts
+    warm = o.scheduler(reserve, sorted(reqs, key=lambda r: r.reach)[:WARMUP_REQUESTS], engine)
+    warm.run()
+    engine.check(rtol, atol)
+    sched = o.scheduler(reserve, reqs, engine)
+    clock, ends, took, failures, max_err = 0.0, [], [], [], 0.0
+    while not sched.done:
+        if sched.idle:  # nothing to do before the next arrival
+            clock = max(clock, sched.pending[0].arrival)
+        synchronize(device)
+        start = time.perf_counter()
+        sched.step(clock)
+        synchronize(device)
+        took.append(time.perf_counter() - start)
+        clock += took[-1]
+        ends.append(clock)
+        for r, err, wrong in engine.check(rtol, atol):  # not timed
+            max_err = max(max_err, err)
+            if wrong:
+                failures.append(f"request {r.id} ({r.prompt_len} prompt + {r.output_len} "
+                                f"output tokens): {wrong}")
+    if leaked := o.kv_blocks - len(sched.pool.free):
+        failures.append(f"{leaked} blocks were never returned to the pool")
+    ttft, tpot, per_token = latencies(sched.records.values(), ends)
+    return Served(reserve, clock, sched.now, ends, took, sched.batch, sched.decoded,
+                  sched.blocks_in_use, ttft, tpot, per_token,
+                  output_tokens=sum(r.output_len for r in reqs),
+                  prompt_tokens=sum(r.prompt_len for r in reqs),
+                  preemptions=sched.preemptions, recomputed_tokens=sched.recomputed_tokens,
+                  swapped_blocks=sched.swapped_blocks, max_abs_err=max_err,
+                  failures=failures)
+
+
+def latencies(records, ends: list[float]) -> tuple[list[float], list[float], list[float]]:
+    """Each request's time to first token (from its arrival to the end of the step that made
+    it), time per output token after the first ((finish − first) / (outputs − 1), for
+    requests of two or more outputs) and latency per output token ((finish − arrival) /
+    outputs), in seconds; ends[i] is the clock at the end of step i."""
+    ttft, tpot, per_token = [], [], []
+    for rec in records:
+        r = rec.request
+        first, done = ends[rec.first_token], ends[rec.finished]
+        ttft.append(first - r.arrival)
+        if r.output_len > 1:
+            tpot.append((done - first) / (r.output_len - 1))
+        per_token.append((done - r.arrival) / r.output_len)
+    return ttft, tpot, per_token
+
+
+def run(o: SimOptions) -> list[Served]:
+    """Every --reserve on the trace; the rows written; exit 1 if a request's outputs differ
+    from path A."""
+    from kvbench.report import render, results
+
+    csv = o.csv or results.default_csv("serve-sim")
+    steps_csv = o.steps_csv or csv.with_name(f"{csv.stem}-steps.csv")
+    results.check_csv(csv, results.SERVE_COLUMNS, results.SERVE_FIRST)
+    results.check_csv(steps_csv, results.SERVE_STEP_COLUMNS, results.SERVE_STEP_FIRST)
+
+    import torch
+
+    from kvbench.layers.attention import AttentionLayer
+    from kvbench.measure.device import resolve_device, torch_dtype
+    from kvbench.measure.env import environment
+    from kvbench.sizing.config import LayerShape
+
+    device = resolve_device(o.device)
+    preflight(o, device)
+    reqs = requests(o)
+    for reserve in o.reserve:  # a request that cannot run refuses the run before any work
+        refuse_unfit(reqs, o.kv_blocks, o.block_size, **o.reservation(reserve))
+    shape = LayerShape(hidden=o.hidden, q_heads=o.q_heads, kv_heads=o.kv_heads,
+                       head_dim=o.head_dim)
+    layer = AttentionLayer(shape, torch_dtype(o.dtype), device, o.seed, rope=True)
+    served = []
+    with torch.inference_mode():
+        for reserve in o.reserve:
+            with render.status(f"serve-sim: {len(reqs)} requests, {reserve}"):
+                served.append(serve(o, reserve, reqs, layer, device))
+    env = environment(device)
+    stamp = results.timestamp()
+    results.append_csv(csv, results.serve_rows(o, device, served, stamp, env),
+                       results.SERVE_COLUMNS, results.SERVE_FIRST)
+    results.append_csv(steps_csv, results.serve_step_rows(served, stamp, o.block_bytes, env),
+                       results.SERVE_STEP_COLUMNS, results.SERVE_STEP_FIRST)
+    render.show_serve(o, device, served)
+    render.note(f"wrote {csv} and {steps_csv}")
+    failed = [s for s in served if not s.passed]
+    if failed:
+        for s in failed:
+            for line in s.failures[:3]:
+                render.err.print(f"{s.reserve}: {line}", highlight=False, markup=False)
+        raise SystemExit(1)
+    return served

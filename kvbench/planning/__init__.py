@@ -1,0 +1,6 @@
+"""From options to points, and running them: `plan` (points, implementation options, notes),
+`sweep` (sweep files), `preflight` (each phase's memory before anything is allocated) and
+`runner` (the progress bar, rows written as each point ends, device errors, Ctrl-C).
+
+May import: layers, report and everything below; never an experiment (they import this).
+"""

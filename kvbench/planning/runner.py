@@ -1,0 +1,220 @@
+"""Running a command's points: the preflight, then each point in turn with a progress bar,
+its rows written as it finishes, device errors and skipped points reported, Ctrl-C and
+SIGTERM handled. The commands hand it their points and a function that runs one.
+"""
+
+from __future__ import annotations
+
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import typer
+
+from kvbench.errors import KvbenchError
+
+if TYPE_CHECKING:
+    from kvbench.options import RunOptions
+
+
+def _preflight(o: RunOptions, command: str, points, impl_options, bench_options=None,
+               plan_of=None):
+    """Each point's memory plan (plan_of(config, names), by default one layer's). --dry-run
+    shows them all and exits 0. Otherwise the points that fit are returned with the plans of
+    those that do not (each named on stderr); when none fits, one line and exit 2. --force
+    runs them all."""
+    from kvbench.measure import distributed
+    from kvbench.planning import preflight
+    from kvbench.report import render
+
+    plan_of = plan_of or (lambda config, names: preflight.plan(
+        command, config, names, impl_options, bench_options, host_mem=o.host_mem))
+    plans = [plan_of(config, names) for config, names in points]
+    fits = [p.fits for p in plans]
+    if distributed.world() is not None:  # every rank must run the same points: rank 0's say
+        fits = distributed.broadcast(fits)
+        if o.dry_run and distributed.rank() != 0:
+            raise typer.Exit(0)
+    if o.dry_run:
+        render.show_plans(command, plans)
+        raise typer.Exit(0)
+    too_big = [p for p, f in zip(plans, fits) if not f]
+    if o.force:
+        for p in too_big:
+            render.warn(f"--force: running {render.refusal(p)}")
+        return points, []
+    if too_big and distributed.rank() != 0:  # rank 0 says why; its plans decided
+        if len(too_big) == len(plans):
+            raise KvbenchError("refused on rank 0")
+        return [pt for pt, f in zip(points, fits) if f], too_big
+    if too_big and len(too_big) == len(plans):
+        if len(plans) == 1:
+            raise KvbenchError(render.refusal(too_big[0]))
+        smallest = min(too_big, key=lambda p: max(x.peak_bytes / p.budget(x.memory)
+                                                  for x in p.over))
+        raise KvbenchError(f"none of the {len(plans)} points fits in memory; the smallest, "
+                           + render.refusal(smallest))
+    for p in too_big:
+        render.warn(f"skipping {render.refusal(p)}")
+    for p, f in zip(plans, fits):
+        if f and p.heavy is not None and not o.quiet:
+            render.warn(render.heavy(p))
+    return [pt for pt, f in zip(points, fits) if f], too_big
+
+
+def sweep(o: RunOptions, command: str, points, run_point, impl_options, notes,
+           bench_options=None, plans=None, show=None):
+    """Preflight, then run every point with a progress bar; write rows; print machine
+    formats; handle Ctrl-C, device errors and skipped points.
+
+    run_point(config, names, env) -> (result, rows). Returns the results of the points that ran.
+    A point that hits a device error is reported and the rest run; the exit status is then 3.
+    Points skipped as too big give exit 2 once the others have run. plans(config, names): a
+    point's memory plan (default: one layer's, kvbench.planning.preflight). show(result):
+    its table (--format table).
+    """
+    from kvbench.errors import DeviceError, is_out_of_memory
+    from kvbench.measure import distributed
+    from kvbench.measure.env import environment
+    from kvbench.report import render
+    from kvbench.report.results import FILE_KINDS, append_csv
+
+    columns, first = FILE_KINDS[command]
+    if distributed.rank() != 0:  # rank 0 alone prints and writes
+        o = o.but(quiet=True, no_csv=True, format="table")
+    path = None if o.no_csv else csv_target(o.csv, command)
+    points, skipped = _preflight(o, command, points, impl_options, bench_options, plans)
+    if not o.quiet:
+        for line in notes:
+            render.note(line)
+        from kvbench.caches import compiled
+
+        compiled.compile_status = render.status
+    env = environment(points[0][0].device)
+    results, rows, failed = [], [], []
+    stopped = None  # the signal that ended the run early
+    work = [_work(command, config, names, bench_options) for config, names in points]
+    started = time.perf_counter()
+    with render.progress(work, enabled=not o.quiet) as bar:
+        try:
+            for i, (config, names) in enumerate(points):
+                if i == 1 and not o.quiet:  # the first point's pace, applied to the rest
+                    render.note(_estimate(time.perf_counter() - started, work))
+                bar.point(render.describe(config))
+                try:
+                    try:
+                        result, new_rows = run_point(config, names, env)
+                    except (RuntimeError, MemoryError) as err:
+                        # out of memory outside a phase's guard (the weights and inputs, say)
+                        if not is_out_of_memory(err):
+                            raise
+                        raise DeviceError("weights and inputs", None, err) from err
+                except DeviceError as err:
+                    failed.append(err)
+                    print(f"kvbench: {render.device_error(config, err)}", file=sys.stderr)
+                    if config.tp > 1:  # the other ranks wait in a collective: end the group
+                        distributed.end_group(3)
+                    _release(config.device)
+                    bar.advance(work[i])
+                    continue
+                if new_rows and path is not None:  # on disk as each point finishes
+                    append_csv(path, new_rows, columns, first)
+                results.append(result)
+                rows += new_rows
+                if o.format == "table" and not o.quiet:
+                    show(result)
+                bar.advance(work[i])
+        except KeyboardInterrupt as err:
+            stopped = err
+    if o.format != "table":
+        render.machine_output(rows, columns, o.format)
+    where = f" in {path}" if path is not None else ""
+    if stopped is not None:
+        what = "terminated" if isinstance(stopped, Terminated) else "interrupted"
+        print(f"kvbench: {what} after {len(results)} of {len(points)} points; "
+              f"{len(rows)} {_plural(len(rows), 'row')} kept{where}", file=sys.stderr)
+        raise typer.Exit(143 if isinstance(stopped, Terminated) else 130)
+    if not o.quiet and path is not None and rows:
+        render.note(f"{len(rows)} {_plural(len(rows), 'row')} appended to {path}")
+    total = len(points) + len(skipped)
+    if failed:
+        if total > 1:  # (one point's error line says it all)
+            print(f"kvbench: error: {len(failed)} of {total} points failed with a device or "
+                  "runtime error (above)", file=sys.stderr)
+        raise typer.Exit(3)
+    if skipped:
+        print(f"kvbench: error: {len(skipped)} of {total} points skipped: too big for the memory "
+              "available (above); --dry-run shows the estimates, --force runs them",
+              file=sys.stderr)
+        raise typer.Exit(2)
+    return results
+
+
+def _work(command: str, config, names, bench_options) -> float:
+    """A point's estimated work (kvbench.measure.costs.point_work) for the sweep's time estimate."""
+    from kvbench.measure.costs import point_work
+
+    if command == "bench":
+        runs = bench_options.warmup + bench_options.rounds
+        return point_work(config.shape, len(names), runs, bench_options.recompute)
+    return point_work(config.shape, len(names), 2 if command == "memory" else 1)
+
+
+def _estimate(first_s: float, work: list[float]) -> str:
+    """One line after the first point: the time the others should take at its pace."""
+    left = first_s * sum(work[1:]) / work[0]
+    n = len(work) - 1
+    return (f"about {_duration(left)} for the {n} {_plural(n, 'point')} left (the first took "
+            f"{_duration(first_s)}; the others scaled by their arithmetic and steps)")
+
+
+def _duration(seconds: float) -> str:
+    if seconds < 90:
+        return f"{seconds:.0f} s"
+    if seconds < 5400:
+        return f"{seconds / 60:.0f} min"
+    return f"{seconds / 3600:.1f} h"
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, handled as Ctrl-C is: the rows of finished points kept, exit 143."""
+
+
+def terminate_on_sigterm() -> None:
+    """From now on SIGTERM raises Terminated in the main thread (elsewhere nothing changes).
+    Not under torchrun, which stops the ranks with it once one has exited."""
+    from kvbench.measure import distributed
+
+    if threading.current_thread() is not threading.main_thread() or distributed.multiprocess():
+        return
+
+    def terminate(signum, frame):
+        raise Terminated()
+
+    signal.signal(signal.SIGTERM, terminate)
+
+
+def _plural(n: int, word: str) -> str:
+    return word if n == 1 else word + "s"
+
+
+def _release(device: str) -> None:
+    """Free what a failed point left, so the next point starts clean."""
+    import gc
+
+    gc.collect()
+    if device.startswith("cuda"):
+        import torch
+
+        torch.cuda.empty_cache()
+
+
+def csv_target(csv: Path | None, kind: str) -> Path:
+    from kvbench.report.results import FILE_KINDS, check_csv, default_csv
+
+    path = csv or default_csv(kind)
+    check_csv(path, *FILE_KINDS[kind])
+    return path

@@ -1,0 +1,323 @@
+"""Continuous batching's bookkeeping: a seeded request trace, a pool of KV blocks and a
+scheduler that decodes every running sequence each step, preempts when the pool runs dry,
+admits waiting requests while blocks last and frees a sequence's blocks when it finishes
+(vLLM's policy: the most recently admitted sequence is preempted first, by recompute or by
+swap, and nothing new is admitted in a step that preempted). No torch: this is the
+accounting a serving engine does on the host. An `engine` (kvbench.serving.engine) may carry out
+each decision on a real cache as it is made; without one the scheduler only counts.
+
+Two ways to reserve, on the same trace and pool: `paged` takes a block whenever a sequence's
+next position needs one; `prealloc` reserves, when it admits a request, the blocks of the
+longest a request may get (`reserve_len`, a server's --max-len, as a cache preallocated to
+the maximum length does; without it the request's own prompt + output, an oracle no server
+has).
+
+Positions: a request of prompt P generating O tokens caches P + O - 1 positions (its last
+token is never fed back). Its prefill writes positions 0..P-1 and yields token 1; the step
+that yields token g+1 writes position P+g-1. A sequence resumed by recompute prefills its
+prompt and its g tokens (positions 0..P+g-1) and so yields token g+1.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections import deque
+from dataclasses import dataclass, field
+
+from kvbench.errors import KvbenchError
+from kvbench.sizing.lengths import LenDist, draw
+
+PREEMPT = ("recompute", "swap")
+RESERVE = ("paged", "prealloc")
+
+
+@dataclass(frozen=True)
+class Request:
+    id: int
+    arrival: float  # when it arrives, on the scheduler's clock (steps, or seconds)
+    prompt_len: int
+    output_len: int  # tokens it generates, the first with its prefill
+
+    @property
+    def reach(self) -> int:
+        """Prompt + output: the positions a server reserving per request must allow for."""
+        return self.prompt_len + self.output_len
+
+
+def trace(n: int, seed: int, prompt: LenDist, output: LenDist, rate: float,
+          max_len: int) -> list[Request]:
+    """n requests arriving as a Poisson process of `rate` requests per unit of the clock
+    (math.inf: all at 0), their prompt and output lengths drawn from the distributions
+    (seeded), prompt + output capped at max_len."""
+    rng = random.Random(seed)
+    prompts = draw(prompt, n, seed, max_len - 1)
+    outputs = draw(output, n, seed + 1, max_len - 1)
+    now, requests = 0.0, []
+    for i, (p, o) in enumerate(zip(prompts, outputs)):
+        now += 0.0 if math.isinf(rate) else rng.expovariate(rate)
+        requests.append(Request(i, now, p, max(1, min(o, max_len - p))))
+    return requests
+
+
+def reserved(r: Request, reserve: str, reserve_len: int | None) -> int:
+    """Positions a request needs blocks for at most: prealloc's reservation (reserve_len, or
+    the request's own reach), or what paged fills (its last token is never cached)."""
+    if reserve == "prealloc":
+        return reserve_len or r.reach
+    return r.reach - 1
+
+
+def refuse_unfit(requests: list[Request], n_blocks: int, block_size: int, reserve: str,
+                 reserve_len: int | None = None) -> None:
+    """One line for the first request the whole pool cannot hold, before anything runs."""
+    for r in requests:
+        need = math.ceil(reserved(r, reserve, reserve_len) / block_size)
+        if need > n_blocks:
+            raise KvbenchError(
+                f"request {r.id} ({r.prompt_len} prompt + {r.output_len} output tokens) "
+                f"needs {need} blocks of {block_size} but the budget is {n_blocks}: that "
+                "request can never run; raise --kv-blocks or lower --max-len")
+
+
+class BlockPool:
+    """Fixed-size blocks handed out from a free list, each with one owner at a time."""
+
+    def __init__(self, n_blocks: int):
+        self.n_blocks = n_blocks
+        self.free = deque(range(n_blocks))
+        self.owner: dict[int, int] = {}  # block -> the request holding it
+
+    def take(self, request: int) -> int | None:
+        if not self.free:
+            return None
+        block = self.free.popleft()
+        if block in self.owner:
+            raise AssertionError(f"block {block} handed out twice")
+        self.owner[block] = request
+        return block
+
+    def release(self, block: int, request: int) -> None:
+        if self.owner.get(block) != request:
+            raise AssertionError(f"request {request} frees block {block} it does not hold")
+        del self.owner[block]
+        self.free.append(block)
+
+
+@dataclass
+class Running:
+    request: Request
+    blocks: list[int] = field(default_factory=list)
+    generated: int = 0  # tokens generated so far (kept across a preemption)
+    swapped: bool = False  # its cache waits in host memory (preempted by swap)
+    prefilled: int | None = None  # positions its prefill has written so far; None: decoding
+
+    @property
+    def length(self) -> int:
+        """Positions cached once its next token is made: the prompt and every token so far."""
+        return self.request.prompt_len + self.generated
+
+    @property
+    def cached(self) -> int:
+        """Positions cached now (the newest token is not yet fed back; mid-prefill, the
+        positions its chunks have written)."""
+        if self.prefilled is not None:
+            return self.prefilled
+        return self.request.prompt_len + max(self.generated - 1, 0)
+
+
+@dataclass
+class Record:
+    """One request's life, in steps: when it got its first token and finished."""
+
+    request: Request
+    first_token: int | None = None
+    finished: int | None = None
+    preempted: int = 0
+
+
+class Scheduler:
+    """Decodes, preempts, finishes and admits on a BlockPool, one step at a time.
+
+    A step: requests whose arrival is due join the queue. Every running sequence decodes one
+    token, oldest first, taking a block when its next position starts one; when none is free
+    the most recently admitted sequence is preempted (recompute: its blocks freed, it waits
+    at the head of the queue and prefills its prompt and tokens again when readmitted; swap:
+    its blocks' contents go to host memory and come back on readmission, into whatever
+    blocks are free then). A finished sequence frees its blocks. Then, if nothing was
+    preempted, waiting requests are admitted first come first served while their blocks can
+    be taken (paged: what their prefill writes; prealloc: every block the request may reach);
+    an admitted request's prefill yields its next token, a swapped one's cache is copied
+    back and it decodes from the next step. With `chunk`, a step prefills at most that many
+    prompt positions, all sequences together, oldest prefill first: a long prompt is spread
+    over several steps, the running sequences decoding in each, and yields its token when its
+    last chunk is written.
+    """
+
+    def __init__(self, requests: list[Request], n_blocks: int, block_size: int,
+                 reserve: str = "paged", preempt: str = "recompute",
+                 reserve_len: int | None = None, engine=None, chunk: int | None = None):
+        if reserve not in RESERVE:
+            raise KvbenchError(f"unknown --reserve {reserve!r}; use paged or prealloc")
+        if preempt not in PREEMPT:
+            raise KvbenchError(f"unknown --preempt {preempt!r}; use recompute or swap")
+        self.block_size, self.reserve, self.preempt = block_size, reserve, preempt
+        self.reserve_len = reserve_len
+        refuse_unfit(requests, n_blocks, block_size, reserve, reserve_len)
+        self.engine = engine
+        self.chunk = chunk  # prompt positions prefilled per step, all sequences together
+        self.pool = BlockPool(n_blocks)
+        self.pending = deque(sorted(requests, key=lambda r: (r.arrival, r.id)))
+        self.waiting: deque[Running] = deque()
+        self.running: list[Running] = []  # in the order admitted
+        self.records = {r.id: Record(r) for r in requests}
+        self.now = 0  # steps taken
+        self.preemptions = 0
+        self.swapped_blocks = 0  # block copies to and from the host (swap)
+        self.recomputed_tokens = 0  # positions prefilled again (recompute)
+        self.blocks_in_use: list[int] = []  # per step
+        self.decoded: list[int] = []  # tokens generated per step
+        self.batch: list[int] = []  # sequences decoding per step
+
+    def _reserved(self, r: Request) -> int:
+        return reserved(r, self.reserve, self.reserve_len)
+
+    def blocks_for(self, positions: int) -> int:
+        return math.ceil(positions / self.block_size)
+
+    @property
+    def done(self) -> bool:
+        return not (self.pending or self.waiting or self.running)
+
+    @property
+    def idle(self) -> bool:
+        """Nothing to do until the next arrival."""
+        return not (self.waiting or self.running)
+
+    def run(self, max_steps: int = 10**7) -> dict[int, Record]:
+        while not self.done:
+            if self.now >= max_steps:
+                raise KvbenchError(f"the trace did not finish in {max_steps} steps")
+            self.step()
+        return self.records
+
+    def step(self, clock: float | None = None) -> None:
+        """One step; requests arrived by `clock` (default: the step count) join the queue."""
+        clock = self.now if clock is None else clock
+        while self.pending and self.pending[0].arrival <= clock:
+            self.waiting.append(Running(self.pending.popleft()))
+        before = self.preemptions
+        decoding = []
+        for seq in list(self.running):
+            if seq not in self.running or seq.prefilled is not None:
+                continue  # preempted by an older sequence's growth this step; or prefilling
+            if self._grow(seq, seq.length):
+                decoding.append(seq)
+        decoding = [seq for seq in decoding if seq in self.running]
+        if decoding and self.engine is not None:
+            self.engine.decode(decoding)
+        for seq in decoding:
+            seq.generated += 1
+            self._finish_if_done(seq)
+        tokens = len(decoding)
+        budget = self.chunk or math.inf
+        for seq in [seq for seq in self.running if seq.prefilled is not None]:
+            budget, made = self._prefill(seq, budget)  # prefills begun in earlier steps
+            tokens += made
+        if self.preemptions == before:
+            tokens += self._admit(budget)
+        self.blocks_in_use.append(len(self.pool.owner))
+        self.decoded.append(tokens)
+        self.batch.append(len(decoding))
+        self.now += 1
+
+    def _admit(self, budget: float) -> int:
+        """Waiting sequences admitted while blocks last, their prefills begun within the
+        step's budget of prompt positions; tokens made."""
+        tokens = 0
+        while self.waiting:
+            seq = self.waiting[0]
+            if not seq.swapped and budget <= 0:
+                break  # no prompt positions left to prefill this step
+            if self.reserve == "prealloc":
+                need = self.blocks_for(self._reserved(seq.request))
+            elif seq.swapped and seq.prefilled is None:  # its cache, back from the host
+                need = self.blocks_for(seq.cached)
+            else:  # what its prefill writes
+                need = self.blocks_for(seq.length)
+            if need > len(self.pool.free):
+                break
+            self.waiting.popleft()
+            seq.blocks = [self.pool.take(seq.request.id) for _ in range(need)]
+            self.running.append(seq)
+            if seq.swapped:  # back from the host; it goes on from the next step
+                self.swapped_blocks += self.blocks_for(seq.cached)
+                if self.engine is not None:
+                    self.engine.swap_in(seq)
+                seq.swapped = False
+                continue
+            seq.prefilled = 0
+            budget, made = self._prefill(seq, budget)
+            tokens += made
+        return tokens
+
+    def _prefill(self, seq: Running, budget: float) -> tuple[float, int]:
+        """The next chunk of seq's prefill, at most `budget` positions: the budget left and
+        the tokens made (1 when the prefill completes)."""
+        n = int(min(budget, seq.length - seq.prefilled))
+        if n <= 0:
+            return budget, 0
+        if self.engine is not None:
+            self.engine.prefill(seq, seq.prefilled, seq.prefilled + n)
+        seq.prefilled += n
+        if seq.prefilled < seq.length:
+            return budget - n, 0
+        seq.prefilled = None
+        record = self.records[seq.request.id]
+        if record.first_token is None:
+            record.first_token = self.now
+        seq.generated += 1
+        self._finish_if_done(seq)
+        return budget - n, 1
+
+    def _grow(self, seq: Running, positions: int) -> bool:
+        """Blocks for `positions`; preempting the newest sequences while none is free.
+        False if `seq` itself was preempted."""
+        while len(seq.blocks) < self.blocks_for(positions):
+            block = self.pool.take(seq.request.id)
+            if block is not None:
+                seq.blocks.append(block)
+                continue
+            victim = self.running[-1]  # the most recently admitted
+            self._preempt(victim)
+            if victim is seq:
+                return False
+        return True
+
+    def _preempt(self, seq: Running) -> None:
+        self.running.remove(seq)
+        if self.preempt == "swap":
+            self.swapped_blocks += self.blocks_for(seq.cached)  # to the host
+            if self.engine is not None:
+                self.engine.swap_out(seq)
+            seq.swapped = True
+        else:  # what it had computed is thrown away and prefilled again when readmitted
+            self.recomputed_tokens += seq.cached
+            seq.prefilled = None
+        for block in seq.blocks:
+            self.pool.release(block, seq.request.id)
+        seq.blocks = []
+        self.records[seq.request.id].preempted += 1
+        self.preemptions += 1
+        self.waiting.appendleft(seq)
+
+    def _finish_if_done(self, seq: Running) -> None:
+        if seq.generated < seq.request.output_len:
+            return
+        self.running.remove(seq)
+        for block in seq.blocks:
+            self.pool.release(block, seq.request.id)
+        seq.blocks = []
+        self.records[seq.request.id].finished = self.now
+        if self.engine is not None:
+            self.engine.finish(seq)

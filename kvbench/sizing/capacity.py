@@ -1,0 +1,479 @@
+"""capacity: how much KV cache a model needs, and whether it fits (SPEC §3). No torch here.
+
+Standard MHA/GQA/MQA, per layer per token, K and V:    2 · H_kv · D · s bytes
+MLA (latent plus decoupled RoPE key), per layer per token: (d_c + d_rope) · s bytes
+A batch sums over its sequences; a sliding-window layer caches at most W positions.
+
+Quantized caches are not "s = 1". The integer formats (int8, int4, int2) store, for every
+group of --group-size elements of a cached vector (one head's k or v, or one MLA latent), an
+fp16 scale and an fp16 zero point (4 bytes per group; a last group may be partial), and a
+vector's packed bits round up to whole bytes. fp8 (e4m3) stores no per-token metadata: one
+float32 scale per KV head for K and one for V (one for an MLA latent) per layer, as vLLM's fp8
+cache keeps per-layer scales.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+from kvbench.errors import KvbenchError
+from kvbench.formats.kvformat import (  # noqa: F401  (the planner's names)
+    FP8_SCALE_BYTES,
+    GROUP_META_BYTES,
+    GROUPED,
+    K_QUANTS,
+    KV_DTYPE_BITS,
+    QUANTIZED,
+    CacheFormat,
+    kv_dtype,
+)
+from kvbench.sizing.config import divisors
+from kvbench.sizing.files import read_toml
+
+PRESET_DIR = Path(__file__).resolve().parents[2] / "configs" / "models"
+
+WEIGHT_DTYPE_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2, "fp8": 1, "int8": 1, "int4": 0.5}
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """The attention dimensions that decide a model's KV cache."""
+
+    name: str
+    layers: int
+    kv_heads: int = 0  # 0 for MLA
+    head_dim: int = 0
+    q_heads: int | None = None
+    params: int | None = None  # parameter count, for the weights
+    mla_latent: int | None = None  # d_c
+    mla_rope: int | None = None  # d_rope
+    sliding_window: int | None = None
+    layer_types: tuple[str, ...] = ()  # per layer "full" or "sliding"; empty: all full
+    source: str = ""
+    # Cross-layer sharing (e.g. Cross-Layer Attention, MiniCPM): each group of this many
+    # adjacent layers reads one K/V, cached by the group's first layer.
+    share_layers: int = 1
+    sinks: int = 0  # sliding layers also keep their first `sinks` positions (StreamingLLM)
+    # V's head dim where it differs from K's (an MLA layer's decompressed cache: K is
+    # qk_nope + qk_rope wide, V v_head_dim); None: head_dim
+    v_head_dim: int | None = None
+
+    def __post_init__(self) -> None:
+        checks = {"layers": self.layers}
+        if self.is_mla:
+            checks |= {"mla-latent": self.mla_latent, "mla-rope": self.mla_rope}
+        else:
+            checks |= {"kv-heads": self.kv_heads, "head-dim": self.head_dim}
+        for flag, value in checks.items():
+            if value is None or value < 1:
+                raise KvbenchError(f"--{flag} must be a positive integer, got {value} "
+                                   f"(model {self.name})")
+        if self.q_heads is not None and self.kv_heads and self.q_heads % self.kv_heads:
+            raise KvbenchError(f"--q-heads {self.q_heads} is not a multiple of --kv-heads "
+                               f"{self.kv_heads}: use --kv-heads one of "
+                               f"{', '.join(map(str, divisors(self.q_heads)))}")
+        if self.layer_types and len(self.layer_types) != self.layers:
+            raise KvbenchError(f"model {self.name}: {len(self.layer_types)} layer types for "
+                               f"{self.layers} layers")
+        if "sliding" in self.layer_types and not self.sliding_window:
+            raise KvbenchError(f"model {self.name} has sliding layers but no sliding_window")
+        if type(self.share_layers) is not int or self.share_layers < 1:
+            raise KvbenchError(f"--share-layers must be a positive integer, got "
+                               f"{self.share_layers}")
+        if self.layers % self.share_layers:
+            raise KvbenchError(f"--share-layers {self.share_layers} does not divide the "
+                               f"{self.layers} layers of {self.name}: use one of "
+                               f"{', '.join(map(str, divisors(self.layers)))}")
+
+    @property
+    def cached_layers(self) -> range:
+        """The layers that hold a K/V cache: every one, or each sharing group's first."""
+        return range(0, self.layers, self.share_layers)
+
+    @property
+    def v_dim(self) -> int:
+        return self.v_head_dim or self.head_dim
+
+    @property
+    def is_mla(self) -> bool:
+        return self.mla_latent is not None or self.mla_rope is not None
+
+    def window_of(self, layer: int) -> int | None:
+        if self.layer_types:
+            return self.sliding_window if self.layer_types[layer] == "sliding" else None
+        return self.sliding_window
+
+    @property
+    def attention_summary(self) -> str:
+        if self.is_mla:
+            return f"MLA d_c={self.mla_latent} d_rope={self.mla_rope}"
+        dims = f"H_kv={self.kv_heads} D={self.head_dim}"
+        if self.v_head_dim not in (None, self.head_dim):
+            dims += f" (V {self.v_head_dim})"
+        if not self.q_heads:
+            return dims
+        kind = ("MHA" if self.q_heads == self.kv_heads else
+                "MQA" if self.kv_heads == 1 else "GQA")
+        return f"{kind} {dims}"
+
+    @property
+    def window_summary(self) -> str:
+        if not self.sliding_window:
+            return "none"
+        sliding = sum(self.window_of(i) is not None for i in range(self.layers))
+        sinks = f" + {self.sinks} sinks" if self.sinks else ""
+        return f"{self.sliding_window}{sinks} on {sliding}/{self.layers} layers"
+
+
+# ---------------------------------------------------------------------------- presets
+
+
+def _pattern(layers: int, pattern: list[str]) -> tuple[str, ...]:
+    return tuple(pattern[i % len(pattern)] for i in range(layers))
+
+
+def load_preset_file(path: Path) -> ModelSpec:
+    data = read_toml(path, "preset")
+    data.pop("architecture", None)  # the whole model's fields, for --model on the experiments
+    data.pop("attention", None)  # an MLA model's attention layer, for --model --layers 1
+    pattern = data.pop("layer_pattern", None)
+    if pattern:
+        data["layer_types"] = _pattern(data["layers"], pattern)
+    data.setdefault("name", path.stem)
+    try:
+        return ModelSpec(**data)
+    except TypeError as err:
+        raise KvbenchError(f"preset {path}: {err}") from None
+
+
+def presets() -> dict[str, ModelSpec]:
+    return {p.stem: load_preset_file(p) for p in sorted(PRESET_DIR.glob("*.toml"))}
+
+
+def preset(name: str) -> ModelSpec:
+    path = PRESET_DIR / f"{name.lower()}.toml"
+    if not path.is_file():
+        known = ", ".join(presets())
+        raise KvbenchError(f"unknown model {name!r}; known presets: {known} "
+                           "(or pass --from-config PATH or explicit dimensions)")
+    return load_preset_file(path)
+
+
+def from_hf_config(path: Path) -> ModelSpec:
+    """A Hugging Face config.json -> ModelSpec."""
+    try:
+        cfg = json.loads(Path(path).read_text())
+    except OSError as err:
+        raise KvbenchError(f"cannot read {path}: {err.strerror}") from None
+    except json.JSONDecodeError as err:
+        raise KvbenchError(f"{path} is not valid JSON (line {err.lineno}): {err.msg}") from None
+    if not isinstance(cfg, dict):
+        raise KvbenchError(f"{path}: expected a JSON object")
+    cfg = cfg.get("text_config", cfg) if "num_hidden_layers" not in cfg else cfg
+
+    def field_(name: str, required: bool = True, default=None):
+        value = cfg.get(name, default)
+        if value is None and not required:
+            return None
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise KvbenchError(f"{path}: field {name!r} must be a positive integer, got "
+                               f"{value!r}")
+        return value
+
+    layers = field_("num_hidden_layers")
+    name = cfg.get("_name_or_path") or cfg.get("model_type") or Path(path).stem
+    if cfg.get("kv_lora_rank") is not None:
+        return ModelSpec(name=name, layers=layers, q_heads=field_("num_attention_heads", False),
+                         mla_latent=field_("kv_lora_rank"), mla_rope=field_("qk_rope_head_dim"),
+                         source=str(path))
+    q_heads = field_("num_attention_heads")
+    kv_heads = field_("num_key_value_heads", False) or q_heads
+    if cfg.get("head_dim") is not None:
+        head_dim = field_("head_dim")
+    else:
+        hidden = field_("hidden_size")
+        if hidden % q_heads:
+            raise KvbenchError(f"{path}: hidden_size {hidden} is not a multiple of "
+                               f"num_attention_heads {q_heads}; add head_dim")
+        head_dim = hidden // q_heads
+    window = cfg.get("sliding_window")
+    if cfg.get("use_sliding_window") is False:
+        window = None
+    if window is not None:
+        window = field_("sliding_window")
+    layer_types = ()
+    if isinstance(cfg.get("layer_types"), list):
+        kinds = {"sliding_attention": "sliding", "full_attention": "full",
+                 "sliding": "sliding", "full": "full"}
+        try:
+            layer_types = tuple(kinds[t] for t in cfg["layer_types"])
+        except (KeyError, TypeError):
+            raise KvbenchError(f"{path}: field 'layer_types' holds an unknown type; expected "
+                               "sliding_attention or full_attention") from None
+    elif cfg.get("model_type") == "gemma2" and window:
+        layer_types = _pattern(layers, ["sliding", "full"])
+    return ModelSpec(name=name, layers=layers, kv_heads=kv_heads, head_dim=head_dim,
+                     q_heads=q_heads, sliding_window=window if layer_types or window else None,
+                     layer_types=layer_types, source=str(path))
+
+
+# ----------------------------------------------------------------------------- sizes
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)\s*$", re.IGNORECASE)
+_UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_size(text: str, flag: str) -> int:
+    """"80GiB" -> 80·2**30, "80GB" -> 80·10**9. A unit is required."""
+    m = _SIZE.match(text)
+    if not m:
+        raise KvbenchError(f"{flag} {text!r} is not a size; write e.g. 80GiB (2**30) or "
+                           "80GB (10**9)")
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+# ---------------------------------------------------------------------------- the plan
+
+
+def kv_heads_per_rank(model: ModelSpec, tp: int) -> int:
+    """Tensor parallelism splits KV heads; with fewer heads than ranks each rank keeps one."""
+    if model.kv_heads >= tp:
+        if model.kv_heads % tp:
+            raise KvbenchError(f"--tp {tp} does not divide {model.kv_heads} KV heads; "
+                               "use a tp that divides them (or that they divide)")
+        return model.kv_heads // tp
+    if tp % model.kv_heads:
+        raise KvbenchError(f"{model.kv_heads} KV heads cannot be replicated evenly over "
+                           f"--tp {tp}; use a multiple of {model.kv_heads}")
+    return 1
+
+
+def token_bytes_per_layer(model: ModelSpec, fmt: CacheFormat, per_rank: bool) -> int:
+    """One token of one sequence in one layer (K per channel: its codes; the channel scales,
+    one set per token group, are sequence_bytes')."""
+    if model.is_mla:  # one latent vector, replicated on every TP rank
+        return fmt.vector_bytes(model.mla_latent + model.mla_rope)
+    heads = kv_heads_per_rank(model, fmt.tp) if per_rank else model.kv_heads
+    if fmt.per_channel:
+        codes = math.ceil(model.head_dim * KV_DTYPE_BITS[fmt.kv_dtype] / 8)
+        return heads * (codes + fmt.vector_bytes(model.head_dim))
+    return heads * (fmt.vector_bytes(model.head_dim) + fmt.vector_bytes(model.v_dim))
+
+
+def kivi_bytes_per_layer(model: ModelSpec, fmt: CacheFormat, n: int, per_rank: bool) -> int:
+    """What KIVI's layout adds to n positions of one sequence in one layer: K's channel
+    scales and zero points (fp16 each) for every group of group_size positions begun, and
+    the residual's positions of K and V in the activation dtype."""
+    if model.is_mla or not fmt.residual_slots:
+        return 0
+    heads = kv_heads_per_rank(model, fmt.tp) if per_rank else model.kv_heads
+    D = model.head_dim
+    scales = math.ceil(n / fmt.group_size) * D * GROUP_META_BYTES if fmt.per_channel else 0
+    return heads * (scales + 2 * fmt.residual_slots * D * fmt.residual_bytes)
+
+
+def layer_scale_bytes(model: ModelSpec, fmt: CacheFormat, per_rank: bool) -> int:
+    """Bytes per layer that do not grow with tokens or sequences (fp8's scales)."""
+    if model.is_mla:
+        return fmt.scale_bytes(1)
+    heads = kv_heads_per_rank(model, fmt.tp) if per_rank else model.kv_heads
+    return fmt.scale_bytes(2 * heads)
+
+
+def cached_len(model: ModelSpec, layer: int, seq_len: int) -> int:
+    window = model.window_of(layer)
+    return min(seq_len, window + model.sinks) if window else seq_len
+
+
+def sequence_bytes(model: ModelSpec, fmt: CacheFormat, seq_len: int, per_rank: bool,
+                   paged: bool = True) -> int:
+    """KV bytes of one sequence of seq_len tokens over all layers (block-rounded if paged)."""
+    per_token = token_bytes_per_layer(model, fmt, per_rank)
+    total = 0
+    for layer in model.cached_layers:
+        n = cached_len(model, layer, seq_len)
+        if paged and fmt.block_size:
+            n = math.ceil(n / fmt.block_size) * fmt.block_size
+        total += n * per_token + kivi_bytes_per_layer(model, fmt, n, per_rank)
+    return total
+
+
+@dataclass
+class Fit:
+    """Does the cache fit on one GPU (per TP rank) beside the weights and a margin?"""
+
+    gpu_bytes: int
+    utilization: float
+    margin_bytes: int
+    weights_bytes: int  # per rank
+    budget_bytes: int  # gpu · utilization − weights − margin: what the cache may use
+    required_bytes: int  # the cache per rank, block-rounded
+    max_batch: int  # at the given (longest) sequence length
+    max_seq_len: int | None  # at the given batch; None when sliding windows cap every layer
+    max_tokens: int  # tokens of full cache (all layers) that fit
+
+    @property
+    def fits(self) -> bool:
+        return self.required_bytes <= self.budget_bytes
+
+    @property
+    def headroom_bytes(self) -> int:
+        return self.budget_bytes - self.required_bytes
+
+
+@dataclass
+class Serving:
+    """How many sequences of a length distribution fit at once in the cache budget, when each
+    is preallocated to the maximum length against when it takes whole blocks (vLLM's paging)."""
+
+    max_len: int
+    samples: int  # lengths drawn
+    mean_len: float
+    prealloc_bytes: int  # per sequence: max_len positions, every layer
+    paged_bytes: float  # per sequence, mean over the draws: its length in whole blocks
+    budget_bytes: int | None = None
+
+    @property
+    def payload_fraction(self) -> float:
+        """Of a preallocated sequence's bytes, the share that holds tokens."""
+        return self.mean_len / self.max_len
+
+    def concurrent(self, per_sequence: float) -> int | None:
+        return None if self.budget_bytes is None else int(self.budget_bytes // per_sequence)
+
+    @property
+    def concurrent_prealloc(self) -> int | None:
+        return self.concurrent(self.prealloc_bytes)
+
+    @property
+    def concurrent_paged(self) -> int | None:
+        return self.concurrent(self.paged_bytes)
+
+
+@dataclass
+class Plan:
+    model: ModelSpec
+    fmt: CacheFormat
+    seq_lens: tuple[int, ...]
+    bytes_per_token: int  # one more token of one sequence, all layers, no window full
+    bytes_per_sequence: int  # the longest sequence
+    payload_bytes: int  # the formula: all sequences, all layers, no TP, no block rounding
+    per_rank_bytes: int  # one TP rank, block-rounded when --block-size is given
+    wasted_bytes: int  # per rank, from rounding each sequence up to whole blocks
+    fit: Fit | None = None
+    notes: list[str] = field(default_factory=list)
+    serving: Serving | None = None  # --len-dist: preallocation against paging
+    len_dist: str | None = None
+
+    @property
+    def batch(self) -> int:
+        return len(self.seq_lens)
+
+
+def plan(model: ModelSpec, fmt: CacheFormat, seq_lens: tuple[int, ...],
+         gpu_bytes: int | None = None, weights_bytes: int | None = None,
+         margin_bytes: int = 4 * 2**30, utilization: float = 0.9,
+         shared_prefix: int = 0) -> Plan:
+    """shared_prefix: the first P tokens are the same in every sequence and stored once
+    (prefix caching): in whole blocks with --block-size (a partly filled block is each
+    sequence's own), token by token without."""
+    if not seq_lens or any(t < 1 for t in seq_lens):
+        raise KvbenchError("sequence lengths must be positive integers")
+    if shared_prefix > min(seq_lens):
+        raise KvbenchError(f"--shared-prefix {shared_prefix} is longer than the shortest "
+                           f"sequence ({min(seq_lens)} tokens)")
+    if not 0 < utilization <= 1:
+        raise KvbenchError(f"--utilization must be in (0, 1], got {utilization}")
+    per_token_layer = token_bytes_per_layer(model, fmt, per_rank=False)
+    scales, scales_rank = (len(model.cached_layers) * layer_scale_bytes(model, fmt, per_rank=r)
+                           for r in (False, True))
+    payload = scales + sum(sequence_bytes(model, fmt, t, per_rank=False, paged=False)
+                           for t in seq_lens)
+    per_rank = scales_rank + sum(sequence_bytes(model, fmt, t, per_rank=True) for t in seq_lens)
+    per_rank_exact = scales_rank + sum(sequence_bytes(model, fmt, t, per_rank=True, paged=False)
+                                       for t in seq_lens)
+    if shared_prefix:  # the prefix once instead of once per sequence, in full-attention layers
+        full = sum(model.window_of(layer) is None for layer in model.cached_layers)
+        copies = len(seq_lens) - 1
+        whole = (shared_prefix // fmt.block_size * fmt.block_size if fmt.block_size
+                 else shared_prefix)
+        rank_token = token_bytes_per_layer(model, fmt, per_rank=True)
+        payload -= copies * shared_prefix * per_token_layer * full
+        per_rank -= copies * whole * rank_token * full
+        per_rank_exact -= copies * shared_prefix * rank_token * full
+    result = Plan(model, fmt, tuple(seq_lens), len(model.cached_layers) * per_token_layer,
+                  sequence_bytes(model, fmt, max(seq_lens), per_rank=False, paged=False),
+                  payload, per_rank, per_rank - per_rank_exact)
+    if fmt.tp > 1 and model.is_mla:
+        result.notes.append("MLA's latent cache is replicated on every TP rank")
+    elif fmt.tp > model.kv_heads:
+        result.notes.append(f"{model.kv_heads} KV heads over {fmt.tp} ranks: each rank keeps "
+                            "a replica of one head")
+    if gpu_bytes is not None:
+        result.fit = _fit(model, fmt, seq_lens, gpu_bytes, weights_bytes, margin_bytes,
+                          utilization, per_rank)
+    return result
+
+
+def _fit(model, fmt, seq_lens, gpu_bytes, weights_bytes, margin_bytes, utilization,
+         per_rank) -> Fit:
+    weights = math.ceil(weights_bytes / fmt.tp)
+    budget = int(gpu_bytes * utilization) - weights - margin_bytes
+    longest, batch = max(seq_lens), len(seq_lens)
+    seq = sequence_bytes(model, fmt, longest, per_rank=True)
+    max_batch = max(budget, 0) // seq
+    per_token = len(model.cached_layers) * token_bytes_per_layer(model, fmt, per_rank=True)
+    max_tokens = max(budget, 0) // per_token
+
+    def fits_len(t: int) -> bool:
+        return batch * sequence_bytes(model, fmt, t, per_rank=True) <= budget
+
+    capped = all(model.window_of(i) for i in model.cached_layers)
+    if capped and fits_len(10**12):
+        max_len = None
+    elif not fits_len(1):
+        max_len = 0
+    else:
+        lo, hi = 1, 2
+        while fits_len(hi):
+            lo, hi = hi, hi * 2
+        while hi - lo > 1:  # largest t with fits_len(t)
+            mid = (lo + hi) // 2
+            lo, hi = (mid, hi) if fits_len(mid) else (lo, mid)
+        max_len = lo
+    return Fit(gpu_bytes, utilization, margin_bytes, weights, budget, per_rank, max_batch,
+               max_len, max_tokens)
+
+
+def serving(model: ModelSpec, fmt: CacheFormat, lens: tuple[int, ...], max_len: int,
+            budget_bytes: int | None) -> Serving:
+    """Per TP rank. fmt.block_size: the paged block (16, vLLM's default, when not given)."""
+    paged = replace(fmt, block_size=fmt.block_size or 16)
+    prealloc = sequence_bytes(model, replace(fmt, block_size=None), max_len, per_rank=True)
+    mean_paged = sum(sequence_bytes(model, paged, t, per_rank=True) for t in lens) / len(lens)
+    return Serving(max_len, len(lens), sum(lens) / len(lens), prealloc, mean_paged,
+                   budget_bytes)
+
+
+def merge_dimensions(model: ModelSpec | None, explicit: dict[str, int | None]) -> ModelSpec:
+    """A preset (or config) plus explicit dimensions; explicit ones that disagree are refused."""
+    given = {k: v for k, v in explicit.items() if v is not None}
+    if model is None:
+        if "layers" not in given:
+            raise KvbenchError("say which model: --model NAME, --from-config PATH, or "
+                               "--layers with --kv-heads and --head-dim (or --mla-latent and "
+                               "--mla-rope)")
+        return ModelSpec(name="custom", **given)
+    clashes = [f"--{k.replace('_', '-')} {v} (the model has {getattr(model, k)})"
+               for k, v in given.items() if k != "sliding_window" and getattr(model, k) != v]
+    if clashes:
+        raise KvbenchError(f"{model.name} disagrees with {', '.join(clashes)}; drop the "
+                           "explicit dimensions or the model")
+    if "sliding_window" in given:  # --window overrides the window or sets one on every layer
+        model = replace(model, sliding_window=given["sliding_window"])
+    return model

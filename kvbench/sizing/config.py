@@ -1,0 +1,325 @@
+"""Typed configurations for one attention-layer experiment. Importing this module needs no torch."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from itertools import product
+
+from kvbench.errors import KvbenchError
+
+# Accepted spellings of the compute dtypes -> torch's canonical name.
+DTYPE_ALIASES = {
+    "float32": "float32", "fp32": "float32", "float": "float32",
+    "float16": "float16", "fp16": "float16", "half": "float16",
+    "bfloat16": "bfloat16", "bf16": "bfloat16",
+}
+DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
+
+
+DEFAULT_ACCEPT = "0.8"  # each draft accepted with this probability unless --accept says
+
+
+def canonical_dtype(name: str) -> str:
+    try:
+        return DTYPE_ALIASES[name.strip().lower()]
+    except KeyError:
+        known = ", ".join(sorted(DTYPE_ALIASES))
+        raise KvbenchError(f"unknown dtype {name!r}; use one of {known}") from None
+
+
+@dataclass(frozen=True)
+class MlaDims:
+    """Multi-head latent attention's dimensions (DeepSeek-V2/V3). Each token caches one vector:
+    a latent of kv_lora_rank (d_c) that every head's K and V are decompressed from, and a
+    decoupled RoPE key of qk_rope_dim that every head shares."""
+
+    kv_lora_rank: int = 256  # d_c
+    qk_rope_dim: int = 32  # the RoPE part of each query and of the shared key
+    qk_nope_dim: int = 64  # each head's query and key without position
+    v_head_dim: int = 64
+    q_lora_rank: int = 0  # 0: q projected from x directly; else through a normed latent
+
+    def __post_init__(self) -> None:
+        for name in ("kv_lora_rank", "qk_rope_dim", "qk_nope_dim", "v_head_dim"):
+            value = getattr(self, name)
+            if type(value) is not int or value < 1:
+                raise KvbenchError(f"--{name.replace('_', '-')} must be a positive integer, "
+                                   f"got {value!r}")
+        if type(self.q_lora_rank) is not int or self.q_lora_rank < 0:
+            raise KvbenchError(f"--q-lora-rank must be 0 (no query compression) or more, got "
+                               f"{self.q_lora_rank!r}")
+        if self.qk_rope_dim % 2:
+            raise KvbenchError(f"--qk-rope-dim must be even (RoPE rotates pairs), got "
+                               f"{self.qk_rope_dim}")
+
+    @property
+    def qk_dim(self) -> int:
+        """A head's query and key width: qk_nope + qk_rope (the scale is its inverse root)."""
+        return self.qk_nope_dim + self.qk_rope_dim
+
+    @property
+    def entry_dim(self) -> int:
+        """The cached vector per token: d_c + d_rope."""
+        return self.kv_lora_rank + self.qk_rope_dim
+
+
+@dataclass(frozen=True)
+class LayerShape:
+    """Shapes of one causal GQA attention layer and the sequence it decodes."""
+
+    batch: int = 2
+    prompt_len: int = 64
+    decode_len: int = 8
+    hidden: int = 512
+    q_heads: int = 8
+    kv_heads: int = 2
+    head_dim: int = 64
+    # A ragged (serving-shaped) batch: each sequence's prompt length. batch is their count and
+    # prompt_len the longest; decode adds decode_len positions to every sequence.
+    seq_lens: tuple[int, ...] | None = None
+    max_len: int | None = None  # the longest a request may get (preallocation); None: total_len
+    len_dist: str | None = None  # where seq_lens were drawn from (a label for the results)
+    # A sliding window with attention sinks (StreamingLLM): each query sees the first `sinks`
+    # positions and the last `window` (itself included). None: every earlier position.
+    window: int | None = None
+    sinks: int = 0
+    shared_prefix: int = 0  # the first P prompt tokens are the same in every sequence
+    # Token eviction (H2O): the `h2o` cache keeps kv_budget positions per KV head, the last
+    # kv_recent (default: half the budget) and the heavy hitters by accumulated attention.
+    kv_budget: int | None = None
+    kv_recent: int | None = None
+    # Multi-head latent attention (--attention mla); None: GQA. An MLA shape has kv_heads =
+    # q_heads and head_dim = qk_nope + qk_rope: the per-head K that decompression yields.
+    mla: MlaDims | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("batch", "prompt_len", "decode_len", "hidden", "q_heads", "kv_heads",
+                     "head_dim"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                flag = "--" + name.replace("_", "-")
+                raise KvbenchError(f"{flag} must be a positive integer, got {value!r}")
+        if self.seq_lens is not None:
+            if any(type(t) is not int or t < 1 for t in self.seq_lens):
+                raise KvbenchError(f"--seq-lens takes positive lengths, got "
+                                   f"{','.join(map(str, self.seq_lens))}")
+            if (len(self.seq_lens), max(self.seq_lens)) != (self.batch, self.prompt_len):
+                raise KvbenchError(f"--seq-lens gives {len(self.seq_lens)} sequences but "
+                                   f"--batch is {self.batch}; drop --batch (the lengths set it)")
+        if self.window is not None and (type(self.window) is not int or self.window < 1):
+            raise KvbenchError(f"--window must be a positive integer, got {self.window}")
+        if type(self.sinks) is not int or self.sinks < 0:
+            raise KvbenchError(f"--sinks must be 0 or more, got {self.sinks}")
+        if self.sinks and self.window is None:
+            raise KvbenchError("--sinks keeps the first S positions beside a sliding window; "
+                               "give --window W too")
+        if self.kv_budget is not None and (type(self.kv_budget) is not int or self.kv_budget < 1):
+            raise KvbenchError(f"--kv-budget must be a positive integer, got {self.kv_budget}")
+        if self.kv_recent is not None:
+            if self.kv_budget is None:
+                raise KvbenchError("--kv-recent is the recent window of a --kv-budget; give "
+                                   "--kv-budget N too")
+            if type(self.kv_recent) is not int or self.kv_recent < 1:
+                raise KvbenchError(f"--kv-recent must be a positive integer, got "
+                                   f"{self.kv_recent}")
+            if self.kv_budget < self.kv_recent:
+                raise KvbenchError(f"--kv-budget {self.kv_budget} is below the recent window "
+                                   f"of {self.kv_recent} positions it must keep; raise "
+                                   "--kv-budget or lower --kv-recent")
+        if type(self.shared_prefix) is not int or self.shared_prefix < 0:
+            raise KvbenchError(f"--shared-prefix must be 0 or more, got {self.shared_prefix}")
+        if self.shared_prefix > min(self.prompt_lens):
+            raise KvbenchError(f"--shared-prefix {self.shared_prefix} is longer than the "
+                               f"shortest prompt ({min(self.prompt_lens)} tokens); use at most "
+                               f"{min(self.prompt_lens)}")
+        if self.max_len is not None and self.max_len < self.total_len:
+            raise KvbenchError(
+                f"--max-len {self.max_len} is below the longest sequence: prompt "
+                f"{self.prompt_len} + decode {self.decode_len} = {self.total_len} positions; "
+                "raise --max-len or shorten the prompts")
+        if self.q_heads % self.kv_heads:
+            raise KvbenchError(
+                f"--q-heads {self.q_heads} is not a multiple of --kv-heads {self.kv_heads}; "
+                "each KV head must serve a whole number of query heads: use --kv-heads one of "
+                f"{', '.join(map(str, divisors(self.q_heads)))}"
+            )
+
+    @property
+    def attention(self) -> str:
+        return "gqa" if self.mla is None else "mla"
+
+    def with_mla(self, dims: MlaDims) -> LayerShape:
+        """This shape as an MLA layer of `dims` (its q_heads heads each decompress K and V)."""
+        return replace(self, kv_heads=self.q_heads, head_dim=dims.qk_dim, mla=dims)
+
+    @property
+    def group(self) -> int:
+        """Query heads served by one KV head (H_q / H_kv)."""
+        return self.q_heads // self.kv_heads
+
+    @property
+    def total_len(self) -> int:
+        return self.prompt_len + self.decode_len
+
+    @property
+    def prompt_lens(self) -> tuple[int, ...]:
+        """Each sequence's prompt length T_i."""
+        return self.seq_lens if self.seq_lens is not None else (self.prompt_len,) * self.batch
+
+    @property
+    def row_lens(self) -> tuple[int, ...]:
+        """Each sequence's length once decoded, T_i + G: the positions it holds."""
+        return tuple(t + self.decode_len for t in self.prompt_lens)
+
+    @property
+    def ragged(self) -> bool:
+        """Whether the sequences differ in length (padding and masks come in)."""
+        return len(set(self.prompt_lens)) > 1
+
+    @property
+    def reach(self) -> int:
+        """Positions a request may reach: what preallocating to the maximum length reserves."""
+        return self.max_len if self.max_len is not None else self.total_len
+
+    def with_lens(self, lens, max_len: int | None = None, len_dist: str | None = None):
+        """This shape with the prompts of a ragged batch: batch and prompt_len follow lens."""
+        lens = tuple(lens)
+        return replace(self, batch=len(lens), prompt_len=max(lens), seq_lens=lens,
+                       max_len=max_len, len_dist=len_dist)
+
+    @property
+    def cache_shape(self) -> tuple[int, int, int, int]:
+        """Final cache shape [B, H_kv, T_p + G, D]."""
+        return (self.batch, self.kv_heads, self.total_len, self.head_dim)
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """One measured configuration: a layer shape plus how to run it."""
+
+    shape: LayerShape
+    dtype: str = "float32"  # canonical torch name
+    device: str = "cpu"  # resolved: "cpu" or "cuda:N"
+    seed: int = 0
+    rope: bool = False
+    kv_dtype: str | None = None  # K/V stored quantized (fp8, int8, int4, int2); None = dtype
+    group_size: int = 64  # int formats: elements per scale and zero point
+    tp: int = 1  # tensor-parallel ranks the layer is split over (kvbench.measure.distributed)
+    k_quant: str = "per-token"  # int formats: K per token, or per channel (KIVI)
+    kv_residual: int = 0  # int formats: the newest positions kept unquantized (KIVI)
+    # Serving operations: the prompt in chunks of this many positions (None: one prefill);
+    # speculative decoding's verify step of this many positions (None: one per step), of
+    # which `accept` are kept: a count, or a rate at which each draft is accepted (seeded).
+    prefill_chunk: int | None = None
+    draft_len: int | None = None
+    accept: str | None = None
+    # Beam search: each prompt forked into this many beams, reordered every step
+    beams: int | None = None
+    # --graph: the decode steps of implementations that can be captured, through a graph
+    graph: bool = False
+
+    def __post_init__(self) -> None:
+        s = self.shape
+        if self.prefill_chunk is not None:
+            if type(self.prefill_chunk) is not int or self.prefill_chunk < 1:
+                raise KvbenchError(f"--prefill-chunk must be a positive integer, got "
+                                   f"{self.prefill_chunk}")
+            if self.prefill_chunk > s.prompt_len:
+                raise KvbenchError(f"--prefill-chunk {self.prefill_chunk} is above the prompt "
+                                   f"({s.prompt_len} tokens); use at most {s.prompt_len}")
+        if self.draft_len is not None and (type(self.draft_len) is not int
+                                           or self.draft_len < 1):
+            raise KvbenchError(f"--draft-len must be a positive integer (positions verified "
+                               f"per step), got {self.draft_len}")
+        if self.beams is not None and (type(self.beams) is not int or self.beams < 2):
+            raise KvbenchError(f"--beams {self.beams}: one beam is plain decode; fork each "
+                               "prompt into 2 or more")
+        if self.accept is not None:
+            if self.draft_len is None:
+                raise KvbenchError("--accept is what a speculative step keeps; give "
+                                   "--draft-len K too")
+            accept_rule(self.accept, self.draft_len)
+        if self.rope and self.shape.mla is None and self.shape.head_dim % 2:
+            raise KvbenchError(
+                f"--rope needs an even --head-dim, got {self.shape.head_dim}; "
+                "use an even head dim or --no-rope"
+            )
+
+    @property
+    def dtype_bytes(self) -> int:
+        return DTYPE_BYTES[self.dtype]
+
+    @property
+    def compute_bytes(self) -> int:
+        """Bytes per element of path A's temporaries: on the CPU half-precision matmuls run in
+        float32 (kvbench.measure.device.matmul), so their products are float32."""
+        return 4 if self.device == "cpu" and self.dtype_bytes == 2 else self.dtype_bytes
+
+    @property
+    def kv_format(self):
+        """How this point stores K/V (kvbench.formats.kvformat.KvFormat)."""
+        from kvbench.formats.kvformat import KvFormat
+
+        return KvFormat(self.kv_dtype, self.group_size, self.k_quant, self.kv_residual)
+
+
+def accept_rule(text: str, draft_len: int) -> tuple[str, float]:
+    """--accept: ("count", n) for a whole number of positions kept per step (1..draft_len:
+    the target's own position and n - 1 drafts), or ("rate", r) for each draft accepted with
+    probability r in [0, 1]."""
+    value = str(text).strip()
+    try:
+        number = float(value)
+    except ValueError:
+        raise KvbenchError(f"--accept takes a count (1..{draft_len}) or a rate (0..1), got "
+                           f"{text!r}") from None
+    if value.isdigit():
+        if not 1 <= number <= draft_len:
+            raise KvbenchError(f"--accept {value} is outside 1..--draft-len {draft_len}: a "
+                               "step keeps the target's own position and at most all its "
+                               "drafts")
+        return "count", number
+    if not 0 <= number <= 1:
+        raise KvbenchError(f"--accept {value}: a rate is between 0 and 1 (or give a whole "
+                           f"count 1..{draft_len})")
+    return "rate", number
+
+
+# The reference cases of the source material (SPEC §1).
+SMALL_CASE = LayerShape(batch=1, prompt_len=8, decode_len=5, hidden=16, q_heads=4, kv_heads=2,
+                        head_dim=4)
+CPU_TIMING_CASE = LayerShape(batch=2, prompt_len=64, decode_len=8, hidden=512, q_heads=8,
+                             kv_heads=2, head_dim=64)
+CUDA_TIMING_CASE = LayerShape(batch=2, prompt_len=256, decode_len=32, hidden=512, q_heads=8,
+                              kv_heads=2, head_dim=64)
+
+
+def timing_case(device: str) -> LayerShape:
+    return CUDA_TIMING_CASE if device.startswith("cuda") else CPU_TIMING_CASE
+
+
+SHAPE_FIELDS = ("batch", "prompt_len", "decode_len", "hidden", "q_heads", "kv_heads", "head_dim")
+
+
+def parse_int_list(flag: str, text: str) -> list[int]:
+    """"256,1024" -> [256, 1024]; every value a positive integer."""
+    values = []
+    for part in text.split(","):
+        part = part.strip().replace("_", "")
+        if not part.isdigit() or int(part) < 1:
+            raise KvbenchError(f"{flag} takes positive integers separated by commas, "
+                               f"got {text!r}")
+        values.append(int(part))
+    return values
+
+
+def expand_shapes(base: LayerShape, lists: dict[str, list[int]]) -> list[LayerShape]:
+    """The Cartesian product of the given per-field value lists over a base shape."""
+    fields = [f for f in SHAPE_FIELDS if f in lists]
+    return [replace(base, **dict(zip(fields, combo)))
+            for combo in product(*(lists[f] for f in fields))]
+
+
+def divisors(n: int) -> list[int]:
+    """The positive divisors of n, ascending (the --kv-heads that fit n query heads)."""
+    return [d for d in range(1, n + 1) if n % d == 0]

@@ -1,0 +1,148 @@
+"""The whole model (--model): its points (the model's layer shape), its preflight (the
+weights, every layer's cache), its runs (kvbench.experiments.model), rows and tables."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from kvbench.errors import KvbenchError
+
+if TYPE_CHECKING:
+    from kvbench.options import RunOptions
+
+# A model's default point: one sequence, a prompt of 256 tokens, 32 decode steps.
+DEFAULTS = {"batch": 1, "prompt_len": 256, "decode_len": 32}
+# Options that set what --model sets, or that a model run does not take.
+CONTRADICTS = ("hidden", "q_heads", "kv_heads", "head_dim", "seq_lens", "len_dist")
+
+
+def expand(o: RunOptions, command: str):
+    """The model, its points and the implementation options."""
+    from kvbench.layers.model.spec import resolve
+    from kvbench.planning import plan
+    from kvbench.sizing.config import LayerShape
+
+    given = [f for f in CONTRADICTS if getattr(o, f) is not None]
+    if given:
+        flag = "--" + given[0].replace("_", "-")
+        raise KvbenchError(f"--model {o.model} sets the layer's shape and batch layout; drop "
+                           f"{flag}")
+    if o.tp != 1 or o.shared_prefix:
+        flag = "--tp" if o.tp != 1 else "--shared-prefix"
+        raise KvbenchError(f"{flag} runs on one layer; drop it or --model")
+    plan.positive("--layers", o.layers)
+    ref = resolve(o.model)
+    arch = ref.arch.first(o.layers)
+    base = LayerShape(hidden=arch.hidden, q_heads=arch.q_heads, kv_heads=arch.kv_heads,
+                      head_dim=arch.head_dim, **DEFAULTS)
+    points, options, notes = plan.expand(o.but(rope=True), measure=None if command == "verify"
+                                         else command, base=base)
+    for config, _ in points:
+        s = config.shape
+        if arch.sliding_window and s.total_len > arch.sliding_window:
+            raise KvbenchError(
+                f"--model {o.model} attends within a sliding window of {arch.sliding_window} "
+                f"positions; prompt + decode = {s.total_len}: shorten them to at most "
+                f"{arch.sliding_window}")
+    if not ref.trained:
+        notes.append(f"{arch.name}: random weights at its real shape; quality figures "
+                     "(perplexity, KL) describe nothing and are not reported")
+    if o.text is not None and not ref.trained:
+        raise KvbenchError(f"--text needs a trained model's tokenizer; {arch.name} is a "
+                           "preset with random weights: drop --text or pass a checkpoint")
+    return ref, points, options, notes
+
+
+def preflight(command: str, ref, layers, host_mem):
+    """A point's phases: the weights (transformers' copy beside kvbench's for a checkpoint
+    that path A or generate runs), then each implementation with every layer's cache."""
+    from kvbench.caches import IMPLEMENTATIONS
+    from kvbench.planning.preflight import DEVICE, HOST, Phase, Plan, available_memory
+
+    arch = ref.arch.first(layers)
+
+    def plan_of(config, names, options):
+        options = options.at(config)
+        s, b = config.shape, config.dtype_bytes
+        mem = DEVICE if config.device.startswith("cuda") else HOST
+        # a checkpoint: transformers' copy beside kvbench's (path A, generate); a preset's
+        # bench: transformers' own model at its shape (generate's row)
+        second = (ref.trained and command != "memory") or command == "bench"
+        weights = arch.weight_count() * b * (2 if second else 1)
+        tokens = s.batch * (s.total_len + 1)
+        # logits (and their float64 log-softmax for the quality figures), one layer's MLP
+        acts = tokens * (arch.vocab * (b + 16) + (arch.hidden * 4 + 2 * arch.intermediate) * b)
+        shrink = "--layers N runs fewer layers; a shorter --prompt-len or --batch"
+        phases = [Phase("weights", weights, mem, shrink)]
+        if mem == DEVICE and ref.trained:
+            phases.append(Phase("weights (loaded on the host)", weights, HOST, shrink))
+        for name in names:
+            cls = IMPLEMENTATIONS[name]
+            f = cls.footprint(config, options)
+            transient = max(f.prefill - f.storage, f.decode, 0)
+            # bench --graph: a second set of caches, the whole model's graph over them
+            sets = 2 if (config.graph and command == "bench"
+                         and cls.uncapturable(config, options) is None) else 1
+            phases.append(Phase(f"{name}: {arch.layers} layers' caches", weights
+                                + sets * arch.layers * f.storage + transient + acts, mem,
+                                shrink))
+        return Plan(config, tuple(names), tuple(phases),
+                    available_memory(config.device, host_mem),
+                    model=f"{arch.name} ({arch.layers} of {ref.arch.layers} layers)")
+
+    return plan_of
+
+
+class Model:
+    name = "model"
+
+    def take(self, o: RunOptions) -> RunOptions | None:
+        return o if o.model is not None else None
+
+    def expand(self, o: RunOptions, command: str):
+        from kvbench.experiments.bench import BenchOptions
+
+        ref, points, options, notes = expand(o, command)
+        self.ref = ref
+        bench_options = (BenchOptions(o.warmup, o.rounds, False, o.prefill)
+                         if command == "bench" else None)
+        return points, options, notes, bench_options
+
+    def point(self, command: str, o: RunOptions, impl_options, bench_options):
+        from kvbench.experiments.model import run as model_run
+        from kvbench.report import results
+
+        ref, layers, text = self.ref, o.layers, o.text
+        if command == "verify":
+            def run_point(config, names, env):
+                report = model_run.verify(ref, config, names, impl_options, layers, text)
+                return report, results.model_verify_rows(report, env)
+        elif command == "bench":
+            def run_point(config, names, env):
+                result = model_run.bench(ref, config, names, bench_options, impl_options,
+                                         layers, text)
+                return result, results.model_bench_rows(result, env)
+        else:
+            def run_point(config, names, env):
+                result = model_run.memory(ref, config, names, impl_options, layers, text)
+                return result, results.model_memory_rows(result, env)
+        return run_point
+
+    def plans(self, command, o, impl_options, bench_options):
+        plan_of = preflight(command, self.ref, o.layers, o.host_mem)
+        return lambda config, names: plan_of(config, names, impl_options)
+
+    def show(self, command: str, result, stderr: bool = False) -> None:
+        from kvbench.experiments.model.view import TABLES
+        from kvbench.report.render import err, out
+
+        (err if stderr else out).print(TABLES[command](result))
+
+    def failed(self, report, check) -> str:
+        from kvbench.report.render import describe
+
+        return f"{check.impl} on {report.ref.label} ({describe(report.config)}): {check.message}"
+
+    def refused(self, report, check) -> str:
+        return f"it disagrees with path A ({check.message})"
+

@@ -1,0 +1,47 @@
+"""The packages import one way (import-linter's contract in pyproject.toml), every package is
+named by it, and nothing but the interface sits at the top of kvbench/."""
+
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("importlinter")
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGE = ROOT / "kvbench"
+TOP_LEVEL = {"__init__.py", "__main__.py", "cli.py", "options.py", "errors.py"}
+
+
+def _contract_layers() -> list[str]:
+    try:
+        import tomllib
+    except ImportError:  # Python 3.10
+        import tomli as tomllib
+
+    contracts = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["importlinter"][
+        "contracts"]
+    return [name.strip() for c in contracts for layer in c.get("layers", [])
+            for name in layer.split("|")]
+
+
+def test_the_import_contracts_hold(capsys):
+    from importlinter.application.use_cases import lint_imports
+    from importlinter.configuration import configure
+
+    configure()
+    kept = lint_imports(config_filename=str(ROOT / "pyproject.toml"), cache_dir=None,
+                        no_logo=True)
+    assert kept, capsys.readouterr().out  # the broken contract: which module imports which
+
+
+def test_every_package_and_top_module_is_in_the_contract():
+    named = set(_contract_layers())
+    packages = {f"kvbench.{p.name}" for p in PACKAGE.iterdir()
+                if p.is_dir() and (p / "__init__.py").is_file()}
+    modules = {f"kvbench.{p.stem}" for p in PACKAGE.glob("*.py")
+               if p.name not in ("__init__.py", "__main__.py")}
+    assert packages | modules <= named, sorted((packages | modules) - named)
+
+
+def test_only_the_interface_sits_at_the_top_of_the_package():
+    assert {p.name for p in PACKAGE.glob("*.py")} <= TOP_LEVEL
