@@ -131,11 +131,14 @@ def of_attention(attention: str) -> list[str]:
 
 def attention_mismatch(name: str, attention: str) -> str:
     """The line that refuses an implementation of the other attention kind."""
-    if attention == "mla":
-        return (f"--impl {name} runs GQA layers; with --attention mla use all or "
-                f"{', '.join(of_attention('mla'))}")
-    return (f"--impl {name} runs MLA layers; add --attention mla (or use one of "
-            f"{', '.join(of_attention('gqa'))})")
+    from kvbench.sizing.config import KINDS
+
+    runs, wanted = KINDS[IMPLEMENTATIONS[name].attention], KINDS[attention]
+    if wanted.option:
+        return (f"--impl {name} runs {runs.label} layers; with {wanted.option} use all or "
+                f"{', '.join(of_attention(attention))}")
+    return (f"--impl {name} runs {runs.label} layers; add {runs.option} (or use one of "
+            f"{', '.join(of_attention(attention))})")
 
 
 def parse_impls(spec: str) -> tuple[str, ...]:
@@ -162,6 +165,9 @@ class CachedAttention(ABC):
     name: ClassVar[str]
     description: ClassVar[str]
     attention: ClassVar[str] = "gqa"  # the layer it caches: "gqa", or "mla" (kvbench.layers.mla)
+    # verify checks that the cache holds exactly the bytes kvbench capacity plans for its
+    # layout (MLA's caches: their point is their bytes)
+    exact_bytes: ClassVar[bool] = False
     compiles: ClassVar[bool] = False  # its first step compiles (reported as compile_ms)
     kv_dtypes: ClassVar[frozenset[str]] = frozenset()  # the quantized formats it can store
     kivi: ClassVar[bool] = False  # whether it takes KIVI's layout (K per channel, a residual)
@@ -664,11 +670,7 @@ def _layout(config: RunConfig, options: ImplOptions, blocked: bool) -> capacity.
 def layer_model(s) -> capacity.ModelSpec:
     """One layer of shape s as `kvbench capacity` plans it: H_kv heads of K and V of D, or
     for an MLA layer its latent and RoPE key."""
-    if s.mla is None:
-        return capacity.ModelSpec(name="layer", layers=1, kv_heads=s.kv_heads,
-                                  head_dim=s.head_dim)
-    return capacity.ModelSpec(name="layer", layers=1, mla_latent=s.mla.kv_lora_rank,
-                              mla_rope=s.mla.qk_rope_dim)
+    return capacity.ModelSpec(name="layer", layers=1, **s.kind.cached(s))
 
 
 def _planned(config: RunConfig, options: ImplOptions, lens, blocked: bool,

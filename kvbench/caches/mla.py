@@ -34,6 +34,7 @@ class MlaCache(CachedAttention):
     """What every MLA cache shares: the layer kind, and its figures from the MLA dims."""
 
     attention = "mla"
+    exact_bytes = True
     extends = True
     forks = True
 

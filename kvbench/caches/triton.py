@@ -179,6 +179,15 @@ class TritonCache(KernelLengths, PagedCache):
     def merge(self, out: torch.Tensor) -> torch.Tensor:
         return self.kernel.merge(self.launch, self.kernel_lens, out, self.units)
 
+    def stage1_call(self, q: torch.Tensor):
+        """The first stage as this cache launches it for q [B, H_q, D] (kvbench.kernels.aot
+        compiles it ahead of time): (kernel, its argument names, the arguments, the
+        constexprs, the output's last dim)."""
+        _, args, constants = self.kernel.stage1_args(q, *self.pools_read(), self.table,
+                                                     self.kernel_lens, self.layer.scale,
+                                                     self.launch, self.store)
+        return "gqa", self.kernel.stage1.arg_names, args, constants, q.shape[-1]
+
 
 
 def kernel_config(device: str, dtype: str, kv_dtype: str | None, head_dim: int, group: int,

@@ -108,12 +108,27 @@ class TritonMlaCache(KernelLengths, Absorbed, PagedCache):
             entries = self.store.decode("k", lambda t: self._gather(stored[t]), self.layer.dtype)
         return entries, entries[..., : self.layer.shape.mla.kv_lora_rank]
 
+    def _read(self):
+        """The pool the kernel reads and fp8's scale (None unquantized)."""
+        if self.store is None:
+            return self.pool, None
+        return self.store.tensors["k_codes"], self.store.tensors["k_scale"]
+
+    def stage1_call(self, q: torch.Tensor):
+        """As TritonCache.stage1_call, for q [B, H_q, d_c + d_rope]."""
+        m = self.layer.shape.mla
+        pool, scale = self._read()
+        _, args, constants = self.kernel.stage1_args(q, pool, self.table,
+                                                     self.kernel_lens, self.layer.scale,
+                                                     self.launch, m.kv_lora_rank,
+                                                     scale)
+        return "mla", self.kernel.stage1.arg_names, args, constants, m.kv_lora_rank
+
     def attend_latent(self, q_nope, q_pe):
         B, Hq = q_nope.shape[:2]
         m = self.layer.shape.mla
         q = self.layer.absorb_query(q_nope, q_pe).reshape(B, Hq, m.entry_dim)
-        pool, scale = ((self.pool, None) if self.store is None else
-                       (self.store.tensors["k_codes"], self.store.tensors["k_scale"]))
+        pool, scale = self._read()
         # (the interpreter's fixed loop walks the capacity under a graph: lengths grow)
         longest = self.max_len if self.captured is not None else self.length
         self.kernel.split_partials(q.contiguous(), pool, self.table, self.kernel_lens,

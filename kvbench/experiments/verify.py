@@ -28,7 +28,7 @@ from kvbench.errors import (
     is_runtime_error,
 )
 from kvbench.formats.kvformat import KvFormat
-from kvbench.formats.quant import QuantizedStore, kivi_dequantized
+from kvbench.formats.quant import kivi_dequantized
 from kvbench.layers.attention import (
     AttentionLayer,
     make_inputs,
@@ -168,68 +168,9 @@ def quantized_reference(layer: AttentionLayer, x: torch.Tensor, prompt: torch.Te
     parents (--beams): each step's parent of every row; the stored rows are reordered by them
     before the step, so each row holds its own beam's history.
     """
-    s = layer.shape
-    B, T = x.shape[0], x.shape[1]
     if fmt.buffered:
         return _kivi_reference(layer, x, prompt, fmt)
-    if s.mla is not None:
-        return _latent_reference(layer, x, prompt, fmt, parents)
-    lens = torch.tensor(s.prompt_lens, device=x.device)
-    rows = torch.arange(B, device=x.device)
-    store = QuantizedStore(fmt, (B, s.kv_heads, T), s.head_dim, x.device)
-    _, k, v = layer.project(prompt, start=0)
-    cols = torch.arange(T, device=x.device)[None, :]  # [1, T]
-    store.write(k, v, 0, cols[:, : s.prompt_len] < lens[:, None] if s.ragged else None)
-    w_o = layer.w_o.double()
-    outputs = []
-    for j in range(s.decode_len):
-        at = lens + j  # each sequence's position
-        if parents is not None:  # --beams: each row its own beam's stored history
-            store.reorder(parents[j])
-        q, k, v = layer.project(x[rows, at][:, None], start=at[:, None] if s.ragged else at[0])
-        store.write_at(k, v, rows, at)
-        n = int(at.max()) + 1
-        keys = store.read("k", n, torch.float64).repeat_interleave(s.group, dim=1)
-        values = store.read("v", n, torch.float64).repeat_interleave(s.group, dim=1)
-        scores = (q.double() @ keys.transpose(-2, -1)) * layer.scale  # [B, H_q, 1, n]
-        padding = cols[:, :n] > at[:, None]  # [B, n]
-        scores = scores.masked_fill(padding[:, None, None, :], float("-inf"))
-        attn = torch.softmax(scores, dim=-1) @ values  # [B, H_q, 1, D]
-        outputs.append(attn.transpose(1, 2).reshape(B, 1, -1) @ w_o)
-    return outputs
-
-
-def _latent_reference(layer, x: torch.Tensor, prompt: torch.Tensor,
-                      fmt: KvFormat, parents=None) -> list[torch.Tensor]:
-    """quantized_reference for an MLA layer's latent cache: each position's entry projected
-    as the implementations project it and stored in `fmt` (one vector per position), then
-    decompressed and attended to in float64, each sequence over its own positions."""
-    s = layer.shape
-    B, T = x.shape[0], x.shape[1]
-    lens = torch.tensor(s.prompt_lens, device=x.device)
-    rows = torch.arange(B, device=x.device)
-    cols = torch.arange(T, device=x.device)[None, :]
-    store = QuantizedStore(fmt, (B, 1, T), s.mla.entry_dim, x.device, layer.dtype,
-                           kinds=("k",))
-    store.write(layer.entry(prompt, 0), None, 0,
-                cols[:, : s.prompt_len] < lens[:, None] if s.ragged else None)
-    layer64 = layer.to(torch.float64)
-    outputs = []
-    for j in range(s.decode_len):
-        at = lens + j
-        if parents is not None:  # --beams: each row its own beam's stored history
-            store.reorder(parents[j])
-        x_t, start = x[rows, at][:, None], at[:, None] if s.ragged else at[0]
-        q_nope, q_pe = layer.query(x_t, start)
-        store.write_at(layer.entry(x_t, start), None, rows, at)
-        n = int(at.max()) + 1
-        keys, values = layer64.expand(store.read("k", n, torch.float64))
-        q = torch.cat((q_nope, q_pe), dim=-1).double()
-        scores = (q @ keys.transpose(-2, -1)) * layer.scale  # [B, H_q, 1, n]
-        scores = scores.masked_fill((cols[:, :n] > at[:, None])[:, None, None, :],
-                                    float("-inf"))
-        outputs.append(layer64.output(torch.softmax(scores, dim=-1) @ values))
-    return outputs
+    return layer.quantized_reference(x, prompt, fmt, parents)
 
 
 def _kivi_reference(layer: AttentionLayer, x: torch.Tensor, prompt: torch.Tensor,
@@ -343,7 +284,7 @@ def _check(name, cls, layer, options, x, prompt, real, config, ref_prefill, ref_
         message = f"final cache shape {list(cache_shape)} != expected {list(expected)}"
     if first_bad is None and (wrong := impl.consistency()) is not None:
         first_bad, message = len(pairs) - 1, wrong
-    if cls.attention == "mla" and first_bad is None:  # MLA's point is its bytes: to the byte
+    if cls.exact_bytes and first_bad is None:  # to the byte
         held, planned = storage_bytes(impl.cache_tensors()), cls.planned_bytes(config, options)
         if held != planned:
             first_bad = len(pairs) - 1

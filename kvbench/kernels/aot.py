@@ -57,26 +57,11 @@ def cache_requests(cache, q) -> list[dict]:
 
     from kvbench.kernels import triton_decode
 
-    launch = cache.launch
-    if cache.attention == "mla":
-        from kvbench.kernels import triton_mla
-
-        m = cache.layer.shape.mla
-        pool, scale = ((cache.pool, None) if cache.store is None else
-                       (cache.store.tensors["k_codes"], cache.store.tensors["k_scale"]))
-        _, args, constants = triton_mla.stage1_args(q, pool, cache.table, cache.kernel_lens,
-                                                    cache.layer.scale, launch, m.kv_lora_rank,
-                                                    scale)
-        first = request("mla", triton_mla.stage1.arg_names, args, constants)
-        width = m.kv_lora_rank
-    else:
-        _, args, constants = triton_decode.stage1_args(q, *cache.pools_read(), cache.table,
-                                                       cache.kernel_lens, cache.layer.scale,
-                                                       launch, cache.store)
-        first = request("gqa", triton_decode.stage1.arg_names, args, constants)
-        width = q.shape[-1]
+    kernel, names, args, constants, width = cache.stage1_call(q)
+    first = request(kernel, names, args, constants)
     out = torch.empty(*q.shape[:2], width, dtype=q.dtype)
-    _, args, constants = triton_decode.stage2_args(launch, cache.kernel_lens, out, cache.units)
+    _, args, constants = triton_decode.stage2_args(cache.launch, cache.kernel_lens, out,
+                                                   cache.units)
     return [first, request("gqa", triton_decode.stage2.arg_names, args, constants, "stage2")]
 
 

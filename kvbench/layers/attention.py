@@ -55,6 +55,41 @@ class AttentionLayer:
         return cls(config.shape, torch_dtype(config.dtype), config.device, config.seed,
                    config.rope)
 
+    def quantized_reference(self, x: torch.Tensor, prompt: torch.Tensor, fmt,
+                            parents=None) -> list[torch.Tensor]:
+        """Float64 decode outputs [B, 1, H] over the cache a correct implementation stores in
+        `fmt` (kvbench.experiments.verify.quantized_reference): attention and the output
+        projection in float64 over the dequantized K and V, each sequence over its own
+        positions."""
+        from kvbench.formats.quant import QuantizedStore
+
+        layer = self
+        s = layer.shape
+        B, T = x.shape[0], x.shape[1]
+        lens = torch.tensor(s.prompt_lens, device=x.device)
+        rows = torch.arange(B, device=x.device)
+        store = QuantizedStore(fmt, (B, s.kv_heads, T), s.head_dim, x.device)
+        _, k, v = layer.project(prompt, start=0)
+        cols = torch.arange(T, device=x.device)[None, :]  # [1, T]
+        store.write(k, v, 0, cols[:, : s.prompt_len] < lens[:, None] if s.ragged else None)
+        w_o = layer.w_o.double()
+        outputs = []
+        for j in range(s.decode_len):
+            at = lens + j  # each sequence's position
+            if parents is not None:  # --beams: each row its own beam's stored history
+                store.reorder(parents[j])
+            q, k, v = layer.project(x[rows, at][:, None], start=at[:, None] if s.ragged else at[0])
+            store.write_at(k, v, rows, at)
+            n = int(at.max()) + 1
+            keys = store.read("k", n, torch.float64).repeat_interleave(s.group, dim=1)
+            values = store.read("v", n, torch.float64).repeat_interleave(s.group, dim=1)
+            scores = (q.double() @ keys.transpose(-2, -1)) * layer.scale  # [B, H_q, 1, n]
+            padding = cols[:, :n] > at[:, None]  # [B, n]
+            scores = scores.masked_fill(padding[:, None, None, :], float("-inf"))
+            attn = torch.softmax(scores, dim=-1) @ values  # [B, H_q, 1, D]
+            outputs.append(attn.transpose(1, 2).reshape(B, 1, -1) @ w_o)
+        return outputs
+
     def to(self, dtype: torch.dtype) -> AttentionLayer:
         """The same weights in another dtype (the float64 reference uses this)."""
         other = object.__new__(AttentionLayer)

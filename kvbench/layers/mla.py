@@ -90,6 +90,42 @@ class MlaLayer:
         self.w_uk_t = per_head[..., : m.qk_nope_dim].permute(1, 2, 0).contiguous()
         self.w_uv = per_head[..., m.qk_nope_dim:].transpose(0, 1).contiguous()
 
+    def quantized_reference(self, x: torch.Tensor, prompt: torch.Tensor, fmt,
+                            parents=None) -> list[torch.Tensor]:
+        """Float64 decode outputs over the latent cache a correct implementation stores in
+        `fmt` (kvbench.experiments.verify.quantized_reference): each position's entry
+        projected as the implementations project it and stored (one vector per position),
+        then decompressed and attended to in float64, each sequence over its own positions."""
+        from kvbench.formats.quant import QuantizedStore
+
+        layer = self
+        s = layer.shape
+        B, T = x.shape[0], x.shape[1]
+        lens = torch.tensor(s.prompt_lens, device=x.device)
+        rows = torch.arange(B, device=x.device)
+        cols = torch.arange(T, device=x.device)[None, :]
+        store = QuantizedStore(fmt, (B, 1, T), s.mla.entry_dim, x.device, layer.dtype,
+                               kinds=("k",))
+        store.write(layer.entry(prompt, 0), None, 0,
+                    cols[:, : s.prompt_len] < lens[:, None] if s.ragged else None)
+        layer64 = layer.to(torch.float64)
+        outputs = []
+        for j in range(s.decode_len):
+            at = lens + j
+            if parents is not None:  # --beams: each row its own beam's stored history
+                store.reorder(parents[j])
+            x_t, start = x[rows, at][:, None], at[:, None] if s.ragged else at[0]
+            q_nope, q_pe = layer.query(x_t, start)
+            store.write_at(layer.entry(x_t, start), None, rows, at)
+            n = int(at.max()) + 1
+            keys, values = layer64.expand(store.read("k", n, torch.float64))
+            q = torch.cat((q_nope, q_pe), dim=-1).double()
+            scores = (q @ keys.transpose(-2, -1)) * layer.scale  # [B, H_q, 1, n]
+            scores = scores.masked_fill((cols[:, :n] > at[:, None])[:, None, None, :],
+                                        float("-inf"))
+            outputs.append(layer64.output(torch.softmax(scores, dim=-1) @ values))
+        return outputs
+
     def to(self, dtype: torch.dtype) -> MlaLayer:
         """The same weights in another dtype (the float64 reference uses this)."""
         other = object.__new__(MlaLayer)

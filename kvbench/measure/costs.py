@@ -59,7 +59,7 @@ def step_flops(s: LayerShape, length: int) -> int:
     """Projections 2·B·(weight elements) plus attention 4·H_q·D per cached position of each
     sequence (QK^T and PV): 4·B·H_q·T·D in a square batch. MLA: attention over decompressed
     K and V, 2·H_q·(qk + v) per position."""
-    per_position = (2 * s.head_dim if s.mla is None else s.mla.qk_dim + s.mla.v_head_dim)
+    per_position = s.kind.attended_width(s)
     return (2 * s.batch * weight_elements(s)
             + 2 * s.q_heads * real_positions(s, length) * per_position)
 

@@ -141,7 +141,7 @@ def _points_of(o: RunOptions, reference_cases: bool = False,
         kivi = (o.k_quant, o.kv_residual) if kv in GROUPED else ("per-token", 0)
         if o.beams:  # the rows: each prompt's beams (_serving refused fewer than 2)
             shape = replace(shape, batch=shape.batch * o.beams)
-        rope = o.rope or shape.mla is not None  # MLA rotates its decoupled part always
+        rope = o.rope or shape.kind.rotates_always  # MLA rotates its decoupled part always
         config = RunConfig(shape, dt, dev, o.seed, rope, kv, o.group_size, o.tp, *kivi,
                            prefill_chunk=o.prefill_chunk, draft_len=o.draft_len,
                            accept=o.accept, beams=o.beams, graph=o.graph)
@@ -315,10 +315,12 @@ def default_impls(device: str, measure: str | None,
     the CPU the ones that compile first; and the line that says so."""
     from kvbench.caches import of_attention
 
-    if device != "cpu" or measure is None or attention != "gqa":
+    kind = of_attention(attention)
+    left_out = [n for n in CPU_LEFT_OUT if n in kind]
+    if device != "cpu" or measure is None or not left_out:
         return "all", None
-    names = [n for n in of_attention(attention) if n not in CPU_LEFT_OUT]
-    return ",".join(names), (f"left out on the CPU by default: {', '.join(CPU_LEFT_OUT)} "
+    names = [n for n in kind if n not in CPU_LEFT_OUT]
+    return ",".join(names), (f"left out on the CPU by default: {', '.join(left_out)} "
                              "(they compile first and run slower than eager here); "
                              "--impl all includes them")
 

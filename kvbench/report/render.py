@@ -93,15 +93,9 @@ def _prompts(s) -> str:
 
 def describe(config) -> str:
     s = config.shape
-    if s.mla is None:
-        heads = (f"H_q={s.q_heads} H_kv={s.kv_heads} D={s.head_dim} {config.dtype} "
-                 f"{config.device}{' rope' if config.rope else ''}")
-    else:
-        m = s.mla
-        heads = (f"MLA H_q={s.q_heads} d_c={m.kv_lora_rank} rope={m.qk_rope_dim} "
-                 f"nope={m.qk_nope_dim} v={m.v_head_dim}"
-                 + (f" q_lora={m.q_lora_rank}" if m.q_lora_rank else "")
-                 + f" {config.dtype} {config.device}")
+    # RoPE is named where it is an option (a kind that always rotates says nothing)
+    rope = " rope" if config.rope and not s.kind.rotates_always else ""
+    heads = f"{s.kind.heads(s)} {config.dtype} {config.device}{rope}"
     return (f"B={s.batch} {_prompts(s)} decode={s.decode_len} H={s.hidden} {heads} "
             f"seed={config.seed}"
             + (f" tp={config.tp}" if config.tp > 1 else "")

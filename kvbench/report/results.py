@@ -23,6 +23,7 @@ from pathlib import Path
 from kvbench.errors import KvbenchError
 from kvbench.measure.env import ENV_COLUMNS
 from kvbench.sizing.capacity import GROUPED as GROUPED_FORMATS
+from kvbench.sizing.config import MlaDims
 
 DEFAULT_DIR = Path("results")
 
@@ -178,8 +179,7 @@ TP_COLUMNS = ["tp", "world_size", "window", "sinks", "kv_budget", "kv_recent"]
 MODEL_COLUMNS = ["model", "layers"]
 # --attention mla: the layer kind and MLA's dims (empty for gqa; kv_heads then equals q_heads
 # and head_dim qk_nope + qk_rope, the decompressed K of each head)
-MLA_COLUMNS = ["attention", "kv_lora_rank", "qk_rope_dim", "qk_nope_dim", "v_head_dim",
-               "q_lora_rank"]
+MLA_COLUMNS = ["attention", *MlaDims.CELLS]
 # serving operations: --prefill-chunk, --draft-len and --accept (empty without them)
 SERVING_COLUMNS = ["prefill_chunk", "draft_len", "accept", "beams"]
 
@@ -273,8 +273,7 @@ def config_cells(command: str, impl: str, config) -> dict[str, object]:
             "kv_recent": s.kv_recent,
             "sinks": s.sinks if s.window is not None else None,
             "attention": s.attention,
-            **({} if s.mla is None else
-               {name: getattr(s.mla, name) for name in MLA_COLUMNS[1:]})}
+            **s.kind.cells()}
 
 
 def _stats_cells(name: str, stats) -> dict[str, object]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 from itertools import product
+from typing import ClassVar
 
 from kvbench.errors import KvbenchError
 
@@ -28,10 +29,54 @@ def canonical_dtype(name: str) -> str:
 
 
 @dataclass(frozen=True)
+class Gqa:
+    """The kind of a GQA (MHA, MQA) layer: K and V of H_kv heads of D cached per position.
+
+    A layer's kind (LayerShape.kind) is what the rest of kvbench asks instead of testing which
+    kind it holds: this one, or MlaDims. A new kind of attention is a class with these members
+    (and its layer in kvbench.layers, its caches in kvbench.caches)."""
+
+    name: ClassVar[str] = "gqa"
+    label: ClassVar[str] = "GQA"
+    option: ClassVar[str] = ""  # the option that selects it (the default needs none)
+    rotates_always: ClassVar[bool] = False  # RoPE only with --rope
+
+    def rope_dim(self, s: LayerShape) -> int:
+        """The width RoPE rotates in pairs."""
+        return s.head_dim
+
+    def attended_width(self, s: LayerShape) -> int:
+        """Multiply-adds per head per cached position of one query (QK^T and PV)."""
+        return 2 * s.head_dim
+
+    def heads(self, s: LayerShape) -> str:
+        return f"H_q={s.q_heads} H_kv={s.kv_heads} D={s.head_dim}"
+
+    def cells(self) -> dict[str, int]:
+        """Its own columns of a results row (the MLA dims; none here)."""
+        return {}
+
+    def cached(self, s: LayerShape) -> dict[str, int]:
+        """What one layer caches per position, as kvbench capacity's ModelSpec fields."""
+        return {"kv_heads": s.kv_heads, "head_dim": s.head_dim}
+
+
+GQA = Gqa()
+
+
+@dataclass(frozen=True)
 class MlaDims:
-    """Multi-head latent attention's dimensions (DeepSeek-V2/V3). Each token caches one vector:
-    a latent of kv_lora_rank (d_c) that every head's K and V are decompressed from, and a
-    decoupled RoPE key of qk_rope_dim that every head shares."""
+    """Multi-head latent attention's dimensions (DeepSeek-V2/V3), and the kind of an MLA layer
+    (see Gqa). Each token caches one vector: a latent of kv_lora_rank (d_c) that every head's
+    K and V are decompressed from, and a decoupled RoPE key of qk_rope_dim that every head
+    shares."""
+
+    name: ClassVar[str] = "mla"
+    label: ClassVar[str] = "MLA"
+    option: ClassVar[str] = "--attention mla"
+    rotates_always: ClassVar[bool] = True  # its decoupled part, always
+    CELLS: ClassVar[tuple[str, ...]] = ("kv_lora_rank", "qk_rope_dim", "qk_nope_dim",
+                                        "v_head_dim", "q_lora_rank")
 
     kv_lora_rank: int = 256  # d_c
     qk_rope_dim: int = 32  # the RoPE part of each query and of the shared key
@@ -61,6 +106,27 @@ class MlaDims:
     def entry_dim(self) -> int:
         """The cached vector per token: d_c + d_rope."""
         return self.kv_lora_rank + self.qk_rope_dim
+
+    def rope_dim(self, s: LayerShape) -> int:
+        return self.qk_rope_dim
+
+    def attended_width(self, s: LayerShape) -> int:
+        """Attention over decompressed K and V: qk + v per head per position."""
+        return self.qk_dim + self.v_head_dim
+
+    def heads(self, s: LayerShape) -> str:
+        return (f"MLA H_q={s.q_heads} d_c={self.kv_lora_rank} rope={self.qk_rope_dim} "
+                f"nope={self.qk_nope_dim} v={self.v_head_dim}"
+                + (f" q_lora={self.q_lora_rank}" if self.q_lora_rank else ""))
+
+    def cells(self) -> dict[str, int]:
+        return {name: getattr(self, name) for name in self.CELLS}
+
+    def cached(self, s: LayerShape) -> dict[str, int]:
+        return {"mla_latent": self.kv_lora_rank, "mla_rope": self.qk_rope_dim}
+
+
+KINDS = {kind.name: kind for kind in (Gqa, MlaDims)}  # --attention's values
 
 
 @dataclass(frozen=True)
@@ -145,8 +211,13 @@ class LayerShape:
             )
 
     @property
+    def kind(self) -> Gqa | MlaDims:
+        """What kind of attention layer this is (Gqa, or the MLA dims)."""
+        return self.mla or GQA
+
+    @property
     def attention(self) -> str:
-        return "gqa" if self.mla is None else "mla"
+        return self.kind.name
 
     def with_mla(self, dims: MlaDims) -> LayerShape:
         """This shape as an MLA layer of `dims` (its q_heads heads each decompress K and V)."""
@@ -239,7 +310,7 @@ class RunConfig:
                 raise KvbenchError("--accept is what a speculative step keeps; give "
                                    "--draft-len K too")
             accept_rule(self.accept, self.draft_len)
-        if self.rope and self.shape.mla is None and self.shape.head_dim % 2:
+        if self.rope and self.shape.kind.rope_dim(self.shape) % 2:
             raise KvbenchError(
                 f"--rope needs an even --head-dim, got {self.shape.head_dim}; "
                 "use an even head dim or --no-rope"
