@@ -25,8 +25,10 @@ class _Group(TyperGroup):
     SIGTERM into exit 143."""
 
     def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
+        from kvbench.measure.env import start_run
         from kvbench.planning.runner import Terminated, terminate_on_sigterm
 
+        start_run(args)  # one run id per invocation, on every row it writes
         try:
             terminate_on_sigterm()
             code = super().main(args=args, prog_name=prog_name or "kvbench",
@@ -279,18 +281,34 @@ def tune(
     tuner.command(device, dtype, kv_dtype, block_size, rehearse, budget, rounds, table, csv)
 
 
+RunId = Annotated[str | None, typer.Option(
+    "--run", help="Only the rows of this run: its run_id, or last (the file's latest run).")]
+Where = Annotated[str | None, typer.Option(
+    help="Only the rows where every column=value holds, e.g. impl=paged,dtype=float16 "
+         "(model= picks the rows without one).")]
+SkipBad = Annotated[bool, typer.Option(
+    "--skip-bad-rows", metavar="", help="Leave out rows cut or damaged (a killed writer, a "
+    "full disk) with a warning, instead of stopping at the first.")]
+
+
 @command
 def plot(results: Annotated[Path, typer.Argument(help="A CSV that kvbench wrote.")],
          output: Annotated[Path | None, typer.Option("-o", "--output",
-                           help="Image to write. \\[default: RESULTS with .png]")] = None):
+                           help="Image to write (png, pdf, svg, …), or a folder to write it "
+                                "in. \\[default: RESULTS with .png]")] = None,
+         run: RunId = None, where: Where = None, skip_bad_rows: SkipBad = False):
     """Draw what the results allow: decode time, speedup and bandwidth against context;
-    memory bars; the largest batch against context for capacity rows."""
+    memory bars; the largest batch against context for capacity rows. A file that mixes
+    kinds of run (one layer and a whole model, GQA and MLA) gives one figure per kind."""
     from kvbench.report import render
-    from kvbench.report.load import read_results
+    from kvbench.report.load import read_results, select
+    from kvbench.report.plot import output_path
     from kvbench.report.plot import plot as draw
 
-    kind, df = read_results(results)
-    for written in draw(kind, df, output or results.with_suffix(".png")):
+    target = output_path(results, output)
+    kind, df = read_results(results, skip_bad_rows)
+    df = select(df, results, run, where)
+    for written in draw(kind, df, target):
         render.note(f"wrote {written}")
 
 
@@ -303,16 +321,20 @@ def compare(baseline: Annotated[Path, typer.Argument(help="Baseline results CSV.
                      "they overlap.")] = None,
             allow_noisy: Annotated[bool, typer.Option(
                 "--allow-noisy", metavar="", help="With --fail-above: exit 0 for changes too noisy to "
-                "judge (regressions still fail).")] = False):
-    """Compare results with a baseline, configuration by configuration."""
+                "judge (regressions still fail).")] = False,
+            run: RunId = None, where: Where = None, skip_bad_rows: SkipBad = False):
+    """Compare results with a baseline, configuration by configuration. --run and --where
+    pick the rows of both files."""
     from kvbench.report import render
     from kvbench.report.compare import compare as run_compare
     from kvbench.report.compare import parse_threshold
-    from kvbench.report.load import read_results
+    from kvbench.report.load import read_results, select
 
     threshold = parse_threshold(fail_above) if fail_above is not None else None
-    kind, base_df = read_results(baseline)
-    other, new_df = read_results(new)
+    kind, base_df = read_results(baseline, skip_bad_rows)
+    other, new_df = read_results(new, skip_bad_rows)
+    base_df = select(base_df, baseline, run, where)
+    new_df = select(new_df, new, run, where)
     result = run_compare(kind, base_df, new_df, other, threshold)
     render.show_comparison(result)
     if result.regressions:

@@ -1,18 +1,96 @@
-"""The environment recorded on every results row."""
+"""The environment recorded on every results row, and what makes a row reproducible.
+
+ENV_COLUMNS came first (every results file has them). PROVENANCE_COLUMNS were added later
+(files from earlier releases take them empty): the run's id (one per kvbench invocation, so
+`plot --run` and `compare --run` can pick one run out of a file that accumulates many), the
+git commit of the checkout kvbench ran from, the command line, the host, the CPU model, and
+the installed versions of the optional libraries that change results (numba, triton,
+transformers; empty where not installed). No torch is imported for them.
+"""
 
 from __future__ import annotations
 
 import platform
+import secrets
+import shlex
+import subprocess
+import sys
+from datetime import datetime, timezone
+from functools import cache
 from importlib import metadata
+from pathlib import Path
 
 from kvbench import __version__
 
 ENV_COLUMNS = ["kvbench_version", "python_version", "torch_version", "device_name",
                "cuda_version", "torch_threads"]
+PROVENANCE_COLUMNS = ["run_id", "kvbench_commit", "command_line", "host", "cpu_model",
+                      "numba_version", "triton_version", "transformers_version"]
+LIBRARIES = ("numba", "triton", "transformers")
+
+_run: dict[str, str] = {}
+
+
+def start_run(argv: list[str] | None = None) -> str:
+    """A new run: its id (UTC time to the second and 4 random hex digits, so ids sort by when
+    they ran) and the command line it was given. The CLI calls it once per invocation."""
+    args = sys.argv[1:] if argv is None else list(argv)
+    _run["run_id"] = (datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+                      + "-" + secrets.token_hex(2))
+    _run["command_line"] = shlex.join(["kvbench", *map(str, args)])
+    return _run["run_id"]
+
+
+def run_id() -> str:
+    return _run.get("run_id") or start_run()
+
+
+@cache
+def commit() -> str:
+    """The git commit of the checkout kvbench runs from, with -dirty for uncommitted
+    changes; empty for an installed copy (or without git)."""
+    root = Path(__file__).resolve().parents[2]
+    if not (root / ".git").exists():
+        return ""
+    try:
+        out = subprocess.run(["git", "-C", str(root), "describe", "--always", "--dirty",
+                              "--abbrev=12"], check=False, capture_output=True, text=True,
+                             timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return ""
+    return out.stdout.strip() if out.returncode == 0 else ""
+
+
+@cache
+def cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _version(package: str) -> str:
+    try:
+        return metadata.version(package)
+    except metadata.PackageNotFoundError:
+        return ""
+
+
+def provenance() -> dict[str, object]:
+    run_id()
+    return {"run_id": _run["run_id"], "kvbench_commit": commit(),
+            "command_line": _run["command_line"], "host": platform.node(),
+            "cpu_model": cpu_model(),
+            **{f"{name}_version": _version(name) for name in LIBRARIES}}
 
 
 def environment(device: str | None) -> dict[str, object]:
-    """kvbench, Python, torch, device name, CUDA version (empty on CPU) and torch threads.
+    """kvbench, Python, torch, device name, CUDA version (empty on CPU), torch threads, and
+    the run's provenance (PROVENANCE_COLUMNS).
 
     With device None (the capacity planner) torch is not imported: its version comes from the
     package metadata and the device columns stay empty.
@@ -21,12 +99,10 @@ def environment(device: str | None) -> dict[str, object]:
         "kvbench_version": __version__,
         "python_version": platform.python_version(),
         "torch_version": "", "device_name": "", "cuda_version": "", "torch_threads": "",
+        **provenance(),
     }
     if device is None:
-        try:
-            env["torch_version"] = metadata.version("torch")
-        except metadata.PackageNotFoundError:
-            pass
+        env["torch_version"] = _version("torch")
         return env
     import torch
 
@@ -37,5 +113,3 @@ def environment(device: str | None) -> dict[str, object]:
     env["cuda_version"] = (torch.version.cuda or "") if device.startswith("cuda") else ""
     env["torch_threads"] = torch.get_num_threads()
     return env
-
-

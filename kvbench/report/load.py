@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import csv
+import io
 from pathlib import Path
 
 import pandas as pd
 
 from kvbench.errors import KvbenchError
-from kvbench.report.results import CONFIG_COLUMNS, FILE_KINDS, header_accepted
+from kvbench.report.results import CONFIG_COLUMNS, FILE_KINDS, damaged_rows, header_accepted
 
 KINDS = {kind: columns for kind, (columns, _) in FILE_KINDS.items()}
 # The columns that identify a measured configuration (not when, not what was measured).
@@ -27,18 +29,42 @@ def key_columns(df: pd.DataFrame) -> list[str]:
     return KEY_COLUMNS + [c for c in OPTION_KEYS if c in df.columns]
 
 
-def read_results(path: Path) -> tuple[str, pd.DataFrame]:
+def read_results(path: Path, skip_bad_rows: bool = False) -> tuple[str, pd.DataFrame]:
     """A kvbench CSV -> (kind, rows). Refuses files that are not kvbench's, saying why.
 
     A file written by an earlier release gets this release's columns, empty where it had none.
+    A row whose field count differs from the header's (cut by a killed writer or a full
+    disk) is named with its line and stops the read, unless skip_bad_rows: then it is left
+    out with a warning.
     """
     path = Path(path)
+    if path.is_dir():
+        raise KvbenchError(f"{path} is a folder; give a results CSV in it (e.g. "
+                           f"{path / 'bench.csv'})")
     if not path.is_file():
         raise KvbenchError(f"{path}: no such file")
     if path.stat().st_size == 0:
         raise KvbenchError(f"{path} is empty; give a results file kvbench wrote")
     try:
-        df = pd.read_csv(path)
+        fields, bad = damaged_rows(path)
+    except (UnicodeDecodeError, csv.Error) as err:
+        raise KvbenchError(f"{path} is not a readable CSV: {str(err).splitlines()[0]}") from None
+    if bad and not skip_bad_rows:
+        line, n = bad[0]
+        more = f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""
+        raise KvbenchError(f"{path}, line {line}: {n} of {fields} fields, a cut or damaged "
+                           f"row{more}; --skip-bad-rows reads the others")
+    try:
+        if bad:
+            from kvbench.report import render
+
+            render.warn(f"{path}: left out {len(bad)} damaged "
+                        f"{'row' if len(bad) == 1 else 'rows'} (line "
+                        f"{', '.join(str(line) for line, _ in bad[:5])}"
+                        f"{' …' if len(bad) > 5 else ''})")
+            df = pd.read_csv(io.StringIO(_good_rows(path, {line for line, _ in bad})))
+        else:
+            df = pd.read_csv(path)
     except (pd.errors.ParserError, UnicodeDecodeError, pd.errors.EmptyDataError) as err:
         raise KvbenchError(f"{path} is not a readable CSV: {str(err).splitlines()[0]}") from None
     columns = list(df.columns)
@@ -66,3 +92,64 @@ def read_results(path: Path) -> tuple[str, pd.DataFrame]:
 def latest(df: pd.DataFrame, keys: list[str]) -> pd.DataFrame:
     """The most recent row of each configuration (files accumulate reruns)."""
     return df.drop_duplicates(subset=keys, keep="last").reset_index(drop=True)
+
+
+def _good_rows(path: Path, bad: set[int]) -> str:
+    """The file's text less the rows that start on the lines in `bad`."""
+    out = io.StringIO()
+    writer = csv.writer(out, lineterminator="\n")
+    with path.open(newline="") as f:
+        reader = csv.reader(f)
+        start = 1
+        for row in reader:
+            if start not in bad:
+                writer.writerow(row)
+            start = reader.line_num + 1
+    return out.getvalue()
+
+
+def select(df: pd.DataFrame, path: Path, run: str | None = None,
+           where: str | None = None) -> pd.DataFrame:
+    """The rows of one run (--run ID, or `last`: the run of the file's last row) that match
+    every `column=value` of --where (an empty value matches empty cells; numbers compare as
+    numbers). Refuses, in one line, a filter that matches nothing."""
+    if run is not None:
+        ids = df["run_id"].dropna().astype(str) if "run_id" in df else pd.Series(dtype=str)
+        if ids.empty:
+            raise KvbenchError(f"{path} has no run ids (written before kvbench recorded "
+                               "them); use --where to pick rows")
+        wanted = ids.iloc[-1] if run == "last" else run
+        if wanted not in set(ids):
+            recent = list(dict.fromkeys(reversed(ids.tolist())))[:3]
+            raise KvbenchError(f"{path} has no run {wanted!r}; its latest runs: "
+                               f"{', '.join(recent)} (or --run last)")
+        df = df[df["run_id"].astype(str) == wanted]
+    for column, value in parse_where(where or ""):
+        if column not in df.columns:
+            raise KvbenchError(f"--where {column}=…: {path} has no column {column!r}")
+        cells = df[column]
+        if value == "":
+            keep = cells.isna() | (cells.astype(str) == "")
+        else:
+            try:
+                keep = pd.to_numeric(cells, errors="coerce") == float(value)
+            except ValueError:
+                keep = cells.astype(str) == value
+        df = df[keep]
+    if df.empty:
+        raise KvbenchError(f"no row of {path} matches"
+                           + (f" --run {run}" if run else "")
+                           + (f" --where {where}" if where else "") + "; check the values")
+    return df.reset_index(drop=True)
+
+
+def parse_where(text: str) -> list[tuple[str, str]]:
+    """--where "col=value,col=value" -> [(col, value)]."""
+    pairs = []
+    for item in filter(None, (p.strip() for p in text.split(","))):
+        column, eq, value = item.partition("=")
+        if not eq or not column.strip():
+            raise KvbenchError(f"--where takes column=value pairs separated by commas, got "
+                               f"{item!r} (e.g. --where impl=paged,dtype=float16)")
+        pairs.append((column.strip(), value.strip()))
+    return pairs

@@ -37,7 +37,8 @@ def _series(df: pd.DataFrame, x: str):
                and df.groupby("impl")[c].nunique(dropna=False).max() > 1]
     for key, group in df.groupby(["impl", *varying], sort=False, dropna=False):
         key = key if isinstance(key, tuple) else (key,)
-        label = " ".join([str(key[0])] + [f"{c}={v}" for c, v in zip(varying, key[1:])])
+        label = " ".join([str(key[0])] + [f"{c}={_value(v)}" for c, v in zip(varying, key[1:])
+                                          if pd.notna(v)])
         yield label, group.sort_values(x)
 
 
@@ -440,9 +441,60 @@ def plot_serve(df: pd.DataFrame, plt):
     return fig
 
 
+def _value(v) -> str:
+    """A cell as a label: 64.0 (an int column with empty cells) as 64."""
+    return str(int(v)) if isinstance(v, float) and v.is_integer() else str(v)
+
+
+def output_path(results: Path, output: Path | None) -> Path:
+    """The image `plot` writes: -o FILE as given (.png added when it has no suffix), -o
+    FOLDER (an existing one, or a path ending in /) the results' name in it. A format
+    matplotlib cannot write is refused before anything is read."""
+    if output is None:
+        return results.with_suffix(".png")
+    if output.is_dir() or str(output).endswith(("/", "\\")):
+        output = output / results.with_suffix(".png").name
+    elif not output.suffix:
+        output = output.with_suffix(".png")
+    formats = _pyplot().figure().canvas.get_supported_filetypes()
+    _pyplot().close("all")
+    if output.suffix[1:].lower() not in formats:
+        raise KvbenchError(f"-o {output}: matplotlib cannot write .{output.suffix[1:]} files; "
+                           f"use one of {', '.join('.' + f for f in sorted(formats))}")
+    return output
+
+
+def run_kinds(kind: str, df: pd.DataFrame) -> dict[str, pd.DataFrame]:
+    """The kinds of run a file mixes, each drawn on its own: one layer or a whole model (by
+    model), GQA or MLA. Labels are file-name safe."""
+    if kind not in ("bench", "verify", "memory"):
+        return {"": df}
+    model = df["model"].astype(object).where(df["model"].notna(), None)
+    attention = df["attention"].fillna("gqa") if "attention" in df else "gqa"
+    label = pd.Series([("model-" + str(m).replace("/", "_")) if m is not None else a
+                       for m, a in zip(model, attention if not isinstance(attention, str)
+                                       else [attention] * len(df))], index=df.index)
+    groups = {name: df[label == name] for name in dict.fromkeys(label)}
+    return groups if len(groups) > 1 else {"": df}
+
+
 def plot(kind: str, df: pd.DataFrame, output: Path) -> list[Path]:
-    """Draw the file's rows to `output`; a memory file that mixes square and ragged batches
-    draws each kind to its own image (the square ones to OUTPUT-square.png)."""
+    """Draw the file's rows to `output`. A file that mixes kinds of run (run_kinds) draws each
+    to OUTPUT-KIND.png; a memory file that mixes square and ragged batches draws the square
+    ones to OUTPUT-square.png."""
+    kinds = run_kinds(kind, df)
+    if len(kinds) > 1:
+        from kvbench.report import render
+
+        render.note(f"the rows hold {len(kinds)} kinds of run ({', '.join(kinds)}): one figure "
+                    "each (--where or --run picks one)")
+        return [path for name, rows in kinds.items()
+                for path in _plot_kind(kind, rows.reset_index(drop=True),
+                                       output.with_name(f"{output.stem}-{name}{output.suffix}"))]
+    return _plot_kind(kind, df, output)
+
+
+def _plot_kind(kind: str, df: pd.DataFrame, output: Path) -> list[Path]:
     if kind == "memory" and df["seq_lens"].notna().any() and df["seq_lens"].isna().any():
         square = output.with_name(f"{output.stem}-square{output.suffix}")
         return (_plot_one(kind, df[df["seq_lens"].notna()], output)

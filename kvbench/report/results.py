@@ -21,7 +21,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from kvbench.errors import KvbenchError
-from kvbench.measure.env import ENV_COLUMNS
+from kvbench.measure.env import ENV_COLUMNS, PROVENANCE_COLUMNS
 from kvbench.sizing.capacity import GROUPED as GROUPED_FORMATS
 from kvbench.sizing.config import MlaDims
 
@@ -44,6 +44,21 @@ def _read_header(path: Path) -> list[str] | None:
         raise KvbenchError(f"cannot read {path}: {err.strerror}; pass another --csv path") from None
     except (UnicodeDecodeError, csv.Error):
         raise KvbenchError(f"{path} is not a CSV file; pass another --csv path") from None
+
+
+def damaged_rows(path: Path) -> tuple[int, list[tuple[int, int]]]:
+    """(the header's field count, [(line, fields)] of every row whose count differs): rows cut
+    by a writer that was killed or a disk that filled up."""
+    bad = []
+    with path.open(newline="") as f:
+        reader = csv.reader(f)
+        header = next(reader, [])
+        start = reader.line_num + 1
+        for row in reader:
+            if row and len(row) != len(header):
+                bad.append((start, len(row)))
+            start = reader.line_num + 1
+    return len(header), bad
 
 
 def merged_header(old: list[str], new: list[str]) -> list[str]:
@@ -87,6 +102,14 @@ def check_csv(path: Path, columns: list[str], first: list[str] | None = None) ->
                 f" (unexpected {', '.join(extra[:4])})" if extra else " (order differs)")
             raise KvbenchError(f"{path} has a different header{detail}; "
                                "write to a new file with --csv PATH")
+        if header is not None:
+            fields, bad = damaged_rows(path)
+            if bad:
+                line, n = bad[0]
+                raise KvbenchError(
+                    f"{path}, line {line}: {n} of {fields} fields, a cut or damaged row; "
+                    f"delete it (sed -i '{line}d' {path}) or write to a new file with --csv "
+                    "PATH")
         if not os.access(path, os.W_OK):
             raise KvbenchError(f"cannot write {path}: permission denied; pass another --csv path")
         try:  # rows are appended by replacing the file with a new one beside it
@@ -210,7 +233,7 @@ VERIFY_COLUMNS = VERIFY_FIRST[:-len(ENV_COLUMNS)] + [
     # above is bought with)
     "kv_cache_bytes", *MLA_COLUMNS, *SERVING_COLUMNS,
     # --graph: whether its decode steps ran captured in a graph (CUDA; the CPU's recorder)
-    "graph"] + ENV_COLUMNS
+    "graph"] + ENV_COLUMNS + PROVENANCE_COLUMNS
 
 
 def _stats_columns(name: str) -> list[str]:
@@ -247,7 +270,7 @@ BENCH_COLUMNS = BENCH_FIRST[:-len(ENV_COLUMNS)] + [
     # rounds; graph_speedup = cached / graph per step (1 - 1/graph_speedup of the eager step
     # was launch and host overhead)
     *_stats_columns("decode_graph_ms"), "graph_ms_per_step", "graph_speedup",
-    "graph_bandwidth_fraction"] + ENV_COLUMNS
+    "graph_bandwidth_fraction"] + ENV_COLUMNS + PROVENANCE_COLUMNS
 
 
 def serving_cells(config) -> dict[str, object]:
@@ -366,7 +389,7 @@ MEMORY_COLUMNS = MEMORY_FIRST[:-len(ENV_COLUMNS)] + [
     # --model: every layer's cache (kv_cache_bytes, kv_planner_bytes), the weights, the
     # prefill and decode peaks (cached_, decode_peak_allocated_bytes)
     *MODEL_COLUMNS, *MLA_COLUMNS,
-] + ENV_COLUMNS
+] + ENV_COLUMNS + PROVENANCE_COLUMNS
 
 
 def memory_rows(result, env: dict[str, object]) -> list[dict[str, object]]:
@@ -469,7 +492,7 @@ CAPACITY_COLUMNS = CAPACITY_FIRST[:-len(ENV_COLUMNS)] + [
     "len_dist", "max_len", "mean_len", "prealloc_bytes_per_sequence",
     "paged_bytes_per_sequence", "concurrent_prealloc", "concurrent_paged",
     "share_layers",  # cross-layer sharing: adjacent layers per shared K/V
-] + ENV_COLUMNS
+] + ENV_COLUMNS + PROVENANCE_COLUMNS
 
 
 def capacity_rows(p, env: dict[str, object]) -> list[dict[str, object]]:
@@ -512,7 +535,7 @@ ALLOCATION_FIRST = [
     "free_before_bytes", "passed",
 ] + ENV_COLUMNS
 ALLOCATION_COLUMNS = ALLOCATION_FIRST[:-len(ENV_COLUMNS) - 2] + [
-    "expected_reserved_increase_bytes", "free_before_bytes", "passed"] + ENV_COLUMNS
+    "expected_reserved_increase_bytes", "free_before_bytes", "passed"] + ENV_COLUMNS + PROVENANCE_COLUMNS
 
 
 def allocation_rows(results, env: dict[str, object]) -> list[dict[str, object]]:
@@ -540,7 +563,7 @@ SERVE_FIRST = [
     "max_blocks_in_use", "mean_kv_bytes_in_use", "preemptions", "recomputed_tokens",
     "swapped_blocks",
 ] + ENV_COLUMNS
-SERVE_COLUMNS = SERVE_FIRST
+SERVE_COLUMNS = SERVE_FIRST + PROVENANCE_COLUMNS
 # kvbench tune: one row per configuration and case
 TUNE_FIRST = [
     "timestamp", "command", "case", "batch", "seq_lens", "q_heads", "kv_heads", "head_dim",
@@ -548,12 +571,12 @@ TUNE_FIRST = [
     "rehearse", "passed", "max_abs_err", "kernel_ms", "bytes_read", "achieved_gbps",
     "copy_gbps", "bandwidth_fraction", "splits", "registers", "spill_bytes", "shared_bytes",
     "best"] + ENV_COLUMNS
-TUNE_COLUMNS = TUNE_FIRST
+TUNE_COLUMNS = TUNE_FIRST + PROVENANCE_COLUMNS
 # serve-sim's per-step log (its -steps.csv): the clock at each step's end, the step's own
 # time, sequences decoded, tokens made, blocks held
 SERVE_STEP_FIRST = ["timestamp", "command", "reserve", "step", "time_s", "step_ms", "batch",
                     "tokens", "blocks_in_use", "kv_bytes_in_use"] + ENV_COLUMNS
-SERVE_STEP_COLUMNS = SERVE_STEP_FIRST
+SERVE_STEP_COLUMNS = SERVE_STEP_FIRST + PROVENANCE_COLUMNS
 
 
 def serve_rows(o, device: str, served, stamp: str,

@@ -1,0 +1,164 @@
+"""What people who script kvbench rely on: plot's output, damaged results files, picking one
+run out of a file, and rows that say how they were made."""
+
+import json
+
+import pandas as pd
+import pytest
+from typer.testing import CliRunner
+
+from kvbench.cli import app
+
+runner = CliRunner()
+TINY = ["--device", "cpu", "--batch", "1", "--prompt-len", "4", "--decode-len", "2",
+        "--hidden", "32", "--q-heads", "4", "--kv-heads", "2", "--head-dim", "12", "--rounds",
+        "2", "--warmup", "0", "--impl", "static", "-q"]
+
+
+@pytest.fixture(scope="module")
+def two_runs(tmp_path_factory):
+    """A bench file with two runs: prompt 4 (static), then prompt 4 and 8 (static)."""
+    path = tmp_path_factory.mktemp("r") / "bench.csv"
+    first = runner.invoke(app, ["bench", *TINY, "--csv", str(path)])
+    second = runner.invoke(app, ["bench", *TINY[:4], "--prompt-len", "4,8", *TINY[6:],
+                                 "--csv", str(path)])
+    assert first.exit_code == 0 and second.exit_code == 0, first.output + second.output
+    return path
+
+
+def one_error_line(result, code=2):
+    lines = result.stderr.strip().splitlines()
+    assert result.exit_code == code and len(lines) == 1, result.output
+    assert "Traceback" not in result.output
+    return lines[0]
+
+
+# ------------------------------------------------------------------ plot's output
+
+def test_a_format_matplotlib_cannot_write_is_one_line(two_runs, tmp_path):
+    line = one_error_line(runner.invoke(app, ["plot", str(two_runs), "-o",
+                                              str(tmp_path / "out.txt")]))
+    assert "cannot write .txt files" in line and ".png" in line
+    assert not (tmp_path / "out.txt").exists()
+
+
+def test_o_folder_writes_inside_it_and_the_message_names_the_file(two_runs, tmp_path):
+    result = runner.invoke(app, ["plot", str(two_runs), "-o", str(tmp_path)])
+    assert result.exit_code == 0, result.output
+    assert (tmp_path / "bench.png").is_file() and f"wrote {tmp_path / 'bench.png'}" in result.output
+    bare = tmp_path / "myplot"
+    result = runner.invoke(app, ["plot", str(two_runs), "-o", str(bare)])
+    assert (tmp_path / "myplot.png").is_file() and f"wrote {bare}.png" in result.output
+
+
+def test_plot_of_a_folder_says_it_is_one(tmp_path):
+    line = one_error_line(runner.invoke(app, ["plot", str(tmp_path)]))
+    assert "is a folder" in line and "bench.csv" in line
+
+
+# ------------------------------------------------------------------ damaged files
+
+def cut(src, dst, keep_fields):
+    """src with a last row cut after `keep_fields` fields (a killed writer)."""
+    lines = src.read_text().splitlines()
+    dst.write_text("\n".join(lines + [",".join(lines[-1].split(",")[:keep_fields])]))
+    return dst, len(lines) + 1
+
+
+def test_a_cut_row_is_named_by_readers_and_skipped_on_request(two_runs, tmp_path):
+    damaged, line = cut(two_runs, tmp_path / "cut.csv", 24)
+    for command in (["plot", str(damaged), "-o", str(tmp_path / "p.png")],
+                    ["compare", str(damaged), str(two_runs)]):
+        message = one_error_line(runner.invoke(app, command))
+        assert f"cut.csv, line {line}: 24 of" in message and "--skip-bad-rows" in message
+    result = runner.invoke(app, ["compare", str(damaged), str(two_runs), "--skip-bad-rows"])
+    assert result.exit_code == 0 and "left out 1 damaged row" in result.stderr
+
+
+def test_append_refuses_a_file_whose_last_row_is_cut(two_runs, tmp_path):
+    damaged, line = cut(two_runs, tmp_path / "cut.csv", 24)
+    before = damaged.read_bytes()
+    message = one_error_line(runner.invoke(app, ["bench", *TINY, "--csv", str(damaged)]))
+    assert f"line {line}: 24 of" in message and f"sed -i '{line}d'" in message
+    assert damaged.read_bytes() == before
+
+
+# ------------------------------------------------------------------ runs
+
+def test_each_invocation_has_its_own_run_id(two_runs):
+    df = pd.read_csv(two_runs)
+    assert df["run_id"].nunique() == 2 and df["run_id"].notna().all()
+    assert df.groupby("run_id").size().sort_values().tolist() == [1, 2]
+
+
+def test_run_last_and_where_pick_rows(two_runs):
+    from kvbench.report.load import read_results, select
+
+    _, df = read_results(two_runs)
+    last = select(df, two_runs, "last")
+    assert sorted(last["prompt_len"]) == [4, 8] and last["run_id"].nunique() == 1
+    first_id = df["run_id"].iloc[0]
+    assert select(df, two_runs, first_id)["prompt_len"].tolist() == [4]
+    assert select(df, two_runs, where="prompt_len=8,impl=static")["prompt_len"].tolist() == [8]
+    assert len(select(df, two_runs, where="model=")) == 3  # empty: rows without a model
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--run", "nosuch"], "has no run 'nosuch'"),
+    (["--where", "nosuch=1"], "has no column 'nosuch'"),
+    (["--where", "prompt_len=9999"], "matches --where prompt_len=9999"),
+    (["--where", "prompt_len"], "--where takes column=value pairs"),
+])
+def test_filters_that_match_nothing_are_one_line(two_runs, tmp_path, args, message):
+    line = one_error_line(runner.invoke(app, ["plot", str(two_runs), "-o",
+                                              str(tmp_path / "p.png"), *args]))
+    assert message in line
+
+
+def test_json_output_carries_the_run_id():
+    result = runner.invoke(app, ["bench", *TINY, "--format", "json", "--no-csv"])
+    rows = json.loads(result.stdout)
+    assert result.exit_code == 0 and rows[0]["run_id"]
+
+
+def test_a_file_mixing_kinds_of_run_draws_one_figure_per_kind(two_runs, tmp_path):
+    df = pd.read_csv(two_runs)
+    model = df.iloc[[0]].copy()
+    model["model"], model["layers"] = "smollm2-135m", 30
+    mixed = tmp_path / "mixed.csv"
+    pd.concat([df, model]).to_csv(mixed, index=False)
+    result = runner.invoke(app, ["plot", str(mixed), "-o", str(tmp_path / "m.png")])
+    assert result.exit_code == 0, result.output
+    assert (tmp_path / "m-gqa.png").is_file() and (tmp_path / "m-model-smollm2-135m.png").is_file()
+    assert "2 kinds of run" in result.stderr
+
+
+def test_plot_labels_never_show_nan():
+    from kvbench.report.plot import _series
+
+    df = pd.DataFrame({"impl": ["paged", "paged", "static"], "prompt_len": [4, 4, 4],
+                       "block_size": [16.0, 32.0, float("nan")], "command": "bench"})
+    for c in ("batch", "decode_len", "hidden", "q_heads", "kv_heads", "head_dim", "dtype",
+              "device", "rope", "seed"):
+        df[c] = 1
+    labels = [label for label, _ in _series(df, "prompt_len")]
+    assert labels == ["paged block_size=16", "paged block_size=32", "static"]
+
+
+# ------------------------------------------------------------------ provenance
+
+def test_rows_say_how_they_were_made(two_runs):
+    from kvbench.measure.env import LIBRARIES, commit, cpu_model
+
+    row = pd.read_csv(two_runs, dtype=str).iloc[-1]
+    assert row["command_line"].startswith("kvbench bench --device cpu")
+    assert "--prompt-len 4,8" in row["command_line"]
+    assert row["host"] and row["cpu_model"] == cpu_model()
+    assert (row["kvbench_commit"] if pd.notna(row["kvbench_commit"]) else "") == commit()
+    from importlib import metadata
+
+    for name in LIBRARIES:
+        try:
+            assert row[f"{name}_version"] == metadata.version(name)
+        except metadata.PackageNotFoundError:
+            assert pd.isna(row[f"{name}_version"])
