@@ -242,6 +242,9 @@ def serve_sim(
     host_mem: Annotated[str | None, typer.Option(help="Host memory this run may use, e.g. 64GiB. \\[default: MemAvailable]")] = None,
     csv: CsvPath = None,
     steps_csv: Annotated[Path | None, typer.Option(help="The per-step log. \\[default: the --csv path with -steps]")] = None,
+    no_csv: Annotated[bool, typer.Option("--no-csv", metavar="", help="Write no results file.")] = False,
+    format: Annotated[str, typer.Option("--format", help="table, csv or json (the rows on stdout).")] = "table",
+    quiet: Annotated[bool, typer.Option("--quiet", "-q", metavar="", help="Print nothing but errors (and --format's rows).")] = False,
 ):
     from kvbench.experiments import servesim
 
@@ -252,7 +255,8 @@ def serve_sim(
         reserve=tuple(r.strip() for r in reserve.split(",") if r.strip()), preempt=preempt,
         prefill_chunk=prefill_chunk,
         hidden=hidden, q_heads=q_heads, kv_heads=kv_heads, head_dim=head_dim, dtype=dtype,
-        device=device, seed=seed, host_mem=host_mem, csv=csv, steps_csv=steps_csv)
+        device=device, seed=seed, host_mem=host_mem, csv=csv, steps_csv=steps_csv,
+        no_csv=no_csv, quiet=quiet, format=format)
     servesim.run(options)
 
 

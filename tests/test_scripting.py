@@ -2,6 +2,7 @@
 run out of a file, and rows that say how they were made."""
 
 import json
+import math
 
 import pandas as pd
 import pytest
@@ -162,3 +163,77 @@ def test_rows_say_how_they_were_made(two_runs):
             assert row[f"{name}_version"] == metadata.version(name)
         except metadata.PackageNotFoundError:
             assert pd.isna(row[f"{name}_version"])
+
+
+# ------------------------------------------------------------------ serve-sim
+
+SIM = ["serve-sim", "--requests", "6", "--len-dist", "uniform:4:12", "--output-dist",
+       "uniform:2:6", "--max-len", "32", "--kv-blocks", "16", "--block-size", "4",
+       "--hidden", "32", "--q-heads", "4", "--kv-heads", "2", "--head-dim", "8",
+       "--device", "cpu", "-q"]
+
+
+@pytest.mark.parametrize("signal_, code, word", [(KeyboardInterrupt, 130, "interrupted"),
+                                                 ("terminated", 143, "terminated")])
+def test_serve_sim_keeps_each_finished_reserve_when_stopped(monkeypatch, tmp_path, signal_,
+                                                             code, word):
+    from kvbench.experiments import servesim
+    from kvbench.planning.runner import Terminated
+
+    real, calls = servesim.serve, []
+
+    def serve(*args, **kwargs):
+        calls.append(args[1])
+        if len(calls) == 2:  # stopped while the second reserve runs
+            raise Terminated() if signal_ == "terminated" else KeyboardInterrupt()
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(servesim, "serve", serve)
+    path = tmp_path / "sim.csv"
+    result = runner.invoke(app, [*SIM, "--csv", str(path)])
+    assert result.exit_code == code, result.output
+    assert (f"kvbench: {word} after 1 of 2 reserves (finished: paged); 1 row kept in "
+            f"{path}") in result.stderr
+    rows = pd.read_csv(path)
+    assert rows["reserve"].tolist() == ["paged"]  # the finished reserve's row, on disk
+    assert set(pd.read_csv(tmp_path / "sim-steps.csv")["reserve"]) == {"paged"}
+
+
+def test_serve_sim_expected_steps_and_host_bytes_by_hand():
+    from kvbench.experiments.servesim import SimOptions, expected_steps, host_bytes
+
+    o = SimOptions(requests=10, len_dist="uniform:10:30", output_dist="uniform:4:8",
+                   max_len=64, kv_blocks=20, block_size=4, reserve=("paged", "prealloc"))
+    # means: prompt 20, output 6; paged holds 26 positions a request: 80 / 26 = 3.08 batch;
+    # prealloc holds --max-len 64: 80 / 64 = 1.25
+    assert expected_steps(o, "paged") == math.ceil(10 * 6 / (80 / 26)) + 10 == 30
+    assert expected_steps(o, "prealloc") == math.ceil(10 * 6 / 1.25) + 10 == 58
+    assert host_bytes(o) == 10 * 1024 + (30 + 58) * 256
+
+
+def test_a_trace_too_big_for_the_host_is_refused_before_it_is_drawn(monkeypatch):
+    from kvbench.experiments import servesim
+
+    drawn = []
+    monkeypatch.setattr(servesim, "requests", lambda o: drawn.append(o) or [])
+    line = one_error_line(runner.invoke(app, [*SIM, "--requests", "1000000",
+                                              "--host-mem", "64MiB", "--no-csv"]))
+    assert "--requests 1,000,000 holds about" in line and "lower --requests" in line
+    assert drawn == []
+
+
+def test_serve_sim_json_rows_without_a_file(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    result = runner.invoke(app, [*SIM, "--reserve", "paged", "--format", "json", "--no-csv"])
+    assert result.exit_code == 0, result.output
+    rows = json.loads(result.stdout)
+    assert [r["reserve"] for r in rows] == ["paged"] and rows[0]["run_id"]
+    assert not (tmp_path / "results").exists()
+
+
+def test_len_dist_means_by_hand():
+    from kvbench.sizing.lengths import parse_len_dist
+
+    assert parse_len_dist("uniform:10:30").mean(100) == 20
+    assert parse_len_dist("lognormal:256:1.0").mean(100) == 100  # capped
+    assert parse_len_dist("lognormal:256:1.0").mean(1000) == 256

@@ -556,6 +556,33 @@ def progress(work: list[float], enabled: bool = True):
             _live_bar = None
 
 
+class _Counter:
+    def __init__(self, progress: Progress | None, task):
+        self.progress, self.task = progress, task
+
+    def describe(self, text: str) -> None:
+        if self.progress is not None:
+            self.progress.update(self.task, description=text)
+
+    def advance(self, n: int = 1) -> None:
+        if self.progress is not None:
+            self.progress.update(self.task, advance=n)
+
+
+@contextmanager
+def counter(total: int, unit: str, enabled: bool = True):
+    """A progress bar on stderr over `total` things (serve-sim's requests served): done of
+    total, elapsed, and the time left at the pace so far."""
+    if not enabled or not err.is_terminal:
+        yield _Counter(None, None)
+        return
+    with Progress(TextColumn("{task.description}"), BarColumn(),
+                  TextColumn(f"{{task.completed:.0f}}/{{task.total:.0f}} {unit}"),
+                  TimeElapsedColumn(), TextColumn("left"), TimeRemainingColumn(),
+                  console=err, transient=True) as bar:
+        yield _Counter(bar, bar.add_task("", total=total))
+
+
 def machine_output(rows: list[dict], columns: list[str], fmt: str) -> None:
     """Rows on stdout as CSV or JSON, no markup: for pipes."""
     import sys

@@ -26,6 +26,11 @@ class LenDist:
     def __str__(self) -> str:
         return f"{self.kind}:{self.a:g}:{self.b:g}"
 
+    def mean(self, cap: int) -> float:
+        """About the mean length drawn, capped at `cap` (the cap's effect on a lognormal's
+        tail is left out: an upper estimate)."""
+        return min(cap, (self.a + self.b) / 2 if self.kind == "uniform" else self.a)
+
     @property
     def largest(self) -> int | None:
         """The longest length it can draw, where it has one (uniform's HI)."""
