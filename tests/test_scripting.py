@@ -217,7 +217,7 @@ def test_a_trace_too_big_for_the_host_is_refused_before_it_is_drawn(monkeypatch)
     drawn = []
     monkeypatch.setattr(servesim, "requests", lambda o: drawn.append(o) or [])
     line = one_error_line(runner.invoke(app, [*SIM, "--requests", "1000000",
-                                              "--host-mem", "64MiB", "--no-csv"]))
+                                              "--host-mem", "100MiB", "--no-csv"]))
     assert "--requests 1,000,000 holds about" in line and "lower --requests" in line
     assert drawn == []
 
