@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
-from typer.core import TyperGroup
+from typer.core import TyperCommand, TyperGroup
 
 from kvbench import __version__
 from kvbench.errors import KvbenchError
@@ -18,6 +18,16 @@ from kvbench.errors import KvbenchError
 # The usage-error class of whichever click typer runs on (its vendored copy in recent
 # releases, click itself before): typer.BadParameter's direct base.
 _UsageError = typer.BadParameter.__mro__[1]
+
+
+class _Command(TyperCommand):
+    """A command whose --help shows no <bool> placeholder (a flag takes no value)."""
+
+    def get_help_option(self, ctx):
+        option = super().get_help_option(ctx)
+        if option is not None:
+            option.metavar = ""
+        return option
 
 
 class _Group(TyperGroup):
@@ -88,7 +98,8 @@ def _fail(message: str, code: int):
 EXIT_CODES = ("Exit status: 0 success; 1 a verification failed (or compare --fail-above found a "
               "regression); 2 bad input, or refused before running (a point too big for the "
               "memory available included); 3 a device or runtime error (out of memory, a "
-              "device-side assert); 130 interrupted.")
+              "device-side assert); 130 interrupted (Ctrl-C); 143 terminated (SIGTERM). "
+              "Interrupted or terminated, the rows of what finished are kept.")
 
 app = typer.Typer(cls=_Group, add_completion=False, no_args_is_help=True,
                   pretty_exceptions_show_locals=False, epilog=EXIT_CODES,
@@ -102,7 +113,7 @@ def _unwrap(doc: str) -> str:
 
 def command(func):
     """@app.command() with the docstring unwrapped and the exit codes as the epilog."""
-    return app.command(help=_unwrap(func.__doc__), epilog=EXIT_CODES)(func)
+    return app.command(cls=_Command, help=_unwrap(func.__doc__), epilog=EXIT_CODES)(func)
 
 
 def _version(value: bool):
@@ -210,7 +221,7 @@ def capacity(
     planner.capacity(model=model, list_models=list_models, from_config=from_config, layers=layers, kv_heads=kv_heads, head_dim=head_dim, q_heads=q_heads, mla_latent=mla_latent, mla_rope=mla_rope, batch=batch, seq_len=seq_len, seq_lens=seq_lens, len_dist=len_dist, max_len=max_len, seed=seed, kv_dtype=kv_dtype, group_size=group_size, k_quant=k_quant, kv_residual=kv_residual, tp=tp, block_size=block_size, window=window, sinks=sinks, shared_prefix=shared_prefix, share_layers=share_layers, gpu_mem=gpu_mem, weight_dtype=weight_dtype, weights_bytes=weights_bytes, margin=margin, utilization=utilization, allocate=allocate, case=case, device=device, csv=csv)
 
 
-@app.command("serve-sim", epilog=EXIT_CODES, help=_unwrap("""
+@app.command("serve-sim", cls=_Command, epilog=EXIT_CODES, help=_unwrap("""
     Continuous batching on a seeded request trace: admit while KV blocks last, decode every
     running sequence each step, preempt when blocks run out, free at completion.
 

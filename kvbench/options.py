@@ -36,6 +36,25 @@ IMPL_HELP = (
     "cannot run a point is skipped with a note.")
 
 
+# --help groups the options in panels, in this order (a test checks every option has one).
+PANELS = {
+    "Shape": ("device", "dtype", "batch", "prompt_len", "decode_len", "hidden", "q_heads",
+              "kv_heads", "head_dim", "seed", "rope"),
+    "Implementations": ("impl", "block_size", "sdpa_backend", "splits", "prealloc", "graph"),
+    "K/V formats": ("kv_dtype", "group_size", "k_quant", "kv_residual"),
+    "MLA (--attention mla)": ("attention", "kv_lora_rank", "qk_rope_dim", "qk_nope_dim",
+                              "v_head_dim", "q_lora_rank"),
+    "Whole model": ("model", "layers", "text"),
+    "Serving batches and operations": ("seq_lens", "len_dist", "max_len", "prefill_chunk",
+                                       "draft_len", "accept", "beams"),
+    "Techniques": ("tp", "window", "sinks", "shared_prefix", "kv_budget", "kv_recent"),
+    "Timing": ("warmup", "rounds", "recompute", "prefill"),
+    "Output and memory": ("config", "csv", "no_csv", "format", "quiet", "dry_run", "force",
+                          "host_mem"),
+}
+PANEL_OF = {name: panel for panel, names in PANELS.items() for name in names}
+
+
 def option(default, help: str, *flags: str, commands: tuple[str, ...] = EXPERIMENTS,
            show_default: bool = True):
     """A field of RunOptions: its default, help text, flags (default: --field-name) and the
@@ -212,13 +231,16 @@ def signature(command: str) -> inspect.Signature:
     hints = typing.get_type_hints(RunOptions)
     params = [inspect.Parameter("ctx", inspect.Parameter.POSITIONAL_OR_KEYWORD,
                                 annotation=typer.Context)]
-    for f in fields(RunOptions):
+    order = list(PANEL_OF)  # panel by panel, as PANELS lists them
+    for f in sorted(fields(RunOptions), key=lambda f: order.index(f.name) if f.name in order
+                    else len(order)):
         meta = f.metadata
         if command not in meta["commands"]:
             continue
         flag = hints[f.name] is bool  # a flag takes no value: no "<bool>" placeholder
         opt = typer.Option(*meta["flags"], help=meta["help"],
-                           show_default=meta["show_default"], metavar="" if flag else None)
+                           show_default=meta["show_default"], metavar="" if flag else None,
+                           rich_help_panel=PANEL_OF[f.name])
         params.append(inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY,
                                         default=f.default,
                                         annotation=Annotated[hints[f.name], opt]))

@@ -116,3 +116,13 @@ def test_the_sweep_estimate_scales_the_first_points_time_by_each_points_work():
     assert point_work(small, 2, recompute=False) < point_work(small, 2)
     assert _estimate(10.0, [1.0, 2.0, 3.0]).startswith("about 50 s for the 2 points left")
     assert _estimate(60.0, [1.0, 9.0]).startswith("about 9 min for the 1 point left")
+
+
+def test_the_estimate_leaves_the_first_points_compiling_out():
+    from kvbench.planning.runner import _estimate
+
+    # 30 s, 20 of them compiling: the next point of equal work takes the other 10
+    line = _estimate(30.0, [1.0, 1.0], compile_s=20.0)
+    assert line.startswith("about 10 s for the 1 point left (the first took 30 s, 20 s of it "
+                           "compiling, left out")
+    assert "compiling" not in _estimate(30.0, [1.0, 1.0])

@@ -237,3 +237,49 @@ def test_len_dist_means_by_hand():
     assert parse_len_dist("uniform:10:30").mean(100) == 20
     assert parse_len_dist("lognormal:256:1.0").mean(100) == 100  # capped
     assert parse_len_dist("lognormal:256:1.0").mean(1000) == 256
+
+
+# ------------------------------------------------------------------ help, notes, tables
+
+def test_help_groups_options_in_panels_with_every_exit_status():
+    from dataclasses import fields
+
+    from kvbench.options import PANEL_OF, RunOptions
+
+    taken = [f.name for f in fields(RunOptions) if f.metadata.get("commands")]
+    assert set(taken) <= set(PANEL_OF), set(taken) - set(PANEL_OF)
+    result = runner.invoke(app, ["bench", "--help"], env={"COLUMNS": "100"})
+    assert result.exit_code == 0
+    text = result.stdout
+    for panel in ("Shape", "Implementations", "K/V formats", "Whole model", "Timing",
+                  "Output and memory"):
+        assert f"─ {panel} " in text
+    assert "<bool>" not in text
+    for code in ("0 success", "1 a verification failed", "2 bad input", "3 a device",
+                 "130 interrupted", "143 terminated"):
+        assert code in " ".join(text.split())
+
+
+def test_a_default_run_says_what_did_not_run_in_one_line():
+    result = runner.invoke(app, ["bench", *TINY[:-3], "--no-csv"])
+    notes = [line for line in result.stderr.splitlines() if "not run:" in line]
+    assert result.exit_code == 0 and len(notes) == 1, result.stderr
+    assert "skipping" not in result.stderr
+    joined = " ".join(result.stderr.split())
+    assert "window (it changes what attention sees: needs --window N)" in joined
+    assert "--impl all includes them" in joined
+
+
+def test_table_headers_never_break_inside_a_word_at_80_columns():
+    from rich.console import Console
+
+    from kvbench.report import render
+    from tests.test_costs import known_result
+
+    console = Console(width=80, record=True)
+    console.print(render.bench_table(known_result()))
+    text = console.export_text()
+    header = next(line for line in text.splitlines() if "impl" in line)
+    for word in ("prefill", "recompute", "cached", "speedup", "ms/step", "MB/step", "%copy"):
+        assert word in header, header
+    assert max(len(line.rstrip()) for line in text.splitlines()) <= 80

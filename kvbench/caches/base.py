@@ -288,8 +288,7 @@ class CachedAttention(ABC):
                     f"{', '.join(able)})")
         if cls.requires is not None and getattr(config.shape, cls.requires) is None:
             flag = "--" + cls.requires.replace("_", "-")
-            return (f"changes what attention sees, so it runs only when {flag} is given "
-                    f"(e.g. {flag} 256)")
+            return f"it changes what attention sees: needs {flag} N"
         for technique, (used, lacks) in TECHNIQUES.items():
             if used(config.shape) and technique not in cls.techniques:
                 able = [n for n, c in IMPLEMENTATIONS.items() if technique in c.techniques]

@@ -248,3 +248,9 @@ class CompiledCache(PreallocatedCache):
 
     def stats(self):
         return {"compile_ms": _compile_ms.get(self.graph_key)}
+
+
+def compile_seconds() -> float:
+    """Seconds this process has spent compiling steps (the sweep's estimate leaves them out:
+    each shape compiles once)."""
+    return sum(_compile_ms.values()) / 1e3

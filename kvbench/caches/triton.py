@@ -91,8 +91,7 @@ class TritonCache(KernelLengths, PagedCache):
     @classmethod
     def unmeasured(cls, config, command):
         if torch.device(config.device).type == "cpu":
-            return ("on the CPU it runs in Triton's interpreter, whose time and memory measure "
-                    "nothing (verify checks it here; bench it with --device cuda)")
+            return "timed on CUDA only; verify checks it here"
         return None
 
     @classmethod

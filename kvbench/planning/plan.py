@@ -133,10 +133,10 @@ def _points_of(o: RunOptions, reference_cases: bool = False,
     if measure == "bench" and dev == "cpu" and any(d != "float32" for d in dtypes):
         notes.append("timing float16/bfloat16 on the CPU: most CPUs have no fast half-precision "
                      "kernels, so these times say little about a GPU's")
+    left_out = None
     if spec == "default":
         spec, left_out = default_impls(dev, measure, shapes[0].attention)
-        if left_out:
-            notes.append(left_out)
+    not_run: dict[str, list[str]] = {}  # reason -> names, for the one line of a default run
     for shape, dt, kv in itertools.product(shapes, dtypes, kv_dtypes):
         kivi = (o.k_quant, o.kv_residual) if kv in GROUPED else ("per-token", 0)
         if o.beams:  # the rows: each prompt's beams (_serving refused fewer than 2)
@@ -154,13 +154,23 @@ def _points_of(o: RunOptions, reference_cases: bool = False,
         for name, reason in skipped:
             refused.setdefault(name, reason)
             by_reason.setdefault(reason, []).append(name)
-        for reason, names_ in by_reason.items():  # one line per reason
-            where = f" at {render.describe(config)}" if explicit else ""
-            line = f"skipping {', '.join(names_)}{where}: {reason}"
+        for reason, names_ in by_reason.items():
+            if not explicit:  # gathered into one line below
+                for name in names_:
+                    if name not in not_run.setdefault(reason, []):
+                        not_run[reason].append(name)
+                continue
+            line = f"skipping {', '.join(names_)} at {render.describe(config)}: {reason}"
             if line not in notes:
                 notes.append(line)
         if names:
             points.append((config, names))
+    skipped_line = "; ".join(f"{', '.join(n for n in names_ if n not in ran)} ({reason})"
+                             for reason, names_ in not_run.items()
+                             if any(n not in ran for n in names_))
+    if skipped_line or left_out:  # one line: what did not run, and how to include it
+        notes.append("; ".join(filter(None, (f"not run: {skipped_line}" if skipped_line
+                                              else "", left_out))))
     if dev.startswith("cuda") and ran & {"triton", "triton-mla"}:
         from kvbench.kernels import tuning
 
@@ -321,8 +331,7 @@ def default_impls(device: str, measure: str | None,
         return "all", None
     names = [n for n in kind if n not in CPU_LEFT_OUT]
     return ",".join(names), (f"left out on the CPU by default: {', '.join(left_out)} "
-                             "(they compile first and run slower than eager here); "
-                             "--impl all includes them")
+                             "(they compile first; --impl all includes them)")
 
 
 def positive(flag: str, value: int | None) -> int | None:

@@ -97,12 +97,16 @@ def sweep(o: RunOptions, command: str, points, run_point, impl_options, notes,
     results, rows, failed = [], [], []
     stopped = None  # the signal that ended the run early
     work = [_work(command, config, names, bench_options) for config, names in points]
+    from kvbench.caches.compiled import compile_seconds
+
+    compiled_before = compile_seconds()
     started = time.perf_counter()
     with render.progress(work, enabled=not o.quiet) as bar:
         try:
             for i, (config, names) in enumerate(points):
                 if i == 1 and not o.quiet:  # the first point's pace, applied to the rest
-                    render.note(_estimate(time.perf_counter() - started, work))
+                    render.note(_estimate(time.perf_counter() - started, work,
+                                          compile_seconds() - compiled_before))
                 bar.point(render.describe(config))
                 try:
                     try:
@@ -163,12 +167,17 @@ def _work(command: str, config, names, bench_options) -> float:
     return point_work(config.shape, len(names), 2 if command == "memory" else 1)
 
 
-def _estimate(first_s: float, work: list[float]) -> str:
-    """One line after the first point: the time the others should take at its pace."""
-    left = first_s * sum(work[1:]) / work[0]
+def _estimate(first_s: float, work: list[float], compile_s: float = 0.0) -> str:
+    """One line after the first point: the time the others should take at its pace, its
+    compiling left out (each shape compiles once) and said on its own."""
+    timed = max(first_s - compile_s, 1e-3)
+    left = timed * sum(work[1:]) / work[0]
     n = len(work) - 1
+    compiling = (f", {_duration(compile_s)} of it compiling, left out"
+                 if compile_s >= 0.5 else "")
     return (f"about {_duration(left)} for the {n} {_plural(n, 'point')} left (the first took "
-            f"{_duration(first_s)}; the others scaled by their arithmetic and steps)")
+            f"{_duration(first_s)}{compiling}; the others scaled by their arithmetic and "
+            "steps)")
 
 
 def _duration(seconds: float) -> str:

@@ -55,11 +55,14 @@ def _fit(t: Table) -> Table:
     from rich.text import Text
 
     for col in t.columns:
+        # a header wraps between its words, never inside one
+        words = max((Text.from_markup(w).cell_len for w in str(col.header).split()), default=0)
+        col.min_width = max(col.min_width or 0, words)
         if col.justify != "right":
             continue
         cells = [max(Text.from_markup(line).cell_len for line in c.split("\n"))
                  if isinstance(c, str) else 0 for c in col._cells]
-        col.min_width = max(cells, default=0)
+        col.min_width = max(cells + [words])
         col.no_wrap = False
         col.overflow = "fold"
     return t
@@ -113,14 +116,18 @@ def verify_table(report) -> Table:
     if report.kv_format.quantized:
         return _quantized_verify_table(report)
     t = _table(f"verify  {describe(report.config)}")
+    # the failure column only where something failed or is lossy: at 80 columns it is the
+    # room the others need
+    notes = any(c.message or c.lossy for c in report.checks)
     for col in ("impl", "result", "max|A−B|", "mean|A−B|", "prefill", "max|B−f64|",
-                "cache", "failure"):
+                "cache", *(["failure"] if notes else [])):
         t.add_column(col, justify="left" if col in ("impl", "result", "failure") else "right",
                      no_wrap=col != "failure")
     for c in report.checks:
         note = c.message or (f"lossy: cos(A,B) {c.cosine:.5f}" if c.lossy else "—")
         t.add_row(c.impl, _result(c), _sci(c.max_abs_err), _sci(c.mean_abs_err),
-                  _sci(c.prefill_max_abs_err), _sci(c.fp64_max_abs_err), _cache(c), note)
+                  _sci(c.prefill_max_abs_err), _sci(c.fp64_max_abs_err), _cache(c),
+                  *([note] if notes else []))
     lossy = any(c.lossy for c in report.checks)
     t.caption = (f"A = recompute, B = cached; prefill = max |A−B| of the prompt outputs; "
                  f"tolerance rtol={report.rtol:g} atol={report.atol:g}; "
@@ -304,7 +311,7 @@ def note(message: str) -> None:
 
 def memory_table(result) -> Table:
     t = _table(f"memory  {describe(result.config)}")
-    for col in ("impl", "phase", "allocated", "reserved", "estimate"):
+    for col in ("impl", "phase", "allocated MiB", "reserved MiB", "estimate MiB"):
         # the phase's words wrap to make room; names and numbers do not
         t.add_column(col, justify="left" if col in ("impl", "phase") else "right",
                      no_wrap=col != "phase")
@@ -321,15 +328,10 @@ def memory_table(result) -> Table:
                   mib(m.decode.peak_reserved_bytes), mib(m.estimate.decode))
         t.add_row(m.impl, "held after the run", mib(m.cached.end_allocated_bytes),
                   mib(m.cached.end_reserved_bytes), mib(m.estimate.storage))
-        same = "=" if m.cache_bytes == m.planner_bytes else "≠"
-        t.add_row(m.impl, f"cache tensors {same} planner", f"{m.cache_bytes:,} B",
-                  "", f"{m.planner_bytes:,} B")
-    t.caption = ("In MiB (2**20 bytes), each above the baseline when its phase began (weights and "
+    t.caption = ("MiB = 2**20 bytes, each above the baseline when its phase began (weights and "
                  "inputs are in the baseline). allocated: live tensors; reserved: what the "
                  "CUDA caching allocator holds (n/a on CPU); estimate: the preflight's figure "
-                 "for allocated. Every phase ran once unmeasured first. cache tensors: the bytes of the "
-                 "finished cache's K, V, scales and zero points, beside kvbench capacity's "
-                 "figure for the same layout (block-rounded for a block pool).")
+                 "for allocated. Every phase ran once unmeasured first.")
     return t
 
 
@@ -341,22 +343,26 @@ def reservation_table(result) -> Table:
     t = _table(f"KV memory held against used  (payload {human_bytes(payload)}: "
                f"Σ (T_i + G) = {distinct:,} positions"
                + (", the shared prefix once)" if s.shared_prefix else ")"))
-    for col in ("impl", "reserved", "holds tokens", "waste", "last-block frag."):
+    for col in ("impl", "cache bytes", "planner bytes", "holds tokens", "waste",
+                "last-block frag."):
         t.add_column(col, justify="left" if col == "impl" else "right", no_wrap=True)
     shared = result.config.shape.shared_prefix
     if shared:
         t.add_column("saved by sharing", justify="right", no_wrap=True)
     for m in result.impls:
         waste = m.waste(payload)
-        t.add_row(m.impl, human_bytes(m.cache_bytes),
+        same = "" if m.cache_bytes == m.planner_bytes else " ≠"
+        t.add_row(m.impl, f"{m.cache_bytes:,}", f"{m.planner_bytes:,}{same}",
                   f"{1 - waste:.1%}" if waste is not None else "—",
                   f"{waste:.1%}" if waste is not None else "—",
                   human_bytes(m.frag_bytes) if m.frag_bytes is not None else "—",
                   *([human_bytes(m.saved_bytes) if m.saved_bytes is not None else "—"]
                     if shared else []))
-    t.caption = (f"reserved: the bytes of each finished cache's K/V tensors (preallocating "
-                 f"caches: --prealloc {result.prealloc}; block pools: the blocks taken). "
-                 "holds tokens = payload / reserved (a window's or eviction's payload: the "
+    t.caption = (f"cache bytes: each finished cache's K, V, scales and zero points "
+                 f"(preallocating caches: --prealloc {result.prealloc}; block pools: the blocks "
+                 "taken); planner bytes: kvbench capacity's figure for the same layout (≠ where "
+                 "they differ). "
+                 "holds tokens = payload / cache bytes (a window's or eviction's payload: the "
                  "positions it keeps); waste = 1 − that. last-block frag.: the "
                  "unused positions of each sequence's last block"
                  + (f"; saved by sharing: the blocks of the {s.shared_prefix}-token prefix "
