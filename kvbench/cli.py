@@ -213,12 +213,16 @@ def capacity(
     allocate: Annotated[bool, typer.Option("--allocate", metavar="", help="CUDA: allocate and check the cache for real.")] = False,
     case: Annotated[str, typer.Option(help="--allocate cases: gqa, mha or both.")] = "both",
     device: Annotated[str, typer.Option(help="--allocate: auto, cuda or cuda:N (auto picks CUDA when present).")] = "auto",
+    require_fit: Annotated[bool, typer.Option("--require-fit", metavar="", help="With --gpu-mem: exit 1 when the model does not fit (for CI).")] = False,
     csv: CsvPath = None,
+    no_csv: Annotated[bool, typer.Option("--no-csv", metavar="", help="Write no results file.")] = False,
+    format: Annotated[str, typer.Option("--format", help="table, csv or json (the row on stdout).")] = "table",
+    quiet: Annotated[bool, typer.Option("--quiet", "-q", metavar="", help="Print nothing but errors (and --format's rows).")] = False,
 ):
     """Plan the KV cache of a real model on a real GPU; --allocate checks it on CUDA."""
     from kvbench.experiments import capacity as planner
 
-    planner.capacity(model=model, list_models=list_models, from_config=from_config, layers=layers, kv_heads=kv_heads, head_dim=head_dim, q_heads=q_heads, mla_latent=mla_latent, mla_rope=mla_rope, batch=batch, seq_len=seq_len, seq_lens=seq_lens, len_dist=len_dist, max_len=max_len, seed=seed, kv_dtype=kv_dtype, group_size=group_size, k_quant=k_quant, kv_residual=kv_residual, tp=tp, block_size=block_size, window=window, sinks=sinks, shared_prefix=shared_prefix, share_layers=share_layers, gpu_mem=gpu_mem, weight_dtype=weight_dtype, weights_bytes=weights_bytes, margin=margin, utilization=utilization, allocate=allocate, case=case, device=device, csv=csv)
+    planner.capacity(model=model, list_models=list_models, from_config=from_config, layers=layers, kv_heads=kv_heads, head_dim=head_dim, q_heads=q_heads, mla_latent=mla_latent, mla_rope=mla_rope, batch=batch, seq_len=seq_len, seq_lens=seq_lens, len_dist=len_dist, max_len=max_len, seed=seed, kv_dtype=kv_dtype, group_size=group_size, k_quant=k_quant, kv_residual=kv_residual, tp=tp, block_size=block_size, window=window, sinks=sinks, shared_prefix=shared_prefix, share_layers=share_layers, gpu_mem=gpu_mem, weight_dtype=weight_dtype, weights_bytes=weights_bytes, margin=margin, utilization=utilization, allocate=allocate, case=case, device=device, csv=csv, require_fit=require_fit, no_csv=no_csv, format=format, quiet=quiet)
 
 
 @app.command("serve-sim", cls=_Command, epilog=EXIT_CODES, help=_unwrap("""
@@ -282,6 +286,9 @@ def tune(
     device: Annotated[str, typer.Option(help="auto, cuda or cuda:N.")] = "auto",
     table: Annotated[Path | None, typer.Option(help="Tuning table to update. \\[default: $KVBENCH_TUNING_TABLE, else the package's; with --rehearse results/tune-rehearsal.json]")] = None,
     csv: CsvPath = None,
+    no_csv: Annotated[bool, typer.Option("--no-csv", metavar="", help="Write no results file.")] = False,
+    format: Annotated[str, typer.Option("--format", help="table, csv or json (the rows on stdout).")] = "table",
+    quiet: Annotated[bool, typer.Option("--quiet", "-q", metavar="", help="Print nothing but errors (and --format's rows).")] = False,
 ):
     """Search the Triton decode kernel's launch configuration on this GPU.
 
@@ -293,7 +300,8 @@ def tune(
     """
     from kvbench.experiments import tune as tuner
 
-    tuner.command(device, dtype, kv_dtype, block_size, rehearse, budget, rounds, table, csv)
+    tuner.command(device, dtype, kv_dtype, block_size, rehearse, budget, rounds, table, csv,
+                  no_csv, format, quiet)
 
 
 RunId = Annotated[str | None, typer.Option(

@@ -253,6 +253,8 @@ def from_context(ctx: typer.Context, values: dict | None = None) -> RunOptions:
     from kvbench.planning.sweep import load_sweep
 
     values = dict(ctx.params if values is None else values)
+    if values.get("seed", 0) < 0:
+        raise KvbenchError(f"--seed must be 0 or more, got {values['seed']}")
     if values.get("format") not in FORMATS:
         raise KvbenchError(f"--format {values.get('format')!r}: use table, csv or json")
     if values.get("host_mem") is not None:  # refused here, before any work

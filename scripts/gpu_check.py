@@ -83,7 +83,7 @@ def _shape(b, tp, g, h, hq, hkv, d) -> tuple[str, ...]:
             str(h), "--q-heads", str(hq), "--kv-heads", str(hkv), "--head-dim", str(d))
 
 
-SMALL = _shape(1, 8, 5, 16, 4, 2, 4)  # SPEC §1's small case
+SMALL = _shape(1, 8, 5, 16, 4, 2, 4)  # the small reference case
 GPU = Mode(False, "cuda", _shape(2, 256, 32, 512, 8, 2, 64), SMALL,
            _shape(8, 32768, 8, 4096, 32, 8, 128),
            ("--seq-lens", "1,17,64,300,1000,2047", "--max-len", "2100"),

@@ -63,7 +63,7 @@ def _fraction(df: pd.DataFrame | None, impl: str, column: str = "bandwidth_fract
 
 
 def targets(out: Path) -> list[str]:
-    """The GPU targets (SPEC §13), each against its goal."""
+    """The GPU targets, each against its goal."""
     lines = []
     long = read(out, "bench-long.csv")
     tri, sdpa = _fraction(long, "triton"), _fraction(long, "sdpa")

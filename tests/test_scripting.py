@@ -283,3 +283,72 @@ def test_table_headers_never_break_inside_a_word_at_80_columns():
     for word in ("prefill", "recompute", "cached", "speedup", "ms/step", "MB/step", "%copy"):
         assert word in header, header
     assert max(len(line.rstrip()) for line in text.splitlines()) <= 80
+
+
+# ------------------------------------------------------------------ one vocabulary
+
+def test_capacity_layers_plans_the_models_first_n_layers(tmp_path):
+    out = tmp_path / "c.csv"
+    for layers in ("4", None):
+        args = ["capacity", "--model", "llama-3-8b", "--seq-len", "1024", "--csv", str(out)]
+        result = runner.invoke(app, args + (["--layers", layers] if layers else []))
+        assert result.exit_code == 0, result.output
+    rows = pd.read_csv(out)
+    # 2 · H_kv 8 · D 128 · 2 bytes · 1024 tokens per layer: 4 layers, then all 32
+    assert rows["payload_bytes"].tolist() == [4 * 2 * 8 * 128 * 2 * 1024,
+                                              32 * 2 * 8 * 128 * 2 * 1024]
+    line = one_error_line(runner.invoke(app, ["capacity", "--model", "llama-3-8b",
+                                              "--layers", "33", "--no-csv"]))
+    assert "llama-3-8b has 32 layers" in line
+
+
+def test_require_fit_exits_1_when_the_model_does_not_fit():
+    base = ["capacity", "--model", "llama-3-8b", "--gpu-mem", "80GiB", "--require-fit",
+            "--no-csv", "-q"]
+    assert runner.invoke(app, [*base, "--seq-len", "8192"]).exit_code == 0
+    result = runner.invoke(app, [*base, "--seq-len", "8192", "--batch", "64"])
+    assert result.exit_code == 1 and "does not fit: short by" in result.stderr
+    assert "give --gpu-mem too" in one_error_line(
+        runner.invoke(app, ["capacity", "--model", "llama-3-8b", "--require-fit"]))
+
+
+def test_capacity_counts_a_dense_configs_weights(tmp_path):
+    from kvbench.sizing.capacity import dense_params, from_hf_config
+
+    cfg = {"model_type": "llama", "num_hidden_layers": 2, "num_attention_heads": 4,
+           "num_key_value_heads": 2, "hidden_size": 8, "intermediate_size": 16,
+           "vocab_size": 10, "tie_word_embeddings": False}
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(cfg))
+    # embedding 80, per layer: attention 8·(4+2·2)·2 + 4·2·8 = 192, MLP 3·8·16 = 384,
+    # norms 16: 592 each; final norm 8; logits 80
+    assert dense_params(8, 16, 10, 2, 4, 2, 2) == 80 + 2 * 592 + 8 + 80 == 1352
+    assert from_hf_config(path).params == 1352
+    moe = tmp_path / "moe.json"
+    moe.write_text(json.dumps(cfg | {"num_local_experts": 8}))
+    assert from_hf_config(moe).params is None  # its experts: --weights-bytes
+    rows = json.loads(runner.invoke(app, ["capacity", "--from-config", str(path), "--gpu-mem",
+                                          "1GiB", "--format", "json", "--no-csv"]).stdout)
+    assert rows[0]["weights_bytes"] == 1352 * 2  # bf16
+
+
+@pytest.mark.parametrize("args, message", [
+    (["bench", "--seed", "-1"], "--seed must be 0 or more, got -1"),
+    (["serve-sim", "--seed", "-1"], "--seed must be 0 or more, got -1"),
+    (["capacity", "--model", "llama-3-8b", "--seed", "-1"], "--seed must be 0 or more"),
+    (["capacity", "--model", "llama-3-8b", "--gpu-mem", "0GiB"], "--gpu-mem 0GiB is no memory"),
+    (["verify", "--model", "nosuch"], "deepseek-v3"),
+])
+def test_bad_values_are_refused_in_one_line(args, message, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert message in one_error_line(runner.invoke(app, args))
+    assert not (tmp_path / "results").exists()
+
+
+def test_a_missing_text_is_refused_before_the_model_loads(monkeypatch, tmp_path):
+    from kvbench.layers.model import spec
+
+    monkeypatch.setattr(spec, "resolve", lambda m: pytest.fail("resolved the model first"))
+    line = one_error_line(runner.invoke(app, ["verify", "--model", "smollm2-135m", "--text",
+                                              str(tmp_path / "missing.txt")]))
+    assert "missing.txt: no such file" in line

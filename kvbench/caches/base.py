@@ -1,4 +1,4 @@
-"""The interface every cached implementation follows, and the registry (SPEC §1).
+"""The interface every cached implementation follows, and the registry.
 
 An implementation owns its K/V storage (`write`, `kv`, `rewind`) and may bring its own
 attention (`attend`). `prefill` runs the prompt and fills the cache; `step` projects one new

@@ -12,7 +12,7 @@ import typer
 from kvbench.errors import KvbenchError
 
 
-def capacity(model, list_models, from_config, layers, kv_heads, head_dim, q_heads, mla_latent, mla_rope, batch, seq_len, seq_lens, len_dist, max_len, seed, kv_dtype, group_size, k_quant, kv_residual, tp, block_size, window, sinks, shared_prefix, share_layers, gpu_mem, weight_dtype, weights_bytes, margin, utilization, allocate, case, device, csv) -> None:
+def capacity(model, list_models, from_config, layers, kv_heads, head_dim, q_heads, mla_latent, mla_rope, batch, seq_len, seq_lens, len_dist, max_len, seed, kv_dtype, group_size, k_quant, kv_residual, tp, block_size, window, sinks, shared_prefix, share_layers, gpu_mem, weight_dtype, weights_bytes, margin, utilization, allocate, case, device, csv, require_fit=False, no_csv=False, format="table", quiet=False) -> None:
     """Plan the KV cache (or with --allocate, check it on CUDA) and write its row."""
     from kvbench.measure.env import environment
     from kvbench.planning.plan import positive
@@ -34,6 +34,12 @@ def capacity(model, list_models, from_config, layers, kv_heads, head_dim, q_head
         positive(flag, value)
     if model and from_config:
         raise KvbenchError("give --model or --from-config, not both")
+    if seed < 0:
+        raise KvbenchError(f"--seed must be 0 or more, got {seed}")
+    if format not in ("table", "csv", "json"):
+        raise KvbenchError(f"--format {format!r}: use table, csv or json")
+    if require_fit and not gpu_mem:
+        raise KvbenchError("--require-fit judges a fit on a GPU: give --gpu-mem too")
     if seq_len is not None and seq_lens is not None:
         raise KvbenchError("give --seq-len (with --batch) or --seq-lens, not both")
     if seq_lens is not None and batch != 1:
@@ -69,6 +75,8 @@ def capacity(model, list_models, from_config, layers, kv_heads, head_dim, q_head
         spec = replace(spec, share_layers=share_layers, sinks=sinks)
     fmt = cap.CacheFormat(cap.kv_dtype(kv_dtype), group_size, tp, block_size, k_quant, kv_residual)
     gpu_bytes = cap.parse_size(gpu_mem, "--gpu-mem") if gpu_mem else None
+    if gpu_bytes is not None and gpu_bytes <= 0:
+        raise KvbenchError(f"--gpu-mem {gpu_mem} is no memory; give one GPU's, e.g. 80GiB")
     weights = None
     if gpu_bytes is not None:
         if weights_bytes is not None:
@@ -78,8 +86,9 @@ def capacity(model, list_models, from_config, layers, kv_heads, head_dim, q_head
             weights = int(spec.params * cap.WEIGHT_DTYPE_BYTES[dt])
         else:
             raise KvbenchError("--gpu-mem needs the weights' size: pass --weights-bytes "
-                               "(e.g. 16GB) or use a --model preset")
-    path = csv_target(csv, "capacity")
+                               "(e.g. 16GB); a --model preset or a dense --from-config "
+                               "config.json counts them")
+    path = None if no_csv else csv_target(csv, "capacity")
     if shared_prefix < 0:
         raise KvbenchError(f"--shared-prefix must be 0 or more, got {shared_prefix}")
     result = cap.plan(spec, fmt, lens, gpu_bytes, weights, margin_bytes, utilization,
@@ -88,9 +97,20 @@ def capacity(model, list_models, from_config, layers, kv_heads, head_dim, q_head
         result.serving = cap.serving(spec, fmt, serving_lens, max_len,
                                      result.fit.budget_bytes if result.fit else None)
         result.len_dist = str(dist)
-    render.show_capacity(result)
-    append_csv(path, capacity_rows(result, environment(None)), *FILE_KINDS["capacity"])
-    render.note(f"1 row appended to {path}")
+    rows = capacity_rows(result, environment(None))
+    if format != "table":
+        render.machine_output(rows, FILE_KINDS["capacity"][0], format)
+    elif not quiet:
+        render.show_capacity(result)
+    if path is not None:
+        append_csv(path, rows, *FILE_KINDS["capacity"])
+        if not quiet:
+            render.note(f"1 row appended to {path}")
+    if require_fit and not result.fit.fits:
+        print(f"kvbench: {result.model.name} does not fit: short by "
+              f"{render.human_bytes(-result.fit.headroom_bytes)} (--require-fit)",
+              file=sys.stderr)
+        raise typer.Exit(1)
 
 
 SERVING_DRAWS = 10_000  # lengths drawn for the serving comparison's means

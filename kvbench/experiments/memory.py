@@ -1,4 +1,4 @@
-"""memory: theoretical KV payload vs allocated vs reserved, per phase (SPEC §2).
+"""memory: theoretical KV payload vs allocated vs reserved, per phase.
 
 allocated = bytes held by live tensors; reserved = bytes the CUDA caching allocator holds from
 the device (allocated plus cached free blocks). Every figure is measured above a baseline taken

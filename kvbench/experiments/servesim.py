@@ -79,6 +79,8 @@ class SimOptions:
         if self.max_len < 2:
             raise KvbenchError(f"--max-len {self.max_len}: a request needs at least 1 prompt "
                                "and 1 output token; give --max-len 2 or more")
+        if self.seed < 0:
+            raise KvbenchError(f"--seed must be 0 or more, got {self.seed}")
         if not self.rate > 0:
             raise KvbenchError(f"--rate {self.rate:g}: give requests per second above 0, or "
                                "omit it to have every request arrive at once")

@@ -18,6 +18,7 @@ same kernel compiled here for an H100/H200 (sm_90) where Triton can (kvbench/ker
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import time
@@ -298,7 +299,8 @@ def _compile_request(q, cache, launch) -> dict:
 
 
 def command(device: str, dtype: str, kv_dtypes: str, block_sizes: str, rehearse: bool,
-            budget_s: float, rounds: int, table, csv) -> TuneResult:
+            budget_s: float, rounds: int, table, csv, no_csv: bool = False,
+            format: str = "table", quiet: bool = False) -> TuneResult:
     """`kvbench tune`: search, write the rows and the best configurations, show them."""
     from pathlib import Path
 
@@ -326,27 +328,36 @@ def command(device: str, dtype: str, kv_dtypes: str, block_sizes: str, rehearse:
         raise KvbenchError(f"--block-size {block_sizes!r}: positive integers, e.g. 16,64")
     if budget_s <= 0 or rounds < 1:
         raise KvbenchError("--budget must be positive seconds and --rounds at least 1")
+    if format not in ("table", "csv", "json"):
+        raise KvbenchError(f"--format {format!r}: use table, csv or json")
     dtype = canonical_dtype(dtype)
-    csv = csv or results.default_csv("tune")
-    results.check_csv(csv, results.TUNE_COLUMNS, results.TUNE_FIRST)
+    csv = None if no_csv else (csv or results.default_csv("tune"))
+    if csv is not None:
+        results.check_csv(csv, results.TUNE_COLUMNS, results.TUNE_FIRST)
     if table is None:  # $KVBENCH_TUNING_TABLE, else the package's (a rehearsal: its own)
         table = (tuning.table_path() if os.environ.get(tuning.TABLE_VAR) or not rehearse
                  else Path("results/tune-rehearsal.json"))
     table = Path(table)
     tuning.load(table)  # a broken table is refused before the search
-    with render.status("tune: the Triton decode kernel's configurations"):
+    with render.status("tune: the Triton decode kernel's configurations") if not quiet \
+            else contextlib.nullcontext():
         result = run(dev, dtype, kvs, pages, rehearse, budget_s, rounds)
     stamp = results.timestamp()
-    results.append_csv(csv, results.tune_rows(result, cases(rehearse), stamp,
-                                              environment(dev)),
-                       results.TUNE_COLUMNS, results.TUNE_FIRST)
+    rows = results.tune_rows(result, cases(rehearse), stamp, environment(dev))
+    if csv is not None:
+        results.append_csv(csv, rows, results.TUNE_COLUMNS, results.TUNE_FIRST)
     c = cases(rehearse)[0]
     tuning.save({tuning.key(result.device, dtype, kv, c.head_dim, c.group, page):
                  {"config": config, "tuned": stamp, "kvbench_version": environment(dev).get(
                      "kvbench_version")} for (kv, page), config in result.best.items()},
                 table)
-    render.show_tune(result)
-    render.note(f"wrote {csv} and {len(result.best)} best configurations to {table}")
+    if format != "table":
+        render.machine_output(rows, results.TUNE_COLUMNS, format)
+    elif not quiet:
+        render.show_tune(result)
+    if not quiet:
+        render.note(f"wrote {csv or 'no results file'} and {len(result.best)} best "
+                    f"configurations to {table}")
     if any(not t.passed for t in result.trials):
         render.warn("some configurations gave a wrong answer or could not run (check FAIL); "
                     "none of them was kept")

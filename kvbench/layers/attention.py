@@ -1,6 +1,6 @@
 """One causal GQA self-attention layer with seeded weights, and path A (recompute).
 
-Shapes (SPEC §1): x [B, T, H]; q [B, H_q, T, D]; k, v [B, H_kv, T, D];
+Shapes: x [B, T, H]; q [B, H_q, T, D]; k, v [B, H_kv, T, D];
 W_q [H, H_q·D], W_k and W_v [H, H_kv·D], W_o [H_q·D, H]. Query head h reads KV head
 h // (H_q / H_kv), the mapping of `repeat_interleave` along the head dimension.
 """

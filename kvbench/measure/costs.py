@@ -1,4 +1,4 @@
-"""What one decode step must cost at least (SPEC §4). No torch needed.
+"""What one decode step must cost at least. No torch needed.
 
 Per layer per step the minimum traffic is the four weight matrices read once, the whole cache
 read once (2·B·T·H_kv·D·s), the new k and v written, and the activations in and out. Decode

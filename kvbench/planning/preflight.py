@@ -1,7 +1,7 @@
 """Preflight: each phase's peak memory, estimated from the shape before anything is allocated.
 
 verify, bench and memory refuse a point whose estimated peak does not fit in the memory it
-would use (SPEC §6): on CPU the kernel's MemAvailable; on CUDA the device's free memory plus
+would use: on CPU the kernel's MemAvailable; on CUDA the device's free memory plus
 what this process's allocator holds unused, and the host's for the weights drawn there. A
 point may use BUDGET_FRACTION of what is available: the estimate is held within 25% of the
 measured peaks (tests/test_preflight.py), so 1/1.25 of the memory leaves room for its error.

@@ -1,4 +1,4 @@
-"""Results files: tidy CSV, one row per measured configuration (SPEC §5).
+"""Results files: tidy CSV, one row per measured configuration.
 
 Rows are appended atomically: the new file (old bytes + new rows) is written beside the old
 one and moved over it, so an interrupted or failing run never leaves a partial row.

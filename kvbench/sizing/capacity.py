@@ -1,4 +1,4 @@
-"""capacity: how much KV cache a model needs, and whether it fits (SPEC §3). No torch here.
+"""capacity: how much KV cache a model needs, and whether it fits. No torch here.
 
 Standard MHA/GQA/MQA, per layer per token, K and V:    2 · H_kv · D · s bytes
 MLA (latent plus decoupled RoPE key), per layer per token: (d_c + d_rope) · s bytes
@@ -163,6 +163,40 @@ def preset(name: str) -> ModelSpec:
     return load_preset_file(path)
 
 
+def dense_params(hidden: int, intermediate: int, vocab: int, layers: int, q_heads: int,
+                 kv_heads: int, head_dim: int, tie_embeddings: bool = False,
+                 qkv_bias: bool = False, qk_norm: bool = False) -> int:
+    """Parameters of a dense Llama-family decoder: the embedding, each layer's attention
+    (W_q, W_k, W_v, W_o; a q/k/v bias, q/k norms), SwiGLU MLP (3·H·I) and two RMSNorms, the
+    final norm, and the logits' matrix unless tied to the embedding."""
+    H, I, D = hidden, intermediate, head_dim
+    attn = H * (q_heads + 2 * kv_heads) * D + q_heads * D * H
+    if qkv_bias:
+        attn += (q_heads + 2 * kv_heads) * D
+    if qk_norm:
+        attn += 2 * D
+    per_layer = attn + 3 * H * I + 2 * H
+    head = 0 if tie_embeddings else vocab * H
+    return vocab * H + per_layer * layers + H + head
+
+
+MOE_KEYS = ("num_local_experts", "n_routed_experts", "num_experts")
+
+
+def _config_params(cfg: dict, layers: int, q_heads: int, kv_heads: int,
+                   head_dim: int) -> int | None:
+    """A dense config's parameter count (dense_params); None for MoE models or where a size
+    is missing (the weights then need --weights-bytes)."""
+    sizes = [cfg.get(k) for k in ("hidden_size", "intermediate_size", "vocab_size")]
+    if any(cfg.get(k) for k in MOE_KEYS) or not all(type(v) is int and v > 0 for v in sizes):
+        return None
+    kind = cfg.get("model_type")
+    return dense_params(*sizes, layers, q_heads, kv_heads, head_dim,
+                        tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+                        qkv_bias=bool(cfg.get("attention_bias", kind == "qwen2")),
+                        qk_norm=kind == "qwen3")
+
+
 def from_hf_config(path: Path) -> ModelSpec:
     """A Hugging Face config.json -> ModelSpec."""
     try:
@@ -218,7 +252,8 @@ def from_hf_config(path: Path) -> ModelSpec:
         layer_types = _pattern(layers, ["sliding", "full"])
     return ModelSpec(name=name, layers=layers, kv_heads=kv_heads, head_dim=head_dim,
                      q_heads=q_heads, sliding_window=window if layer_types or window else None,
-                     layer_types=layer_types, source=str(path))
+                     layer_types=layer_types, source=str(path),
+                     params=_config_params(cfg, layers, q_heads, kv_heads, head_dim))
 
 
 # ----------------------------------------------------------------------------- sizes
@@ -469,6 +504,13 @@ def merge_dimensions(model: ModelSpec | None, explicit: dict[str, int | None]) -
                                "--layers with --kv-heads and --head-dim (or --mla-latent and "
                                "--mla-rope)")
         return ModelSpec(name="custom", **given)
+    if "layers" in given and given["layers"] != model.layers:  # its first N layers, as bench
+        n = given.pop("layers")
+        if n > model.layers:
+            raise KvbenchError(f"--layers {n}: {model.name} has {model.layers} layers; give "
+                               f"at most {model.layers}")
+        model = replace(model, layers=n, layer_types=model.layer_types[:n],
+                        name=f"{model.name} (first {n} of {model.layers} layers' caches)")
     clashes = [f"--{k.replace('_', '-')} {v} (the model has {getattr(model, k)})"
                for k, v in given.items() if k != "sliding_window" and getattr(model, k) != v]
     if clashes:

@@ -356,7 +356,7 @@ def accept_rule(text: str, draft_len: int) -> tuple[str, float]:
     return "rate", number
 
 
-# The reference cases of the source material (SPEC §1).
+# The reference cases: the small case whose final cache is [1, 2, 13, 4], and the timing cases.
 SMALL_CASE = LayerShape(batch=1, prompt_len=8, decode_len=5, hidden=16, q_heads=4, kv_heads=2,
                         head_dim=4)
 CPU_TIMING_CASE = LayerShape(batch=2, prompt_len=64, decode_len=8, hidden=512, q_heads=8,

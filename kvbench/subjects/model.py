@@ -3,6 +3,7 @@ weights, every layer's cache), its runs (kvbench.experiments.model), rows and ta
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from kvbench.errors import KvbenchError
@@ -22,6 +23,8 @@ def expand(o: RunOptions, command: str):
     from kvbench.planning import plan
     from kvbench.sizing.config import LayerShape
 
+    if o.text is not None and not Path(o.text).is_file():  # before anything loads
+        raise KvbenchError(f"--text {o.text}: no such file; give a plain-text file")
     given = [f for f in CONTRADICTS if getattr(o, f) is not None]
     if given:
         flag = "--" + given[0].replace("_", "-")

@@ -62,15 +62,11 @@ class Architecture:
 
     def weight_count(self, layers: int | None = None) -> int:
         """Parameters: embedding, each layer's attention, MLP and norms, final norm, logits."""
-        H, I, D = self.hidden, self.intermediate, self.head_dim
-        attn = H * (self.q_heads + 2 * self.kv_heads) * D + self.q_heads * D * H
-        if self.qkv_bias:
-            attn += (self.q_heads + 2 * self.kv_heads) * D
-        if self.qk_norm:
-            attn += 2 * D
-        per_layer = attn + 3 * H * I + 2 * H
-        head = 0 if self.tie_embeddings else self.vocab * H
-        return self.vocab * H + per_layer * (layers or self.layers) + H + head
+        from kvbench.sizing.capacity import dense_params
+
+        return dense_params(self.hidden, self.intermediate, self.vocab, layers or self.layers,
+                            self.q_heads, self.kv_heads, self.head_dim, self.tie_embeddings,
+                            self.qkv_bias, self.qk_norm)
 
 
 @dataclass(frozen=True)
@@ -159,10 +155,17 @@ def resolve(model: str) -> ModelRef:
     preset = PRESET_DIR / f"{model.lower()}.toml"
     if preset.is_file():
         return _preset(preset)
-    names = sorted(p.stem for p in PRESET_DIR.glob("*.toml")
-                   if "architecture" in read_toml(p, "preset"))
+    kinds: dict[str, list[str]] = {}
+    for p in sorted(PRESET_DIR.glob("*.toml")):
+        data = read_toml(p, "preset")
+        kind = ("whole" if "architecture" in data else "layer" if "attention" in data
+                else "capacity")
+        kinds.setdefault(kind, []).append(p.stem)
+    listed = "; ".join(f"{', '.join(names)} ({what})" for kind, what in (
+        ("whole", "the whole model"), ("layer", "its attention layer, with --layers 1"),
+        ("capacity", "kvbench capacity only")) if (names := kinds.get(kind)))
     raise KvbenchError(f"--model {model}: no such local path or preset; kvbench reads local "
-                       f"files only (no download). Presets: {', '.join(names)}")
+                       f"files only (no download). Presets: {listed}")
 
 
 def _preset(path: Path) -> ModelRef:
