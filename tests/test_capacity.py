@@ -242,7 +242,8 @@ def test_cli_list_models():
 
 @pytest.mark.parametrize("args, message", [
     (["--model", "llama-9"], "known presets"),
-    (["--model", "llama-3-8b", "--layers", "40"], "disagrees"),
+    (["--model", "llama-3-8b", "--layers", "40"], "has 32 layers; give at most 32"),
+    (["--model", "llama-3-8b", "--kv-heads", "4"], "disagrees"),
     (["--layers", "32", "--kv-heads", "8", "--head-dim", "128", "--seq-len", "8",
       "--seq-lens", "1,2"], "not both"),
     (["--model", "llama-3-8b", "--gpu-mem", "eighty"], "not a size"),
