@@ -3,7 +3,7 @@ import pytest
 from typer.testing import CliRunner
 
 from kvbench.cli import app
-from kvbench.report.results import BENCH_COLUMNS
+from kvbench.report.results import BENCH_COLUMNS, BENCH_FIRST
 
 runner = CliRunner()
 TINY = ["--device", "cpu", "--batch", "1", "--decode-len", "2", "--hidden", "32",
@@ -80,7 +80,7 @@ def test_compare_warns_when_environments_differ(bench_csv, tmp_path):
 @pytest.mark.parametrize("content, message", [
     ("", "is empty"),
     ("a,b\n1,2\n", "not a kvbench results file"),
-    (",".join(BENCH_COLUMNS[:-3]) + "\n", "lacks columns"),
+    (",".join(BENCH_FIRST[:-3]) + "\n", "lacks columns"),
     (",".join(BENCH_COLUMNS) + "\n", "no rows"),
 ])
 def test_compare_and_plot_refuse_files_that_are_not_kvbench(tmp_path, bench_csv, content, message):

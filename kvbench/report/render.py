@@ -54,11 +54,16 @@ def _fit(t: Table) -> Table:
     and its header may wrap instead (at 80 columns Rich would otherwise shrink it to '147,4…')."""
     from rich.text import Text
 
+    def longest_word(text) -> int:
+        plain = Text.from_markup(text).plain if isinstance(text, str) else str(text)
+        return max((Text(w).cell_len for w in plain.split()), default=0)
+
     for col in t.columns:
-        # a header wraps between its words, never inside one
-        words = max((Text.from_markup(w).cell_len for w in str(col.header).split()), default=0)
-        col.min_width = max(col.min_width or 0, words)
+        # a header, and a wrapping cell, wrap between their words, never inside one
+        words = longest_word(col.header)
         if col.justify != "right":
+            cells = [longest_word(c) for c in col._cells if isinstance(c, str)]
+            col.min_width = max([col.min_width or 0, words, *cells])
             continue
         cells = [max(Text.from_markup(line).cell_len for line in c.split("\n"))
                  if isinstance(c, str) else 0 for c in col._cells]
@@ -614,7 +619,7 @@ def show_comparison(c) -> None:
     if c.only_base or c.only_new:
         note(f"{c.only_base} configurations only in the baseline, {c.only_new} only in the new file")
     t = _table(f"compare  {c.kind}: new / baseline per configuration")
-    for col in ("impl", "configuration", "metric", "baseline", "new", "ratio", "verdict"):
+    for col in ("impl", "config", "metric", "baseline", "new", "ratio", "verdict"):
         # the configuration and a verdict's words wrap to make room; a name is never split
         t.add_column(col, justify="right" if col in ("baseline", "new", "ratio") else "left",
                      no_wrap=col in ("impl", "metric"))
