@@ -470,7 +470,8 @@ def run_kinds(kind: str, df: pd.DataFrame) -> dict[str, pd.DataFrame]:
     if kind not in ("bench", "verify", "memory"):
         return {"": df}
     model = df["model"].astype(object).where(df["model"].notna(), None)
-    attention = df["attention"].fillna("gqa") if "attention" in df else "gqa"
+    attention = (df["attention"].astype(object).where(df["attention"].notna(), "gqa")
+                 if "attention" in df else "gqa")
     label = pd.Series([("model-" + str(m).replace("/", "_")) if m is not None else a
                        for m, a in zip(model, attention if not isinstance(attention, str)
                                        else [attention] * len(df))], index=df.index)
