@@ -38,6 +38,7 @@ class _Group(TyperGroup):
         from kvbench.measure.env import start_run
         from kvbench.planning.runner import Terminated, terminate_on_sigterm
 
+        args = _bare_ray(sys.argv[1:] if args is None else list(args))
         start_run(args)  # one run id per invocation, on every row it writes
         try:
             terminate_on_sigterm()
@@ -72,6 +73,16 @@ class _Group(TyperGroup):
         if distributed.world() is not None:  # under torchrun: every rank leaves together
             distributed.leave(code)
         sys.exit(code)
+
+
+def _bare_ray(args: list[str]) -> list[str]:
+    """--ray without an address means a local cluster: `--ray local`."""
+    out = []
+    for i, a in enumerate(args):
+        out.append(a)
+        if a == "--ray" and (i + 1 == len(args) or args[i + 1].startswith("-")):
+            out.append("local")
+    return out
 
 
 def _fail(message: str, code: int):
@@ -374,6 +385,18 @@ def compare(baseline: Annotated[Path, typer.Argument(help="Baseline results CSV.
               "rerun both with more --rounds on a quieter machine, or --allow-noisy",
               file=sys.stderr)
         raise typer.Exit(1)
+
+
+@command
+def merge(files: Annotated[list[Path], typer.Argument(help="Results CSVs of one kind (a sweep's --shard outputs).")],
+          output: Annotated[Path, typer.Option("-o", "--output", help="The file to append them all to (created if missing).")]):
+    """Join results files of one kind into one, as a sweep run whole would have written them
+    (each --shard I/N of a job array writes its own)."""
+    from kvbench.report import render
+    from kvbench.report.results import merge as merge_files
+
+    n = merge_files(files, output)
+    render.note(f"{n} rows from {len(files)} files appended to {output}")
 
 
 def main() -> None:

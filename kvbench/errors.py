@@ -23,6 +23,9 @@ class DeviceError(Exception):
         self.phase, self.impl, self.cause, self.free_bytes = phase, impl, cause, free_bytes
         super().__init__(self.detail)
 
+    def __reduce__(self):  # whole across processes (a Ray worker's point)
+        return type(self), (self.phase, self.impl, self.cause, self.free_bytes)
+
     @property
     def out_of_memory(self) -> bool:
         return is_out_of_memory(self.cause)

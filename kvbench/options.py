@@ -18,7 +18,8 @@ from kvbench.errors import KvbenchError
 EXPERIMENTS = ("verify", "bench", "memory")
 FORMATS = ("table", "csv", "json")
 # Options a sweep file may not set: where the results go and how the run is shown.
-OUTPUT = {"config", "csv", "no_csv", "format", "quiet", "dry_run", "force", "host_mem"}
+OUTPUT = {"config", "csv", "no_csv", "format", "quiet", "dry_run", "force", "host_mem", "ray",
+          "retries", "shard"}
 
 # Where each implementation runs, for --help without importing torch (a test checks that it
 # names every registered implementation).
@@ -51,6 +52,7 @@ PANELS = {
     "Timing": ("warmup", "rounds", "recompute", "prefill"),
     "Output and memory": ("config", "csv", "no_csv", "format", "quiet", "dry_run", "force",
                           "host_mem"),
+    "Beyond one machine": ("ray", "retries", "threads", "shard"),
 }
 PANEL_OF = {name: panel for panel, names in PANELS.items() for name in names}
 
@@ -217,6 +219,18 @@ class RunOptions:
         None, "Host memory the preflight may plan with, in bytes or e.g. 128GiB (also "
         "$KVBENCH_HOST_MEM), where MemAvailable understates it: a machine whose RAM grows on "
         "demand. \\[default: MemAvailable]", "--host-mem", show_default=False)
+    ray: str | None = option(
+        None, "Run each point as a Ray task, rows written as each ends: --ray alone (or local) "
+        "starts a cluster on this machine, auto joins the one it belongs to, HOST:PORT "
+        "another. Needs the cluster extra.", "--ray", show_default=False)
+    retries: int = option(2, "--ray: times a point whose worker died is run again (a point "
+                          "that fails for its own reasons is not).")
+    threads: int | None = option(
+        None, "CPU threads per point. \\[default: torch's own (every core); with --ray 1, a "
+        "point per core]", show_default=False)
+    shard: str | None = option(
+        None, "Run only shard I of N (I/N, from 0/N): the points whose index is I modulo N, "
+        "for a job array; kvbench merge joins the shards' CSVs.", show_default=False)
     # a sweep file's [[points]]: each table's options over the file's own (not a flag)
     points: tuple[dict, ...] | None = field(default=None, metadata={"commands": ()})
 

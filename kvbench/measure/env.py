@@ -5,11 +5,13 @@ ENV_COLUMNS came first (every results file has them). PROVENANCE_COLUMNS were ad
 `plot --run` and `compare --run` can pick one run out of a file that accumulates many), the
 git commit of the checkout kvbench ran from, the command line, the host, the CPU model, and
 the installed versions of the optional libraries that change results (numba, triton,
-transformers; empty where not installed). No torch is imported for them.
+transformers; empty where not installed), and the GPU's index (CUDA). No torch is imported for
+them.
 """
 
 from __future__ import annotations
 
+import os
 import platform
 import secrets
 import shlex
@@ -25,7 +27,8 @@ from kvbench import __version__
 ENV_COLUMNS = ["kvbench_version", "python_version", "torch_version", "device_name",
                "cuda_version", "torch_threads"]
 PROVENANCE_COLUMNS = ["run_id", "kvbench_commit", "command_line", "host", "cpu_model",
-                      "numba_version", "triton_version", "transformers_version"]
+                      "numba_version", "triton_version", "transformers_version",
+                      "device_index"]
 LIBRARIES = ("numba", "triton", "transformers")
 
 _run: dict[str, str] = {}
@@ -82,7 +85,7 @@ def _version(package: str) -> str:
 
 def provenance() -> dict[str, object]:
     run_id()
-    return {"run_id": _run["run_id"], "kvbench_commit": commit(),
+    return {"run_id": _run["run_id"], "kvbench_commit": commit(), "device_index": "",
             "command_line": _run["command_line"], "host": platform.node(),
             "cpu_model": cpu_model(),
             **{f"{name}_version": _version(name) for name in LIBRARIES}}
@@ -112,4 +115,9 @@ def environment(device: str | None) -> dict[str, object]:
     env["device_name"] = device_name(device)
     env["cuda_version"] = (torch.version.cuda or "") if device.startswith("cuda") else ""
     env["torch_threads"] = torch.get_num_threads()
+    if device.startswith("cuda"):  # the physical GPU: a Ray worker sees only its own
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",")
+        index = torch.device(device).index or 0
+        env["device_index"] = visible[index] if visible != [""] and index < len(visible) \
+            else index
     return env

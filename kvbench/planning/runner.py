@@ -101,46 +101,57 @@ def sweep(o: RunOptions, command: str, points, run_point, impl_options, notes,
 
     compiled_before = compile_seconds()
     started = time.perf_counter()
+    def finished(i: int, outcome) -> None:
+        """Point i ended: (result, rows), or the DeviceError it raised."""
+        nonlocal rows
+        config = points[i][0]
+        if isinstance(outcome, BaseException):
+            failed.append(outcome)
+            print(f"kvbench: {render.device_error(config, outcome)}", file=sys.stderr)
+            bar.advance(work[i])
+            return
+        result, new_rows = outcome
+        if new_rows and path is not None:  # on disk as each point finishes
+            append_csv(path, new_rows, columns, first)
+        results.append(result)
+        rows += new_rows
+        if o.format == "table" and not o.quiet:
+            show(result)
+        bar.advance(work[i])
+
     with render.progress(work, enabled=not o.quiet) as bar:
         try:
-            for i, (config, names) in enumerate(points):
+            if o.ray is not None:
+                _on_cluster(o, points, run_point, finished)
+            for i, (config, names) in enumerate(points if o.ray is None else []):
                 if i == 1 and not o.quiet:  # the first point's pace, applied to the rest
                     render.note(_estimate(time.perf_counter() - started, work,
                                           compile_seconds() - compiled_before))
                 bar.point(render.describe(config))
                 try:
                     try:
-                        result, new_rows = run_point(config, names, env)
+                        outcome = run_point(config, names, env)
                     except (RuntimeError, MemoryError) as err:
                         # out of memory outside a phase's guard (the weights and inputs, say)
                         if not is_out_of_memory(err):
                             raise
                         raise DeviceError("weights and inputs", None, err) from err
                 except DeviceError as err:
-                    failed.append(err)
-                    print(f"kvbench: {render.device_error(config, err)}", file=sys.stderr)
                     if config.tp > 1:  # the other ranks wait in a collective: end the group
                         distributed.end_group(3)
                     _release(config.device)
-                    bar.advance(work[i])
-                    continue
-                if new_rows and path is not None:  # on disk as each point finishes
-                    append_csv(path, new_rows, columns, first)
-                results.append(result)
-                rows += new_rows
-                if o.format == "table" and not o.quiet:
-                    show(result)
-                bar.advance(work[i])
+                    outcome = err
+                finished(i, outcome)
         except KeyboardInterrupt as err:
             stopped = err
     if o.format != "table":
         render.machine_output(rows, columns, o.format)
     where = f" in {path}" if path is not None else ""
     if stopped is not None:
-        what = "terminated" if isinstance(stopped, Terminated) else "interrupted"
+        what = "terminated" if terminated(stopped) else "interrupted"
         print(f"kvbench: {what} after {len(results)} of {len(points)} points; "
               f"{len(rows)} {_plural(len(rows), 'row')} kept{where}", file=sys.stderr)
-        raise typer.Exit(143 if isinstance(stopped, Terminated) else 130)
+        raise typer.Exit(143 if terminated(stopped) else 130)
     if not o.quiet and path is not None and rows:
         render.note(f"{len(rows)} {_plural(len(rows), 'row')} appended to {path}")
     total = len(points) + len(skipped)
@@ -155,6 +166,25 @@ def sweep(o: RunOptions, command: str, points, run_point, impl_options, notes,
               file=sys.stderr)
         raise typer.Exit(2)
     return results
+
+
+def _on_cluster(o: RunOptions, points, run_point, finished) -> None:
+    """The points as Ray tasks (kvbench.planning.cluster), each one's end handed to
+    finished(i, outcome) in the order they end. A point's own exception other than a device
+    error (a mismatch, say) ends the sweep as it does locally; the other tasks are
+    cancelled."""
+    from kvbench.errors import DeviceError
+    from kvbench.planning.cluster import Cluster, WorkerLost
+
+    with Cluster(o.ray, o.retries, o.threads) as cluster:
+        cluster.check(points)
+        cluster.submit(points, run_point)
+        for i, outcome in cluster.completed():
+            if isinstance(outcome, WorkerLost):
+                outcome = DeviceError("the point's task", None, outcome)
+            elif isinstance(outcome, BaseException) and not isinstance(outcome, DeviceError):
+                raise outcome
+            finished(i, outcome)
 
 
 def _work(command: str, config, names, bench_options) -> float:
@@ -188,6 +218,14 @@ def _duration(seconds: float) -> str:
     return f"{seconds / 3600:.1f} h"
 
 
+_signals: list[int] = []  # SIGTERMs received
+
+
+def terminated(stopped: BaseException) -> bool:
+    """Whether a KeyboardInterrupt was SIGTERM (Ray's wait re-raises it as a plain one)."""
+    return isinstance(stopped, Terminated) or signal.SIGTERM in _signals
+
+
 class Terminated(KeyboardInterrupt):
     """SIGTERM, handled as Ctrl-C is: the rows of finished points kept, exit 143."""
 
@@ -201,6 +239,7 @@ def terminate_on_sigterm() -> None:
         return
 
     def terminate(signum, frame):
+        _signals.append(signum)  # said again where a library turned it into a KeyboardInterrupt
         raise Terminated()
 
     signal.signal(signal.SIGTERM, terminate)

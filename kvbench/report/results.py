@@ -658,3 +658,34 @@ def tune_rows(result, cases, stamp: str, env: dict[str, object]) -> list[dict[st
             "shared_bytes": t.shared,
             "best": result.best.get((t.kv_dtype, t.page)) == t.config, **env})
     return rows
+
+
+def merge(inputs: list[Path], output: Path) -> int:
+    """Append the rows of results files of one kind (a sweep's shards, say) to `output`, as
+    each command appends (the header rules of append_csv). Returns the rows written; refuses,
+    before writing, files of different kinds or with damaged rows."""
+    kinds = []
+    for path in inputs:
+        if not Path(path).is_file():
+            raise KvbenchError(f"{path}: no such file")
+        header = _read_header(Path(path)) or []
+        kind = next((k for k, (columns, first) in FILE_KINDS.items()
+                     if header_accepted(header, columns, first)), None)
+        if kind is None:
+            raise KvbenchError(f"{path} is not a kvbench results file")
+        _, bad = damaged_rows(Path(path))
+        if bad:
+            raise KvbenchError(f"{path}, line {bad[0][0]}: a cut or damaged row; repair it "
+                               "before merging")
+        kinds.append(kind)
+    if len(set(kinds)) > 1:
+        raise KvbenchError(f"these files hold different kinds of results "
+                           f"({', '.join(sorted(set(kinds)))}); merge one kind at a time")
+    columns, first = FILE_KINDS[kinds[0]]
+    check_csv(output, columns, first)
+    rows = []
+    for path in inputs:
+        with Path(path).open(newline="") as f:
+            rows += [{k: v for k, v in row.items() if v != ""} for row in csv.DictReader(f)]
+    append_csv(output, rows, columns, first)
+    return len(rows)

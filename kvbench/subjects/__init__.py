@@ -75,11 +75,33 @@ def run(o: RunOptions, command: str):
     first mismatch; bench exits 1 when an implementation disagrees (it is not timed)."""
     import typer
 
+    from kvbench.errors import KvbenchError
     from kvbench.experiments.bench import VerificationFailed
     from kvbench.planning.runner import sweep
 
     subject, o = subject_for(o)
+    if o.ray is not None and o.tp != 1:
+        raise KvbenchError(f"--tp {o.tp} runs its ranks under torchrun on one node, which "
+                           "--ray does not start; drop --ray (or --tp)")
+    if o.ray is not None and o.shard is not None:
+        raise KvbenchError("--shard splits a sweep for a scheduler without Ray; --ray runs it "
+                           "all on the cluster: give one")
     points, impl_options, notes, bench_options = subject.expand(o, command)
+    if o.shard is not None:
+        from kvbench.planning.cluster import shard
+
+        total = len(points)
+        points = shard(points, o.shard)
+        notes.append(f"--shard {o.shard}: {len(points)} of the sweep's {total} points")
+        if not points:
+            raise KvbenchError(f"--shard {o.shard}: no point of the sweep's {total} falls in "
+                               "it; use fewer shards")
+    if o.threads is not None and o.ray is None:
+        if o.threads < 1:
+            raise KvbenchError(f"--threads must be a positive integer, got {o.threads}")
+        import torch
+
+        torch.set_num_threads(o.threads)
     try:
         done = sweep(o, command, points,
                      subject.point(command, o, impl_options, bench_options), impl_options,

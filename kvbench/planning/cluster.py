@@ -1,0 +1,175 @@
+"""A sweep beyond one process: its points as Ray tasks (--ray), or one shard of them
+(--shard I/N) for a scheduler's job array, whose CSVs `kvbench merge` joins.
+
+Under --ray each point is one task: a CUDA point asks for one GPU, a CPU point for --threads
+cores (1 by default, so a node runs a point per core). The driver plans and preflights the
+points as a local sweep does, submits them all, and writes each point's rows as its task
+finishes (kvbench.planning.runner.sweep). A task whose worker dies is run again, at most
+--retries times; a point that fails for its own reasons (a mismatch, out of memory, a device
+error) is not, and a point is never written twice: rows are written by the driver alone, once
+per finished task. Ray is an optional dependency (the `cluster` extra).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+
+from kvbench.errors import KvbenchError
+
+INSTALL = 'pip install -e ".[cluster]"'
+
+
+def parse_shard(text: str) -> tuple[int, int]:
+    """--shard I/N -> (I, N), 0 <= I < N."""
+    try:
+        i, n = (int(p) for p in text.split("/"))
+    except ValueError:
+        raise KvbenchError(f"--shard {text!r}: give I/N, e.g. 0/4 for the first of 4 "
+                           "shards") from None
+    if n < 1 or not 0 <= i < n:
+        raise KvbenchError(f"--shard {text}: I runs from 0 to N-1 (0/{max(n, 1)} … "
+                           f"{max(n, 1) - 1}/{max(n, 1)})")
+    return i, n
+
+
+def shard(points: list, text: str) -> list:
+    """Shard I of N: the points whose index in the sweep is I modulo N (every shard gets
+    points of every size, and the N shards together are the sweep)."""
+    i, n = parse_shard(text)
+    return points[i::n]
+
+
+def _ray():
+    try:
+        import ray
+    except ImportError:
+        raise KvbenchError(f"--ray needs Ray: {INSTALL}") from None
+    return ray
+
+
+def _reachable(address: str, timeout_s: float = 3.0) -> bool:
+    host, _, port = address.rpartition(":")
+    try:
+        with socket.create_connection((host or "127.0.0.1", int(port)), timeout=timeout_s):
+            return True
+    except (OSError, ValueError):
+        return False
+
+
+def needs(config, threads: int | None) -> dict[str, float]:
+    """The Ray resources one point asks for."""
+    if config.device.startswith("cuda"):
+        return {"num_gpus": config.tp, "num_cpus": 1}
+    return {"num_cpus": threads or 1}
+
+
+class Cluster:
+    """A Ray cluster the sweep's points run on: joined (or started, for `local`) on entry,
+    left on exit when this process started it."""
+
+    def __init__(self, address: str, retries: int = 2, threads: int | None = None):
+        if retries < 0:
+            raise KvbenchError(f"--retries must be 0 or more, got {retries}")
+        if threads is not None and threads < 1:
+            raise KvbenchError(f"--threads must be a positive integer, got {threads}")
+        self.address, self.retries, self.threads = address, retries, threads
+        self.ray, self.started, self.refs = _ray(), False, {}
+
+    def __enter__(self) -> Cluster:  # noqa: PYI034
+        ray = self.ray
+        explicit = self.address not in ("local", "auto")
+        if explicit and not _reachable(self.address.removeprefix("ray://")):
+            raise KvbenchError(f"--ray {self.address}: no Ray cluster answers there; start "
+                               "one (ray start --head) or give its address (HOST:PORT)")
+        if ray.is_initialized():  # a cluster this process already joined
+            return self
+        os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # a local cluster: no token file
+        try:
+            ray.init(address=None if self.address == "local" else self.address,
+                     include_dashboard=False, log_to_driver=False, logging_level="ERROR",
+                     configure_logging=False)
+        except (ConnectionError, RuntimeError, ValueError) as err:
+            first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+            raise KvbenchError(f"--ray {self.address}: cannot join the cluster ({first})") \
+                from None
+        self.started = True
+        from kvbench.planning.runner import terminate_on_sigterm
+
+        terminate_on_sigterm()  # Ray's own handler ends the process without a word
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.refs:  # stopped early: the outstanding points are cancelled
+            self.cancel()
+        if self.started:
+            self.ray.shutdown()
+
+    def check(self, points) -> None:
+        """Refuse, before any task starts, a point no node can hold."""
+        nodes = [n.get("Resources", {}) for n in self.ray.nodes() if n.get("Alive")]
+        for config, _ in points:
+            want = needs(config, self.threads)
+            gpus, cpus = want.get("num_gpus", 0), want.get("num_cpus", 0)
+            if not any(n.get("GPU", 0) >= gpus and n.get("CPU", 0) >= cpus for n in nodes):
+                from kvbench.report.render import describe
+
+                most = max((n.get("GPU", 0) for n in nodes), default=0)
+                what = (f"{gpus:g} GPUs on one node (the most any node has is {most:g})"
+                        if gpus else f"{cpus:g} CPU cores on one node")
+                raise KvbenchError(f"--ray: the point {describe(config)} needs {what}; "
+                                   "lower --tp or --threads")
+
+    def submit(self, points, run_point) -> None:
+        from kvbench.measure import env
+
+        run = {"run_id": env.run_id(), "command_line": env.provenance()["command_line"]}
+        task = self.ray.remote(_point_task)
+        for i, (config, names) in enumerate(points):
+            ref = task.options(max_retries=self.retries, retry_exceptions=False,
+                               **needs(config, self.threads)).remote(
+                run_point, config, names, run, self.threads)
+            self.refs[ref] = i
+
+    def completed(self):
+        """(index, (result, rows) or the exception its point raised), as tasks finish."""
+        ray = self.ray
+        while self.refs:
+            ready, _ = ray.wait(list(self.refs), num_returns=1)
+            i = self.refs.pop(ready[0])
+            try:
+                yield i, ray.get(ready[0])
+            except ray.exceptions.RayTaskError as err:  # the point's own failure
+                yield i, err.cause if err.cause is not None else err
+            except ray.exceptions.RayError as err:  # its worker died --retries + 1 times
+                yield i, WorkerLost(f"its worker died {self.retries + 1} times "
+                                    f"({type(err).__name__})")
+
+    def cancel(self) -> None:
+        for ref in list(self.refs):
+            self.ray.cancel(ref, force=True)
+        self.refs.clear()
+
+
+class WorkerLost(RuntimeError):
+    """A point whose task's worker died more often than --retries allows."""
+
+
+def _point_task(run_point, config, names, run: dict, threads: int | None):
+    """One point, on a Ray worker: the driver's run id and command line on its rows, this
+    worker's environment (host, device) beside them."""
+    from kvbench.errors import DeviceError, is_out_of_memory
+    from kvbench.measure import env
+
+    env._run.update(run)
+    if threads:
+        import torch
+
+        torch.set_num_threads(threads)
+    environment = env.environment(config.device)
+    try:
+        return run_point(config, names, environment)
+    except (RuntimeError, MemoryError) as err:  # as a local sweep turns it into a DeviceError
+        if not is_out_of_memory(err):
+            raise
+        raise DeviceError("weights and inputs", None, err) from err

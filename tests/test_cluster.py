@@ -1,0 +1,163 @@
+"""--ray (a local Ray cluster of 2 CPU workers, started once for the module) and --shard."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from types import SimpleNamespace
+
+import pandas as pd
+import pytest
+from typer.testing import CliRunner
+
+from kvbench.cli import app
+
+ray = pytest.importorskip("ray")
+runner = CliRunner()
+SHAPE = ["--device", "cpu", "--batch", "1", "--decode-len", "2", "--hidden", "32",
+         "--q-heads", "4", "--kv-heads", "2", "--head-dim", "8", "--impl", "static,paged",
+         "-q"]
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
+             logging_level="ERROR", configure_logging=False)
+    yield
+    ray.shutdown()
+
+
+def sweep(command, csv, *extra):
+    result = runner.invoke(app, [command, *SHAPE, "--csv", str(csv), *extra])
+    assert result.exit_code == 0, result.output
+    return pd.read_csv(csv).sort_values(["prompt_len", "impl"]).reset_index(drop=True)
+
+
+def test_a_sweep_on_ray_writes_what_a_local_sweep_writes(cluster, tmp_path):
+    # 6 verify points (3 prompts x 2 dtypes) and 4 memory points, each row once
+    lens = ["--prompt-len", "4,8,12"]
+    local = sweep("verify", tmp_path / "l.csv", *lens, "--dtype", "float32,bfloat16")
+    on_ray = sweep("verify", tmp_path / "r.csv", *lens, "--dtype", "float32,bfloat16", "--ray")
+    keys = ["prompt_len", "dtype", "impl"]
+    assert len(on_ray) == 12 and not on_ray.duplicated(keys).any()
+    on_ray = on_ray.sort_values(keys).reset_index(drop=True)
+    local = local.sort_values(keys).reset_index(drop=True)
+    for col in ("passed", "first_bad_step", "cache_shape"):
+        assert on_ray[col].fillna(-1).tolist() == local[col].fillna(-1).tolist(), col
+    assert on_ray["run_id"].nunique() == 1 and on_ray["command_line"].str.contains("--ray").all()
+    lens = ["--prompt-len", "4,8"]
+    local = sweep("memory", tmp_path / "lm.csv", *lens)
+    on_ray = sweep("memory", tmp_path / "rm.csv", *lens, "--ray")
+    assert len(on_ray) == 4
+    for col in ("theoretical_kv_bytes", "kv_cache_bytes", "kv_planner_bytes"):
+        assert on_ray[col].tolist() == local[col].tolist(), col
+
+
+def test_a_point_whose_worker_dies_runs_again_and_is_reported_once(cluster, tmp_path):
+    from kvbench.planning.cluster import Cluster
+
+    marker = tmp_path / "died-once"
+
+    def run_point(config, names, env):  # its first attempt kills its worker
+        if not marker.exists():
+            marker.write_text("")
+            os.kill(os.getpid(), signal.SIGKILL)
+        return config, [{"point": config}]
+
+    points = [(SimpleNamespace(device="cpu", tp=1), ("static",))]
+    with Cluster("local", retries=2) as c:
+        c.submit(points, run_point)
+        done = list(c.completed())
+    assert [(i, outcome[1]) for i, outcome in done] == [(0, [{"point": points[0][0]}])]
+    assert marker.exists()
+
+
+def test_a_point_that_fails_for_its_own_reasons_is_not_run_again(cluster, tmp_path):
+    from kvbench.errors import DeviceError
+    from kvbench.planning.cluster import Cluster
+
+    attempts = tmp_path / "attempts"
+
+    def run_point(config, names, env):
+        with attempts.open("a") as f:
+            f.write("x")
+        raise DeviceError("decode", "static", MemoryError("out of memory"))
+
+    with Cluster("local", retries=2) as c:
+        c.submit([(SimpleNamespace(device="cpu", tp=1), ("static",))], run_point)
+        (i, outcome), = c.completed()
+    assert isinstance(outcome, DeviceError) and outcome.impl == "static"
+    assert attempts.read_text() == "x"
+
+
+def test_sigterm_on_the_driver_keeps_the_finished_rows(tmp_path):
+    # its own local cluster (a subprocess): the first point is quick, the last two long
+    csv = tmp_path / "t.csv"
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
+    proc = subprocess.Popen([sys.executable, "-m", "kvbench", "verify", *SHAPE[:-5],
+                             "--impl", "static", "--prompt-len", "4,3000,3001", "--ray",
+                             "--threads", "1", "-q", "--csv", str(csv)],
+                            env=env, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 60
+    while time.time() < deadline and not (csv.exists() and len(csv.read_text().splitlines())
+                                          >= 2):
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 143, err
+    rows = pd.read_csv(csv)
+    assert rows["prompt_len"].tolist() == [4] and "terminated after 1 of 3 points" in err
+
+
+def test_shards_merged_equal_the_whole_sweep(tmp_path):
+    lens = ["--prompt-len", "4,8,12"]
+    whole = sweep("memory", tmp_path / "whole.csv", *lens)
+    for i in (0, 1):
+        sweep("memory", tmp_path / f"s{i}.csv", *lens, "--shard", f"{i}/2")
+    assert pd.read_csv(tmp_path / "s0.csv")["prompt_len"].unique().tolist() == [4, 12]
+    result = runner.invoke(app, ["merge", str(tmp_path / "s0.csv"), str(tmp_path / "s1.csv"),
+                                 "-o", str(tmp_path / "all.csv")])
+    assert result.exit_code == 0, result.output
+    merged = pd.read_csv(tmp_path / "all.csv").sort_values(["prompt_len", "impl"])
+    for col in ("prompt_len", "impl", "kv_cache_bytes", "theoretical_kv_bytes"):
+        assert merged[col].tolist() == whole[col].tolist()
+
+
+def one_error_line(result):
+    lines = result.stderr.strip().splitlines()
+    assert result.exit_code == 2 and len(lines) == 1 and "Traceback" not in result.output, \
+        result.output
+    return lines[0]
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--ray", "127.0.0.1:1"], "no Ray cluster answers there"),
+    (["--shard", "2/2"], "I runs from 0 to N-1"),
+    (["--shard", "x"], "give I/N"),
+    (["--shard", "0/2", "--ray"], "give one"),
+    (["--tp", "2", "--ray"], "drop --ray (or --tp)"),
+])
+def test_bad_cluster_input_is_one_line(args, message, tmp_path):
+    csv = tmp_path / "b.csv"
+    assert message in one_error_line(runner.invoke(app, ["verify", *SHAPE, "--prompt-len",
+                                                         "4", "--csv", str(csv), *args]))
+    assert not csv.exists()
+
+
+def test_without_ray_the_option_says_how_to_install_it(monkeypatch, tmp_path):
+    monkeypatch.setitem(sys.modules, "ray", None)  # import ray fails
+    line = one_error_line(runner.invoke(app, ["verify", *SHAPE, "--prompt-len", "4",
+                                              "--ray", "--csv", str(tmp_path / "b.csv")]))
+    assert '.[cluster]' in line
+
+
+def test_a_point_that_needs_more_gpus_than_any_node_is_refused(cluster):
+    from kvbench.errors import KvbenchError
+    from kvbench.planning.cluster import Cluster
+    from kvbench.sizing.config import LayerShape, RunConfig
+
+    config = RunConfig(LayerShape(), device="cuda", tp=2)
+    with Cluster("local") as c, pytest.raises(KvbenchError, match="needs 2 GPUs on one node"):
+        c.check([(config, ("static",))])
