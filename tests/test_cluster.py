@@ -87,7 +87,7 @@ def test_a_point_that_fails_for_its_own_reasons_is_not_run_again(cluster, tmp_pa
 
     with Cluster("local", retries=2) as c:
         c.submit([(SimpleNamespace(device="cpu", tp=1), ("static",))], run_point)
-        (i, outcome), = c.completed()
+        (_, outcome), = c.completed()
     assert isinstance(outcome, DeviceError) and outcome.impl == "static"
     assert attempts.read_text() == "x"
 
