@@ -271,6 +271,9 @@ def serve_sim(
     no_csv: Annotated[bool, typer.Option("--no-csv", metavar="", help="Write no results file.")] = False,
     format: Annotated[str, typer.Option("--format", help="table, csv or json (the rows on stdout).")] = "table",
     quiet: Annotated[bool, typer.Option("--quiet", "-q", metavar="", help="Print nothing but errors (and --format's rows).")] = False,
+    ray: Annotated[str | None, typer.Option("--ray", help="Serve each --reserve in its own Ray task: --ray alone (or local) starts a cluster on this machine, auto joins the one it belongs to, HOST:PORT another. Needs the cluster extra.")] = None,
+    retries: Annotated[int, typer.Option(help="--ray: times a reserve whose worker died is run again.")] = 2,
+    threads: Annotated[int | None, typer.Option(help="--ray: CPU threads per reserve. \\[default: 1]")] = None,
 ):
     from kvbench.experiments import servesim
 
@@ -282,7 +285,7 @@ def serve_sim(
         prefill_chunk=prefill_chunk,
         hidden=hidden, q_heads=q_heads, kv_heads=kv_heads, head_dim=head_dim, dtype=dtype,
         device=device, seed=seed, host_mem=host_mem, csv=csv, steps_csv=steps_csv,
-        no_csv=no_csv, quiet=quiet, format=format)
+        no_csv=no_csv, quiet=quiet, format=format, ray=ray, retries=retries, threads=threads)
     servesim.run(options)
 
 

@@ -55,6 +55,9 @@ class SimOptions:
     no_csv: bool = False
     quiet: bool = False
     format: str = "table"
+    ray: str | None = None  # each reserve a Ray task (kvbench.planning.cluster)
+    retries: int = 2
+    threads: int | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "dtype", canonical_dtype(self.dtype))
@@ -277,7 +280,6 @@ def run(o: SimOptions) -> list[Served]:
     """Every --reserve on the trace, each one's rows written as it finishes; exit 1 if a
     request's outputs differ from path A. Ctrl-C or SIGTERM keeps the finished reserves' rows
     and says so (exit 130 or 143)."""
-    from kvbench.planning.runner import Terminated
     from kvbench.report import render, results
 
     csv = None if o.no_csv else (o.csv or results.default_csv("serve-sim"))
@@ -309,30 +311,39 @@ def run(o: SimOptions) -> list[Served]:
     env, stamp = environment(device), results.timestamp()
     served, rows = [], []
     total = len(reqs) * len(o.reserve)
+
+    def finished(s: Served, env: dict) -> None:
+        nonlocal rows
+        served.append(s)
+        new = results.serve_rows(o, device, [s], stamp, env)
+        rows += new
+        if csv is not None:  # on disk as each reserve finishes
+            results.append_csv(csv, new, results.SERVE_COLUMNS, results.SERVE_FIRST)
+            results.append_csv(steps_csv, results.serve_step_rows([s], stamp, o.block_bytes, env),
+                               results.SERVE_STEP_COLUMNS, results.SERVE_STEP_FIRST)
+
     try:
-        with torch.inference_mode(), render.counter(total, "requests",
-                                                    enabled=not o.quiet) as bar:
-            for reserve in o.reserve:
-                bar.describe(f"serve-sim {reserve}")
-                s = serve(o, reserve, reqs, layer, device, bar.advance)
-                if not served and len(o.reserve) > 1 and not o.quiet:
-                    render.note(_estimate(o, s))
-                served.append(s)
-                new = results.serve_rows(o, device, [s], stamp, env)
-                rows += new
-                if csv is not None:  # on disk as each reserve finishes
-                    results.append_csv(csv, new, results.SERVE_COLUMNS, results.SERVE_FIRST)
-                    results.append_csv(steps_csv,
-                                       results.serve_step_rows([s], stamp, o.block_bytes, env),
-                                       results.SERVE_STEP_COLUMNS, results.SERVE_STEP_FIRST)
+        if o.ray is not None:  # each reserve a Ray task, on the same trace
+            _on_cluster(o, device, finished)
+        else:
+            with torch.inference_mode(), render.counter(total, "requests",
+                                                        enabled=not o.quiet) as bar:
+                for reserve in o.reserve:
+                    bar.describe(f"serve-sim {reserve}")
+                    s = serve(o, reserve, reqs, layer, device, bar.advance)
+                    if not served and len(o.reserve) > 1 and not o.quiet:
+                        render.note(_estimate(o, s))
+                    finished(s, env)
     except KeyboardInterrupt as stopped:
-        what = "terminated" if isinstance(stopped, Terminated) else "interrupted"
+        from kvbench.planning.runner import terminated
+
+        what = "terminated" if terminated(stopped) else "interrupted"
         kept = (f"; {len(served)} {'row' if len(served) == 1 else 'rows'} kept in {csv}"
                 if served and csv is not None else "")
         done = ", ".join(s.reserve for s in served) or "none"
         print(f"kvbench: {what} after {len(served)} of {len(o.reserve)} reserves "
               f"(finished: {done}){kept}", file=sys.stderr)
-        raise SystemExit(143 if isinstance(stopped, Terminated) else 130) from None
+        raise SystemExit(143 if terminated(stopped) else 130) from None
     if o.format != "table":
         render.machine_output(rows, results.SERVE_COLUMNS, o.format)
     elif not o.quiet:
@@ -346,6 +357,36 @@ def run(o: SimOptions) -> list[Served]:
                 render.err.print(f"{s.reserve}: {line}", highlight=False, markup=False)
         raise SystemExit(1)
     return served
+
+
+def _on_cluster(o: SimOptions, device: str, finished) -> None:
+    """--ray: each reserve serves the trace in its own Ray task (the same seeded trace and
+    layer, built on the worker); finished(served, the worker's environment) as each ends."""
+    from types import SimpleNamespace
+
+    from kvbench.planning.cluster import Cluster
+
+    def serve_one(config, names, env):
+        import torch
+
+        from kvbench.layers.attention import AttentionLayer
+        from kvbench.measure.device import torch_dtype
+        from kvbench.sizing.config import LayerShape
+
+        shape = LayerShape(hidden=o.hidden, q_heads=o.q_heads, kv_heads=o.kv_heads,
+                           head_dim=o.head_dim)
+        layer = AttentionLayer(shape, torch_dtype(o.dtype), device, o.seed, rope=True)
+        with torch.inference_mode():
+            return serve(o, names[0], requests(o), layer, device), env
+
+    points = [(SimpleNamespace(device=device, tp=1), (r,)) for r in o.reserve]
+    with Cluster(o.ray, o.retries, o.threads) as cluster:
+        cluster.check(points)
+        cluster.submit(points, serve_one)
+        for _, outcome in cluster.completed():
+            if isinstance(outcome, BaseException):
+                raise outcome
+            finished(*outcome)
 
 
 def trace_preflight(o: SimOptions, device: str) -> None:
