@@ -92,13 +92,14 @@ def test_a_point_that_fails_for_its_own_reasons_is_not_run_again(cluster, tmp_pa
     assert attempts.read_text() == "x"
 
 
-def test_sigterm_on_the_driver_keeps_the_finished_rows(tmp_path):
-    # its own local cluster (a subprocess): the first point is quick, the last two long
+def test_sigterm_on_the_driver_keeps_the_finished_rows(cluster, tmp_path):
+    # a driver in a subprocess joins the module's cluster: the first point is quick, the last
+    # two long
     csv = tmp_path / "t.csv"
     env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
     proc = subprocess.Popen([sys.executable, "-m", "kvbench", "verify", *SHAPE[:-5],
                              "--impl", "static", "--prompt-len", "4,3000,3001", "--ray",
-                             "--threads", "1", "-q", "--csv", str(csv)],
+                             "auto", "--threads", "1", "-q", "--csv", str(csv)],
                             env=env, stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 60
     while time.time() < deadline and not (csv.exists() and len(csv.read_text().splitlines())
