@@ -138,7 +138,6 @@ def one_error_line(result):
     (["--shard", "2/2"], "I runs from 0 to N-1"),
     (["--shard", "x"], "give I/N"),
     (["--shard", "0/2", "--ray"], "give one"),
-    (["--tp", "2", "--ray"], "drop --ray (or --tp)"),
 ])
 def test_bad_cluster_input_is_one_line(args, message, tmp_path):
     csv = tmp_path / "b.csv"
@@ -177,3 +176,39 @@ def test_serve_sim_on_ray_serves_each_reserve_as_a_task(cluster, tmp_path):
     # the scheduler's decisions do not depend on where it ran; the timings do
     for col in ("reserve", "passed", "steps", "preemptions", "output_tokens"):
         assert on_ray[col].tolist() == local[col].tolist(), col
+
+
+def test_a_tp_point_runs_its_ranks_inside_its_task(cluster, tmp_path):
+    # --tp 2 on the CPU: the task starts both ranks (gloo) on the sweep's one point; rank 0's
+    # row comes back with the driver's run id, each rank having cached its own KV head
+    csv = tmp_path / "tp.csv"
+    result = runner.invoke(app, ["verify", "--tp", "2", "--ray", *SHAPE[:-5], "--batch", "2",
+                                 "--impl", "static", "--prompt-len", "9", "--csv", str(csv)])
+    assert result.exit_code == 0, result.output
+    row = pd.read_csv(csv).iloc[0]
+    assert (row["passed"], row["tp"], row["world_size"]) == (True, 2, 2)
+    assert row["cache_shape"] == "2x1x11x64"  # B=2, H_kv 2 over 2 ranks, 9 + 2 positions
+    assert "--ray" in row["command_line"] and row["run_id"]
+
+
+def test_a_tp_points_ranks_are_read_back_as_a_local_point_is():
+    import typer
+
+    from kvbench.errors import DeviceError
+    from kvbench.planning.cluster import rank_args
+    from kvbench.planning.runner import _ranks_outcome
+
+    assert rank_args("kvbench verify --tp 2 --ray local --csv a.csv -q --retries=3 "
+                     "--prompt-len 9") == ["verify", "--tp", "2", "--prompt-len", "9"]
+    config = SimpleNamespace(tp=2)
+    report, kept = _ranks_outcome(config, [{"impl": "static", "passed": "False",
+                                            "first_bad_step": "2.0"}], 1,
+                                  "kvbench: verify failed: static at step 2")
+    (check,) = report.checks
+    assert (check.passed, check.first_bad_step, report.remote) == (False, 2, True)
+    assert kept[0]["impl"] == "static"
+    assert isinstance(_ranks_outcome(config, [], 3, "kvbench: error: rank 1: boom"),
+                      DeviceError)
+    with pytest.raises(typer.Exit) as stop:  # bench's refusal to time: nothing was written
+        _ranks_outcome(config, [], 1, "kvbench: refusing to time static")
+    assert stop.value.exit_code == 1

@@ -2,7 +2,9 @@
 (--shard I/N) for a scheduler's job array, whose CSVs `kvbench merge` joins.
 
 Under --ray each point is one task: a CUDA point asks for one GPU, a CPU point for --threads
-cores (1 by default, so a node runs a point per core). The driver plans and preflights the
+cores (1 by default, so a node runs a point per core); a --tp N point asks for N of them on one
+node and starts its N ranks there with torchrun's environment, each running the driver's
+command on that one point. The driver plans and preflights the
 points as a local sweep does, submits them all, and writes each point's rows as its task
 finishes (kvbench.planning.runner.sweep). A task whose worker dies is run again, at most
 --retries times; a point that fails for its own reasons (a mismatch, out of memory, a device
@@ -58,10 +60,36 @@ def _reachable(address: str, timeout_s: float = 3.0) -> bool:
 
 
 def needs(config, threads: int | None) -> dict[str, float]:
-    """The Ray resources one point asks for."""
+    """The Ray resources one point asks for: a GPU per rank (a --tp point's ranks share one
+    node), or --threads cores per rank on the CPU."""
     if config.device.startswith("cuda"):
-        return {"num_gpus": config.tp, "num_cpus": 1}
-    return {"num_cpus": threads or 1}
+        return {"num_gpus": config.tp, "num_cpus": config.tp}
+    return {"num_cpus": (threads or 1) * config.tp}
+
+
+# Options of the driver's command line that a --tp point's ranks do not take: where rows go
+# and how the sweep runs (each takes a value unless named in FLAGS)
+DRIVER_ONLY = {"--ray", "--retries", "--threads", "--csv", "--format", "--shard"}
+FLAGS = {"--no-csv", "-q", "--quiet", "--dry-run"}
+
+
+def rank_args(command_line: str) -> list[str]:
+    """The driver's arguments (after `kvbench`) less DRIVER_ONLY and FLAGS."""
+    import shlex
+
+    args, out, skip = shlex.split(command_line)[1:], [], False
+    for a in args:
+        if skip:
+            skip = False
+            continue
+        name = a.split("=", 1)[0]
+        if name in FLAGS:
+            continue
+        if name in DRIVER_ONLY:
+            skip = "=" not in a
+            continue
+        out.append(a)
+    return out
 
 
 class Cluster:
@@ -120,15 +148,24 @@ class Cluster:
                 raise KvbenchError(f"--ray: the point {describe(config)} needs {what}; "
                                    "lower --tp or --threads")
 
-    def submit(self, points, run_point) -> None:
+    def submit(self, points, run_point, indices=None, total=None) -> None:
+        """Every point a task. A --tp point's task starts its ranks (the driver's command on
+        that one point: --shard I/N of the whole sweep, `indices` its points' places in it)."""
         from kvbench.measure import env
 
         run = {"run_id": env.run_id(), "command_line": env.provenance()["command_line"]}
-        task = self.ray.remote(_point_task)
+        task, ranks = self.ray.remote(_point_task), self.ray.remote(_ranks_task)
         for i, (config, names) in enumerate(points):
-            ref = task.options(max_retries=self.retries, retry_exceptions=False,
-                               **needs(config, self.threads)).remote(
-                run_point, config, names, run, self.threads)
+            options = {"max_retries": self.retries, "retry_exceptions": False,
+                       **needs(config, self.threads)}
+            if config.tp > 1:
+                where = (indices or range(len(points)))[i]
+                ref = ranks.options(**options).remote(
+                    rank_args(run["command_line"]), where, total or len(points), config.tp,
+                    run, self.threads)
+            else:
+                ref = task.options(**options).remote(run_point, config, names, run,
+                                                     self.threads)
             self.refs[ref] = i
 
     def completed(self):
@@ -173,3 +210,39 @@ def _point_task(run_point, config, names, run: dict, threads: int | None):
         if not is_out_of_memory(err):
             raise
         raise DeviceError("weights and inputs", None, err) from err
+
+
+def _ranks_task(args: list[str], index: int, total: int, tp: int, run: dict,
+                threads: int | None) -> tuple[list[dict], int, str]:
+    """A --tp point on one node: its tp ranks started with torchrun's environment, running
+    the sweep's point `index` alone (--shard index/total); rank 0's rows read back with the
+    driver's run id and command line. (rows, the worst exit status, the last error line)."""
+    import csv
+    import subprocess
+    import sys
+    import tempfile
+    from pathlib import Path
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with tempfile.TemporaryDirectory() as folder:
+        out = Path(folder) / "rows.csv"
+        argv = [sys.executable, "-m", "kvbench", *args, "--shard", f"{index}/{total}",
+                "--csv", str(out), "-q"]
+        base = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+                "WORLD_SIZE": str(tp), "LOCAL_WORLD_SIZE": str(tp)}
+        if threads:
+            base["OMP_NUM_THREADS"] = str(threads)
+        procs = [subprocess.Popen(argv, env={**base, "RANK": str(r), "LOCAL_RANK": str(r)},
+                                  stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+                 for r in range(tp)]
+        errors = [p.communicate()[1] for p in procs]
+        code = max(p.returncode for p in procs)
+        rows = []
+        if out.exists():
+            with out.open(newline="") as f:
+                rows = [{k: v for k, v in row.items() if v != ""} | run
+                        for row in csv.DictReader(f)]
+    said = [line for e in errors for line in e.splitlines() if line.startswith("kvbench")]
+    return rows, code, said[-1] if said else ""

@@ -86,6 +86,7 @@ def sweep(o: RunOptions, command: str, points, run_point, impl_options, notes,
     if distributed.rank() != 0:  # rank 0 alone prints and writes
         o = o.but(quiet=True, no_csv=True, format="table")
     path = None if o.no_csv else csv_target(o.csv, command)
+    planned = list(points)
     points, skipped = _preflight(o, command, points, impl_options, bench_options, plans)
     if not o.quiet:
         for line in notes:
@@ -115,14 +116,14 @@ def sweep(o: RunOptions, command: str, points, run_point, impl_options, notes,
             append_csv(path, new_rows, columns, first)
         results.append(result)
         rows += new_rows
-        if o.format == "table" and not o.quiet:
+        if o.format == "table" and not o.quiet and not getattr(result, "remote", False):
             show(result)
         bar.advance(work[i])
 
     with render.progress(work, enabled=not o.quiet) as bar:
         try:
             if o.ray is not None:
-                _on_cluster(o, points, run_point, finished)
+                _on_cluster(o, points, run_point, finished, planned)
             for i, (config, names) in enumerate(points if o.ray is None else []):
                 if i == 1 and not o.quiet:  # the first point's pace, applied to the rest
                     render.note(_estimate(time.perf_counter() - started, work,
@@ -168,7 +169,7 @@ def sweep(o: RunOptions, command: str, points, run_point, impl_options, notes,
     return results
 
 
-def _on_cluster(o: RunOptions, points, run_point, finished) -> None:
+def _on_cluster(o: RunOptions, points, run_point, finished, planned=None) -> None:
     """The points as Ray tasks (kvbench.planning.cluster), each one's end handed to
     finished(i, outcome) in the order they end. A point's own exception other than a device
     error (a mismatch, say) ends the sweep as it does locally; the other tasks are
@@ -176,15 +177,37 @@ def _on_cluster(o: RunOptions, points, run_point, finished) -> None:
     from kvbench.errors import DeviceError
     from kvbench.planning.cluster import Cluster, WorkerLost
 
+    planned = planned or points  # the sweep before the preflight: a --tp point's place
     with Cluster(o.ray, o.retries, o.threads) as cluster:
         cluster.check(points)
-        cluster.submit(points, run_point)
+        cluster.submit(points, run_point, [planned.index(p) for p in points], len(planned))
         for i, outcome in cluster.completed():
             if isinstance(outcome, WorkerLost):
                 outcome = DeviceError("the point's task", None, outcome)
             elif isinstance(outcome, BaseException) and not isinstance(outcome, DeviceError):
                 raise outcome
+            elif points[i][0].tp > 1:  # its ranks' rows, exit status and last word
+                outcome = _ranks_outcome(points[i][0], *outcome)
             finished(i, outcome)
+
+
+def _ranks_outcome(config, rows: list[dict], code: int, said: str):
+    """A --tp point run by its own ranks: (a verify report's stand-in, rows) as a local point
+    gives, a DeviceError for a device or runtime error, exit 1 for bench's refusal to time."""
+    from types import SimpleNamespace
+
+    from kvbench.errors import DeviceError
+
+    if code == 1 and not rows:  # bench: an implementation disagrees, so nothing was timed
+        print(said, file=sys.stderr)
+        raise typer.Exit(1)
+    if code not in (0, 1):
+        return DeviceError("its ranks", None, RuntimeError(said or f"exit status {code}"))
+    checks = [SimpleNamespace(impl=r.get("impl"), passed=r.get("passed") == "True",
+                              first_bad_step=int(float(r.get("first_bad_step", 0) or 0)),
+                              message=said.removeprefix("kvbench: ") or "its ranks disagree")
+              for r in rows if "passed" in r]
+    return SimpleNamespace(config=config, checks=checks, remote=True), rows
 
 
 def _work(command: str, config, names, bench_options) -> float:

@@ -80,9 +80,6 @@ def run(o: RunOptions, command: str):
     from kvbench.planning.runner import sweep
 
     subject, o = subject_for(o)
-    if o.ray is not None and o.tp != 1:
-        raise KvbenchError(f"--tp {o.tp} runs its ranks under torchrun on one node, which "
-                           "--ray does not start; drop --ray (or --tp)")
     if o.ray is not None and o.shard is not None:
         raise KvbenchError("--shard splits a sweep for a scheduler without Ray; --ray runs it "
                            "all on the cluster: give one")
