@@ -3,10 +3,9 @@
 import broken_measure
 import pytest
 
-from kvbench.experiments.bench import BenchOptions, BenchResult, ImplTiming
+from kvbench.experiments.bench import BenchOptions, BenchResult, ImplTiming, bench_rows
 from kvbench.measure import bandwidth, costs
 from kvbench.measure.timing import Stats
-from kvbench.report.results import bench_rows
 from kvbench.sizing.config import CUDA_TIMING_CASE, LayerShape, RunConfig
 
 TINY = LayerShape(batch=1, prompt_len=3, decode_len=1, hidden=4, q_heads=2, kv_heads=1,

@@ -275,11 +275,11 @@ def test_a_default_run_says_what_did_not_run_in_one_line():
 def test_table_headers_never_break_inside_a_word_at_80_columns():
     from rich.console import Console
 
-    from kvbench.report import render
+    from kvbench.experiments.bench import bench_table
     from tests.test_costs import known_result
 
     console = Console(width=80, record=True)
-    console.print(render.bench_table(known_result()))
+    console.print(bench_table(known_result()))
     text = console.export_text()
     header = next(line for line in text.splitlines() if "impl" in line)
     for word in ("prefill", "recompute", "cached", "speedup", "ms/step", "MB/step", "%copy"):

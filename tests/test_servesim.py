@@ -162,8 +162,7 @@ def test_latencies_by_hand():
 def test_serve_rows_by_hand():
     # 10 requests' TTFTs 0.1..1.0 s: p50 0.55, p90 0.91, p99 0.991 (linear between ranks);
     # 40 output and 100 prompt tokens in 2 s: 20 output tokens a second
-    from kvbench.experiments.servesim import Served
-    from kvbench.report.results import serve_rows
+    from kvbench.experiments.servesim import Served, serve_rows
 
     ttft = [0.1 * i for i in range(1, 11)]
     served = Served("paged", 2.0, 4, [0.5, 1.0, 1.5, 2.0], [0.5, 0.4, 0.6, 0.5], [2, 3, 3, 1],

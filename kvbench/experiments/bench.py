@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 import torch
+from rich.table import Table
 
 from kvbench.caches import IMPLEMENTATIONS, ImplOptions
 from kvbench.errors import KvbenchError, device_errors
@@ -21,6 +22,14 @@ from kvbench.measure import bandwidth, costs
 from kvbench.measure.device import free_bytes
 from kvbench.measure.timing import Stats, time_interleaved
 from kvbench.planning.plan import verification_config
+from kvbench.report.render import _ms, _spread, _table, describe, out, warn
+from kvbench.report.results import (
+    BENCH_COLUMNS,
+    _stats_cells,
+    config_cells,
+    kv_cells,
+    serving_cells,
+)
 from kvbench.serving import ops as serving
 from kvbench.sizing.config import RunConfig
 
@@ -223,3 +232,133 @@ def bench(config: RunConfig, impls: tuple[str, ...], options: BenchOptions,
                        costs.decode_flops_per_step(local.shape),
                        bandwidth.copy_gbps(stats["copy"], copy_bytes), fmt,
                        stats.get("allreduce"))
+
+
+# ------------------------------------------------------------- its rows and tables
+
+
+def bench_table(result) -> Table:
+    g = result.config.shape.decode_len
+    t = _table(f"bench  {describe(result.config)}")
+    cols = ["impl", "prefill", "recompute", "cached", "IQR", "speedup", "ms/step", "MB/step",
+            "GB/s", "%copy"]
+    for col in cols:
+        t.add_column(col, justify="left" if col == "impl" else "right", no_wrap=True)
+    rec = result.recompute
+    for timing in result.timings:
+        speedup = result.speedup(timing)
+        t.add_row(timing.impl, _ms(timing.prefill.median_ms) if timing.prefill else "skipped",
+                  _ms(rec.median_ms) if rec else "skipped",
+                  _ms(timing.decode.median_ms), _spread(timing.decode),
+                  f"{speedup:.2f}×" if speedup else "—", _ms(result.ms_per_step(timing)),
+                  f"{timing.min_bytes_per_step / 1e6:.3g}",
+                  f"{result.achieved_gbps(timing):.1f}",
+                  f"{100 * result.bandwidth_fraction(timing):.0f}%"
+                  + (" [yellow]?[/]" if result.suspect(timing) else ""))
+    copy = result.copy_gbps
+    t.caption = (f"times in ms; recompute and cached: all {g} decode steps, median of "
+                 f"{result.options.rounds} rounds after {result.options.warmup} warmups; IQR of "
+                 "cached as % of median; MB/step = the bytes a step must move (weights, and "
+                 "the positions each implementation reads: padding, whole blocks, a whole "
+                 "preallocated cache); GB/s = MB/step / cached step time; "
+                 f"copy bandwidth {copy:.1f} GB/s (read+write); verified {result.verified}"
+                 + _tp_caption(result))
+    return t
+
+
+def _tp_caption(result) -> str:
+    """--tp: the step's all-reduce timed alone and its share of each cached step."""
+    if result.allreduce is None:
+        return ""
+    ar = result.allreduce.median_ms
+    shares = ", ".join(f"{t.impl} {ar / result.ms_per_step(t):.0%}" for t in result.timings)
+    return (f"; tp={result.config.tp}: each sample is its slowest rank's time; the step's "
+            f"all-reduce of [B, 1, H] alone takes {_ms(ar)} ms, of a cached step: {shares}"
+            + (" (the two are timed apart: above 100%, the all-reduce alone took longer than "
+               "a whole step did, as a lone collective waits on every rank's arrival)"
+               if any(ar > result.ms_per_step(t) for t in result.timings) else ""))
+
+
+def show_bench(result) -> None:
+    out.print(bench_table(result))
+    for line in graph_lines(result):
+        out.print(line)
+    for line in bench_warnings(result):
+        warn(line)
+
+
+def graph_lines(result) -> list[str]:
+    """--graph: each captured step against its eager step."""
+    lines = []
+    for t in result.timings:
+        speedup = result.graph_speedup(t)
+        if speedup is None:
+            continue
+        lines.append(f"{t.impl} captured in a CUDA graph: {_ms(result.graph_ms_per_step(t))} "
+                     f"ms/step, {speedup:.2f}× its eager step ({100 * (1 - 1 / speedup):.0f}% "
+                     f"of that was launch and host overhead), "
+                     f"{100 * result.graph_bandwidth_fraction(t):.0f}% of copy")
+    return lines
+
+
+def bench_warnings(result) -> list[str]:
+    """A closed set of actionable messages, hyperfine style: one line per kind, naming every
+    measurement it concerns (the CSV marks the rows: noisy, suspect)."""
+    from kvbench.measure.timing import NOISY_IQR_FRACTION
+
+    lines = []
+    measured = [("recompute", result.recompute)] if result.recompute else []
+    for timing in result.timings:
+        measured += [(f"{timing.impl} prefill", timing.prefill),
+                     (f"{timing.impl} cached decode", timing.decode)]
+    noisy = [f"{label} {100 * stats.iqr_ms / stats.median_ms:.0f}%" for label, stats in measured
+             if stats is not None and stats.noisy]
+    if noisy:
+        lines.append(f"noisy: IQR above {100 * NOISY_IQR_FRACTION:.0f}% of the median for "
+                     f"{', '.join(noisy)}; the machine is busy: consider more --rounds or "
+                     "--warmup")
+    suspect = [f"{t.impl} {100 * result.bandwidth_fraction(t):.0f}%" for t in result.timings
+               if result.suspect(t)]
+    if suspect:
+        lines.append(f"suspect: above the copy bandwidth ({', '.join(suspect)}): the step's "
+                     "bytes were served from the CPU's caches, so this is no memory-bandwidth "
+                     "figure; a larger --batch or --prompt-len puts the cache in DRAM")
+    return lines
+
+
+def bench_rows(result, env: dict[str, object]) -> list[dict[str, object]]:
+    rows = []
+    g = result.config.shape.decode_len
+    for t in result.timings:
+        rec = result.recompute
+        rows.append({
+            **config_cells("bench", t.impl, result.config), **serving_cells(result.config),
+            "warmup": result.options.warmup, "rounds": result.options.rounds,
+            "verified": result.verified,
+            **_stats_cells("prefill_ms", t.prefill),
+            **_stats_cells("decode_recompute_ms", rec),
+            **_stats_cells("decode_cached_ms", t.decode),
+            "speedup": result.speedup(t),
+            "recompute_ms_per_step": rec.median_ms / g if rec else None,
+            "cached_ms_per_step": result.ms_per_step(t),
+            "noisy": any(x is not None and x.noisy for x in (t.decode, t.prefill, rec)),
+            "suspect": result.suspect(t),
+            "min_bytes_per_step": t.min_bytes_per_step,
+            "flops_per_step": result.flops(t), "copy_gbps": result.copy_gbps,
+            "achieved_gbps": result.achieved_gbps(t),
+            "bandwidth_fraction": result.bandwidth_fraction(t),
+            "achieved_gflops": result.achieved_gflops(t),
+            **{k: v for k, v in t.stats.items() if k in BENCH_COLUMNS},
+            **kv_cells(result.kv_format),
+            "allreduce_ms": result.allreduce.median_ms if result.allreduce else None,
+            "decode_rank_spread_ms": t.decode.rank_spread_ms, "kv_cache_bytes": t.kv_bytes,
+            "verify_max_abs_err": t.check.max_abs_err if t.check else None,
+            "verify_mean_abs_err": t.check.mean_abs_err if t.check else None,
+            "verify_cosine": t.check.cosine if t.check else None,
+            "lossy": (t.check.lossy or None) if t.check else None,
+            **_stats_cells("decode_graph_ms", t.graph),
+            "graph_ms_per_step": result.graph_ms_per_step(t),
+            "graph_speedup": result.graph_speedup(t),
+            "graph_bandwidth_fraction": result.graph_bandwidth_fraction(t), **env,
+        })
+    return rows

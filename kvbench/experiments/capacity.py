@@ -8,8 +8,12 @@ from dataclasses import replace
 from pathlib import Path
 
 import typer
+from rich.table import Table
 
 from kvbench.errors import KvbenchError
+from kvbench.formats.kvformat import GROUPED as GROUPED_FORMATS
+from kvbench.report.render import _table, human_bytes, out
+from kvbench.report.results import timestamp
 
 
 def capacity(model, list_models, from_config, layers, kv_heads, head_dim, q_heads, mla_latent, mla_rope, batch, seq_len, seq_lens, len_dist, max_len, seed, kv_dtype, group_size, k_quant, kv_residual, tp, block_size, window, sinks, shared_prefix, share_layers, gpu_mem, weight_dtype, weights_bytes, margin, utilization, allocate, case, device, csv, require_fit=False, no_csv=False, format="table", quiet=False) -> None:
@@ -18,11 +22,11 @@ def capacity(model, list_models, from_config, layers, kv_heads, head_dim, q_head
     from kvbench.planning.plan import positive
     from kvbench.planning.runner import csv_target
     from kvbench.report import render
-    from kvbench.report.results import FILE_KINDS, append_csv, capacity_rows
+    from kvbench.report.results import FILE_KINDS, append_csv
     from kvbench.sizing import capacity as cap
 
     if list_models:
-        render.out.print(render.models_table(cap.presets()))
+        render.out.print(models_table(cap.presets()))
         return
     margin_bytes = cap.parse_size(margin, "--margin")
     if allocate:
@@ -101,7 +105,7 @@ def capacity(model, list_models, from_config, layers, kv_heads, head_dim, q_head
     if format != "table":
         render.machine_output(rows, FILE_KINDS["capacity"][0], format)
     elif not quiet:
-        render.show_capacity(result)
+        show_capacity(result)
     if path is not None:
         append_csv(path, rows, *FILE_KINDS["capacity"])
         if not quiet:
@@ -122,7 +126,7 @@ def _allocate(case: str, device: str, margin_bytes: int, csv: Path | None):
     from kvbench.measure.env import environment
     from kvbench.planning.runner import csv_target
     from kvbench.report import render
-    from kvbench.report.results import FILE_KINDS, allocation_rows, append_csv
+    from kvbench.report.results import FILE_KINDS, append_csv
 
     names = list(CASES) if case == "both" else [case]
     if any(n not in CASES for n in names):
@@ -131,7 +135,7 @@ def _allocate(case: str, device: str, margin_bytes: int, csv: Path | None):
     path = csv_target(csv, "allocation")
     results = [check_allocation(n, **CASES[n], device=dev, margin_bytes=margin_bytes)
                for n in names]
-    render.out.print(render.allocation_table(results))
+    render.out.print(allocation_table(results))
     append_csv(path, allocation_rows(results, environment(dev)), *FILE_KINDS["allocation"])
     render.note(f"{len(results)} rows appended to {path}")
     if not all(r.passed for r in results):
@@ -143,3 +147,149 @@ def _allocate(case: str, device: str, margin_bytes: int, csv: Path | None):
         raise typer.Exit(1)
 
 
+# ------------------------------------------------------------- its rows and tables
+
+
+def capacity_table(p) -> Table:
+    m, fmt = p.model, p.fmt
+    quant = f", groups of {fmt.group_size}" if fmt.kv_dtype in ("int8", "int4", "int2") else ""
+    if fmt.per_channel:
+        quant += ", K per channel"
+    if fmt.residual_slots:
+        quant += f", a residual of {fmt.residual_slots} positions in fp16"
+    t = _table(f"capacity  {m.name}: L={m.layers} {m.attention_summary}, window "
+               f"{m.window_summary}; {fmt.kv_dtype}{quant}, tp={fmt.tp}"
+               + (f", blocks of {fmt.block_size}" if fmt.block_size else "")
+               + (f", K/V shared by groups of {m.share_layers} layers "
+                  f"({len(m.cached_layers)} caches)" if m.share_layers > 1 else ""))
+    t.add_column("quantity", no_wrap=True)
+    t.add_column("value", justify="right", no_wrap=True)
+    lens = p.seq_lens
+    what = (f"B={p.batch} × T={lens[0]}" if len(set(lens)) == 1 else
+            f"{p.batch} sequences, Σ T = {sum(lens)}")
+    t.add_row("bytes per token (one sequence, all layers)", human_bytes(p.bytes_per_token))
+    t.add_row(f"per sequence (T={max(lens)})", human_bytes(p.bytes_per_sequence))
+    t.add_row(f"payload ({what})", human_bytes(p.payload_bytes))
+    if fmt.tp > 1 or fmt.block_size:
+        t.add_row("per TP rank" + (" (block-rounded)" if fmt.block_size else ""),
+                  human_bytes(p.per_rank_bytes))
+    if fmt.block_size:
+        t.add_row("wasted in partly filled blocks (per rank)", human_bytes(p.wasted_bytes))
+    f = p.fit
+    if f:
+        t.add_row("", "")
+        t.add_row(f"GPU memory × utilization {f.utilization:g}",
+                  human_bytes(f.gpu_bytes * f.utilization))
+        t.add_row("− weights (per rank)", human_bytes(f.weights_bytes))
+        t.add_row("− margin", human_bytes(f.margin_bytes))
+        t.add_row("= budget for the cache", human_bytes(f.budget_bytes))
+        t.add_row(f"largest batch at T={max(lens)}", f"{f.max_batch:,}")
+        t.add_row(f"longest T at batch {p.batch}",
+                  "unbounded (windows cap every layer)" if f.max_seq_len is None
+                  else f"{f.max_seq_len:,}")
+        t.add_row("tokens of full cache that fit", f"{f.max_tokens:,}")
+    v = p.serving
+    if v:
+        t.add_row("", "")
+        t.add_row(f"serving: lengths {p.len_dist}, {v.samples:,} draws",
+                  f"mean {v.mean_len:,.0f} tokens")
+        t.add_row(f"per sequence, preallocated to --max-len {v.max_len:,}",
+                  human_bytes(v.prealloc_bytes))
+        t.add_row(f"per sequence, paged in blocks of {p.fmt.block_size or 16} (mean)",
+                  human_bytes(v.paged_bytes))
+        t.add_row("preallocated bytes that hold tokens", f"{100 * v.payload_fraction:.1f}%")
+        if v.budget_bytes is not None:
+            t.add_row("sequences at once, preallocated", f"{v.concurrent_prealloc:,}")
+            t.add_row("sequences at once, paged", f"{v.concurrent_paged:,}")
+            ratio = (v.concurrent_paged / v.concurrent_prealloc if v.concurrent_prealloc
+                     else float("inf"))
+            t.add_row("paged / preallocated", f"{ratio:.2f}×")
+    for n in p.notes:
+        t.add_row("note", n)
+    return t
+
+
+def show_capacity(p) -> None:
+    out.print(capacity_table(p))
+    f = p.fit
+    if f:
+        verdict = (f"[green]fits[/], {human_bytes(f.headroom_bytes)} to spare" if f.fits else
+                   f"[red]does not fit[/], short by {human_bytes(-f.headroom_bytes)}")
+        out.print(f"{p.model.name} at {p.batch} × {max(p.seq_lens)} tokens on "
+                  f"{human_bytes(f.gpu_bytes)} per GPU: {verdict}")
+
+
+def models_table(models) -> Table:
+    t = _table("model presets (configs/models/)")
+    for col in ("name", "layers", "attention", "sliding window", "params"):
+        t.add_column(col, no_wrap=True)
+    for m in models.values():
+        t.add_row(m.name, str(m.layers), m.attention_summary, m.window_summary,
+                  f"{m.params / 1e9:.1f}B" if m.params else "—")
+    t.caption = "each preset's TOML names its public source"
+    return t
+
+
+def allocation_table(results) -> Table:
+    t = _table("capacity --allocate  one fp16 tensor [L, 2, B, H_kv, T, D] per case")
+    for col in ("case", "shape", "formula", "numel × size", "Δallocated model",
+                "Δallocated", "Δreserved model", "Δreserved", "result"):
+        t.add_column(col, justify="left" if col in ("case", "shape", "result") else "right")
+    for r in results:
+        t.add_row(r.case, "×".join(map(str, r.shape)), human_bytes(r.formula_bytes),
+                  human_bytes(r.requested_bytes), human_bytes(r.expected_increase_bytes),
+                  human_bytes(r.allocated_increase_bytes),
+                  human_bytes(r.expected_reserved_increase_bytes),
+                  human_bytes(r.reserved_increase_bytes),
+                  "[green]PASS[/]" if r.passed else "[red bold]FAIL[/]")
+    t.caption = ("model: the CUDA caching allocator's rounding, segment and split rules "
+                 "(c10/cuda/CUDACachingAllocator.cpp); measured: memory_allocated and "
+                 "memory_reserved before and after")
+    return t
+
+
+def capacity_rows(p, env: dict[str, object]) -> list[dict[str, object]]:
+    m, f = p.model, p.fit
+    row = {
+        "timestamp": timestamp(), "command": "capacity", "model": m.name,
+        "attention": "mla" if m.is_mla else "kv", "layers": m.layers, "q_heads": m.q_heads,
+        "kv_heads": m.kv_heads or None, "head_dim": m.head_dim or None,
+        "mla_latent": m.mla_latent, "mla_rope": m.mla_rope, "sliding_window": m.sliding_window,
+        "share_layers": m.share_layers,
+        "kv_dtype": p.fmt.kv_dtype, "group_size": p.fmt.group_size,
+        "k_quant": p.fmt.k_quant if p.fmt.kv_dtype in GROUPED_FORMATS else None,
+        "kv_residual": p.fmt.residual if p.fmt.kv_dtype in GROUPED_FORMATS else None,
+        "tp": p.fmt.tp,
+        "block_size": p.fmt.block_size, "batch": p.batch, "seq_len": max(p.seq_lens),
+        "seq_lens": " ".join(map(str, p.seq_lens)) if len(set(p.seq_lens)) > 1 else None,
+        "bytes_per_token": p.bytes_per_token, "bytes_per_sequence": p.bytes_per_sequence,
+        "payload_bytes": p.payload_bytes, "per_rank_bytes": p.per_rank_bytes,
+        "wasted_bytes": p.wasted_bytes, **env,
+    }
+    if f:
+        row |= {"gpu_bytes": f.gpu_bytes, "utilization": f.utilization,
+                "margin_bytes": f.margin_bytes, "weights_bytes": f.weights_bytes,
+                "budget_bytes": f.budget_bytes, "fits": f.fits,
+                "headroom_bytes": f.headroom_bytes, "max_batch": f.max_batch,
+                "max_seq_len": f.max_seq_len, "max_tokens": f.max_tokens}
+    v = p.serving
+    if v:
+        row |= {"len_dist": p.len_dist, "max_len": v.max_len, "mean_len": v.mean_len,
+                "prealloc_bytes_per_sequence": v.prealloc_bytes,
+                "paged_bytes_per_sequence": v.paged_bytes,
+                "concurrent_prealloc": v.concurrent_prealloc,
+                "concurrent_paged": v.concurrent_paged}
+    return [row]
+
+
+def allocation_rows(results, env: dict[str, object]) -> list[dict[str, object]]:
+    return [{
+        "timestamp": timestamp(), "command": "capacity --allocate", "case": r.case,
+        "shape": "x".join(map(str, r.shape)), "formula_bytes": r.formula_bytes,
+        "requested_bytes": r.requested_bytes,
+        "expected_increase_bytes": r.expected_increase_bytes,
+        "allocated_increase_bytes": r.allocated_increase_bytes,
+        "reserved_increase_bytes": r.reserved_increase_bytes,
+        "expected_reserved_increase_bytes": r.expected_reserved_increase_bytes,
+        "free_before_bytes": r.free_before_bytes, "passed": r.passed, **env,
+    } for r in results]

@@ -18,6 +18,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
+from rich.table import Table
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
@@ -36,6 +37,8 @@ from kvbench.layers.attention import (
 from kvbench.measure import footprint
 from kvbench.measure.device import free_bytes, synchronize
 from kvbench.measure.footprint import ImplFootprint
+from kvbench.report.render import _table, describe, human_bytes, mib, out
+from kvbench.report.results import config_cells, kv_cells
 from kvbench.sizing.config import RunConfig
 
 
@@ -264,3 +267,107 @@ def _position_bytes(impl: CachedAttention, stat: str, config: RunConfig,
     if stat == "blocks_saved":
         count *= options.block_size
     return count * type(impl).position_bytes(config, options)
+
+
+# ------------------------------------------------------------- its rows and tables
+
+
+def memory_table(result) -> Table:
+    t = _table(f"memory  {describe(result.config)}")
+    for col in ("impl", "phase", "allocated MiB", "reserved MiB", "estimate MiB"):
+        # the phase's words wrap to make room; names and numbers do not
+        t.add_column(col, justify="left" if col in ("impl", "phase") else "right",
+                     no_wrap=col != "phase")
+    rec = result.recompute
+    t.add_row("—", "KV payload, Σ (T_i + G) positions (planner)", mib(result.theoretical_kv_bytes),
+              "", "")
+    t.add_row("—", "weights (not in the peaks)", mib(result.weight_bytes), "", "")
+    t.add_row("recompute", "peak, all G steps", mib(rec.peak_allocated_bytes),
+              mib(rec.peak_reserved_bytes), mib(result.recompute_estimate_bytes))
+    for m in result.impls:
+        t.add_row(m.impl, "peak, prefill + decode", mib(m.cached.peak_allocated_bytes),
+                  mib(m.cached.peak_reserved_bytes), mib(m.estimate.cached))
+        t.add_row(m.impl, "peak, decode above the prompt", mib(m.decode.peak_allocated_bytes),
+                  mib(m.decode.peak_reserved_bytes), mib(m.estimate.decode))
+        t.add_row(m.impl, "held after the run", mib(m.cached.end_allocated_bytes),
+                  mib(m.cached.end_reserved_bytes), mib(m.estimate.storage))
+    t.caption = ("MiB = 2**20 bytes, each above the baseline when its phase began (weights and "
+                 "inputs are in the baseline). allocated: live tensors; reserved: what the "
+                 "CUDA caching allocator holds (n/a on CPU); estimate: the preflight's figure "
+                 "for allocated. Every phase ran once unmeasured first.")
+    return t
+
+
+def reservation_table(result) -> Table:
+    """What each implementation holds for K/V against the token states it stores."""
+    payload = result.theoretical_kv_bytes
+    s = result.config.shape
+    distinct = sum(s.row_lens) - (s.batch - 1) * s.shared_prefix
+    t = _table(f"KV memory held against used  (payload {human_bytes(payload)}: "
+               f"Σ (T_i + G) = {distinct:,} positions"
+               + (", the shared prefix once)" if s.shared_prefix else ")"))
+    for col in ("impl", "cache bytes", "planner bytes", "holds tokens", "waste",
+                "last-block frag."):
+        t.add_column(col, justify="left" if col == "impl" else "right", no_wrap=True)
+    shared = result.config.shape.shared_prefix
+    if shared:
+        t.add_column("saved by sharing", justify="right", no_wrap=True)
+    for m in result.impls:
+        waste = m.waste(payload)
+        same = "" if m.cache_bytes == m.planner_bytes else " ≠"
+        t.add_row(m.impl, f"{m.cache_bytes:,}", f"{m.planner_bytes:,}{same}",
+                  f"{1 - waste:.1%}" if waste is not None else "—",
+                  f"{waste:.1%}" if waste is not None else "—",
+                  human_bytes(m.frag_bytes) if m.frag_bytes is not None else "—",
+                  *([human_bytes(m.saved_bytes) if m.saved_bytes is not None else "—"]
+                    if shared else []))
+    t.caption = (f"cache bytes: each finished cache's K, V, scales and zero points "
+                 f"(preallocating caches: --prealloc {result.prealloc}; block pools: the blocks "
+                 "taken); planner bytes: kvbench capacity's figure for the same layout (≠ where "
+                 "they differ). "
+                 "holds tokens = payload / cache bytes (a window's or eviction's payload: the "
+                 "positions it keeps); waste = 1 − that. last-block frag.: the "
+                 "unused positions of each sequence's last block"
+                 + (f"; saved by sharing: the blocks of the {s.shared_prefix}-token prefix "
+                    "not stored again for each sequence." if s.shared_prefix else "."))
+    return t
+
+
+def show_memory(result) -> None:
+    for r in result.ranks or [result]:
+        if result.ranks:
+            out.print(f"rank {r.rank} of {len(result.ranks)}: its shard's caches and weights; "
+                      "recompute is the whole layer")
+        out.print(memory_table(r))
+        out.print(reservation_table(r))
+
+
+def memory_rows(result, env: dict[str, object]) -> list[dict[str, object]]:
+    """One row per implementation; with --tp, per rank and implementation."""
+    return [row for r in (result.ranks or [result]) for row in _memory_rows(r, env)]
+
+
+def _memory_rows(result, env: dict[str, object]) -> list[dict[str, object]]:
+    rec = result.recompute
+    return [{
+        **config_cells("memory", m.impl, result.config),
+        "theoretical_kv_bytes": result.theoretical_kv_bytes, "weight_bytes": result.weight_bytes,
+        "recompute_peak_allocated_bytes": rec.peak_allocated_bytes,
+        "recompute_peak_reserved_bytes": rec.peak_reserved_bytes,
+        "cached_peak_allocated_bytes": m.cached.peak_allocated_bytes,
+        "cached_peak_reserved_bytes": m.cached.peak_reserved_bytes,
+        "decode_peak_allocated_bytes": m.decode.peak_allocated_bytes,
+        "decode_peak_reserved_bytes": m.decode.peak_reserved_bytes,
+        "after_allocated_bytes": m.cached.end_allocated_bytes,
+        "after_reserved_bytes": m.cached.end_reserved_bytes,
+        "recompute_peak_estimated_bytes": result.recompute_estimate_bytes,
+        "cached_peak_estimated_bytes": m.estimate.cached,
+        "decode_peak_estimated_bytes": m.estimate.decode,
+        **kv_cells(result.kv_format), "kv_cache_bytes": m.cache_bytes,
+        "kv_planner_bytes": m.planner_bytes,
+        # the policy matters only where a request may reach beyond the batch (--max-len)
+        "prealloc": result.prealloc if result.config.shape.max_len is not None else None,
+        "kv_waste": m.waste(result.theoretical_kv_bytes), "kv_frag_bytes": m.frag_bytes,
+        "rank": result.rank, "shared_prefix": result.config.shape.shared_prefix or None,
+        "kv_saved_bytes": m.saved_bytes, **env,
+    } for m in result.impls]

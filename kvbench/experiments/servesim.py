@@ -19,7 +19,10 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from rich.table import Table
+
 from kvbench.errors import KvbenchError
+from kvbench.report.render import _table, out
 from kvbench.serving.scheduler import PREEMPT, Scheduler, refuse_unfit, trace
 from kvbench.sizing.config import DTYPE_BYTES, canonical_dtype
 from kvbench.sizing.lengths import parse_len_dist
@@ -315,11 +318,11 @@ def run(o: SimOptions) -> list[Served]:
     def finished(s: Served, env: dict) -> None:
         nonlocal rows
         served.append(s)
-        new = results.serve_rows(o, device, [s], stamp, env)
+        new = serve_rows(o, device, [s], stamp, env)
         rows += new
         if csv is not None:  # on disk as each reserve finishes
             results.append_csv(csv, new, results.SERVE_COLUMNS, results.SERVE_FIRST)
-            results.append_csv(steps_csv, results.serve_step_rows([s], stamp, o.block_bytes, env),
+            results.append_csv(steps_csv, serve_step_rows([s], stamp, o.block_bytes, env),
                                results.SERVE_STEP_COLUMNS, results.SERVE_STEP_FIRST)
 
     try:
@@ -347,7 +350,7 @@ def run(o: SimOptions) -> list[Served]:
     if o.format != "table":
         render.machine_output(rows, results.SERVE_COLUMNS, o.format)
     elif not o.quiet:
-        render.show_serve(o, device, served)
+        show_serve(o, device, served)
     if csv is not None and not o.quiet:
         render.note(f"wrote {csv} and {steps_csv}")
     failed = [s for s in served if not s.passed]
@@ -412,3 +415,88 @@ def _estimate(o: SimOptions, first: Served) -> str:
     left = sum(expected_steps(o, r) for r in o.reserve[1:]) * per_step
     return (f"{first.reserve} took {_duration(first.duration_s)}; about {_duration(left)} for "
             f"{', '.join(o.reserve[1:])} at its pace per step")
+
+
+# ------------------------------------------------------------- its rows and tables
+
+
+def serve_table(o, device: str, served) -> Table:
+    from kvbench.measure.timing import percentile
+
+    rate = "all at once" if math.isinf(o.rate) else f"{o.rate:g}/s"
+    t = _table(f"serve-sim  {o.requests} requests arriving {rate}; prompts {o.len_dist}, "
+               f"outputs {o.output_dist}\n{o.kv_blocks} blocks of {o.block_size}  H={o.hidden} "
+               f"H_q={o.q_heads} H_kv={o.kv_heads} D={o.head_dim}  {o.dtype}  {device}")
+    for name in ("reserve", "req/s", "tok/s", "TTFT\np50 s", "TTFT\np99 s", "TPOT\np50 ms",
+                 "TPOT\np99 ms", "batch", "held", "pre-\nempt", "path A"):
+        t.add_column(name, justify="left" if name in ("reserve", "path A") else "right",
+                     no_wrap=name in ("reserve", "path A"))
+    for s in served:
+        ttft = [percentile(s.ttft_s, q) for q in (50, 99)]
+        tpot = [percentile(s.tpot_s, q) for q in (50, 99)]
+        t.add_row(s.reserve, f"{s.requests_per_s:,.1f}", f"{s.tokens_per_s:,.0f}",
+                  *(f"{x:,.2f}" for x in ttft),
+                  *("n/a" if x is None else f"{1e3 * x:,.2f}" for x in tpot),
+                  f"{s.mean_batch:,.1f}", f"{s.mean_blocks_in_use:,.0f}",
+                  f"{s.preemptions:,}", "PASS" if s.passed else "[red]FAIL[/]")
+    t.caption = (f"batch: sequences decoding, held: blocks held (of {o.kv_blocks}), the mean "
+                 "per step; TTFT from arrival to the first token, TPOT per later token")
+    return t
+
+
+def show_serve(o, device: str, served) -> None:
+    out.print(serve_table(o, device, served))
+    by = {s.reserve: s for s in served}
+    others = [r for r in ("prealloc", "oracle") if r in by]
+    if "paged" in by and others:
+        paged = by["paged"]
+        ratios = ", ".join(f"{paged.requests_per_s / by[r].requests_per_s:.2f}× {r}'s "
+                           f"({paged.mean_batch / by[r].mean_batch:.2f}× "
+                           "the batch)" for r in others)
+        out.print(f"paged serves {ratios} requests per second on the same trace and blocks "
+                  "(the vLLM paper: 2–4× the throughput at the same latency, on GPUs)")
+
+
+def serve_rows(o, device: str, served, stamp: str,
+               env: dict[str, object]) -> list[dict[str, object]]:
+    from kvbench.measure.timing import PERCENTILES, percentile
+
+    rows = []
+    for s in served:
+        row = {"timestamp": stamp, "command": "serve-sim", "reserve": s.reserve,
+               "preempt": o.preempt, "requests": o.requests, "len_dist": o.len_dist,
+               "output_dist": o.output_dist, "max_len": o.max_len,
+               "rate_per_s": o.rate if math.isfinite(o.rate) else None,
+               "kv_blocks": o.kv_blocks, "block_size": o.block_size,
+               "prefill_chunk": o.prefill_chunk,
+               "kv_pool_bytes": o.pool_bytes, "hidden": o.hidden,
+               "q_heads": o.q_heads, "kv_heads": o.kv_heads, "head_dim": o.head_dim,
+               "dtype": o.dtype, "device": device, "seed": o.seed, "passed": s.passed,
+               "max_abs_err": s.max_abs_err, "duration_s": s.duration_s, "steps": s.steps,
+               "requests_per_s": s.requests_per_s, "output_tokens_per_s": s.tokens_per_s,
+               "prompt_tokens": s.prompt_tokens, "output_tokens": s.output_tokens,
+               "latency_per_token_mean_ms": 1e3 * sum(s.latency_per_token_s)
+               / len(s.latency_per_token_s),
+               "mean_batch": s.mean_batch, "max_batch": max(s.batch),
+               "mean_blocks_in_use": s.mean_blocks_in_use,
+               "max_blocks_in_use": max(s.blocks_in_use),
+               "mean_kv_bytes_in_use": o.block_bytes * s.mean_blocks_in_use,
+               "preemptions": s.preemptions, "recomputed_tokens": s.recomputed_tokens,
+               "swapped_blocks": s.swapped_blocks, **env}
+        row["step_p50_ms"] = 1e3 * percentile(s.step_s, 50)
+        row["step_max_ms"] = 1e3 * max(s.step_s)
+        for name, values in (("ttft", s.ttft_s), ("tpot", s.tpot_s)):
+            for q in PERCENTILES:
+                p = percentile(values, q)
+                row[f"{name}_p{q}_ms"] = None if p is None else 1e3 * p
+        rows.append(row)
+    return rows
+
+
+def serve_step_rows(served, stamp: str, block_bytes: int,
+                    env: dict[str, object]) -> list[dict[str, object]]:
+    return [{"timestamp": stamp, "command": "serve-sim", "reserve": s.reserve, "step": i,
+             "time_s": s.step_end_s[i], "step_ms": 1e3 * s.step_s[i], "batch": s.batch[i],
+             "tokens": s.tokens[i], "blocks_in_use": s.blocks_in_use[i],
+             "kv_bytes_in_use": block_bytes * s.blocks_in_use[i], **env}
+            for s in served for i in range(s.steps)]

@@ -25,9 +25,11 @@ import time
 from dataclasses import dataclass, field, replace
 
 import torch
+from rich.table import Table
 
 from kvbench.errors import KvbenchError
 from kvbench.kernels.config import KernelConfig
+from kvbench.report.render import _table, note, out, warn
 
 SEARCH = {  # the candidates of each dimension, searched in this order
     "block_n": (32, 64, 128),
@@ -343,7 +345,7 @@ def command(device: str, dtype: str, kv_dtypes: str, block_sizes: str, rehearse:
             else contextlib.nullcontext():
         result = run(dev, dtype, kvs, pages, rehearse, budget_s, rounds)
     stamp = results.timestamp()
-    rows = results.tune_rows(result, cases(rehearse), stamp, environment(dev))
+    rows = tune_rows(result, cases(rehearse), stamp, environment(dev))
     if csv is not None:
         results.append_csv(csv, rows, results.TUNE_COLUMNS, results.TUNE_FIRST)
     c = cases(rehearse)[0]
@@ -354,7 +356,7 @@ def command(device: str, dtype: str, kv_dtypes: str, block_sizes: str, rehearse:
     if format != "table":
         render.machine_output(rows, results.TUNE_COLUMNS, format)
     elif not quiet:
-        render.show_tune(result)
+        show_tune(result)
     if not quiet:
         render.note(f"wrote {csv or 'no results file'} and {len(result.best)} best "
                     f"configurations to {table}")
@@ -362,3 +364,64 @@ def command(device: str, dtype: str, kv_dtypes: str, block_sizes: str, rehearse:
         render.warn("some configurations gave a wrong answer or could not run (check FAIL); "
                     "none of them was kept")
     return result
+
+
+# ------------------------------------------------------------- its rows and tables
+
+
+def tune_table(result, kv, page) -> Table:
+    """One K/V format and page size: every configuration tried, at each case."""
+    fmt = kv or result.dtype
+    t = _table(f"tune  {result.device}  {result.dtype}, K/V {fmt}, pages of {page}")
+    for name in ("config", "case", "ms", "GB/s", "%copy", "splits", "regs", "spill", "smem",
+                 "check"):
+        t.add_column(name, justify="left" if name in ("config", "case", "check") else "right",
+                     no_wrap=True)
+    best = result.best.get((kv, page))
+    for trial in (x for x in result.trials if (x.kv_dtype, x.page) == (kv, page)):
+        gbps = trial.gbps()
+        mark = " ★" if trial.config == best else ""
+        t.add_row(trial.config.label() + mark, trial.case,
+                  "—" if trial.ms is None else f"{trial.ms:,.3f}",
+                  "—" if gbps is None else f"{gbps:,.0f}",
+                  "—" if gbps is None else f"{100 * gbps / result.copy_gbps:.0f}%",
+                  str(trial.splits), *("—" if x is None else f"{x:,}" for x in
+                                       (trial.regs, trial.spills, trial.shared)),
+                  "PASS" if trial.passed else f"[red]FAIL[/] {trial.max_abs_err:.2g}")
+    t.caption = (f"config: BLOCK_N/warps/stages/waves (★ the best over the cases); ms: stage 1 "
+                 f"+ 2, median; %copy of {result.copy_gbps:,.0f} GB/s; regs, spill (bytes) "
+                 f"and smem (bytes) of stage 1: {result.resources_from}")
+    return t
+
+
+def show_tune(result) -> None:
+    for kv, page in dict.fromkeys((t.kv_dtype, t.page) for t in result.trials):
+        out.print(tune_table(result, kv, page))
+    if result.rehearse:
+        note("a rehearsal: Triton's interpreter on the CPU, whose times describe the "
+             "interpreter; registers and spills are the GPU's")
+    if result.out_of_time:
+        warn("the budget ran out before every search finished; the best so far was kept "
+             "(raise --budget)")
+
+
+def tune_rows(result, cases, stamp: str, env: dict[str, object]) -> list[dict[str, object]]:
+    """One row per trial: its case, format, page and configuration, and what it measured."""
+    shapes = {c.name: c for c in cases}
+    rows = []
+    for t in result.trials:
+        c, gbps = shapes[t.case], t.gbps()
+        rows.append({
+            "timestamp": stamp, "command": "tune", "case": t.case, "batch": len(c.lengths),
+            "seq_lens": ",".join(map(str, c.lengths)), "q_heads": c.q_heads,
+            "kv_heads": c.kv_heads, "head_dim": c.head_dim, "dtype": result.dtype,
+            "kv_dtype": t.kv_dtype, "block_size": t.page, "block_n": t.config.block_n,
+            "num_warps": t.config.num_warps, "num_stages": t.config.num_stages,
+            "waves": t.config.waves, "rehearse": result.rehearse, "passed": t.passed,
+            "max_abs_err": t.max_abs_err, "kernel_ms": t.ms, "bytes_read": t.bytes_read,
+            "achieved_gbps": gbps, "copy_gbps": result.copy_gbps,
+            "bandwidth_fraction": None if gbps is None else gbps / result.copy_gbps,
+            "splits": t.splits, "registers": t.regs, "spill_bytes": t.spills,
+            "shared_bytes": t.shared,
+            "best": result.best.get((t.kv_dtype, t.page)) == t.config, **env})
+    return rows

@@ -14,9 +14,11 @@ each round at every op, so their tolerances are about five units of the format's
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
+from rich.table import Table
 
 from kvbench.caches import IMPLEMENTATIONS, CachedAttention, ImplOptions
 from kvbench.caches.base import storage_bytes
@@ -39,6 +41,8 @@ from kvbench.layers.attention import (
 )
 from kvbench.measure.device import free_bytes
 from kvbench.measure.distributed import all_reduce
+from kvbench.report.render import _sci, _table, describe, err, out
+from kvbench.report.results import VERIFY_COLUMNS, config_cells, kv_cells, serving_cells
 from kvbench.serving import ops as serving
 from kvbench.sizing.config import RunConfig
 
@@ -308,3 +312,82 @@ def _check(name, cls, layer, options, x, prompt, real, config, ref_prefill, ref_
         cosine=cosine,
         # lossy where something was dropped (an eviction that evicted) or quantized
         lossy=cls.drops(config) or options.kv_dtype is not None)
+
+
+# ------------------------------------------------------------- its rows and tables
+
+
+def verify_table(report) -> Table:
+    if report.kv_format.quantized:
+        return _quantized_verify_table(report)
+    t = _table(f"verify  {describe(report.config)}")
+    # the failure column only where something failed or is lossy: at 80 columns it is the
+    # room the others need
+    notes = any(c.message or c.lossy for c in report.checks)
+    for col in ("impl", "result", "max|A−B|", "mean|A−B|", "prefill", "max|B−f64|",
+                "cache", *(["failure"] if notes else [])):
+        t.add_column(col, justify="left" if col in ("impl", "result", "failure") else "right",
+                     no_wrap=col != "failure")
+    for c in report.checks:
+        note = c.message or (f"lossy: cos(A,B) {c.cosine:.5f}" if c.lossy else "—")
+        t.add_row(c.impl, _result(c), _sci(c.max_abs_err), _sci(c.mean_abs_err),
+                  _sci(c.prefill_max_abs_err), _sci(c.fp64_max_abs_err), _cache(c),
+                  *([note] if notes else []))
+    lossy = any(c.lossy for c in report.checks)
+    t.caption = (f"A = recompute, B = cached; prefill = max |A−B| of the prompt outputs; "
+                 f"tolerance rtol={report.rtol:g} atol={report.atol:g}; "
+                 f"max |A−f64| = {_sci(report.recompute_fp64_max_abs_err)}"
+                 + ("; lossy (h2o): PASS means exact against float64 attention over the "
+                    "positions it kept (max|B−f64|); its |A−B| is what eviction costs"
+                    if lossy else ""))
+    return t
+
+
+def _quantized_verify_table(report) -> Table:
+    """The exact check (pass/fail) and the quantization error, side by side but apart."""
+    t = _table(f"verify  {describe(report.config)}")
+    cols = ("impl", "result", "max|R−B|", "quant max|A−B|", "mean|A−B|", "cos(A,B)", "cache",
+            "failure")
+    for col in cols:
+        t.add_column(col, justify="left" if col in ("impl", "result", "failure") else "right",
+                     no_wrap=col != "failure")
+    for c in report.checks:
+        cos = "—" if c.cosine is None or not math.isfinite(c.cosine) else f"{c.cosine:.5f}"
+        t.add_row(c.impl, _result(c), _sci(c.fp64_max_abs_err), _sci(c.max_abs_err),
+                  _sci(c.mean_abs_err), cos, _cache(c), c.message or "—")
+    t.caption = (f"result: B against R, float64 attention over the dequantized stored cache "
+                 f"(rtol={report.rtol:g} atol={report.atol:g}); quantization error, reported "
+                 f"only: B against A = recompute in {report.config.dtype}; cos = the lowest "
+                 "cosine similarity of a decode step's outputs")
+    return t
+
+
+def show_verify(report, stderr: bool = False) -> None:
+    (err if stderr else out).print(verify_table(report))
+    captured = [c.impl for c in report.checks if c.stats.get("graph")]
+    if captured:
+        where = "a CUDA graph" if report.config.device.startswith("cuda") else (
+            "the CPU's recorder of a CUDA graph's semantics")
+        (err if stderr else out).print(f"decode steps captured once and replayed through "
+                                       f"{where}: {', '.join(captured)}")
+
+
+def _result(c) -> str:
+    return "[green]PASS[/]" if c.passed else "[red bold]FAIL[/]"
+
+
+def _cache(c) -> str:
+    return "×".join(map(str, c.cache_shape)) or "—"
+
+
+def verify_rows(report, env: dict[str, object]) -> list[dict[str, object]]:
+    return [{
+        **config_cells("verify", c.impl, report.config), **serving_cells(report.config),
+        "passed": c.passed, "max_abs_err": c.max_abs_err, "mean_abs_err": c.mean_abs_err,
+        "prefill_max_abs_err": c.prefill_max_abs_err, "fp64_max_abs_err": c.fp64_max_abs_err,
+        "recompute_fp64_max_abs_err": report.recompute_fp64_max_abs_err,
+        "first_bad_step": c.first_bad_step, "cache_shape": "x".join(map(str, c.cache_shape)),
+        "rtol": report.rtol, "atol": report.atol,
+        **{k: v for k, v in c.stats.items() if k in VERIFY_COLUMNS},
+        **kv_cells(report.kv_format), "cosine": c.cosine, "lossy": c.lossy or None, **env,
+    } for c in report.checks]

@@ -22,7 +22,6 @@ from pathlib import Path
 
 from kvbench.errors import KvbenchError
 from kvbench.measure.env import ENV_COLUMNS, PROVENANCE_COLUMNS
-from kvbench.sizing.capacity import GROUPED as GROUPED_FORMATS
 from kvbench.sizing.config import MlaDims
 
 DEFAULT_DIR = Path("results")
@@ -260,7 +259,7 @@ BENCH_COLUMNS = BENCH_FIRST[:-len(ENV_COLUMNS)] + [
     # planner's figure), and the verification's error against path A (lossy: h2o)
     "kv_cache_bytes", "verify_max_abs_err", "verify_mean_abs_err", "verify_cosine",
     "lossy",
-    # above the copy bandwidth: served from a cache, not memory (see render.bench_warnings)
+    # above the copy bandwidth: served from a cache, not memory (see kvbench.experiments.bench.bench_warnings)
     "suspect",
     # --model: time to first token (prefill_ms), per decode step of the batch: ms, tokens/s,
     # the weight and K/V bytes read and written, the K/V share of them
@@ -315,57 +314,6 @@ def kv_cells(fmt) -> dict[str, object]:
             "kv_residual": fmt.residual if fmt.grouped else None}
 
 
-def verify_rows(report, env: dict[str, object]) -> list[dict[str, object]]:
-    return [{
-        **config_cells("verify", c.impl, report.config), **serving_cells(report.config),
-        "passed": c.passed, "max_abs_err": c.max_abs_err, "mean_abs_err": c.mean_abs_err,
-        "prefill_max_abs_err": c.prefill_max_abs_err, "fp64_max_abs_err": c.fp64_max_abs_err,
-        "recompute_fp64_max_abs_err": report.recompute_fp64_max_abs_err,
-        "first_bad_step": c.first_bad_step, "cache_shape": "x".join(map(str, c.cache_shape)),
-        "rtol": report.rtol, "atol": report.atol,
-        **{k: v for k, v in c.stats.items() if k in VERIFY_COLUMNS},
-        **kv_cells(report.kv_format), "cosine": c.cosine, "lossy": c.lossy or None, **env,
-    } for c in report.checks]
-
-
-def bench_rows(result, env: dict[str, object]) -> list[dict[str, object]]:
-    rows = []
-    g = result.config.shape.decode_len
-    for t in result.timings:
-        rec = result.recompute
-        rows.append({
-            **config_cells("bench", t.impl, result.config), **serving_cells(result.config),
-            "warmup": result.options.warmup, "rounds": result.options.rounds,
-            "verified": result.verified,
-            **_stats_cells("prefill_ms", t.prefill),
-            **_stats_cells("decode_recompute_ms", rec),
-            **_stats_cells("decode_cached_ms", t.decode),
-            "speedup": result.speedup(t),
-            "recompute_ms_per_step": rec.median_ms / g if rec else None,
-            "cached_ms_per_step": result.ms_per_step(t),
-            "noisy": any(x is not None and x.noisy for x in (t.decode, t.prefill, rec)),
-            "suspect": result.suspect(t),
-            "min_bytes_per_step": t.min_bytes_per_step,
-            "flops_per_step": result.flops(t), "copy_gbps": result.copy_gbps,
-            "achieved_gbps": result.achieved_gbps(t),
-            "bandwidth_fraction": result.bandwidth_fraction(t),
-            "achieved_gflops": result.achieved_gflops(t),
-            **{k: v for k, v in t.stats.items() if k in BENCH_COLUMNS},
-            **kv_cells(result.kv_format),
-            "allreduce_ms": result.allreduce.median_ms if result.allreduce else None,
-            "decode_rank_spread_ms": t.decode.rank_spread_ms, "kv_cache_bytes": t.kv_bytes,
-            "verify_max_abs_err": t.check.max_abs_err if t.check else None,
-            "verify_mean_abs_err": t.check.mean_abs_err if t.check else None,
-            "verify_cosine": t.check.cosine if t.check else None,
-            "lossy": (t.check.lossy or None) if t.check else None,
-            **_stats_cells("decode_graph_ms", t.graph),
-            "graph_ms_per_step": result.graph_ms_per_step(t),
-            "graph_speedup": result.graph_speedup(t),
-            "graph_bandwidth_fraction": result.graph_bandwidth_fraction(t), **env,
-        })
-    return rows
-
-
 MEMORY_FIRST = CONFIG_COLUMNS + [
     "theoretical_kv_bytes", "weight_bytes",
     "recompute_peak_allocated_bytes", "recompute_peak_reserved_bytes",
@@ -392,90 +340,8 @@ MEMORY_COLUMNS = MEMORY_FIRST[:-len(ENV_COLUMNS)] + [
 ] + ENV_COLUMNS + PROVENANCE_COLUMNS
 
 
-def memory_rows(result, env: dict[str, object]) -> list[dict[str, object]]:
-    """One row per implementation; with --tp, per rank and implementation."""
-    return [row for r in (result.ranks or [result]) for row in _memory_rows(r, env)]
-
-
-def _memory_rows(result, env: dict[str, object]) -> list[dict[str, object]]:
-    rec = result.recompute
-    return [{
-        **config_cells("memory", m.impl, result.config),
-        "theoretical_kv_bytes": result.theoretical_kv_bytes, "weight_bytes": result.weight_bytes,
-        "recompute_peak_allocated_bytes": rec.peak_allocated_bytes,
-        "recompute_peak_reserved_bytes": rec.peak_reserved_bytes,
-        "cached_peak_allocated_bytes": m.cached.peak_allocated_bytes,
-        "cached_peak_reserved_bytes": m.cached.peak_reserved_bytes,
-        "decode_peak_allocated_bytes": m.decode.peak_allocated_bytes,
-        "decode_peak_reserved_bytes": m.decode.peak_reserved_bytes,
-        "after_allocated_bytes": m.cached.end_allocated_bytes,
-        "after_reserved_bytes": m.cached.end_reserved_bytes,
-        "recompute_peak_estimated_bytes": result.recompute_estimate_bytes,
-        "cached_peak_estimated_bytes": m.estimate.cached,
-        "decode_peak_estimated_bytes": m.estimate.decode,
-        **kv_cells(result.kv_format), "kv_cache_bytes": m.cache_bytes,
-        "kv_planner_bytes": m.planner_bytes,
-        # the policy matters only where a request may reach beyond the batch (--max-len)
-        "prealloc": result.prealloc if result.config.shape.max_len is not None else None,
-        "kv_waste": m.waste(result.theoretical_kv_bytes), "kv_frag_bytes": m.frag_bytes,
-        "rank": result.rank, "shared_prefix": result.config.shape.shared_prefix or None,
-        "kv_saved_bytes": m.saved_bytes, **env,
-    } for m in result.impls]
-
-
 # transformers' generate runs its own full cache: no technique of the point applies to it
 TECHNIQUE_COLUMNS = ("window", "sinks", "kv_budget", "kv_recent", "shared_prefix")
-
-
-def _model_cells(command: str, impl: str, result) -> dict[str, object]:
-    cells = {**config_cells(command, impl, result.config), "model": result.ref.label,
-             "layers": result.layers}
-    if impl == "transformers":
-        return {**cells, **dict.fromkeys(TECHNIQUE_COLUMNS)}
-    return {**cells, **kv_cells(result.kv_format)}
-
-
-def model_verify_rows(report, env: dict[str, object]) -> list[dict[str, object]]:
-    return [{
-        **_model_cells("verify", c.impl, report), "passed": c.passed,
-        "max_abs_err": c.max_abs_err, "first_bad_step": c.first_bad_step,
-        "first_bad_layer": c.first_bad_layer, "rtol": report.rtol, "atol": report.atol,
-        "lossy": c.lossy or None, "ppl": c.quality.ppl, "ppl_path_a": report.reference.ppl,
-        "kl_mean": c.quality.kl_mean, "kl_max": c.quality.kl_max, "top1_agree": c.quality.top1,
-        "ppl_masked": report.masked.ppl if report.masked is not None else None,
-        "kv_cache_bytes": c.cache_bytes, "graph": c.graph or None, **env,
-    } for c in report.checks]
-
-
-def model_bench_rows(result, env: dict[str, object]) -> list[dict[str, object]]:
-    return [{
-        **_model_cells("bench", t.impl, result), "warmup": result.options.warmup,
-        "rounds": result.options.rounds, "verified": t.check is not None or None,
-        **_stats_cells("prefill_ms", t.prefill), **_stats_cells("decode_cached_ms", t.decode),
-        "cached_ms_per_step": result.ms_per_token(t), "tokens_per_s": result.tokens_per_s(t),
-        "noisy": t.decode.noisy, "copy_gbps": result.copy_gbps,
-        "min_bytes_per_step": result.bytes_per_step(t),
-        "achieved_gbps": result.bytes_per_step(t) / (result.ms_per_token(t) * 1e-3) / 1e9,
-        "bandwidth_fraction": result.bandwidth_fraction(t),
-        "suspect": result.bandwidth_fraction(t) > 1,
-        "weight_bytes_per_step": result.weight_bytes_per_step,
-        "kv_bytes_per_step": t.kv_bytes_per_step, "kv_share": result.kv_share(t),
-        "verify_max_abs_err": t.check.max_abs_err if t.check else None,
-        "lossy": (t.check.lossy or None) if t.check else None,
-        **_stats_cells("decode_graph_ms", t.graph),
-        "graph_ms_per_step": result.graph_ms_per_token(t),
-        "graph_speedup": result.graph_speedup(t),
-        "graph_bandwidth_fraction": result.graph_bandwidth_fraction(t), **env,
-    } for t in result.timings]
-
-
-def model_memory_rows(result, env: dict[str, object]) -> list[dict[str, object]]:
-    return [{
-        **_model_cells("memory", m.impl, result), "weight_bytes": result.weight_bytes,
-        "cached_peak_allocated_bytes": m.prefill_peak_bytes,
-        "decode_peak_allocated_bytes": m.decode_peak_bytes, "kv_cache_bytes": m.cache_bytes,
-        "kv_planner_bytes": m.planner_bytes, **env,
-    } for m in result.impls]
 
 
 CAPACITY_FIRST = [
@@ -495,40 +361,6 @@ CAPACITY_COLUMNS = CAPACITY_FIRST[:-len(ENV_COLUMNS)] + [
 ] + ENV_COLUMNS + PROVENANCE_COLUMNS
 
 
-def capacity_rows(p, env: dict[str, object]) -> list[dict[str, object]]:
-    m, f = p.model, p.fit
-    row = {
-        "timestamp": timestamp(), "command": "capacity", "model": m.name,
-        "attention": "mla" if m.is_mla else "kv", "layers": m.layers, "q_heads": m.q_heads,
-        "kv_heads": m.kv_heads or None, "head_dim": m.head_dim or None,
-        "mla_latent": m.mla_latent, "mla_rope": m.mla_rope, "sliding_window": m.sliding_window,
-        "share_layers": m.share_layers,
-        "kv_dtype": p.fmt.kv_dtype, "group_size": p.fmt.group_size,
-        "k_quant": p.fmt.k_quant if p.fmt.kv_dtype in GROUPED_FORMATS else None,
-        "kv_residual": p.fmt.residual if p.fmt.kv_dtype in GROUPED_FORMATS else None,
-        "tp": p.fmt.tp,
-        "block_size": p.fmt.block_size, "batch": p.batch, "seq_len": max(p.seq_lens),
-        "seq_lens": " ".join(map(str, p.seq_lens)) if len(set(p.seq_lens)) > 1 else None,
-        "bytes_per_token": p.bytes_per_token, "bytes_per_sequence": p.bytes_per_sequence,
-        "payload_bytes": p.payload_bytes, "per_rank_bytes": p.per_rank_bytes,
-        "wasted_bytes": p.wasted_bytes, **env,
-    }
-    if f:
-        row |= {"gpu_bytes": f.gpu_bytes, "utilization": f.utilization,
-                "margin_bytes": f.margin_bytes, "weights_bytes": f.weights_bytes,
-                "budget_bytes": f.budget_bytes, "fits": f.fits,
-                "headroom_bytes": f.headroom_bytes, "max_batch": f.max_batch,
-                "max_seq_len": f.max_seq_len, "max_tokens": f.max_tokens}
-    v = p.serving
-    if v:
-        row |= {"len_dist": p.len_dist, "max_len": v.max_len, "mean_len": v.mean_len,
-                "prealloc_bytes_per_sequence": v.prealloc_bytes,
-                "paged_bytes_per_sequence": v.paged_bytes,
-                "concurrent_prealloc": v.concurrent_prealloc,
-                "concurrent_paged": v.concurrent_paged}
-    return [row]
-
-
 ALLOCATION_FIRST = [
     "timestamp", "command", "case", "shape", "formula_bytes", "requested_bytes",
     "expected_increase_bytes", "allocated_increase_bytes", "reserved_increase_bytes",
@@ -537,18 +369,6 @@ ALLOCATION_FIRST = [
 ALLOCATION_COLUMNS = ALLOCATION_FIRST[:-len(ENV_COLUMNS) - 2] + [
     "expected_reserved_increase_bytes", "free_before_bytes", "passed"] + ENV_COLUMNS + PROVENANCE_COLUMNS
 
-
-def allocation_rows(results, env: dict[str, object]) -> list[dict[str, object]]:
-    return [{
-        "timestamp": timestamp(), "command": "capacity --allocate", "case": r.case,
-        "shape": "x".join(map(str, r.shape)), "formula_bytes": r.formula_bytes,
-        "requested_bytes": r.requested_bytes,
-        "expected_increase_bytes": r.expected_increase_bytes,
-        "allocated_increase_bytes": r.allocated_increase_bytes,
-        "reserved_increase_bytes": r.reserved_increase_bytes,
-        "expected_reserved_increase_bytes": r.expected_reserved_increase_bytes,
-        "free_before_bytes": r.free_before_bytes, "passed": r.passed, **env,
-    } for r in results]
 
 # serve-sim: one row per way of reserving on a trace (kvbench.experiments.servesim); times in ms except
 # the run's duration; rate_per_s empty when every request arrived at once
@@ -579,51 +399,6 @@ SERVE_STEP_FIRST = ["timestamp", "command", "reserve", "step", "time_s", "step_m
 SERVE_STEP_COLUMNS = SERVE_STEP_FIRST + PROVENANCE_COLUMNS
 
 
-def serve_rows(o, device: str, served, stamp: str,
-               env: dict[str, object]) -> list[dict[str, object]]:
-    from kvbench.measure.timing import PERCENTILES, percentile
-
-    rows = []
-    for s in served:
-        row = {"timestamp": stamp, "command": "serve-sim", "reserve": s.reserve,
-               "preempt": o.preempt, "requests": o.requests, "len_dist": o.len_dist,
-               "output_dist": o.output_dist, "max_len": o.max_len,
-               "rate_per_s": o.rate if math.isfinite(o.rate) else None,
-               "kv_blocks": o.kv_blocks, "block_size": o.block_size,
-               "prefill_chunk": o.prefill_chunk,
-               "kv_pool_bytes": o.pool_bytes, "hidden": o.hidden,
-               "q_heads": o.q_heads, "kv_heads": o.kv_heads, "head_dim": o.head_dim,
-               "dtype": o.dtype, "device": device, "seed": o.seed, "passed": s.passed,
-               "max_abs_err": s.max_abs_err, "duration_s": s.duration_s, "steps": s.steps,
-               "requests_per_s": s.requests_per_s, "output_tokens_per_s": s.tokens_per_s,
-               "prompt_tokens": s.prompt_tokens, "output_tokens": s.output_tokens,
-               "latency_per_token_mean_ms": 1e3 * sum(s.latency_per_token_s)
-               / len(s.latency_per_token_s),
-               "mean_batch": s.mean_batch, "max_batch": max(s.batch),
-               "mean_blocks_in_use": s.mean_blocks_in_use,
-               "max_blocks_in_use": max(s.blocks_in_use),
-               "mean_kv_bytes_in_use": o.block_bytes * s.mean_blocks_in_use,
-               "preemptions": s.preemptions, "recomputed_tokens": s.recomputed_tokens,
-               "swapped_blocks": s.swapped_blocks, **env}
-        row["step_p50_ms"] = 1e3 * percentile(s.step_s, 50)
-        row["step_max_ms"] = 1e3 * max(s.step_s)
-        for name, values in (("ttft", s.ttft_s), ("tpot", s.tpot_s)):
-            for q in PERCENTILES:
-                p = percentile(values, q)
-                row[f"{name}_p{q}_ms"] = None if p is None else 1e3 * p
-        rows.append(row)
-    return rows
-
-
-def serve_step_rows(served, stamp: str, block_bytes: int,
-                    env: dict[str, object]) -> list[dict[str, object]]:
-    return [{"timestamp": stamp, "command": "serve-sim", "reserve": s.reserve, "step": i,
-             "time_s": s.step_end_s[i], "step_ms": 1e3 * s.step_s[i], "batch": s.batch[i],
-             "tokens": s.tokens[i], "blocks_in_use": s.blocks_in_use[i],
-             "kv_bytes_in_use": block_bytes * s.blocks_in_use[i], **env}
-            for s in served for i in range(s.steps)]
-
-
 # kind -> (the columns this release writes, the columns of the first release). Later releases
 # add columns, never remove one, so every file of a kind has its first release's columns.
 FILE_KINDS = {
@@ -636,28 +411,6 @@ FILE_KINDS = {
     "tune": (TUNE_COLUMNS, TUNE_FIRST),
     "serve-sim-steps": (SERVE_STEP_COLUMNS, SERVE_STEP_FIRST),
 }
-
-
-def tune_rows(result, cases, stamp: str, env: dict[str, object]) -> list[dict[str, object]]:
-    """One row per trial: its case, format, page and configuration, and what it measured."""
-    shapes = {c.name: c for c in cases}
-    rows = []
-    for t in result.trials:
-        c, gbps = shapes[t.case], t.gbps()
-        rows.append({
-            "timestamp": stamp, "command": "tune", "case": t.case, "batch": len(c.lengths),
-            "seq_lens": ",".join(map(str, c.lengths)), "q_heads": c.q_heads,
-            "kv_heads": c.kv_heads, "head_dim": c.head_dim, "dtype": result.dtype,
-            "kv_dtype": t.kv_dtype, "block_size": t.page, "block_n": t.config.block_n,
-            "num_warps": t.config.num_warps, "num_stages": t.config.num_stages,
-            "waves": t.config.waves, "rehearse": result.rehearse, "passed": t.passed,
-            "max_abs_err": t.max_abs_err, "kernel_ms": t.ms, "bytes_read": t.bytes_read,
-            "achieved_gbps": gbps, "copy_gbps": result.copy_gbps,
-            "bandwidth_fraction": None if gbps is None else gbps / result.copy_gbps,
-            "splits": t.splits, "registers": t.regs, "spill_bytes": t.spills,
-            "shared_bytes": t.shared,
-            "best": result.best.get((t.kv_dtype, t.page)) == t.config, **env})
-    return rows
 
 
 def merge(inputs: list[Path], output: Path) -> int:

@@ -65,40 +65,42 @@ class Layer:
 
     def point(self, command: str, o: RunOptions, impl_options, bench_options):
         from kvbench.caches import IMPLEMENTATIONS
-        from kvbench.experiments.bench import bench
-        from kvbench.experiments.memory import memory
-        from kvbench.experiments.verify import verify
-        from kvbench.report import render, results
+        from kvbench.experiments.bench import bench, bench_rows, bench_warnings
+        from kvbench.experiments.memory import memory, memory_rows
+        from kvbench.experiments.verify import verify, verify_rows
+        from kvbench.report import render
 
         if command == "verify":
             def run_point(config, names, env):
                 report = verify(config, {n: IMPLEMENTATIONS[n] for n in names}, impl_options)
-                return report, results.verify_rows(report, env)
+                return report, verify_rows(report, env)
         elif command == "bench":
             def run_point(config, names, env):
                 result = bench(config, names, bench_options, impl_options)
                 if o.format != "table" and not o.quiet:  # the table prints its own
-                    for line in render.bench_warnings(result):
+                    for line in bench_warnings(result):
                         render.warn(line)
-                return result, results.bench_rows(result, env)
+                return result, bench_rows(result, env)
         else:
             def run_point(config, names, env):
                 result = memory(config, names, impl_options)
-                return result, results.memory_rows(result, env)
+                return result, memory_rows(result, env)
         return run_point
 
     def plans(self, command, o, impl_options, bench_options):
         return None  # the preflight's own: one layer's phases
 
     def show(self, command: str, result, stderr: bool = False) -> None:
-        from kvbench.report import render
+        from kvbench.experiments.bench import show_bench
+        from kvbench.experiments.memory import show_memory
+        from kvbench.experiments.verify import show_verify
 
         if command == "verify":
-            render.show_verify(result, stderr=stderr)
+            show_verify(result, stderr=stderr)
         elif command == "bench":
-            render.show_bench(result)
+            show_bench(result)
         else:
-            render.show_memory(result)
+            show_memory(result)
 
     def failed(self, report, check) -> str:
         from kvbench.report.render import describe

@@ -113,22 +113,22 @@ class Model:
 
     def point(self, command: str, o: RunOptions, impl_options, bench_options):
         from kvbench.experiments.model import run as model_run
-        from kvbench.report import results
+        from kvbench.experiments.model import view
 
         ref, layers, text = self.ref, o.layers, o.text
         if command == "verify":
             def run_point(config, names, env):
                 report = model_run.verify(ref, config, names, impl_options, layers, text)
-                return report, results.model_verify_rows(report, env)
+                return report, view.model_verify_rows(report, env)
         elif command == "bench":
             def run_point(config, names, env):
                 result = model_run.bench(ref, config, names, bench_options, impl_options,
                                          layers, text)
-                return result, results.model_bench_rows(result, env)
+                return result, view.model_bench_rows(result, env)
         else:
             def run_point(config, names, env):
                 result = model_run.memory(ref, config, names, impl_options, layers, text)
-                return result, results.model_memory_rows(result, env)
+                return result, view.model_memory_rows(result, env)
         return run_point
 
     def plans(self, command, o, impl_options, bench_options):

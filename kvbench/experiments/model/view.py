@@ -5,7 +5,9 @@ from __future__ import annotations
 from rich.table import Table
 
 from kvbench.experiments.model import run
-from kvbench.report.render import _ms, _result, _sci, _spread, _table, human_bytes, kv_label, mib
+from kvbench.experiments.verify import _result
+from kvbench.report.render import _ms, _sci, _spread, _table, human_bytes, kv_label, mib
+from kvbench.report.results import TECHNIQUE_COLUMNS, _stats_cells, config_cells, kv_cells
 
 
 def _title(command: str, result) -> str:
@@ -108,3 +110,57 @@ def memory_table(result) -> Table:
 
 
 TABLES = {"verify": verify_table, "bench": bench_table, "memory": memory_table}
+
+
+# ------------------------------------------------------------- its rows and tables
+
+
+def _model_cells(command: str, impl: str, result) -> dict[str, object]:
+    cells = {**config_cells(command, impl, result.config), "model": result.ref.label,
+             "layers": result.layers}
+    if impl == "transformers":
+        return {**cells, **dict.fromkeys(TECHNIQUE_COLUMNS)}
+    return {**cells, **kv_cells(result.kv_format)}
+
+
+def model_verify_rows(report, env: dict[str, object]) -> list[dict[str, object]]:
+    return [{
+        **_model_cells("verify", c.impl, report), "passed": c.passed,
+        "max_abs_err": c.max_abs_err, "first_bad_step": c.first_bad_step,
+        "first_bad_layer": c.first_bad_layer, "rtol": report.rtol, "atol": report.atol,
+        "lossy": c.lossy or None, "ppl": c.quality.ppl, "ppl_path_a": report.reference.ppl,
+        "kl_mean": c.quality.kl_mean, "kl_max": c.quality.kl_max, "top1_agree": c.quality.top1,
+        "ppl_masked": report.masked.ppl if report.masked is not None else None,
+        "kv_cache_bytes": c.cache_bytes, "graph": c.graph or None, **env,
+    } for c in report.checks]
+
+
+def model_bench_rows(result, env: dict[str, object]) -> list[dict[str, object]]:
+    return [{
+        **_model_cells("bench", t.impl, result), "warmup": result.options.warmup,
+        "rounds": result.options.rounds, "verified": t.check is not None or None,
+        **_stats_cells("prefill_ms", t.prefill), **_stats_cells("decode_cached_ms", t.decode),
+        "cached_ms_per_step": result.ms_per_token(t), "tokens_per_s": result.tokens_per_s(t),
+        "noisy": t.decode.noisy, "copy_gbps": result.copy_gbps,
+        "min_bytes_per_step": result.bytes_per_step(t),
+        "achieved_gbps": result.bytes_per_step(t) / (result.ms_per_token(t) * 1e-3) / 1e9,
+        "bandwidth_fraction": result.bandwidth_fraction(t),
+        "suspect": result.bandwidth_fraction(t) > 1,
+        "weight_bytes_per_step": result.weight_bytes_per_step,
+        "kv_bytes_per_step": t.kv_bytes_per_step, "kv_share": result.kv_share(t),
+        "verify_max_abs_err": t.check.max_abs_err if t.check else None,
+        "lossy": (t.check.lossy or None) if t.check else None,
+        **_stats_cells("decode_graph_ms", t.graph),
+        "graph_ms_per_step": result.graph_ms_per_token(t),
+        "graph_speedup": result.graph_speedup(t),
+        "graph_bandwidth_fraction": result.graph_bandwidth_fraction(t), **env,
+    } for t in result.timings]
+
+
+def model_memory_rows(result, env: dict[str, object]) -> list[dict[str, object]]:
+    return [{
+        **_model_cells("memory", m.impl, result), "weight_bytes": result.weight_bytes,
+        "cached_peak_allocated_bytes": m.prefill_peak_bytes,
+        "decode_peak_allocated_bytes": m.decode_peak_bytes, "kv_cache_bytes": m.cache_bytes,
+        "kv_planner_bytes": m.planner_bytes, **env,
+    } for m in result.impls]
