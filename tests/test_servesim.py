@@ -153,7 +153,7 @@ def test_latencies_by_hand():
     records = [Record(Request(0, 0.0, 10, 3), first_token=0, finished=2),
                Record(Request(1, 0.7, 5, 1), first_token=1, finished=1),
                Record(Request(2, 1.9, 8, 4), first_token=2, finished=4)]
-    ttft, tpot, per_token = latencies(records, ends)
+    ttft, tpot, per_token, _ = latencies(records, ends)
     assert ttft == pytest.approx([0.5, 0.3, 0.1])  # first token's step end − arrival
     assert tpot == pytest.approx([0.75, 2.0 / 3])  # (finish − first) / (outputs − 1); 1 output: none
     assert per_token == pytest.approx([2.0 / 3, 0.3, 0.525])  # (finish − arrival) / outputs
@@ -177,3 +177,31 @@ def test_serve_rows_by_hand():
     assert (row["mean_batch"], row["max_batch"]) == (2.25, 3)
     assert (row["mean_blocks_in_use"], row["max_blocks_in_use"]) == (4.5, 6)
     assert row["step_p50_ms"] == pytest.approx(500.0) and row["step_max_ms"] == 600.0
+
+
+def test_inter_token_latencies_are_every_gap_by_hand():
+    # steps end at 0.5, 1.0, 2.0, 2.5, 4.0 s; request 0 makes tokens at steps 0, 1, 4 (a long
+    # stall before its last), request 1 at steps 2, 3: gaps 0.5, 3.0 and 0.5. TPOT (a mean per
+    # request) reads 1.75 and 0.5; the 3.0 s stall is ITL's p99
+    from kvbench.experiments.servesim import latencies
+    from kvbench.measure.timing import percentile
+    from kvbench.serving.scheduler import Record, Request
+
+    ends = [0.5, 1.0, 2.0, 2.5, 4.0]
+    records = [Record(Request(0, 0.0, 10, 3), first_token=0, finished=4, tokens=[0, 1, 4]),
+               Record(Request(1, 0.0, 5, 2), first_token=2, finished=3, tokens=[2, 3])]
+    _, tpot, _, itl = latencies(records, ends)
+    assert itl == pytest.approx([0.5, 3.0, 0.5]) and tpot == pytest.approx([1.75, 0.5])
+    assert percentile(itl, 99) == pytest.approx(2.95)  # 0.5 + (3.0 - 0.5) * 0.98
+
+
+def test_the_scheduler_records_the_step_of_every_token():
+    # one request at a time (a pool of one sequence's reservation): a token a step, the first
+    # by the prefill; the second request is admitted, and prefilled, in the step the first
+    # finishes (its blocks are freed before admission)
+    from kvbench.serving.scheduler import Request, Scheduler
+
+    reqs = [Request(0, 0.0, 4, 3), Request(1, 0.0, 4, 2)]
+    sched = Scheduler(reqs, n_blocks=2, block_size=4, reserve="prealloc", reserve_len=8)
+    sched.run()
+    assert [sched.records[i].tokens for i in (0, 1)] == [[0, 1, 2], [2, 3]]

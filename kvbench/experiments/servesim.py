@@ -148,6 +148,9 @@ class Served:
     ttft_s: list[float] = field(repr=False)
     tpot_s: list[float] = field(repr=False)
     latency_per_token_s: list[float] = field(repr=False)
+    # every gap between two consecutive tokens of a request (vLLM's benchmark's ITL): a step
+    # that stalls a decode for a long prefill shows here, where a per-request mean hides it
+    itl_s: list[float] = field(default_factory=list, repr=False)
     output_tokens: int = 0
     prompt_tokens: int = 0
     preemptions: int = 0
@@ -228,14 +231,14 @@ def serve(o: SimOptions, reserve: str, reqs, layer, device: str,
             served_one(len(checked))
     if leaked := o.kv_blocks - len(sched.pool.free):
         failures.append(f"{leaked} blocks were never returned to the pool")
-    ttft, tpot, per_token = latencies(sched.records.values(), ends)
+    ttft, tpot, per_token, itl = latencies(sched.records.values(), ends)
     return Served(reserve, clock, sched.now, ends, took, sched.batch, sched.decoded,
                   sched.blocks_in_use, ttft, tpot, per_token,
                   output_tokens=sum(r.output_len for r in reqs),
                   prompt_tokens=sum(r.prompt_len for r in reqs),
                   preemptions=sched.preemptions, recomputed_tokens=sched.recomputed_tokens,
                   swapped_blocks=sched.swapped_blocks, max_abs_err=max_err,
-                  failures=failures)
+                  failures=failures, itl_s=itl)
 
 
 # Host bytes the run holds per request (the request, its record, its latencies) and per step
@@ -263,12 +266,14 @@ def host_bytes(o: SimOptions) -> int:
             + sum(expected_steps(o, r) for r in o.reserve) * STEP_BYTES)
 
 
-def latencies(records, ends: list[float]) -> tuple[list[float], list[float], list[float]]:
+def latencies(records, ends: list[float]):
     """Each request's time to first token (from its arrival to the end of the step that made
     it), time per output token after the first ((finish − first) / (outputs − 1), for
-    requests of two or more outputs) and latency per output token ((finish − arrival) /
-    outputs), in seconds; ends[i] is the clock at the end of step i."""
-    ttft, tpot, per_token = [], [], []
+    requests of two or more outputs), latency per output token ((finish − arrival) /
+    outputs), and every inter-token latency (the time between the ends of the steps that made
+    two consecutive tokens of a request), in seconds; ends[i] is the clock at the end of step
+    i."""
+    ttft, tpot, per_token, itl = [], [], [], []
     for rec in records:
         r = rec.request
         first, done = ends[rec.first_token], ends[rec.finished]
@@ -276,7 +281,8 @@ def latencies(records, ends: list[float]) -> tuple[list[float], list[float], lis
         if r.output_len > 1:
             tpot.append((done - first) / (r.output_len - 1))
         per_token.append((done - r.arrival) / r.output_len)
-    return ttft, tpot, per_token
+        itl += [ends[b] - ends[a] for a, b in zip(rec.tokens, rec.tokens[1:])]
+    return ttft, tpot, per_token, itl
 
 
 def run(o: SimOptions) -> list[Served]:
@@ -445,7 +451,14 @@ def serve_table(o, device: str, served) -> Table:
 
 
 def show_serve(o, device: str, served) -> None:
+    from kvbench.measure.timing import percentile
+
     out.print(serve_table(o, device, served))
+    gaps = [(s.reserve, percentile(s.itl_s, 50), percentile(s.itl_s, 99)) for s in served
+            if s.itl_s]
+    if gaps:  # TPOT is a mean per request; every gap shows a decode stalled by a prefill
+        out.print("ITL p50 / p99, every gap between two tokens of a request: "
+                  + ", ".join(f"{r} {1e3 * a:.2f} / {1e3 * b:.2f} ms" for r, a, b in gaps))
     by = {s.reserve: s for s in served}
     others = [r for r in ("prealloc", "oracle") if r in by]
     if "paged" in by and others:
@@ -485,7 +498,7 @@ def serve_rows(o, device: str, served, stamp: str,
                "swapped_blocks": s.swapped_blocks, **env}
         row["step_p50_ms"] = 1e3 * percentile(s.step_s, 50)
         row["step_max_ms"] = 1e3 * max(s.step_s)
-        for name, values in (("ttft", s.ttft_s), ("tpot", s.tpot_s)):
+        for name, values in (("ttft", s.ttft_s), ("tpot", s.tpot_s), ("itl", s.itl_s)):
             for q in PERCENTILES:
                 p = percentile(values, q)
                 row[f"{name}_p{q}_ms"] = None if p is None else 1e3 * p

@@ -134,6 +134,7 @@ class Record:
     first_token: int | None = None
     finished: int | None = None
     preempted: int = 0
+    tokens: list[int] = field(default_factory=list)  # the step that made each output token
 
 
 class Scheduler:
@@ -218,6 +219,7 @@ class Scheduler:
             self.engine.decode(decoding)
         for seq in decoding:
             seq.generated += 1
+            self.records[seq.request.id].tokens.append(self.now)
             self._finish_if_done(seq)
         tokens = len(decoding)
         budget = self.chunk or math.inf
@@ -276,6 +278,7 @@ class Scheduler:
         record = self.records[seq.request.id]
         if record.first_token is None:
             record.first_token = self.now
+        record.tokens.append(self.now)  # (a recomputed prefill makes the next token too)
         seq.generated += 1
         self._finish_if_done(seq)
         return budget - n, 1
