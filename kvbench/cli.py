@@ -258,6 +258,8 @@ def serve_sim(
     reserve: Annotated[str, typer.Option(help="Ways of reserving to serve the trace with: paged, prealloc, oracle (comma-separated).")] = "paged,prealloc",
     preempt: Annotated[str, typer.Option(help="When blocks run out: recompute (free and prefill again) or swap (to host memory and back).")] = "recompute",
     prefill_chunk: Annotated[int | None, typer.Option(help="Chunked prefill: at most this many prompt positions prefilled per step, between the others' decode steps. \\[default: each prompt whole]")] = None,
+    max_seqs: Annotated[int | None, typer.Option(help="vLLM's max_num_seqs: at most this many sequences running at once. \\[default: no cap]")] = None,
+    max_batched_tokens: Annotated[int | None, typer.Option(help="vLLM's max_num_batched_tokens: the tokens a step schedules, decodes and prefill positions alike (a longer prompt is prefilled in chunks). \\[default: no cap]")] = None,
     hidden: Annotated[int, typer.Option(help="Hidden size H.")] = 512,
     q_heads: Annotated[int, typer.Option(help="Query heads H_q.")] = 8,
     kv_heads: Annotated[int, typer.Option(help="KV heads H_kv.")] = 2,
@@ -282,7 +284,7 @@ def serve_sim(
         rate=math.inf if rate is None else rate, kv_blocks=kv_blocks,
         kv_mem=kv_mem, block_size=block_size,
         reserve=tuple(r.strip() for r in reserve.split(",") if r.strip()), preempt=preempt,
-        prefill_chunk=prefill_chunk,
+        prefill_chunk=prefill_chunk, max_seqs=max_seqs, max_batched_tokens=max_batched_tokens,
         hidden=hidden, q_heads=q_heads, kv_heads=kv_heads, head_dim=head_dim, dtype=dtype,
         device=device, seed=seed, host_mem=host_mem, csv=csv, steps_csv=steps_csv,
         no_csv=no_csv, quiet=quiet, format=format, ray=ray, retries=retries, threads=threads)

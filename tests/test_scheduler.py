@@ -227,3 +227,44 @@ def test_preemption_counters_add_up_to_every_preemption(preempt):
         assert len(engine.back) == len(engine.out) == len(s.events)
         assert s.swapped_blocks == sum(engine.out) + sum(engine.back)
         assert s.recomputed_tokens == 0
+
+
+def test_max_seqs_caps_the_running_batch_and_its_reversal_does_not():
+    # five requests at once on a pool that holds all of them: vLLM's max_num_seqs 2 keeps two
+    # running; without it all five run together
+    from kvbench.serving.scheduler import Request, Scheduler
+
+    reqs = [Request(i, 0.0, 4, 4) for i in range(5)]
+    capped = Scheduler(reqs, n_blocks=64, block_size=4, max_seqs=2)
+    capped.run()
+    free = Scheduler(reqs, n_blocks=64, block_size=4)
+    free.run()
+    assert max(capped.batch) == 2 and max(free.batch) == 5
+    assert all(r.finished is not None for r in capped.records.values())
+
+
+def test_max_batched_tokens_counts_decodes_before_prefill_positions():
+    # three sequences decoding and a 10-token prompt waiting, a budget of 6 tokens a step:
+    # 3 decodes leave 3 prefill positions; the prompt takes 4 steps (3 + 3 + 3 + 1)
+    from kvbench.serving.scheduler import Request, Scheduler
+
+    running = [Request(i, 0.0, 2, 20) for i in range(3)]
+    late = Request(3, 0.5, 10, 2)
+    sched = Scheduler([*running, late], n_blocks=64, block_size=4, max_batched_tokens=6)
+    sched.step(0.0)  # the three prompts: 6 positions, the whole budget
+    assert sched.batch[-1] == 0 and len(sched.running) == 3
+    steps = 0
+    sched.step(1.0)  # three decodes; the late prompt begins with 3 positions
+    while sched.records[3].first_token is None:
+        steps += 1
+        sched.step(1.0 + steps)
+    assert sched.records[3].first_token == 4  # steps 1, 2, 3 and 4: 3 + 3 + 3 + 1 positions
+    assert all(b <= 3 for b in sched.batch)
+
+
+def test_a_token_budget_below_one_chunk_is_refused():
+    from kvbench.errors import KvbenchError
+    from kvbench.serving.scheduler import Request, Scheduler
+
+    with pytest.raises(KvbenchError, match="below one --prefill-chunk of 64"):
+        Scheduler([Request(0, 0.0, 4, 4)], 8, 4, chunk=64, max_batched_tokens=32)

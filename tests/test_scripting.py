@@ -354,3 +354,17 @@ def test_a_missing_text_is_refused_before_the_model_loads(monkeypatch, tmp_path)
     line = one_error_line(runner.invoke(app, ["verify", "--model", "smollm2-135m", "--text",
                                               str(tmp_path / "missing.txt")]))
     assert "missing.txt: no such file" in line
+
+
+def test_serve_sim_takes_vllms_limits(tmp_path):
+    path = tmp_path / "sim.csv"
+    result = runner.invoke(app, [*SIM, "--reserve", "paged", "--max-seqs", "2",
+                                 "--max-batched-tokens", "16", "--csv", str(path)])
+    assert result.exit_code == 0, result.output
+    row = pd.read_csv(path).iloc[0]
+    assert row["max_batch"] <= 2 and (row["max_seqs"], row["max_batched_tokens"]) == (2, 16)
+    assert row["itl_p50_ms"] > 0 and "ITL p50 / p99" in runner.invoke(
+        app, [*SIM[:-1], "--reserve", "paged", "--no-csv"]).stdout
+    line = one_error_line(runner.invoke(app, [*SIM, "--prefill-chunk", "16",
+                                              "--max-batched-tokens", "8", "--no-csv"]))
+    assert "below one --prefill-chunk of 16" in line

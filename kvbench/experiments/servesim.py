@@ -45,6 +45,8 @@ class SimOptions:
     reserve: tuple[str, ...] = ("paged", "prealloc")
     preempt: str = "recompute"
     prefill_chunk: int | None = None  # prompt positions prefilled per step; None: whole
+    max_seqs: int | None = None  # vLLM's max_num_seqs
+    max_batched_tokens: int | None = None  # vLLM's max_num_batched_tokens
     hidden: int = 512
     q_heads: int = 8
     kv_heads: int = 2
@@ -104,6 +106,15 @@ class SimOptions:
                                f"{self.kv_heads}; each KV head serves a whole group")
         parse_len_dist(self.len_dist)
         parse_len_dist(self.output_dist)
+        for flag, value in (("--max-seqs", self.max_seqs),
+                            ("--max-batched-tokens", self.max_batched_tokens)):
+            if value is not None and value < 1:
+                raise KvbenchError(f"{flag} must be a positive integer, got {value}")
+        if (self.max_batched_tokens is not None and self.prefill_chunk is not None
+                and self.max_batched_tokens < self.prefill_chunk):
+            raise KvbenchError(f"--max-batched-tokens {self.max_batched_tokens} is below one "
+                               f"--prefill-chunk of {self.prefill_chunk} positions; raise it "
+                               "or lower the chunk")
         if self.format not in ("table", "csv", "json"):
             raise KvbenchError(f"--format {self.format!r}: use table, csv or json")
 
@@ -124,7 +135,9 @@ class SimOptions:
     def scheduler(self, reserve: str, requests, engine=None) -> Scheduler:
         """The scheduler of one way of reserving."""
         return Scheduler(requests, self.kv_blocks, self.block_size, preempt=self.preempt,
-                         engine=engine, chunk=self.prefill_chunk, **self.reservation(reserve))
+                         engine=engine, chunk=self.prefill_chunk, max_seqs=self.max_seqs,
+                         max_batched_tokens=self.max_batched_tokens,
+                         **self.reservation(reserve))
 
 
 def requests(o: SimOptions):
@@ -481,7 +494,8 @@ def serve_rows(o, device: str, served, stamp: str,
                "output_dist": o.output_dist, "max_len": o.max_len,
                "rate_per_s": o.rate if math.isfinite(o.rate) else None,
                "kv_blocks": o.kv_blocks, "block_size": o.block_size,
-               "prefill_chunk": o.prefill_chunk,
+               "prefill_chunk": o.prefill_chunk, "max_seqs": o.max_seqs,
+               "max_batched_tokens": o.max_batched_tokens,
                "kv_pool_bytes": o.pool_bytes, "hidden": o.hidden,
                "q_heads": o.q_heads, "kv_heads": o.kv_heads, "head_dim": o.head_dim,
                "dtype": o.dtype, "device": device, "seed": o.seed, "passed": s.passed,

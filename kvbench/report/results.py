@@ -383,7 +383,8 @@ SERVE_FIRST = [
     "max_blocks_in_use", "mean_kv_bytes_in_use", "preemptions", "recomputed_tokens",
     "swapped_blocks",
 ] + ENV_COLUMNS
-SERVE_COLUMNS = SERVE_FIRST + ["itl_p50_ms", "itl_p90_ms", "itl_p99_ms"] + PROVENANCE_COLUMNS
+SERVE_COLUMNS = SERVE_FIRST + ["itl_p50_ms", "itl_p90_ms", "itl_p99_ms", "max_seqs",
+                               "max_batched_tokens"] + PROVENANCE_COLUMNS
 # kvbench tune: one row per configuration and case
 TUNE_FIRST = [
     "timestamp", "command", "case", "batch", "seq_lens", "q_heads", "kv_heads", "head_dim",

@@ -153,11 +153,18 @@ class Scheduler:
     prompt positions, all sequences together, oldest prefill first: a long prompt is spread
     over several steps, the running sequences decoding in each, and yields its token when its
     last chunk is written.
+
+    vLLM's limits (its SchedulerConfig): `max_seqs` (max_num_seqs) caps the sequences running
+    at once, so admission stops there; `max_batched_tokens` (max_num_batched_tokens) caps the
+    tokens a step schedules, every one counted: the running sequences' decodes first, oldest
+    first (those past the budget wait a step), then prefill positions in what is left, so a
+    prompt longer than that is prefilled in chunks over several steps.
     """
 
     def __init__(self, requests: list[Request], n_blocks: int, block_size: int,
                  reserve: str = "paged", preempt: str = "recompute",
-                 reserve_len: int | None = None, engine=None, chunk: int | None = None):
+                 reserve_len: int | None = None, engine=None, chunk: int | None = None,
+                 max_seqs: int | None = None, max_batched_tokens: int | None = None):
         if reserve not in RESERVE:
             raise KvbenchError(f"unknown --reserve {reserve!r}; use paged or prealloc")
         if preempt not in PREEMPT:
@@ -167,6 +174,15 @@ class Scheduler:
         refuse_unfit(requests, n_blocks, block_size, reserve, reserve_len)
         self.engine = engine
         self.chunk = chunk  # prompt positions prefilled per step, all sequences together
+        for flag, value in (("--max-seqs", max_seqs),
+                            ("--max-batched-tokens", max_batched_tokens)):
+            if value is not None and value < 1:
+                raise KvbenchError(f"{flag} must be a positive integer, got {value}")
+        if max_batched_tokens is not None and chunk is not None and max_batched_tokens < chunk:
+            raise KvbenchError(f"--max-batched-tokens {max_batched_tokens} is below one "
+                               f"--prefill-chunk of {chunk} positions; raise it or lower the "
+                               "chunk")
+        self.max_seqs, self.max_batched_tokens = max_seqs, max_batched_tokens
         self.pool = BlockPool(n_blocks)
         self.pending = deque(sorted(requests, key=lambda r: (r.arrival, r.id)))
         self.waiting: deque[Running] = deque()
@@ -209,9 +225,12 @@ class Scheduler:
             self.waiting.append(Running(self.pending.popleft()))
         before = self.preemptions
         decoding = []
+        cap = self.max_batched_tokens or math.inf  # every decode takes a token of the budget
         for seq in list(self.running):
             if seq not in self.running or seq.prefilled is not None:
                 continue  # preempted by an older sequence's growth this step; or prefilling
+            if len(decoding) >= cap:
+                break  # past the step's token budget: it decodes next step
             if self._grow(seq, seq.length):
                 decoding.append(seq)
         decoding = [seq for seq in decoding if seq in self.running]
@@ -222,7 +241,7 @@ class Scheduler:
             self.records[seq.request.id].tokens.append(self.now)
             self._finish_if_done(seq)
         tokens = len(decoding)
-        budget = self.chunk or math.inf
+        budget = min(self.chunk or math.inf, cap - len(decoding))
         for seq in [seq for seq in self.running if seq.prefilled is not None]:
             budget, made = self._prefill(seq, budget)  # prefills begun in earlier steps
             tokens += made
@@ -238,6 +257,8 @@ class Scheduler:
         step's budget of prompt positions; tokens made."""
         tokens = 0
         while self.waiting:
+            if self.max_seqs is not None and len(self.running) >= self.max_seqs:
+                break  # vLLM's max_num_seqs
             seq = self.waiting[0]
             if not seq.swapped and budget <= 0:
                 break  # no prompt positions left to prefill this step
