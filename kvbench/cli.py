@@ -260,6 +260,8 @@ def serve_sim(
     prefill_chunk: Annotated[int | None, typer.Option(help="Chunked prefill: at most this many prompt positions prefilled per step, between the others' decode steps. \\[default: each prompt whole]")] = None,
     max_seqs: Annotated[int | None, typer.Option(help="vLLM's max_num_seqs: at most this many sequences running at once. \\[default: no cap]")] = None,
     max_batched_tokens: Annotated[int | None, typer.Option(help="vLLM's max_num_batched_tokens: the tokens a step schedules, decodes and prefill positions alike (a longer prompt is prefilled in chunks). \\[default: no cap]")] = None,
+    watermark: Annotated[float, typer.Option(help="vLLM v0's watermark: this fraction of the pool's blocks kept free at admission (v0 keeps 0.01).")] = 0.0,
+    policy: Annotated[str, typer.Option(help="vllm: v1's steps, decodes and prefills mixed; vllm-v0: a step of prefills alone whenever a waiting request fits, decodes in the others.")] = "vllm",
     hidden: Annotated[int, typer.Option(help="Hidden size H.")] = 512,
     q_heads: Annotated[int, typer.Option(help="Query heads H_q.")] = 8,
     kv_heads: Annotated[int, typer.Option(help="KV heads H_kv.")] = 2,
@@ -285,6 +287,7 @@ def serve_sim(
         kv_mem=kv_mem, block_size=block_size,
         reserve=tuple(r.strip() for r in reserve.split(",") if r.strip()), preempt=preempt,
         prefill_chunk=prefill_chunk, max_seqs=max_seqs, max_batched_tokens=max_batched_tokens,
+        watermark=watermark, policy=policy,
         hidden=hidden, q_heads=q_heads, kv_heads=kv_heads, head_dim=head_dim, dtype=dtype,
         device=device, seed=seed, host_mem=host_mem, csv=csv, steps_csv=steps_csv,
         no_csv=no_csv, quiet=quiet, format=format, ray=ray, retries=retries, threads=threads)

@@ -268,3 +268,43 @@ def test_a_token_budget_below_one_chunk_is_refused():
 
     with pytest.raises(KvbenchError, match="below one --prefill-chunk of 64"):
         Scheduler([Request(0, 0.0, 4, 4)], 8, 4, chunk=64, max_batched_tokens=32)
+
+
+def test_a_watermark_keeps_blocks_free_at_admission_and_none_admits_both():
+    # two 16-position requests (4 blocks each) on 10 blocks: a 30% watermark (3 blocks) lets
+    # the first in (10 - 4 = 6 >= 3) and keeps the second waiting (6 - 4 = 2 < 3)
+    from kvbench.serving.scheduler import Request, Scheduler
+
+    reqs = [Request(0, 0.0, 16, 2), Request(1, 0.0, 16, 2)]
+    held = Scheduler(reqs, n_blocks=10, block_size=4, watermark=0.3)
+    held.step()
+    assert [s.request.id for s in held.running] == [0] and len(held.waiting) == 1
+    both = Scheduler(reqs, n_blocks=10, block_size=4)
+    both.step()
+    assert len(both.running) == 2
+
+
+def test_v0_runs_prefills_alone_and_v1_mixes_them_with_decodes():
+    # a request decoding when a second arrives: v0's next step prefills it alone (no decode),
+    # v1's decodes the first and prefills the second in the same step
+    from kvbench.serving.scheduler import Request, Scheduler
+
+    reqs = [Request(0, 0.0, 4, 6), Request(1, 1.5, 4, 2)]
+    for policy, batches in (("vllm-v0", [0, 1, 0]), ("vllm", [0, 1, 1])):
+        sched = Scheduler(reqs, n_blocks=16, block_size=4, policy=policy)
+        for clock in (0.0, 1.0, 2.0):
+            sched.step(clock)
+        assert sched.batch == batches, policy
+        assert sched.records[1].first_token == 2
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"watermark": 1.0}, "--watermark is a fraction"),
+    ({"policy": "vllm-v2"}, "unknown --policy"),
+])
+def test_bad_vllm_rules_are_refused(kwargs, message):
+    from kvbench.errors import KvbenchError
+    from kvbench.serving.scheduler import Request, Scheduler
+
+    with pytest.raises(KvbenchError, match=message):
+        Scheduler([Request(0, 0.0, 4, 4)], 8, 4, **kwargs)

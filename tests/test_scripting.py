@@ -368,3 +368,10 @@ def test_serve_sim_takes_vllms_limits(tmp_path):
     line = one_error_line(runner.invoke(app, [*SIM, "--prefill-chunk", "16",
                                               "--max-batched-tokens", "8", "--no-csv"]))
     assert "below one --prefill-chunk of 16" in line
+    v0 = tmp_path / "v0.csv"
+    result = runner.invoke(app, [*SIM, "--reserve", "paged", "--policy", "vllm-v0",
+                                 "--watermark", "0.1", "--csv", str(v0)])
+    assert result.exit_code == 0, result.output
+    row = pd.read_csv(v0).iloc[0]
+    assert (row["policy"], row["watermark"], row["passed"]) == ("vllm-v0", 0.1, True)
+    assert "unknown --policy" in one_error_line(runner.invoke(app, [*SIM, "--policy", "x"]))

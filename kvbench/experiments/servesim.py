@@ -47,6 +47,8 @@ class SimOptions:
     prefill_chunk: int | None = None  # prompt positions prefilled per step; None: whole
     max_seqs: int | None = None  # vLLM's max_num_seqs
     max_batched_tokens: int | None = None  # vLLM's max_num_batched_tokens
+    watermark: float = 0.0  # vLLM v0's: this fraction of the pool kept free at admission
+    policy: str = "vllm"  # vllm (v1's mixed steps) or vllm-v0 (prompt-only steps)
     hidden: int = 512
     q_heads: int = 8
     kv_heads: int = 2
@@ -115,6 +117,13 @@ class SimOptions:
             raise KvbenchError(f"--max-batched-tokens {self.max_batched_tokens} is below one "
                                f"--prefill-chunk of {self.prefill_chunk} positions; raise it "
                                "or lower the chunk")
+        from kvbench.serving.scheduler import POLICIES
+
+        if self.policy not in POLICIES:
+            raise KvbenchError(f"unknown --policy {self.policy!r}; use {' or '.join(POLICIES)}")
+        if not 0 <= self.watermark < 1:
+            raise KvbenchError(f"--watermark is a fraction of the pool kept free, from 0 up "
+                               f"to 1; got {self.watermark}")
         if self.format not in ("table", "csv", "json"):
             raise KvbenchError(f"--format {self.format!r}: use table, csv or json")
 
@@ -137,6 +146,7 @@ class SimOptions:
         return Scheduler(requests, self.kv_blocks, self.block_size, preempt=self.preempt,
                          engine=engine, chunk=self.prefill_chunk, max_seqs=self.max_seqs,
                          max_batched_tokens=self.max_batched_tokens,
+                         watermark=self.watermark, policy=self.policy,
                          **self.reservation(reserve))
 
 
@@ -495,7 +505,8 @@ def serve_rows(o, device: str, served, stamp: str,
                "rate_per_s": o.rate if math.isfinite(o.rate) else None,
                "kv_blocks": o.kv_blocks, "block_size": o.block_size,
                "prefill_chunk": o.prefill_chunk, "max_seqs": o.max_seqs,
-               "max_batched_tokens": o.max_batched_tokens,
+               "max_batched_tokens": o.max_batched_tokens, "watermark": o.watermark or None,
+               "policy": o.policy,
                "kv_pool_bytes": o.pool_bytes, "hidden": o.hidden,
                "q_heads": o.q_heads, "kv_heads": o.kv_heads, "head_dim": o.head_dim,
                "dtype": o.dtype, "device": device, "seed": o.seed, "passed": s.passed,

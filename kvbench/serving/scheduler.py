@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from kvbench.errors import KvbenchError
 from kvbench.sizing.lengths import LenDist, draw
 
+POLICIES = ("vllm", "vllm-v0")  # v1's mixed steps, or v0's prompt-only steps
 PREEMPT = ("recompute", "swap")
 RESERVE = ("paged", "prealloc")
 
@@ -158,20 +159,24 @@ class Scheduler:
     at once, so admission stops there; `max_batched_tokens` (max_num_batched_tokens) caps the
     tokens a step schedules, every one counted: the running sequences' decodes first, oldest
     first (those past the budget wait a step), then prefill positions in what is left, so a
-    prompt longer than that is prefilled in chunks over several steps.
+    prompt longer than that is prefilled in chunks over several steps. `watermark` (v0's
+    watermark, a fraction of the pool) keeps that many blocks free at admission. `policy`
+    "vllm" mixes decodes and prefills in one step (v1); "vllm-v0" runs a step of prefills
+    alone whenever a waiting request can be admitted, and decodes only in the others (v0's
+    default scheduler without chunked prefill).
     """
 
     def __init__(self, requests: list[Request], n_blocks: int, block_size: int,
                  reserve: str = "paged", preempt: str = "recompute",
                  reserve_len: int | None = None, engine=None, chunk: int | None = None,
-                 max_seqs: int | None = None, max_batched_tokens: int | None = None):
+                 max_seqs: int | None = None, max_batched_tokens: int | None = None,
+                 watermark: float = 0.0, policy: str = "vllm"):
         if reserve not in RESERVE:
             raise KvbenchError(f"unknown --reserve {reserve!r}; use paged or prealloc")
         if preempt not in PREEMPT:
             raise KvbenchError(f"unknown --preempt {preempt!r}; use recompute or swap")
         self.block_size, self.reserve, self.preempt = block_size, reserve, preempt
         self.reserve_len = reserve_len
-        refuse_unfit(requests, n_blocks, block_size, reserve, reserve_len)
         self.engine = engine
         self.chunk = chunk  # prompt positions prefilled per step, all sequences together
         for flag, value in (("--max-seqs", max_seqs),
@@ -183,6 +188,15 @@ class Scheduler:
                                f"--prefill-chunk of {chunk} positions; raise it or lower the "
                                "chunk")
         self.max_seqs, self.max_batched_tokens = max_seqs, max_batched_tokens
+        if not 0 <= watermark < 1:
+            raise KvbenchError(f"--watermark is a fraction of the pool kept free, from 0 up to "
+                               f"1; got {watermark}")
+        if policy not in POLICIES:
+            raise KvbenchError(f"unknown --policy {policy!r}; use {' or '.join(POLICIES)}")
+        self.policy = policy
+        self.watermark_blocks = int(watermark * n_blocks)  # vLLM v0: int(0.01 · blocks)
+        refuse_unfit(requests, n_blocks - self.watermark_blocks, block_size, reserve,
+                     reserve_len)
         self.pool = BlockPool(n_blocks)
         self.pending = deque(sorted(requests, key=lambda r: (r.arrival, r.id)))
         self.waiting: deque[Running] = deque()
@@ -224,6 +238,12 @@ class Scheduler:
         while self.pending and self.pending[0].arrival <= clock:
             self.waiting.append(Running(self.pending.popleft()))
         before = self.preemptions
+        if self.policy == "vllm-v0" and self.waiting:  # v0: a step of prefills, if any fits
+            admitted = len(self.running)
+            tokens = self._admit(self.chunk or math.inf)
+            if len(self.running) > admitted:
+                self._end_step(tokens, 0)
+                return
         decoding = []
         cap = self.max_batched_tokens or math.inf  # every decode takes a token of the budget
         for seq in list(self.running):
@@ -245,11 +265,14 @@ class Scheduler:
         for seq in [seq for seq in self.running if seq.prefilled is not None]:
             budget, made = self._prefill(seq, budget)  # prefills begun in earlier steps
             tokens += made
-        if self.preemptions == before:
+        if self.preemptions == before and self.policy == "vllm":
             tokens += self._admit(budget)
+        self._end_step(tokens, len(decoding))
+
+    def _end_step(self, tokens: int, batch: int) -> None:
         self.blocks_in_use.append(len(self.pool.owner))
         self.decoded.append(tokens)
-        self.batch.append(len(decoding))
+        self.batch.append(batch)
         self.now += 1
 
     def _admit(self, budget: float) -> int:
@@ -268,7 +291,7 @@ class Scheduler:
                 need = self.blocks_for(seq.cached)
             else:  # what its prefill writes
                 need = self.blocks_for(seq.length)
-            if need > len(self.pool.free):
+            if need > len(self.pool.free) - self.watermark_blocks:
                 break
             self.waiting.popleft()
             seq.blocks = [self.pool.take(seq.request.id) for _ in range(need)]
