@@ -375,3 +375,10 @@ def test_serve_sim_takes_vllms_limits(tmp_path):
     row = pd.read_csv(v0).iloc[0]
     assert (row["policy"], row["watermark"], row["passed"]) == ("vllm-v0", 0.1, True)
     assert "unknown --policy" in one_error_line(runner.invoke(app, [*SIM, "--policy", "x"]))
+    loose = tmp_path / "slo.csv"
+    assert runner.invoke(app, [*SIM, "--reserve", "paged", "--slo-ttft", "1e9", "--slo-tpot",
+                               "1e9", "--csv", str(loose)]).exit_code == 0
+    row = pd.read_csv(loose).iloc[0]  # every request within objectives that loose
+    assert row["goodput_per_s"] == pytest.approx(row["requests_per_s"])
+    assert "--slo-ttft is a latency" in one_error_line(runner.invoke(app, [*SIM, "--slo-ttft",
+                                                                           "0"]))

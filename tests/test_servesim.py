@@ -205,3 +205,20 @@ def test_the_scheduler_records_the_step_of_every_token():
     sched = Scheduler(reqs, n_blocks=2, block_size=4, reserve="prealloc", reserve_len=8)
     sched.run()
     assert [sched.records[i].tokens for i in (0, 1)] == [[0, 1, 2], [2, 3]]
+
+
+def test_goodput_counts_the_requests_within_both_objectives_by_hand():
+    # ends 0.5, 1.0, 2.0, 2.5, 4.0 s. Request 0: TTFT 0.5 s, TPOT (2.0 − 0.5) / 2 = 0.75 s;
+    # request 1: TTFT 0.3 s, one token (no TPOT); request 2: TTFT 0.1 s, TPOT 2.0 / 3 s
+    from kvbench.experiments.servesim import met_slo
+    from kvbench.serving.scheduler import Record, Request
+
+    ends = [0.5, 1.0, 2.0, 2.5, 4.0]
+    records = [Record(Request(0, 0.0, 10, 3), first_token=0, finished=2),
+               Record(Request(1, 0.7, 5, 1), first_token=1, finished=1),
+               Record(Request(2, 1.9, 8, 4), first_token=2, finished=4)]
+    assert met_slo(records, ends, 400, None) == 2  # TTFT 0.3 and 0.1 s
+    assert met_slo(records, ends, None, 700) == 2  # TPOT 0.667 s, and the one-token request
+    assert met_slo(records, ends, 400, 700) == 2  # requests 1 and 2
+    assert met_slo(records, ends, 200, 700) == 1  # request 2 alone
+    assert met_slo(records, ends, 600, 800) == 3

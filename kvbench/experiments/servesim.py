@@ -48,6 +48,8 @@ class SimOptions:
     max_seqs: int | None = None  # vLLM's max_num_seqs
     max_batched_tokens: int | None = None  # vLLM's max_num_batched_tokens
     watermark: float = 0.0  # vLLM v0's: this fraction of the pool kept free at admission
+    slo_ttft: float | None = None  # goodput's service-level objectives, in ms
+    slo_tpot: float | None = None
     policy: str = "vllm"  # vllm (v1's mixed steps) or vllm-v0 (prompt-only steps)
     hidden: int = 512
     q_heads: int = 8
@@ -119,6 +121,10 @@ class SimOptions:
                                "or lower the chunk")
         from kvbench.serving.scheduler import POLICIES
 
+        for flag, value in (("--slo-ttft", self.slo_ttft), ("--slo-tpot", self.slo_tpot)):
+            if value is not None and not value > 0:
+                raise KvbenchError(f"{flag} is a latency in ms above 0, got {value}")
+
         if self.policy not in POLICIES:
             raise KvbenchError(f"unknown --policy {self.policy!r}; use {' or '.join(POLICIES)}")
         if not 0 <= self.watermark < 1:
@@ -174,6 +180,8 @@ class Served:
     # every gap between two consecutive tokens of a request (vLLM's benchmark's ITL): a step
     # that stalls a decode for a long prefill shows here, where a per-request mean hides it
     itl_s: list[float] = field(default_factory=list, repr=False)
+    # requests that met --slo-ttft and --slo-tpot (None without them): goodput's numerator
+    good: int | None = None
     output_tokens: int = 0
     prompt_tokens: int = 0
     preemptions: int = 0
@@ -255,13 +263,15 @@ def serve(o: SimOptions, reserve: str, reqs, layer, device: str,
     if leaked := o.kv_blocks - len(sched.pool.free):
         failures.append(f"{leaked} blocks were never returned to the pool")
     ttft, tpot, per_token, itl = latencies(sched.records.values(), ends)
+    good = (None if o.slo_ttft is None and o.slo_tpot is None else
+            met_slo(sched.records.values(), ends, o.slo_ttft, o.slo_tpot))
     return Served(reserve, clock, sched.now, ends, took, sched.batch, sched.decoded,
                   sched.blocks_in_use, ttft, tpot, per_token,
                   output_tokens=sum(r.output_len for r in reqs),
                   prompt_tokens=sum(r.prompt_len for r in reqs),
                   preemptions=sched.preemptions, recomputed_tokens=sched.recomputed_tokens,
                   swapped_blocks=sched.swapped_blocks, max_abs_err=max_err,
-                  failures=failures, itl_s=itl)
+                  failures=failures, itl_s=itl, good=good)
 
 
 # Host bytes the run holds per request (the request, its record, its latencies) and per step
@@ -287,6 +297,22 @@ def host_bytes(o: SimOptions) -> int:
     """The host memory the trace and every reserve's step log take (the pool is apart)."""
     return (o.requests * REQUEST_BYTES
             + sum(expected_steps(o, r) for r in o.reserve) * STEP_BYTES)
+
+
+def met_slo(records, ends: list[float], slo_ttft_ms: float | None,
+            slo_tpot_ms: float | None) -> int:
+    """Requests whose time to first token and time per later token (vLLM's benchmark's
+    definitions; a one-token request has no TPOT and meets that objective) are within the
+    objectives, in ms (None: no objective)."""
+    good = 0
+    for rec in records:
+        r = rec.request
+        first, done = ends[rec.first_token], ends[rec.finished]
+        ttft_ok = slo_ttft_ms is None or 1e3 * (first - r.arrival) <= slo_ttft_ms
+        tpot = (done - first) / (r.output_len - 1) if r.output_len > 1 else 0.0
+        tpot_ok = slo_tpot_ms is None or 1e3 * tpot <= slo_tpot_ms
+        good += ttft_ok and tpot_ok
+    return good
 
 
 def latencies(records, ends: list[float]):
@@ -506,7 +532,8 @@ def serve_rows(o, device: str, served, stamp: str,
                "kv_blocks": o.kv_blocks, "block_size": o.block_size,
                "prefill_chunk": o.prefill_chunk, "max_seqs": o.max_seqs,
                "max_batched_tokens": o.max_batched_tokens, "watermark": o.watermark or None,
-               "policy": o.policy,
+               "policy": o.policy, "slo_ttft_ms": o.slo_ttft, "slo_tpot_ms": o.slo_tpot,
+               "goodput_per_s": None if s.good is None else s.good / s.duration_s,
                "kv_pool_bytes": o.pool_bytes, "hidden": o.hidden,
                "q_heads": o.q_heads, "kv_heads": o.kv_heads, "head_dim": o.head_dim,
                "dtype": o.dtype, "device": device, "seed": o.seed, "passed": s.passed,
