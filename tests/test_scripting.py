@@ -382,3 +382,28 @@ def test_serve_sim_takes_vllms_limits(tmp_path):
     assert row["goodput_per_s"] == pytest.approx(row["requests_per_s"])
     assert "--slo-ttft is a latency" in one_error_line(runner.invoke(app, [*SIM, "--slo-ttft",
                                                                            "0"]))
+
+
+def test_serve_sim_replays_a_trace_file(tmp_path):
+    trace = tmp_path / "trace.csv"
+    trace.write_text("arrival_s,prompt_len,output_len\n0,8,3\n0.001,5,4\n0.002,12,2\n")
+    path = tmp_path / "sim.csv"
+    result = runner.invoke(app, [*SIM, "--reserve", "paged", "--trace", str(trace), "--csv",
+                                 str(path)])
+    assert result.exit_code == 0, result.output
+    row = pd.read_csv(path).iloc[0]
+    assert (row["requests"], row["prompt_tokens"], row["output_tokens"]) == (3, 25, 9)
+    assert row["len_dist"] == "trace:trace.csv" and row["passed"]
+
+
+@pytest.mark.parametrize("text, message", [
+    ("arrival_s,prompt_len\n0,8\n", "no column output_len"),
+    ("arrival_s,prompt_len,output_len\n0,8,-1\n", "line 2: lengths must be positive"),
+    ("arrival_s,prompt_len,output_len\n1,8,3\n0.5,8,3\n", "line 3: arrival 0.5 s comes before"),
+    ("arrival_s,prompt_len,output_len\n0,30,9\n", "exceed --max-len 32"),
+])
+def test_a_bad_trace_is_one_line(tmp_path, text, message):
+    trace = tmp_path / "trace.csv"
+    trace.write_text(text)
+    line = one_error_line(runner.invoke(app, [*SIM, "--trace", str(trace), "--no-csv"]))
+    assert message in line

@@ -23,7 +23,7 @@ from rich.table import Table
 
 from kvbench.errors import KvbenchError
 from kvbench.report.render import _table, out
-from kvbench.serving.scheduler import PREEMPT, Scheduler, refuse_unfit, trace
+from kvbench.serving.scheduler import PREEMPT, Request, Scheduler, refuse_unfit, trace
 from kvbench.sizing.config import DTYPE_BYTES, canonical_dtype
 from kvbench.sizing.lengths import parse_len_dist
 
@@ -50,6 +50,9 @@ class SimOptions:
     watermark: float = 0.0  # vLLM v0's: this fraction of the pool kept free at admission
     slo_ttft: float | None = None  # goodput's service-level objectives, in ms
     slo_tpot: float | None = None
+    trace: Path | None = None  # a CSV of arrival_s, prompt_len, output_len, instead of draws
+    # the trace file's requests (read once, in __post_init__)
+    traced: tuple = field(default=(), repr=False, compare=False)
     policy: str = "vllm"  # vllm (v1's mixed steps) or vllm-v0 (prompt-only steps)
     hidden: int = 512
     q_heads: int = 8
@@ -108,8 +111,15 @@ class SimOptions:
         if self.q_heads % self.kv_heads:
             raise KvbenchError(f"--q-heads {self.q_heads} is not a multiple of --kv-heads "
                                f"{self.kv_heads}; each KV head serves a whole group")
-        parse_len_dist(self.len_dist)
-        parse_len_dist(self.output_dist)
+        if self.trace is not None:  # its requests replace --requests and the draws
+            traced = read_trace(self.trace, self.max_len)
+            object.__setattr__(self, "traced", traced)
+            object.__setattr__(self, "requests", len(traced))
+            object.__setattr__(self, "len_dist", f"trace:{Path(self.trace).name}")
+            object.__setattr__(self, "output_dist", f"trace:{Path(self.trace).name}")
+        else:
+            parse_len_dist(self.len_dist)
+            parse_len_dist(self.output_dist)
         for flag, value in (("--max-seqs", self.max_seqs),
                             ("--max-batched-tokens", self.max_batched_tokens)):
             if value is not None and value < 1:
@@ -157,9 +167,55 @@ class SimOptions:
 
 
 def requests(o: SimOptions):
-    """The trace, with lengths drawn from --len-dist (prompts) and --output-dist."""
+    """The trace: --trace's requests, or lengths drawn from --len-dist (prompts) and
+    --output-dist with arrivals at --rate."""
+    if o.trace is not None:
+        return list(o.traced)
     return trace(o.requests, o.seed, parse_len_dist(o.len_dist), parse_len_dist(o.output_dist),
                  o.rate, o.max_len)
+
+
+TRACE_COLUMNS = ("arrival_s", "prompt_len", "output_len")
+
+
+def read_trace(path: Path, max_len: int) -> tuple[Request, ...]:
+    """A trace file: a CSV with arrival_s (seconds from the start, non-decreasing),
+    prompt_len and output_len (positive integers, together at most --max-len). Refused in one
+    line naming the file and line of the first thing wrong."""
+    import csv
+
+    path = Path(path)
+    if not path.is_file():
+        raise KvbenchError(f"--trace {path}: no such file")
+    with path.open(newline="") as f:
+        reader = csv.DictReader(f)
+        missing = [c for c in TRACE_COLUMNS if c not in (reader.fieldnames or [])]
+        if missing:
+            raise KvbenchError(f"--trace {path}: no column {', '.join(missing)}; a trace has "
+                               f"{', '.join(TRACE_COLUMNS)}")
+        out, last = [], 0.0
+        for i, row in enumerate(reader):
+            where = f"--trace {path}, line {reader.line_num}"
+            try:
+                arrival = float(row["arrival_s"])
+                prompt, output = int(row["prompt_len"]), int(row["output_len"])
+            except (TypeError, ValueError):
+                raise KvbenchError(f"{where}: arrival_s is seconds and prompt_len, output_len "
+                                   "whole numbers") from None
+            if prompt < 1 or output < 1:
+                raise KvbenchError(f"{where}: lengths must be positive, got {prompt} and "
+                                   f"{output}")
+            if not math.isfinite(arrival) or arrival < last:
+                raise KvbenchError(f"{where}: arrival {arrival:g} s comes before the line "
+                                   f"above's {last:g} s; sort the trace by arrival_s")
+            if prompt + output > max_len:
+                raise KvbenchError(f"{where}: {prompt} + {output} positions exceed --max-len "
+                                   f"{max_len}; raise --max-len")
+            out.append(Request(i, arrival, prompt, output))
+            last = arrival
+    if not out:
+        raise KvbenchError(f"--trace {path} has no requests")
+    return tuple(out)
 
 
 @dataclass
@@ -286,8 +342,12 @@ def expected_steps(o: SimOptions, reserve: str) -> int:
     reservation lets the pool hold (each step decodes one token of every running sequence),
     plus a prefill step per request. An estimate for the preflight and the time, not a
     figure that is reported."""
-    prompt = parse_len_dist(o.len_dist).mean(o.max_len - 1)
-    output = min(parse_len_dist(o.output_dist).mean(o.max_len - 1), o.max_len - prompt)
+    if o.trace is not None:  # the file's own means
+        prompt = sum(r.prompt_len for r in o.traced) / len(o.traced)
+        output = sum(r.output_len for r in o.traced) / len(o.traced)
+    else:
+        prompt = parse_len_dist(o.len_dist).mean(o.max_len - 1)
+        output = min(parse_len_dist(o.output_dist).mean(o.max_len - 1), o.max_len - prompt)
     held = o.max_len if reserve == "prealloc" else prompt + output
     batch = max(1.0, min(o.requests, o.kv_blocks * o.block_size / max(held, 1)))
     return math.ceil(o.requests * max(output, 1) / batch) + o.requests
@@ -478,7 +538,8 @@ def _estimate(o: SimOptions, first: Served) -> str:
 def serve_table(o, device: str, served) -> Table:
     from kvbench.measure.timing import percentile
 
-    rate = "all at once" if math.isinf(o.rate) else f"{o.rate:g}/s"
+    rate = ("as traced" if o.trace is not None else "all at once" if math.isinf(o.rate)
+            else f"{o.rate:g}/s")
     t = _table(f"serve-sim  {o.requests} requests arriving {rate}; prompts {o.len_dist}, "
                f"outputs {o.output_dist}\n{o.kv_blocks} blocks of {o.block_size}  H={o.hidden} "
                f"H_q={o.q_heads} H_kv={o.kv_heads} D={o.head_dim}  {o.dtype}  {device}")
