@@ -212,3 +212,15 @@ def test_a_tp_points_ranks_are_read_back_as_a_local_point_is():
     with pytest.raises(typer.Exit) as stop:  # bench's refusal to time: nothing was written
         _ranks_outcome(config, [], 1, "kvbench: refusing to time static")
     assert stop.value.exit_code == 1
+
+
+def test_merge_refuses_files_of_different_kinds_before_writing(tmp_path):
+    bench = tmp_path / "b.csv"
+    sweep("memory", bench, "--prompt-len", "4")
+    other = tmp_path / "o.csv"
+    other.write_text("a,b\n1,2\n")
+    out = tmp_path / "all.csv"
+    for files, message in (([bench, tmp_path / "nope.csv"], "nope.csv: no such file"),
+                           ([bench, other], "is not a kvbench results file")):
+        line = one_error_line(runner.invoke(app, ["merge", *map(str, files), "-o", str(out)]))
+        assert message in line and not out.exists()
