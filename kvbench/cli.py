@@ -262,6 +262,7 @@ def serve_sim(
     max_batched_tokens: Annotated[int | None, typer.Option(help="vLLM's max_num_batched_tokens: the tokens a step schedules, decodes and prefill positions alike (a longer prompt is prefilled in chunks). \\[default: no cap]")] = None,
     watermark: Annotated[float, typer.Option(help="vLLM v0's watermark: this fraction of the pool's blocks kept free at admission (v0 keeps 0.01).")] = 0.0,
     policy: Annotated[str, typer.Option(help="vllm: v1's steps, decodes and prefills mixed; vllm-v0: a step of prefills alone whenever a waiting request fits, decodes in the others.")] = "vllm",
+    burstiness: Annotated[float, typer.Option(help="With --rate: the gamma shape of the gaps between arrivals, as vLLM's benchmark draws them (1: Poisson; below 1 burstier).")] = 1.0,
     trace: Annotated[Path | None, typer.Option(help="A trace CSV of arrival_s, prompt_len and output_len (arrival in seconds, sorted): its requests instead of --requests, --len-dist, --output-dist and --rate.")] = None,
     slo_ttft: Annotated[float | None, typer.Option(help="Goodput: a request counts when its time to first token is at most this many ms (and its TPOT within --slo-tpot).")] = None,
     slo_tpot: Annotated[float | None, typer.Option(help="Goodput: the most ms per output token after the first.")] = None,
@@ -291,6 +292,7 @@ def serve_sim(
         reserve=tuple(r.strip() for r in reserve.split(",") if r.strip()), preempt=preempt,
         prefill_chunk=prefill_chunk, max_seqs=max_seqs, max_batched_tokens=max_batched_tokens,
         watermark=watermark, policy=policy, slo_ttft=slo_ttft, slo_tpot=slo_tpot, trace=trace,
+        burstiness=burstiness,
         hidden=hidden, q_heads=q_heads, kv_heads=kv_heads, head_dim=head_dim, dtype=dtype,
         device=device, seed=seed, host_mem=host_mem, csv=csv, steps_csv=steps_csv,
         no_csv=no_csv, quiet=quiet, format=format, ray=ray, retries=retries, threads=threads)

@@ -308,3 +308,34 @@ def test_bad_vllm_rules_are_refused(kwargs, message):
 
     with pytest.raises(KvbenchError, match=message):
         Scheduler([Request(0, 0.0, 4, 4)], 8, 4, **kwargs)
+
+
+@pytest.mark.parametrize("burstiness", [0.25, 1.0, 4.0])
+def test_burstiness_sets_the_gaps_coefficient_of_variation(burstiness):
+    # gamma gaps of shape k and mean 1/rate: coefficient of variation 1/sqrt(k) (2, 1, 0.5);
+    # 4,000 seeded arrivals at 10 per second
+    import statistics
+
+    from kvbench.serving.scheduler import trace
+    from kvbench.sizing.lengths import LenDist
+
+    lens = LenDist("uniform", 4, 8)
+    arrivals = [r.arrival for r in trace(4000, 0, lens, lens, 10.0, 64, burstiness)]
+    gaps = [b - a for a, b in zip([0.0, *arrivals], arrivals)]
+    mean = statistics.fmean(gaps)
+    assert mean == pytest.approx(0.1, rel=0.08)
+    assert statistics.pstdev(gaps) / mean == pytest.approx(burstiness ** -0.5, rel=0.1)
+
+
+def test_poisson_arrivals_are_the_draws_they_always_were():
+    import random
+
+    from kvbench.serving.scheduler import trace
+    from kvbench.sizing.lengths import LenDist
+
+    lens = LenDist("uniform", 4, 8)
+    rng, now, want = random.Random(3), 0.0, []
+    for _ in range(5):
+        now += rng.expovariate(2.0)
+        want.append(now)
+    assert [r.arrival for r in trace(5, 3, lens, lens, 2.0, 64)] == want

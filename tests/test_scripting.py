@@ -414,3 +414,11 @@ def test_a_bad_trace_is_one_line(tmp_path, text, message):
     trace.write_text(text)
     line = one_error_line(runner.invoke(app, [*SIM, "--trace", str(trace), "--no-csv"]))
     assert message in line
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--burstiness", "0.5"], "give --rate too"),
+    (["--rate", "10", "--burstiness", "0"], "--burstiness is the gamma shape"),
+])
+def test_bad_burstiness_is_one_line(args, message):
+    assert message in one_error_line(runner.invoke(app, [*SIM, *args, "--no-csv"]))

@@ -39,6 +39,7 @@ class SimOptions:
     output_dist: str = "lognormal:128:1.0"  # output lengths
     max_len: int = 2048
     rate: float = math.inf  # arrivals per second
+    burstiness: float = 1.0  # the gamma shape of the gaps between arrivals (1: Poisson)
     kv_blocks: int | None = None  # the pool's blocks; None: DEFAULT_BLOCKS, or from kv_mem
     kv_mem: str | None = None  # the pool's size instead (e.g. 64MiB): as many blocks as fit
     block_size: int = 16
@@ -96,6 +97,12 @@ class SimOptions:
                                "and 1 output token; give --max-len 2 or more")
         if self.seed < 0:
             raise KvbenchError(f"--seed must be 0 or more, got {self.seed}")
+        if not self.burstiness > 0:
+            raise KvbenchError(f"--burstiness is the gamma shape of the gaps between "
+                               f"arrivals, above 0 (1: Poisson), got {self.burstiness}")
+        if self.burstiness != 1.0 and math.isinf(self.rate):
+            raise KvbenchError("--burstiness shapes the gaps between arrivals at --rate; give "
+                               "--rate too")
         if not self.rate > 0:
             raise KvbenchError(f"--rate {self.rate:g}: give requests per second above 0, or "
                                "omit it to have every request arrive at once")
@@ -172,7 +179,7 @@ def requests(o: SimOptions):
     if o.trace is not None:
         return list(o.traced)
     return trace(o.requests, o.seed, parse_len_dist(o.len_dist), parse_len_dist(o.output_dist),
-                 o.rate, o.max_len)
+                 o.rate, o.max_len, o.burstiness)
 
 
 TRACE_COLUMNS = ("arrival_s", "prompt_len", "output_len")
@@ -593,7 +600,7 @@ def serve_rows(o, device: str, served, stamp: str,
                "kv_blocks": o.kv_blocks, "block_size": o.block_size,
                "prefill_chunk": o.prefill_chunk, "max_seqs": o.max_seqs,
                "max_batched_tokens": o.max_batched_tokens, "watermark": o.watermark or None,
-               "policy": o.policy, "slo_ttft_ms": o.slo_ttft, "slo_tpot_ms": o.slo_tpot,
+               "policy": o.policy, "burstiness": o.burstiness, "slo_ttft_ms": o.slo_ttft, "slo_tpot_ms": o.slo_tpot,
                "goodput_per_s": None if s.good is None else s.good / s.duration_s,
                "kv_pool_bytes": o.pool_bytes, "hidden": o.hidden,
                "q_heads": o.q_heads, "kv_heads": o.kv_heads, "head_dim": o.head_dim,

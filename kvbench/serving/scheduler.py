@@ -47,16 +47,20 @@ class Request:
 
 
 def trace(n: int, seed: int, prompt: LenDist, output: LenDist, rate: float,
-          max_len: int) -> list[Request]:
-    """n requests arriving as a Poisson process of `rate` requests per unit of the clock
-    (math.inf: all at 0), their prompt and output lengths drawn from the distributions
-    (seeded), prompt + output capped at max_len."""
+          max_len: int, burstiness: float = 1.0) -> list[Request]:
+    """n requests arriving at `rate` requests per unit of the clock (math.inf: all at 0),
+    their prompt and output lengths drawn from the distributions (seeded), prompt + output
+    capped at max_len. The gaps between arrivals are gamma-distributed as vLLM's benchmark
+    draws them: shape `burstiness`, mean 1 / rate, so their coefficient of variation is
+    1 / sqrt(burstiness): 1 is a Poisson process, below 1 burstier, above 1 more even."""
     rng = random.Random(seed)
     prompts = draw(prompt, n, seed, max_len - 1)
     outputs = draw(output, n, seed + 1, max_len - 1)
     now, requests = 0.0, []
     for i, (p, o) in enumerate(zip(prompts, outputs)):
-        now += 0.0 if math.isinf(rate) else rng.expovariate(rate)
+        if not math.isinf(rate):
+            now += (rng.expovariate(rate) if burstiness == 1.0 else  # (the same draws as before)
+                    rng.gammavariate(burstiness, 1.0 / (rate * burstiness)))
         requests.append(Request(i, now, p, max(1, min(o, max_len - p))))
     return requests
 
