@@ -347,16 +347,9 @@ def plot(results: Annotated[Path, typer.Argument(help="A CSV that kvbench wrote.
     """Draw what the results allow: decode time, speedup and bandwidth against context;
     memory bars; the largest batch against context for capacity rows. A file that mixes
     kinds of run (one layer and a whole model, GQA and MLA) gives one figure per kind."""
-    from kvbench.report import render
-    from kvbench.report.load import read_results, select
-    from kvbench.report.plot import output_path
-    from kvbench.report.plot import plot as draw
+    from kvbench.report.plot import command as run_plot
 
-    target = output_path(results, output)
-    kind, df = read_results(results, skip_bad_rows)
-    df = select(df, results, run, where)
-    for written in draw(kind, df, target):
-        render.note(f"wrote {written}")
+    run_plot(results, output, run, where, skip_bad_rows)
 
 
 @command
@@ -372,32 +365,9 @@ def compare(baseline: Annotated[Path, typer.Argument(help="Baseline results CSV.
             run: RunId = None, where: Where = None, skip_bad_rows: SkipBad = False):
     """Compare results with a baseline, configuration by configuration. --run and --where
     pick the rows of both files."""
-    from kvbench.report import render
-    from kvbench.report.compare import compare as run_compare
-    from kvbench.report.compare import parse_threshold
-    from kvbench.report.load import read_results, select
+    from kvbench.report.compare import command as run_compare
 
-    threshold = parse_threshold(fail_above) if fail_above is not None else None
-    kind, base_df = read_results(baseline, skip_bad_rows)
-    other, new_df = read_results(new, skip_bad_rows)
-    base_df = select(base_df, baseline, run, where)
-    new_df = select(new_df, new, run, where)
-    result = run_compare(kind, base_df, new_df, other, threshold)
-    render.show_comparison(result)
-    if result.regressions:
-        worst = max(result.regressions, key=lambda c: c.ratio)
-        n = len(result.regressions)
-        print(f"kvbench: {n} {'regression' if n == 1 else 'regressions'} above {fail_above}; "
-              f"worst {worst.metric} of {worst.config['impl']} {worst.ratio:.2f}×",
-              file=sys.stderr)
-        raise typer.Exit(1)
-    if result.undecided and not allow_noisy:
-        worst = max(result.undecided, key=lambda c: c.ratio)
-        print(f"kvbench: {len(result.undecided)} worse by more than {fail_above} but too noisy "
-              f"to judge (worst {worst.metric} of {worst.config['impl']} {worst.ratio:.2f}×); "
-              "rerun both with more --rounds on a quieter machine, or --allow-noisy",
-              file=sys.stderr)
-        raise typer.Exit(1)
+    run_compare(baseline, new, fail_above, allow_noisy, run, where, skip_bad_rows)
 
 
 @command

@@ -23,7 +23,14 @@ from rich.table import Table
 
 from kvbench.errors import KvbenchError
 from kvbench.report.render import _table, out
-from kvbench.serving.scheduler import PREEMPT, Request, Scheduler, refuse_unfit, trace
+from kvbench.serving.scheduler import (
+    PREEMPT,
+    Request,
+    Scheduler,
+    check_limits,
+    refuse_unfit,
+    trace,
+)
 from kvbench.sizing.config import DTYPE_BYTES, canonical_dtype
 from kvbench.sizing.lengths import parse_len_dist
 
@@ -127,26 +134,12 @@ class SimOptions:
         else:
             parse_len_dist(self.len_dist)
             parse_len_dist(self.output_dist)
-        for flag, value in (("--max-seqs", self.max_seqs),
-                            ("--max-batched-tokens", self.max_batched_tokens)):
-            if value is not None and value < 1:
-                raise KvbenchError(f"{flag} must be a positive integer, got {value}")
-        if (self.max_batched_tokens is not None and self.prefill_chunk is not None
-                and self.max_batched_tokens < self.prefill_chunk):
-            raise KvbenchError(f"--max-batched-tokens {self.max_batched_tokens} is below one "
-                               f"--prefill-chunk of {self.prefill_chunk} positions; raise it "
-                               "or lower the chunk")
-        from kvbench.serving.scheduler import POLICIES
-
+        check_limits(self.prefill_chunk, self.max_seqs, self.max_batched_tokens, self.watermark,
+                     self.policy)
         for flag, value in (("--slo-ttft", self.slo_ttft), ("--slo-tpot", self.slo_tpot)):
             if value is not None and not value > 0:
                 raise KvbenchError(f"{flag} is a latency in ms above 0, got {value}")
 
-        if self.policy not in POLICIES:
-            raise KvbenchError(f"unknown --policy {self.policy!r}; use {' or '.join(POLICIES)}")
-        if not 0 <= self.watermark < 1:
-            raise KvbenchError(f"--watermark is a fraction of the pool kept free, from 0 up "
-                               f"to 1; got {self.watermark}")
         if self.format not in ("table", "csv", "json"):
             raise KvbenchError(f"--format {self.format!r}: use table, csv or json")
 

@@ -53,16 +53,9 @@ def synchronize(device: str) -> None:
 def device_name(device: str) -> str:
     if device.startswith("cuda"):
         return torch.cuda.get_device_name(device)
-    import platform
+    from kvbench.measure.env import cpu_model
 
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine() or "cpu"
+    return cpu_model() or "cpu"
 
 
 def free_bytes(device: str) -> int:

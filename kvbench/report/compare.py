@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import pandas as pd
 
@@ -117,3 +118,37 @@ def compare(kind: str, base: pd.DataFrame, new: pd.DataFrame, other_kind: str,
 
 def _num(x) -> float | None:
     return None if x is None or pd.isna(x) else float(x)
+
+
+def command(baseline: Path, new: Path, fail_above: str | None, allow_noisy: bool,
+            run: str | None, where: str | None, skip_bad_rows: bool) -> None:
+    """`kvbench compare`: the table, and exit 1 for a regression beyond --fail-above or a
+    change too noisy to judge (unless --allow-noisy)."""
+    import sys
+
+    import typer
+
+    from kvbench.report import render
+    from kvbench.report.load import read_results, select
+
+    threshold = parse_threshold(fail_above) if fail_above is not None else None
+    kind, base_df = read_results(baseline, skip_bad_rows)
+    other, new_df = read_results(new, skip_bad_rows)
+    base_df = select(base_df, baseline, run, where)
+    new_df = select(new_df, new, run, where)
+    result = compare(kind, base_df, new_df, other, threshold)
+    render.show_comparison(result)
+    if result.regressions:
+        worst = max(result.regressions, key=lambda c: c.ratio)
+        n = len(result.regressions)
+        print(f"kvbench: {n} {'regression' if n == 1 else 'regressions'} above {fail_above}; "
+              f"worst {worst.metric} of {worst.config['impl']} {worst.ratio:.2f}×",
+              file=sys.stderr)
+        raise typer.Exit(1)
+    if result.undecided and not allow_noisy:
+        worst = max(result.undecided, key=lambda c: c.ratio)
+        print(f"kvbench: {len(result.undecided)} worse by more than {fail_above} but too noisy "
+              f"to judge (worst {worst.metric} of {worst.config['impl']} {worst.ratio:.2f}×); "
+              "rerun both with more --rounds on a quieter machine, or --allow-noisy",
+              file=sys.stderr)
+        raise typer.Exit(1)

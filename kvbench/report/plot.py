@@ -531,3 +531,16 @@ def _plot_one(kind: str, df: pd.DataFrame, output: Path) -> list[Path]:
     finally:
         plt.close(fig)
     return [output]
+
+
+def command(results: Path, output: Path | None, run: str | None, where: str | None,
+            skip_bad_rows: bool) -> None:
+    """`kvbench plot`: the rows picked (--run, --where) drawn, each file written named."""
+    from kvbench.report import render
+    from kvbench.report.load import read_results, select
+
+    target = output_path(results, output)
+    kind, df = read_results(results, skip_bad_rows)
+    df = select(df, results, run, where)
+    for written in plot(kind, df, target):
+        render.note(f"wrote {written}")

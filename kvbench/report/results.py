@@ -81,11 +81,13 @@ def header_accepted(header: list[str], columns: list[str], first: list[str] | No
             and required <= set(header))
 
 
-def check_csv(path: Path, columns: list[str], first: list[str] | None = None) -> None:
+def check_csv(path: Path, columns: list[str], first: list[str] | None = None,
+              rows: bool = True) -> None:
     """Refuse early, before any work, a path that cannot take these rows.
 
     `first`: the columns of the first release of this kind of file; None accepts only a file
-    whose header is exactly `columns`.
+    whose header is exactly `columns`. `rows`: read every row for one cut or damaged (the
+    commands do it once, before their first point; each append after that does not).
     """
     if path.exists():
         if path.is_dir():
@@ -101,7 +103,7 @@ def check_csv(path: Path, columns: list[str], first: list[str] | None = None) ->
                 f" (unexpected {', '.join(extra[:4])})" if extra else " (order differs)")
             raise KvbenchError(f"{path} has a different header{detail}; "
                                "write to a new file with --csv PATH")
-        if header is not None:
+        if header is not None and rows:
             fields, bad = damaged_rows(path)
             if bad:
                 line, n = bad[0]
@@ -134,7 +136,7 @@ def append_csv(path: Path, rows: list[dict[str, object]], columns: list[str],
     A file written by an earlier release (see check_csv's `first`) is rewritten with the union
     of the headers; otherwise the old bytes are kept as they are and the rows added.
     """
-    check_csv(path, columns, first)
+    check_csv(path, columns, first, rows=False)  # (its rows were read before the run)
     for row in rows:
         unknown = set(row) - set(columns)
         if unknown:

@@ -65,6 +65,22 @@ def trace(n: int, seed: int, prompt: LenDist, output: LenDist, rate: float,
     return requests
 
 
+def check_limits(chunk: int | None, max_seqs: int | None, max_batched_tokens: int | None,
+                 watermark: float, policy: str) -> None:
+    """Refuse, in one line, vLLM limits the Scheduler cannot take."""
+    for flag, value in (("--max-seqs", max_seqs), ("--max-batched-tokens", max_batched_tokens)):
+        if value is not None and value < 1:
+            raise KvbenchError(f"{flag} must be a positive integer, got {value}")
+    if max_batched_tokens is not None and chunk is not None and max_batched_tokens < chunk:
+        raise KvbenchError(f"--max-batched-tokens {max_batched_tokens} is below one "
+                           f"--prefill-chunk of {chunk} positions; raise it or lower the chunk")
+    if not 0 <= watermark < 1:
+        raise KvbenchError(f"--watermark is a fraction of the pool kept free, from 0 up to 1; "
+                           f"got {watermark}")
+    if policy not in POLICIES:
+        raise KvbenchError(f"unknown --policy {policy!r}; use {' or '.join(POLICIES)}")
+
+
 def reserved(r: Request, reserve: str, reserve_len: int | None) -> int:
     """Positions a request needs blocks for at most: prealloc's reservation (reserve_len, or
     the request's own reach), or what paged fills (its last token is never cached)."""
@@ -183,20 +199,8 @@ class Scheduler:
         self.reserve_len = reserve_len
         self.engine = engine
         self.chunk = chunk  # prompt positions prefilled per step, all sequences together
-        for flag, value in (("--max-seqs", max_seqs),
-                            ("--max-batched-tokens", max_batched_tokens)):
-            if value is not None and value < 1:
-                raise KvbenchError(f"{flag} must be a positive integer, got {value}")
-        if max_batched_tokens is not None and chunk is not None and max_batched_tokens < chunk:
-            raise KvbenchError(f"--max-batched-tokens {max_batched_tokens} is below one "
-                               f"--prefill-chunk of {chunk} positions; raise it or lower the "
-                               "chunk")
+        check_limits(chunk, max_seqs, max_batched_tokens, watermark, policy)
         self.max_seqs, self.max_batched_tokens = max_seqs, max_batched_tokens
-        if not 0 <= watermark < 1:
-            raise KvbenchError(f"--watermark is a fraction of the pool kept free, from 0 up to "
-                               f"1; got {watermark}")
-        if policy not in POLICIES:
-            raise KvbenchError(f"unknown --policy {policy!r}; use {' or '.join(POLICIES)}")
         self.policy = policy
         self.watermark_blocks = int(watermark * n_blocks)  # vLLM v0: int(0.01 · blocks)
         refuse_unfit(requests, n_blocks - self.watermark_blocks, block_size, reserve,
