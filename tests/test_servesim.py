@@ -222,3 +222,30 @@ def test_goodput_counts_the_requests_within_both_objectives_by_hand():
     assert met_slo(records, ends, 400, 700) == 2  # requests 1 and 2
     assert met_slo(records, ends, 200, 700) == 1  # request 2 alone
     assert met_slo(records, ends, 600, 800) == 3
+
+
+def test_goodput_objectives_are_met_at_their_bound_and_two_tokens_have_a_tpot():
+    # request 0: TTFT 0.5 s exactly, TPOT (2.0 − 0.5) / 2 = 0.75 s exactly; request 1: two
+    # tokens, so a TPOT of 2.0 − 1.0 = 1.0 s
+    from kvbench.experiments.servesim import met_slo
+    from kvbench.serving.scheduler import Record, Request
+
+    ends = [0.5, 1.0, 2.0]
+    at_bound = [Record(Request(0, 0.0, 10, 3), first_token=0, finished=2)]
+    assert met_slo(at_bound, ends, 500, 750) == 1  # "at most": the bound itself is met
+    assert met_slo(at_bound, ends, 499.9, None) == 0
+    assert met_slo(at_bound, ends, None, 749.9) == 0
+    two = [Record(Request(1, 0.0, 10, 2), first_token=1, finished=2)]
+    assert met_slo(two, ends, None, 700) == 0 and met_slo(two, ends, None, 1000) == 1
+
+
+def test_expected_steps_caps_the_mean_prompt_at_max_len_minus_one():
+    # a lognormal mean of 1,000 tokens capped at --max-len 64 − 1 = 63 positions leaves one
+    # output (64 − 63); paged then holds 64 positions a request: 80 / 64 = 1.25 a batch, and
+    # 10 requests × 1 output / 1.25 = 8 decode steps beside 10 prefills (a cap at 62 would
+    # leave two outputs: 16 + 10)
+    from kvbench.experiments.servesim import SimOptions, expected_steps
+
+    o = SimOptions(requests=10, len_dist="lognormal:1000:1.0", output_dist="uniform:2:6",
+                   max_len=64, kv_blocks=20, block_size=4, reserve=("paged",))
+    assert expected_steps(o, "paged") == math.ceil(10 * 1 / 1.25) + 10 == 18
