@@ -34,7 +34,7 @@ def assert_fits_the_loan(out: Path):
 
 def test_a_budget_that_forces_skips_runs_what_fits_in_priority_order(tmp_path):
     out = tmp_path / "out"
-    result = run("--rehearse", out, 35)
+    result = run("--rehearse", out, 22)  # env runs; graph (25 s) and verify (30 s) cannot
     summary = (out / "summary.txt").read_text()
     assert result.returncode in (0, 1), result.stderr
     steps = {line.split()[1]: line for line in summary.splitlines()
@@ -42,6 +42,7 @@ def test_a_budget_that_forces_skips_runs_what_fits_in_priority_order(tmp_path):
     assert list(steps) == [s.name for s in gpu_check.plan(gpu_check.CPU, tmp_path, 0)]
     assert "PASS" in steps["env"]
     assert "needs about 30 s" in steps["verify"] and "SKIPPED" in steps["verify"]
+    assert "needs about 25 s" in steps["graph"] and "SKIPPED" in steps["graph"]
     assert "CUDA only" in steps["allocation"]
     assert "skipped: " in summary and "RESULT" in summary
     assert_fits_the_loan(out)

@@ -23,9 +23,9 @@ runner = CliRunner()
 
 def test_sigterm_after_two_points_keeps_their_rows_and_exits_143(tmp_path):
     out = tmp_path / "b.csv"
-    # four points; each is slow enough (many rounds) to signal between the second and third
-    cmd = [sys.executable, "-m", "kvbench", "bench", *SMALL, "--prompt-len", "8,16,24,32",
-           "--rounds", "150", "--warmup", "1", "--csv", str(out), "--quiet"]
+    # four points: two quick, two of seconds each (4,000 positions), signalled after the second
+    cmd = [sys.executable, "-m", "kvbench", "bench", *SMALL, "--prompt-len", "8,16,4000,4001",
+           "--rounds", "3", "--warmup", "1", "--csv", str(out), "--quiet"]
     proc = subprocess.Popen(cmd, cwd=REPO, stderr=subprocess.PIPE, text=True,
                             env={**os.environ, "PYTHONPATH": str(REPO)})
     deadline = time.monotonic() + 240
@@ -40,7 +40,7 @@ def test_sigterm_after_two_points_keeps_their_rows_and_exits_143(tmp_path):
     assert proc.returncode == 143, err
     df = pd.read_csv(out)
     assert 2 <= len(df) < 4
-    assert df["prompt_len"].tolist() == [8, 16, 24][: len(df)]
+    assert df["prompt_len"].tolist() == [8, 16, 4000][: len(df)]
     assert "terminated after" in err and "kept in" in err and "Traceback" not in err
 
 

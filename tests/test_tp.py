@@ -39,11 +39,15 @@ def test_verify_tp2_passes_for_every_implementation(tmp_path):
 
 
 def test_memory_per_rank_equals_capacity_tp(tmp_path):
-    # H_kv = 2 over 2 ranks: one head each; H_kv = 1: the head replicated on both ranks
+    # H_kv = 2 over 2 ranks: one head each; H_kv = 1: the head replicated on both ranks.
+    # Each rank's own exit status too: a rank that left while its peer still talked to it, or
+    # whose interpreter tore down gloo's threads, aborted now and then (SIGABRT after the rows
+    # were written: torchrun then exits 1)
     out = tmp_path / "m.csv"
-    r = torchrun("memory", "--tp", "2", *SMALL, "--kv-heads", "2,1", "--impl", "static,paged",
-                 "--block-size", "4", "--csv", str(out), tmp_path=tmp_path)
-    assert r.returncode == 0, r.stderr[-2000:]
+    for r in ranks("memory", "--tp", "2", *SMALL, "--kv-heads", "2,1", "--impl", "static,paged",
+                   "--block-size", "4", "--csv", str(out), tmp_path=tmp_path):
+        assert r.returncode == 0, r.stderr[-2000:]
+        assert "Traceback" not in r.stderr and "terminate called" not in r.stderr, r.stderr
     df = pd.read_csv(out)
     assert sorted(set(df["rank"])) == [0, 1] and len(df) == 2 * 2 * 2
     for (kv_heads, impl), rows in df.groupby(["kv_heads", "impl"]):
@@ -57,9 +61,9 @@ def test_memory_per_rank_equals_capacity_tp(tmp_path):
 
 def test_bench_tp2_times_the_slowest_rank_and_the_all_reduce(tmp_path):
     out = tmp_path / "b.csv"
-    r = torchrun("bench", "--tp", "2", *SMALL, "--kv-heads", "2", "--impl", "static,sdpa",
-                 "--warmup", "1", "--rounds", "3", "--csv", str(out), tmp_path=tmp_path)
-    assert r.returncode == 0, r.stderr[-2000:]
+    r, r1 = ranks("bench", "--tp", "2", *SMALL, "--kv-heads", "2", "--impl", "static,sdpa",
+                  "--warmup", "1", "--rounds", "3", "--csv", str(out), tmp_path=tmp_path)
+    assert r.returncode == r1.returncode == 0, r.stderr[-2000:] + r1.stderr[-2000:]
     df = pd.read_csv(out)
     assert list(df["impl"]) == ["static", "sdpa"]
     assert (df["allreduce_ms"] > 0).all() and (df["decode_rank_spread_ms"] >= 0).all()
@@ -87,6 +91,8 @@ def test_a_failing_rank_ends_the_group_with_a_clear_message(tmp_path):
 
 
 def test_tp_unlike_the_world_size_is_one_line(tmp_path):
+    # torchrun's own launcher: ranks other than 0 wait for it to stop them once rank 0 has
+    # said why
     r = torchrun("verify", "--tp", "4", *SMALL, "--kv-heads", "2", tmp_path=tmp_path)
     assert r.returncode != 0
     ours = [line for line in r.stderr.splitlines() if line.startswith("kvbench:")]
@@ -119,7 +125,10 @@ def test_bad_tp_is_one_line_exit_2(tmp_path, args, message):
 
 # Faults, injected in two spawned gloo ranks: each must fail verify.
 
-def _verify_with_fault(rank: int, store: str, fault: str, results) -> None:
+FAULTS = {"none": True, "other-ranks-kv": False, "no-all-reduce": False}  # fault: passes
+
+
+def _verify_with_faults(rank: int, store: str, results) -> None:
     import torch.distributed as dist
 
     from kvbench.caches import StaticCache
@@ -131,38 +140,39 @@ def _verify_with_fault(rank: int, store: str, fault: str, results) -> None:
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
     distributed._group = distributed.Group(2, rank, rank, "gloo")
     shard = AttentionLayer.shard
-
-    def faulty(layer, tp, r):
-        part = shard(layer, tp, r)
-        if fault == "other-ranks-kv":  # k and v columns of the other rank's KV head
-            other = shard(layer, tp, (r + 1) % tp)
-            qcols = part.shape.q_heads * part.shape.head_dim
-            part.w_qkv = part.w_qkv.clone()
-            part.w_qkv[:, qcols:] = other.w_qkv[:, qcols:]
-        elif fault == "no-all-reduce":
-            part.tp = 1
-        return part
-
-    AttentionLayer.shard = faulty if fault != "none" else shard
     shape = LayerShape(batch=2, prompt_len=9, decode_len=3, hidden=32, q_heads=4, kv_heads=2,
                        head_dim=8)
-    report = verify(RunConfig(shape, tp=2), {"static": StaticCache})
-    if rank == 0:
-        results.put((fault, report.passed, report.checks[0].message))
+    for fault in FAULTS:  # one group runs each fault in turn (a group costs seconds)
+
+        def faulty(layer, tp, r, fault=fault):
+            part = shard(layer, tp, r)
+            if fault == "other-ranks-kv":  # k and v columns of the other rank's KV head
+                other = shard(layer, tp, (r + 1) % tp)
+                qcols = part.shape.q_heads * part.shape.head_dim
+                part.w_qkv = part.w_qkv.clone()
+                part.w_qkv[:, qcols:] = other.w_qkv[:, qcols:]
+            elif fault == "no-all-reduce":
+                part.tp = 1
+            return part
+
+        AttentionLayer.shard = faulty
+        report = verify(RunConfig(shape, tp=2), {"static": StaticCache})
+        if rank == 0:
+            results.put((fault, report.passed, report.checks[0].message))
+    AttentionLayer.shard = shard
     dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("fault, passes", [("none", True), ("other-ranks-kv", False),
-                                           ("no-all-reduce", False)])
-def test_verify_rejects_tp_faults(tmp_path, fault, passes):
+def test_verify_rejects_tp_faults(tmp_path):
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    mp.start_processes(_verify_with_fault, args=(str(tmp_path / "store"), fault, results),
+    mp.start_processes(_verify_with_faults, args=(str(tmp_path / "store"), results),
                        nprocs=2, start_method="spawn")
-    _, passed, message = results.get(timeout=TIMEOUT)
-    assert passed is passes, message
-    if not passes:
-        assert message.startswith("rank ")
+    for _ in FAULTS:
+        fault, passed, message = results.get(timeout=TIMEOUT)
+        assert passed is FAULTS[fault], (fault, message)
+        if not passed:
+            assert message.startswith("rank "), (fault, message)
 
 
 def test_the_cache_techniques_run_sharded(tmp_path):
@@ -173,9 +183,9 @@ def test_the_cache_techniques_run_sharded(tmp_path):
                      '[[points]]\nimpl = "paged"\nshared_prefix = 6\n'
                      '[[points]]\nimpl = "h2o"\nkv_budget = 6\n')
     out = tmp_path / "v.csv"
-    r = torchrun("verify", "--tp", "2", *SMALL, "--kv-heads", "2", "--rope", "--config",
-                 str(sweep), "--csv", str(out), tmp_path=tmp_path)
-    assert r.returncode == 0, r.stderr[-2000:]
+    for r in ranks("verify", "--tp", "2", *SMALL, "--kv-heads", "2", "--rope", "--config",
+                   str(sweep), "--csv", str(out), tmp_path=tmp_path):
+        assert r.returncode == 0, r.stderr[-2000:]
     df = pd.read_csv(out)
     assert df["impl"].tolist() == ["window", "paged", "h2o"] and df["passed"].all()
     assert df["lossy"].fillna(False).tolist() == [False, False, True]
@@ -200,20 +210,6 @@ def ranks(*args, tmp_path) -> list[subprocess.CompletedProcess]:
         stdout, stderr = p.communicate(timeout=TIMEOUT)
         out.append(subprocess.CompletedProcess(p.args, p.returncode, stdout, stderr))
     return out
-
-
-def test_the_memory_command_exits_cleanly_every_time(tmp_path):
-    # a rank that left while its peer still talked to it, or whose interpreter tore down
-    # gloo's threads, aborted now and then (SIGABRT after the rows were written: torchrun
-    # then exits 1). Each rank's own exit status, 3 runs (each starts two interpreters: 7 s)
-    codes = []
-    for i in range(3):
-        for r in ranks("memory", "--tp", "2", *SMALL, "--kv-heads", "2,1", "--impl", "static",
-                       "--csv", str(tmp_path / f"m{i}.csv"), tmp_path=tmp_path):
-            codes.append(r.returncode)
-            assert "Traceback" not in r.stderr and "terminate called" not in r.stderr, r.stderr
-        assert len(pd.read_csv(tmp_path / f"m{i}.csv")) == 4  # a row per point and rank
-    assert codes == [0] * 6
 
 
 @pytest.mark.parametrize("tp, kv_heads", [(4, 2), (4, 1), (4, 4), (2, 8)])

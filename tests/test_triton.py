@@ -21,7 +21,7 @@ from kvbench.experiments.verify import verify
 from kvbench.kernels import triton_decode
 from kvbench.sizing.config import LayerShape, RunConfig
 
-HEADS = {"mha": (8, 8), "gqa": (8, 2), "mqa": (8, 1)}  # (H_q, H_kv)
+HEADS = {"mha": (4, 4), "gqa": (8, 2), "mqa": (8, 1)}  # (H_q, H_kv)
 
 
 def pairwise(*dims):
@@ -43,7 +43,7 @@ def pairwise(*dims):
     return cases
 
 
-def shape(heads: str, head_dim: int, prompt_len: int = 37, decode_len: int = 5, batch: int = 2):
+def shape(heads: str, head_dim: int, prompt_len: int = 37, decode_len: int = 3, batch: int = 2):
     q_heads, kv_heads = HEADS[heads]
     return LayerShape(batch=batch, prompt_len=prompt_len, decode_len=decode_len, hidden=64,
                       q_heads=q_heads, kv_heads=kv_heads, head_dim=head_dim)
@@ -57,7 +57,8 @@ def check(config: RunConfig, impls, **options):
 @pytest.mark.parametrize("heads, head_dim, block_size, dtype", pairwise(
     list(HEADS), [4, 64, 80, 96, 128], [1, 12, 16, 64], ["float32", "bfloat16"]))
 def test_triton_equals_recompute(heads, head_dim, block_size, dtype):
-    # 37 + 5 positions: never a whole number of blocks of 16 or 64, so the last block is partial
+    # 37 + 3 positions: never a whole number of blocks of 12, 16 or 64, so the last block is
+    # partial
     config = RunConfig(shape(heads, head_dim), dtype)
     (result,) = check(config, {"triton": TritonCache}, block_size=block_size).values()
     assert result.passed, result.message
@@ -96,13 +97,13 @@ def test_float16_passes():
     (UnscaledMerge, "gqa", {"splits": 4}),
 ])
 def test_verify_rejects_each_kernel_fault(broken, heads, options):
-    config = RunConfig(shape(heads, 64, prompt_len=150))
+    config = RunConfig(shape(heads, 64, prompt_len=70))
     result = check(config, {broken.name: broken}, **options)[broken.name]
     assert not result.passed
     assert result.first_bad_step == 1  # the prefill is SDPA's; the first decode step fails
 
 
-RAGGED_LENS = (150, 3, 64, 77)  # one sequence per program row; most end mid-block
+RAGGED_LENS = (70, 3, 33, 50)  # one sequence per program row; most end mid-block
 
 
 @pytest.mark.parametrize("kv_dtype", [None, "fp8", "int4"])
@@ -123,7 +124,7 @@ def test_verify_rejects_ragged_kernel_faults(broken):
 
 
 def test_the_faults_fail_for_their_bug_not_the_shape():
-    config = RunConfig(shape("gqa", 64, prompt_len=150))
+    config = RunConfig(shape("gqa", 64, prompt_len=70))
     for options in ({"block_size": 4}, {"block_size": 16}, {"splits": 4}):
         assert check(config, {"triton": TritonCache}, **options)["triton"].passed
 
@@ -152,7 +153,7 @@ def test_the_kernel_splits_each_sequence_as_the_host_plan_says(tiles_of_16):
     # wanted (2 waves of 16): 44 tile-programs / 32 -> 2 tiles a split -> 5, 1, 2, 3 splits
     # (5 tiles in 2 splits of 3). The kernel's live splits (exp-sums > 0) must be those.
     config = RunConfig(LayerShape(decode_len=4, hidden=64, q_heads=8, kv_heads=2,
-                                  head_dim=32).with_lens(RAGGED_LENS))
+                                  head_dim=32).with_lens((150, 3, 64, 77)))
     from kvbench.layers.attention import AttentionLayer, make_inputs
 
     layer, x = AttentionLayer.from_config(config), make_inputs(config)
@@ -218,8 +219,8 @@ def test_the_static_tile_loop_equals_recompute(monkeypatch, kv_dtype):
     # the loop Triton 3.6's interpreter needs under numpy >= 2.4: every tile of a split,
     # masked past the sequence's end (a ragged batch has splits with nothing left)
     monkeypatch.setattr(triton_decode, "STATIC_LOOP", True)
-    ragged = LayerShape(decode_len=4, hidden=64, q_heads=8, kv_heads=2, head_dim=32).with_lens(
-        (150, 3, 64, 77))
+    ragged = LayerShape(decode_len=3, hidden=64, q_heads=8, kv_heads=2, head_dim=32).with_lens(
+        (90, 3, 33, 50))
     options = ImplOptions(block_size=16, splits=4, kv_dtype=kv_dtype, group_size=32)
     report = verify(RunConfig(ragged, kv_dtype=kv_dtype, group_size=32),
                     {"triton": TritonCache}, options)

@@ -51,7 +51,7 @@ def shapes(draw):
         head_dim=draw(st.sampled_from([2, 4, 8, 16])))
 
 
-@settings(max_examples=20, deadline=None, derandomize=True)
+@settings(max_examples=12, deadline=None, derandomize=True)
 @given(shape=shapes(), rope=st.booleans(), dtype=st.sampled_from(["float32", "bfloat16"]),
        seed=st.integers(0, 1000))
 def test_every_implementation_equals_recompute(shape, rope, dtype, seed):
@@ -101,7 +101,7 @@ def test_verify_passes_the_same_shape_for_the_correct_ones():
 RAGGED = GQA.with_lens((3, 11, 7))
 
 
-@settings(max_examples=9, deadline=None, derandomize=True)
+@settings(max_examples=6, deadline=None, derandomize=True)
 @given(lens=st.lists(st.integers(1, 20), min_size=2, max_size=4), rope=st.booleans(),
        dtype=st.sampled_from(["float32", "bfloat16"]), block_size=st.sampled_from([1, 4, 16]),
        seed=st.integers(0, 1000))
@@ -151,8 +151,8 @@ def test_reports_float64_error_of_both_paths():
 
 
 def test_long_prompt_prefill_does_not_build_the_square_score_matrix():
-    # 8192 tokens x 8 heads of fp32 scores would be 2 GiB; the cached prefill must not need it.
-    shape = LayerShape(batch=1, prompt_len=8192, decode_len=1, hidden=64, q_heads=8,
+    # 4096 tokens x 8 heads of fp32 scores would be 512 MiB; the cached prefill must not need it.
+    shape = LayerShape(batch=1, prompt_len=4096, decode_len=1, hidden=64, q_heads=8,
                        kv_heads=2, head_dim=8)
     from kvbench.experiments.memory import track_cpu_peak
     from kvbench.layers.attention import AttentionLayer, make_inputs
@@ -163,7 +163,7 @@ def test_long_prompt_prefill_does_not_build_the_square_score_matrix():
         if name == "concat" or cls.attention != "gqa" or cls.unavailable(config, ImplOptions()):
             continue
         with torch.no_grad(), track_cpu_peak() as tracker:
-            cls(layer, 1, shape.total_len).prefill(x[:, :8192])
+            cls(layer, 1, shape.total_len).prefill(x[:, :4096])
         assert tracker.peak_bytes < 256 * 2**20, name
 
 
