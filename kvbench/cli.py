@@ -241,7 +241,8 @@ def capacity(
     running sequence each step, preempt when blocks run out, free at completion.
 
     The same trace and pool are served once per --reserve (paged blocks taken as sequences
-    grow; prealloc: --max-len reserved per request; oracle: each request's own length), every
+    grow; prealloc: --max-len reserved per request; oracle: each request's own length; the
+    vLLM paper's Orca baselines and static batching, reserving contiguous blocks), every
     step run on one attention layer and timed. Reports requests and tokens per second, time
     to first token and per output token, blocks in use and preemptions; every request's
     outputs are checked against path A, the request recomputed alone (exit 1 if any differ).
@@ -255,7 +256,7 @@ def serve_sim(
     kv_blocks: Annotated[int | None, typer.Option(help="KV blocks in the pool (the memory budget). \\[default: 512]")] = None,
     kv_mem: Annotated[str | None, typer.Option(help="The pool's size instead, e.g. 64MiB: as many blocks as fit (K and V, this layer, --dtype).")] = None,
     block_size: Annotated[int, typer.Option(help="Positions per block.")] = 16,
-    reserve: Annotated[str, typer.Option(help="Ways of reserving to serve the trace with: paged, prealloc, oracle (comma-separated).")] = "paged,prealloc",
+    reserve: Annotated[str, typer.Option(help="Ways of reserving to serve the trace with (comma-separated): paged, prealloc (--max-len a request), oracle (its own length), the vLLM paper's contiguous orca-max, orca-pow2, orca-oracle, and static batching.")] = "paged,prealloc",
     preempt: Annotated[str, typer.Option(help="When blocks run out: recompute (free and prefill again) or swap (to host memory and back).")] = "recompute",
     prefill_chunk: Annotated[int | None, typer.Option(help="Chunked prefill: at most this many prompt positions prefilled per step, between the others' decode steps. \\[default: each prompt whole]")] = None,
     max_seqs: Annotated[int | None, typer.Option(help="vLLM's max_num_seqs: at most this many sequences running at once. \\[default: no cap]")] = None,
@@ -264,6 +265,7 @@ def serve_sim(
     policy: Annotated[str, typer.Option(help="vllm: v1's steps, decodes and prefills mixed; vllm-v0: a step of prefills alone whenever a waiting request fits, decodes in the others.")] = "vllm",
     burstiness: Annotated[float, typer.Option(help="With --rate: the gamma shape of the gaps between arrivals, as vLLM's benchmark draws them (1: Poisson; below 1 burstier).")] = 1.0,
     trace: Annotated[Path | None, typer.Option(help="A trace CSV of arrival_s, prompt_len and output_len (arrival in seconds, sorted): its requests instead of --requests, --len-dist, --output-dist and --rate.")] = None,
+    workload: Annotated[str | None, typer.Option(help="sharegpt or alpaca: prompt and output lengths with the vLLM paper's means (161 and 338, 19 and 58 tokens) and vLLM's benchmark's filters, instead of --len-dist and --output-dist.")] = None,
     slo_ttft: Annotated[float | None, typer.Option(help="Goodput: a request counts when its time to first token is at most this many ms (and its TPOT within --slo-tpot).")] = None,
     slo_tpot: Annotated[float | None, typer.Option(help="Goodput: the most ms per output token after the first.")] = None,
     hidden: Annotated[int, typer.Option(help="Hidden size H.")] = 512,
@@ -273,6 +275,7 @@ def serve_sim(
     dtype: Annotated[str, typer.Option(help="float32|fp32, float16|fp16, bfloat16|bf16.")] = "float32",
     device: Annotated[str, typer.Option(help="auto, cpu, cuda or cuda:N.")] = "auto",
     seed: Annotated[int, typer.Option(help="Seed of the trace, the weights and the inputs.")] = 0,
+    seeds: Annotated[int, typer.Option(help="Runs of each --reserve, on seeds --seed, --seed + 1, ...: the table shows each figure's mean and 95% interval, and marks a ratio whose intervals overlap.")] = 1,
     host_mem: Annotated[str | None, typer.Option(help="Host memory this run may use, e.g. 64GiB. \\[default: MemAvailable]")] = None,
     csv: CsvPath = None,
     steps_csv: Annotated[Path | None, typer.Option(help="The per-step log. \\[default: the --csv path with -steps]")] = None,
@@ -292,9 +295,9 @@ def serve_sim(
         reserve=tuple(r.strip() for r in reserve.split(",") if r.strip()), preempt=preempt,
         prefill_chunk=prefill_chunk, max_seqs=max_seqs, max_batched_tokens=max_batched_tokens,
         watermark=watermark, policy=policy, slo_ttft=slo_ttft, slo_tpot=slo_tpot, trace=trace,
-        burstiness=burstiness,
+        workload=workload, burstiness=burstiness,
         hidden=hidden, q_heads=q_heads, kv_heads=kv_heads, head_dim=head_dim, dtype=dtype,
-        device=device, seed=seed, host_mem=host_mem, csv=csv, steps_csv=steps_csv,
+        device=device, seed=seed, seeds=seeds, host_mem=host_mem, csv=csv, steps_csv=steps_csv,
         no_csv=no_csv, quiet=quiet, format=format, ray=ray, retries=retries, threads=threads)
     servesim.run(options)
 

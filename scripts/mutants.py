@@ -37,6 +37,7 @@ DEFAULT_BUDGET_S = 900
 
 # module -> the tests that cover it, where they are not tests/test_<name>.py
 TESTS = {
+    "kvbench/experiments/model/view.py": ["tests/test_model_view.py"],
     "kvbench/layers/model/": ["tests/test_model.py", "tests/test_costs.py"],
     "kvbench/experiments/model/": ["tests/test_model.py", "tests/test_costs.py"],
     "kvbench/subjects/": ["tests/test_model.py", "tests/test_cli.py", "tests/test_mla.py"],

@@ -7,7 +7,7 @@ import itertools
 import pytest
 
 from kvbench.errors import KvbenchError
-from kvbench.serving.scheduler import BlockPool, Request, Scheduler, trace
+from kvbench.serving.scheduler import BlockPool, Request, Scheduler, gaps, trace
 from kvbench.sizing.lengths import parse_len_dist
 
 TRACE = trace(1000, seed=0, prompt=parse_len_dist("lognormal:200:1.0"),
@@ -339,3 +339,90 @@ def test_poisson_arrivals_are_the_draws_they_always_were():
         now += rng.expovariate(2.0)
         want.append(now)
     assert [r.arrival for r in trace(5, 3, lens, lens, 2.0, 64)] == want
+
+
+# The paper's baselines: contiguous reservations, Orca (Pow2), static batching.
+
+def test_first_fit_takes_the_lowest_run_and_none_when_the_free_blocks_are_scattered():
+    pool = BlockPool(8)
+    held = {b: pool.take(1) for b in range(8)}  # blocks 0..7, all held by request 1
+    for b in (1, 2, 4, 5, 6):
+        pool.release(held[b], 1)  # free: 1 2 | 4 5 6
+    assert pool.take_run(9, 3) == [4, 5, 6]  # the only run of 3
+    assert pool.take_run(9, 3) is None  # 2 free blocks: no run of 3
+    assert pool.take_run(9, 1) == [1]  # the lowest run that fits
+    assert sorted(pool.free) == [2] and all(pool.owner[b] == 9 for b in (1, 4, 5, 6))
+    for b in (4, 6):
+        pool.release(b, 9)  # free: 2 | 4 | 6: three blocks, no two consecutive
+    assert pool.take_run(7, 2) is None and len(pool.free) == 3
+
+
+def _scattered(contiguous):
+    # block size 1, 21 blocks; each reservation is the request's own prompt + output.
+    # Admitted in order at step 0: L1 [0-4], S1 [5-7], L2 [8-12], S2 [13-15], L3 [16-20].
+    # The Ss make their tokens at steps 0 and 1 and leave 3 + 3 blocks free, apart; the Ls
+    # at steps 0..3. F (4 positions) arrives at 1.5: the scattered blocks take it at step 2,
+    # one run of 4 only once the Ls finish at step 3.
+    L, S = (1, 4), (1, 2)  # (prompt, output): 5 and 3 positions
+    lens = [L, S, L, S, L]
+    reqs = [Request(i, 0.0, p, o) for i, (p, o) in enumerate(lens)] + [Request(5, 1.5, 3, 1)]
+    s = Scheduler(reqs, n_blocks=21, block_size=1, reserve="prealloc", contiguous=contiguous)
+    return s.run()
+
+
+def test_a_contiguous_reservation_waits_for_a_run_that_scattered_blocks_would_give():
+    assert _scattered(contiguous=False)[5].first_token == 2
+    assert _scattered(contiguous=True)[5].first_token == 3
+
+
+def test_pow2_reserves_the_reach_rounded_up_to_a_power_of_two_at_most_max_len():
+    from kvbench.serving.scheduler import reserved
+
+    for (prompt, output), want in {(1, 0): 1, (1, 1): 2, (2, 1): 4, (3, 2): 8, (4, 4): 8,
+                                   (5, 4): 16, (100, 100): 256}.items():
+        assert reserved(Request(0, 0, prompt, output), "pow2", None) == want, (prompt, output)
+    assert reserved(Request(0, 0, 5, 4), "pow2", 12) == 12  # 16 capped at --max-len
+    # and the scheduler holds what it reserves: 9 positions -> 16 -> 4 blocks of 4
+    s = Scheduler([Request(0, 0, 5, 4)], n_blocks=8, block_size=4, reserve="pow2")
+    s.step()
+    assert s.blocks_in_use == [4]
+
+
+def test_static_batching_admits_the_next_batch_only_when_this_one_has_finished():
+    # 4 blocks of 2, each request reserving 4 positions (2 blocks): A and B make the batch;
+    # B's one token comes with its prefill and frees its blocks at step 0, but C waits for A
+    # (tokens at steps 0, 1, 2). Continuous batching takes C at once.
+    reqs = [Request(0, 0, 1, 3), Request(1, 0, 1, 1), Request(2, 0, 1, 1)]
+
+    def first(static):
+        s = Scheduler(reqs, n_blocks=4, block_size=2, reserve="prealloc", reserve_len=4,
+                      contiguous=True, static=static)
+        return s.run()[2].first_token
+
+    assert first(static=True) == 2 and first(static=False) == 0
+
+
+def test_paged_cannot_be_contiguous_or_static():
+    for flag in ("contiguous", "static"):
+        with pytest.raises(KvbenchError, match="use prealloc or pow2"):
+            Scheduler([Request(0, 0, 1, 1)], 4, 2, reserve="paged", **{flag: True})
+
+
+def test_the_built_in_workloads_have_the_papers_means_after_the_filters():
+    # ShareGPT 161.31 / 337.99, Alpaca 19.31 / 58.45 (vLLM paper, Fig. 11), within 1.5% over
+    # 20,000 seeded draws; every request passes vLLM's benchmark's filters
+    from kvbench.serving.workloads import WORKLOADS, kept, lengths, workload_trace
+
+    for w in WORKLOADS.values():
+        pairs = lengths(w, 20_000, 3, 2048)
+        assert all(p >= 4 and o >= 4 and p <= 1024 and p + o <= 2048 for p, o in pairs)
+        assert sum(p for p, _ in pairs) / len(pairs) == pytest.approx(w.prompt_mean, rel=0.015)
+        assert sum(o for _, o in pairs) / len(pairs) == pytest.approx(w.output_mean, rel=0.015)
+    assert kept(4, 4, 2048) and not kept(3, 4, 2048) and not kept(4, 3, 2048)
+    assert kept(1024, 1024, 2048) and not kept(1025, 4, 2048) and not kept(1000, 1049, 2048)
+    assert not kept(100, 100, 199)  # --max-len below 2048 filters too
+    reqs = workload_trace("sharegpt", 50, 0, 2.0, 2048)
+    assert reqs == workload_trace("sharegpt", 50, 0, 2.0, 2048)  # seeded
+    assert [r.arrival for r in reqs] == gaps(50, 0, 2.0)  # arrivals as every trace draws them
+    with pytest.raises(KvbenchError, match="keeps too few"):
+        lengths(WORKLOADS["sharegpt"], 10, 0, 9)

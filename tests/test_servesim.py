@@ -117,6 +117,10 @@ def test_a_failed_check_exits_1_and_keeps_its_rows(tmp_path, monkeypatch):
     (["--kv-mem", "8MiB", "--kv-blocks", "10"], "give one"),
     (["--kv-mem", "lots"], "--kv-mem 'lots' is not a size"),
     (["--kv-blocks", "100000000", "--host-mem", "1GiB"], "lower --kv-blocks"),
+    (["--workload", "lmsys"], "unknown --workload 'lmsys'; use sharegpt or alpaca"),
+    (["--workload", "alpaca", "--trace", "t.csv"], "--workload and --trace both"),
+    (["--workload", "sharegpt", "--max-len", "9"], "--max-len 9 keeps too few"),
+    (["--seeds", "0"], "--seeds must be a positive integer"),
 ])
 def test_bad_input_is_one_line(refused, args, message):
     code, lines, written = refused(args, command="serve-sim")
@@ -249,3 +253,81 @@ def test_expected_steps_caps_the_mean_prompt_at_max_len_minus_one():
     o = SimOptions(requests=10, len_dist="lognormal:1000:1.0", output_dist="uniform:2:6",
                    max_len=64, kv_blocks=20, block_size=4, reserve=("paged",))
     assert expected_steps(o, "paged") == math.ceil(10 * 1 / 1.25) + 10 == 18
+
+
+def test_the_papers_baselines_serve_every_request_verified_and_hold_what_they_reserve(
+        tmp_path):
+    # the same trace and 40 blocks: paged > orca-oracle > orca-pow2 > orca-max in batch, and
+    # static below orca-max (a batch waits for its longest request); each verified
+    from kvbench.serving.scheduler import reserved
+
+    out = tmp_path / "s.csv"
+    ways = ["paged", "orca-oracle", "orca-pow2", "orca-max", "static"]
+    result = runner.invoke(app, ["serve-sim", *SMALL, "--reserve", ",".join(ways), "-q",
+                                 "--csv", str(out)])
+    assert result.exit_code == 0, result.output
+    _, df = read_results(out)
+    assert list(df["reserve"]) == ways and df["passed"].all()
+    batch = dict(zip(df["reserve"], df["mean_batch"]))
+    assert batch["paged"] > batch["orca-oracle"] > batch["orca-pow2"] > batch["orca-max"]
+    assert batch["static"] < batch["orca-max"]
+    assert df.set_index("reserve").loc["orca-max", "max_batch"] == 40 // 20  # 160 = 20 blocks
+    reqs = requests(OPTIONS)
+    assert OPTIONS.reservation("orca-pow2") == {"reserve": "pow2", "reserve_len": 160,
+                                                "contiguous": True, "static": False}
+    assert OPTIONS.reservation("static")["static"] and OPTIONS.reservation("paged") == {
+        "reserve": "paged", "reserve_len": None, "contiguous": False, "static": False}
+    assert all(reserved(r, "pow2", 160) >= r.reach for r in reqs)
+
+
+def test_the_95_percent_interval_by_hand():
+    from kvbench.measure.timing import interval95, overlap
+
+    # 1, 2, 3, 4: mean 2.5, sd sqrt(5/3) = 1.29099, se 0.645497, t(3) = 3.1824 -> 2.05423
+    mean, half = interval95([1.0, 2.0, 3.0, 4.0])
+    assert mean == 2.5 and half == pytest.approx(3.1824 * math.sqrt(5 / 3) / 2, rel=1e-12)
+    assert half == pytest.approx(2.0542, abs=1e-4)
+    mean, half = interval95([10.0, 12.0])  # t(1) = 12.7062, sd sqrt(2), se 1
+    assert (mean, half) == (11.0, pytest.approx(12.7062))
+    assert math.isnan(interval95([5.0])[1])
+    big = interval95([float(i % 2) for i in range(40)])  # past the table: 1.96
+    assert big[1] == pytest.approx(1.96 * math.sqrt(10 / 39) / math.sqrt(40))
+    assert overlap((10, 1), (12, 1)) and not overlap((10, 1), (12.5, 1))
+    assert overlap((12, 1), (10, 1)) and not overlap((12.5, 1), (10, 1))
+
+
+def _runs(reserve, rates, batch):
+    from kvbench.experiments.servesim import Served
+
+    return [Served(reserve, i, duration_s=10 / r, steps=1, step_end_s=[1.0], step_s=[1.0],
+                   batch=[batch], tokens=[1], blocks_in_use=[1], ttft_s=[0.0] * 10, tpot_s=[],
+                   latency_per_token_s=[]) for i, r in enumerate(rates)]
+
+
+def test_a_ratio_whose_intervals_overlap_is_marked_and_one_whose_do_not_is_not():
+    from kvbench.experiments.servesim import ratio_line
+
+    # paged 10, 11, 12 req/s (mean 11, half 2.48); oracle 9, 10, 11 (10, 2.48): overlap;
+    # prealloc 3, 3.5, 4 (3.5, 1.24): apart
+    served = (_runs("paged", [10, 11, 12], 6) + _runs("oracle", [9, 10, 11], 4)
+              + _runs("prealloc", [3, 3.5, 4], 2))
+    line = ratio_line(served)
+    assert "1.10× oracle's (intervals overlap) (1.50× the batch)" in line
+    assert "3.14× prealloc's (3.00× the batch)" in line
+    assert "overlap" not in ratio_line(_runs("paged", [10], 6) + _runs("oracle", [9], 4))
+
+
+def test_seeds_run_each_reserve_on_its_own_trace_and_show_intervals(tmp_path):
+    out = tmp_path / "s.csv"
+    args = ["serve-sim", *SMALL, "--requests", "12", "--reserve", "paged,oracle", "--seeds",
+            "2", "--seed", "5", "--csv", str(out)]
+    result = runner.invoke(app, args)
+    assert result.exit_code == 0, result.output
+    _, df = read_results(out)
+    assert list(zip(df["reserve"], df["seed"])) == [("paged", 5), ("paged", 6), ("oracle", 5),
+                                                     ("oracle", 6)]
+    assert df["passed"].all()
+    # each seed its own trace: the prompt tokens differ between seeds, not between reserves
+    tokens = df.set_index(["reserve", "seed"])["prompt_tokens"]
+    assert tokens["paged", 5] == tokens["oracle", 5] != tokens["paged", 6]
+    assert "±" in result.stdout and "over 2 seeds (5..6)" in result.stdout

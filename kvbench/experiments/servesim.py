@@ -2,9 +2,14 @@
 steps and verified request by request.
 
 The same trace and the same pool of KV blocks are served once per way of reserving
-(kvbench.serving.scheduler): paged takes blocks as sequences grow, prealloc reserves --max-len per
-request as a cache preallocated to the maximum length does, oracle reserves each request's
-own prompt + output (the vLLM paper's Orca (Oracle), which no server can know). Every step
+(kvbench.serving.scheduler): paged takes blocks as sequences grow, prealloc reserves --max-len
+per request as a cache preallocated to the maximum length does, oracle reserves each
+request's own prompt + output (which no server can know), both from blocks anywhere in the
+pool. The vLLM paper's baselines reserve contiguous space, so free blocks between
+reservations go unused: orca-max (--max-len), orca-pow2 (prompt + output rounded up to a
+power of two) and orca-oracle (prompt + output), each one run of consecutive blocks, first
+fit; static batches requests as orca-max reserves them and admits a batch only when the one
+before has finished. Every step
 is carried out by kvbench.serving.engine on one attention layer and timed; the clock the requests
 arrive and are served on is the sum of those step times (arrivals at --rate requests per
 second; with no --rate all arrive at once, a throughput run). Each finished request's outputs
@@ -13,6 +18,7 @@ are compared with path A, the request recomputed alone; the check is not timed.
 
 from __future__ import annotations
 
+import copy
 import math
 import sys
 import time
@@ -34,7 +40,18 @@ from kvbench.serving.scheduler import (
 from kvbench.sizing.config import DTYPE_BYTES, canonical_dtype
 from kvbench.sizing.lengths import parse_len_dist
 
-RESERVES = ("paged", "prealloc", "oracle")
+RESERVES = ("paged", "prealloc", "oracle", "orca-max", "orca-pow2", "orca-oracle", "static")
+# reserve -> the Scheduler's reservation: its kind, whether it reserves --max-len, whether one
+# run of consecutive blocks, whether batches run to the end (kvbench.serving.scheduler)
+RESERVATIONS = {
+    "paged": ("paged", False, False, False),
+    "prealloc": ("prealloc", True, False, False),
+    "oracle": ("prealloc", False, False, False),
+    "orca-max": ("prealloc", True, True, False),
+    "orca-pow2": ("pow2", True, True, False),
+    "orca-oracle": ("prealloc", False, True, False),
+    "static": ("prealloc", True, True, True),
+}
 DEFAULT_BLOCKS = 512
 WARMUP_REQUESTS = 4
 
@@ -62,6 +79,7 @@ class SimOptions:
     # the trace file's requests (read once, in __post_init__)
     traced: tuple = field(default=(), repr=False, compare=False)
     policy: str = "vllm"  # vllm (v1's mixed steps) or vllm-v0 (prompt-only steps)
+    workload: str | None = None  # sharegpt or alpaca: the paper's lengths, instead of draws
     hidden: int = 512
     q_heads: int = 8
     kv_heads: int = 2
@@ -69,6 +87,7 @@ class SimOptions:
     dtype: str = "float32"
     device: str = "auto"
     seed: int = 0
+    seeds: int = 1  # runs of each reserve, seeds seed .. seed + seeds - 1 (a 95% interval)
     host_mem: str | None = None
     csv: Path | None = None
     steps_csv: Path | None = None
@@ -104,6 +123,9 @@ class SimOptions:
                                "and 1 output token; give --max-len 2 or more")
         if self.seed < 0:
             raise KvbenchError(f"--seed must be 0 or more, got {self.seed}")
+        if self.seeds < 1:
+            raise KvbenchError(f"--seeds must be a positive integer (runs of each reserve, "
+                               f"each on its own trace), got {self.seeds}")
         if not self.burstiness > 0:
             raise KvbenchError(f"--burstiness is the gamma shape of the gaps between "
                                f"arrivals, above 0 (1: Poisson), got {self.burstiness}")
@@ -125,7 +147,17 @@ class SimOptions:
         if self.q_heads % self.kv_heads:
             raise KvbenchError(f"--q-heads {self.q_heads} is not a multiple of --kv-heads "
                                f"{self.kv_heads}; each KV head serves a whole group")
-        if self.trace is not None:  # its requests replace --requests and the draws
+        if self.workload is not None:
+            from kvbench.serving.workloads import WORKLOADS
+
+            if self.workload not in WORKLOADS:
+                raise KvbenchError(f"unknown --workload {self.workload!r}; use "
+                                   f"{' or '.join(WORKLOADS)}")
+            if self.trace is not None:
+                raise KvbenchError("--workload and --trace both give the requests; give one")
+            object.__setattr__(self, "len_dist", f"workload:{self.workload}")
+            object.__setattr__(self, "output_dist", f"workload:{self.workload}")
+        elif self.trace is not None:  # its requests replace --requests and the draws
             traced = read_trace(self.trace, self.max_len)
             object.__setattr__(self, "traced", traced)
             object.__setattr__(self, "requests", len(traced))
@@ -143,6 +175,12 @@ class SimOptions:
         if self.format not in ("table", "csv", "json"):
             raise KvbenchError(f"--format {self.format!r}: use table, csv or json")
 
+    def with_seed(self, seed: int) -> SimOptions:
+        """These options with another seed (its trace, weights and inputs), as validated."""
+        run = copy.copy(self)
+        object.__setattr__(run, "seed", seed)
+        return run
+
     @property
     def block_bytes(self) -> int:
         """K and V of one block of this layer, in --dtype."""
@@ -154,8 +192,9 @@ class SimOptions:
 
     def reservation(self, reserve: str) -> dict:
         """The Scheduler's reserve and reserve_len for one way of reserving."""
-        return {"reserve": "paged" if reserve == "paged" else "prealloc",
-                "reserve_len": self.max_len if reserve == "prealloc" else None}
+        kind, max_len, contiguous, static = RESERVATIONS[reserve]
+        return {"reserve": kind, "reserve_len": self.max_len if max_len else None,
+                "contiguous": contiguous, "static": static}
 
     def scheduler(self, reserve: str, requests, engine=None) -> Scheduler:
         """The scheduler of one way of reserving."""
@@ -171,6 +210,10 @@ def requests(o: SimOptions):
     --output-dist with arrivals at --rate."""
     if o.trace is not None:
         return list(o.traced)
+    if o.workload is not None:
+        from kvbench.serving.workloads import workload_trace
+
+        return workload_trace(o.workload, o.requests, o.seed, o.rate, o.max_len, o.burstiness)
     return trace(o.requests, o.seed, parse_len_dist(o.len_dist), parse_len_dist(o.output_dist),
                  o.rate, o.max_len, o.burstiness)
 
@@ -223,6 +266,7 @@ class Served:
     """One way of reserving, run on the trace: the measured figures and the per-step log."""
 
     reserve: str
+    seed: int
     duration_s: float
     steps: int
     step_end_s: list[float] = field(repr=False)
@@ -321,7 +365,7 @@ def serve(o: SimOptions, reserve: str, reqs, layer, device: str,
     ttft, tpot, per_token, itl = latencies(sched.records.values(), ends)
     good = (None if o.slo_ttft is None and o.slo_tpot is None else
             met_slo(sched.records.values(), ends, o.slo_ttft, o.slo_tpot))
-    return Served(reserve, clock, sched.now, ends, took, sched.batch, sched.decoded,
+    return Served(reserve, o.seed, clock, sched.now, ends, took, sched.batch, sched.decoded,
                   sched.blocks_in_use, ttft, tpot, per_token,
                   output_tokens=sum(r.output_len for r in reqs),
                   prompt_tokens=sum(r.prompt_len for r in reqs),
@@ -345,10 +389,15 @@ def expected_steps(o: SimOptions, reserve: str) -> int:
     if o.trace is not None:  # the file's own means
         prompt = sum(r.prompt_len for r in o.traced) / len(o.traced)
         output = sum(r.output_len for r in o.traced) / len(o.traced)
+    elif o.workload is not None:  # the paper's means (a --max-len below 2048 lowers them)
+        from kvbench.serving.workloads import WORKLOADS
+
+        w = WORKLOADS[o.workload]
+        prompt, output = w.prompt_mean, w.output_mean
     else:
         prompt = parse_len_dist(o.len_dist).mean(o.max_len - 1)
         output = min(parse_len_dist(o.output_dist).mean(o.max_len - 1), o.max_len - prompt)
-    held = o.max_len if reserve == "prealloc" else prompt + output
+    held = o.max_len if RESERVATIONS[reserve][1] else prompt + output
     batch = max(1.0, min(o.requests, o.kv_blocks * o.block_size / max(held, 1)))
     return math.ceil(o.requests * max(output, 1) / batch) + o.requests
 
@@ -356,7 +405,7 @@ def expected_steps(o: SimOptions, reserve: str) -> int:
 def host_bytes(o: SimOptions) -> int:
     """The host memory the trace and every reserve's step log take (the pool is apart)."""
     return (o.requests * REQUEST_BYTES
-            + sum(expected_steps(o, r) for r in o.reserve) * STEP_BYTES)
+            + o.seeds * sum(expected_steps(o, r) for r in o.reserve) * STEP_BYTES)
 
 
 def met_slo(records, ends: list[float], slo_ttft_ms: float | None,
@@ -415,20 +464,17 @@ def run(o: SimOptions) -> list[Served]:
 
     import torch
 
-    from kvbench.layers.attention import AttentionLayer
-    from kvbench.measure.device import torch_dtype
     from kvbench.measure.env import environment
-    from kvbench.sizing.config import LayerShape
 
-    reqs = requests(o)
+    runs = [o.with_seed(seed) for seed in range(o.seed, o.seed + o.seeds)]
+    traces = {run.seed: requests(run) for run in runs}
     for reserve in o.reserve:  # a request that cannot run refuses the run before any work
-        refuse_unfit(reqs, o.kv_blocks, o.block_size, **o.reservation(reserve))
-    shape = LayerShape(hidden=o.hidden, q_heads=o.q_heads, kv_heads=o.kv_heads,
-                       head_dim=o.head_dim)
-    layer = AttentionLayer(shape, torch_dtype(o.dtype), device, o.seed, rope=True)
+        way = o.reservation(reserve)
+        for reqs in traces.values():
+            refuse_unfit(reqs, o.kv_blocks, o.block_size, way["reserve"], way["reserve_len"])
     env, stamp = environment(device), results.timestamp()
     served, rows = [], []
-    total = len(reqs) * len(o.reserve)
+    total = sum(map(len, traces.values())) * len(o.reserve)
 
     def finished(s: Served, env: dict) -> None:
         nonlocal rows
@@ -447,19 +493,23 @@ def run(o: SimOptions) -> list[Served]:
             with torch.inference_mode(), render.counter(total, "requests",
                                                         enabled=not o.quiet) as bar:
                 for reserve in o.reserve:
-                    bar.describe(f"serve-sim {reserve}")
-                    s = serve(o, reserve, reqs, layer, device, bar.advance)
-                    if not served and len(o.reserve) > 1 and not o.quiet:
-                        render.note(_estimate(o, s))
-                    finished(s, env)
+                    for run in runs:
+                        bar.describe(f"serve-sim {reserve}"
+                                     + (f" seed {run.seed}" if o.seeds > 1 else ""))
+                        s = serve(run, reserve, traces[run.seed], _layer(run, device), device,
+                                  bar.advance)
+                        if not served and len(o.reserve) * o.seeds > 1 and not o.quiet:
+                            render.note(_estimate(o, s))
+                        finished(s, env)
     except KeyboardInterrupt as stopped:
         from kvbench.planning.runner import terminated
 
         what = "terminated" if terminated(stopped) else "interrupted"
         kept = (f"; {len(served)} {'row' if len(served) == 1 else 'rows'} kept in {csv}"
                 if served and csv is not None else "")
-        done = ", ".join(s.reserve for s in served) or "none"
-        print(f"kvbench: {what} after {len(served)} of {len(o.reserve)} reserves "
+        done = ", ".join(s.reserve + (f" seed {s.seed}" if o.seeds > 1 else "")
+                         for s in served) or "none"
+        print(f"kvbench: {what} after {len(served)} of {len(o.reserve) * o.seeds} runs "
               f"(finished: {done}){kept}", file=sys.stderr)
         raise SystemExit(143 if terminated(stopped) else 130) from None
     if o.format != "table":
@@ -487,17 +537,12 @@ def _on_cluster(o: SimOptions, device: str, finished) -> None:
     def serve_one(config, names, env):
         import torch
 
-        from kvbench.layers.attention import AttentionLayer
-        from kvbench.measure.device import torch_dtype
-        from kvbench.sizing.config import LayerShape
-
-        shape = LayerShape(hidden=o.hidden, q_heads=o.q_heads, kv_heads=o.kv_heads,
-                           head_dim=o.head_dim)
-        layer = AttentionLayer(shape, torch_dtype(o.dtype), device, o.seed, rope=True)
+        run = o.with_seed(names[1])
         with torch.inference_mode():
-            return serve(o, names[0], requests(o), layer, device), env
+            return serve(run, names[0], requests(run), _layer(run, device), device), env
 
-    points = [(SimpleNamespace(device=device, tp=1), (r,)) for r in o.reserve]
+    points = [(SimpleNamespace(device=device, tp=1), (r, seed)) for r in o.reserve
+              for seed in range(o.seed, o.seed + o.seeds)]
     with Cluster(o.ray, o.retries, o.threads) as cluster:
         cluster.check(points)
         cluster.submit(points, serve_one)
@@ -505,6 +550,17 @@ def _on_cluster(o: SimOptions, device: str, finished) -> None:
             if isinstance(outcome, BaseException):
                 raise outcome
             finished(*outcome)
+
+
+def _layer(o: SimOptions, device: str):
+    """The attention layer every step runs: its weights seeded by o.seed."""
+    from kvbench.layers.attention import AttentionLayer
+    from kvbench.measure.device import torch_dtype
+    from kvbench.sizing.config import LayerShape
+
+    shape = LayerShape(hidden=o.hidden, q_heads=o.q_heads, kv_heads=o.kv_heads,
+                       head_dim=o.head_dim)
+    return AttentionLayer(shape, torch_dtype(o.dtype), device, o.seed, rope=True)
 
 
 def trace_preflight(o: SimOptions, device: str) -> None:
@@ -535,49 +591,103 @@ def _estimate(o: SimOptions, first: Served) -> str:
 # ------------------------------------------------------------- its rows and tables
 
 
-def serve_table(o, device: str, served) -> Table:
+SEED_FIGURES = (  # the table's figures, as a function of one run
+    ("req/s", lambda s: s.requests_per_s, "{:,.1f}"),
+    ("tok/s", lambda s: s.tokens_per_s, "{:,.0f}"),
+    ("TTFT\np50 s", lambda s: _pct(s.ttft_s, 50), "{:,.2f}"),
+    ("TTFT\np99 s", lambda s: _pct(s.ttft_s, 99), "{:,.2f}"),
+    ("TPOT\np50 ms", lambda s: _pct(s.tpot_s, 50, 1e3), "{:,.2f}"),
+    ("TPOT\np99 ms", lambda s: _pct(s.tpot_s, 99, 1e3), "{:,.2f}"),
+    ("batch", lambda s: s.mean_batch, "{:,.1f}"),
+    ("held", lambda s: s.mean_blocks_in_use, "{:,.0f}"),
+    ("pre-\nempt", lambda s: s.preemptions, "{:,.0f}"),
+)
+
+
+def _pct(values, q, scale=1.0):
     from kvbench.measure.timing import percentile
 
+    p = percentile(values, q)
+    return None if p is None else scale * p
+
+
+def by_reserve(served) -> dict[str, list[Served]]:
+    """The runs of each reserve (one per seed), in the order they ran."""
+    runs: dict[str, list[Served]] = {}
+    for s in served:
+        runs.setdefault(s.reserve, []).append(s)
+    return runs
+
+
+def figure_interval(runs: list[Served], figure) -> tuple[float, float] | None:
+    """A figure's mean over the runs and its 95% half-width (nan for one run); None where a
+    run has no value (no request of two tokens: no TPOT)."""
+    from kvbench.measure.timing import interval95
+
+    values = [figure(s) for s in runs]
+    return None if any(v is None for v in values) else interval95(values)
+
+
+def serve_table(o, device: str, served) -> Table:
     rate = ("as traced" if o.trace is not None else "all at once" if math.isinf(o.rate)
             else f"{o.rate:g}/s")
+    seeds = (f"; mean ±95% interval over {o.seeds} seeds ({o.seed}..{o.seed + o.seeds - 1})"
+             if o.seeds > 1 else "")
     t = _table(f"serve-sim  {o.requests} requests arriving {rate}; prompts {o.len_dist}, "
-               f"outputs {o.output_dist}\n{o.kv_blocks} blocks of {o.block_size}  H={o.hidden} "
-               f"H_q={o.q_heads} H_kv={o.kv_heads} D={o.head_dim}  {o.dtype}  {device}")
-    for name in ("reserve", "req/s", "tok/s", "TTFT\np50 s", "TTFT\np99 s", "TPOT\np50 ms",
-                 "TPOT\np99 ms", "batch", "held", "pre-\nempt", "path A"):
+               f"outputs {o.output_dist}{seeds}\n{o.kv_blocks} blocks of {o.block_size}  "
+               f"H={o.hidden} H_q={o.q_heads} H_kv={o.kv_heads} D={o.head_dim}  {o.dtype}  "
+               f"{device}")
+    for name in ("reserve", *(f[0] for f in SEED_FIGURES), "path A"):
         t.add_column(name, justify="left" if name in ("reserve", "path A") else "right",
                      no_wrap=name in ("reserve", "path A"))
-    for s in served:
-        ttft = [percentile(s.ttft_s, q) for q in (50, 99)]
-        tpot = [percentile(s.tpot_s, q) for q in (50, 99)]
-        t.add_row(s.reserve, f"{s.requests_per_s:,.1f}", f"{s.tokens_per_s:,.0f}",
-                  *(f"{x:,.2f}" for x in ttft),
-                  *("n/a" if x is None else f"{1e3 * x:,.2f}" for x in tpot),
-                  f"{s.mean_batch:,.1f}", f"{s.mean_blocks_in_use:,.0f}",
-                  f"{s.preemptions:,}", "PASS" if s.passed else "[red]FAIL[/]")
+    for reserve, runs in by_reserve(served).items():
+        cells = []
+        for _, figure, fmt in SEED_FIGURES:
+            iv = figure_interval(runs, figure)
+            cells.append("n/a" if iv is None else fmt.format(iv[0]) + (
+                "" if math.isnan(iv[1]) else " ±" + fmt.format(iv[1])))
+        t.add_row(reserve, *cells,
+                  "PASS" if all(s.passed for s in runs) else "[red]FAIL[/]")
     t.caption = (f"batch: sequences decoding, held: blocks held (of {o.kv_blocks}), the mean "
                  "per step; TTFT from arrival to the first token, TPOT per later token")
     return t
+
+
+def ratio_line(served) -> str | None:
+    """paged's requests per second and batch over each other reserve's, as ratios of the
+    means; with several seeds, a ratio whose two 95% intervals overlap is marked: the runs
+    cannot tell the two apart."""
+    from kvbench.measure.timing import overlap
+
+    runs = by_reserve(served)
+    if "paged" not in runs or len(runs) < 2:
+        return None
+    rps = {r: figure_interval(v, lambda s: s.requests_per_s) for r, v in runs.items()}
+    batch = {r: figure_interval(v, lambda s: s.mean_batch) for r, v in runs.items()}
+    parts = []
+    for r in runs:
+        if r == "paged":
+            continue
+        mark = (" (intervals overlap)" if len(runs[r]) > 1 and overlap(rps["paged"], rps[r])
+                else "")
+        parts.append(f"{rps['paged'][0] / rps[r][0]:.2f}× {r}'s{mark} "
+                     f"({batch['paged'][0] / batch[r][0]:.2f}× the batch)")
+    return (f"paged serves {', '.join(parts)} requests per second on the same trace and "
+            "blocks (the vLLM paper: 2–4× the throughput at the same latency, on GPUs)")
 
 
 def show_serve(o, device: str, served) -> None:
     from kvbench.measure.timing import percentile
 
     out.print(serve_table(o, device, served))
-    gaps = [(s.reserve, percentile(s.itl_s, 50), percentile(s.itl_s, 99)) for s in served
-            if s.itl_s]
+    gaps = [(r, percentile([g for s in v for g in s.itl_s], 50),
+             percentile([g for s in v for g in s.itl_s], 99))
+            for r, v in by_reserve(served).items() if any(s.itl_s for s in v)]
     if gaps:  # TPOT is a mean per request; every gap shows a decode stalled by a prefill
         out.print("ITL p50 / p99, every gap between two tokens of a request: "
                   + ", ".join(f"{r} {1e3 * a:.2f} / {1e3 * b:.2f} ms" for r, a, b in gaps))
-    by = {s.reserve: s for s in served}
-    others = [r for r in ("prealloc", "oracle") if r in by]
-    if "paged" in by and others:
-        paged = by["paged"]
-        ratios = ", ".join(f"{paged.requests_per_s / by[r].requests_per_s:.2f}× {r}'s "
-                           f"({paged.mean_batch / by[r].mean_batch:.2f}× "
-                           "the batch)" for r in others)
-        out.print(f"paged serves {ratios} requests per second on the same trace and blocks "
-                  "(the vLLM paper: 2–4× the throughput at the same latency, on GPUs)")
+    if line := ratio_line(served):
+        out.print(line)
 
 
 def serve_rows(o, device: str, served, stamp: str,
@@ -597,7 +707,7 @@ def serve_rows(o, device: str, served, stamp: str,
                "goodput_per_s": None if s.good is None else s.good / s.duration_s,
                "kv_pool_bytes": o.pool_bytes, "hidden": o.hidden,
                "q_heads": o.q_heads, "kv_heads": o.kv_heads, "head_dim": o.head_dim,
-               "dtype": o.dtype, "device": device, "seed": o.seed, "passed": s.passed,
+               "dtype": o.dtype, "device": device, "seed": s.seed, "passed": s.passed,
                "max_abs_err": s.max_abs_err, "duration_s": s.duration_s, "steps": s.steps,
                "requests_per_s": s.requests_per_s, "output_tokens_per_s": s.tokens_per_s,
                "prompt_tokens": s.prompt_tokens, "output_tokens": s.output_tokens,

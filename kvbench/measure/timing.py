@@ -96,3 +96,28 @@ def percentile(values: list[float], q: float) -> float | None:
     lo = math.floor(at)
     hi = min(lo + 1, len(v) - 1)
     return v[lo] + (v[hi] - v[lo]) * (at - lo)
+
+
+# Student's t, two-sided 95% (the 0.975 quantile), by degrees of freedom 1..30; beyond, the
+# normal's 1.96 is within 2% of it.
+T975 = (12.7062, 4.3027, 3.1824, 2.7764, 2.5706, 2.4469, 2.3646, 2.3060, 2.2622, 2.2281,
+        2.2010, 2.1788, 2.1604, 2.1448, 2.1314, 2.1199, 2.1098, 2.1009, 2.0930, 2.0860,
+        2.0796, 2.0739, 2.0687, 2.0639, 2.0595, 2.0555, 2.0518, 2.0484, 2.0452, 2.0423)
+
+
+def interval95(values: list[float]) -> tuple[float, float]:
+    """The mean of repeated runs and the half-width of its 95% confidence interval (Student's
+    t over n − 1 degrees of freedom): mean ± half. One run has no interval (half = nan)."""
+    n = len(values)
+    mean = sum(values) / n
+    if n < 2:
+        return mean, math.nan
+    sd = math.sqrt(sum((v - mean) ** 2 for v in values) / (n - 1))
+    t = T975[n - 2] if n - 1 <= len(T975) else 1.96
+    return mean, t * sd / math.sqrt(n)
+
+
+def overlap(a: tuple[float, float], b: tuple[float, float]) -> bool:
+    """Whether two intervals (mean, half-width) overlap: a difference they cannot tell from
+    noise."""
+    return abs(a[0] - b[0]) <= a[1] + b[1]

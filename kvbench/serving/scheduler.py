@@ -6,11 +6,16 @@ swap, and nothing new is admitted in a step that preempted). No torch: this is t
 accounting a serving engine does on the host. An `engine` (kvbench.serving.engine) may carry out
 each decision on a real cache as it is made; without one the scheduler only counts.
 
-Two ways to reserve, on the same trace and pool: `paged` takes a block whenever a sequence's
-next position needs one; `prealloc` reserves, when it admits a request, the blocks of the
-longest a request may get (`reserve_len`, a server's --max-len, as a cache preallocated to
-the maximum length does; without it the request's own prompt + output, an oracle no server
-has).
+Three ways to reserve, on the same trace and pool: `paged` takes a block whenever a
+sequence's next position needs one; `prealloc` reserves, when it admits a request, the blocks
+of the longest a request may get (`reserve_len`, a server's --max-len, as a cache
+preallocated to the maximum length does; without it the request's own prompt + output, an
+oracle no server has); `pow2` reserves the request's prompt + output rounded up to a power
+of two (at most reserve_len), the vLLM paper's Orca (Pow2). A reservation is `contiguous`
+when it must be one run of consecutive blocks, as a cache preallocated per request is: the
+paper's Orca baselines, where free blocks scattered between reservations (external
+fragmentation) cannot take a request they add up to. `static` batching admits a batch only
+when the one before has wholly finished (FasterTransformer's, the paper's static batching).
 
 Positions: a request of prompt P generating O tokens caches P + O - 1 positions (its last
 token is never fed back). Its prefill writes positions 0..P-1 and yields token 1; the step
@@ -30,7 +35,7 @@ from kvbench.sizing.lengths import LenDist, draw
 
 POLICIES = ("vllm", "vllm-v0")  # v1's mixed steps, or v0's prompt-only steps
 PREEMPT = ("recompute", "swap")
-RESERVE = ("paged", "prealloc")
+RESERVE = ("paged", "prealloc", "pow2")
 
 
 @dataclass(frozen=True)
@@ -46,23 +51,30 @@ class Request:
         return self.prompt_len + self.output_len
 
 
-def trace(n: int, seed: int, prompt: LenDist, output: LenDist, rate: float,
-          max_len: int, burstiness: float = 1.0) -> list[Request]:
-    """n requests arriving at `rate` requests per unit of the clock (math.inf: all at 0),
-    their prompt and output lengths drawn from the distributions (seeded), prompt + output
-    capped at max_len. The gaps between arrivals are gamma-distributed as vLLM's benchmark
-    draws them: shape `burstiness`, mean 1 / rate, so their coefficient of variation is
-    1 / sqrt(burstiness): 1 is a Poisson process, below 1 burstier, above 1 more even."""
+def gaps(n: int, seed: int, rate: float, burstiness: float = 1.0) -> list[float]:
+    """n arrival times at `rate` requests per unit of the clock (math.inf: all at 0). The
+    gaps between them are gamma-distributed as vLLM's benchmark draws them: shape
+    `burstiness`, mean 1 / rate, so their coefficient of variation is 1 / sqrt(burstiness):
+    1 is a Poisson process, below 1 burstier, above 1 more even."""
     rng = random.Random(seed)
-    prompts = draw(prompt, n, seed, max_len - 1)
-    outputs = draw(output, n, seed + 1, max_len - 1)
-    now, requests = 0.0, []
-    for i, (p, o) in enumerate(zip(prompts, outputs)):
+    now, times = 0.0, []
+    for _ in range(n):
         if not math.isinf(rate):
             now += (rng.expovariate(rate) if burstiness == 1.0 else  # (the same draws as before)
                     rng.gammavariate(burstiness, 1.0 / (rate * burstiness)))
-        requests.append(Request(i, now, p, max(1, min(o, max_len - p))))
-    return requests
+        times.append(now)
+    return times
+
+
+def trace(n: int, seed: int, prompt: LenDist, output: LenDist, rate: float,
+          max_len: int, burstiness: float = 1.0) -> list[Request]:
+    """n requests arriving at `rate` (see `gaps`), their prompt and output lengths drawn from
+    the distributions (seeded), prompt + output capped at max_len."""
+    prompts = draw(prompt, n, seed, max_len - 1)
+    outputs = draw(output, n, seed + 1, max_len - 1)
+    return [Request(i, t, p, max(1, min(o, max_len - p)))
+            for i, (t, p, o) in enumerate(zip(gaps(n, seed, rate, burstiness), prompts,
+                                              outputs))]
 
 
 def check_limits(chunk: int | None, max_seqs: int | None, max_batched_tokens: int | None,
@@ -86,6 +98,8 @@ def reserved(r: Request, reserve: str, reserve_len: int | None) -> int:
     the request's own reach), or what paged fills (its last token is never cached)."""
     if reserve == "prealloc":
         return reserve_len or r.reach
+    if reserve == "pow2":  # at most twice the request's own reach
+        return min(1 << (r.reach - 1).bit_length(), reserve_len or math.inf)
     return r.reach - 1
 
 
@@ -117,6 +131,22 @@ class BlockPool:
             raise AssertionError(f"block {block} handed out twice")
         self.owner[block] = request
         return block
+
+    def take_run(self, request: int, n: int) -> list[int] | None:
+        """n consecutive blocks, the run that starts lowest (first fit), or None when no
+        run of n blocks is free, however many free blocks there are."""
+        free, start = sorted(self.free), None
+        for i, block in enumerate(free):
+            if i == 0 or block != free[i - 1] + 1:
+                start = i  # a new run of consecutive free blocks begins here
+            if i - start + 1 == n:
+                run = free[start:i + 1]
+                taken = set(run)
+                self.free = deque(b for b in self.free if b not in taken)
+                for b in run:
+                    self.owner[b] = request
+                return run
+        return None
 
     def release(self, block: int, request: int) -> None:
         if self.owner.get(block) != request:
@@ -190,9 +220,13 @@ class Scheduler:
                  reserve: str = "paged", preempt: str = "recompute",
                  reserve_len: int | None = None, engine=None, chunk: int | None = None,
                  max_seqs: int | None = None, max_batched_tokens: int | None = None,
-                 watermark: float = 0.0, policy: str = "vllm"):
+                 watermark: float = 0.0, policy: str = "vllm", contiguous: bool = False,
+                 static: bool = False):
         if reserve not in RESERVE:
-            raise KvbenchError(f"unknown --reserve {reserve!r}; use paged or prealloc")
+            raise KvbenchError(f"unknown --reserve {reserve!r}; use {', '.join(RESERVE)}")
+        if (contiguous or static) and reserve == "paged":
+            raise KvbenchError("contiguous and static reservations reserve a request's "
+                               "blocks when it is admitted; use prealloc or pow2")
         if preempt not in PREEMPT:
             raise KvbenchError(f"unknown --preempt {preempt!r}; use recompute or swap")
         self.block_size, self.reserve, self.preempt = block_size, reserve, preempt
@@ -202,6 +236,7 @@ class Scheduler:
         check_limits(chunk, max_seqs, max_batched_tokens, watermark, policy)
         self.max_seqs, self.max_batched_tokens = max_seqs, max_batched_tokens
         self.policy = policy
+        self.contiguous, self.static = contiguous, static
         self.watermark_blocks = int(watermark * n_blocks)  # vLLM v0: int(0.01 · blocks)
         refuse_unfit(requests, n_blocks - self.watermark_blocks, block_size, reserve,
                      reserve_len)
@@ -212,6 +247,7 @@ class Scheduler:
         self.records = {r.id: Record(r) for r in requests}
         self.now = 0  # steps taken
         self.preemptions = 0
+        self.finished = 0  # requests finished so far
         self.swapped_blocks = 0  # block copies to and from the host (swap)
         self.recomputed_tokens = 0  # positions prefilled again (recompute)
         self.blocks_in_use: list[int] = []  # per step
@@ -246,7 +282,8 @@ class Scheduler:
         while self.pending and self.pending[0].arrival <= clock:
             self.waiting.append(Running(self.pending.popleft()))
         before = self.preemptions
-        if self.policy == "vllm-v0" and self.waiting:  # v0: a step of prefills, if any fits
+        # v0: a step of prefills alone, if a waiting request fits
+        if self.policy == "vllm-v0" and self.waiting and self._may_admit():
             admitted = len(self.running)
             tokens = self._admit(self.chunk or math.inf)
             if len(self.running) > admitted:
@@ -273,9 +310,13 @@ class Scheduler:
         for seq in [seq for seq in self.running if seq.prefilled is not None]:
             budget, made = self._prefill(seq, budget)  # prefills begun in earlier steps
             tokens += made
-        if self.preemptions == before and self.policy == "vllm":
+        if self.preemptions == before and self.policy == "vllm" and self._may_admit():
             tokens += self._admit(budget)
         self._end_step(tokens, len(decoding))
+
+    def _may_admit(self) -> bool:
+        """Static batching admits the next batch only once the running one has finished."""
+        return not (self.static and self.running)
 
     def _end_step(self, tokens: int, batch: int) -> None:
         self.blocks_in_use.append(len(self.pool.owner))
@@ -286,14 +327,16 @@ class Scheduler:
     def _admit(self, budget: float) -> int:
         """Waiting sequences admitted while blocks last, their prefills begun within the
         step's budget of prompt positions; tokens made."""
-        tokens = 0
+        tokens, finished = 0, self.finished
         while self.waiting:
             if self.max_seqs is not None and len(self.running) >= self.max_seqs:
                 break  # vLLM's max_num_seqs
+            if self.static and self.finished > finished:
+                break  # a static batch is formed once: what its requests free waits for it
             seq = self.waiting[0]
             if not seq.swapped and budget <= 0:
                 break  # no prompt positions left to prefill this step
-            if self.reserve == "prealloc":
+            if self.reserve != "paged":
                 need = self.blocks_for(self._reserved(seq.request))
             elif seq.swapped and seq.prefilled is None:  # its cache, back from the host
                 need = self.blocks_for(seq.cached)
@@ -301,8 +344,15 @@ class Scheduler:
                 need = self.blocks_for(seq.length)
             if need > len(self.pool.free) - self.watermark_blocks:
                 break
-            self.waiting.popleft()
-            seq.blocks = [self.pool.take(seq.request.id) for _ in range(need)]
+            if self.contiguous:  # one run of consecutive blocks, or it waits
+                run = self.pool.take_run(seq.request.id, need)
+                if run is None:
+                    break
+                self.waiting.popleft()
+                seq.blocks = run
+            else:
+                self.waiting.popleft()
+                seq.blocks = [self.pool.take(seq.request.id) for _ in range(need)]
             self.running.append(seq)
             if seq.swapped:  # back from the host; it goes on from the next step
                 self.swapped_blocks += self.blocks_for(seq.cached)
@@ -374,5 +424,6 @@ class Scheduler:
             self.pool.release(block, seq.request.id)
         seq.blocks = []
         self.records[seq.request.id].finished = self.now
+        self.finished += 1
         if self.engine is not None:
             self.engine.finish(seq)

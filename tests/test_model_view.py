@@ -1,0 +1,172 @@
+"""The --model tables and rows (kvbench.experiments.model.view), every cell worked out by hand
+from a result built here: no model runs, so a mutation run over view.py takes seconds."""
+
+from types import SimpleNamespace
+
+import pytest
+from rich.console import Console
+
+from kvbench.experiments.model import view
+from kvbench.experiments.model.run import (
+    ModelBenchResult,
+    ModelCheck,
+    ModelImplMemory,
+    ModelMemoryResult,
+    ModelTiming,
+    ModelVerifyReport,
+    Quality,
+)
+from kvbench.formats.kvformat import KvFormat
+from kvbench.measure.timing import Stats
+from kvbench.sizing.config import LayerShape, RunConfig
+
+# B = 2, 4 decode steps
+CONFIG = RunConfig(LayerShape(batch=2, prompt_len=6, decode_len=4, hidden=32, q_heads=4,
+                              kv_heads=2, head_dim=8))
+REF = SimpleNamespace(label="tiny", trained=True)
+
+
+def text(table) -> str:
+    console = Console(record=True, width=300, color_system=None)
+    console.print(table)
+    return " ".join(console.export_text().split())  # the caption wraps at the table's width
+
+
+def cells(table, row: int) -> dict[str, str]:
+    """Column header -> the row's cell, as rendered (markup stripped)."""
+    out = {}
+    for col in table.columns:
+        cell = list(col.cells)[row]
+        out[" ".join(str(col.header).split())] = Console(width=300).render_str(
+            str(cell)).plain
+    return out
+
+
+def bench_result(prefill=True, graph=True, decode_ms=8.0, copy_gbps=10.0):
+    # static: 4 steps in 8 ms -> 2 ms a step of the batch; 2 sequences -> 1,000 tok/s; an IQR
+    # of 2 ms is 25% of the median: noisy (!).
+    # A step reads 6 MB of weights + 2 MB of K/V = 8 MB: 8 MB / 2 ms = 4 GB/s, 40% of 10;
+    # the K/V share 2 / 8 = 25%. Its graph: 4 steps in 4 ms -> 1 ms, 2x, 8 GB/s = 80%.
+    timing = ModelTiming(
+        "static", Stats(50.0, 49.0, 52.0, 1.0, 5) if prefill else None,
+        Stats(decode_ms, 7.0, 9.5, 2.0, 5), kv_bytes_per_step=2e6,
+        graph=Stats(4.0, 3.9, 4.4, 0.2, 5) if graph else None)
+    return ModelBenchResult(CONFIG, REF, 3, SimpleNamespace(warmup=1, rounds=5),
+                            weight_bytes_per_step=6_000_000, copy_gbps=copy_gbps,
+                            timings=[timing], kv_format=KvFormat())
+
+
+def test_the_bench_table_by_hand():
+    t = view.bench_table(bench_result())
+    row = cells(t, 0)
+    assert row == {"impl": "static", "TTFT ms": "50.00", "ms/token": "2.000", "IQR": "25% !",
+                   "tok/s": "1,000.0", "MB/token": "8.00", "KV share": "25.0%",
+                   "%copy": "40%"}
+    assert cells(t, 1) == {"impl": "static graph", "TTFT ms": "—", "ms/token": "1.000",
+                           "IQR": "5%", "tok/s": "2,000.0", "MB/token": "8.00",
+                           "KV share": "25.0%", "%copy": "80%"}
+    caption = text(t)
+    assert "weights (5.722 MiB)" in caption and "copy bandwidth 10.0 GB/s" in caption
+    assert "median of 5 rounds after 1 warmups" in caption and "(all 4 steps / 4)" in caption
+    assert "graph: the whole model's step" in caption
+
+
+def test_the_bench_table_flags_what_it_cannot_trust():
+    # no prefill timed: skipped; no graph: no graph row nor its caption; 2 ms a step at
+    # 1 GB/s of copy bandwidth is 400%: flagged with ?
+    t = view.bench_table(bench_result(prefill=False, graph=False, copy_gbps=1.0))
+    row = cells(t, 0)
+    assert row["TTFT ms"] == "skipped" and row["%copy"] == "400% ?"
+    assert len(t.rows) == 1 and "graph:" not in text(t)
+    assert cells(view.bench_table(bench_result(copy_gbps=4.0)), 0)["%copy"] == "100%"
+
+
+def test_the_bench_rows_by_hand():
+    (row,) = view.model_bench_rows(bench_result(), {"env": "x"})
+    expected = {"command": "bench", "impl": "static", "model": "tiny", "layers": 3,
+                "warmup": 1, "rounds": 5, "verified": None, "prefill_ms": 50.0,
+                "decode_cached_ms": 8.0, "decode_cached_ms_iqr": 2.0,
+                "cached_ms_per_step": 2.0, "tokens_per_s": 1000.0, "noisy": True,
+                "copy_gbps": 10.0, "min_bytes_per_step": 8e6, "achieved_gbps": 4.0,
+                "bandwidth_fraction": 0.4, "suspect": False, "weight_bytes_per_step": 6e6,
+                "kv_bytes_per_step": 2e6, "kv_share": 0.25, "verify_max_abs_err": None,
+                "lossy": None, "decode_graph_ms": 4.0, "graph_ms_per_step": 1.0,
+                "graph_speedup": 2.0, "graph_bandwidth_fraction": 0.8, "env": "x"}
+    for key, value in expected.items():
+        assert row[key] == pytest.approx(value) if isinstance(value, float) else \
+            row[key] == value, key
+    (suspect,) = view.model_bench_rows(bench_result(copy_gbps=1.0), {})
+    assert suspect["suspect"] is True and suspect["bandwidth_fraction"] == pytest.approx(4.0)
+
+
+def _check(impl, passed=True, lossy=False, **kw):
+    return ModelCheck(impl, passed, lossy, kw.pop("err", 1e-6),
+                      Quality(kw.pop("ppl", 12.5), 1e-3, 4e-3, 0.75), cache_bytes=4096, **kw)
+
+
+def verify_report(masked=None):
+    report = ModelVerifyReport(CONFIG, REF, 3, 1e-4, 1e-5, Quality(12.0, 0.0, 0.0, 1.0),
+                               greedy=" the cat", context="on", kv_format=KvFormat(),
+                               masked=masked)
+    report.checks = [_check("static"),
+                     _check("paged", passed=False, err=0.5, first_bad_step=2,
+                            first_bad_layer=1, message="step 2 differs"),
+                     _check("h2o", lossy=True, ppl=13.25)]
+    return report
+
+
+def test_the_verify_table_by_hand():
+    t = view.verify_table(verify_report())
+    assert cells(t, 0) == {"impl": "static", "result": "PASS", "max|Δlogit|": "1.00e-06",
+                           "ppl": "12.500", "KL mean": "1.00e-03", "KL max": "4.00e-03",
+                           "top-1": "75.0%", "failure": "—"}
+    assert cells(t, 1)["result"] == "FAIL" and cells(t, 1)["failure"] == "step 2 differs"
+    assert cells(t, 2)["result"] == "lossy" and cells(t, 2)["ppl"] == "13.250"
+    caption = text(t)
+    assert "path A perplexity 12.000 over the 4 decoded tokens" in caption
+    assert "tolerance rtol=0.0001 atol=1e-05" in caption and "masked A" not in caption
+    t = view.verify_table(verify_report(masked=Quality(12.75, 2e-3, 5e-3, 0.5)))
+    assert cells(t, 3) == {"impl": "masked A", "result": "reference", "max|Δlogit|": "—",
+                           "ppl": "12.750", "KL mean": "2.00e-03", "KL max": "5.00e-03",
+                           "top-1": "50.0%", "failure": "—"}
+    assert "masked A = transformers' forward under the window's mask" in text(t)
+
+
+def test_the_verify_rows_by_hand():
+    rows = view.model_verify_rows(verify_report(masked=Quality(12.75, 2e-3, 5e-3, 0.5)), {})
+    static, paged, h2o = rows
+    assert static["command"] == "verify" and static["passed"] is True
+    assert (static["ppl"], static["kl_mean"], static["kl_max"], static["top1_agree"]) == (
+        12.5, 1e-3, 4e-3, 0.75)
+    assert static["ppl_path_a"] == 12.0 and static["ppl_masked"] == 12.75
+    assert static["lossy"] is None and h2o["lossy"] is True
+    assert (paged["passed"], paged["max_abs_err"], paged["first_bad_step"],
+            paged["first_bad_layer"]) == (False, 0.5, 2, 1)
+    assert static["kv_cache_bytes"] == 4096 and static["rtol"] == 1e-4
+    assert static["atol"] == 1e-5 and static["graph"] is None
+    assert view.model_verify_rows(verify_report(), {})[0]["ppl_masked"] is None
+
+
+def test_the_memory_table_and_rows_by_hand():
+    m = ModelImplMemory("paged", cache_bytes=3 * 2**20, planner_bytes=3 * 2**20,
+                        prefill_peak_bytes=2**21, decode_peak_bytes=2**19)
+    off = ModelImplMemory("static", cache_bytes=2**20, planner_bytes=2**21,
+                          prefill_peak_bytes=0, decode_peak_bytes=0)
+    result = ModelMemoryResult(CONFIG, REF, 3, weight_bytes=5 * 2**20, impls=[m, off],
+                               kv_format=KvFormat())
+    t = view.memory_table(result)
+    assert cells(t, 0) == {"impl": "paged", "K/V MiB": "3.000", "planner MiB": "3.000",
+                           "prefill peak": "2.000", "decode peak": "0.500"}
+    assert cells(t, 1)["planner MiB"] == "2.000 ≠"  # differs from the cache: marked
+    assert "weights 5 MiB" in text(t)
+    paged, _ = view.model_memory_rows(result, {})
+    assert paged["command"] == "memory" and paged["weight_bytes"] == 5 * 2**20
+    assert (paged["cached_peak_allocated_bytes"], paged["decode_peak_allocated_bytes"],
+            paged["kv_cache_bytes"], paged["kv_planner_bytes"]) == (2**21, 2**19, 3 * 2**20,
+                                                                    3 * 2**20)
+
+
+def test_the_transformers_row_has_no_technique_cells():
+    rows = view._model_cells("bench", "transformers", bench_result())
+    assert rows["impl"] == "transformers" and rows["window"] is None
+    assert view._model_cells("bench", "static", bench_result())["layers"] == 3
