@@ -170,3 +170,17 @@ def test_the_transformers_row_has_no_technique_cells():
     rows = view._model_cells("bench", "transformers", bench_result())
     assert rows["impl"] == "transformers" and rows["window"] is None
     assert view._model_cells("bench", "static", bench_result())["layers"] == 3
+
+
+def test_the_titles_name_the_run():
+    from dataclasses import replace
+
+    assert view._title("bench", bench_result()) == (
+        "bench  tiny, 3 layers: B=2 prompt=6 decode=4 float32 cpu")
+    windowed = replace(CONFIG, shape=replace(CONFIG.shape, window=8, sinks=2))
+    result = replace(bench_result(), config=windowed)
+    assert view._title("verify", result).endswith("float32 cpu window=8 sinks=2")
+    budget = replace(CONFIG, shape=replace(CONFIG.shape, kv_budget=5), kv_dtype="int4",
+                     group_size=4)
+    result = replace(bench_result(), config=budget)
+    assert view._title("memory", result).endswith("float32 cpu kv-budget=5 kv int4 g=4")

@@ -426,3 +426,29 @@ def test_the_built_in_workloads_have_the_papers_means_after_the_filters():
     assert [r.arrival for r in reqs] == gaps(50, 0, 2.0)  # arrivals as every trace draws them
     with pytest.raises(KvbenchError, match="keeps too few"):
         lengths(WORKLOADS["sharegpt"], 10, 0, 9)
+
+
+def test_v1_allocates_a_prefill_chunk_by_chunk_and_preempts_the_newest_for_a_chunk():
+    # 4 blocks of 4, chunks of 4. A (prompt 4) decodes 9 tokens, holding 1, 2, then 3 blocks;
+    # B's prompt of 12 (3 blocks) is admitted at step 1 with its first chunk's block only,
+    # takes its second at step 2 and at step 3 finds the pool full: B, the newest, is
+    # preempted (and again each time it comes back, until A finishes). Allocating the whole
+    # prompt at admission (v0), B waits until A finishes at step 8 and is never preempted.
+    def run(per_chunk):
+        s = Scheduler([Request(0, 0.0, 4, 9), Request(1, 0.0, 12, 2)], n_blocks=4,
+                      block_size=4, chunk=4)
+        s.per_chunk = per_chunk
+        held = []
+        while not s.done:
+            s.step()
+            held.append({q.request.id: len(q.blocks) for q in s.running})
+        return s, held
+
+    s, held = run(per_chunk=True)
+    assert held[:4] == [{0: 1}, {0: 2, 1: 1}, {0: 2, 1: 2}, {0: 2}]
+    assert s.records[1].preempted == 3 and s.records[0].preempted == 0
+    assert s.recomputed_tokens == 8 + 4 + 4  # B's chunks thrown away: 8, then 4 twice
+    s, held = run(per_chunk=False)
+    assert all(1 not in h for h in held[:8]) and held[8] == {1: 3}
+    assert s.records[1].preempted == 0 and s.records[1].first_token == 10
+    assert Scheduler([Request(0, 0, 4, 1)], 4, 4, policy="vllm-v0").per_chunk is False

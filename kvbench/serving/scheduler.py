@@ -203,7 +203,10 @@ class Scheduler:
     back and it decodes from the next step. With `chunk`, a step prefills at most that many
     prompt positions, all sequences together, oldest prefill first: a long prompt is spread
     over several steps, the running sequences decoding in each, and yields its token when its
-    last chunk is written.
+    last chunk is written. Under v1's policy ("vllm", paged) a prefill takes the blocks of
+    each chunk as the chunk is scheduled (admission needs only the first chunk's), preempting
+    the newest sequence when none is free, as decodes do; otherwise it takes the whole
+    prompt's at admission.
 
     vLLM's limits (its SchedulerConfig): `max_seqs` (max_num_seqs) caps the sequences running
     at once, so admission stops there; `max_batched_tokens` (max_num_batched_tokens) caps the
@@ -237,6 +240,9 @@ class Scheduler:
         self.max_seqs, self.max_batched_tokens = max_seqs, max_batched_tokens
         self.policy = policy
         self.contiguous, self.static = contiguous, static
+        # v1 allocates a prefill's blocks chunk by chunk, as each is scheduled; v0 (and any
+        # reservation made at admission) the whole prompt's at once
+        self.per_chunk = policy == "vllm" and reserve == "paged"
         self.watermark_blocks = int(watermark * n_blocks)  # vLLM v0: int(0.01 · blocks)
         refuse_unfit(requests, n_blocks - self.watermark_blocks, block_size, reserve,
                      reserve_len)
@@ -308,6 +314,8 @@ class Scheduler:
         tokens = len(decoding)
         budget = min(self.chunk or math.inf, cap - len(decoding))
         for seq in [seq for seq in self.running if seq.prefilled is not None]:
+            if seq not in self.running:
+                continue  # preempted for an older prefill's chunk this step
             budget, made = self._prefill(seq, budget)  # prefills begun in earlier steps
             tokens += made
         if self.preemptions == before and self.policy == "vllm" and self._may_admit():
@@ -338,9 +346,11 @@ class Scheduler:
                 break  # no prompt positions left to prefill this step
             if self.reserve != "paged":
                 need = self.blocks_for(self._reserved(seq.request))
-            elif seq.swapped and seq.prefilled is None:  # its cache, back from the host
-                need = self.blocks_for(seq.cached)
-            else:  # what its prefill writes
+            elif seq.swapped and (seq.prefilled is None or self.per_chunk):
+                need = self.blocks_for(seq.cached)  # its cache, back from the host
+            elif self.per_chunk:  # what this step's chunk of its prefill writes
+                need = self.blocks_for(min(seq.length, budget))
+            else:  # what its whole prefill writes
                 need = self.blocks_for(seq.length)
             if need > len(self.pool.free) - self.watermark_blocks:
                 break
@@ -371,6 +381,8 @@ class Scheduler:
         n = int(min(budget, seq.length - seq.prefilled))
         if n <= 0:
             return budget, 0
+        if self.per_chunk and not self._grow(seq, seq.prefilled + n):
+            return budget, 0  # preempted itself: no block for its chunk
         if self.engine is not None:
             self.engine.prefill(seq, seq.prefilled, seq.prefilled + n)
         seq.prefilled += n
