@@ -144,8 +144,9 @@ def main(argv: list[str]) -> int:
     print("mutants: " + ", ".join(f"{n} {s}" for s, n in sorted(counts.items()))
           + (" (the budget ran out; the rest did not run)" if stopped else ""))
     for name in survivors:
-        diff = subprocess.run([sys.executable, "-m", "mutmut", "show", name], cwd=copy,
-                              capture_output=True, text=True, check=False).stdout
+        shown = subprocess.run([sys.executable, "-m", "mutmut", "show", name], cwd=copy,
+                               capture_output=True, text=True, check=False)
+        diff = shown.stdout + shown.stderr
         print(f"\nsurvived: {name}\n{diff.strip()}")
     shutil.rmtree(copy, ignore_errors=True)
     return 1 if survivors else 0

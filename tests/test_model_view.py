@@ -42,43 +42,56 @@ def cells(table, row: int) -> dict[str, str]:
     return out
 
 
-def bench_result(prefill=True, graph=True, decode_ms=8.0, copy_gbps=10.0):
+def bench_result(prefill=True, graph=True, decode_ms=8.0, copy_gbps=10.0, note=None,
+                 check=None):
     # static: 4 steps in 8 ms -> 2 ms a step of the batch; 2 sequences -> 1,000 tok/s; an IQR
-    # of 2 ms is 25% of the median: noisy (!).
-    # A step reads 6 MB of weights + 2 MB of K/V = 8 MB: 8 MB / 2 ms = 4 GB/s, 40% of 10;
-    # the K/V share 2 / 8 = 25%. Its graph: 4 steps in 4 ms -> 1 ms, 2x, 8 GB/s = 80%.
+    # of 2 ms is 25% of the median: noisy (!). A step reads 6 MB of weights + 2 MB of K/V =
+    # 8 MB: 8 MB / 2 ms = 4 GB/s, 40% of 10; the K/V share 2 / 8 = 25%. Its graph: 4 steps
+    # in 2 ms -> 0.5 ms, 4x, 4,000 tok/s, 16 GB/s = 160% of 10 (flagged ?).
     timing = ModelTiming(
         "static", Stats(50.0, 49.0, 52.0, 1.0, 5) if prefill else None,
-        Stats(decode_ms, 7.0, 9.5, 2.0, 5), kv_bytes_per_step=2e6,
-        graph=Stats(4.0, 3.9, 4.4, 0.2, 5) if graph else None)
+        Stats(decode_ms, 7.0, 9.5, 2.0, 5), kv_bytes_per_step=2e6, check=check,
+        graph=Stats(2.0, 1.9, 2.4, 0.2, 5) if graph else None)
     return ModelBenchResult(CONFIG, REF, 3, SimpleNamespace(warmup=1, rounds=5),
                             weight_bytes_per_step=6_000_000, copy_gbps=copy_gbps,
-                            timings=[timing], kv_format=KvFormat())
+                            timings=[timing], kv_format=KvFormat(), note=note)
 
 
 def test_the_bench_table_by_hand():
     t = view.bench_table(bench_result())
+    assert t.title == "bench  tiny, 3 layers: B=2 prompt=6 decode=4 float32 cpu"
     row = cells(t, 0)
     assert row == {"impl": "static", "TTFT ms": "50.00", "ms/token": "2.000", "IQR": "25% !",
                    "tok/s": "1,000.0", "MB/token": "8.00", "KV share": "25.0%",
                    "%copy": "40%"}
-    assert cells(t, 1) == {"impl": "static graph", "TTFT ms": "—", "ms/token": "1.000",
-                           "IQR": "5%", "tok/s": "2,000.0", "MB/token": "8.00",
-                           "KV share": "25.0%", "%copy": "80%"}
+    assert cells(t, 1) == {"impl": "static graph", "TTFT ms": "—", "ms/token": "0.5000",
+                           "IQR": "10%", "tok/s": "4,000.0", "MB/token": "8.00",
+                           "KV share": "25.0%", "%copy": "160% ?"}
     caption = text(t)
     assert "weights (5.722 MiB)" in caption and "copy bandwidth 10.0 GB/s" in caption
     assert "median of 5 rounds after 1 warmups" in caption and "(all 4 steps / 4)" in caption
-    assert "graph: the whole model's step" in caption
+    assert "graph: the whole model's step" in caption and "; why" not in caption
+    assert text(view.bench_table(bench_result(note="why"))).endswith("; why")
 
 
-def test_the_bench_table_flags_what_it_cannot_trust():
-    # no prefill timed: skipped; no graph: no graph row nor its caption; 2 ms a step at
-    # 1 GB/s of copy bandwidth is 400%: flagged with ?
-    t = view.bench_table(bench_result(prefill=False, graph=False, copy_gbps=1.0))
-    row = cells(t, 0)
-    assert row["TTFT ms"] == "skipped" and row["%copy"] == "400% ?"
+def test_the_bench_table_flags_a_fraction_above_one_and_only_above():
+    # the step at 2 (main) and 0.5 ms (graph), 8 MB each: 4 and 16 GB/s
+    for copy, main, graph in ((2.0, "200% ?", "800% ?"), (4.0, "100%", "400% ?"),
+                              (8.0, "50%", "200% ?"), (16.0, "25%", "100%")):
+        t = view.bench_table(bench_result(copy_gbps=copy))
+        assert (cells(t, 0)["%copy"], cells(t, 1)["%copy"]) == (main, graph), copy
+    # no prefill timed: skipped; no graph: no graph row nor its caption
+    t = view.bench_table(bench_result(prefill=False, graph=False))
+    assert cells(t, 0)["TTFT ms"] == "skipped"
     assert len(t.rows) == 1 and "graph:" not in text(t)
-    assert cells(view.bench_table(bench_result(copy_gbps=4.0)), 0)["%copy"] == "100%"
+
+
+def test_megabytes_per_token_are_millions_of_bytes():
+    # a step of 1e12 + 6e6 bytes: 1,000,006.00 MB (a divisor off by one would give .00 less)
+    result = bench_result()
+    result.timings[0].kv_bytes_per_step = 1e12
+    t = view.bench_table(result)
+    assert cells(t, 0)["MB/token"] == cells(t, 1)["MB/token"] == "1,000,006.00"
 
 
 def test_the_bench_rows_by_hand():
@@ -90,13 +103,19 @@ def test_the_bench_rows_by_hand():
                 "copy_gbps": 10.0, "min_bytes_per_step": 8e6, "achieved_gbps": 4.0,
                 "bandwidth_fraction": 0.4, "suspect": False, "weight_bytes_per_step": 6e6,
                 "kv_bytes_per_step": 2e6, "kv_share": 0.25, "verify_max_abs_err": None,
-                "lossy": None, "decode_graph_ms": 4.0, "graph_ms_per_step": 1.0,
-                "graph_speedup": 2.0, "graph_bandwidth_fraction": 0.8, "env": "x"}
+                "lossy": None, "decode_graph_ms": 2.0, "graph_ms_per_step": 0.5,
+                "graph_speedup": 4.0, "graph_bandwidth_fraction": 1.6, "env": "x"}
     for key, value in expected.items():
-        assert row[key] == pytest.approx(value) if isinstance(value, float) else \
-            row[key] == value, key
-    (suspect,) = view.model_bench_rows(bench_result(copy_gbps=1.0), {})
-    assert suspect["suspect"] is True and suspect["bandwidth_fraction"] == pytest.approx(4.0)
+        assert row[key] == (pytest.approx(value, rel=1e-12) if isinstance(value, float)
+                            else value), key
+    # the fraction exactly 1 is not suspect; 2 is
+    assert [view.model_bench_rows(bench_result(copy_gbps=c), {})[0]["suspect"]
+            for c in (4.0, 2.0)] == [False, True]
+    checked = bench_result(check=_check("static", lossy=True, err=3e-3))
+    (row,) = view.model_bench_rows(checked, {})
+    assert (row["verified"], row["verify_max_abs_err"], row["lossy"]) == (True, 3e-3, True)
+    (row,) = view.model_bench_rows(bench_result(check=_check("static")), {})
+    assert row["lossy"] is None
 
 
 def _check(impl, passed=True, lossy=False, **kw):
@@ -117,6 +136,7 @@ def verify_report(masked=None):
 
 def test_the_verify_table_by_hand():
     t = view.verify_table(verify_report())
+    assert t.title == "verify  tiny, 3 layers: B=2 prompt=6 decode=4 float32 cpu"
     assert cells(t, 0) == {"impl": "static", "result": "PASS", "max|Δlogit|": "1.00e-06",
                            "ppl": "12.500", "KL mean": "1.00e-03", "KL max": "4.00e-03",
                            "top-1": "75.0%", "failure": "—"}
@@ -130,11 +150,19 @@ def test_the_verify_table_by_hand():
                            "ppl": "12.750", "KL mean": "2.00e-03", "KL max": "5.00e-03",
                            "top-1": "50.0%", "failure": "—"}
     assert "masked A = transformers' forward under the window's mask" in text(t)
+    untrained = verify_report()
+    untrained.ref = SimpleNamespace(label="tiny", trained=False)
+    t = view.verify_table(untrained)
+    assert [c.header for c in t.columns] == ["impl", "result", "max|Δlogit|", "failure"]
+    assert cells(t, 0)["max|Δlogit|"] == "1.00e-06"
+    assert "random weights: path A is kvbench's own cacheless forward" in text(t)
+    assert "perplexity" not in text(t)
 
 
 def test_the_verify_rows_by_hand():
     rows = view.model_verify_rows(verify_report(masked=Quality(12.75, 2e-3, 5e-3, 0.5)), {})
     static, paged, h2o = rows
+    assert [r["impl"] for r in rows] == ["static", "paged", "h2o"]
     assert static["command"] == "verify" and static["passed"] is True
     assert (static["ppl"], static["kl_mean"], static["kl_max"], static["top1_agree"]) == (
         12.5, 1e-3, 4e-3, 0.75)
@@ -155,21 +183,28 @@ def test_the_memory_table_and_rows_by_hand():
     result = ModelMemoryResult(CONFIG, REF, 3, weight_bytes=5 * 2**20, impls=[m, off],
                                kv_format=KvFormat())
     t = view.memory_table(result)
+    assert t.title == "memory  tiny, 3 layers: B=2 prompt=6 decode=4 float32 cpu"
     assert cells(t, 0) == {"impl": "paged", "K/V MiB": "3.000", "planner MiB": "3.000",
                            "prefill peak": "2.000", "decode peak": "0.500"}
     assert cells(t, 1)["planner MiB"] == "2.000 ≠"  # differs from the cache: marked
     assert "weights 5 MiB" in text(t)
     paged, _ = view.model_memory_rows(result, {})
     assert paged["command"] == "memory" and paged["weight_bytes"] == 5 * 2**20
+    assert paged["impl"] == "paged"
     assert (paged["cached_peak_allocated_bytes"], paged["decode_peak_allocated_bytes"],
             paged["kv_cache_bytes"], paged["kv_planner_bytes"]) == (2**21, 2**19, 3 * 2**20,
                                                                     3 * 2**20)
 
 
 def test_the_transformers_row_has_no_technique_cells():
-    rows = view._model_cells("bench", "transformers", bench_result())
-    assert rows["impl"] == "transformers" and rows["window"] is None
-    assert view._model_cells("bench", "static", bench_result())["layers"] == 3
+    from dataclasses import replace
+
+    windowed = replace(CONFIG, shape=replace(CONFIG.shape, window=8, sinks=2))
+    result = replace(bench_result(), config=windowed)
+    hf = view._model_cells("bench", "transformers", result)
+    ours = view._model_cells("bench", "static", result)
+    assert (hf["impl"], hf["window"], hf["sinks"]) == ("transformers", None, None)
+    assert (ours["impl"], ours["window"], ours["sinks"], ours["layers"]) == ("static", 8, 2, 3)
 
 
 def test_the_titles_name_the_run():
