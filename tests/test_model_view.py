@@ -71,6 +71,7 @@ def test_the_bench_table_by_hand():
     assert "weights (5.722 MiB)" in caption and "copy bandwidth 10.0 GB/s" in caption
     assert "median of 5 rounds after 1 warmups" in caption and "(all 4 steps / 4)" in caption
     assert "graph: the whole model's step" in caption and "; why" not in caption
+    assert caption.endswith("replayed as one CUDA graph")  # no note: nothing after
     assert text(view.bench_table(bench_result(note="why"))).endswith("; why")
 
 

@@ -452,3 +452,87 @@ def test_v1_allocates_a_prefill_chunk_by_chunk_and_preempts_the_newest_for_a_chu
     assert all(1 not in h for h in held[:8]) and held[8] == {1: 3}
     assert s.records[1].preempted == 0 and s.records[1].first_token == 10
     assert Scheduler([Request(0, 0, 4, 1)], 4, 4, policy="vllm-v0").per_chunk is False
+
+
+# Prefix caching (vLLM v1's automatic prefix caching), worked out by hand.
+
+def test_a_shared_prompt_is_prefilled_once_and_its_last_position_always():
+    # blocks of 4; a shared prompt of 16 (4 blocks). A (prompt 20) prefills all 20 and keys
+    # the 4 shared blocks and its own block 4; B (prompt 20, arriving next step) finds the 4
+    # shared blocks: 16 positions not prefilled, 4 prefilled. C's prompt is the shared 16
+    # alone: 3 blocks are found, the 4th recomputed (its last position makes its token),
+    # at step 2, once A has finished and B holds the shared blocks.
+    reqs = [Request(0, 0.0, 20, 3, prefix=16), Request(1, 0.5, 20, 3, prefix=16),
+            Request(2, 1.5, 16, 2, prefix=16)]
+    s = Scheduler(reqs, n_blocks=32, block_size=4, prefix_caching=True)
+    s.step()
+    assert (s.hit_positions, s.query_positions) == (0, 20)
+    s.step()
+    b = next(q for q in s.running if q.request.id == 1)
+    a = next(q for q in s.running if q.request.id == 0)
+    assert b.blocks[:4] == a.blocks[:4] and b.blocks[4] != a.blocks[4]
+    assert (s.hit_positions, s.query_positions) == (16, 40)
+    # the shared four once; A's block 4 and the one its decode at step 1 opened; B's block 4
+    assert len(s.pool.owner) == 4 + 2 + 1
+    s.step()
+    c = next(q for q in s.running if q.request.id == 2)
+    assert c.blocks[:3] == b.blocks[:3] and c.blocks[3] not in b.blocks  # (A finished)
+    assert (s.hit_positions, s.query_positions) == (28, 56)
+    s.run()
+    assert len(s.pool.free) == 32 and not s.pool.owner  # every holder released
+
+
+def test_other_groups_and_other_requests_never_share():
+    reqs = [Request(0, 0.0, 20, 2, prefix=16, group=0), Request(1, 0.5, 20, 2, prefix=16,
+                                                               group=1),
+            Request(2, 1.5, 20, 2)]
+    s = Scheduler(reqs, n_blocks=32, block_size=4, prefix_caching=True)
+    s.run()
+    assert s.hit_positions == 0
+
+
+def test_a_preempted_request_re_hits_its_own_blocks():
+    # 6 blocks of 4: A (prompt 8) and B (prompt 8) decode until the pool runs dry; B, the
+    # newest, is preempted by recompute and its full blocks stay keyed in the free queue;
+    # readmitted, it finds them and prefills only its last block
+    reqs = [Request(0, 0.0, 8, 8), Request(1, 0.0, 8, 8)]
+    s = Scheduler(reqs, n_blocks=6, block_size=4, prefix_caching=True)
+    s.run()
+    rec = s.records[1]
+    assert rec.preempted >= 1 and s.records[0].preempted == 0
+    assert s.hit_positions > 0 and s.recomputed_tokens > s.hit_positions - 1
+    off = Scheduler(reqs, n_blocks=6, block_size=4, prefix_caching=False)
+    off.run()
+    assert off.records[1].preempted == rec.preempted  # the same decisions, fewer positions
+
+
+def test_blocks_are_evicted_least_recently_freed_first():
+    # 3 blocks of 4. A (prompt 5, 1 token) takes blocks 0 and 1, keys block 0 (the shared 4)
+    # and frees both at step 0, its last block first: the free queue is 2, 1, 0. B (prompt 5,
+    # 1 token, other content) takes 2 and 1 from the front; block 0 keeps its key, and C
+    # (A's group) finds it at step 2
+    pool_blocks = 3
+    reqs = [Request(0, 0.0, 5, 1, prefix=4), Request(1, 0.5, 5, 1),
+            Request(2, 1.5, 5, 1, prefix=4)]
+    s = Scheduler(reqs, n_blocks=pool_blocks, block_size=4, prefix_caching=True)
+    s.run()
+    assert s.hit_positions == 4  # C found A's shared block: B did not evict it
+    # handed out from the back instead (the most recently freed first), B evicts it
+    from kvbench.serving import scheduler as sched_mod
+
+    class Mru(sched_mod.CachingPool):
+        def take(self, request):
+            if self.free:
+                self.free.rotate(1)  # the most recently freed to the front
+            return super().take(request)
+
+    s = Scheduler(reqs, n_blocks=pool_blocks, block_size=4, prefix_caching=True)
+    s.pool = Mru(pool_blocks)
+    s.run()
+    assert s.hit_positions == 0
+
+
+def test_prefix_caching_needs_paged_blocks_and_recompute():
+    for kwargs in ({"reserve": "prealloc"}, {"preempt": "swap"}):
+        with pytest.raises(KvbenchError, match="--prefix-caching"):
+            Scheduler([Request(0, 0, 4, 1)], 4, 4, prefix_caching=True, **kwargs)

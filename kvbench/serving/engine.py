@@ -12,7 +12,10 @@ preempted sequence's blocks to host memory and back into whatever blocks it gets
 
 With a prefill chunk the scheduler spreads a prompt's prefill over several steps, each chunk
 attending to the positions written before it; decode steps of the other sequences go on in
-between (the stall a whole prompt's prefill would cause is what chunking bounds).
+between (the stall a whole prompt's prefill would cause is what chunking bounds). With
+prefix caching a prefill starts after the blocks the scheduler found cached (a shared
+prompt's, or the request's own from before a preemption): its first chunk attends to them as
+to any earlier chunk, read from the pool where another request wrote them.
 
 Each request's inputs are rows of a seeded table of random rows, at an offset of its own, so
 they are known without drawing anything while a step is timed. Every output a request makes
@@ -76,8 +79,11 @@ class Engine:
         return (r.id * 2654435761) % ROWS
 
     def inputs(self, r: Request, positions: torch.Tensor) -> torch.Tensor:
-        """Request r's inputs at these positions: [..., H]."""
-        return self.rows[(positions + self.offset(r)) % ROWS]
+        """Request r's inputs at these positions: [..., H]. Its first r.prefix positions are
+        its shared prompt's, the same rows for every request of that group."""
+        offset = torch.where(positions < r.prefix, (r.group * 40503 + 7919) % ROWS,
+                             self.offset(r))
+        return self.rows[(positions + offset) % ROWS]
 
     def _keep(self, seq: Running, out: torch.Tensor) -> None:
         """out [H]: the output that makes token seq.generated + 1."""
@@ -102,7 +108,9 @@ class Engine:
         bs, dev = self.block_size, self.layer.device
         pos = torch.arange(start, end, device=dev)
         q, k, v = self.layer.project(self.inputs(seq.request, pos)[None], start=start)
-        table = self.tables[self._row(seq, resync=start == 0)]  # [width]
+        # a prefill's first chunk (after any blocks found in the prefix cache): every block
+        # of the row may be new
+        table = self.tables[self._row(seq, resync=start == seq.hit)]  # [width]
         self._write(table[pos // bs], pos % bs, k[0].transpose(0, 1), v[0].transpose(0, 1))
         if start == 0:
             attn = F.scaled_dot_product_attention(q, k, v, is_causal=True,

@@ -44,6 +44,16 @@ class Request:
     arrival: float  # when it arrives, on the scheduler's clock (steps, or seconds)
     prompt_len: int
     output_len: int  # tokens it generates, the first with its prefill
+    prefix: int = 0  # its first `prefix` positions are shared prompt `group`'s (a system prompt)
+    group: int = 0
+
+    def block_key(self, j: int, block_size: int) -> tuple:
+        """What block j of this request holds, as prefix caching hashes it (its tokens and
+        every token before them): a block wholly inside the shared prompt is that prompt's,
+        the same for every request that starts with it; any other is this request's own."""
+        if (j + 1) * block_size <= self.prefix:
+            return ("shared", self.group, j)
+        return ("own", self.id, j)
 
     @property
     def reach(self) -> int:
@@ -155,6 +165,59 @@ class BlockPool:
         self.free.append(block)
 
 
+class CachingPool(BlockPool):
+    """Blocks shared by content (vLLM's automatic prefix caching): a full block is kept under
+    its key (Request.block_key) and any request whose content has that key at that place
+    holds the same block, counted once per holder. A block no one holds goes to the back of
+    the free queue still keyed, so a later request (or its own request, readmitted after a
+    preemption) can find it again; blocks are handed out from the front, the least recently
+    freed first, and lose their key when they are."""
+
+    def __init__(self, n_blocks: int):
+        super().__init__(n_blocks)
+        self.owner: dict[int, set[int]] = {}  # block -> the requests holding it
+        self.block_of: dict[tuple, int] = {}  # key -> the block holding that content
+        self.key_of: dict[int, tuple] = {}
+
+    def take(self, request: int) -> int | None:
+        if not self.free:
+            return None
+        block = self.free.popleft()
+        if block in self.owner:
+            raise AssertionError(f"block {block} handed out twice")
+        if (key := self.key_of.pop(block, None)) is not None:
+            del self.block_of[key]  # evicted: its content is about to be overwritten
+        self.owner[block] = {request}
+        return block
+
+    def take_run(self, request: int, n: int) -> list[int] | None:
+        raise AssertionError("prefix caching shares blocks; it reserves no runs")
+
+    def cached(self, key: tuple) -> int | None:
+        return self.block_of.get(key)
+
+    def share(self, block: int, request: int) -> None:
+        """`request` holds `block` too (a hit): out of the free queue if no one held it."""
+        if block not in self.owner:
+            self.free.remove(block)
+            self.owner[block] = set()
+        self.owner[block].add(request)
+
+    def register(self, block: int, key: tuple) -> None:
+        """`block` is full and holds `key`'s content (the first block to, if two do)."""
+        if key not in self.block_of and block not in self.key_of:
+            self.block_of[key], self.key_of[block] = block, key
+
+    def release(self, block: int, request: int) -> None:
+        holders = self.owner.get(block, set())
+        if request not in holders:
+            raise AssertionError(f"request {request} frees block {block} it does not hold")
+        holders.remove(request)
+        if not holders:
+            del self.owner[block]
+            self.free.append(block)  # keyed still: the most recently freed, evicted last
+
+
 @dataclass
 class Running:
     request: Request
@@ -162,6 +225,8 @@ class Running:
     generated: int = 0  # tokens generated so far (kept across a preemption)
     swapped: bool = False  # its cache waits in host memory (preempted by swap)
     prefilled: int | None = None  # positions its prefill has written so far; None: decoding
+    hit: int = 0  # positions found in the prefix cache when it was (last) admitted
+    registered: int = 0  # its leading full blocks already keyed in the prefix cache
 
     @property
     def length(self) -> int:
@@ -224,12 +289,16 @@ class Scheduler:
                  reserve_len: int | None = None, engine=None, chunk: int | None = None,
                  max_seqs: int | None = None, max_batched_tokens: int | None = None,
                  watermark: float = 0.0, policy: str = "vllm", contiguous: bool = False,
-                 static: bool = False):
+                 static: bool = False, prefix_caching: bool = False):
         if reserve not in RESERVE:
             raise KvbenchError(f"unknown --reserve {reserve!r}; use {', '.join(RESERVE)}")
         if (contiguous or static) and reserve == "paged":
             raise KvbenchError("contiguous and static reservations reserve a request's "
                                "blocks when it is admitted; use prealloc or pow2")
+        if prefix_caching and (reserve != "paged" or preempt != "recompute"):
+            raise KvbenchError("--prefix-caching shares paged blocks and preempts by "
+                               "recompute (as vLLM v1 does); use --reserve paged and "
+                               "--preempt recompute")
         if preempt not in PREEMPT:
             raise KvbenchError(f"unknown --preempt {preempt!r}; use recompute or swap")
         self.block_size, self.reserve, self.preempt = block_size, reserve, preempt
@@ -246,7 +315,10 @@ class Scheduler:
         self.watermark_blocks = int(watermark * n_blocks)  # vLLM v0: int(0.01 · blocks)
         refuse_unfit(requests, n_blocks - self.watermark_blocks, block_size, reserve,
                      reserve_len)
-        self.pool = BlockPool(n_blocks)
+        self.prefix_caching = prefix_caching
+        self.pool = CachingPool(n_blocks) if prefix_caching else BlockPool(n_blocks)
+        self.hit_positions = 0  # prompt positions found in the prefix cache, not prefilled
+        self.query_positions = 0  # prompt positions admitted requests asked for
         self.pending = deque(sorted(requests, key=lambda r: (r.arrival, r.id)))
         self.waiting: deque[Running] = deque()
         self.running: list[Running] = []  # in the order admitted
@@ -310,6 +382,7 @@ class Scheduler:
         for seq in decoding:
             seq.generated += 1
             self.records[seq.request.id].tokens.append(self.now)
+            self._register(seq)
             self._finish_if_done(seq)
         tokens = len(decoding)
         budget = min(self.chunk or math.inf, cap - len(decoding))
@@ -344,15 +417,19 @@ class Scheduler:
             seq = self.waiting[0]
             if not seq.swapped and budget <= 0:
                 break  # no prompt positions left to prefill this step
+            # prefix caching: the leading full blocks of its content already in the pool
+            hits = self._hits(seq) if self.prefix_caching and not seq.swapped else []
+            start = len(hits) * self.block_size
             if self.reserve != "paged":
                 need = self.blocks_for(self._reserved(seq.request))
             elif seq.swapped and (seq.prefilled is None or self.per_chunk):
                 need = self.blocks_for(seq.cached)  # its cache, back from the host
             elif self.per_chunk:  # what this step's chunk of its prefill writes
-                need = self.blocks_for(min(seq.length, budget))
+                need = self.blocks_for(min(seq.length, start + budget)) - len(hits)
             else:  # what its whole prefill writes
-                need = self.blocks_for(seq.length)
-            if need > len(self.pool.free) - self.watermark_blocks:
+                need = self.blocks_for(seq.length) - len(hits)
+            idle = sum(1 for b in hits if b not in self.pool.owner)  # hits no one holds
+            if need + idle > len(self.pool.free) - self.watermark_blocks:
                 break
             if self.contiguous:  # one run of consecutive blocks, or it waits
                 run = self.pool.take_run(seq.request.id, need)
@@ -362,7 +439,9 @@ class Scheduler:
                 seq.blocks = run
             else:
                 self.waiting.popleft()
-                seq.blocks = [self.pool.take(seq.request.id) for _ in range(need)]
+                for block in hits:
+                    self.pool.share(block, seq.request.id)
+                seq.blocks = hits + [self.pool.take(seq.request.id) for _ in range(need)]
             self.running.append(seq)
             if seq.swapped:  # back from the host; it goes on from the next step
                 self.swapped_blocks += self.blocks_for(seq.cached)
@@ -370,10 +449,34 @@ class Scheduler:
                     self.engine.swap_in(seq)
                 seq.swapped = False
                 continue
-            seq.prefilled = 0
+            seq.prefilled = seq.hit = start
+            seq.registered = len(hits)
+            if self.prefix_caching:
+                self.hit_positions += start
+                self.query_positions += seq.length
             budget, made = self._prefill(seq, budget)
             tokens += made
         return tokens
+
+    def _hits(self, seq: Running) -> list[int]:
+        """The blocks holding seq's leading full blocks of content, as far as the prefix
+        cache has them in a row (its last position is always computed: it makes a token)."""
+        r, found = seq.request, []
+        for j in range((seq.length - 1) // self.block_size):
+            block = self.pool.cached(r.block_key(j, self.block_size))
+            if block is None:
+                break
+            found.append(block)
+        return found
+
+    def _register(self, seq: Running) -> None:
+        """seq's blocks filled since the last call, keyed in the prefix cache."""
+        if not self.prefix_caching:
+            return
+        full = seq.cached // self.block_size
+        for j in range(seq.registered, full):
+            self.pool.register(seq.blocks[j], seq.request.block_key(j, self.block_size))
+        seq.registered = max(seq.registered, full)
 
     def _prefill(self, seq: Running, budget: float) -> tuple[float, int]:
         """The next chunk of seq's prefill, at most `budget` positions: the budget left and
@@ -387,6 +490,7 @@ class Scheduler:
             self.engine.prefill(seq, seq.prefilled, seq.prefilled + n)
         seq.prefilled += n
         if seq.prefilled < seq.length:
+            self._register(seq)
             return budget - n, 0
         seq.prefilled = None
         record = self.records[seq.request.id]
@@ -394,6 +498,7 @@ class Scheduler:
             record.first_token = self.now
         record.tokens.append(self.now)  # (a recomputed prefill makes the next token too)
         seq.generated += 1
+        self._register(seq)
         self._finish_if_done(seq)
         return budget - n, 1
 
@@ -421,20 +526,24 @@ class Scheduler:
         else:  # what it had computed is thrown away and prefilled again when readmitted
             self.recomputed_tokens += seq.cached
             seq.prefilled = None
-        for block in seq.blocks:
-            self.pool.release(block, seq.request.id)
-        seq.blocks = []
+        self._free(seq)
+        seq.registered, seq.hit = 0, 0
         self.records[seq.request.id].preempted += 1
         self.preemptions += 1
         self.waiting.appendleft(seq)
+
+    def _free(self, seq: Running) -> None:
+        """seq's blocks back to the pool; with prefix caching its last block first (vLLM's
+        order), so that a prefix's leading blocks are the last evicted."""
+        for block in (reversed(seq.blocks) if self.prefix_caching else seq.blocks):
+            self.pool.release(block, seq.request.id)
+        seq.blocks = []
 
     def _finish_if_done(self, seq: Running) -> None:
         if seq.generated < seq.request.output_len:
             return
         self.running.remove(seq)
-        for block in seq.blocks:
-            self.pool.release(block, seq.request.id)
-        seq.blocks = []
+        self._free(seq)
         self.records[seq.request.id].finished = self.now
         self.finished += 1
         if self.engine is not None:
