@@ -121,6 +121,10 @@ def test_a_failed_check_exits_1_and_keeps_its_rows(tmp_path, monkeypatch):
     (["--workload", "alpaca", "--trace", "t.csv"], "--workload and --trace both"),
     (["--workload", "sharegpt", "--max-len", "9"], "--max-len 9 keeps too few"),
     (["--seeds", "0"], "--seeds must be a positive integer"),
+    (["--prefix-caching", "--reserve", "paged,prealloc"], "use --reserve paged and"),
+    (["--prefix-caching", "--preempt", "swap"], "--preempt recompute"),
+    (["--shared-prefix-len", "2047"], "--shared-prefix-len 2047: a shared prompt of 0 to"),
+    (["--shared-prefix-len", "8", "--shared-prefix-frac", "0"], "--shared-prefix-frac is"),
 ])
 def test_bad_input_is_one_line(refused, args, message):
     code, lines, written = refused(args, command="serve-sim")
@@ -182,6 +186,13 @@ def test_serve_rows_by_hand():
     assert (row["mean_blocks_in_use"], row["max_blocks_in_use"]) == (4.5, 6)
     assert row["step_p50_ms"] == pytest.approx(500.0) and row["step_max_ms"] == 600.0
     assert row["seed"] == 7  # the run's own seed, not the options' first
+    assert row["prefix_hit_rate"] is None and row["prefill_positions_saved"] is None
+    served.hit_positions, served.query_positions = 30, 120
+    caching = SimOptions(**{**OPTIONS.__dict__, "reserve": ("paged",), "prefix_caching": True,
+                            "shared_prefix_len": 16, "traced": ()})
+    (row,) = serve_rows(caching, "cpu", [served], "t", {})
+    assert (row["prefix_hit_rate"], row["prefill_positions_saved"]) == (0.25, 30)
+    assert (row["shared_prefix_len"], row["shared_prefix_frac"]) == (16, 1.0)
 
 
 def test_inter_token_latencies_are_every_gap_by_hand():
@@ -332,3 +343,53 @@ def test_seeds_run_each_reserve_on_its_own_trace_and_show_intervals(tmp_path):
     tokens = df.set_index(["reserve", "seed"])["prompt_tokens"]
     assert tokens["paged", 5] == tokens["oracle", 5] != tokens["paged", 6]
     assert "±" in result.stdout and "over 2 seeds (5..6)" in result.stdout
+
+
+def test_a_shared_prompt_goes_before_a_seeded_share_of_the_prompts():
+    from kvbench.experiments.servesim import shared_prefix
+    from kvbench.serving.scheduler import Request
+
+    reqs = [Request(i, 0.0, 10, 5) for i in range(400)]
+    out = shared_prefix(reqs, 20, 0.25, 3, 100)
+    shared = [r for r in out if r.prefix]
+    assert 80 <= len(shared) <= 120  # about a quarter, seeded
+    assert out == shared_prefix(reqs, 20, 0.25, 3, 100)
+    assert all((r.prompt_len, r.output_len, r.prefix) == (30, 5, 20) for r in shared)
+    assert all((r.prompt_len, r.prefix) == (10, 0) for r in out if not r.prefix)
+    # at --max-len 28 its own part is cut to 28 - 20 - 5 = 3; at 22 to 1 and the output to 1
+    (r,) = shared_prefix([Request(0, 0.0, 10, 5)], 20, 1.0, 0, 28)
+    assert (r.prompt_len, r.output_len) == (23, 5)
+    (r,) = shared_prefix([Request(0, 0.0, 10, 5)], 20, 1.0, 0, 22)
+    assert (r.prompt_len, r.output_len) == (21, 1)
+
+
+def test_prefix_caching_serves_every_request_verified_and_counts_what_it_saved(tmp_path):
+    out = tmp_path / "s.csv"
+    shared = ["--reserve", "paged", "--max-len", "300", "--shared-prefix-len", "64", "-q"]
+    for name, extra in (("on", ["--prefix-caching"]), ("off", [])):
+        result = runner.invoke(app, ["serve-sim", *SMALL, *shared, *extra, "--csv",
+                                     str(tmp_path / f"{name}.csv")])
+        assert result.exit_code == 0, result.output
+    (on,), (off,) = (read_results(tmp_path / f"{n}.csv")[1].to_dict("records")
+                     for n in ("on", "off"))
+    assert on["passed"] and off["passed"] and on["shared_prefix_len"] == 64
+    # every request starts with the same 64 positions: 8 blocks of 8, found by all but the
+    # first admission of the prompt (and by preempted requests' own blocks)
+    assert on["prefill_positions_saved"] >= 64 * (40 - 1) * 0.9
+    # the rate is the saved positions over the prompt positions admissions asked for: at
+    # least every prompt once (40 requests), so at most saved / that
+    asked = on["prompt_tokens"]
+    assert 0 < on["prefix_hit_rate"] <= on["prefill_positions_saved"] / asked
+    assert pd.isna(off["prefix_hit_rate"]) and not off["prefix_caching"]
+    assert off["prompt_tokens"] == on["prompt_tokens"]  # the same trace
+    del out
+
+
+def test_prefix_caching_that_shares_a_block_it_should_not_fails_the_check(monkeypatch):
+    from kvbench.serving.scheduler import Request
+
+    # every request's own block j taken for any other's: different inputs, the same block
+    monkeypatch.setattr(Request, "block_key", lambda self, j, bs: ("any", j))
+    result = runner.invoke(app, ["serve-sim", *SMALL, "--reserve", "paged", "--prefix-caching",
+                                 "--no-csv", "-q"])
+    assert result.exit_code == 1 and "differs from path A" in result.stderr

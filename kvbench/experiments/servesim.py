@@ -80,6 +80,9 @@ class SimOptions:
     traced: tuple = field(default=(), repr=False, compare=False)
     policy: str = "vllm"  # vllm (v1's mixed steps) or vllm-v0 (prompt-only steps)
     workload: str | None = None  # sharegpt or alpaca: the paper's lengths, instead of draws
+    prefix_caching: bool = False  # vLLM v1's automatic prefix caching (paged only)
+    shared_prefix_len: int = 0  # a shared system prompt of this many positions ...
+    shared_prefix_frac: float = 1.0  # ... at the start of this share of the requests
     hidden: int = 512
     q_heads: int = 8
     kv_heads: int = 2
@@ -168,6 +171,18 @@ class SimOptions:
             parse_len_dist(self.output_dist)
         check_limits(self.prefill_chunk, self.max_seqs, self.max_batched_tokens, self.watermark,
                      self.policy)
+        if self.shared_prefix_len < 0 or self.shared_prefix_len > self.max_len - 2:
+            raise KvbenchError(f"--shared-prefix-len {self.shared_prefix_len}: a shared prompt "
+                               f"of 0 to --max-len - 2 = {self.max_len - 2} positions, leaving "
+                               "each request a position of its own and a token")
+        if not 0 < self.shared_prefix_frac <= 1:
+            raise KvbenchError(f"--shared-prefix-frac is the share of requests that start with "
+                               f"the shared prompt, above 0 and at most 1; got "
+                               f"{self.shared_prefix_frac}")
+        if self.prefix_caching and (self.preempt != "recompute" or any(
+                r != "paged" for r in self.reserve)):
+            raise KvbenchError("--prefix-caching shares paged blocks and preempts by recompute "
+                               "(as vLLM v1 does); use --reserve paged and --preempt recompute")
         for flag, value in (("--slo-ttft", self.slo_ttft), ("--slo-tpot", self.slo_tpot)):
             if value is not None and not value > 0:
                 raise KvbenchError(f"{flag} is a latency in ms above 0, got {value}")
@@ -200,22 +215,46 @@ class SimOptions:
         """The scheduler of one way of reserving."""
         return Scheduler(requests, self.kv_blocks, self.block_size, preempt=self.preempt,
                          engine=engine, chunk=self.prefill_chunk, max_seqs=self.max_seqs,
+                         prefix_caching=self.prefix_caching,
                          max_batched_tokens=self.max_batched_tokens,
                          watermark=self.watermark, policy=self.policy,
                          **self.reservation(reserve))
 
 
 def requests(o: SimOptions):
-    """The trace: --trace's requests, or lengths drawn from --len-dist (prompts) and
-    --output-dist with arrivals at --rate."""
+    """The trace: --trace's requests, a --workload's, or lengths drawn from --len-dist
+    (prompts) and --output-dist with arrivals at --rate; then --shared-prefix-len's system
+    prompt put before the prompts of --shared-prefix-frac of them."""
     if o.trace is not None:
-        return list(o.traced)
-    if o.workload is not None:
+        reqs = list(o.traced)
+    elif o.workload is not None:
         from kvbench.serving.workloads import workload_trace
 
-        return workload_trace(o.workload, o.requests, o.seed, o.rate, o.max_len, o.burstiness)
-    return trace(o.requests, o.seed, parse_len_dist(o.len_dist), parse_len_dist(o.output_dist),
-                 o.rate, o.max_len, o.burstiness)
+        reqs = workload_trace(o.workload, o.requests, o.seed, o.rate, o.max_len, o.burstiness)
+    else:
+        reqs = trace(o.requests, o.seed, parse_len_dist(o.len_dist),
+                     parse_len_dist(o.output_dist), o.rate, o.max_len, o.burstiness)
+    return shared_prefix(reqs, o.shared_prefix_len, o.shared_prefix_frac, o.seed, o.max_len)
+
+
+def shared_prefix(reqs, length: int, frac: float, seed: int, max_len: int) -> list[Request]:
+    """A system prompt of `length` positions before the prompts of a seeded `frac` of the
+    requests (all of them at 1): their prompts grow by it, their own part cut where prompt
+    + output would pass max_len (at least one position of their own is kept, then the
+    output is cut)."""
+    import random
+
+    if not length:
+        return list(reqs)
+    rng, out = random.Random(seed + 2), []
+    for r in reqs:
+        if rng.random() >= frac:
+            out.append(r)
+            continue
+        own = max(1, min(r.prompt_len, max_len - length - r.output_len))
+        output = max(1, min(r.output_len, max_len - length - own))
+        out.append(Request(r.id, r.arrival, length + own, output, prefix=length))
+    return out
 
 
 TRACE_COLUMNS = ("arrival_s", "prompt_len", "output_len")
@@ -289,6 +328,13 @@ class Served:
     swapped_blocks: int = 0
     max_abs_err: float = 0.0
     failures: list[str] = field(default_factory=list)
+    # prefix caching: prompt positions found cached (not prefilled) of those admissions asked
+    hit_positions: int = 0
+    query_positions: int = 0
+
+    @property
+    def hit_rate(self) -> float | None:
+        return self.hit_positions / self.query_positions if self.query_positions else None
 
     @property
     def passed(self) -> bool:
@@ -371,7 +417,8 @@ def serve(o: SimOptions, reserve: str, reqs, layer, device: str,
                   prompt_tokens=sum(r.prompt_len for r in reqs),
                   preemptions=sched.preemptions, recomputed_tokens=sched.recomputed_tokens,
                   swapped_blocks=sched.swapped_blocks, max_abs_err=max_err,
-                  failures=failures, itl_s=itl, good=good)
+                  failures=failures, itl_s=itl, good=good, hit_positions=sched.hit_positions,
+                  query_positions=sched.query_positions)
 
 
 # Host bytes the run holds per request (the request, its record, its latencies) and per step
@@ -686,6 +733,11 @@ def show_serve(o, device: str, served) -> None:
     if gaps:  # TPOT is a mean per request; every gap shows a decode stalled by a prefill
         out.print("ITL p50 / p99, every gap between two tokens of a request: "
                   + ", ".join(f"{r} {1e3 * a:.2f} / {1e3 * b:.2f} ms" for r, a, b in gaps))
+    if o.prefix_caching:
+        hits = sum(s.hit_positions for s in served)
+        asked = sum(s.query_positions for s in served)
+        out.print(f"prefix cache: {hits / max(asked, 1):.1%} of the prompt positions admitted "
+                  f"were found cached ({hits:,} of {asked:,}, not prefilled)")
     if line := ratio_line(served):
         out.print(line)
 
@@ -705,6 +757,11 @@ def serve_rows(o, device: str, served, stamp: str,
                "max_batched_tokens": o.max_batched_tokens, "watermark": o.watermark or None,
                "policy": o.policy, "burstiness": o.burstiness, "slo_ttft_ms": o.slo_ttft, "slo_tpot_ms": o.slo_tpot,
                "goodput_per_s": None if s.good is None else s.good / s.duration_s,
+               "workload": o.workload, "prefix_caching": o.prefix_caching,
+               "shared_prefix_len": o.shared_prefix_len or None,
+               "shared_prefix_frac": o.shared_prefix_frac if o.shared_prefix_len else None,
+               "prefix_hit_rate": s.hit_rate if o.prefix_caching else None,
+               "prefill_positions_saved": s.hit_positions if o.prefix_caching else None,
                "kv_pool_bytes": o.pool_bytes, "hidden": o.hidden,
                "q_heads": o.q_heads, "kv_heads": o.kv_heads, "head_dim": o.head_dim,
                "dtype": o.dtype, "device": device, "seed": s.seed, "passed": s.passed,
