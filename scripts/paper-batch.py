@@ -21,10 +21,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from kvbench.experiments.servesim import RESERVATIONS  # noqa: E402
-from kvbench.measure.timing import interval95  # noqa: E402
-from kvbench.serving.scheduler import Scheduler  # noqa: E402
-from kvbench.serving.workloads import workload_trace  # noqa: E402
+from kvbench.experiments.servesim import RESERVATIONS
+from kvbench.measure.timing import interval95
+from kvbench.serving.scheduler import Scheduler
+from kvbench.serving.workloads import workload_trace
 
 BLOCKS, BLOCK_SIZE, MAX_LEN = 987, 16, 2048
 WAYS = ("paged", "orca-oracle", "orca-pow2", "orca-max", "static")
