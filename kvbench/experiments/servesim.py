@@ -556,7 +556,8 @@ def run(o: SimOptions) -> list[Served]:
                 if served and csv is not None else "")
         done = ", ".join(s.reserve + (f" seed {s.seed}" if o.seeds > 1 else "")
                          for s in served) or "none"
-        print(f"kvbench: {what} after {len(served)} of {len(o.reserve) * o.seeds} runs "
+        unit = "reserves" if o.seeds == 1 else "runs (reserve and seed)"
+        print(f"kvbench: {what} after {len(served)} of {len(o.reserve) * o.seeds} {unit} "
               f"(finished: {done}){kept}", file=sys.stderr)
         raise SystemExit(143 if terminated(stopped) else 130) from None
     if o.format != "table":
