@@ -36,8 +36,12 @@ def test_bad_tune_input(tmp_path, args, message):
     assert not (tmp_path / "t.csv").exists() and not (tmp_path / "t.json").exists()
 
 
-def test_the_rehearsal_checks_times_and_writes_the_best(tmp_path):
+def test_the_rehearsal_checks_times_and_writes_the_best(tmp_path, monkeypatch):
     pytest.importorskip("triton")
+    from kvbench.experiments import tune
+
+    # two configurations (the rehearsal's block sizes) at both cases: enough to choose
+    monkeypatch.setitem(tune.REHEARSAL_SEARCH, "waves", (2,))
     out, table = tmp_path / "t.csv", tmp_path / "t.json"
     result = runner.invoke(app, ["tune", "--rehearse", "--kv-dtype", "int8", "--rounds", "1",
                                  "--csv", str(out), "--table", str(table)])
@@ -75,6 +79,9 @@ def test_a_configuration_that_answers_wrong_is_never_the_best(monkeypatch):
     monkeypatch.setattr(triton_decode, "merge", broken)
     monkeypatch.setattr(tune, "REHEARSAL_SEARCH", {"block_n": (16, 32), "num_warps": (4,),
                                                    "num_stages": (2,), "waves": (2,)})
+    # one small case: two sequences of 40, 3 tiles of 16 (the last partial)
+    monkeypatch.setattr(tune, "cases", lambda rehearse, seed=0: [tune.Case("long", (40,) * 2,
+                                                                           8, 2, 64)])
     result = tune.run("cpu", "float32", [None], [16], rehearse=True, budget_s=300, rounds=1)
     wrong = [t for t in result.trials if t.config.block_n == 32]
     assert wrong and not any(t.passed for t in wrong)
