@@ -91,6 +91,10 @@ class SimOptions:
     device: str = "auto"
     seed: int = 0
     seeds: int = 1  # runs of each reserve, seeds seed .. seed + seeds - 1 (a 95% interval)
+    write_profile: Path | None = None  # measure the engine's step cost over a grid, to here
+    cost_profile: Path | None = None  # replay the trace with step times read from this
+    profile_batch: int = 64  # --write-profile: the most sequences decoding measured
+    profile_rounds: int = 5
     host_mem: str | None = None
     csv: Path | None = None
     steps_csv: Path | None = None
@@ -187,8 +191,21 @@ class SimOptions:
             if value is not None and not value > 0:
                 raise KvbenchError(f"{flag} is a latency in ms above 0, got {value}")
 
+        if self.write_profile is not None and self.cost_profile is not None:
+            raise KvbenchError("--write-profile measures a profile and --cost-profile replays "
+                               "one; give one of them")
+        for flag, value in (("--profile-batch", self.profile_batch),
+                            ("--profile-rounds", self.profile_rounds)):
+            if value < 1:
+                raise KvbenchError(f"{flag} must be a positive integer, got {value}")
         if self.format not in ("table", "csv", "json"):
             raise KvbenchError(f"--format {self.format!r}: use table, csv or json")
+
+    def with_blocks(self, n: int) -> SimOptions:
+        """These options with a pool of n blocks (a profile's), as validated."""
+        run = copy.copy(self)
+        object.__setattr__(run, "kv_blocks", n)
+        return run
 
     def with_seed(self, seed: int) -> SimOptions:
         """These options with another seed (its trace, weights and inputs), as validated."""
@@ -331,6 +348,7 @@ class Served:
     # prefix caching: prompt positions found cached (not prefilled) of those admissions asked
     hit_positions: int = 0
     query_positions: int = 0
+    verified: bool = True  # False: replayed from a cost profile, no tensors to check
 
     @property
     def hit_rate(self) -> float | None:
@@ -406,19 +424,46 @@ def serve(o: SimOptions, reserve: str, reqs, layer, device: str,
                                 f"output tokens): {wrong}")
         if checked:
             served_one(len(checked))
+    return _served(o, reserve, reqs, sched, ends, took, failures, max_err)
+
+
+def _served(o: SimOptions, reserve: str, reqs, sched, ends: list[float], took: list[float],
+            failures: list[str], max_err: float, verified: bool = True) -> Served:
+    """The figures of a finished run: its scheduler, each step's end on the clock and time."""
     if leaked := o.kv_blocks - len(sched.pool.free):
         failures.append(f"{leaked} blocks were never returned to the pool")
     ttft, tpot, per_token, itl = latencies(sched.records.values(), ends)
     good = (None if o.slo_ttft is None and o.slo_tpot is None else
             met_slo(sched.records.values(), ends, o.slo_ttft, o.slo_tpot))
-    return Served(reserve, o.seed, clock, sched.now, ends, took, sched.batch, sched.decoded,
-                  sched.blocks_in_use, ttft, tpot, per_token,
+    return Served(reserve, o.seed, ends[-1] if ends else 0.0, sched.now, ends, took,
+                  sched.batch, sched.decoded, sched.blocks_in_use, ttft, tpot, per_token,
                   output_tokens=sum(r.output_len for r in reqs),
                   prompt_tokens=sum(r.prompt_len for r in reqs),
                   preemptions=sched.preemptions, recomputed_tokens=sched.recomputed_tokens,
                   swapped_blocks=sched.swapped_blocks, max_abs_err=max_err,
                   failures=failures, itl_s=itl, good=good, hit_positions=sched.hit_positions,
-                  query_positions=sched.query_positions)
+                  query_positions=sched.query_positions, verified=verified)
+
+
+def replay(o: SimOptions, reserve: str, reqs, profile, served_one=lambda n: None) -> Served:
+    """The trace scheduled as serve() schedules it, without tensors: each step's time read
+    from the cost profile at its sequences decoding, their mean context and the prefill
+    positions beside them. Nothing is verified (no outputs are made)."""
+    sched = o.scheduler(reserve, reqs)
+    clock, ends, took, done = 0.0, [], [], 0
+    while not sched.done:
+        if sched.idle:  # nothing to do before the next arrival
+            clock = max(clock, sched.pending[0].arrival)
+        sched.step(clock)
+        batch = sched.batch[-1]
+        context = sched.context[-1] / batch if batch else 0.0
+        took.append(profile.step_ms(batch, context, sched.prefill_positions[-1]) / 1e3)
+        clock += took[-1]
+        ends.append(clock)
+        if (finished := sched.finished) > done:
+            served_one(finished - done)
+            done = finished
+    return _served(o, reserve, reqs, sched, ends, took, [], 0.0, verified=False)
 
 
 # Host bytes the run holds per request (the request, its record, its latencies) and per step
@@ -496,6 +541,14 @@ def run(o: SimOptions) -> list[Served]:
     and says so (exit 130 or 143)."""
     from kvbench.report import render, results
 
+    if o.write_profile is not None:
+        return write_profile(o)
+    profile = None
+    if o.cost_profile is not None:  # before anything is written: one that cannot serve
+        from kvbench.serving import profile as costs
+
+        profile = costs.read(o.cost_profile)
+        profile.check(layer_shape(o), o.cost_profile)
     csv = None if o.no_csv else (o.csv or results.default_csv("serve-sim"))
     steps_csv = None if csv is None else (o.steps_csv
                                           or csv.with_name(f"{csv.stem}-steps.csv"))
@@ -506,7 +559,8 @@ def run(o: SimOptions) -> list[Served]:
     from kvbench.measure.device import resolve_device
 
     device = resolve_device(o.device)
-    preflight(o, device)  # the pool, on the device; then the trace, on the host
+    if profile is None:
+        preflight(o, device)  # the pool, on the device; then the trace, on the host
     trace_preflight(o, device)
 
     import torch
@@ -543,8 +597,10 @@ def run(o: SimOptions) -> list[Served]:
                     for run in runs:
                         bar.describe(f"serve-sim {reserve}"
                                      + (f" seed {run.seed}" if o.seeds > 1 else ""))
-                        s = serve(run, reserve, traces[run.seed], _layer(run, device), device,
-                                  bar.advance)
+                        s = (replay(run, reserve, traces[run.seed], profile, bar.advance)
+                             if profile is not None else
+                             serve(run, reserve, traces[run.seed], _layer(run, device),
+                                   device, bar.advance))
                         if not served and len(o.reserve) * o.seeds > 1 and not o.quiet:
                             render.note(_estimate(o, s))
                         finished(s, env)
@@ -586,6 +642,10 @@ def _on_cluster(o: SimOptions, device: str, finished) -> None:
         import torch
 
         run = o.with_seed(names[1])
+        if o.cost_profile is not None:
+            from kvbench.serving import profile as costs
+
+            return replay(run, names[0], requests(run), costs.read(o.cost_profile)), env
         with torch.inference_mode():
             return serve(run, names[0], requests(run), _layer(run, device), device), env
 
@@ -598,6 +658,59 @@ def _on_cluster(o: SimOptions, device: str, finished) -> None:
             if isinstance(outcome, BaseException):
                 raise outcome
             finished(*outcome)
+
+
+def layer_shape(o: SimOptions) -> dict[str, object]:
+    """What a cost profile must have been measured at to replay this run."""
+    return {"hidden": o.hidden, "q_heads": o.q_heads, "kv_heads": o.kv_heads,
+            "head_dim": o.head_dim, "dtype": o.dtype, "block_size": o.block_size}
+
+
+def write_profile(o: SimOptions) -> list:
+    """--write-profile: the engine's step timed over the grid (kvbench.serving.profile) on
+    this layer, device and block size; the profile CSV written whole."""
+    import csv
+
+    import torch
+
+    from kvbench.measure.device import device_name, resolve_device
+    from kvbench.report import render
+    from kvbench.serving import profile as costs
+
+    path = Path(o.write_profile)
+    if path.exists():
+        with path.open(newline="") as f:
+            first = next(csv.DictReader(f), None)
+        if first is None or first.get("command") != "serve-sim-profile":
+            raise KvbenchError(f"--write-profile {path} exists and is not a profile; give "
+                               "another path")
+    device = resolve_device(o.device)
+    # the most a step may prefill: what the pool can take in one step, or the step's budget
+    most = o.kv_blocks * o.block_size
+    for cap in (o.prefill_chunk, o.max_batched_tokens):
+        most = min(most, cap or most)
+    batches, contexts, prefills = costs.grid(o.profile_batch, o.max_len, most)
+    blocks = o.profile_batch * math.ceil(o.max_len / o.block_size) + math.ceil(
+        most / o.block_size) + 1
+    preflight(o.with_blocks(blocks), device)
+    points = len(batches) * len(contexts) * len(prefills) - len(contexts)
+    with torch.inference_mode(), render.counter(points, "points",
+                                                enabled=not o.quiet) as bar:
+        bar.describe("serve-sim --write-profile")
+        rows = costs.measure(_layer(o, device), o.block_size, o.profile_batch, o.max_len,
+                             most, o.profile_rounds, device, lambda: bar.advance(1))
+    shape = {**layer_shape(o), "device": device, "device_name": device_name(device)}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=costs.PROFILE_COLUMNS)
+        writer.writeheader()
+        for row in rows:
+            writer.writerow({"command": "serve-sim-profile", **shape, **row})
+    if not o.quiet:
+        render.note(f"wrote {path}: {len(rows)} points, batch {batches[0]}..{batches[-1]}, "
+                    f"context {contexts[0]}..{contexts[-1]}, prefill {prefills[0]}.."
+                    f"{prefills[-1]}; replay a trace with --cost-profile {path}")
+    return []
 
 
 def _layer(o: SimOptions, device: str):
@@ -695,6 +808,7 @@ def serve_table(o, device: str, served) -> Table:
             cells.append("n/a" if iv is None else fmt.format(iv[0]) + (
                 "" if math.isnan(iv[1]) else " ±" + fmt.format(iv[1])))
         t.add_row(reserve, *cells,
+                  "not run" if not all(s.verified for s in runs) else
                   "PASS" if all(s.passed for s in runs) else "[red]FAIL[/]")
     t.caption = (f"batch: sequences decoding, held: blocks held (of {o.kv_blocks}), the mean "
                  "per step; TTFT from arrival to the first token, TPOT per later token")
@@ -763,9 +877,11 @@ def serve_rows(o, device: str, served, stamp: str,
                "shared_prefix_frac": o.shared_prefix_frac if o.shared_prefix_len else None,
                "prefix_hit_rate": s.hit_rate if o.prefix_caching else None,
                "prefill_positions_saved": s.hit_positions if o.prefix_caching else None,
+               "cost_profile": str(o.cost_profile) if o.cost_profile else None,
                "kv_pool_bytes": o.pool_bytes, "hidden": o.hidden,
                "q_heads": o.q_heads, "kv_heads": o.kv_heads, "head_dim": o.head_dim,
-               "dtype": o.dtype, "device": device, "seed": s.seed, "passed": s.passed,
+               "dtype": o.dtype, "device": device, "seed": s.seed,
+               "passed": s.passed if s.verified else None,
                "max_abs_err": s.max_abs_err, "duration_s": s.duration_s, "steps": s.steps,
                "requests_per_s": s.requests_per_s, "output_tokens_per_s": s.tokens_per_s,
                "prompt_tokens": s.prompt_tokens, "output_tokens": s.output_tokens,

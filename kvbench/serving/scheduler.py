@@ -331,6 +331,12 @@ class Scheduler:
         self.blocks_in_use: list[int] = []  # per step
         self.decoded: list[int] = []  # tokens generated per step
         self.batch: list[int] = []  # sequences decoding per step
+        # what each step's work was, for a cost model (kvbench.serving.profile): the positions
+        # the decoding sequences attended, prefill positions written and prefill calls
+        self.context: list[int] = []
+        self.prefill_positions: list[int] = []
+        self.prefill_calls: list[int] = []
+        self._step_context = self._step_prefilled = self._step_calls = 0
 
     def _reserved(self, r: Request) -> int:
         return reserved(r, self.reserve, self.reserve_len)
@@ -377,6 +383,7 @@ class Scheduler:
             if self._grow(seq, seq.length):
                 decoding.append(seq)
         decoding = [seq for seq in decoding if seq in self.running]
+        self._step_context = sum(seq.length for seq in decoding)
         if decoding and self.engine is not None:
             self.engine.decode(decoding)
         for seq in decoding:
@@ -403,6 +410,10 @@ class Scheduler:
         self.blocks_in_use.append(len(self.pool.owner))
         self.decoded.append(tokens)
         self.batch.append(batch)
+        self.context.append(self._step_context if batch else 0)
+        self.prefill_positions.append(self._step_prefilled)
+        self.prefill_calls.append(self._step_calls)
+        self._step_context = self._step_prefilled = self._step_calls = 0
         self.now += 1
 
     def _admit(self, budget: float) -> int:
@@ -488,6 +499,8 @@ class Scheduler:
             return budget, 0  # preempted itself: no block for its chunk
         if self.engine is not None:
             self.engine.prefill(seq, seq.prefilled, seq.prefilled + n)
+        self._step_prefilled += n
+        self._step_calls += 1
         seq.prefilled += n
         if seq.prefilled < seq.length:
             self._register(seq)

@@ -1,0 +1,126 @@
+"""serve-sim's step-cost profile (kvbench.serving.profile): the grid, the interpolation and
+the replay, worked out by hand."""
+
+import csv
+
+import pandas as pd
+import pytest
+from typer.testing import CliRunner
+
+from kvbench.cli import app
+from kvbench.errors import KvbenchError
+from kvbench.report.load import read_results
+from kvbench.serving import profile as costs
+
+runner = CliRunner()
+LAYER = ["--hidden", "64", "--q-heads", "4", "--kv-heads", "2", "--head-dim", "16",
+         "--block-size", "8", "--device", "cpu"]
+SHAPE = {"hidden": 64, "q_heads": 4, "kv_heads": 2, "head_dim": 16, "dtype": "float32",
+         "block_size": 8}
+
+
+def test_the_grid_by_hand():
+    assert costs.powers(16, 300) == [16, 64, 256, 300]
+    assert costs.powers(1, 32, 2) == [1, 2, 4, 8, 16, 32]
+    assert costs.powers(16, 16) == [16]
+    assert costs.grid(4, 100, 40) == ([0, 1, 2, 4], [16, 64, 100], [0, 16, 40])
+
+
+def write(path, ms=lambda b, c, p: 1 + 2 * b + 0.01 * c + 0.1 * p, shape=SHAPE,
+          axes=([0, 2, 4], [16, 64], [0, 32])):
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=costs.PROFILE_COLUMNS)
+        w.writeheader()
+        for b in axes[0]:
+            for c in axes[1]:
+                for p in axes[2]:
+                    if b or p:
+                        w.writerow({"command": "serve-sim-profile", **shape, "device": "cpu",
+                                    "device_name": "x", "batch": b, "context": c,
+                                    "prefill": p, "step_ms": ms(b, c, p), "rounds": 1})
+    return path
+
+
+def test_steps_are_interpolated_linearly_along_each_axis(tmp_path):
+    # a profile that is linear in each axis is met exactly between its points
+    prof = costs.read(write(tmp_path / "p.csv"))
+    assert prof.step_ms(3, 40, 8) == pytest.approx(1 + 6 + 0.4 + 0.8)
+    assert prof.step_ms(4, 64, 32) == pytest.approx(1 + 8 + 0.64 + 3.2)  # a corner
+    # a prefill alone: the least context; shorter than the least prefill measured, its cost
+    assert prof.step_ms(0, 0, 16) == pytest.approx(1 + 0.16 + 3.2)
+    assert prof.step_ms(0, 0, 32) == pytest.approx(1 + 0.16 + 3.2)
+    assert prof.step_ms(2, 5, 0) == prof.step_ms(2, 16, 0)  # below the shortest: its cost
+    assert prof.step_ms(0, 0, 0) == 0.0  # a step that does nothing
+    for args, message in (((5, 20, 0), "5 sequences decoding is outside the cost profile "
+                                       "(0..4 measured)"),
+                          ((1, 20, 33), "33 prefill positions is outside"),
+                          ((1, 65, 0), "attend 65 positions on average is outside")):
+        with pytest.raises(KvbenchError, match=message.replace("(", r"\(").replace(")", r"\)")):
+            prof.step_ms(*args)
+
+
+def test_a_profile_that_is_not_one_or_does_not_cover_its_grid_is_refused(tmp_path):
+    bad = tmp_path / "b.csv"
+    bad.write_text("a,b\n1,2\n")
+    with pytest.raises(KvbenchError, match="is not a profile written by"):
+        costs.read(bad)
+    holes = write(tmp_path / "h.csv")
+    lines = holes.read_text().splitlines()
+    holes.write_text("\n".join(lines[:-1]) + "\n")  # the last point gone
+    with pytest.raises(KvbenchError, match="does not cover its grid"):
+        costs.read(holes)
+    prof = costs.read(write(tmp_path / "p.csv"))
+    with pytest.raises(KvbenchError, match="measured at head_dim 16, this run has 32"):
+        prof.check({**SHAPE, "head_dim": 32}, "p.csv")
+
+
+def test_a_replay_at_a_constant_step_time_takes_that_time_a_step(tmp_path):
+    # every step 2 ms: the run takes 2 ms x its steps, each step's end on that clock
+    prof = write(tmp_path / "p.csv", ms=lambda b, c, p: 2.0, axes=([0, 1, 64], [16, 300],
+                                                                    [0, 320]))
+    out = tmp_path / "s.csv"
+    result = runner.invoke(app, ["serve-sim", "--requests", "12", "--len-dist",
+                                 "lognormal:20:0.5", "--output-dist", "lognormal:12:0.5",
+                                 "--max-len", "300", "--kv-blocks", "40", *LAYER,
+                                 "--cost-profile", str(prof), "--csv", str(out)])
+    assert result.exit_code == 0, result.output
+    _, rows = read_results(out)
+    _, steps = read_results(tmp_path / "s-steps.csv")
+    for reserve, row in rows.set_index("reserve").iterrows():
+        mine = steps[steps["reserve"] == reserve]
+        assert row["duration_s"] == pytest.approx(2e-3 * row["steps"])
+        assert mine["step_ms"].tolist() == pytest.approx([2.0] * len(mine))
+        assert mine["time_s"].tolist() == pytest.approx([2e-3 * (i + 1)
+                                                         for i in range(len(mine))])
+        assert pd.isna(row["passed"]) and row["cost_profile"] == str(prof)
+    assert "not run" in result.stdout
+
+
+def test_write_then_replay_on_the_cli(tmp_path):
+    prof = tmp_path / "p.csv"
+    args = ["serve-sim", *LAYER, "--max-len", "64", "--kv-blocks", "16"]
+    result = runner.invoke(app, [*args, "--write-profile", str(prof), "--profile-batch", "2",
+                                 "--profile-rounds", "1", "-q"])
+    assert result.exit_code == 0, result.output
+    df = pd.read_csv(prof)
+    # batch 0, 1, 2 x context 16, 64 x prefill 0, 16, 64, 128 (the pool's 128 positions),
+    # less the three steps of nothing at all
+    assert len(df) == 3 * 2 * 4 - 2 and (df["step_ms"] > 0).all()
+    assert set(df["command"]) == {"serve-sim-profile"} and set(df["head_dim"]) == {16}
+    result = runner.invoke(app, [*args, "--requests", "6", "--len-dist", "uniform:4:20",
+                                 "--output-dist", "uniform:2:8", "--cost-profile", str(prof),
+                                 "--max-seqs", "2", "--no-csv", "-q"])
+    assert result.exit_code == 0, result.output
+    other = runner.invoke(app, ["serve-sim", *LAYER[:-4], "--head-dim", "32",
+                                "--block-size", "8", "--device", "cpu", "--cost-profile",
+                                str(prof), "--no-csv"])
+    assert other.exit_code == 2 and "measured at head_dim 16" in other.stderr
+    assert "kvbench: error" in other.stderr and len(other.stderr.strip().splitlines()) == 1
+
+
+def test_a_file_that_is_not_a_profile_is_never_overwritten(tmp_path):
+    precious = tmp_path / "results.csv"
+    precious.write_text("timestamp,command\n1,bench\n")
+    result = runner.invoke(app, ["serve-sim", *LAYER, "--write-profile", str(precious)])
+    assert result.exit_code == 2 and "exists and is not a profile" in result.stderr
+    assert precious.read_text() == "timestamp,command\n1,bench\n"
