@@ -51,8 +51,8 @@ def test_steps_are_interpolated_linearly_along_each_axis(tmp_path):
     assert prof.step_ms(0, 0, 32) == pytest.approx(1 + 0.16 + 3.2)
     assert prof.step_ms(2, 5, 0) == prof.step_ms(2, 16, 0)  # below the shortest: its cost
     assert prof.step_ms(0, 0, 0) == 0.0  # a step that does nothing
-    for args, message in (((5, 20, 0), "5 sequences decoding is outside the cost profile "
-                                       "(0..4 measured)"),
+    for args, message in (((5, 20, 0), ("5 sequences decoding is outside the cost profile "
+                                        "(0..4 measured)")),
                           ((1, 20, 33), "33 prefill positions is outside"),
                           ((1, 65, 0), "attend 65 positions on average is outside")):
         with pytest.raises(KvbenchError, match=message.replace("(", r"\(").replace(")", r"\)")):
