@@ -251,3 +251,145 @@ def test_the_most_recent_row_of_a_rerun_is_the_one_judged(bench_csv, tmp_path):
     kn, n = read_results(tmp_path / "new2.csv")
     cached = [c for c in compare(kb, b, n, kn, 0.1).changes if c.metric == "decode_cached_ms"]
     assert all(c.ratio == pytest.approx(3.0) for c in cached)
+
+
+# compare's figures and decisions at their edges, on rows built here.
+
+def _rows(bench_csv, **values):
+    """The fixture's first row with these metric values: a one-configuration frame."""
+    df = pd.read_csv(bench_csv).iloc[[0]].reset_index(drop=True)
+    for k, v in values.items():
+        df[k] = v
+    return df
+
+
+def _one(bench_csv, base, new, threshold=None, metric="decode_cached_ms"):
+    from kvbench.report.compare import compare
+
+    result = compare("bench", _rows(bench_csv, **base), _rows(bench_csv, **new), "bench",
+                     threshold)
+    (change,) = [c for c in result.changes if c.metric == metric]
+    return change
+
+
+def test_the_threshold_is_a_fraction_from_0_up_to_100():
+    from kvbench.errors import KvbenchError
+    from kvbench.report.compare import parse_threshold
+
+    assert parse_threshold("0") == parse_threshold("0%") == 0.0
+    assert parse_threshold("10%") == pytest.approx(0.1) and parse_threshold("99.5") == 99.5
+    for bad in ("100", "100.5", "-1%", "abc"):
+        with pytest.raises(KvbenchError):
+            parse_threshold(bad)
+
+
+def test_noise_worse_and_separated_at_their_edges(bench_csv):
+    # base 10 ± 1, new 12 ± 1: a change of 2 = the spreads added: noise (<=)
+    c = _one(bench_csv, {"decode_cached_ms": 10.0, "decode_cached_ms_iqr": 1.0},
+             {"decode_cached_ms": 12.0, "decode_cached_ms_iqr": 1.0})
+    assert c.noise and (c.base_spread, c.new_spread) == (1.0, 1.0)
+    # 10 -> 11 at a threshold of 10%: ratio 1.1 is not worse than 1 + 0.1 (>)
+    c = _one(bench_csv, {"decode_cached_ms": 10.0, "decode_cached_ms_iqr": 0.0},
+             {"decode_cached_ms": 11.0, "decode_cached_ms_iqr": 0.0}, threshold=0.1)
+    assert c.ratio == pytest.approx(1.1) and not c.regression and not c.too_noisy
+    # 10 ± 2 -> 13 ± 4 at 10%: worse; 13 - 2 = 11 = 10 + 1: the ranges touch, not separate
+    c = _one(bench_csv, {"decode_cached_ms": 10.0, "decode_cached_ms_iqr": 2.0},
+             {"decode_cached_ms": 13.0, "decode_cached_ms_iqr": 4.0}, threshold=0.1)
+    assert c.too_noisy and not c.regression
+    # ... at 13 ± 3.8: 11.1 > 11, a regression
+    c = _one(bench_csv, {"decode_cached_ms": 10.0, "decode_cached_ms_iqr": 2.0},
+             {"decode_cached_ms": 13.0, "decode_cached_ms_iqr": 3.8}, threshold=0.1)
+    assert c.regression and not c.too_noisy
+
+
+def test_a_missing_spread_counts_as_none_on_its_side(bench_csv):
+    # base 10 with no IQR, new 10.5 ± 1: within 0 + 1, noise; with the base's counted as 1
+    # instead it would still be; 10 -> 11.5 ± 1 tells them apart
+    c = _one(bench_csv, {"decode_cached_ms": 10.0, "decode_cached_ms_iqr": float("nan")},
+             {"decode_cached_ms": 11.5, "decode_cached_ms_iqr": 1.0})
+    assert not c.noise and c.base_spread is None and c.new_spread == 1.0
+    c = _one(bench_csv, {"decode_cached_ms": 10.0, "decode_cached_ms_iqr": 1.0},
+             {"decode_cached_ms": 11.5, "decode_cached_ms_iqr": float("nan")})
+    assert not c.noise and c.new_spread is None and c.base_spread == 1.0
+
+
+def test_a_zero_baseline_gives_ratio_one_when_unchanged_and_infinity_otherwise(bench_csv):
+    import math
+
+    same = _one(bench_csv, {"decode_cached_ms": 0.0}, {"decode_cached_ms": 0.0})
+    grew = _one(bench_csv, {"decode_cached_ms": 0.0}, {"decode_cached_ms": 2.0})
+    assert same.ratio == 1.0 and math.isinf(grew.ratio)
+
+
+def test_memory_files_compare_without_spreads(tmp_path):
+    from kvbench.report.compare import compare
+
+    out = tmp_path / "m.csv"
+    result = runner.invoke(app, ["memory", *TINY[:-6], "--impl", "static", "--prompt-len",
+                                 "4", "--csv", str(out)])
+    assert result.exit_code == 0, result.output
+    base = pd.read_csv(out)
+    new = base.copy()
+    new["cached_peak_allocated_bytes"] = base["cached_peak_allocated_bytes"] * 2
+    result = compare("memory", base, new, "memory", 0.5)
+    (c,) = [c for c in result.changes if c.metric == "cached_peak_allocated_bytes"]
+    assert c.ratio == 2.0 and c.regression and c.base_spread is None
+    assert result.kind == "memory" and result.threshold == 0.5
+
+
+def test_configurations_without_a_partner_are_counted_and_reruns_judged_by_their_last(
+        bench_csv):
+    from kvbench.report.compare import compare
+
+    both = pd.read_csv(bench_csv)  # 4 configurations
+    base = pd.concat([both.iloc[:3], both.iloc[[0]].assign(decode_cached_ms=99.0)])
+    new = both.iloc[1:].copy()  # configurations 1..3
+    result = compare("bench", base, new, "bench")
+    assert (result.only_base, result.only_new) == (1, 1)  # 0 alone in base; 3 alone in new
+    # base's configuration 0 was rerun: its last row (99 ms) is the one kept
+    assert len(result.changes) == 2 * 3  # configurations 1 and 2, three metrics each
+    result = compare("bench", base, both, "bench")
+    (c,) = [c for c in result.changes if c.metric == "decode_cached_ms"
+            and c.config["prompt_len"] == both.iloc[0]["prompt_len"]
+            and c.config["impl"] == both.iloc[0]["impl"]]
+    assert c.base == 99.0
+
+
+def test_environment_differences_name_both_sides(bench_csv):
+    from kvbench.report.compare import compare
+
+    base = pd.read_csv(bench_csv)
+    new = base.assign(device_name="other cpu")
+    result = compare("bench", base.assign(device_name=None), new, "bench")
+    assert result.env_differences == ["device_name: — -> other cpu"]
+    result = compare("bench", base.assign(torch_version="2.5, x"), base.assign(
+        torch_version="2.6"), "bench")
+    assert result.env_differences == ["torch_version: 2.5, x -> 2.6"]
+
+
+def test_compare_selects_runs_and_rows_and_skips_damaged_ones(bench_csv, tmp_path):
+    base = pd.read_csv(bench_csv)
+    two = pd.concat([base.assign(run_id="a"), base.assign(run_id="b", decode_cached_ms=(
+        base["decode_cached_ms"] * 3), decode_cached_ms_iqr=0.0)])
+    path = tmp_path / "two.csv"
+    two.to_csv(path, index=False)
+    one = tmp_path / "one.csv"
+    base.assign(run_id="a").to_csv(one, index=False)
+    # the whole file: run b's rows are the latest, 3x slower
+    assert runner.invoke(app, ["compare", str(one), str(path), "--fail-above",
+                               "50%"]).exit_code == 1
+    # --run a picks run a's rows on both sides: the same figures
+    result = runner.invoke(app, ["compare", str(one), str(path), "--run", "a",
+                                 "--fail-above", "50%"])
+    assert result.exit_code == 0, result.output
+    impl = base["impl"].iloc[0]
+    result = runner.invoke(app, ["compare", str(one), str(path), "--where", f"impl={impl}",
+                                 "--fail-above", "50%"])
+    assert result.exit_code == 1 and f"of {impl}" in result.stderr
+    damaged = tmp_path / "damaged.csv"
+    damaged.write_text(one.read_text() + "1,2,3\n")
+    assert runner.invoke(app, ["compare", str(one), str(damaged)]).exit_code == 2
+    result = runner.invoke(app, ["compare", str(damaged), str(one), "--skip-bad-rows"])
+    assert result.exit_code == 0, result.output
+    result = runner.invoke(app, ["compare", str(one), str(damaged), "--skip-bad-rows"])
+    assert result.exit_code == 0, result.output
