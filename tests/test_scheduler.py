@@ -536,3 +536,17 @@ def test_prefix_caching_needs_paged_blocks_and_recompute():
     for kwargs in ({"reserve": "prealloc"}, {"preempt": "swap"}):
         with pytest.raises(KvbenchError, match="--prefix-caching"):
             Scheduler([Request(0, 0, 4, 1)], 4, 4, prefix_caching=True, **kwargs)
+
+
+def test_each_step_records_the_work_a_cost_model_reads():
+    # A (prompt 5, 3 tokens) and B (prompt 3, 2 tokens): step 0 prefills both (8 positions,
+    # 2 calls); step 1 decodes A attending 6 positions and B attending 4; step 2 A alone, 7
+    s = Scheduler([Request(0, 0.0, 5, 3), Request(1, 0.0, 3, 2)], n_blocks=8, block_size=4)
+    s.run()
+    assert s.batch == [0, 2, 1] and s.context == [0, 10, 7]
+    assert s.prefill_positions == [8, 0, 0] and s.prefill_calls == [2, 0, 0]
+    # chunks of 4: A's 5 in 4 + 1, B's 3 begun with the 3 left in step 1
+    s = Scheduler([Request(0, 0.0, 5, 3), Request(1, 0.0, 3, 2)], n_blocks=8, block_size=4,
+                  chunk=4)
+    s.run()
+    assert s.prefill_positions[:2] == [4, 4] and s.prefill_calls[:2] == [1, 2]

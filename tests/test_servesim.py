@@ -186,6 +186,18 @@ def test_serve_rows_by_hand():
     assert (row["mean_blocks_in_use"], row["max_blocks_in_use"]) == (4.5, 6)
     assert row["step_p50_ms"] == pytest.approx(500.0) and row["step_max_ms"] == 600.0
     assert row["seed"] == 7  # the run's own seed, not the options' first
+    assert row["step_host_p50_ms"] is None  # no host times recorded
+    served.host_s = [0.1, 0.3, 0.2, 0.4]  # p50 0.25 s
+    served.context, served.prefill_positions = [0, 9, 12, 3], [20, 0, 4, 0]
+    (row,) = serve_rows(OPTIONS, "cpu", [served], "t", {})
+    assert row["step_host_p50_ms"] == pytest.approx(250.0)
+    from kvbench.experiments.servesim import serve_step_rows
+
+    steps = serve_step_rows([served], "t", 100, {})
+    assert [(r["step"], r["host_ms"], r["context"], r["prefill_positions"], r["seed"],
+             r["kv_bytes_in_use"]) for r in steps] == [
+        (0, 100.0, 0, 20, 7, 400), (1, 300.0, 9, 0, 7, 600), (2, 200.0, 12, 4, 7, 600),
+        (3, 400.0, 3, 0, 7, 200)]
     assert row["prefix_hit_rate"] is None and row["prefill_positions_saved"] is None
     served.hit_positions, served.query_positions = 30, 120
     caching = SimOptions(**{**OPTIONS.__dict__, "reserve": ("paged",), "prefix_caching": True,

@@ -349,6 +349,11 @@ class Served:
     hit_positions: int = 0
     query_positions: int = 0
     verified: bool = True  # False: replayed from a cost profile, no tensors to check
+    # each step's host time (until sched.step returns, before the device is synchronised;
+    # the whole step on the CPU), the positions its decodes attended and its prefill wrote
+    host_s: list[float] = field(default_factory=list, repr=False)
+    context: list[int] = field(default_factory=list, repr=False)
+    prefill_positions: list[int] = field(default_factory=list, repr=False)
 
     @property
     def hit_rate(self) -> float | None:
@@ -405,13 +410,14 @@ def serve(o: SimOptions, reserve: str, reqs, layer, device: str,
     warm.run()
     engine.check(rtol, atol)
     sched = o.scheduler(reserve, reqs, engine)
-    clock, ends, took, failures, max_err = 0.0, [], [], [], 0.0
+    clock, ends, took, host, failures, max_err = 0.0, [], [], [], [], 0.0
     while not sched.done:
         if sched.idle:  # nothing to do before the next arrival
             clock = max(clock, sched.pending[0].arrival)
         synchronize(device)
         start = time.perf_counter()
         sched.step(clock)
+        host.append(time.perf_counter() - start)  # the host's part: launches, bookkeeping
         synchronize(device)
         took.append(time.perf_counter() - start)
         clock += took[-1]
@@ -424,11 +430,12 @@ def serve(o: SimOptions, reserve: str, reqs, layer, device: str,
                                 f"output tokens): {wrong}")
         if checked:
             served_one(len(checked))
-    return _served(o, reserve, reqs, sched, ends, took, failures, max_err)
+    return _served(o, reserve, reqs, sched, ends, took, failures, max_err, host_s=host)
 
 
 def _served(o: SimOptions, reserve: str, reqs, sched, ends: list[float], took: list[float],
-            failures: list[str], max_err: float, verified: bool = True) -> Served:
+            failures: list[str], max_err: float, verified: bool = True,
+            host_s: list[float] | None = None) -> Served:
     """The figures of a finished run: its scheduler, each step's end on the clock and time."""
     if leaked := o.kv_blocks - len(sched.pool.free):
         failures.append(f"{leaked} blocks were never returned to the pool")
@@ -442,7 +449,9 @@ def _served(o: SimOptions, reserve: str, reqs, sched, ends: list[float], took: l
                   preemptions=sched.preemptions, recomputed_tokens=sched.recomputed_tokens,
                   swapped_blocks=sched.swapped_blocks, max_abs_err=max_err,
                   failures=failures, itl_s=itl, good=good, hit_positions=sched.hit_positions,
-                  query_positions=sched.query_positions, verified=verified)
+                  query_positions=sched.query_positions, verified=verified,
+                  host_s=host_s or [], context=sched.context,
+                  prefill_positions=sched.prefill_positions)
 
 
 def replay(o: SimOptions, reserve: str, reqs, profile, served_one=lambda n: None) -> Served:
@@ -895,6 +904,7 @@ def serve_rows(o, device: str, served, stamp: str,
                "swapped_blocks": s.swapped_blocks, **env}
         row["step_p50_ms"] = 1e3 * percentile(s.step_s, 50)
         row["step_max_ms"] = 1e3 * max(s.step_s)
+        row["step_host_p50_ms"] = 1e3 * percentile(s.host_s, 50) if s.host_s else None
         for name, values in (("ttft", s.ttft_s), ("tpot", s.tpot_s), ("itl", s.itl_s)):
             for q in PERCENTILES:
                 p = percentile(values, q)
@@ -908,5 +918,9 @@ def serve_step_rows(served, stamp: str, block_bytes: int,
     return [{"timestamp": stamp, "command": "serve-sim", "reserve": s.reserve, "step": i,
              "time_s": s.step_end_s[i], "step_ms": 1e3 * s.step_s[i], "batch": s.batch[i],
              "tokens": s.tokens[i], "blocks_in_use": s.blocks_in_use[i],
-             "kv_bytes_in_use": block_bytes * s.blocks_in_use[i], **env}
+             "kv_bytes_in_use": block_bytes * s.blocks_in_use[i],
+             "host_ms": 1e3 * s.host_s[i] if s.host_s else None, "seed": s.seed,
+             "context": s.context[i] if s.context else None,
+             "prefill_positions": s.prefill_positions[i] if s.prefill_positions else None,
+             **env}
             for s in served for i in range(s.steps)]

@@ -390,7 +390,7 @@ SERVE_COLUMNS = SERVE_FIRST + ["itl_p50_ms", "itl_p90_ms", "itl_p99_ms", "max_se
                                "slo_tpot_ms", "goodput_per_s", "burstiness", "workload",
                                "prefix_caching", "shared_prefix_len", "shared_prefix_frac",
                                "prefix_hit_rate", "prefill_positions_saved",
-                               "cost_profile"] + PROVENANCE_COLUMNS
+                               "cost_profile", "step_host_p50_ms"] + PROVENANCE_COLUMNS
 # kvbench tune: one row per configuration and case
 TUNE_FIRST = [
     "timestamp", "command", "case", "batch", "seq_lens", "q_heads", "kv_heads", "head_dim",
@@ -403,7 +403,8 @@ TUNE_COLUMNS = TUNE_FIRST + PROVENANCE_COLUMNS
 # time, sequences decoded, tokens made, blocks held
 SERVE_STEP_FIRST = ["timestamp", "command", "reserve", "step", "time_s", "step_ms", "batch",
                     "tokens", "blocks_in_use", "kv_bytes_in_use"] + ENV_COLUMNS
-SERVE_STEP_COLUMNS = SERVE_STEP_FIRST + PROVENANCE_COLUMNS
+SERVE_STEP_COLUMNS = SERVE_STEP_FIRST + ["host_ms", "seed", "context", "prefill_positions"
+                                         ] + PROVENANCE_COLUMNS
 
 
 # kind -> (the columns this release writes, the columns of the first release). Later releases
