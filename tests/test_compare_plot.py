@@ -393,3 +393,42 @@ def test_compare_selects_runs_and_rows_and_skips_damaged_ones(bench_csv, tmp_pat
     assert result.exit_code == 0, result.output
     result = runner.invoke(app, ["compare", str(one), str(damaged), "--skip-bad-rows"])
     assert result.exit_code == 0, result.output
+
+
+def test_compare_messages_and_one_sided_selections(bench_csv, tmp_path):
+    from kvbench.errors import KvbenchError
+    from kvbench.report.compare import compare, parse_threshold
+
+    with pytest.raises(KvbenchError, match="--fail-above '200' is out of range"):
+        parse_threshold("200")
+    base = pd.read_csv(bench_csv)
+    # a metric missing on one side only is left out, not compared with nothing
+    gone = base.assign(prefill_ms=float("nan"))
+    assert not [c for c in compare("bench", base, gone, "bench").changes
+                if c.metric == "prefill_ms"]
+    # both values of a column that varies, each side, or — for none
+    result = compare("bench", base.assign(torch_threads=[1, 2, 1, 2]),
+                     base.assign(torch_threads=None), "bench")
+    assert result.env_differences == ["torch_threads: 1, 2 -> —"]
+    # Q: run b (1x) then run a (2x); P: run b at 3x. --run b on both sides: 3x, a regression
+    # at 60%; the baseline's latest rows (run a, 2x) would make it 1.5x, none
+    q = pd.concat([base.assign(run_id="b"), base.assign(
+        run_id="a", decode_cached_ms=2 * base["decode_cached_ms"], decode_cached_ms_iqr=0.0)])
+    p = base.assign(run_id="b", decode_cached_ms=3 * base["decode_cached_ms"],
+                    decode_cached_ms_iqr=0.0)
+    q.assign(decode_cached_ms_iqr=0.0).to_csv(tmp_path / "q.csv", index=False)
+    p.to_csv(tmp_path / "p.csv", index=False)
+    result = runner.invoke(app, ["compare", str(tmp_path / "q.csv"), str(tmp_path / "p.csv"),
+                                 "--run", "b", "--fail-above", "60%"])
+    assert result.exit_code == 1, result.output
+    assert result.stderr.startswith("kvbench: 4 regressions above 60%")
+    # one configuration: "1 regression"; --where on both sides: nothing only on one side
+    impl, prompt = base["impl"].iloc[0], base["prompt_len"].iloc[0]
+    result = runner.invoke(app, ["compare", str(tmp_path / "q.csv"), str(tmp_path / "p.csv"),
+                                 "--run", "b", "--where", f"impl={impl},prompt_len={prompt}",
+                                 "--fail-above", "60%"])
+    assert result.exit_code == 1 and result.stderr.startswith("kvbench: 1 regression above")
+    assert "only in the" not in result.stdout
+    result = runner.invoke(app, ["compare", str(tmp_path / "q.csv"), str(tmp_path / "p.csv"),
+                                 "--run", "zz"])
+    assert result.exit_code == 2 and str(tmp_path / "q.csv") in result.stderr
