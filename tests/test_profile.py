@@ -74,8 +74,14 @@ def test_a_profile_that_is_not_one_or_does_not_cover_its_grid_is_refused(tmp_pat
         prof.check({**SHAPE, "head_dim": 32}, "p.csv")
 
 
-def test_a_replay_at_a_constant_step_time_takes_that_time_a_step(tmp_path):
-    # every step 2 ms: the run takes 2 ms x its steps, each step's end on that clock
+def test_a_replay_at_a_constant_step_time_takes_that_time_a_step(tmp_path, monkeypatch):
+    # every step 2 ms: the run takes 2 ms x its steps, each step's end on that clock (the
+    # scheduler's own time, added to each step, held at 0 by a clock that stands still)
+    import itertools
+
+    from kvbench.experiments import servesim
+
+    monkeypatch.setattr(servesim.time, "perf_counter", lambda: 0.0)
     prof = write(tmp_path / "p.csv", ms=lambda b, c, p: 2.0, axes=([0, 1, 64], [16, 300],
                                                                     [0, 320]))
     out = tmp_path / "s.csv"
@@ -94,6 +100,17 @@ def test_a_replay_at_a_constant_step_time_takes_that_time_a_step(tmp_path):
                                                          for i in range(len(mine))])
         assert pd.isna(row["passed"]) and row["cost_profile"] == str(prof)
     assert "not run" in result.stdout
+    # a scheduler that takes 1 ms a step (a clock that advances 1 ms a reading): 3 ms a step
+    ticks = itertools.count()
+    monkeypatch.setattr(servesim.time, "perf_counter", lambda: 1e-3 * next(ticks))
+    result = runner.invoke(app, ["serve-sim", "--requests", "12", "--len-dist",
+                                 "lognormal:20:0.5", "--output-dist", "lognormal:12:0.5",
+                                 "--max-len", "300", "--kv-blocks", "40", *LAYER, "-q",
+                                 "--reserve", "paged", "--cost-profile", str(prof),
+                                 "--csv", str(tmp_path / "t.csv")])
+    assert result.exit_code == 0, result.output
+    (row,) = read_results(tmp_path / "t.csv")[1].to_dict("records")
+    assert row["duration_s"] == pytest.approx(3e-3 * row["steps"])
 
 
 def test_write_then_replay_on_the_cli(tmp_path):

@@ -455,18 +455,21 @@ def _served(o: SimOptions, reserve: str, reqs, sched, ends: list[float], took: l
 
 
 def replay(o: SimOptions, reserve: str, reqs, profile, served_one=lambda n: None) -> Served:
-    """The trace scheduled as serve() schedules it, without tensors: each step's time read
-    from the cost profile at its sequences decoding, their mean context and the prefill
-    positions beside them. Nothing is verified (no outputs are made)."""
+    """The trace scheduled as serve() schedules it, without tensors: each step's time is the
+    engine's, read from the cost profile at its sequences decoding, their mean context and
+    the prefill positions beside them, plus the scheduler's own time for it on this host.
+    Nothing is verified (no outputs are made)."""
     sched = o.scheduler(reserve, reqs)
     clock, ends, took, done = 0.0, [], [], 0
     while not sched.done:
         if sched.idle:  # nothing to do before the next arrival
             clock = max(clock, sched.pending[0].arrival)
+        start = time.perf_counter()
         sched.step(clock)
+        host = time.perf_counter() - start  # the scheduler's own part, on this host
         batch = sched.batch[-1]
         context = sched.context[-1] / batch if batch else 0.0
-        took.append(profile.step_ms(batch, context, sched.prefill_positions[-1]) / 1e3)
+        took.append(host + profile.step_ms(batch, context, sched.prefill_positions[-1]) / 1e3)
         clock += took[-1]
         ends.append(clock)
         if (finished := sched.finished) > done:

@@ -9,9 +9,10 @@ steps on a real pool, synchronised on CUDA. The grid: B in 0, 1, 2, 4, ... up to
 longest prompt a step may prefill.
 
 Replaying (`kvbench serve-sim --cost-profile FILE`): the scheduler makes every decision as
-before, without tensors, and each step's time is read from the profile at the step's (B,
-mean L, P), interpolated linearly between the grid's points along each axis (Vidur's
-approach, with interpolation for its regressor). A step outside the grid is refused in one
+before, without tensors, and each step's time is the engine's, read from the profile at the
+step's (B, mean L, P), interpolated linearly between the grid's points along each axis
+(Vidur's approach, with interpolation for its regressor), plus the scheduler's own time for
+the step, measured as it runs on this host. A step outside the grid is refused in one
 line naming the range measured; so is a profile of another shape, dtype or block size. One
 GPU measurement can then drive a simulated server of any trace on the CPU.
 """
@@ -152,7 +153,6 @@ def measure(layer, block_size: int, max_batch: int, max_len: int, max_prefill: i
     need = max_batch * math.ceil(contexts[-1] / block_size) + math.ceil(prefills[-1]
                                                                          / block_size) + 1
     engine = Engine(layer, need, block_size, 0)
-    engine._keep = lambda seq, out: None  # outputs are not checked here: nothing to keep
     free = iter(range(need))
     per_seq = math.ceil(contexts[-1] / block_size)
     seqs = [Running(Request(i, 0.0, 1, contexts[-1] + 1),
@@ -160,6 +160,21 @@ def measure(layer, block_size: int, max_batch: int, max_len: int, max_prefill: i
     newcomer = Running(Request(max_batch, 0.0, max(prefills[-1], 1), 2),
                        blocks=[next(free) for _ in range(math.ceil(prefills[-1] / block_size))]
                        or [next(free)])
+    # outputs kept as a run keeps them: the newcomer's allocated afresh each step (its first
+    # token), a decoding sequence's written into what it holds (bounded here: the grid's
+    # sequences would otherwise keep every step's output)
+    keep, held = engine._keep, torch.zeros(2, layer.shape.hidden, dtype=layer.dtype,
+                                           device=layer.device)
+
+    def kept(seq, out):
+        if seq is newcomer:
+            keep(seq, out)
+            engine.outputs.pop(seq.request.id)
+            engine.made.pop(seq.request.id)
+        else:
+            held[seq.generated % 2] = out
+
+    engine._keep = kept
     rows = []
     with torch.inference_mode():
         for b in batches:
