@@ -27,17 +27,22 @@ def test_the_grid_by_hand():
 
 
 def write(path, ms=lambda b, c, p: 1 + 2 * b + 0.01 * c + 0.1 * p, shape=SHAPE,
-          axes=([0, 2, 4], [16, 64], [0, 32])):
+          axes=([0, 2, 4], [16, 64], [0, 32]), two=None):
     with open(path, "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=costs.PROFILE_COLUMNS)
         w.writeheader()
+        if two is not None:  # a step of two prompts of half the least prefill
+            w.writerow({"command": "serve-sim-profile", **shape, "device": "cpu",
+                        "device_name": "x", "batch": 0, "context": axes[1][0],
+                        "prefill": axes[2][1], "step_ms": two, "rounds": 1, "calls": 2})
         for b in axes[0]:
             for c in axes[1]:
                 for p in axes[2]:
                     if b or p:
                         w.writerow({"command": "serve-sim-profile", **shape, "device": "cpu",
                                     "device_name": "x", "batch": b, "context": c,
-                                    "prefill": p, "step_ms": ms(b, c, p), "rounds": 1})
+                                    "prefill": p, "step_ms": ms(b, c, p), "rounds": 1,
+                                    "calls": 1})
     return path
 
 
@@ -57,6 +62,17 @@ def test_steps_are_interpolated_linearly_along_each_axis(tmp_path):
                           ((1, 65, 0), "attend 65 positions on average is outside")):
         with pytest.raises(KvbenchError, match=message.replace("(", r"\(").replace(")", r"\)")):
             prof.step_ms(*args)
+
+
+def test_each_prompt_after_the_first_in_a_step_adds_what_a_second_call_was_measured_at(
+        tmp_path):
+    # one prompt of 32 alone: 1 + 0.16 + 3.2 = 4.36 ms; two of 16: 5.0 -> 0.64 ms a call
+    prof = costs.read(write(tmp_path / "p.csv", two=5.0))
+    assert prof.per_call_ms == pytest.approx(0.64)
+    assert prof.step_ms(3, 40, 8, calls=3) == pytest.approx(1 + 6 + 0.4 + 0.8 + 2 * 0.64)
+    assert prof.step_ms(3, 40, 0, calls=0) == pytest.approx(1 + 6 + 0.4)
+    assert costs.read(write(tmp_path / "q.csv", two=1.0)).per_call_ms == 0.0  # never < 0
+    assert costs.read(write(tmp_path / "r.csv")).per_call_ms == 0.0  # not measured
 
 
 def test_a_profile_that_is_not_one_or_does_not_cover_its_grid_is_refused(tmp_path):
@@ -121,8 +137,9 @@ def test_write_then_replay_on_the_cli(tmp_path):
     assert result.exit_code == 0, result.output
     df = pd.read_csv(prof)
     # batch 0, 1, 2 x context 16, 64 x prefill 0, 16, 64, 128 (the pool's 128 positions),
-    # less the three steps of nothing at all
-    assert len(df) == 3 * 2 * 4 - 2 and (df["step_ms"] > 0).all()
+    # less the two steps of nothing at all, and the step of two prompts of 8
+    assert len(df) == 3 * 2 * 4 - 2 + 1 and (df["step_ms"] > 0).all()
+    assert df[df["calls"] == 2][["batch", "prefill"]].values.tolist() == [[0, 16]]
     assert set(df["command"]) == {"serve-sim-profile"} and set(df["head_dim"]) == {16}
     result = runner.invoke(app, [*args, "--requests", "6", "--len-dist", "uniform:4:20",
                                  "--output-dist", "uniform:2:8", "--cost-profile", str(prof),

@@ -457,7 +457,8 @@ def _served(o: SimOptions, reserve: str, reqs, sched, ends: list[float], took: l
 def replay(o: SimOptions, reserve: str, reqs, profile, served_one=lambda n: None) -> Served:
     """The trace scheduled as serve() schedules it, without tensors: each step's time is the
     engine's, read from the cost profile at its sequences decoding, their mean context and
-    the prefill positions beside them, plus the scheduler's own time for it on this host.
+    the prefill positions beside them (and the prompts they belong to), plus the scheduler's
+    own time for it on this host.
     Nothing is verified (no outputs are made)."""
     sched = o.scheduler(reserve, reqs)
     clock, ends, took, done = 0.0, [], [], 0
@@ -469,7 +470,8 @@ def replay(o: SimOptions, reserve: str, reqs, profile, served_one=lambda n: None
         host = time.perf_counter() - start  # the scheduler's own part, on this host
         batch = sched.batch[-1]
         context = sched.context[-1] / batch if batch else 0.0
-        took.append(host + profile.step_ms(batch, context, sched.prefill_positions[-1]) / 1e3)
+        took.append(host + profile.step_ms(batch, context, sched.prefill_positions[-1],
+                                           sched.prefill_calls[-1]) / 1e3)
         clock += took[-1]
         ends.append(clock)
         if (finished := sched.finished) > done:

@@ -29,7 +29,7 @@ from kvbench.errors import KvbenchError
 
 PROFILE_COLUMNS = ["command", "hidden", "q_heads", "kv_heads", "head_dim", "dtype", "device",
                    "device_name", "block_size", "batch", "context", "prefill", "step_ms",
-                   "rounds"]
+                   "rounds", "calls"]
 SHAPE_COLUMNS = ("hidden", "q_heads", "kv_heads", "head_dim", "dtype", "block_size")
 
 
@@ -60,6 +60,7 @@ class Profile:
     prefill: list[int]
     ms: dict[tuple[int, int, int], float]
     device_name: str = ""
+    per_call_ms: float = 0.0  # what each prompt prefilled in a step after the first adds
 
     def check(self, shape: dict[str, object], path: Path) -> None:
         """Refuse replaying a trace on another layer than the one measured."""
@@ -69,8 +70,14 @@ class Profile:
                     f"--cost-profile {path} was measured at {key} {self.shape[key]}, this run "
                     f"has {shape[key]}; measure a profile at this shape (--write-profile)")
 
-    def step_ms(self, batch: int, context: float, prefill: int) -> float:
-        """The step's time, linear between the grid's points along each axis."""
+    def step_ms(self, batch: int, context: float, prefill: int, calls: int = 1) -> float:
+        """The step's time, linear between the grid's points along each axis; a step that
+        prefills `calls` prompts (the grid measures one) costs per_call_ms more for each one
+        after the first (measured: two prefills of half the least prefill, against one)."""
+        extra = max(calls - 1, 0) * self.per_call_ms if prefill else 0.0
+        return self._interpolated(batch, context, prefill) + extra
+
+    def _interpolated(self, batch: int, context: float, prefill: int) -> float:
         for name, value, axis in (("sequences decoding", batch, self.batch),
                                   ("prefill positions", prefill, self.prefill)):
             if not axis[0] <= value <= axis[-1]:
@@ -124,7 +131,8 @@ def read(path: Path) -> Profile:
                            "serve-sim --write-profile")
     shape = {k: rows[0][k] for k in SHAPE_COLUMNS}
     ms = {(int(r["batch"]), int(r["context"]), int(r["prefill"])): float(r["step_ms"])
-          for r in rows}
+          for r in rows if r["calls"] == "1"}
+    two = [float(r["step_ms"]) for r in rows if r["calls"] == "2"]
     axes = [sorted({k[i] for k in ms}) for i in range(3)]
     missing = [k for k in ((b, c, p) for b in axes[0] for c in axes[1] for p in axes[2])
                if k not in ms and not (k[0] == 0 and k[2] == 0)]
@@ -132,7 +140,10 @@ def read(path: Path) -> Profile:
         raise KvbenchError(f"--cost-profile {path} does not cover its grid (e.g. batch, "
                            f"context, prefill {missing[0] if missing else '?'}); write it "
                            "again with --write-profile")
-    return Profile(shape, *axes, ms, rows[0]["device_name"])
+    one = ms[(0, axes[1][0], axes[2][1])] if len(axes[2]) > 1 else 0.0
+    # a second prompt's call: two prefills of half the least prefill against one of it
+    per_call = max(two[0] - one, 0.0) if two else 0.0
+    return Profile(shape, *axes, ms, rows[0]["device_name"], per_call)
 
 
 def measure(layer, block_size: int, max_batch: int, max_len: int, max_prefill: int,
@@ -150,8 +161,8 @@ def measure(layer, block_size: int, max_batch: int, max_len: int, max_prefill: i
 
     batches, contexts, prefills = grid(max_batch, max_len, max_prefill)
     # one pool for the largest point: every decoding sequence's blocks and the prefill's
-    need = max_batch * math.ceil(contexts[-1] / block_size) + math.ceil(prefills[-1]
-                                                                         / block_size) + 1
+    need = (max_batch * math.ceil(contexts[-1] / block_size)
+            + math.ceil(prefills[-1] / block_size) + math.ceil(prefills[1] / block_size) + 1)
     engine = Engine(layer, need, block_size, 0)
     free = iter(range(need))
     per_seq = math.ceil(contexts[-1] / block_size)
@@ -167,7 +178,7 @@ def measure(layer, block_size: int, max_batch: int, max_len: int, max_prefill: i
                                            device=layer.device)
 
     def kept(seq, out):
-        if seq is newcomer:
+        if seq.request.id >= max_batch:  # a prompt just prefilled
             keep(seq, out)
             engine.outputs.pop(seq.request.id)
             engine.made.pop(seq.request.id)
@@ -190,13 +201,30 @@ def measure(layer, block_size: int, max_batch: int, max_len: int, max_prefill: i
                         start = time.perf_counter()
                         if b:
                             engine.decode(seqs[:b])
-                        if p:
-                            newcomer.prefilled = 0
-                            engine.prefill(newcomer, 0, p)
+                        if p:  # a whole prompt of p: its first token made
+                            prompt = Running(Request(max_batch, 0.0, p, 2),
+                                             blocks=newcomer.blocks, prefilled=0)
+                            engine.prefill(prompt, 0, p)
                         synchronize(device)
                         times.append(time.perf_counter() - start)
                     rows.append({"batch": b, "context": c, "prefill": p,
                                  "step_ms": 1e3 * statistics.median(times[1:]),
-                                 "rounds": rounds})
+                                 "rounds": rounds, "calls": 1})
                     progress()
+        # a step of two prompts, each half the least prefill: what a second call costs
+        half, times = prefills[1] // 2, []
+        pair = [Running(Request(max_batch + i, 0.0, half, 2), prefilled=0,
+                        blocks=newcomer.blocks if i == 0 else
+                        [next(free) for _ in range(math.ceil(half / block_size))])
+            for i in range(2)]
+        for _ in range(rounds + 1):
+            synchronize(device)
+            start = time.perf_counter()
+            for seq in pair:
+                engine.prefill(seq, 0, half)
+            synchronize(device)
+            times.append(time.perf_counter() - start)
+        rows.append({"batch": 0, "context": contexts[0], "prefill": 2 * half,
+                     "step_ms": 1e3 * statistics.median(times[1:]), "rounds": rounds,
+                     "calls": 2})
     return rows
