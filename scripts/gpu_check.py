@@ -76,6 +76,7 @@ class Mode:
     mla_long: tuple[str, ...] = ()  # the batch and context MLA's decode is timed at
     serve: tuple[str, ...] = ()  # serve-sim's trace, pool and layer
     tune: tuple[str, ...] = ()  # kvbench tune's options (the kernel diagnosis)
+    profile: tuple[str, ...] = ()  # serve-sim --write-profile's layer, pool and grid
 
 
 def _shape(b, tp, g, h, hq, hkv, d) -> tuple[str, ...]:
@@ -94,7 +95,7 @@ GPU = Mode(False, "cuda", _shape(2, 256, 32, 512, 8, 2, 64), SMALL,
            {"env": 8, "tune": 110, "verify": 65, "bench": 35, "targets": 100, "graph": 60,
             "allocation": 8, "memory": 12, "pytest": 92, "ragged": 30, "techniques": 45,
             "context": 26, "tp": 120, "sdpa-backends": 30, "model": 240, "mla": 90,
-            "serve-sim": 60},
+            "serve-sim": 60, "profile": 90},
            # DeepSeek-V3's attention layer (128 heads, d_c 512, RoPE 64, q_lora 1536)
            ("--attention", "mla", "--hidden", "7168", "--q-heads", "128", "--kv-lora-rank",
             "512", "--qk-rope-dim", "64", "--qk-nope-dim", "128", "--v-head-dim", "128",
@@ -102,7 +103,11 @@ GPU = Mode(False, "cuda", _shape(2, 256, 32, 512, 8, 2, 64), SMALL,
            ("--batch", "8", "--prompt-len", "32768", "--decode-len", "8"),
            # 400 requests on 1,024 blocks of 16: prealloc to 2,048 holds 8 at once
            ("--requests", "400", "--kv-blocks", "1024"),
-           ("--budget", "100", "--rounds", "5", "--kv-dtype", "none,int8,fp8,int4"))
+           ("--budget", "100", "--rounds", "5", "--kv-dtype", "none,int8,fp8,int4"),
+           # one Llama-3-8B layer's serving step, to 4,096 positions and 64 sequences
+           ("--hidden", "4096", "--q-heads", "32", "--kv-heads", "8", "--head-dim", "128",
+            "--max-len", "4096", "--kv-blocks", "4096", "--prefill-chunk", "2048",
+            "--profile-batch", "64"))
 CPU = Mode(True, "cpu", _shape(2, 64, 8, 512, 8, 2, 64), SMALL,
            _shape(2, 512, 4, 256, 8, 2, 32),
            ("--seq-lens", "1,17,64,90", "--max-len", "100"), "16,64,256", "float32", "float32",
@@ -111,12 +116,15 @@ CPU = Mode(True, "cpu", _shape(2, 64, 8, 512, 8, 2, 64), SMALL,
            {"env": 8, "tune": 30, "verify": 30, "bench": 40, "targets": 0, "graph": 25,
             "allocation": 0, "memory": 12, "pytest": 0, "ragged": 20, "techniques": 40,
             "context": 25, "tp": 0, "sdpa-backends": 0, "model": 0, "mla": 30,
-            "serve-sim": 20},
+            "serve-sim": 20, "profile": 20},
            ("--attention", "mla", "--hidden", "512", "--q-heads", "8"),
            ("--batch", "2", "--prompt-len", "512", "--decode-len", "4"),
            ("--requests", "40", "--len-dist", "lognormal:40:0.8", "--output-dist",
             "lognormal:24:0.8", "--max-len", "160", "--kv-blocks", "40", "--block-size", "8"),
-           ("--rehearse", "--kv-dtype", "int8", "--rounds", "1"))
+           ("--rehearse", "--kv-dtype", "int8", "--rounds", "1"),
+           ("--hidden", "64", "--q-heads", "4", "--kv-heads", "2", "--head-dim", "16",
+            "--max-len", "128", "--kv-blocks", "32", "--block-size", "8", "--profile-batch", "4",
+            "--profile-rounds", "1"))
 
 # Steps whose code has not changed since they passed on an H200 (2026-11-30, b5af75c):
 # `--skip unchanged` leaves them out of a loan
@@ -268,6 +276,17 @@ def plan(mode: Mode, out: Path, gpus: int) -> list[Step]:
                "paged,prealloc,oracle", *csv("serve-sim.csv")],
               [*kv, "serve-sim", *dev, "--dtype", mode.half, *mode.serve, "--reserve", "paged",
                "--prefill-chunk", "64", "--preempt", "swap", *csv("serve-sim.csv")]]),
+        Step("profile", 6, "serve-sim's step-cost profile of one Llama-3-8B layer (bf16), "
+             "then a ShareGPT-like trace replayed from it", 90,
+             [[*kv, "serve-sim", *dev, "--dtype", "bfloat16" if not mode.rehearse else mode.half,
+               *mode.profile, "--write-profile", str(out / "profile.csv")],
+              [*kv, "serve-sim", "--device", "cpu",
+               "--dtype", "bfloat16" if not mode.rehearse else mode.half, *mode.profile,
+               "--workload", "sharegpt", "--requests", "200" if not mode.rehearse else "10",
+               "--rate", "8", "--reserve", "paged", "--cost-profile", str(out / "profile.csv"),
+               # no more sequences at once than the profile measured
+               "--max-seqs", mode.profile[mode.profile.index("--profile-batch") + 1],
+               *csv("serve-sim-replay.csv")]]),
         Step("context", 6, "bench against context length, then its plot", 90,
              [[*kv, "bench", *dev, *mode.rounds, "--dtype", mode.half, "--impl", measured, "--prompt-len",
                mode.contexts, "--decode-len", "16", *csv("bench-context.csv")],
