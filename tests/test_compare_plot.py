@@ -432,3 +432,6 @@ def test_compare_messages_and_one_sided_selections(bench_csv, tmp_path):
     result = runner.invoke(app, ["compare", str(tmp_path / "q.csv"), str(tmp_path / "p.csv"),
                                  "--run", "zz"])
     assert result.exit_code == 2 and str(tmp_path / "q.csv") in result.stderr
+    result = runner.invoke(app, ["compare", str(tmp_path / "q.csv"), str(tmp_path / "p.csv"),
+                                 "--run", "a"])  # q has run a, p has not: p is named
+    assert result.exit_code == 2 and f"{tmp_path / 'p.csv'} has no run 'a'" in result.stderr
