@@ -121,6 +121,7 @@ def test_a_failed_check_exits_1_and_keeps_its_rows(tmp_path, monkeypatch):
     (["--workload", "alpaca", "--trace", "t.csv"], "--workload and --trace both"),
     (["--workload", "sharegpt", "--max-len", "9"], "--max-len 9 keeps too few"),
     (["--seeds", "0"], "--seeds must be a positive integer"),
+    (["--max-batched-tokens", "8", "--block-size", "16"], "below one block of 16 positions"),
     (["--prefix-caching", "--reserve", "paged,prealloc"], "use --reserve paged and"),
     (["--prefix-caching", "--preempt", "swap"], "--preempt recompute"),
     (["--shared-prefix-len", "2047"], "--shared-prefix-len 2047: a shared prompt of 0 to"),

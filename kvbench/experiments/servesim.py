@@ -174,7 +174,7 @@ class SimOptions:
             parse_len_dist(self.len_dist)
             parse_len_dist(self.output_dist)
         check_limits(self.prefill_chunk, self.max_seqs, self.max_batched_tokens, self.watermark,
-                     self.policy)
+                     self.policy, self.block_size)
         if self.shared_prefix_len < 0 or self.shared_prefix_len > self.max_len - 2:
             raise KvbenchError(f"--shared-prefix-len {self.shared_prefix_len}: a shared prompt "
                                f"of 0 to --max-len - 2 = {self.max_len - 2} positions, leaving "

@@ -88,11 +88,14 @@ def trace(n: int, seed: int, prompt: LenDist, output: LenDist, rate: float,
 
 
 def check_limits(chunk: int | None, max_seqs: int | None, max_batched_tokens: int | None,
-                 watermark: float, policy: str) -> None:
+                 watermark: float, policy: str, block_size: int = 1) -> None:
     """Refuse, in one line, vLLM limits the Scheduler cannot take."""
     for flag, value in (("--max-seqs", max_seqs), ("--max-batched-tokens", max_batched_tokens)):
         if value is not None and value < 1:
             raise KvbenchError(f"{flag} must be a positive integer, got {value}")
+    if max_batched_tokens is not None and max_batched_tokens < block_size:
+        raise KvbenchError(f"--max-batched-tokens {max_batched_tokens} is below one block of "
+                           f"{block_size} positions; raise it or lower --block-size")
     if max_batched_tokens is not None and chunk is not None and max_batched_tokens < chunk:
         raise KvbenchError(f"--max-batched-tokens {max_batched_tokens} is below one "
                            f"--prefill-chunk of {chunk} positions; raise it or lower the chunk")
@@ -305,7 +308,7 @@ class Scheduler:
         self.reserve_len = reserve_len
         self.engine = engine
         self.chunk = chunk  # prompt positions prefilled per step, all sequences together
-        check_limits(chunk, max_seqs, max_batched_tokens, watermark, policy)
+        check_limits(chunk, max_seqs, max_batched_tokens, watermark, policy, block_size)
         self.max_seqs, self.max_batched_tokens = max_seqs, max_batched_tokens
         self.policy = policy
         self.contiguous, self.static = contiguous, static
