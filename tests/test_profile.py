@@ -73,6 +73,16 @@ def test_each_prompt_after_the_first_in_a_step_adds_what_a_second_call_was_measu
     assert prof.step_ms(3, 40, 0, calls=0) == pytest.approx(1 + 6 + 0.4)
     assert costs.read(write(tmp_path / "q.csv", two=1.0)).per_call_ms == 0.0  # never < 0
     assert costs.read(write(tmp_path / "r.csv")).per_call_ms == 0.0  # not measured
+    # a step of prompts of 32, 16 and 8 beside 3 decodes at 40: the grid's cost with the
+    # longest (1 + 6 + 0.4 + 3.2), then each other: 0.64 + its prefill alone less the least
+    # (a prefill of 16 or 8 alone costs the least measured, 32's: nothing more)
+    assert prof.step_cost(3, 40, [16, 32, 8]) == pytest.approx(1 + 6 + 0.4 + 3.2 + 2 * 0.64)
+    assert prof.step_cost(3, 40, []) == pytest.approx(1 + 6 + 0.4)
+    wide = costs.read(write(tmp_path / "w.csv", two=5.0, axes=([0, 2, 4], [16, 64],
+                                                                  [0, 32, 64])))
+    # others of 64 and 48: 0.64 + (64 - 32) x 0.1 and 0.64 + (48 - 32) x 0.1
+    assert wide.step_cost(2, 16, [64, 64, 48]) == pytest.approx(
+        1 + 4 + 0.16 + 6.4 + 0.64 + 3.2 + 0.64 + 1.6)
 
 
 def test_a_profile_that_is_not_one_or_does_not_cover_its_grid_is_refused(tmp_path):
@@ -136,9 +146,9 @@ def test_write_then_replay_on_the_cli(tmp_path):
                                  "--profile-rounds", "1", "-q"])
     assert result.exit_code == 0, result.output
     df = pd.read_csv(prof)
-    # batch 0, 1, 2 x context 16, 64 x prefill 0, 16, 64, 128 (the pool's 128 positions),
-    # less the two steps of nothing at all, and the step of two prompts of 8
-    assert len(df) == 3 * 2 * 4 - 2 + 1 and (df["step_ms"] > 0).all()
+    # batch 0, 1, 2 x context 16, 64 x prefill 0, 16, 64 (a whole prompt of --max-len), less
+    # the two steps of nothing at all, and the step of two prompts of 8
+    assert len(df) == 3 * 2 * 3 - 2 + 1 and (df["step_ms"] > 0).all()
     assert df[df["calls"] == 2][["batch", "prefill"]].values.tolist() == [[0, 16]]
     assert set(df["command"]) == {"serve-sim-profile"} and set(df["head_dim"]) == {16}
     result = runner.invoke(app, [*args, "--requests", "6", "--len-dist", "uniform:4:20",

@@ -545,8 +545,10 @@ def test_each_step_records_the_work_a_cost_model_reads():
     s.run()
     assert s.batch == [0, 2, 1] and s.context == [0, 10, 7]
     assert s.prefill_positions == [8, 0, 0] and s.prefill_calls == [2, 0, 0]
+    assert s.prefill_sizes == [[5, 3], [], []]
     # chunks of 4: A's 5 in 4 + 1, B's 3 begun with the 3 left in step 1
     s = Scheduler([Request(0, 0.0, 5, 3), Request(1, 0.0, 3, 2)], n_blocks=8, block_size=4,
                   chunk=4)
     s.run()
     assert s.prefill_positions[:2] == [4, 4] and s.prefill_calls[:2] == [1, 2]
+    assert s.prefill_sizes[:2] == [[4], [1, 3]]

@@ -470,8 +470,7 @@ def replay(o: SimOptions, reserve: str, reqs, profile, served_one=lambda n: None
         host = time.perf_counter() - start  # the scheduler's own part, on this host
         batch = sched.batch[-1]
         context = sched.context[-1] / batch if batch else 0.0
-        took.append(host + profile.step_ms(batch, context, sched.prefill_positions[-1],
-                                           sched.prefill_calls[-1]) / 1e3)
+        took.append(host + profile.step_cost(batch, context, sched.prefill_sizes[-1]) / 1e3)
         clock += took[-1]
         ends.append(clock)
         if (finished := sched.finished) > done:
@@ -699,8 +698,8 @@ def write_profile(o: SimOptions) -> list:
             raise KvbenchError(f"--write-profile {path} exists and is not a profile; give "
                                "another path")
     device = resolve_device(o.device)
-    # the most a step may prefill: what the pool can take in one step, or the step's budget
-    most = o.kv_blocks * o.block_size
+    # the most one prefill call may write: a whole prompt, or the step's chunk or budget
+    most = o.max_len
     for cap in (o.prefill_chunk, o.max_batched_tokens):
         most = min(most, cap or most)
     batches, contexts, prefills = costs.grid(o.profile_batch, o.max_len, most)

@@ -6,7 +6,7 @@ decoding, each attending L positions, and a prefill of P prompt positions beside
 a step of prefill alone; P = 0: decodes alone). Each point is the median of --rounds timed
 steps on a real pool, synchronised on CUDA. The grid: B in 0, 1, 2, 4, ... up to
 --profile-batch; L in 16, 64, 256, ... up to --max-len; P in 0, 16, 64, ... up to the
-longest prompt a step may prefill.
+longest prompt one call may prefill (--max-len, or a chunk).
 
 Replaying (`kvbench serve-sim --cost-profile FILE`): the scheduler makes every decision as
 before, without tensors, and each step's time is the engine's, read from the profile at the
@@ -76,6 +76,19 @@ class Profile:
         after the first (measured: two prefills of half the least prefill, against one)."""
         extra = max(calls - 1, 0) * self.per_call_ms if prefill else 0.0
         return self._interpolated(batch, context, prefill) + extra
+
+    def step_cost(self, batch: int, context: float, sizes: list[int]) -> float:
+        """A step's time from what it did: `batch` sequences decoding at `context` positions
+        on average, and a prefill call of each of `sizes` positions. The grid holds one call
+        beside the decodes: the longest; each other costs what a second call adds
+        (per_call_ms) and the compute of its positions beyond the least prefill measured
+        (a prefill alone of its size, less one of the least)."""
+        if not sizes:
+            return self._interpolated(batch, context, 0)
+        longest, *others = sorted(sizes, reverse=True)
+        least = self._interpolated(0, 0, self.prefill[1])
+        return self._interpolated(batch, context, longest) + sum(
+            self.per_call_ms + self._interpolated(0, 0, p) - least for p in others)
 
     def _interpolated(self, batch: int, context: float, prefill: int) -> float:
         for name, value, axis in (("sequences decoding", batch, self.batch),

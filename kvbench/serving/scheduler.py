@@ -339,7 +339,9 @@ class Scheduler:
         self.context: list[int] = []
         self.prefill_positions: list[int] = []
         self.prefill_calls: list[int] = []
-        self._step_context = self._step_prefilled = self._step_calls = 0
+        self.prefill_sizes: list[list[int]] = []  # each prefill call's positions, per step
+        self._step_context = self._step_prefilled = 0
+        self._step_sizes: list[int] = []
 
     def _reserved(self, r: Request) -> int:
         return reserved(r, self.reserve, self.reserve_len)
@@ -415,8 +417,10 @@ class Scheduler:
         self.batch.append(batch)
         self.context.append(self._step_context if batch else 0)
         self.prefill_positions.append(self._step_prefilled)
-        self.prefill_calls.append(self._step_calls)
-        self._step_context = self._step_prefilled = self._step_calls = 0
+        self.prefill_calls.append(len(self._step_sizes))
+        self.prefill_sizes.append(self._step_sizes)
+        self._step_context = self._step_prefilled = 0
+        self._step_sizes = []
         self.now += 1
 
     def _admit(self, budget: float) -> int:
@@ -503,7 +507,7 @@ class Scheduler:
         if self.engine is not None:
             self.engine.prefill(seq, seq.prefilled, seq.prefilled + n)
         self._step_prefilled += n
-        self._step_calls += 1
+        self._step_sizes.append(n)
         seq.prefilled += n
         if seq.prefilled < seq.length:
             self._register(seq)
