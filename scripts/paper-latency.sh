@@ -21,6 +21,7 @@ for rate in ${rates//,/ }; do
         --reserve paged,orca-oracle,orca-pow2,orca-max --cost-profile "$out/profile.csv" \
         --csv "$out/latency.csv"
 done
+rm -f "$out/latency-steps.csv"  # every step of every run: about 1 GB, not needed here
 python3 - "$out" <<'EOF'
 import sys
 
