@@ -275,7 +275,7 @@ def serve_sim(
     dtype: Annotated[str, typer.Option(help="float32|fp32, float16|fp16, bfloat16|bf16.")] = "float32",
     device: Annotated[str, typer.Option(help="auto, cpu, cuda or cuda:N.")] = "auto",
     seed: Annotated[int, typer.Option(help="Seed of the trace, the weights and the inputs.")] = 0,
-    prefix_caching: Annotated[bool, typer.Option("--prefix-caching", help="vLLM v1's automatic prefix caching: full blocks shared by content across requests, kept after they are freed until needed (paged, recompute).")] = False,
+    prefix_caching: Annotated[bool, typer.Option("--prefix-caching", metavar="", help="vLLM v1's automatic prefix caching: full blocks shared by content across requests, kept after they are freed until needed (paged, recompute).")] = False,
     shared_prefix_len: Annotated[int, typer.Option(help="A shared system prompt of this many positions before the prompts of --shared-prefix-frac of the requests.")] = 0,
     shared_prefix_frac: Annotated[float, typer.Option(help="The share of requests that start with the shared prompt.")] = 1.0,
     write_profile: Annotated[Path | None, typer.Option(help="Measure the engine's step time over a grid of (sequences decoding, their context, prefill positions) on this layer and device, and write it to this file (a cost profile).")] = None,
