@@ -410,6 +410,9 @@ def test_compare_messages_and_one_sided_selections(bench_csv, tmp_path):
     result = compare("bench", base.assign(torch_threads=[1, 2, 1, 2]),
                      base.assign(torch_threads=None), "bench")
     assert result.env_differences == ["torch_threads: 1, 2 -> —"]
+    result = compare("bench", base.assign(torch_threads=None),
+                     base.assign(torch_threads=[1, 2, 1, 2]), "bench")
+    assert result.env_differences == ["torch_threads: — -> 1, 2"]
     # Q: run b (1x) then run a (2x); P: run b at 3x. --run b on both sides: 3x, a regression
     # at 60%; the baseline's latest rows (run a, 2x) would make it 1.5x, none
     q = pd.concat([base.assign(run_id="b"), base.assign(
