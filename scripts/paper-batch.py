@@ -21,20 +21,17 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from kvbench.experiments.servesim import RESERVATIONS
+from kvbench.experiments.servesim import SimOptions, requests
 from kvbench.measure.timing import interval95
-from kvbench.serving.scheduler import Scheduler
-from kvbench.serving.workloads import workload_trace
 
 BLOCKS, BLOCK_SIZE, MAX_LEN = 987, 16, 2048
 WAYS = ("paged", "orca-oracle", "orca-pow2", "orca-max", "static")
 
 
-def mean_batch(way: str, requests) -> float:
-    kind, max_len, contiguous, static = RESERVATIONS[way]
-    s = Scheduler(requests, BLOCKS, BLOCK_SIZE, reserve=kind,
-                  reserve_len=MAX_LEN if max_len else None, contiguous=contiguous,
-                  static=static)
+def mean_batch(o: SimOptions, way: str, reqs) -> float:
+    """The mean sequences decoding per step when serve-sim's scheduler for `way` runs the
+    trace (no engine: the decisions alone)."""
+    s = o.scheduler(way, reqs)
     s.run()
     return sum(s.batch) / len(s.batch)
 
@@ -47,9 +44,11 @@ def main() -> None:
     a = p.parse_args()
     batches = {w: [] for w in WAYS}
     for seed in range(a.seeds):
-        reqs = workload_trace(a.workload, a.requests, seed, float("inf"), MAX_LEN)
+        o = SimOptions(requests=a.requests, workload=a.workload, max_len=MAX_LEN,
+                       kv_blocks=BLOCKS, block_size=BLOCK_SIZE, reserve=WAYS, seed=seed)
+        reqs = requests(o)  # all at once: the pool decides the batch
         for w in WAYS:
-            batches[w].append(mean_batch(w, reqs))
+            batches[w].append(mean_batch(o, w, reqs))
     print(f"{a.workload}: {a.requests} requests at once, {BLOCKS} blocks of {BLOCK_SIZE} "
           f"(OPT-13B on 40 GiB), {a.seeds} seeds; mean sequences decoding per step")
     paged = interval95(batches["paged"])

@@ -40,7 +40,6 @@ from kvbench.serving.scheduler import (
 from kvbench.sizing.config import DTYPE_BYTES, canonical_dtype
 from kvbench.sizing.lengths import parse_len_dist
 
-RESERVES = ("paged", "prealloc", "oracle", "orca-max", "orca-pow2", "orca-oracle", "static")
 # reserve -> the Scheduler's reservation: its kind, whether it reserves --max-len, whether one
 # run of consecutive blocks, whether batches run to the end (kvbench.serving.scheduler)
 RESERVATIONS = {
@@ -52,6 +51,7 @@ RESERVATIONS = {
     "orca-oracle": ("prealloc", False, True, False),
     "static": ("prealloc", True, True, True),
 }
+RESERVES = tuple(RESERVATIONS)
 DEFAULT_BLOCKS = 512
 WARMUP_REQUESTS = 4
 
@@ -201,17 +201,22 @@ class SimOptions:
         if self.format not in ("table", "csv", "json"):
             raise KvbenchError(f"--format {self.format!r}: use table, csv or json")
 
-    def with_blocks(self, n: int) -> SimOptions:
-        """These options with a pool of n blocks (a profile's), as validated."""
+    def _with(self, **changes) -> SimOptions:
+        """These options, validated once, with fields changed that need no validation
+        (dataclasses.replace would validate again: --kv-mem would then clash with the
+        blocks it set)."""
         run = copy.copy(self)
-        object.__setattr__(run, "kv_blocks", n)
+        for name, value in changes.items():
+            object.__setattr__(run, name, value)
         return run
 
+    def with_blocks(self, n: int) -> SimOptions:
+        """These options with a pool of n blocks (a profile's)."""
+        return self._with(kv_blocks=n)
+
     def with_seed(self, seed: int) -> SimOptions:
-        """These options with another seed (its trace, weights and inputs), as validated."""
-        run = copy.copy(self)
-        object.__setattr__(run, "seed", seed)
-        return run
+        """These options with another seed (its trace, weights and inputs)."""
+        return self._with(seed=seed)
 
     @property
     def block_bytes(self) -> int:
@@ -602,7 +607,7 @@ def run(o: SimOptions) -> list[Served]:
 
     try:
         if o.ray is not None:  # each reserve a Ray task, on the same trace
-            _on_cluster(o, device, finished)
+            _on_cluster(o, device, finished, profile)
         else:
             with torch.inference_mode(), render.counter(total, "requests",
                                                         enabled=not o.quiet) as bar:
@@ -644,7 +649,7 @@ def run(o: SimOptions) -> list[Served]:
     return served
 
 
-def _on_cluster(o: SimOptions, device: str, finished) -> None:
+def _on_cluster(o: SimOptions, device: str, finished, profile=None) -> None:
     """--ray: each reserve serves the trace in its own Ray task (the same seeded trace and
     layer, built on the worker); finished(served, the worker's environment) as each ends."""
     from types import SimpleNamespace
@@ -655,10 +660,8 @@ def _on_cluster(o: SimOptions, device: str, finished) -> None:
         import torch
 
         run = o.with_seed(names[1])
-        if o.cost_profile is not None:
-            from kvbench.serving import profile as costs
-
-            return replay(run, names[0], requests(run), costs.read(o.cost_profile)), env
+        if profile is not None:  # read on the driver: the file need not be on the worker
+            return replay(run, names[0], requests(run), profile), env
         with torch.inference_mode():
             return serve(run, names[0], requests(run), _layer(run, device), device), env
 
@@ -855,9 +858,8 @@ def show_serve(o, device: str, served) -> None:
     from kvbench.measure.timing import percentile
 
     out.print(serve_table(o, device, served))
-    gaps = [(r, percentile([g for s in v for g in s.itl_s], 50),
-             percentile([g for s in v for g in s.itl_s], 99))
-            for r, v in by_reserve(served).items() if any(s.itl_s for s in v)]
+    itl = {r: [g for s in v for g in s.itl_s] for r, v in by_reserve(served).items()}
+    gaps = [(r, percentile(g, 50), percentile(g, 99)) for r, g in itl.items() if g]
     if gaps:  # TPOT is a mean per request; every gap shows a decode stalled by a prefill
         out.print("ITL p50 / p99, every gap between two tokens of a request: "
                   + ", ".join(f"{r} {1e3 * a:.2f} / {1e3 * b:.2f} ms" for r, a, b in gaps))

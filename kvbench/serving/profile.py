@@ -83,12 +83,10 @@ class Profile:
         beside the decodes: the longest; each other costs what a second call adds
         (per_call_ms) and the compute of its positions beyond the least prefill measured
         (a prefill alone of its size, less one of the least)."""
-        if not sizes:
-            return self._interpolated(batch, context, 0)
-        longest, *others = sorted(sizes, reverse=True)
+        longest, *others = sorted(sizes, reverse=True) or [0]
         least = self._interpolated(0, 0, self.prefill[1])
-        return self._interpolated(batch, context, longest) + sum(
-            self.per_call_ms + self._interpolated(0, 0, p) - least for p in others)
+        return self.step_ms(batch, context, longest, len(sizes)) + sum(
+            self._interpolated(0, 0, p) - least for p in others)
 
     def _interpolated(self, batch: int, context: float, prefill: int) -> float:
         for name, value, axis in (("sequences decoding", batch, self.batch),

@@ -142,8 +142,11 @@ class BlockPool:
         block = self.free.popleft()
         if block in self.owner:
             raise AssertionError(f"block {block} handed out twice")
-        self.owner[block] = request
+        self._hand_out(block, request)
         return block
+
+    def _hand_out(self, block: int, request: int) -> None:
+        self.owner[block] = request
 
     def take_run(self, request: int, n: int) -> list[int] | None:
         """n consecutive blocks, the run that starts lowest (first fit), or None when no
@@ -157,7 +160,7 @@ class BlockPool:
                 taken = set(run)
                 self.free = deque(b for b in self.free if b not in taken)
                 for b in run:
-                    self.owner[b] = request
+                    self._hand_out(b, request)
                 return run
         return None
 
@@ -182,16 +185,10 @@ class CachingPool(BlockPool):
         self.block_of: dict[tuple, int] = {}  # key -> the block holding that content
         self.key_of: dict[int, tuple] = {}
 
-    def take(self, request: int) -> int | None:
-        if not self.free:
-            return None
-        block = self.free.popleft()
-        if block in self.owner:
-            raise AssertionError(f"block {block} handed out twice")
+    def _hand_out(self, block: int, request: int) -> None:
         if (key := self.key_of.pop(block, None)) is not None:
             del self.block_of[key]  # evicted: its content is about to be overwritten
         self.owner[block] = {request}
-        return block
 
     def take_run(self, request: int, n: int) -> list[int] | None:
         raise AssertionError("prefix caching shares blocks; it reserves no runs")
@@ -335,13 +332,21 @@ class Scheduler:
         self.decoded: list[int] = []  # tokens generated per step
         self.batch: list[int] = []  # sequences decoding per step
         # what each step's work was, for a cost model (kvbench.serving.profile): the positions
-        # the decoding sequences attended, prefill positions written and prefill calls
+        # the decoding sequences attended, and the positions each prefill call wrote
         self.context: list[int] = []
-        self.prefill_positions: list[int] = []
-        self.prefill_calls: list[int] = []
         self.prefill_sizes: list[list[int]] = []  # each prefill call's positions, per step
-        self._step_context = self._step_prefilled = 0
+        self._step_context = 0
         self._step_sizes: list[int] = []
+
+    @property
+    def prefill_positions(self) -> list[int]:
+        """Prompt positions prefilled per step."""
+        return [sum(sizes) for sizes in self.prefill_sizes]
+
+    @property
+    def prefill_calls(self) -> list[int]:
+        """Prefill calls (prompts, or chunks of them) per step."""
+        return [len(sizes) for sizes in self.prefill_sizes]
 
     def _reserved(self, r: Request) -> int:
         return reserved(r, self.reserve, self.reserve_len)
@@ -416,10 +421,8 @@ class Scheduler:
         self.decoded.append(tokens)
         self.batch.append(batch)
         self.context.append(self._step_context if batch else 0)
-        self.prefill_positions.append(self._step_prefilled)
-        self.prefill_calls.append(len(self._step_sizes))
         self.prefill_sizes.append(self._step_sizes)
-        self._step_context = self._step_prefilled = 0
+        self._step_context = 0
         self._step_sizes = []
         self.now += 1
 
@@ -506,7 +509,6 @@ class Scheduler:
             return budget, 0  # preempted itself: no block for its chunk
         if self.engine is not None:
             self.engine.prefill(seq, seq.prefilled, seq.prefilled + n)
-        self._step_prefilled += n
         self._step_sizes.append(n)
         seq.prefilled += n
         if seq.prefilled < seq.length:
