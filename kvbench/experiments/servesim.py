@@ -821,8 +821,8 @@ def serve_table(o, device: str, served) -> Table:
         cells = []
         for _, figure, fmt in SEED_FIGURES:
             iv = figure_interval(runs, figure)
-            cells.append("n/a" if iv is None else fmt.format(iv[0]) + (
-                "" if math.isnan(iv[1]) else " ±" + fmt.format(iv[1])))
+            cells.append("n/a" if iv is None else fmt.format(iv[0]) + (  # ± under the
+                "" if math.isnan(iv[1]) else "\n±" + fmt.format(iv[1])))  # mean: 80 columns
         t.add_row(reserve, *cells,
                   "not run" if not all(s.verified for s in runs) else
                   "PASS" if all(s.passed for s in runs) else "[red]FAIL[/]")
