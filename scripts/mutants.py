@@ -43,6 +43,8 @@ TESTS = {
     "kvbench/subjects/": ["tests/test_model.py", "tests/test_cli.py", "tests/test_mla.py"],
     "kvbench/serving/scheduler.py": ["tests/test_scheduler.py", "tests/test_servesim.py"],
     "kvbench/serving/engine.py": ["tests/test_servesim.py"],
+    "kvbench/serving/profile.py": ["tests/test_profile.py"],
+    "kvbench/serving/workloads.py": ["tests/test_scheduler.py", "tests/test_servesim.py"],
     "kvbench/experiments/servesim.py": ["tests/test_servesim.py"],
     "kvbench/report/compare.py": ["tests/test_compare_plot.py"],
     "kvbench/report/plot.py": ["tests/test_compare_plot.py"],

@@ -711,9 +711,9 @@ class DecodeReadsPastTheEnd(Engine):
     """Attention reads one slot past each sequence's last position (a length off by one):
     a stale K/V left in the block by an earlier owner."""
 
-    def attend(self, q, rows, lengths):
+    def plan(self, rows, lengths):
         bs = self.block_size
-        return super().attend(q, rows, torch.minimum(lengths + 1, -(-lengths // bs) * bs))
+        return super().plan(rows, torch.minimum(lengths + 1, -(-lengths // bs) * bs))
 
 
 class RecomputeRestartsAtThePrompt(Engine):
@@ -729,13 +729,18 @@ class RecomputeRestartsAtThePrompt(Engine):
         if end < seq.length:
             return
         at = seq.length - 1  # the newest token only, then attention over the stale rest
-        q, k, v = self.layer.project(self.inputs(seq.request, torch.tensor([at]))[None],
-                                     start=at)
-        self._write(torch.tensor([seq.blocks[at // self.block_size]]),
-                    torch.tensor([at % self.block_size]), k[0].transpose(0, 1),
-                    v[0].transpose(0, 1))
-        out = self.attend(q[:, :, 0], torch.tensor([self._row(seq)]), torch.tensor([seq.length]))
-        self._keep(seq, self.layer.output(out[:, :, None])[0, 0])
+        bs = self.block_size
+        slot = (torch.tensor([seq.blocks[at // bs]]), torch.tensor([at % bs]))
+        plan = self.plan(torch.tensor([self._row(seq)]), torch.tensor([seq.length]))
+
+        def attend(i, x):
+            q, k, v = self.stack.layers[i].project(x, start=at)
+            self._write(i, *slot, k[0].transpose(0, 1), v[0].transpose(0, 1))
+            return self.attend(q[:, :, 0], plan, i)[:, :, None]
+
+        out = self.stack.run(self.inputs(seq.request, torch.tensor([at]))[None], attend,
+                             last=True)
+        self._keep(seq, out[0, 0])
 
 
 class ChunkReadsZerosBeforeIt(Engine):
@@ -749,6 +754,30 @@ class ChunkReadsZerosBeforeIt(Engine):
     def prefill(self, seq, start, end):
         self._start = start
         super().prefill(seq, start, end)
+
+
+class EveryLayerWritesTheFirstLayersBlocks(Engine):
+    """A whole model's K and V all written to layer 0's pool: one layer is served right,
+    every later layer reads zeros and layer 0 the last layer's K/V."""
+
+    def _write(self, i, blocks, offsets, k, v):
+        super()._write(0, blocks, offsets, k, v)
+
+
+class SwapCopiesTheFirstLayerOnly(Engine):
+    """Swap copies layer 0's blocks to the host and back; the other layers' positions are
+    whatever the blocks it gets next held."""
+
+    def swap_out(self, seq):
+        super().swap_out(seq)
+        k, v = self.host[seq.request.id]
+        self.host[seq.request.id] = (k[:1], v[:1])
+
+    def swap_in(self, seq):
+        k, v = self.host.pop(seq.request.id)
+        into = self.tables[self._row(seq, resync=True), : k.shape[1]]
+        self.k_pool[:1, into] = k
+        self.v_pool[:1, into] = v
 
 
 class LastOutputOverwritesThePrevious(Engine):

@@ -51,3 +51,19 @@ def refused(tmp_path):
         return result.exit_code, result.stderr.strip().splitlines(), written
 
     return run
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory):
+    """A 2-layer Llama checkpoint (hidden 64, 4 query and 2 KV heads of 32), made here."""
+    transformers = pytest.importorskip("transformers")
+    import torch
+
+    folder = tmp_path_factory.mktemp("models") / "tiny-llama"
+    config = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=96,
+                                      num_hidden_layers=2, num_attention_heads=4,
+                                      num_key_value_heads=2, head_dim=32,
+                                      max_position_embeddings=256, initializer_range=0.2)
+    torch.manual_seed(0)
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(folder)
+    return str(folder)

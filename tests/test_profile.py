@@ -16,7 +16,7 @@ runner = CliRunner()
 LAYER = ["--hidden", "64", "--q-heads", "4", "--kv-heads", "2", "--head-dim", "16",
          "--block-size", "8", "--device", "cpu"]
 SHAPE = {"hidden": 64, "q_heads": 4, "kv_heads": 2, "head_dim": 16, "dtype": "float32",
-         "block_size": 8}
+         "block_size": 8, "model": "", "layers": 1}
 
 
 def test_the_grid_by_hand():
@@ -160,6 +160,28 @@ def test_write_then_replay_on_the_cli(tmp_path):
                                 str(prof), "--no-csv"])
     assert other.exit_code == 2 and "measured at head_dim 16" in other.stderr
     assert "kvbench: error" in other.stderr and len(other.stderr.strip().splitlines()) == 1
+
+
+def test_a_models_profile_replays_that_model_and_no_other(tmp_path, tiny_model):
+    prof = tmp_path / "m.csv"
+    args = ["serve-sim", "--model", tiny_model, "--block-size", "8", "--device", "cpu",
+            "--max-len", "32", "--kv-blocks", "16"]
+    result = runner.invoke(app, [*args, "--write-profile", str(prof), "--profile-batch", "2",
+                                 "--profile-rounds", "1", "-q"])
+    assert result.exit_code == 0, result.output
+    df = pd.read_csv(prof)
+    assert set(df["model"]) == {"tiny-llama"} and set(df["layers"]) == {2}
+    assert set(df["hidden"]) == {64} and set(df["head_dim"]) == {32}
+    result = runner.invoke(app, [*args, "--requests", "6", "--len-dist", "uniform:4:20",
+                                 "--output-dist", "uniform:2:8", "--cost-profile", str(prof),
+                                 "--max-seqs", "2", "--no-csv", "-q"])
+    assert result.exit_code == 0, result.output
+    for other, said in ((["--layers", "1"], "measured at layers 2, this run has 1"),
+                        ([], "measured at model tiny-llama, this run has none (one layer)")):
+        run = args[3:] if not other else args
+        result = runner.invoke(app, ["serve-sim", *run, *other, "--cost-profile", str(prof),
+                                     "--no-csv"])
+        assert result.exit_code == 2 and said in result.stderr, result.stderr
 
 
 def test_a_file_that_is_not_a_profile_is_never_overwritten(tmp_path):

@@ -132,6 +132,77 @@ def test_bad_input_is_one_line(refused, args, message):
     assert code == 2 and len(lines) == 1 and message in lines[0] and not written, lines
 
 
+MODEL_TRACE = ["--requests", "10", "--len-dist", "lognormal:20:0.6", "--output-dist",
+               "lognormal:16:0.6", "--max-len", "64", "--kv-blocks", "12", "--block-size", "8",
+               "--device", "cpu"]
+
+
+def test_serve_sim_runs_a_whole_models_steps_and_verifies_every_request(tiny_model, tmp_path):
+    out = tmp_path / "m.csv"
+    for preempt in ("recompute", "swap"):
+        result = runner.invoke(app, ["serve-sim", "--model", tiny_model, *MODEL_TRACE,
+                                     "--reserve", "paged,prealloc", "--prefill-chunk", "8",
+                                     "--preempt", preempt, "--csv", str(out)])
+        assert result.exit_code == 0, result.output
+        assert "tiny-llama" in result.output and "(2 of 2 layers)" in result.output
+    df = pd.read_csv(out)
+    assert df["passed"].all() and (df["model"] == df["model"].iloc[0]).all()
+    assert (df["layers"] == 2).all() and (df["hidden"] == 64).all()
+    # a block: K and V, 2 layers x 2 KV heads x 8 positions x 32 dims x 4 bytes = 8 KiB
+    assert (df["kv_pool_bytes"] == 12 * 2 * 2 * 2 * 8 * 32 * 4).all()
+    paged = df[df["reserve"] == "paged"]
+    assert (paged["preemptions"] > 0).all()  # both ways of preempting exercised
+    assert paged["swapped_blocks"].iloc[1] > 0 and paged["recomputed_tokens"].iloc[0] > 0
+
+
+@pytest.mark.parametrize("fault, preempt", [
+    (broken.EveryLayerWritesTheFirstLayersBlocks, "recompute"),
+    (broken.SwapCopiesTheFirstLayerOnly, "swap")])
+def test_serve_sim_catches_a_model_engine_that_mixes_up_its_layers(tiny_model, monkeypatch,
+                                                                   fault, preempt):
+    import kvbench.serving.engine
+
+    o = SimOptions(model=tiny_model, requests=10, len_dist="lognormal:20:0.6",
+                   output_dist="lognormal:16:0.6", max_len=64, kv_blocks=12, block_size=8,
+                   device="cpu", preempt=preempt)
+    from kvbench.experiments.servesim import _subject
+
+    model = _subject(o, "cpu")
+    assert serve(o, "paged", requests(o), model, "cpu").passed  # the engine as it is
+    monkeypatch.setattr(kvbench.serving.engine, "Engine", fault)
+    served = serve(o, "paged", requests(o), model, "cpu")
+    assert served.preemptions > 0 and not served.passed, fault.__name__
+    # the same fault on one layer is no fault: only a model can show it
+    one = SimOptions(**{**OPTIONS.__dict__, "preempt": preempt})
+    assert serve(one, "paged", requests(one), layer(), "cpu").passed
+
+
+def test_a_model_sizes_its_blocks_over_every_layer(tiny_model):
+    # 2 layers x K and V x 2 heads x 16 positions x 32 dims x 4 bytes = 16 KiB
+    o = SimOptions(model=tiny_model, kv_mem="64KiB", max_len=64)
+    assert o.block_bytes == 16384 and o.kv_blocks == 4 and o.n_layers == 2
+    one = SimOptions(model=tiny_model, layers=1, kv_mem="64KiB", max_len=64)
+    assert one.block_bytes == 8192 and one.kv_blocks == 8
+    assert SimOptions(model=tiny_model, kv_mem="64KiB", max_len=64, dtype="bf16").kv_blocks == 8
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--hidden", "32"], "sets the layer's shape; drop --hidden"),
+    (["--layers", "3"], "--layers 3: tiny-llama"),
+    (["--layers", "0"], "--layers 0"),
+    (["--kv-blocks", "100000000", "--host-mem", "1GiB"], "of weights) but"),
+])
+def test_bad_model_input_is_one_line(refused, tiny_model, args, message):
+    code, lines, written = refused(["--model", tiny_model, "--max-len", "64", *args],
+                                   command="serve-sim")
+    assert code == 2 and len(lines) == 1 and message in lines[0] and not written, lines
+
+
+def test_layers_without_a_model_is_one_line(refused):
+    code, lines, written = refused(["--layers", "2"], command="serve-sim")
+    assert code == 2 and len(lines) == 1 and "give --model too" in lines[0] and not written
+
+
 def test_kv_mem_sizes_the_pool_in_whole_blocks():
     # K and V of 2 heads × 16 positions × 64 dims in float32: 16 KiB a block
     assert SimOptions(kv_mem="8MiB").kv_blocks == 512

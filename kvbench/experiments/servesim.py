@@ -53,6 +53,7 @@ RESERVATIONS = {
 }
 RESERVES = tuple(RESERVATIONS)
 DEFAULT_BLOCKS = 512
+ONE_LAYER = (512, 8, 2, 64)  # hidden, q_heads, kv_heads, head_dim without --model
 WARMUP_REQUESTS = 4
 
 
@@ -83,10 +84,15 @@ class SimOptions:
     prefix_caching: bool = False  # vLLM v1's automatic prefix caching (paged only)
     shared_prefix_len: int = 0  # a shared system prompt of this many positions ...
     shared_prefix_frac: float = 1.0  # ... at the start of this share of the requests
-    hidden: int = 512
-    q_heads: int = 8
-    kv_heads: int = 2
-    head_dim: int = 64
+    model: str | None = None  # a whole model's steps (a preset or checkpoint) for one layer's
+    layers: int | None = None  # its first this many layers; None: all
+    hidden: int | None = None  # one layer's shape (None: 512, 8, 2, 64; --model sets them)
+    q_heads: int | None = None
+    kv_heads: int | None = None
+    head_dim: int | None = None
+    # the resolved --model (kvbench.layers.model.spec.ModelRef), and the layers each step runs
+    ref: object = field(default=None, repr=False, compare=False)
+    n_layers: int = field(default=1, compare=False)
     dtype: str = "float32"
     device: str = "auto"
     seed: int = 0
@@ -107,6 +113,7 @@ class SimOptions:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "dtype", canonical_dtype(self.dtype))
+        self._shape()
         if self.kv_mem is not None:
             if self.kv_blocks is not None:
                 raise KvbenchError("--kv-blocks and --kv-mem both size the pool; give one")
@@ -201,6 +208,42 @@ class SimOptions:
         if self.format not in ("table", "csv", "json"):
             raise KvbenchError(f"--format {self.format!r}: use table, csv or json")
 
+    def _shape(self) -> None:
+        """The layer's shape: --model's (and its layer count), or the options' with their
+        defaults."""
+        shape = ("hidden", "q_heads", "kv_heads", "head_dim")
+        if self.model is None:
+            if self.layers is not None:
+                raise KvbenchError("--layers counts a --model's layers; give --model too, or "
+                                   "drop --layers")
+            for name, default in zip(shape, ONE_LAYER):
+                if getattr(self, name) is None:
+                    object.__setattr__(self, name, default)
+            return
+        from kvbench.layers.model.spec import resolve
+
+        ref = resolve(self.model)
+        arch = ref.arch.first(self.layers)
+        given = [name for name in shape if getattr(self, name) not in (None, getattr(arch, name))]
+        if given:
+            raise KvbenchError(f"--model {self.model} sets the layer's shape; drop "
+                               f"--{given[0].replace('_', '-')}")
+        if arch.sliding_window and self.max_len > arch.sliding_window:
+            raise KvbenchError(f"--model {self.model} attends within a sliding window of "
+                               f"{arch.sliding_window} positions and serve-sim keeps every "
+                               f"position; give --max-len {arch.sliding_window} or less")
+        for name in shape:
+            object.__setattr__(self, name, getattr(arch, name))
+        object.__setattr__(self, "ref", ref)
+        object.__setattr__(self, "n_layers", arch.layers)
+
+    @property
+    def label(self) -> str:
+        """What each step runs: the model and its layers, or one layer."""
+        if self.ref is None:
+            return "one attention layer"
+        return f"{self.ref.label} ({self.n_layers} of {self.ref.arch.layers} layers)"
+
     def _with(self, **changes) -> SimOptions:
         """These options, validated once, with fields changed that need no validation
         (dataclasses.replace would validate again: --kv-mem would then clash with the
@@ -220,8 +263,10 @@ class SimOptions:
 
     @property
     def block_bytes(self) -> int:
-        """K and V of one block of this layer, in --dtype."""
-        return 2 * self.kv_heads * self.block_size * self.head_dim * DTYPE_BYTES[self.dtype]
+        """K and V of one block in every layer (a block number holds its positions in all
+        of them, as vLLM's do), in --dtype."""
+        return (2 * self.n_layers * self.kv_heads * self.block_size * self.head_dim
+                * DTYPE_BYTES[self.dtype])
 
     @property
     def pool_bytes(self) -> int:
@@ -391,25 +436,36 @@ def preflight(o: SimOptions, device: str) -> None:
     from kvbench.planning.preflight import DEVICE, HOST, available_memory
     from kvbench.report.render import human_bytes
 
-    need = o.pool_bytes + 2 * o.pool_bytes * 4 // DTYPE_BYTES[o.dtype] + 64 * 2**20
+    b = DTYPE_BYTES[o.dtype]
+    # the pool, the blocks a step reads copied out of it in float32 (at most one layer's
+    # blocks at a time: the pool again for one layer), and a margin
+    need = o.pool_bytes + 2 * o.pool_bytes // o.n_layers * 4 // b + 64 * 2**20
+    weights = 0
+    if o.ref is not None:  # the weights (a checkpoint loaded through transformers: twice
+        arch = o.ref.arch.first(o.n_layers)  # while converted), a prompt's activations
+        weights = arch.weight_count() * b * (2 if o.ref.trained else 1)
+        need += weights + o.max_len * (4 * arch.hidden + 2 * arch.intermediate) * b * 2
     have = available_memory(device, o.host_mem)[HOST if device == "cpu" else DEVICE]
     if need > have:
+        what = (f"{human_bytes(o.pool_bytes)} of pool" if not weights else
+                f"{human_bytes(o.pool_bytes)} of pool, {human_bytes(weights)} of weights")
+        fix = "lower --kv-blocks" + (", or --layers" if weights else "")
         raise KvbenchError(
             f"--kv-blocks {o.kv_blocks} of {o.block_size} positions needs about "
-            f"{human_bytes(need)} ({human_bytes(o.pool_bytes)} of pool) but "
-            f"{device} has {human_bytes(have)} available; lower --kv-blocks")
+            f"{human_bytes(need)} ({what}) but {device} has {human_bytes(have)} available; "
+            f"{fix}")
 
 
-def serve(o: SimOptions, reserve: str, reqs, layer, device: str,
+def serve(o: SimOptions, reserve: str, reqs, subject, device: str,
           served_one=lambda n: None) -> Served:
-    """The trace served by one way of reserving, every step timed. served_one(n): n more
-    requests finished (the progress bar)."""
-    from kvbench.experiments.verify import TOLERANCES
+    """The trace served by one way of reserving, every step timed on `subject` (one layer,
+    or a whole model: _subject). served_one(n): n more requests finished (the progress
+    bar)."""
     from kvbench.measure.device import synchronize
     from kvbench.serving.engine import Engine
 
-    rtol, atol = TOLERANCES[o.dtype]
-    engine = Engine(layer, o.kv_blocks, o.block_size, o.seed)
+    rtol, atol = tolerance(o)
+    engine = Engine(subject, o.kv_blocks, o.block_size, o.seed)
     # warm-up: the first steps' one-time costs (allocator, kernels) before the clock starts
     warm = o.scheduler(reserve, sorted(reqs, key=lambda r: r.reach)[:WARMUP_REQUESTS], engine)
     warm.run()
@@ -436,6 +492,16 @@ def serve(o: SimOptions, reserve: str, reqs, layer, device: str,
         if checked:
             served_one(len(checked))
     return _served(o, reserve, reqs, sched, ends, took, failures, max_err, host_s=host)
+
+
+def tolerance(o: SimOptions) -> tuple[float, float]:
+    """(rtol, atol) of a request's outputs against path A: one layer's (verify's), or a
+    whole model's last hidden state (the model verify's, for its logits)."""
+    if o.ref is None:
+        from kvbench.experiments.verify import TOLERANCES
+    else:
+        from kvbench.experiments.model.run import TOLERANCES
+    return TOLERANCES[o.dtype]
 
 
 def _served(o: SimOptions, reserve: str, reqs, sched, ends: list[float], took: list[float],
@@ -617,7 +683,7 @@ def run(o: SimOptions) -> list[Served]:
                                      + (f" seed {run.seed}" if o.seeds > 1 else ""))
                         s = (replay(run, reserve, traces[run.seed], profile, bar.advance)
                              if profile is not None else
-                             serve(run, reserve, traces[run.seed], _layer(run, device),
+                             serve(run, reserve, traces[run.seed], _subject(run, device),
                                    device, bar.advance))
                         if not served and len(o.reserve) * o.seeds > 1 and not o.quiet:
                             render.note(_estimate(o, s))
@@ -663,7 +729,7 @@ def _on_cluster(o: SimOptions, device: str, finished, profile=None) -> None:
         if profile is not None:  # read on the driver: the file need not be on the worker
             return replay(run, names[0], requests(run), profile), env
         with torch.inference_mode():
-            return serve(run, names[0], requests(run), _layer(run, device), device), env
+            return serve(run, names[0], requests(run), _subject(run, device), device), env
 
     points = [(SimpleNamespace(device=device, tp=1), (r, seed)) for r in o.reserve
               for seed in range(o.seed, o.seed + o.seeds)]
@@ -679,7 +745,8 @@ def _on_cluster(o: SimOptions, device: str, finished, profile=None) -> None:
 def layer_shape(o: SimOptions) -> dict[str, object]:
     """What a cost profile must have been measured at to replay this run."""
     return {"hidden": o.hidden, "q_heads": o.q_heads, "kv_heads": o.kv_heads,
-            "head_dim": o.head_dim, "dtype": o.dtype, "block_size": o.block_size}
+            "head_dim": o.head_dim, "dtype": o.dtype, "block_size": o.block_size,
+            "model": "" if o.ref is None else o.ref.label, "layers": o.n_layers}
 
 
 def write_profile(o: SimOptions) -> list:
@@ -713,7 +780,7 @@ def write_profile(o: SimOptions) -> list:
     with torch.inference_mode(), render.counter(points, "points",
                                                 enabled=not o.quiet) as bar:
         bar.describe("serve-sim --write-profile")
-        rows = costs.measure(_layer(o, device), o.block_size, o.profile_batch, o.max_len,
+        rows = costs.measure(_subject(o, device), o.block_size, o.profile_batch, o.max_len,
                              most, o.profile_rounds, device, lambda: bar.advance(1))
     shape = {**layer_shape(o), "device": device, "device_name": device_name(device)}
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -729,15 +796,37 @@ def write_profile(o: SimOptions) -> list:
     return []
 
 
-def _layer(o: SimOptions, device: str):
-    """The attention layer every step runs: its weights seeded by o.seed."""
-    from kvbench.layers.attention import AttentionLayer
-    from kvbench.measure.device import torch_dtype
-    from kvbench.sizing.config import LayerShape
+_models: dict[tuple, object] = {}  # the whole model, loaded once per process
 
-    shape = LayerShape(hidden=o.hidden, q_heads=o.q_heads, kv_heads=o.kv_heads,
-                       head_dim=o.head_dim)
-    return AttentionLayer(shape, torch_dtype(o.dtype), device, o.seed, rope=True)
+
+def _subject(o: SimOptions, device: str):
+    """What every step runs: the attention layer (its weights seeded by o.seed), or --model
+    (a checkpoint's weights, or a preset's drawn from o.seed)."""
+    from kvbench.measure.device import torch_dtype
+
+    dtype = torch_dtype(o.dtype)
+    if o.ref is None:
+        from kvbench.layers.attention import AttentionLayer
+        from kvbench.sizing.config import LayerShape
+
+        shape = LayerShape(hidden=o.hidden, q_heads=o.q_heads, kv_heads=o.kv_heads,
+                           head_dim=o.head_dim)
+        return AttentionLayer(shape, dtype, device, o.seed, rope=True)
+    from kvbench.layers.model.transformer import from_transformers, random_model
+
+    ref = o.ref
+    key = (ref, o.n_layers, o.dtype, device, None if ref.trained else o.seed)
+    if key not in _models:
+        _models.clear()  # one model in memory at a time
+        if ref.trained:
+            from kvbench.layers.model import load as loader
+
+            hf, _ = loader.load(ref, dtype, device)
+            _models[key] = from_transformers(hf, ref.arch, dtype, device, o.n_layers)
+            del hf
+        else:
+            _models[key] = random_model(ref.arch, dtype, device, o.seed, o.n_layers)
+    return _models[key]
 
 
 def trace_preflight(o: SimOptions, device: str) -> None:
@@ -811,8 +900,8 @@ def serve_table(o, device: str, served) -> Table:
     seeds = (f"; mean ±95% interval over {o.seeds} seeds ({o.seed}..{o.seed + o.seeds - 1})"
              if o.seeds > 1 else "")
     t = _table(f"serve-sim  {o.requests} requests arriving {rate}; prompts {o.len_dist}, "
-               f"outputs {o.output_dist}{seeds}\n{o.kv_blocks} blocks of {o.block_size}  "
-               f"H={o.hidden} H_q={o.q_heads} H_kv={o.kv_heads} D={o.head_dim}  {o.dtype}  "
+               f"outputs {o.output_dist}{seeds}\n{o.label}: {o.kv_blocks} blocks of "
+               f"{o.block_size}  H={o.hidden} H_q={o.q_heads} H_kv={o.kv_heads} D={o.head_dim}  {o.dtype}  "
                f"{device}")
     for name in ("reserve", *(f[0] for f in SEED_FIGURES), "path A"):
         t.add_column(name, justify="left" if name in ("reserve", "path A") else "right",
@@ -894,6 +983,8 @@ def serve_rows(o, device: str, served, stamp: str,
                "prefill_positions_saved": s.hit_positions if o.prefix_caching else None,
                "cost_profile": str(o.cost_profile) if o.cost_profile else None,
                "kv_pool_bytes": o.pool_bytes, "hidden": o.hidden,
+               "model": None if o.ref is None else o.ref.label,
+               "layers": o.n_layers if o.ref is not None else None,
                "q_heads": o.q_heads, "kv_heads": o.kv_heads, "head_dim": o.head_dim,
                "dtype": o.dtype, "device": device, "seed": s.seed,
                "passed": s.passed if s.verified else None,

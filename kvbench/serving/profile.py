@@ -27,10 +27,13 @@ from pathlib import Path
 
 from kvbench.errors import KvbenchError
 
-PROFILE_COLUMNS = ["command", "hidden", "q_heads", "kv_heads", "head_dim", "dtype", "device",
+PROFILE_COLUMNS = ["command", "model", "layers", "hidden", "q_heads", "kv_heads", "head_dim", "dtype", "device",
                    "device_name", "block_size", "batch", "context", "prefill", "step_ms",
                    "rounds", "calls"]
-SHAPE_COLUMNS = ("hidden", "q_heads", "kv_heads", "head_dim", "dtype", "block_size")
+SHAPE_COLUMNS = ("model", "layers", "hidden", "q_heads", "kv_heads", "head_dim", "dtype",
+                 "block_size")
+# a profile written before these columns: one attention layer
+OPTIONAL = {"model": "", "layers": "1"}
 
 
 def powers(lo: int, hi: int, factor: int = 4) -> list[int]:
@@ -66,9 +69,13 @@ class Profile:
         """Refuse replaying a trace on another layer than the one measured."""
         for key in SHAPE_COLUMNS:
             if str(self.shape[key]) != str(shape[key]):
+                def said(v):
+                    return v if str(v) else "none (one layer)"
+
                 raise KvbenchError(
-                    f"--cost-profile {path} was measured at {key} {self.shape[key]}, this run "
-                    f"has {shape[key]}; measure a profile at this shape (--write-profile)")
+                    f"--cost-profile {path} was measured at {key} {said(self.shape[key])}, "
+                    f"this run has {said(shape[key])}; measure a profile at this shape "
+                    "(--write-profile)")
 
     def step_ms(self, batch: int, context: float, prefill: int, calls: int = 1) -> float:
         """The step's time, linear between the grid's points along each axis; a step that
@@ -136,11 +143,11 @@ def read(path: Path) -> Profile:
         raise KvbenchError(f"--cost-profile {path}: no such file")
     with path.open(newline="") as f:
         rows = list(csv.DictReader(f))
-    if not rows or any(c not in rows[0] for c in PROFILE_COLUMNS) or any(
+    if not rows or any(c not in rows[0] for c in PROFILE_COLUMNS if c not in OPTIONAL) or any(
             r["command"] != "serve-sim-profile" for r in rows):
         raise KvbenchError(f"--cost-profile {path} is not a profile written by kvbench "
                            "serve-sim --write-profile")
-    shape = {k: rows[0][k] for k in SHAPE_COLUMNS}
+    shape = {k: rows[0].get(k, OPTIONAL.get(k)) for k in SHAPE_COLUMNS}
     ms = {(int(r["batch"]), int(r["context"]), int(r["prefill"])): float(r["step_ms"])
           for r in rows if r["calls"] == "1"}
     two = [float(r["step_ms"]) for r in rows if r["calls"] == "2"]
@@ -185,8 +192,8 @@ def measure(layer, block_size: int, max_batch: int, max_len: int, max_prefill: i
     # outputs kept as a run keeps them: the newcomer's allocated afresh each step (its first
     # token), a decoding sequence's written into what it holds (bounded here: the grid's
     # sequences would otherwise keep every step's output)
-    keep, held = engine._keep, torch.zeros(2, layer.shape.hidden, dtype=layer.dtype,
-                                           device=layer.device)
+    keep, held = engine._keep, torch.zeros(2, engine.stack.out_dim, dtype=engine.stack.dtype,
+                                           device=engine.device)
 
     def kept(seq, out):
         if seq.request.id >= max_batch:  # a prompt just prefilled

@@ -143,10 +143,12 @@ class Model:
         gate, up = (x @ b.w_gate_up).chunk(2, dim=-1)
         return (F.silu(gate) * up) @ b.w_down
 
-    def forward(self, tokens: torch.Tensor, attend, hidden: list | None = None) -> torch.Tensor:
-        """tokens [B, T] -> logits [B, T, V]. attend(i, x) is layer i's attention over its
-        normed input x [B, T, H] (through a cache, or over the whole sequence). `hidden`
-        collects each layer's output (to find the first layer that differs)."""
+    def forward(self, tokens: torch.Tensor, attend, hidden: list | None = None,
+                last: bool = False) -> torch.Tensor:
+        """tokens [B, T] -> logits [B, T, V] ([B, 1, V] at the last position only, `last`, as
+        a server computes them). attend(i, x) is layer i's attention over its normed input
+        x [B, T, H] (through a cache, or over the whole sequence). `hidden` collects each
+        layer's output (to find the first layer that differs)."""
         eps = self.arch.norm_eps
         h = self.embed[tokens]
         for i, b in enumerate(self.blocks):
@@ -154,7 +156,7 @@ class Model:
             h = h + self.mlp(b, rms_norm(h, b.mlp_norm, eps))
             if hidden is not None:
                 hidden.append(h)
-        return rms_norm(h, self.norm, eps) @ self.lm_head
+        return rms_norm(h[:, -1:] if last else h, self.norm, eps) @ self.lm_head
 
     def full_forward(self, tokens: torch.Tensor, hidden: list | None = None) -> torch.Tensor:
         """No cache: causal attention over the whole sequence in every layer (path A's
