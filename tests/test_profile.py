@@ -178,7 +178,7 @@ def test_a_models_profile_replays_that_model_and_no_other(tmp_path, tiny_model):
     assert result.exit_code == 0, result.output
     for other, said in ((["--layers", "1"], "measured at layers 2, this run has 1"),
                         ([], "measured at model tiny-llama, this run has none (one layer)")):
-        run = args[3:] if not other else args
+        run = args[1:] if other else args[3:]  # the model's options, or one layer's
         result = runner.invoke(app, ["serve-sim", *run, *other, "--cost-profile", str(prof),
                                      "--no-csv"])
         assert result.exit_code == 2 and said in result.stderr, result.stderr
