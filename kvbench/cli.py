@@ -277,6 +277,7 @@ def serve_sim(
     dtype: Annotated[str, typer.Option(help="float32|fp32, float16|fp16, bfloat16|bf16.")] = "float32",
     device: Annotated[str, typer.Option(help="auto, cpu, cuda or cuda:N.")] = "auto",
     seed: Annotated[int, typer.Option(help="Seed of the trace, the weights and the inputs.")] = 0,
+    decode_kernel: Annotated[str, typer.Option(help="How a decode step attends over the blocks: torch (block-wise attention in PyTorch ops), triton (kvbench's paged decode kernel; on CPU tensors Triton's interpreter, slow), or auto: triton on CUDA, torch elsewhere.")] = "auto",
     prefix_caching: Annotated[bool, typer.Option("--prefix-caching", metavar="", help="vLLM v1's automatic prefix caching: full blocks shared by content across requests, kept after they are freed until needed (paged, recompute).")] = False,
     shared_prefix_len: Annotated[int, typer.Option(help="A shared system prompt of this many positions before the prompts of --shared-prefix-frac of the requests.")] = 0,
     shared_prefix_frac: Annotated[float, typer.Option(help="The share of requests that start with the shared prompt.")] = 1.0,
@@ -308,7 +309,7 @@ def serve_sim(
         shared_prefix_len=shared_prefix_len, shared_prefix_frac=shared_prefix_frac,
         write_profile=write_profile, cost_profile=cost_profile, profile_batch=profile_batch,
         profile_rounds=profile_rounds,
-        model=model, layers=layers,
+        model=model, layers=layers, decode_kernel=decode_kernel,
         hidden=hidden, q_heads=q_heads, kv_heads=kv_heads, head_dim=head_dim, dtype=dtype,
         device=device, seed=seed, seeds=seeds, host_mem=host_mem, csv=csv, steps_csv=steps_csv,
         no_csv=no_csv, quiet=quiet, format=format, ray=ray, retries=retries, threads=threads)

@@ -711,9 +711,9 @@ class DecodeReadsPastTheEnd(Engine):
     """Attention reads one slot past each sequence's last position (a length off by one):
     a stale K/V left in the block by an earlier owner."""
 
-    def plan(self, rows, lengths):
+    def plan(self, rows, lengths, longest=0):
         bs = self.block_size
-        return super().plan(rows, torch.minimum(lengths + 1, -(-lengths // bs) * bs))
+        return super().plan(rows, torch.minimum(lengths + 1, -(-lengths // bs) * bs), longest)
 
 
 class RecomputeRestartsAtThePrompt(Engine):

@@ -203,6 +203,24 @@ def test_layers_without_a_model_is_one_line(refused):
     assert code == 2 and len(lines) == 1 and "give --model too" in lines[0] and not written
 
 
+def test_the_triton_decode_kernel_serves_as_the_torch_one_and_a_fault_in_it_fails(monkeypatch):
+    """--decode-kernel triton: kvbench's paged decode kernel reads the pool in place (Triton's
+    interpreter on CPU tensors); one slot read past each sequence's end fails path A."""
+    import kvbench.serving.engine
+    from kvbench.caches.triton import prepare
+    from kvbench.experiments.servesim import decode_kernel
+
+    if why := prepare("cpu"):
+        pytest.skip(why)
+    o = SimOptions(**{**OPTIONS.__dict__, "requests": 3, "output_dist": "uniform:2:4",
+                      "kv_blocks": 14, "decode_kernel": "triton"})
+    assert decode_kernel(o, "cpu") == "triton" and decode_kernel(OPTIONS, "cpu") == "torch"
+    served = serve(o, "paged", requests(o), layer(), "cpu")
+    assert served.passed and served.max_abs_err < 1e-4
+    monkeypatch.setattr(kvbench.serving.engine, "Engine", broken.DecodeReadsPastTheEnd)
+    assert not serve(o, "paged", requests(o), layer(), "cpu").passed
+
+
 def test_kv_mem_sizes_the_pool_in_whole_blocks():
     # K and V of 2 heads × 16 positions × 64 dims in float32: 16 KiB a block
     assert SimOptions(kv_mem="8MiB").kv_blocks == 512

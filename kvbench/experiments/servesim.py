@@ -96,6 +96,7 @@ class SimOptions:
     dtype: str = "float32"
     device: str = "auto"
     seed: int = 0
+    decode_kernel: str = "auto"  # how a decode step attends over the blocks (DECODE_KERNELS)
     seeds: int = 1  # runs of each reserve, seeds seed .. seed + seeds - 1 (a 95% interval)
     write_profile: Path | None = None  # measure the engine's step cost over a grid, to here
     cost_profile: Path | None = None  # replay the trace with step times read from this
@@ -205,6 +206,9 @@ class SimOptions:
                             ("--profile-rounds", self.profile_rounds)):
             if value < 1:
                 raise KvbenchError(f"{flag} must be a positive integer, got {value}")
+        if self.decode_kernel not in DECODE_KERNELS:
+            raise KvbenchError(f"--decode-kernel {self.decode_kernel!r}: use "
+                               f"{', '.join(DECODE_KERNELS)}")
         if self.format not in ("table", "csv", "json"):
             raise KvbenchError(f"--format {self.format!r}: use table, csv or json")
 
@@ -465,7 +469,7 @@ def serve(o: SimOptions, reserve: str, reqs, subject, device: str,
     from kvbench.serving.engine import Engine
 
     rtol, atol = tolerance(o)
-    engine = Engine(subject, o.kv_blocks, o.block_size, o.seed)
+    engine = Engine(subject, o.kv_blocks, o.block_size, o.seed, decode_kernel(o, device))
     # warm-up: the first steps' one-time costs (allocator, kernels) before the clock starts
     warm = o.scheduler(reserve, sorted(reqs, key=lambda r: r.reach)[:WARMUP_REQUESTS], engine)
     warm.run()
@@ -492,6 +496,34 @@ def serve(o: SimOptions, reserve: str, reqs, subject, device: str,
         if checked:
             served_one(len(checked))
     return _served(o, reserve, reqs, sched, ends, took, failures, max_err, host_s=host)
+
+
+DECODE_KERNELS = ("auto", "torch", "triton")
+
+
+def prepare_kernel(o: SimOptions, device: str) -> None:
+    """Triton made ready for the device (its interpreter on the CPU) before anything
+    imports it, or one line saying why the kernel cannot run."""
+    if decode_kernel(o, device) != "triton":
+        return
+    import torch
+
+    from kvbench.caches.triton import prepare
+
+    if why := prepare(torch.device(device).type):
+        raise KvbenchError(f"--decode-kernel triton: {why}")
+
+
+def decode_kernel(o: SimOptions, device: str) -> str:
+    """--decode-kernel resolved: auto is Triton's paged kernel on CUDA (where Triton is
+    installed), torch's block-wise attention elsewhere."""
+    if o.decode_kernel != "auto":
+        return o.decode_kernel
+    if not str(device).startswith("cuda"):
+        return "torch"
+    import importlib.util
+
+    return "triton" if importlib.util.find_spec("triton") else "torch"
 
 
 def tolerance(o: SimOptions) -> tuple[float, float]:
@@ -644,6 +676,7 @@ def run(o: SimOptions) -> list[Served]:
 
     device = resolve_device(o.device)
     if profile is None:
+        prepare_kernel(o, device)
         preflight(o, device)  # the pool, on the device; then the trace, on the host
     trace_preflight(o, device)
 
@@ -742,11 +775,13 @@ def _on_cluster(o: SimOptions, device: str, finished, profile=None) -> None:
             finished(*outcome)
 
 
-def layer_shape(o: SimOptions) -> dict[str, object]:
-    """What a cost profile must have been measured at to replay this run."""
+def layer_shape(o: SimOptions, device: str | None = None) -> dict[str, object]:
+    """What a cost profile must have been measured at to replay this run (its decode kernel
+    "auto": whichever the profile was measured with), or was measured at on `device`."""
     return {"hidden": o.hidden, "q_heads": o.q_heads, "kv_heads": o.kv_heads,
             "head_dim": o.head_dim, "dtype": o.dtype, "block_size": o.block_size,
-            "model": "" if o.ref is None else o.ref.label, "layers": o.n_layers}
+            "model": "" if o.ref is None else o.ref.label, "layers": o.n_layers,
+            "decode_kernel": o.decode_kernel if device is None else decode_kernel(o, device)}
 
 
 def write_profile(o: SimOptions) -> list:
@@ -768,6 +803,7 @@ def write_profile(o: SimOptions) -> list:
             raise KvbenchError(f"--write-profile {path} exists and is not a profile; give "
                                "another path")
     device = resolve_device(o.device)
+    prepare_kernel(o, device)
     # the most one prefill call may write: a whole prompt, or the step's chunk or budget
     most = o.max_len
     for cap in (o.prefill_chunk, o.max_batched_tokens):
@@ -781,8 +817,9 @@ def write_profile(o: SimOptions) -> list:
                                                 enabled=not o.quiet) as bar:
         bar.describe("serve-sim --write-profile")
         rows = costs.measure(_subject(o, device), o.block_size, o.profile_batch, o.max_len,
-                             most, o.profile_rounds, device, lambda: bar.advance(1))
-    shape = {**layer_shape(o), "device": device, "device_name": device_name(device)}
+                             most, o.profile_rounds, device, lambda: bar.advance(1),
+                             decode_kernel(o, device))
+    shape = {**layer_shape(o, device), "device": device, "device_name": device_name(device)}
     path.parent.mkdir(parents=True, exist_ok=True)
     with path.open("w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=costs.PROFILE_COLUMNS)
@@ -984,6 +1021,7 @@ def serve_rows(o, device: str, served, stamp: str,
                "cost_profile": str(o.cost_profile) if o.cost_profile else None,
                "kv_pool_bytes": o.pool_bytes, "hidden": o.hidden,
                "model": None if o.ref is None else o.ref.label,
+               "decode_kernel": decode_kernel(o, device) if s.verified else None,
                "layers": o.n_layers if o.ref is not None else None,
                "q_heads": o.q_heads, "kv_heads": o.kv_heads, "head_dim": o.head_dim,
                "dtype": o.dtype, "device": device, "seed": s.seed,

@@ -391,7 +391,7 @@ SERVE_COLUMNS = SERVE_FIRST + ["itl_p50_ms", "itl_p90_ms", "itl_p99_ms", "max_se
                                "prefix_caching", "shared_prefix_len", "shared_prefix_frac",
                                "prefix_hit_rate", "prefill_positions_saved",
                                "cost_profile", "step_host_p50_ms", "model",
-                               "layers"] + PROVENANCE_COLUMNS
+                               "layers", "decode_kernel"] + PROVENANCE_COLUMNS
 # kvbench tune: one row per configuration and case
 TUNE_FIRST = [
     "timestamp", "command", "case", "batch", "seq_lens", "q_heads", "kv_heads", "head_dim",

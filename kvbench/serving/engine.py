@@ -24,6 +24,8 @@ is kept and, once it finishes, compared with path A: the whole request recompute
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 import torch.nn.functional as F
 
@@ -94,8 +96,14 @@ def stack_of(subject, seed: int):
 class Engine:
     """Runs the scheduler's prefills, decode steps and swaps on a real block pool."""
 
-    def __init__(self, subject, n_blocks: int, block_size: int, seed: int):
+    def __init__(self, subject, n_blocks: int, block_size: int, seed: int,
+                 kernel: str = "torch"):
+        """kernel: how a decode step attends over the blocks: "torch" (attend_blocks, any
+        device) or "triton" (kvbench's paged decode kernel, reading the pool in place;
+        Triton's interpreter on CPU tensors)."""
         self.stack = stack_of(subject, seed)
+        self.kernel = kernel
+        self.launches: dict[int, object] = {}  # the Triton kernel's, per table width
         s = self.stack.layers[0].shape
         self.block_size, self.device = block_size, self.stack.device
         # [L, N_blocks, H_kv, block_size, D]: every layer's blocks, a block the same number
@@ -203,12 +211,13 @@ class Engine:
         sequence's own blocks."""
         bs = self.block_size
         rows = self._rows(seqs)  # [B]
-        lengths = torch.tensor([seq.length for seq in seqs], device=self.device)  # [B]
+        lens = [seq.length for seq in seqs]
+        lengths = torch.tensor(lens, device=self.device)  # [B]
         pos = lengths - 1
         offsets = torch.tensor([self.offset(seq.request) for seq in seqs], device=self.device)
         x = self.stack.table[(pos + offsets) % ROWS][:, None]  # [B, 1, ...]
         last = (self.tables[rows, pos // bs], pos % bs)  # [B] each: the new position's slot
-        plan = self.plan(rows, lengths)  # the blocks read: the same in every layer
+        plan = self.plan(rows, lengths, max(lens))  # what is read: the same in every layer
 
         def attend(i: int, x: torch.Tensor) -> torch.Tensor:
             q, k, v = self.stack.layers[i].project(x, start=pos[:, None])  # q [B, H_q, 1, D]
@@ -219,11 +228,15 @@ class Engine:
         for seq, o in zip(seqs, out):
             self._keep(seq, o)
 
-    def plan(self, rows: torch.Tensor, lengths: torch.Tensor):
-        """Which blocks a decode step reads, flattened on the device: the N blocks holding
-        the sequences' positions (a preallocated reservation's unused blocks are not read),
-        each block's owner (its sequence), its pool index and which of its slots are
-        filled."""
+    def plan(self, rows: torch.Tensor, lengths: torch.Tensor, longest: int = 0):
+        """What a decode step reads, the same in every layer. For the torch kernel, the
+        blocks flattened on the device: the N blocks holding the sequences' positions (a
+        preallocated reservation's unused blocks are not read), each block's owner (its
+        sequence), its pool index and which of its slots are filled. For Triton's, the
+        sequences' rows of the table and their lengths, as int32 (and the longest, which
+        bounds the interpreter's loop)."""
+        if self.kernel == "triton":
+            return self.tables[rows], lengths.to(torch.int32), longest
         bs, dev = self.block_size, self.device
         used = -(-lengths // bs)  # [B]
         width = torch.arange(self.tables.width, device=dev)
@@ -234,8 +247,10 @@ class Engine:
 
     def attend(self, q: torch.Tensor, plan, i: int = 0) -> torch.Tensor:
         """q [B, H_q, D] against each sequence's positions in layer i, read block by block
-        from the pool: each block's scores, then the sequences' log-sum-exp over their
-        blocks. In float32."""
+        from the pool where they are: each block's scores, then the sequences' log-sum-exp
+        over their blocks (in float32)."""
+        if self.kernel == "triton":
+            return self._attend_triton(q, plan, i)
         B, owner, blocks, valid = plan
         _, Hq, D = q.shape
         Hkv = self.k_pool.shape[2]
@@ -252,6 +267,31 @@ class Engine:
         denom = torch.zeros_like(m).index_add(0, owner, p.sum(-1))
         acc = torch.zeros(B, Hkv, Hq // Hkv, D, device=q.device).index_add(0, owner, p @ v)
         return (acc / denom[..., None]).view(B, Hq, D).to(q.dtype)
+
+    def _attend_triton(self, q: torch.Tensor, plan, i: int) -> torch.Tensor:
+        """The paged decode kernel (kvbench.kernels.triton_decode): split over each
+        sequence's blocks, merged by log-sum-exp, reading layer i's pool in place."""
+        from kvbench.caches.triton import kernel_config
+        from kvbench.kernels import triton_decode
+
+        table, lengths, longest = plan
+        B, Hq, D = q.shape
+        Hkv = self.k_pool.shape[2]
+        width = table.shape[1]
+        launch = self.launches.get(width)
+        if launch is None or launch.partials[0].shape[0] < B:  # partials for B sequences
+            config = kernel_config(self.device, str(q.dtype).replace("torch.", ""), None, D,
+                                   Hq // Hkv, self.block_size)
+            most = max(B, 2 * launch.partials[0].shape[0]) if launch is not None else B
+            launch = self.launches[width] = triton_decode.Launch.make(
+                most, Hq, D, width * self.block_size, Hkv, self.device, config)
+        # the first B sequences' partials (the kernels index them by stride)
+        launch = replace(launch, partials=tuple(t[:B] for t in launch.partials))
+        triton_decode.split_partials(q.contiguous(), self.k_pool[i], self.v_pool[i], table,
+                                     lengths, self.stack.layers[i].scale, launch,
+                                     longest=longest)
+        out = torch.empty(B, Hq, D, dtype=q.dtype, device=q.device)
+        return triton_decode.merge(launch, lengths, out, Hkv)
 
     def swap_out(self, seq: Running) -> None:
         """The blocks holding its cached positions, every layer's, copied to host memory."""

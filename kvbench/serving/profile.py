@@ -27,13 +27,13 @@ from pathlib import Path
 
 from kvbench.errors import KvbenchError
 
-PROFILE_COLUMNS = ["command", "model", "layers", "hidden", "q_heads", "kv_heads", "head_dim", "dtype", "device",
+PROFILE_COLUMNS = ["command", "model", "layers", "decode_kernel", "hidden", "q_heads", "kv_heads", "head_dim", "dtype", "device",
                    "device_name", "block_size", "batch", "context", "prefill", "step_ms",
                    "rounds", "calls"]
 SHAPE_COLUMNS = ("model", "layers", "hidden", "q_heads", "kv_heads", "head_dim", "dtype",
-                 "block_size")
-# a profile written before these columns: one attention layer
-OPTIONAL = {"model": "", "layers": "1"}
+                 "block_size", "decode_kernel")
+# a profile written before these columns: one attention layer, the torch kernel
+OPTIONAL = {"model": "", "layers": "1", "decode_kernel": "torch"}
 
 
 def powers(lo: int, hi: int, factor: int = 4) -> list[int]:
@@ -68,7 +68,7 @@ class Profile:
     def check(self, shape: dict[str, object], path: Path) -> None:
         """Refuse replaying a trace on another layer than the one measured."""
         for key in SHAPE_COLUMNS:
-            if str(self.shape[key]) != str(shape[key]):
+            if str(self.shape[key]) != str(shape[key]) and shape[key] != "auto":
                 def said(v):
                     return v if str(v) else "none (one layer)"
 
@@ -165,7 +165,8 @@ def read(path: Path) -> Profile:
 
 
 def measure(layer, block_size: int, max_batch: int, max_len: int, max_prefill: int,
-            rounds: int, device: str, progress=lambda: None) -> list[dict[str, object]]:
+            rounds: int, device: str, progress=lambda: None,
+            kernel: str = "torch") -> list[dict[str, object]]:
     """The engine's step timed at every point of the grid: rows for the profile CSV (less
     the shape's columns)."""
     import statistics
@@ -181,7 +182,7 @@ def measure(layer, block_size: int, max_batch: int, max_len: int, max_prefill: i
     # one pool for the largest point: every decoding sequence's blocks and the prefill's
     need = (max_batch * math.ceil(contexts[-1] / block_size)
             + math.ceil(prefills[-1] / block_size) + math.ceil(prefills[1] / block_size) + 1)
-    engine = Engine(layer, need, block_size, 0)
+    engine = Engine(layer, need, block_size, 0, kernel)
     free = iter(range(need))
     per_seq = math.ceil(contexts[-1] / block_size)
     seqs = [Running(Request(i, 0.0, 1, contexts[-1] + 1),
