@@ -528,7 +528,7 @@ def decode_kernel(o: SimOptions, device: str) -> str:
 
 def tolerance(o: SimOptions) -> tuple[float, float]:
     """(rtol, atol) of a request's outputs against path A: one layer's (verify's), or a
-    whole model's last hidden state (the model verify's, for its logits)."""
+    whole model's logits from its kept hidden states (the model verify's)."""
     if o.ref is None:
         from kvbench.experiments.verify import TOLERANCES
     else:
