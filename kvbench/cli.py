@@ -243,7 +243,7 @@ def capacity(
     The same trace and pool are served once per --reserve (paged blocks taken as sequences
     grow; prealloc: --max-len reserved per request; oracle: each request's own length; the
     vLLM paper's Orca baselines and static batching, reserving contiguous blocks), every
-    step run on one attention layer and timed. Reports requests and tokens per second, time
+    step run on one attention layer (or --model's every layer) and timed. Reports requests and tokens per second, time
     to first token and per output token, blocks in use and preemptions; every request's
     outputs are checked against path A, the request recomputed alone (exit 1 if any differ).
     """))

@@ -14,6 +14,9 @@ from typer.testing import CliRunner
 from kvbench.cli import app
 
 ray = pytest.importorskip("ray")
+# one xdist worker runs the module (pyproject's --dist loadgroup): one local Ray cluster on
+# the machine, not one per worker contending for the same cores
+pytestmark = pytest.mark.xdist_group("ray")
 runner = CliRunner()
 SHAPE = ["--device", "cpu", "--batch", "1", "--decode-len", "2", "--hidden", "32",
          "--q-heads", "4", "--kv-heads", "2", "--head-dim", "8", "--impl", "static,paged",
