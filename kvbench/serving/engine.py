@@ -24,8 +24,6 @@ is kept and, once it finishes, compared with path A: the whole request recompute
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 import torch
 import torch.nn.functional as F
 
@@ -297,8 +295,7 @@ class Engine:
             most = max(B, 2 * launch.partials[0].shape[0]) if launch is not None else B
             launch = self.launches[width] = triton_decode.Launch.make(
                 most, Hq, D, width * self.block_size, Hkv, self.device, config)
-        # the first B sequences' partials (the kernels index them by stride)
-        launch = replace(launch, partials=tuple(t[:B] for t in launch.partials))
+        # (partials for more sequences than B serve: stage 1's grid and stage 2's are B's)
         triton_decode.split_partials(q.contiguous(), self.k_pool[i], self.v_pool[i], table,
                                      lengths, self.stack.layers[i].scale, launch,
                                      longest=longest)
