@@ -23,8 +23,8 @@ SHAPE = ["--device", "cpu", "--batch", "1", "--decode-len", "2", "--hidden", "32
          "-q"]
 
 
-@pytest.fixture(scope="module")
-def cluster():
+@pytest.fixture(scope="session")  # (module scope: set up again whenever the worker's
+def cluster():                      # queue put another module's test between two of these)
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
              logging_level="ERROR", configure_logging=False)

@@ -27,15 +27,26 @@ def torchrun(*args, tmp_path, env=None, script=None):
                           env={**os.environ, "PYTHONWARNINGS": "ignore", **(env or {})})
 
 
-def test_verify_tp2_passes_for_every_implementation(tmp_path):
+def test_verify_tp2_passes_for_every_implementation_and_technique(tmp_path):
+    # under torchrun, as a user runs it: every implementation, then a window, a shared prefix
+    # and eviction, each split over 2 ranks, against one device
+    sweep = tmp_path / "t.toml"
+    sweep.write_text('command = "verify"\nblock_size = 4\n'
+                     '[[points]]\nimpl = "all"\n'
+                     '[[points]]\nimpl = "window"\nwindow = 5\nsinks = 2\nrope = true\n'
+                     '[[points]]\nimpl = "paged"\nshared_prefix = 6\nrope = true\n'
+                     '[[points]]\nimpl = "h2o"\nkv_budget = 6\nrope = true\n')
     out = tmp_path / "v.csv"
-    r = torchrun("verify", "--tp", "2", *SMALL, "--kv-heads", "2", "--impl", "all",
+    r = torchrun("verify", "--tp", "2", *SMALL, "--kv-heads", "2", "--config", str(sweep),
                  "--csv", str(out), tmp_path=tmp_path)
     assert r.returncode == 0, r.stderr[-2000:]
     df = pd.read_csv(out)  # rank 0 alone writes: one row per implementation
-    assert len(df) == df["impl"].nunique() >= 6
+    every, techniques = df.iloc[:-3], df.iloc[-3:]
+    assert len(every) == every["impl"].nunique() >= 6
     assert df["passed"].all() and set(df["tp"]) == {2} and set(df["world_size"]) == {2}
-    assert set(df["cache_shape"]) == {"2x1x12x8"}  # each rank caches its own KV head
+    assert set(every["cache_shape"]) == {"2x1x12x8"}  # each rank caches its own KV head
+    assert techniques["impl"].tolist() == ["window", "paged", "h2o"]
+    assert techniques["lossy"].fillna(False).tolist() == [False, False, True]
 
 
 def test_memory_per_rank_equals_capacity_tp(tmp_path):
@@ -173,22 +184,6 @@ def test_verify_rejects_tp_faults(tmp_path):
         assert passed is FAULTS[fault], (fault, message)
         if not passed:
             assert message.startswith("rank "), (fault, message)
-
-
-def test_the_cache_techniques_run_sharded(tmp_path):
-    # a window, a shared prefix and eviction, each split over 2 ranks, against one device
-    sweep = tmp_path / "t.toml"
-    sweep.write_text('command = "verify"\nblock_size = 4\n'
-                     '[[points]]\nimpl = "window"\nwindow = 5\nsinks = 2\n'
-                     '[[points]]\nimpl = "paged"\nshared_prefix = 6\n'
-                     '[[points]]\nimpl = "h2o"\nkv_budget = 6\n')
-    out = tmp_path / "v.csv"
-    for r in ranks("verify", "--tp", "2", *SMALL, "--kv-heads", "2", "--rope", "--config",
-                   str(sweep), "--csv", str(out), tmp_path=tmp_path):
-        assert r.returncode == 0, r.stderr[-2000:]
-    df = pd.read_csv(out)
-    assert df["impl"].tolist() == ["window", "paged", "h2o"] and df["passed"].all()
-    assert df["lossy"].fillna(False).tolist() == [False, False, True]
 
 
 def ranks(*args, tmp_path) -> list[subprocess.CompletedProcess]:
