@@ -30,7 +30,8 @@ IMPL_HELP = (
     "verify only, in Triton's interpreter); compiled (gpt-fast's step: a CUDA graph on CUDA, "
     "inductor C++ on the CPU) and flex (FlexAttention under torch.compile): CUDA and CPU, "
     "memory on CUDA only; window (a sliding-window ring buffer with --window, --sinks) and "
-    "h2o (token eviction under --kv-budget; lossy): CPU and CUDA. With --attention mla: "
+    "h2o, tova and knorm (token eviction under --kv-budget by accumulated attention, the "
+    "latest query's attention, key norm; lossy): CPU and CUDA. With --attention mla: "
     "mla-naive (decompressed K/V cached), mla-latent (latent cached, decompressed each "
     "step), mla-absorbed (attention in the latent space): CPU and CUDA; triton-mla (a paged "
     "latent pool read by a Triton split-K kernel): CUDA, on the CPU verify only. One that "
@@ -154,12 +155,12 @@ class RunOptions:
                                 "(a system prompt): paged and triton store their blocks once, "
                                 "copying a partly filled one on write.")
     kv_budget: str | None = option(
-        None, "h2o: keep N positions per KV head (the recent ones and the heavy hitters by "
-        "accumulated attention), evicting the rest; lossy. A comma list runs each.",
+        None, "h2o, tova, knorm: keep N positions per KV head (the recent ones and the "
+        "highest-scoring), evicting the rest; lossy. A comma list runs each.",
         show_default=False)
     kv_recent: int | None = option(
-        None, "h2o: how many of the --kv-budget positions are the most recent ones. Default: "
-        "half the budget.", show_default=False)
+        None, "h2o, tova, knorm: how many of the --kv-budget positions are the most recent "
+        "ones. Default: half the budget for h2o, 1 for tova and knorm.", show_default=False)
     prefill_chunk: int | None = option(
         None, "Chunked prefill: the prompt enters the cache C positions at a time, each chunk "
         "attending to the cache so far and causally within itself (bench times it).",

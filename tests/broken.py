@@ -441,6 +441,49 @@ class EvictsIntoTheWrongSlot(H2OCache):
         self._advance(1)
 
 
+from kvbench.caches import KnormCache, TOVACache
+
+
+def _evicts_the_highest(self, k, v):
+    """write(), with the victim the highest-scoring slot outside the recent window."""
+    if self.length < self.n_slots:
+        return H2OCache.write(self, k, v)
+    t = self.length
+    old = self.pos <= t - self.recent
+    at = self.score.masked_fill(~old, float("-inf")).argmax(dim=-1)[..., None]
+    self.k_cache.scatter_(2, at[..., None].expand(-1, -1, 1, k.shape[-1]), k)
+    self.v_cache.scatter_(2, at[..., None].expand(-1, -1, 1, v.shape[-1]), v)
+    self.pos.scatter_(2, at, t)
+    self.score.scatter_(2, at, self.written_score(k))
+    self._advance(1)
+
+
+class H2OEvictsTheHeaviest(H2OCache):
+    """H2O that evicts its heaviest hitter: exact over what it kept, the wrong positions."""
+
+    name = "h2o-evicts-the-heaviest"
+    write = _evicts_the_highest
+
+
+class TOVAEvictsTheMostAttended(TOVACache):
+    """TOVA that drops the position the latest query attended to most."""
+
+    name = "tova-evicts-the-most-attended"
+    write = _evicts_the_highest
+
+
+class KnormKeepsTheLargestKeys(KnormCache):
+    """Knorm with the norm's sign reversed: it keeps the highest-norm keys."""
+
+    name = "knorm-keeps-the-largest-keys"
+
+    def _prompt_scores(self, q, k):
+        return -super()._prompt_scores(q, k)
+
+    def written_score(self, k):
+        return -super().written_score(k)
+
+
 class CompiledOwnBuffers(CompiledCache):
     """Allocates its static buffers per cache, as kvbench did: every new cache's CUDA graph is
     recorded again (the fault the hand-over test must catch)."""

@@ -60,7 +60,7 @@ def test_every_implementation_equals_recompute(shape, rope, dtype, seed):
     # splitk is float32 only; everything else runs every shape here
     expected = ["concat", "static", "sdpa", "paged"] + (
         ["splitk"] if dtype == "float32" and "splitk" in eager(config) else [])
-    expected += ["triton", "window", "h2o"]
+    expected += ["triton", "window", "h2o", "tova", "knorm"]
     assert [c.impl for c in report.checks] == expected
     for check in report.checks:
         assert check.passed, (check.impl, check.message)
@@ -275,6 +275,53 @@ def test_verify_rejects_an_eviction_cache_that_reads_what_it_evicted():
     report = verify(RunConfig(EVICTED), {"bad": EvictsIntoTheWrongSlot})
     (check,) = report.checks
     assert not check.passed and check.first_bad_step >= 1
+
+
+@pytest.mark.parametrize("fault", ["H2OEvictsTheHeaviest", "TOVAEvictsTheMostAttended",
+                                   "KnormKeepsTheLargestKeys"])
+def test_an_eviction_that_keeps_the_wrong_positions_fails(fault):
+    # exact over what it kept (the gate alone passes it), caught by the policy's replay
+    import broken
+
+    cls = getattr(broken, fault)
+    (check,) = verify(RunConfig(EVICTED), {cls.name: cls}).checks
+    assert not check.passed and "policy" in check.message, check.message
+    assert check.fp64_max_abs_err < 1e-5
+
+
+@pytest.mark.parametrize("impl", ["tova", "knorm"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_tova_and_knorm_are_exact_and_keep_what_their_policy_keeps(impl, dtype):
+    from kvbench.caches import IMPLEMENTATIONS
+
+    (check,) = verify(RunConfig(EVICTED, dtype, rope=True), {impl: IMPLEMENTATIONS[impl]}).checks
+    assert check.passed and check.lossy, check.message
+    assert check.cache_shape == (2, 2, 16, 16)
+
+
+def test_the_policy_replay_by_hand():
+    # knorm, a budget of 3, the newest protected: keys of norms 3, 1, 4, 1.5 (the prompt),
+    # then 9 and 2. The prompt keeps 3 and the two lowest norms of the rest: {0, 1, 3}. Step
+    # 1 writes 4 and evicts the highest norm among {0, 1, 3}: 0. Step 2 writes 5 and evicts
+    # among {1, 3, 4}: 4 (norm 9).
+    from kvbench.caches.policies import replay
+
+    norms = [3.0, 1.0, 4.0, 1.5, 9.0, 2.0]
+    k = torch.zeros(1, 1, 6, 2)
+    k[0, 0, :, 0] = torch.tensor(norms)
+    q = torch.zeros(1, 1, 6, 2)
+    seen = [(q[:, :, :4], k[:, :, :4]), (None, k[:, :, 4:5]), (q[:, :, 4:5], None),
+            (None, k[:, :, 5:6]), (q[:, :, 5:6], None)]
+    prompt = torch.tensor([[[0, 1, 3]]])
+
+    def run(first, second, prompt=prompt):
+        return replay("knorm", seen, prompt, [torch.tensor([[first]]), torch.tensor([[second]])],
+                      3, 1, 1.0, torch.float32)
+
+    assert run([4, 1, 3], [4, 1, 3][:2] + [5]) is not None  # step 2 kept 4 and evicted 3
+    assert run([4, 1, 3], [5, 1, 3]) is None
+    assert "evicted [1] where the knorm policy evicts 0" in run([0, 4, 3], [0, 5, 3])
+    assert "the prefill kept [2]" in run([4, 1, 3], [5, 1, 3], torch.tensor([[[1, 2, 3]]]))
 
 
 def test_a_fault_at_the_last_decode_step_alone_fails():

@@ -27,7 +27,7 @@ from kvbench.caches.triton import TritonCache
 from kvbench.caches.flex import FlexCache
 from kvbench.caches.compiled import CompiledCache
 from kvbench.caches.window import WindowCache
-from kvbench.caches.h2o import H2OCache
+from kvbench.caches.h2o import H2OCache, KnormCache, TOVACache
 from kvbench.caches.mla import MlaAbsorbedCache, MlaLatentCache, MlaNaiveCache
 from kvbench.caches.triton_mla import TritonMlaCache
 
@@ -40,6 +40,7 @@ __all__ = [
     "FlexCache",
     "H2OCache",
     "ImplOptions",
+    "KnormCache",
     "MlaAbsorbedCache",
     "MlaLatentCache",
     "MlaNaiveCache",
@@ -48,6 +49,7 @@ __all__ = [
     "SdpaCache",
     "SplitKCache",
     "StaticCache",
+    "TOVACache",
     "TritonCache",
     "TritonMlaCache",
     "WindowCache",

@@ -57,7 +57,8 @@ class H2OCache(FixedSlots):
         super().__init__(layer, batch, max_len, options, lens)
         s = layer.shape
         self.n_slots = self.slots(s, max_len)
-        self.recent = s.kv_recent if s.kv_recent is not None else max(1, self.n_slots // 2)
+        self.recent = (s.kv_recent if s.kv_recent is not None
+                       else self.default_recent(self.n_slots))
         dev = layer.device
         shape = (batch, s.kv_heads, self.n_slots, s.head_dim)
         self.k_cache = torch.zeros(shape, dtype=layer.dtype, device=dev)
@@ -67,10 +68,18 @@ class H2OCache(FixedSlots):
         self.score = torch.zeros(shape[:3], dtype=torch.float32, device=dev)
         self.record = False  # verify: remember each step's kept positions
         self.kept: list[torch.Tensor] = []
+        self.seen: list[tuple[torch.Tensor, torch.Tensor]] = []  # (q, k) as they came, recorded
+
+    @staticmethod
+    def default_recent(n_slots: int) -> int:
+        """--kv-recent's default: H2O's split, half the budget."""
+        return max(1, n_slots // 2)
 
     def prefill(self, x):
         q, k, v = self.layer.project(x, start=0)
         out = causal_prefill(self.layer, q, k, v)  # exact
+        if self.record:
+            self.seen.append((q, k))
         T = x.shape[1]
         if self.n_slots >= self.max_len:  # it never evicts: no scores needed
             seen = torch.zeros(k.shape[:3], dtype=torch.float32, device=k.device)
@@ -88,6 +97,8 @@ class H2OCache(FixedSlots):
         self.v_cache[:, :, :n] = v.gather(2, index)
         self.pos[:, :, :n] = kept
         self.score[:, :, :n] = seen.gather(2, kept)
+        if self.record:
+            self.prompt_kept = kept.clone()
         self._advance(T)
         return self.layer.output(out)
 
@@ -114,6 +125,8 @@ class H2OCache(FixedSlots):
     def write(self, k, v):
         """One position: into a free slot, or the lightest one outside the recent window."""
         t = self.length
+        if self.record:
+            self.seen.append((None, k))
         if t < self.n_slots:
             slot = torch.full(self.pos.shape[:2], t, dtype=torch.long, device=k.device)
         else:
@@ -123,8 +136,17 @@ class H2OCache(FixedSlots):
         self.k_cache.scatter_(2, at[..., None].expand(-1, -1, 1, k.shape[-1]), k)
         self.v_cache.scatter_(2, at[..., None].expand(-1, -1, 1, v.shape[-1]), v)
         self.pos.scatter_(2, at, t)
-        self.score.scatter_(2, at, 0.0)
+        self.score.scatter_(2, at, self.written_score(k))
         self._advance(1)
+
+    def written_score(self, k: torch.Tensor) -> torch.Tensor | float:
+        """The score a new position starts with (k [B, H_kv, 1, D]): H2O's, none yet."""
+        return 0.0
+
+    def observe(self, weights: torch.Tensor, n: int) -> None:
+        """A step's attention weights [B, H_kv, G, n] over the first n slots: H2O adds them
+        to each slot's accumulated score."""
+        self.score[..., :n] += weights.float().sum(dim=2)
 
     def attend(self, q, keys, values):
         B, Hq, _, D = q.shape
@@ -134,9 +156,10 @@ class H2OCache(FixedSlots):
         filled = self.pos[..., : keys.shape[2]] >= 0
         scores = scores.masked_fill(~filled[:, :, None], float("-inf"))
         weights = torch.softmax(scores, dim=-1)
-        self.score[..., : keys.shape[2]] += weights.float().sum(dim=2)  # accumulated
+        self.observe(weights, keys.shape[2])
         if self.record:
             self.kept.append(self.pos[..., : keys.shape[2]].clone())
+            self.seen.append((q, None))
         return (weights @ values).reshape(B, Hq, 1, D)
 
     def rewind(self, length):
@@ -156,3 +179,68 @@ class H2OCache(FixedSlots):
 
     def stats(self):
         return {"kept_slots": self.n_slots}
+
+    def consistency(self):
+        """Recorded (verify): the positions kept at every step against a float64 replay of
+        the policy from the queries and keys the cache saw (kvbench.caches.policies): the
+        gate checks attention over what was kept; this checks what should have been."""
+        if not self.record or not self.seen or self.n_slots >= self.max_len:
+            return None
+        from kvbench.caches.policies import replay
+
+        return replay(self.name, self.seen, self.prompt_kept, self.kept, self.n_slots,
+                      self.recent, self.layer.scale, self.layer.dtype)
+
+
+@register
+class TOVACache(H2OCache):
+    """`tova`: token eviction by the current query's attention (TOVA, Oren et al., 2024).
+    Each slot's score is the attention the latest query gave it, averaged over the query
+    heads of its KV head (replaced every step, not accumulated); the new position takes the
+    slot of the lowest. --kv-recent (default 1: only the position being written) protects
+    the newest positions. The prompt is scored by its last query. Lossy."""
+
+    name = "tova"
+    description = ("token eviction, TOVA: keeps --kv-budget positions per KV head, dropping "
+                   "the one the latest query attended to least; lossy")
+
+    @staticmethod
+    def default_recent(n_slots: int) -> int:
+        return 1
+
+    def _prompt_scores(self, q, k) -> torch.Tensor:
+        """The last prompt query's attention over the prompt, averaged over the group's
+        query heads: [B, H_kv, T]."""
+        B, Hq, T, D = q.shape
+        Hkv = k.shape[1]
+        qg = q[:, :, -1].float().reshape(B, Hkv, Hq // Hkv, D)
+        scores = (qg @ k.float().transpose(-2, -1)) * self.layer.scale  # [B, H_kv, G, T]
+        return torch.softmax(scores, dim=-1).mean(dim=2)
+
+    def observe(self, weights: torch.Tensor, n: int) -> None:
+        self.score[..., :n] = weights.float().mean(dim=2)
+
+
+@register
+class KnormCache(H2OCache):
+    """`knorm`: token eviction by key norm (Devoto et al., 2024: a low L2 norm of a key goes
+    with high attention to it). Each position's score is minus its key's norm, fixed when
+    it is written; the new position takes the slot of the highest-norm key. --kv-recent
+    (default 1) protects the newest positions. Lossy."""
+
+    name = "knorm"
+    description = ("token eviction, Knorm: keeps the --kv-budget positions per KV head whose "
+                   "keys have the lowest L2 norm; lossy")
+
+    @staticmethod
+    def default_recent(n_slots: int) -> int:
+        return 1
+
+    def _prompt_scores(self, q, k) -> torch.Tensor:
+        return -k.float().norm(dim=-1)  # [B, H_kv, T]
+
+    def written_score(self, k):
+        return -k.float().norm(dim=-1)  # [B, H_kv, 1]
+
+    def observe(self, weights: torch.Tensor, n: int) -> None:
+        pass

@@ -337,8 +337,9 @@ def verify_table(report) -> Table:
     t.caption = (f"A = recompute, B = cached; prefill = max |A−B| of the prompt outputs; "
                  f"tolerance rtol={report.rtol:g} atol={report.atol:g}; "
                  f"max |A−f64| = {_sci(report.recompute_fp64_max_abs_err)}"
-                 + ("; lossy (h2o): PASS means exact against float64 attention over the "
-                    "positions it kept (max|B−f64|); its |A−B| is what eviction costs"
+                 + ("; lossy (an eviction): PASS means exact against float64 attention over "
+                    "the positions it kept (max|B−f64|), the ones its policy chooses; its "
+                    "|A−B| is what eviction costs"
                     if lossy else ""))
     return t
 

@@ -1,0 +1,110 @@
+"""The eviction policies replayed in float64, one sequence and KV head at a time: what
+`h2o`, `tova` and `knorm` should have kept at every step, from the queries and keys they saw.
+
+verify's gate checks a lossy cache's attention against float64 attention over the positions
+it kept; that cannot tell whether they were the right positions (a cache that evicts its
+heaviest position is exact over what it kept). This replay is a second, plain implementation
+of each policy's choice. Where the cache and the replay part at a near tie (their scores
+within the dtype's rounding), the replay follows the cache.
+
+- h2o: a position's score is the attention it has received, summed over the query heads of
+  its KV head and over every query since it was cached (the prompt's causal attention
+  included); the lightest position outside the last `recent` is evicted.
+- tova: a position's score is the latest query's attention to it, averaged over the group's
+  query heads (the prompt scored by its last query).
+- knorm: a position's score is minus its key's L2 norm.
+The prompt keeps its last `recent` positions and the highest-scoring of the rest.
+"""
+
+from __future__ import annotations
+
+import torch
+
+RTOL = {torch.float32: 1e-4, torch.float64: 1e-9}  # other dtypes: 5e-2
+
+
+def replay(name: str, seen, prompt_kept: torch.Tensor, kept: list[torch.Tensor], budget: int,
+           recent: int, scale: float, dtype) -> str | None:
+    """seen: the cache's record, (q, k) of the prompt, then (None, k_t) and (q_t, None) for
+    each decode step; prompt_kept [B, H_kv, n] and kept[j] [B, H_kv, slots] the positions it
+    held after the prefill and at decode step j. What is wrong, or None."""
+    q0, k0 = seen[0]
+    keys = torch.cat([k0, *(k for q, k in seen[1:] if k is not None)], dim=2).double()
+    queries = torch.cat([q0, *(q for q, k in seen[1:] if q is not None)], dim=2).double()
+    B, Hkv = keys.shape[:2]
+    G = queries.shape[1] // Hkv
+    rtol = RTOL.get(dtype, 5e-2)
+    for b in range(B):
+        for h in range(Hkv):
+            wrong = _one(name, queries[b, h * G:(h + 1) * G], keys[b, h], prompt_kept[b, h],
+                         [step[b, h] for step in kept], budget, recent, scale, rtol)
+            if wrong:
+                return f"sequence {b}, KV head {h}: {wrong}"
+    return None
+
+
+def _held(positions: torch.Tensor) -> set[int]:
+    return {int(p) for p in positions if p >= 0}
+
+
+def _weights(q: torch.Tensor, k: torch.Tensor, scale: float) -> torch.Tensor:
+    """q [G, D] over k [n, D]: softmax weights [G, n]."""
+    return torch.softmax((q @ k.T) * scale, dim=-1)
+
+
+def _one(name, q, k, prompt_kept, kept, budget, recent, scale, rtol) -> str | None:
+    """One sequence's KV head: q [G, T, D] (the prompt's queries, then each step's), k [T, D]."""
+    P = q.shape[1] - len(kept)
+    score: dict[int, float] = {}
+    if name == "h2o":
+        for t in range(P):
+            w = _weights(q[:, t], k[: t + 1], scale).sum(0)
+            for p in range(t + 1):
+                score[p] = score.get(p, 0.0) + float(w[p])
+    elif name == "tova":
+        w = _weights(q[:, P - 1], k[:P], scale).mean(0)
+        score = {p: float(w[p]) for p in range(P)}
+    else:  # knorm
+        score = {p: -float(k[p].norm()) for p in range(P)}
+    n = min(P, budget)
+    protected = set(range(P - min(recent, n), P))
+    older = sorted((p for p in range(P) if p not in protected), key=lambda p: -score[p])
+    want = protected | set(older[: n - len(protected)])
+    held = _held(prompt_kept)
+    if held != want:
+        extra, missing = sorted(held - want), sorted(want - held)
+        floor = min((score[p] for p in want - protected), default=0.0)
+        tol = rtol * max(1.0, max(abs(v) for v in score.values()))
+        if len(held) != len(want) or any(score[p] < floor - tol for p in extra):
+            return (f"the prefill kept {extra} where the {name} policy keeps {missing}")
+    S = held
+    for j, step in enumerate(kept):
+        t = P + j
+        now = _held(step)
+        if t not in now:
+            return f"step {j + 1}: position {t} is not held after it was written"
+        if len(S) == budget:  # full: one position is evicted
+            gone = sorted((S | {t}) - now)
+            candidates = [p for p in S if p <= t - recent]
+            victim = min(candidates, key=lambda p: score[p])
+            tol = rtol * max(1.0, max(abs(score[p]) for p in candidates))
+            if (len(gone) != 1 or gone[0] not in candidates
+                    or score[gone[0]] > score[victim] + tol):
+                return (f"step {j + 1}: evicted {gone} where the {name} policy evicts "
+                        f"{victim} (score {score[victim]:.4g}"
+                        + (f" against {score[gone[0]]:.4g})" if len(gone) == 1
+                           and gone[0] in score else ")"))
+            S = (S | {t}) - set(gone)
+        elif now != S | {t}:
+            return f"step {j + 1}: held {sorted(now)} where it should hold {sorted(S | {t})}"
+        else:
+            S = now
+        score[t] = -float(k[t].norm()) if name == "knorm" else 0.0
+        order = sorted(S)
+        w = _weights(q[:, t], k[order], scale)
+        for i, p in enumerate(order):
+            if name == "h2o":
+                score[p] += float(w[:, i].sum())
+            elif name == "tova":
+                score[p] = float(w[:, i].mean())
+    return None
