@@ -211,7 +211,7 @@ class TOVACache(H2OCache):
     def _prompt_scores(self, q, k) -> torch.Tensor:
         """The last prompt query's attention over the prompt, averaged over the group's
         query heads: [B, H_kv, T]."""
-        B, Hq, T, D = q.shape
+        B, Hq, _, D = q.shape
         Hkv = k.shape[1]
         qg = q[:, :, -1].float().reshape(B, Hkv, Hq // Hkv, D)
         scores = (qg @ k.float().transpose(-2, -1)) * self.layer.scale  # [B, H_kv, G, T]
