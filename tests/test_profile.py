@@ -184,6 +184,53 @@ def test_a_models_profile_replays_that_model_and_no_other(tmp_path, tiny_model):
         assert result.exit_code == 2 and said in result.stderr, result.stderr
 
 
+def test_each_point_is_measured_at_the_work_it_names(monkeypatch):
+    # every decode reads all the blocks of b sequences at c positions each, and a prefill of
+    # p positions writes into blocks it holds: a profile measured over fewer blocks than its
+    # context, or a prompt written past its blocks, would be cheap at the long points
+    import math
+
+    import torch
+
+    from kvbench.layers.attention import AttentionLayer
+    from kvbench.serving.engine import Engine
+    from kvbench.sizing.config import LayerShape
+
+    read, wrote = [], []
+    plan, prefill, decode = Engine.plan, Engine.prefill, Engine.decode
+
+    def checked_decode(self, seqs):
+        for seq in seqs:  # its blocks hold every position it attends to
+            assert len(seq.blocks) * self.block_size >= seq.length, (len(seq.blocks), seq.length)
+        return decode(self, seqs)
+
+    def counted_plan(self, rows, lengths, longest=0):
+        out = plan(self, rows, lengths, longest)
+        read.append((lengths.tolist(), len(out[1])))  # the blocks the step reads
+        return out
+
+    def checked_prefill(self, seq, start, end):
+        assert len(seq.blocks) * self.block_size >= end, (len(seq.blocks), end)
+        wrote.append(end - start)
+        return prefill(self, seq, start, end)
+
+    monkeypatch.setattr(Engine, "plan", counted_plan)
+    monkeypatch.setattr(Engine, "prefill", checked_prefill)
+    monkeypatch.setattr(Engine, "decode", checked_decode)
+    layer = AttentionLayer(LayerShape(hidden=64, q_heads=4, kv_heads=2, head_dim=16),
+                           torch.float32, "cpu", 0, rope=True)
+    rows = costs.measure(layer, 8, 2, 64, 64, 1, "cpu")
+    # batch 1, 2 x context 16, 64 (x prefill 0, 16, 64), each point twice (a warmup)
+    decoded = [(lengths, blocks) for lengths, blocks in read]
+    assert sorted({tuple(lengths) for lengths, _ in decoded}) == [(16,), (16, 16), (64,),
+                                                                   (64, 64)]
+    for lengths, blocks in decoded:
+        assert blocks == sum(math.ceil(n / 8) for n in lengths), (lengths, blocks)
+    assert sorted(set(wrote)) == [8, 16, 64] and len(rows) == 3 * 2 * 3 - 2 + 1
+    with pytest.raises(ValueError, match="unknown decode kernel"):
+        costs.measure(layer, 8, 2, 64, 64, 1, "cpu", kernel="cuda")
+
+
 def test_a_file_that_is_not_a_profile_is_never_overwritten(tmp_path):
     precious = tmp_path / "results.csv"
     precious.write_text("timestamp,command\n1,bench\n")

@@ -111,6 +111,8 @@ class Engine:
         """kernel: how a decode step attends over the blocks: "torch" (attend_blocks, any
         device) or "triton" (kvbench's paged decode kernel, reading the pool in place;
         Triton's interpreter on CPU tensors)."""
+        if kernel not in ("torch", "triton"):
+            raise ValueError(f"unknown decode kernel {kernel!r}: torch or triton")
         self.stack = stack_of(subject, seed)
         self.kernel = kernel
         self.launches: dict[int, object] = {}  # the Triton kernel's, per table width
