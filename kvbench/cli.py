@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import inspect
-import math
 import os
 import sys
 from pathlib import Path
@@ -14,6 +13,7 @@ from typer.core import TyperCommand, TyperGroup
 
 from kvbench import __version__
 from kvbench.errors import KvbenchError
+from kvbench.options import CsvPath, serve_sim_signature
 
 # The usage-error class of whichever click typer runs on (its vendored copy in recent
 # releases, click itself before): typer.BadParameter's direct base.
@@ -139,7 +139,6 @@ def _root(version: Annotated[bool, typer.Option("--version", metavar="", callbac
     """Prove, time and size the attention KV cache of decoder-only transformers."""
 
 
-CsvPath = Annotated[Path | None, typer.Option("--csv", help="Append rows to this CSV. \\[default: results/COMMAND.csv]")]
 
 
 def experiment(func):
@@ -236,84 +235,25 @@ def capacity(
     planner.capacity(model=model, list_models=list_models, from_config=from_config, layers=layers, kv_heads=kv_heads, head_dim=head_dim, q_heads=q_heads, mla_latent=mla_latent, mla_rope=mla_rope, batch=batch, seq_len=seq_len, seq_lens=seq_lens, len_dist=len_dist, max_len=max_len, seed=seed, kv_dtype=kv_dtype, group_size=group_size, k_quant=k_quant, kv_residual=kv_residual, tp=tp, block_size=block_size, window=window, sinks=sinks, shared_prefix=shared_prefix, share_layers=share_layers, gpu_mem=gpu_mem, weight_dtype=weight_dtype, weights_bytes=weights_bytes, margin=margin, utilization=utilization, allocate=allocate, case=case, device=device, csv=csv, require_fit=require_fit, no_csv=no_csv, format=format, quiet=quiet)
 
 
-@app.command("serve-sim", cls=_Command, epilog=EXIT_CODES, help=_unwrap("""
+def serve_sim(**values):
+    from kvbench.experiments import servesim
+
+    servesim.run(servesim.SimOptions.from_cli(values))
+
+
+serve_sim.__signature__ = serve_sim_signature()  # declared in kvbench.options
+app.command("serve-sim", cls=_Command, epilog=EXIT_CODES, help=_unwrap("""
     Continuous batching on a seeded request trace: admit while KV blocks last, decode every
     running sequence each step, preempt when blocks run out, free at completion.
 
     The same trace and pool are served once per --reserve (paged blocks taken as sequences
     grow; prealloc: --max-len reserved per request; oracle: each request's own length; the
     vLLM paper's Orca baselines and static batching, reserving contiguous blocks), every
-    step run on one attention layer (or --model's every layer) and timed. Reports requests and tokens per second, time
-    to first token and per output token, blocks in use and preemptions; every request's
-    outputs are checked against path A, the request recomputed alone (exit 1 if any differ).
-    """))
-def serve_sim(
-    requests: Annotated[int, typer.Option(help="Requests in the trace.")] = 200,
-    len_dist: Annotated[str, typer.Option(help="Prompt lengths: uniform:LO:HI or lognormal:MEAN:SIGMA.")] = "lognormal:256:1.0",
-    output_dist: Annotated[str, typer.Option(help="Output lengths, as --len-dist.")] = "lognormal:128:1.0",
-    max_len: Annotated[int, typer.Option(help="The longest a request may get (prompt + output): caps the draws; prealloc reserves it.")] = 2048,
-    rate: Annotated[float | None, typer.Option(help="Poisson arrivals, requests per second of the measured clock. \\[default: all at once]")] = None,
-    kv_blocks: Annotated[int | None, typer.Option(help="KV blocks in the pool (the memory budget). \\[default: 512]")] = None,
-    kv_mem: Annotated[str | None, typer.Option(help="The pool's size instead, e.g. 64MiB: as many blocks as fit (K and V of every layer run, in --dtype).")] = None,
-    block_size: Annotated[int, typer.Option(help="Positions per block.")] = 16,
-    reserve: Annotated[str, typer.Option(help="Ways of reserving to serve the trace with (comma-separated): paged, prealloc (--max-len a request), oracle (its own length), the vLLM paper's contiguous orca-max, orca-pow2, orca-oracle, and static batching.")] = "paged,prealloc",
-    preempt: Annotated[str, typer.Option(help="When blocks run out: recompute (free and prefill again) or swap (to host memory and back).")] = "recompute",
-    prefill_chunk: Annotated[int | None, typer.Option(help="Chunked prefill: at most this many prompt positions prefilled per step, between the others' decode steps. \\[default: each prompt whole]")] = None,
-    max_seqs: Annotated[int | None, typer.Option(help="vLLM's max_num_seqs: at most this many sequences running at once. \\[default: no cap]")] = None,
-    max_batched_tokens: Annotated[int | None, typer.Option(help="vLLM's max_num_batched_tokens: the tokens a step schedules, decodes and prefill positions alike (a longer prompt is prefilled in chunks). \\[default: no cap]")] = None,
-    watermark: Annotated[float, typer.Option(help="vLLM v0's watermark: this fraction of the pool's blocks kept free at admission (v0 keeps 0.01).")] = 0.0,
-    policy: Annotated[str, typer.Option(help="vllm: v1's steps, decodes and prefills mixed; vllm-v0: a step of prefills alone whenever a waiting request fits, decodes in the others.")] = "vllm",
-    burstiness: Annotated[float, typer.Option(help="With --rate: the gamma shape of the gaps between arrivals, as vLLM's benchmark draws them (1: Poisson; below 1 burstier).")] = 1.0,
-    trace: Annotated[Path | None, typer.Option(help="A trace CSV of arrival_s, prompt_len and output_len (arrival in seconds, sorted): its requests instead of --requests, --len-dist, --output-dist and --rate.")] = None,
-    workload: Annotated[str | None, typer.Option(help="sharegpt or alpaca: prompt and output lengths with the vLLM paper's means (161 and 338, 19 and 58 tokens) and vLLM's benchmark's filters, instead of --len-dist and --output-dist.")] = None,
-    slo_ttft: Annotated[float | None, typer.Option(help="Goodput: a request counts when its time to first token is at most this many ms (and its TPOT within --slo-tpot).")] = None,
-    slo_tpot: Annotated[float | None, typer.Option(help="Goodput: the most ms per output token after the first.")] = None,
-    model: Annotated[str | None, typer.Option(help="Run a whole model's steps instead of one layer's: a preset (e.g. smollm2-135m) or a checkpoint folder; its shape sets H, H_q, H_kv, D and a block holds every layer's K and V.")] = None,
-    layers: Annotated[int | None, typer.Option(help="With --model: its first N layers. \\[default: all]")] = None,
-    hidden: Annotated[int | None, typer.Option(help="Hidden size H. \\[default: 512]")] = None,
-    q_heads: Annotated[int | None, typer.Option(help="Query heads H_q. \\[default: 8]")] = None,
-    kv_heads: Annotated[int | None, typer.Option(help="KV heads H_kv. \\[default: 2]")] = None,
-    head_dim: Annotated[int | None, typer.Option(help="Head dim D. \\[default: 64]")] = None,
-    dtype: Annotated[str, typer.Option(help="float32|fp32, float16|fp16, bfloat16|bf16.")] = "float32",
-    device: Annotated[str, typer.Option(help="auto, cpu, cuda or cuda:N.")] = "auto",
-    seed: Annotated[int, typer.Option(help="Seed of the trace, the weights and the inputs.")] = 0,
-    decode_kernel: Annotated[str, typer.Option(help="How a decode step attends over the blocks: torch (block-wise attention in PyTorch ops), triton (kvbench's paged decode kernel; on CPU tensors Triton's interpreter, slow), or auto: triton on CUDA, torch elsewhere.")] = "auto",
-    prefix_caching: Annotated[bool, typer.Option("--prefix-caching", metavar="", help="vLLM v1's automatic prefix caching: full blocks shared by content across requests, kept after they are freed until needed (paged, recompute).")] = False,
-    shared_prefix_len: Annotated[int, typer.Option(help="A shared system prompt of this many positions before the prompts of --shared-prefix-frac of the requests.")] = 0,
-    shared_prefix_frac: Annotated[float, typer.Option(help="The share of requests that start with the shared prompt.")] = 1.0,
-    write_profile: Annotated[Path | None, typer.Option(help="Measure the engine's step time over a grid of (sequences decoding, their context, prefill positions) on this layer and device, and write it to this file (a cost profile).")] = None,
-    cost_profile: Annotated[Path | None, typer.Option(help="Replay the trace with each step's time read from this cost profile (--write-profile) instead of running it: no tensors, nothing verified.")] = None,
-    profile_batch: Annotated[int, typer.Option(help="--write-profile: the most sequences decoding measured.")] = 64,
-    profile_rounds: Annotated[int, typer.Option(help="--write-profile: timed steps per point (their median).")] = 5,
-    seeds: Annotated[int, typer.Option(help="Runs of each --reserve, on seeds --seed, --seed + 1, ...: the table shows each figure's mean and 95% interval, and marks a ratio whose intervals overlap.")] = 1,
-    host_mem: Annotated[str | None, typer.Option(help="Host memory this run may use, e.g. 64GiB. \\[default: MemAvailable]")] = None,
-    csv: CsvPath = None,
-    steps_csv: Annotated[Path | None, typer.Option(help="The per-step log. \\[default: the --csv path with -steps]")] = None,
-    no_csv: Annotated[bool, typer.Option("--no-csv", metavar="", help="Write no results file.")] = False,
-    format: Annotated[str, typer.Option("--format", help="table, csv or json (the rows on stdout).")] = "table",
-    quiet: Annotated[bool, typer.Option("--quiet", "-q", metavar="", help="Print nothing but errors (and --format's rows).")] = False,
-    ray: Annotated[str | None, typer.Option("--ray", help="Serve each --reserve in its own Ray task: --ray alone (or local) starts a cluster on this machine, auto joins the one it belongs to, HOST:PORT another. Needs the cluster extra.")] = None,
-    retries: Annotated[int, typer.Option(help="--ray: times a reserve whose worker died is run again.")] = 2,
-    threads: Annotated[int | None, typer.Option(help="--ray: CPU threads per reserve. \\[default: 1]")] = None,
-):
-    from kvbench.experiments import servesim
-
-    options = servesim.SimOptions(
-        requests=requests, len_dist=len_dist, output_dist=output_dist, max_len=max_len,
-        rate=math.inf if rate is None else rate, kv_blocks=kv_blocks,
-        kv_mem=kv_mem, block_size=block_size,
-        reserve=tuple(r.strip() for r in reserve.split(",") if r.strip()), preempt=preempt,
-        prefill_chunk=prefill_chunk, max_seqs=max_seqs, max_batched_tokens=max_batched_tokens,
-        watermark=watermark, policy=policy, slo_ttft=slo_ttft, slo_tpot=slo_tpot, trace=trace,
-        workload=workload, burstiness=burstiness, prefix_caching=prefix_caching,
-        shared_prefix_len=shared_prefix_len, shared_prefix_frac=shared_prefix_frac,
-        write_profile=write_profile, cost_profile=cost_profile, profile_batch=profile_batch,
-        profile_rounds=profile_rounds,
-        model=model, layers=layers, decode_kernel=decode_kernel,
-        hidden=hidden, q_heads=q_heads, kv_heads=kv_heads, head_dim=head_dim, dtype=dtype,
-        device=device, seed=seed, seeds=seeds, host_mem=host_mem, csv=csv, steps_csv=steps_csv,
-        no_csv=no_csv, quiet=quiet, format=format, ray=ray, retries=retries, threads=threads)
-    servesim.run(options)
+    step run on one attention layer (or --model's every layer) and timed. Reports requests
+    and tokens per second, time to first token and per output token, blocks in use and
+    preemptions; every request's outputs are checked against path A, the request
+    recomputed alone (exit 1 if any differ).
+    """))(serve_sim)
 
 
 @command

@@ -44,6 +44,8 @@ TESTS = {
     "kvbench/serving/scheduler.py": ["tests/test_scheduler.py", "tests/test_servesim.py"],
     "kvbench/serving/engine.py": ["tests/test_servesim.py"],
     "kvbench/serving/profile.py": ["tests/test_profile.py"],
+    "kvbench/caches/policies.py": ["tests/test_verify.py"],
+    "kvbench/caches/h2o.py": ["tests/test_verify.py"],
     "kvbench/serving/workloads.py": ["tests/test_scheduler.py", "tests/test_servesim.py"],
     "kvbench/experiments/servesim.py": ["tests/test_servesim.py"],
     "kvbench/report/compare.py": ["tests/test_compare_plot.py"],

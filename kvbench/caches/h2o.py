@@ -57,8 +57,8 @@ class H2OCache(FixedSlots):
         super().__init__(layer, batch, max_len, options, lens)
         s = layer.shape
         self.n_slots = self.slots(s, max_len)
-        self.recent = (s.kv_recent if s.kv_recent is not None
-                       else self.default_recent(self.n_slots))
+        self.recent = (s.kv_recent if s.kv_recent is not None else self.recent_default
+                       or max(1, self.n_slots // 2))
         dev = layer.device
         shape = (batch, s.kv_heads, self.n_slots, s.head_dim)
         self.k_cache = torch.zeros(shape, dtype=layer.dtype, device=dev)
@@ -70,10 +70,8 @@ class H2OCache(FixedSlots):
         self.kept: list[torch.Tensor] = []
         self.seen: list[tuple[torch.Tensor, torch.Tensor]] = []  # (q, k) as they came, recorded
 
-    @staticmethod
-    def default_recent(n_slots: int) -> int:
-        """--kv-recent's default: H2O's split, half the budget."""
-        return max(1, n_slots // 2)
+    # --kv-recent's default: None is H2O's split, half the budget
+    recent_default: int | None = None
 
     def prefill(self, x):
         q, k, v = self.layer.project(x, start=0)
@@ -204,9 +202,7 @@ class TOVACache(H2OCache):
     description = ("token eviction, TOVA: keeps --kv-budget positions per KV head, dropping "
                    "the one the latest query attended to least; lossy")
 
-    @staticmethod
-    def default_recent(n_slots: int) -> int:
-        return 1
+    recent_default = 1
 
     def _prompt_scores(self, q, k) -> torch.Tensor:
         """The last prompt query's attention over the prompt, averaged over the group's
@@ -232,9 +228,7 @@ class KnormCache(H2OCache):
     description = ("token eviction, Knorm: keeps the --kv-budget positions per KV head whose "
                    "keys have the lowest L2 norm; lossy")
 
-    @staticmethod
-    def default_recent(n_slots: int) -> int:
-        return 1
+    recent_default = 1
 
     def _prompt_scores(self, q, k) -> torch.Tensor:
         return -k.float().norm(dim=-1)  # [B, H_kv, T]

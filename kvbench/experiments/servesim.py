@@ -212,6 +212,16 @@ class SimOptions:
         if self.format not in ("table", "csv", "json"):
             raise KvbenchError(f"--format {self.format!r}: use table, csv or json")
 
+    @classmethod
+    def from_cli(cls, values: dict) -> SimOptions:
+        """The command line's values (kvbench.options' serve-sim declarations): no --rate is
+        every request at once, --reserve a comma list."""
+        values = dict(values)
+        if values["rate"] is None:
+            values["rate"] = math.inf
+        values["reserve"] = tuple(r.strip() for r in values["reserve"].split(",") if r.strip())
+        return cls(**values)
+
     def _shape(self) -> None:
         """The layer's shape: --model's (and its layer count), or the options' with their
         defaults."""
