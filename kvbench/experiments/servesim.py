@@ -843,37 +843,23 @@ def write_profile(o: SimOptions) -> list:
     return []
 
 
-_models: dict[tuple, object] = {}  # the whole model, loaded once per process
-
-
 def _subject(o: SimOptions, device: str):
     """What every step runs: the attention layer (its weights seeded by o.seed), or --model
-    (a checkpoint's weights, or a preset's drawn from o.seed)."""
-    from kvbench.measure.device import torch_dtype
+    (a checkpoint's weights, or a preset's drawn from o.seed), loaded as the model commands
+    load it (kept between runs of one process)."""
+    from kvbench.sizing.config import LayerShape, RunConfig
 
-    dtype = torch_dtype(o.dtype)
     if o.ref is None:
         from kvbench.layers.attention import AttentionLayer
-        from kvbench.sizing.config import LayerShape
+        from kvbench.measure.device import torch_dtype
 
         shape = LayerShape(hidden=o.hidden, q_heads=o.q_heads, kv_heads=o.kv_heads,
                            head_dim=o.head_dim)
-        return AttentionLayer(shape, dtype, device, o.seed, rope=True)
-    from kvbench.layers.model.transformer import from_transformers, random_model
+        return AttentionLayer(shape, torch_dtype(o.dtype), device, o.seed, rope=True)
+    from kvbench.experiments.model import run as model_run
 
-    ref = o.ref
-    key = (ref, o.n_layers, o.dtype, device, None if ref.trained else o.seed)
-    if key not in _models:
-        _models.clear()  # one model in memory at a time
-        if ref.trained:
-            from kvbench.layers.model import load as loader
-
-            hf, _ = loader.load(ref, dtype, device)
-            _models[key] = from_transformers(hf, ref.arch, dtype, device, o.n_layers)
-            del hf
-        else:
-            _models[key] = random_model(ref.arch, dtype, device, o.seed, o.n_layers)
-    return _models[key]
+    config = RunConfig(LayerShape(batch=1, prompt_len=1, decode_len=1), o.dtype, device, o.seed)
+    return model_run.load(o.ref, config, o.layers, None, keep_hf=False).model
 
 
 def trace_preflight(o: SimOptions, device: str) -> None:
