@@ -324,6 +324,31 @@ def test_the_policy_replay_by_hand():
     assert "the prefill kept [2]" in run([4, 1, 3], [5, 1, 3], torch.tensor([[[1, 2, 3]]]))
 
 
+@pytest.mark.parametrize("impl", ["h2o", "tova", "knorm"])
+def test_the_replays_scores_are_the_caches_own(impl):
+    # each held position's score at the end, float64 replay against the cache's float32:
+    # H2O's sums over the group (not means), TOVA's latest weights, Knorm's norms
+    from kvbench.caches import IMPLEMENTATIONS
+    from kvbench.caches.policies import _one
+    from kvbench.layers.attention import AttentionLayer, make_inputs
+    from kvbench.serving import ops as serving
+
+    config = RunConfig(EVICTED)
+    cache = IMPLEMENTATIONS[impl].build(AttentionLayer.from_config(config), config)
+    cache.record = True
+    with torch.no_grad():
+        x = make_inputs(config)
+        serving.run(cache, config, x, x[:, : config.shape.prompt_len])
+    q = torch.cat([cache.seen[0][0], *(a for a, b in cache.seen[1:] if a is not None)], 2)
+    k = torch.cat([cache.seen[0][1], *(b for a, b in cache.seen[1:] if b is not None)], 2)
+    wrong, score = _one(impl, q[0, :2].double(), k[0, 0].double(), cache.prompt_kept[0, 0],
+                        [step[0, 0] for step in cache.kept], cache.n_slots, cache.recent,
+                        cache.layer.scale, 1e-4)
+    assert wrong is None
+    for slot, p in enumerate(cache.pos[0, 0].tolist()):
+        assert score[p] == pytest.approx(float(cache.score[0, 0, slot]), rel=1e-4, abs=1e-6)
+
+
 def test_a_fault_at_the_last_decode_step_alone_fails():
     from broken import WrongAtTheLastStep
 

@@ -36,8 +36,9 @@ def replay(name: str, seen, prompt_kept: torch.Tensor, kept: list[torch.Tensor],
     rtol = RTOL.get(dtype, 5e-2)
     for b in range(B):
         for h in range(Hkv):
-            wrong = _one(name, queries[b, h * G:(h + 1) * G], keys[b, h], prompt_kept[b, h],
-                         [step[b, h] for step in kept], budget, recent, scale, rtol)
+            wrong, _ = _one(name, queries[b, h * G:(h + 1) * G], keys[b, h],
+                            prompt_kept[b, h], [step[b, h] for step in kept], budget, recent,
+                            scale, rtol)
             if wrong:
                 return f"sequence {b}, KV head {h}: {wrong}"
     return None
@@ -52,8 +53,9 @@ def _weights(q: torch.Tensor, k: torch.Tensor, scale: float) -> torch.Tensor:
     return torch.softmax((q @ k.T) * scale, dim=-1)
 
 
-def _one(name, q, k, prompt_kept, kept, budget, recent, scale, rtol) -> str | None:
-    """One sequence's KV head: q [G, T, D] (the prompt's queries, then each step's), k [T, D]."""
+def _one(name, q, k, prompt_kept, kept, budget, recent, scale, rtol):
+    """One sequence's KV head: q [G, T, D] (the prompt's queries, then each step's), k [T, D].
+    (what is wrong or None, each position's score at the end)."""
     P = q.shape[1] - len(kept)
     score: dict[int, float] = {}
     if name == "h2o":
@@ -76,13 +78,13 @@ def _one(name, q, k, prompt_kept, kept, budget, recent, scale, rtol) -> str | No
         floor = min((score[p] for p in want - protected), default=0.0)
         tol = rtol * max(1.0, max(abs(v) for v in score.values()))
         if len(held) != len(want) or any(score[p] < floor - tol for p in extra):
-            return (f"the prefill kept {extra} where the {name} policy keeps {missing}")
+            return f"the prefill kept {extra} where the {name} policy keeps {missing}", score
     S = held
     for j, step in enumerate(kept):
         t = P + j
         now = _held(step)
         if t not in now:
-            return f"step {j + 1}: position {t} is not held after it was written"
+            return f"step {j + 1}: position {t} is not held after it was written", score
         if len(S) == budget:  # full: one position is evicted
             gone = sorted((S | {t}) - now)
             candidates = [p for p in S if p <= t - recent]
@@ -93,10 +95,10 @@ def _one(name, q, k, prompt_kept, kept, budget, recent, scale, rtol) -> str | No
                 return (f"step {j + 1}: evicted {gone} where the {name} policy evicts "
                         f"{victim} (score {score[victim]:.4g}"
                         + (f" against {score[gone[0]]:.4g})" if len(gone) == 1
-                           and gone[0] in score else ")"))
+                           and gone[0] in score else ")")), score
             S = (S | {t}) - set(gone)
         elif now != S | {t}:
-            return f"step {j + 1}: held {sorted(now)} where it should hold {sorted(S | {t})}"
+            return f"step {j + 1}: held {sorted(now)} where it should hold {sorted(S | {t})}", score
         else:
             S = now
         score[t] = -float(k[t].norm()) if name == "knorm" else 0.0
@@ -107,4 +109,4 @@ def _one(name, q, k, prompt_kept, kept, budget, recent, scale, rtol) -> str | No
                 score[p] += float(w[:, i].sum())
             elif name == "tova":
                 score[p] = float(w[:, i].mean())
-    return None
+    return None, score
