@@ -30,8 +30,9 @@ IMPL_HELP = (
     "verify only, in Triton's interpreter); compiled (gpt-fast's step: a CUDA graph on CUDA, "
     "inductor C++ on the CPU) and flex (FlexAttention under torch.compile): CUDA and CPU, "
     "memory on CUDA only; window (a sliding-window ring buffer with --window, --sinks) and "
-    "h2o, tova and knorm (token eviction under --kv-budget by accumulated attention, the "
-    "latest query's attention, key norm; lossy): CPU and CUDA. With --attention mla: "
+    "h2o, tova, knorm, snapkv and expected (token eviction under --kv-budget by accumulated "
+    "attention, the latest query's attention, key norm, an observation window's attention, "
+    "the expected attention of future queries; lossy): CPU and CUDA. With --attention mla: "
     "mla-naive (decompressed K/V cached), mla-latent (latent cached, decompressed each "
     "step), mla-absorbed (attention in the latent space): CPU and CUDA; triton-mla (a paged "
     "latent pool read by a Triton split-K kernel): CUDA, on the CPU verify only. One that "
@@ -49,7 +50,8 @@ PANELS = {
     "Whole model": ("model", "layers", "text"),
     "Serving batches and operations": ("seq_lens", "len_dist", "max_len", "prefill_chunk",
                                        "draft_len", "accept", "beams"),
-    "Techniques": ("tp", "window", "sinks", "shared_prefix", "kv_budget", "kv_recent"),
+    "Techniques": ("tp", "window", "sinks", "shared_prefix", "kv_budget", "kv_recent",
+                   "kv_compress"),
     "Timing": ("warmup", "rounds", "recompute", "prefill"),
     "Output and memory": ("config", "csv", "no_csv", "format", "quiet", "dry_run", "force",
                           "host_mem"),
@@ -155,12 +157,17 @@ class RunOptions:
                                 "(a system prompt): paged and triton store their blocks once, "
                                 "copying a partly filled one on write.")
     kv_budget: str | None = option(
-        None, "h2o, tova, knorm: keep N positions per KV head (the recent ones and the "
+        None, "h2o, tova, knorm, snapkv, expected: keep N positions per KV head (the recent ones and the "
         "highest-scoring), evicting the rest; lossy. A comma list runs each.",
         show_default=False)
     kv_recent: int | None = option(
-        None, "h2o, tova, knorm: how many of the --kv-budget positions are the most recent "
-        "ones. Default: half the budget for h2o, 1 for tova and knorm.", show_default=False)
+        None, "h2o, tova, knorm, snapkv, expected: how many of the --kv-budget positions are "
+        "the most recent ones (snapkv: also its observation window of queries). Default: half "
+        "the budget for h2o, and for snapkv at most 64; 1 for tova, knorm and expected.", show_default=False)
+    kv_compress: str = option(
+        "decode", "With --kv-budget: decode (evict at every step: the cache never holds more "
+        "than the budget) or prefill (compress the prompt once to the budget, then keep every "
+        "decoded position).")
     prefill_chunk: int | None = option(
         None, "Chunked prefill: the prompt enters the cache C positions at a time, each chunk "
         "attending to the cache so far and causally within itself (bench times it).",

@@ -441,20 +441,21 @@ class EvictsIntoTheWrongSlot(H2OCache):
         self._advance(1)
 
 
-from kvbench.caches import KnormCache, TOVACache
+from kvbench.caches import KnormCache, SnapKVCache, TOVACache
 
 
 def _evicts_the_highest(self, k, v):
     """write(), with the victim the highest-scoring slot outside the recent window."""
-    if self.length < self.n_slots:
+    if self.used(self.length) < self.n_slots:
         return H2OCache.write(self, k, v)
     t = self.length
     old = self.pos <= t - self.recent
-    at = self.score.masked_fill(~old, float("-inf")).argmax(dim=-1)[..., None]
+    at = self.slot_scores().masked_fill(~old, float("-inf")).argmax(dim=-1)[..., None]
     self.k_cache.scatter_(2, at[..., None].expand(-1, -1, 1, k.shape[-1]), k)
     self.v_cache.scatter_(2, at[..., None].expand(-1, -1, 1, v.shape[-1]), v)
     self.pos.scatter_(2, at, t)
     self.score.scatter_(2, at, self.written_score(k))
+    self.wrote(at)
     self._advance(1)
 
 
@@ -470,6 +471,23 @@ class TOVAEvictsTheMostAttended(TOVACache):
 
     name = "tova-evicts-the-most-attended"
     write = _evicts_the_highest
+
+
+class SnapKVEvictsTheMostAttended(SnapKVCache):
+    """SnapKV that drops the position its window attended to most."""
+
+    name = "snapkv-evicts-the-most-attended"
+    write = _evicts_the_highest
+
+
+class SnapKVKeepsTheLeastAttendedPrompt(SnapKVCache):
+    """SnapKV whose prompt scores are negated: the prefill keeps the positions the window
+    attended to least (caught at --kv-compress prefill, where nothing is evicted later)."""
+
+    name = "snapkv-keeps-the-least-attended-prompt"
+
+    def _prompt_scores(self, q, k):
+        return -super()._prompt_scores(q, k)
 
 
 class KnormKeepsTheLargestKeys(KnormCache):

@@ -296,3 +296,21 @@ def test_an_implementation_named_twice_and_half_precision_on_the_cpu_are_said():
     assert "--impl names static more than once" in result.stderr
     assert "float16/bfloat16 on the CPU" in result.stderr
     assert result.stdout.count(" static ") == 1
+
+
+def test_memory_of_an_eviction_budget_by_hand(tmp_path):
+    # B=1, H_kv=2, D=8, fp32, a budget of 6 of 8 + 4 positions. decode: 6 slots of K and V
+    # (2·2·6·8·4 = 768 bytes), each slot's position and score (2·6·(8+4) = 144), and snapkv's
+    # window, its last 3 queries' weights on each slot (2·3·6·4 = 144). prefill: the prompt's
+    # 6, then the 4 decoded positions: 10 slots (1280 + 240), no window.
+    out = tmp_path / "m.csv"
+    shape = ["--batch", "1", "--prompt-len", "8", "--decode-len", "4", "--hidden", "32",
+             "--q-heads", "4", "--kv-heads", "2", "--head-dim", "8", "--kv-budget", "6"]
+    for compress in ("decode", "prefill"):
+        result = run("memory", *shape, "--impl", "h2o,snapkv", "--kv-compress", compress,
+                     "--csv", str(out))
+        assert result.exit_code == 0, result.output
+    df = pd.read_csv(out).set_index(["kv_compress", "impl"])["after_allocated_bytes"]
+    assert df[("decode", "h2o")] == 768 + 144
+    assert df[("decode", "snapkv")] == 768 + 144 + 144
+    assert df[("prefill", "h2o")] == df[("prefill", "snapkv")] == 1280 + 240

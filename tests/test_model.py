@@ -347,16 +347,17 @@ def test_smollm2_through_the_caches_equals_transformers_on_real_text():
 
 @smollm2
 def test_smollm2_perplexity_over_the_default_text_is_the_published_figure():
-    """transformers' forward gives 12.97 over the first 1,024 tokens of the default text;
-    kvbench's own forward (its weights' layout, RoPE, norms) must give the same."""
+    """transformers' forward gives 17.235 over the first 256 tokens of the default text
+    (12.97 over 1,024); kvbench's own forward (its weights' layout, RoPE, norms) must give the
+    same."""
     ref = resolve("smollm2-135m")
-    config = RunConfig(layer_shape(ref.arch, batch=1, prompt_len=1000, decode_len=23), rope=True)
+    config = RunConfig(layer_shape(ref.arch, batch=1, prompt_len=250, decode_len=6), rope=True)
     m = run.load(ref, config, None, None, keep_hf=False)
-    tokens = m.tokens[:, :1024]
+    tokens = m.tokens[:, :256]
     with torch.no_grad():
         logits = m.model.full_forward(tokens)
     nll = torch.nn.functional.cross_entropy(logits[0, :-1].double(), tokens[0, 1:])
-    assert nll.exp().item() == pytest.approx(12.97, abs=0.01)
+    assert nll.exp().item() == pytest.approx(17.235, abs=0.001)
 
 
 def test_a_window_decoding_token_by_token_equals_transformers_masked_forward(tiny, monkeypatch):

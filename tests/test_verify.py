@@ -60,7 +60,7 @@ def test_every_implementation_equals_recompute(shape, rope, dtype, seed):
     # splitk is float32 only; everything else runs every shape here
     expected = ["concat", "static", "sdpa", "paged"] + (
         ["splitk"] if dtype == "float32" and "splitk" in eager(config) else [])
-    expected += ["triton", "window", "h2o", "tova", "knorm"]
+    expected += ["triton", "window", "h2o", "tova", "knorm", "snapkv"]
     assert [c.impl for c in report.checks] == expected
     for check in report.checks:
         assert check.passed, (check.impl, check.message)
@@ -277,26 +277,63 @@ def test_verify_rejects_an_eviction_cache_that_reads_what_it_evicted():
     assert not check.passed and check.first_bad_step >= 1
 
 
-@pytest.mark.parametrize("fault", ["H2OEvictsTheHeaviest", "TOVAEvictsTheMostAttended",
-                                   "KnormKeepsTheLargestKeys"])
-def test_an_eviction_that_keeps_the_wrong_positions_fails(fault):
+@pytest.mark.parametrize("fault, compress", [
+    ("H2OEvictsTheHeaviest", "decode"), ("TOVAEvictsTheMostAttended", "decode"),
+    ("KnormKeepsTheLargestKeys", "decode"), ("SnapKVEvictsTheMostAttended", "decode"),
+    ("SnapKVKeepsTheLeastAttendedPrompt", "prefill"), ("KnormKeepsTheLargestKeys", "prefill")])
+def test_an_eviction_that_keeps_the_wrong_positions_fails(fault, compress):
     # exact over what it kept (the gate alone passes it), caught by the policy's replay
+    from dataclasses import replace
+
     import broken
 
     cls = getattr(broken, fault)
-    (check,) = verify(RunConfig(EVICTED), {cls.name: cls}).checks
+    shape = replace(EVICTED, kv_compress=compress)
+    (check,) = verify(RunConfig(shape), {cls.name: cls}).checks
     assert not check.passed and "policy" in check.message, check.message
     assert check.fp64_max_abs_err < 1e-5
 
 
-@pytest.mark.parametrize("impl", ["tova", "knorm"])
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_tova_and_knorm_are_exact_and_keep_what_their_policy_keeps(impl, dtype):
+@pytest.mark.parametrize("impl", ["tova", "knorm", "snapkv"])
+@pytest.mark.parametrize("dtype, compress", [("float32", "decode"), ("bfloat16", "decode"),
+                                             ("float32", "prefill")])
+def test_each_scorer_is_exact_and_keeps_what_its_policy_keeps(impl, dtype, compress):
+    from dataclasses import replace
+
     from kvbench.caches import IMPLEMENTATIONS
 
-    (check,) = verify(RunConfig(EVICTED, dtype, rope=True), {impl: IMPLEMENTATIONS[impl]}).checks
+    shape = replace(EVICTED, kv_compress=compress)
+    (check,) = verify(RunConfig(shape, dtype, rope=True), {impl: IMPLEMENTATIONS[impl]}).checks
     assert check.passed and check.lossy, check.message
-    assert check.cache_shape == (2, 2, 16, 16)
+    # decode: the budget; prefill: the prompt's budget, then all 12 decoded positions
+    assert check.cache_shape == (2, 2, 16 if compress == "decode" else 16 + 12, 16)
+
+
+def test_snapkv_pools_the_windows_attention_over_the_older_positions_by_hand():
+    # Queries of zeros attend uniformly: query s gives 1/(s+1) to each position up to s. A
+    # prompt of 6 with a window of 2 (queries 4 and 5): each older position p < 4 gets
+    # (1/5 + 1/6) / 2 = 11/60 before pooling; pooled over 5 positions, zero beyond the older
+    # ones, the edges get 3 of them (33/300 = 0.11) and positions 1, 2 get 4 (44/300). The
+    # window's own: 4 gets (1/5 + 1/6) / 2, 5 gets (0 + 1/6) / 2. A budget of 4 keeps the
+    # window and the two pooled highest, 1 and 2 (without the zero padding all four tie).
+    from kvbench.caches import SnapKVCache
+    from kvbench.caches.policies import _one
+    from kvbench.layers.attention import AttentionLayer
+
+    shape = LayerShape(batch=1, prompt_len=6, decode_len=1, hidden=8, q_heads=2, kv_heads=1,
+                       head_dim=2, kv_budget=4, kv_recent=2)
+    config = RunConfig(shape)
+    cache = SnapKVCache.build(AttentionLayer.from_config(config), config)
+    q, k = torch.zeros(1, 2, 6, 2), torch.randn(1, 1, 6, 2)
+    scores = cache._prompt_scores(q, k)[0, 0]
+    want = torch.tensor([33 / 300, 44 / 300, 44 / 300, 33 / 300, 11 / 60, 1 / 12])
+    assert torch.allclose(scores, want, atol=1e-7), scores
+    wrong, score = _one("snapkv", q[0].double(), k[0, 0].double(), torch.tensor([1, 2, 4, 5]),
+                        [], 4, True, 2, 1.0, 1e-9)
+    assert wrong is None and [score[p] for p in range(6)] == pytest.approx(want.tolist())
+    wrong, _ = _one("snapkv", q[0].double(), k[0, 0].double(), torch.tensor([0, 3, 4, 5]),
+                    [], 4, True, 2, 1.0, 1e-9)
+    assert "the prefill kept [0, 3] where the snapkv policy keeps [1, 2]" in wrong
 
 
 def test_the_policy_replay_by_hand():
@@ -316,7 +353,7 @@ def test_the_policy_replay_by_hand():
 
     def run(first, second, prompt=prompt):
         return replay("knorm", seen, prompt, [torch.tensor([[first]]), torch.tensor([[second]])],
-                      3, 1, 1.0, torch.float32)
+                      3, True, 1, 1.0, torch.float32)
 
     assert run([4, 1, 3], [4, 1, 3][:2] + [5]) is not None  # step 2 kept 4 and evicted 3
     assert run([4, 1, 3], [5, 1, 3]) is None
@@ -324,7 +361,7 @@ def test_the_policy_replay_by_hand():
     assert "the prefill kept [2]" in run([4, 1, 3], [5, 1, 3], torch.tensor([[[1, 2, 3]]]))
 
 
-@pytest.mark.parametrize("impl", ["h2o", "tova", "knorm"])
+@pytest.mark.parametrize("impl", ["h2o", "tova", "knorm", "snapkv"])
 def test_the_replays_scores_are_the_caches_own(impl):
     # each held position's score at the end, float64 replay against the cache's float32:
     # H2O's sums over the group (not means), TOVA's latest weights, Knorm's norms
@@ -342,11 +379,12 @@ def test_the_replays_scores_are_the_caches_own(impl):
     q = torch.cat([cache.seen[0][0], *(a for a, b in cache.seen[1:] if a is not None)], 2)
     k = torch.cat([cache.seen[0][1], *(b for a, b in cache.seen[1:] if b is not None)], 2)
     wrong, score = _one(impl, q[0, :2].double(), k[0, 0].double(), cache.prompt_kept[0, 0],
-                        [step[0, 0] for step in cache.kept], cache.n_slots, cache.recent,
+                        [step[0, 0] for step in cache.kept], cache.budget, True, cache.recent,
                         cache.layer.scale, 1e-4)
     assert wrong is None
+    held = cache.slot_scores()[0, 0]
     for slot, p in enumerate(cache.pos[0, 0].tolist()):
-        assert score[p] == pytest.approx(float(cache.score[0, 0, slot]), rel=1e-4, abs=1e-6)
+        assert score[p] == pytest.approx(float(held[slot]), rel=1e-4, abs=1e-6)
 
 
 def test_a_fault_at_the_last_decode_step_alone_fails():

@@ -27,7 +27,7 @@ from kvbench.caches.triton import TritonCache
 from kvbench.caches.flex import FlexCache
 from kvbench.caches.compiled import CompiledCache
 from kvbench.caches.window import WindowCache
-from kvbench.caches.h2o import H2OCache, KnormCache, TOVACache
+from kvbench.caches.h2o import H2OCache, KnormCache, SnapKVCache, TOVACache
 from kvbench.caches.mla import MlaAbsorbedCache, MlaLatentCache, MlaNaiveCache
 from kvbench.caches.triton_mla import TritonMlaCache
 
@@ -47,6 +47,7 @@ __all__ = [
     "PagedCache",
     "PreallocatedCache",
     "SdpaCache",
+    "SnapKVCache",
     "SplitKCache",
     "StaticCache",
     "TOVACache",

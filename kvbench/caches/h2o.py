@@ -7,6 +7,10 @@ since they were cached). When the cache is full, each new position takes the slo
 lightest position outside the recent window. The prompt's attention is exact and seeds the
 scores; the cache then keeps its budget's worth of the prompt.
 
+--kv-compress prefill keeps the budget's worth of the prompt once, then every decoded
+position (the prompt compressed, as kvpress's presses do); decode (the default) keeps the
+budget at every step.
+
 It is lossy: verify reports its error against full attention (path A), and checks it exactly
 against float64 attention restricted to the positions it kept at each step (`kept`).
 Without --kv-budget it keeps every position.
@@ -32,7 +36,22 @@ class H2OCache(FixedSlots):
 
     @classmethod
     def slots(cls, s, length: int) -> int:
-        return length if s.kv_budget is None else min(length, s.kv_budget)
+        if s.kv_budget is None:
+            return length
+        if s.kv_compress == "prefill":  # the prompt's budget, then every decoded position
+            return min(length, s.kv_budget + max(0, length - s.prompt_len))
+        return min(length, s.kv_budget)
+
+    @classmethod
+    def evicts(cls, s, length: int) -> bool:
+        """Whether decode steps evict (a full cache at --kv-compress decode)."""
+        return s.kv_compress == "decode" and cls.slots(s, length) < length
+
+    @classmethod
+    def scratch(cls, s, n: int, length: int) -> int:
+        """Bytes held beside K/V, the positions and the scores, for n slots of a cache
+        allocated for `length` positions (snapkv: its window)."""
+        return 0
 
     @classmethod
     def footprint(cls, config, options):
@@ -41,9 +60,10 @@ class H2OCache(FixedSlots):
         # held beside K/V: each slot's position (int64) and score (float32). A step adds the
         # weights' sum into the scores (and, below float32, the weights widened first); an
         # evicting step its mask and scratch over the slots.
-        held = s.batch * s.kv_heads * n * (8 + 4)
+        held = s.batch * s.kv_heads * n * (8 + 4) + cls.scratch(s, n, options.alloc_len(s))
         widened = s.batch * s.q_heads * 4 if b < 4 else 0
-        evicts = s.batch * s.kv_heads * n * (1 + 4 + 8) if n < options.alloc_len(s) else 0
+        evicts = (s.batch * s.kv_heads * n * (1 + 4 + 8)
+                  if cls.evicts(s, options.alloc_len(s)) else 0)
 
         def step_at(t: int) -> int:
             m = min(t, n)
@@ -57,8 +77,10 @@ class H2OCache(FixedSlots):
         super().__init__(layer, batch, max_len, options, lens)
         s = layer.shape
         self.n_slots = self.slots(s, max_len)
-        self.recent = (s.kv_recent if s.kv_recent is not None else self.recent_default
-                       or max(1, self.n_slots // 2))
+        self.budget = min(max_len, s.kv_budget if s.kv_budget is not None else max_len)
+        self.evicting = self.evicts(s, max_len)
+        self.recent = s.kv_recent if s.kv_recent is not None else self.default_recent(self.budget)
+        self.prompt_len = 0  # set by the prefill: decoded positions fill the slots after it
         dev = layer.device
         shape = (batch, s.kv_heads, self.n_slots, s.head_dim)
         self.k_cache = torch.zeros(shape, dtype=layer.dtype, device=dev)
@@ -70,20 +92,32 @@ class H2OCache(FixedSlots):
         self.kept: list[torch.Tensor] = []
         self.seen: list[tuple[torch.Tensor, torch.Tensor]] = []  # (q, k) as they came, recorded
 
-    # --kv-recent's default: None is H2O's split, half the budget
-    recent_default: int | None = None
+    @classmethod
+    def default_recent(cls, budget: int) -> int:
+        """--kv-recent's default: H2O's split, half the budget."""
+        return max(1, budget // 2)
+
+    def used(self, length: int) -> int:
+        """Slots filled once `length` positions have been seen."""
+        if length <= self.prompt_len:
+            return min(length, self.budget)
+        return min(self.n_slots, min(self.prompt_len, self.budget) + length - self.prompt_len)
+
+    def kv(self):
+        n = self.used(self.length)
+        return self.k_cache[:, :, :n], self.v_cache[:, :, :n]
 
     def prefill(self, x):
         q, k, v = self.layer.project(x, start=0)
         out = causal_prefill(self.layer, q, k, v)  # exact
         if self.record:
             self.seen.append((q, k))
-        T = x.shape[1]
-        if self.n_slots >= self.max_len:  # it never evicts: no scores needed
+        T = self.prompt_len = x.shape[1]
+        n = min(T, self.budget)
+        if n == T and not self.evicting:  # it never evicts: no scores needed
             seen = torch.zeros(k.shape[:3], dtype=torch.float32, device=k.device)
         else:
             seen = self._prompt_scores(q, k)  # [B, H_kv, T]
-        n = min(T, self.n_slots)
         recent = min(self.recent, n)
         positions = torch.arange(T, device=x.device).expand_as(seen)
         keep_recent = positions[..., T - recent:]  # the last R
@@ -95,10 +129,14 @@ class H2OCache(FixedSlots):
         self.v_cache[:, :, :n] = v.gather(2, index)
         self.pos[:, :, :n] = kept
         self.score[:, :, :n] = seen.gather(2, kept)
+        self.kept_prompt(kept)
         if self.record:
             self.prompt_kept = kept.clone()
         self._advance(T)
         return self.layer.output(out)
+
+    def kept_prompt(self, kept: torch.Tensor) -> None:
+        """The prefill kept these prompt positions [B, H_kv, n] in the first n slots."""
 
     def _prompt_scores(self, q, k) -> torch.Tensor:
         """Each prompt position's attention from every prompt query, summed over the query
@@ -125,17 +163,26 @@ class H2OCache(FixedSlots):
         t = self.length
         if self.record:
             self.seen.append((None, k))
-        if t < self.n_slots:
-            slot = torch.full(self.pos.shape[:2], t, dtype=torch.long, device=k.device)
+        used = self.used(t)
+        if used < self.n_slots:
+            slot = torch.full(self.pos.shape[:2], used, dtype=torch.long, device=k.device)
         else:
             old = self.pos <= t - self.recent  # may be evicted
-            slot = self.score.masked_fill(~old, float("inf")).argmin(dim=-1)  # [B, H_kv]
+            slot = self.slot_scores().masked_fill(~old, float("inf")).argmin(dim=-1)  # [B, H_kv]
         at = slot[..., None]  # [B, H_kv, 1]
         self.k_cache.scatter_(2, at[..., None].expand(-1, -1, 1, k.shape[-1]), k)
         self.v_cache.scatter_(2, at[..., None].expand(-1, -1, 1, v.shape[-1]), v)
         self.pos.scatter_(2, at, t)
         self.score.scatter_(2, at, self.written_score(k))
+        self.wrote(at)
         self._advance(1)
+
+    def slot_scores(self) -> torch.Tensor:
+        """Each slot's score when a position must be evicted, [B, H_kv, slots]."""
+        return self.score
+
+    def wrote(self, at: torch.Tensor) -> None:
+        """A new position went into the slots `at` [B, H_kv, 1]."""
 
     def written_score(self, k: torch.Tensor) -> torch.Tensor | float:
         """The score a new position starts with (k [B, H_kv, 1, D]): H2O's, none yet."""
@@ -163,7 +210,8 @@ class H2OCache(FixedSlots):
     def rewind(self, length):
         if self.restored(length):
             pass
-        elif self.n_slots >= self.max_len:  # it never evicts: the scores decide nothing
+        elif not self.evicting and (length >= self.prompt_len or self.budget >= self.prompt_len):
+            # positions after the prompt's kept ones fill the slots in order: drop the last
             self.pos.masked_fill_(self.pos >= length, -1)
         else:
             raise KvbenchError("h2o rewinds only to a checkpoint: evicted positions and the "
@@ -173,7 +221,8 @@ class H2OCache(FixedSlots):
     @classmethod
     def drops(cls, config):
         s = config.shape
-        return s.kv_budget is not None and s.kv_budget < max(s.row_lens)
+        return (s.kv_budget is not None
+                and s.kv_budget < (s.prompt_len if s.kv_compress == "prefill" else max(s.row_lens)))
 
     def stats(self):
         return {"kept_slots": self.n_slots}
@@ -182,12 +231,13 @@ class H2OCache(FixedSlots):
         """Recorded (verify): the positions kept at every step against a float64 replay of
         the policy from the queries and keys the cache saw (kvbench.caches.policies): the
         gate checks attention over what was kept; this checks what should have been."""
-        if not self.record or not self.seen or self.n_slots >= self.max_len:
+        if not self.record or not self.seen or not (self.evicting
+                                                    or self.budget < self.prompt_len):
             return None
         from kvbench.caches.policies import replay
 
-        return replay(self.name, self.seen, self.prompt_kept, self.kept, self.n_slots,
-                      self.recent, self.layer.scale, self.layer.dtype)
+        return replay(self.name, self.seen, self.prompt_kept, self.kept, self.budget,
+                      self.evicting, self.recent, self.layer.scale, self.layer.dtype)
 
 
 @register
@@ -202,7 +252,9 @@ class TOVACache(H2OCache):
     description = ("token eviction, TOVA: keeps --kv-budget positions per KV head, dropping "
                    "the one the latest query attended to least; lossy")
 
-    recent_default = 1
+    @classmethod
+    def default_recent(cls, budget: int) -> int:
+        return 1
 
     def _prompt_scores(self, q, k) -> torch.Tensor:
         """The last prompt query's attention over the prompt, averaged over the group's
@@ -228,7 +280,9 @@ class KnormCache(H2OCache):
     description = ("token eviction, Knorm: keeps the --kv-budget positions per KV head whose "
                    "keys have the lowest L2 norm; lossy")
 
-    recent_default = 1
+    @classmethod
+    def default_recent(cls, budget: int) -> int:
+        return 1
 
     def _prompt_scores(self, q, k) -> torch.Tensor:
         return -k.float().norm(dim=-1)  # [B, H_kv, T]
@@ -238,3 +292,86 @@ class KnormCache(H2OCache):
 
     def observe(self, weights: torch.Tensor, n: int) -> None:
         pass
+
+
+@register
+class SnapKVCache(H2OCache):
+    """`snapkv`: token eviction by an observation window's attention (SnapKV, Li et al., 2024).
+    The last --kv-recent R prompt positions are the window: each older position's score is
+    the attention the window's queries gave it, averaged over them and the group's query
+    heads, then smoothed over neighbouring positions (an average pool of POOL, zero-padded,
+    as kvpress pools); the window itself is kept. At --kv-compress decode the window slides:
+    a slot's score is the attention the last R queries gave it (summed, averaged over the
+    group), and the new position takes the slot of the lowest outside the last R. Lossy."""
+
+    name = "snapkv"
+    description = ("token eviction, SnapKV: keeps --kv-budget positions per KV head, the "
+                   "ones the last --kv-recent queries attended to most; lossy")
+    state = H2OCache.state + ("window",)
+    POOL = 5  # positions averaged in the prompt's scores (kvpress's kernel_size)
+
+    @classmethod
+    def default_recent(cls, budget: int) -> int:
+        """Half the budget, at most 64 (kvpress's window)."""
+        return max(1, min(64, budget // 2))
+
+    @classmethod
+    def scratch(cls, s, n: int, length: int) -> int:
+        """At --kv-compress decode, each of the last R queries' weights on every slot."""
+        if not cls.evicts(s, length):
+            return 0
+        recent = (s.kv_recent if s.kv_recent is not None
+                  else cls.default_recent(min(s.kv_budget, length)))
+        return s.batch * s.kv_heads * recent * n * 4
+
+    def __init__(self, layer, batch, max_len, options=None, lens=None):
+        super().__init__(layer, batch, max_len, options, lens)
+        R = self.recent if self.evicting else 0
+        # row t % R: query t's weights on each slot (0 where the slot took a later position)
+        self.window = torch.zeros(batch, layer.shape.kv_heads, R, self.n_slots,
+                                  dtype=torch.float32, device=layer.device)
+        self._window_weights = None  # the prompt's window, between scoring and keeping
+
+    def _prompt_scores(self, q, k) -> torch.Tensor:
+        """The window's attention [B, H_kv, T], the older positions' pooled."""
+        B, Hq, T, D = q.shape
+        Hkv = k.shape[1]
+        G = Hq // Hkv
+        R = min(self.recent, T)
+        qw = q[:, :, T - R:].float().reshape(B, Hkv, G * R, D)
+        scores = (qw @ k.float().transpose(-2, -1)) * self.layer.scale  # [B, H_kv, G·R, T]
+        t = torch.arange(T - R, T, device=q.device).repeat(G)
+        scores = scores.masked_fill(torch.arange(T, device=q.device)[None] > t[:, None],
+                                    float("-inf"))
+        weights = torch.softmax(scores, dim=-1).view(B, Hkv, G, R, T).mean(dim=2)  # [B,Hkv,R,T]
+        self._window_weights = weights
+        score = weights.mean(dim=2)
+        if T > R:
+            old = score[..., : T - R].reshape(B * Hkv, 1, T - R)
+            pooled = torch.nn.functional.avg_pool1d(old, self.POOL, stride=1,
+                                                    padding=self.POOL // 2)
+            score = torch.cat((pooled.view(B, Hkv, T - R), score[..., T - R:]), dim=-1)
+        return score
+
+    def kept_prompt(self, kept):
+        """Seed the sliding window: the last R prompt queries' weights on the kept slots."""
+        weights, self._window_weights = self._window_weights, None  # [B, H_kv, R', T]
+        if not self.evicting or weights is None:
+            return
+        T, R = weights.shape[-1], self.recent
+        for r in range(weights.shape[2]):
+            row = (T - weights.shape[2] + r) % R
+            self.window[:, :, row, : kept.shape[-1]] = weights[:, :, r].gather(2, kept)
+
+    def slot_scores(self):
+        return self.window.sum(dim=2)
+
+    def wrote(self, at):
+        if self.evicting:
+            self.window.scatter_(3, at[:, :, None].expand(-1, -1, self.window.shape[2], 1), 0.0)
+
+    def observe(self, weights: torch.Tensor, n: int) -> None:
+        if self.evicting:
+            row = self.window[:, :, (self.length - 1) % self.recent]  # this query's row
+            row.zero_()
+            row[..., :n] = weights.float().mean(dim=2)

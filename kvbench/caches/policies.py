@@ -13,7 +13,13 @@ within the dtype's rounding), the replay follows the cache.
 - tova: a position's score is the latest query's attention to it, averaged over the group's
   query heads (the prompt scored by its last query).
 - knorm: a position's score is minus its key's L2 norm.
-The prompt keeps its last `recent` positions and the highest-scoring of the rest.
+- snapkv: the prompt's older positions are scored by the attention of its last `recent`
+  queries (the observation window), averaged over them and the group, then averaged over
+  the POOL positions around each (zero beyond the older positions); while decoding, a
+  position's score is the attention the last `recent` queries gave it, summed over them and
+  averaged over the group.
+The prompt keeps its last `recent` positions and the highest-scoring of the rest; while
+decoding (evicting), the lowest-scoring position outside the last `recent` is evicted.
 """
 
 from __future__ import annotations
@@ -24,10 +30,12 @@ RTOL = {torch.float32: 1e-4, torch.float64: 1e-9}  # other dtypes: 5e-2
 
 
 def replay(name: str, seen, prompt_kept: torch.Tensor, kept: list[torch.Tensor], budget: int,
-           recent: int, scale: float, dtype) -> str | None:
+           evicting: bool, recent: int, scale: float, dtype) -> str | None:
     """seen: the cache's record, (q, k) of the prompt, then (None, k_t) and (q_t, None) for
     each decode step; prompt_kept [B, H_kv, n] and kept[j] [B, H_kv, slots] the positions it
-    held after the prefill and at decode step j. What is wrong, or None."""
+    held after the prefill and at decode step j. evicting: the budget is kept at every step
+    (--kv-compress decode); otherwise only the prompt is compressed. What is wrong, or
+    None."""
     q0, k0 = seen[0]
     keys = torch.cat([k0, *(k for q, k in seen[1:] if k is not None)], dim=2).double()
     queries = torch.cat([q0, *(q for q, k in seen[1:] if q is not None)], dim=2).double()
@@ -37,8 +45,8 @@ def replay(name: str, seen, prompt_kept: torch.Tensor, kept: list[torch.Tensor],
     for b in range(B):
         for h in range(Hkv):
             wrong, _ = _one(name, queries[b, h * G:(h + 1) * G], keys[b, h],
-                            prompt_kept[b, h], [step[b, h] for step in kept], budget, recent,
-                            scale, rtol)
+                            prompt_kept[b, h], [step[b, h] for step in kept], budget,
+                            evicting, recent, scale, rtol)
             if wrong:
                 return f"sequence {b}, KV head {h}: {wrong}"
     return None
@@ -53,12 +61,23 @@ def _weights(q: torch.Tensor, k: torch.Tensor, scale: float) -> torch.Tensor:
     return torch.softmax((q @ k.T) * scale, dim=-1)
 
 
-def _one(name, q, k, prompt_kept, kept, budget, recent, scale, rtol):
+def _one(name, q, k, prompt_kept, kept, budget, evicting, recent, scale, rtol):
     """One sequence's KV head: q [G, T, D] (the prompt's queries, then each step's), k [T, D].
     (what is wrong or None, each position's score at the end)."""
     P = q.shape[1] - len(kept)
     score: dict[int, float] = {}
-    if name == "h2o":
+    contrib: dict[int, dict[int, float]] = {}  # snapkv: query position -> its weights
+    if name == "snapkv":
+        R = min(recent, P)
+        for t in range(P - R, P):
+            w = _weights(q[:, t], k[: t + 1], scale).mean(0)
+            contrib[t] = {p: float(w[p]) for p in range(t + 1)}
+        raw = [sum(contrib[t].get(p, 0.0) for t in contrib) / R for p in range(P)]
+        half = POOL // 2
+        score = {p: sum(raw[i] for i in range(p - half, p + half + 1) if 0 <= i < P - R) / POOL
+                 for p in range(P - R)}
+        score.update({p: raw[p] for p in range(P - R, P)})
+    elif name == "h2o":
         for t in range(P):
             w = _weights(q[:, t], k[: t + 1], scale).sum(0)
             for p in range(t + 1):
@@ -85,7 +104,9 @@ def _one(name, q, k, prompt_kept, kept, budget, recent, scale, rtol):
         now = _held(step)
         if t not in now:
             return f"step {j + 1}: position {t} is not held after it was written", score
-        if len(S) == budget:  # full: one position is evicted
+        if evicting and len(S) == budget:  # full: one position is evicted
+            if name == "snapkv":
+                _window(score, contrib, S, t, recent)
             gone = sorted((S | {t}) - now)
             candidates = [p for p in S if p <= t - recent]
             victim = min(candidates, key=lambda p: score[p])
@@ -104,9 +125,24 @@ def _one(name, q, k, prompt_kept, kept, budget, recent, scale, rtol):
         score[t] = -float(k[t].norm()) if name == "knorm" else 0.0
         order = sorted(S)
         w = _weights(q[:, t], k[order], scale)
+        contrib[t] = {}
         for i, p in enumerate(order):
             if name == "h2o":
                 score[p] += float(w[:, i].sum())
             elif name == "tova":
                 score[p] = float(w[:, i].mean())
+            elif name == "snapkv":
+                contrib[t][p] = float(w[:, i].mean())
+    if name == "snapkv" and kept:
+        _window(score, contrib, S, q.shape[1], recent)
     return None, score
+
+
+POOL = 5  # snapkv's pool (kvbench.caches.h2o.SnapKVCache.POOL, written out again here)
+
+
+def _window(score: dict, contrib: dict, held: set[int], t: int, recent: int) -> None:
+    """snapkv while decoding: each held position's score before position t is written, the
+    attention the queries t - recent .. t - 1 gave it."""
+    for p in held:
+        score[p] = sum(contrib.get(s, {}).get(p, 0.0) for s in range(t - recent, t))

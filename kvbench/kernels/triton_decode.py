@@ -304,6 +304,17 @@ def _stage2(Acc, M, L, Out, stride_ab, stride_ah, stride_as, stride_mb, stride_m
 
 INTERPRETED = type(tl.zeros).__name__ == "InterpretedFunction"  # how triton was imported
 
+if INTERPRETED:
+    # The interpreter checks every int32 add, sub and mul for overflow (a third of its time
+    # on kvbench's kernels); a compiled kernel checks none unless built with debug=True.
+    # Offsets into the pools are computed in int64 from the block ids.
+    from dataclasses import replace as _replace
+
+    from triton.runtime import interpreter as _interpreter
+
+    _interpreter.interpreter_builder.options = _replace(
+        _interpreter.interpreter_builder.options, sanitize_overflow=False)
+
 
 def _interpreter_takes_loaded_bounds() -> bool:
     """Whether Triton's interpreter can run a loop to a bound known only at run time: 3.6's

@@ -111,6 +111,7 @@ def describe(config) -> str:
             + (f" window={s.window} sinks={s.sinks}" if s.window is not None else "")
             + (f" shared-prefix={s.shared_prefix}" if s.shared_prefix else "")
             + (f" kv-budget={s.kv_budget}" if s.kv_budget is not None else "")
+            + (" (prefill)" if s.kv_compress == "prefill" else "")
             + (f" beams={config.beams}" if config.beams else "")
             + (f" prefill-chunk={config.prefill_chunk}" if config.prefill_chunk else "")
             + (f" draft-len={config.draft_len}" if config.draft_len else "")

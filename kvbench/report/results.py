@@ -196,8 +196,9 @@ def _umask() -> int:
 RAGGED_COLUMNS = ["seq_lens", "len_dist", "max_len"]
 # Tensor parallelism (--tp under torchrun): ranks the layer is split over; 1 on one device.
 # A sliding window with attention sinks (--window, --sinks): empty without one.
-# Token eviction (--kv-budget, --kv-recent; h2o): empty without one.
-TP_COLUMNS = ["tp", "world_size", "window", "sinks", "kv_budget", "kv_recent"]
+# Token eviction (--kv-budget, --kv-recent, --kv-compress; h2o and the other scorers): empty
+# without a budget.
+TP_COLUMNS = ["tp", "world_size", "window", "sinks", "kv_budget", "kv_recent", "kv_compress"]
 
 # --model runs: the model (a checkpoint's name, or a preset) and the layers run
 MODEL_COLUMNS = ["model", "layers"]
@@ -295,6 +296,7 @@ def config_cells(command: str, impl: str, config) -> dict[str, object]:
             "world_size": config.tp, "window": s.window,
             "shared_prefix": s.shared_prefix or None, "kv_budget": s.kv_budget,
             "kv_recent": s.kv_recent,
+            "kv_compress": s.kv_compress if s.kv_budget is not None else None,
             "sinks": s.sinks if s.window is not None else None,
             "attention": s.attention,
             **s.kind.cells()}
@@ -343,7 +345,8 @@ MEMORY_COLUMNS = MEMORY_FIRST[:-len(ENV_COLUMNS)] + [
 
 
 # transformers' generate runs its own full cache: no technique of the point applies to it
-TECHNIQUE_COLUMNS = ("window", "sinks", "kv_budget", "kv_recent", "shared_prefix")
+TECHNIQUE_COLUMNS = ("window", "sinks", "kv_budget", "kv_recent", "kv_compress",
+                     "shared_prefix")
 
 
 CAPACITY_FIRST = [

@@ -129,6 +129,9 @@ class MlaDims:
 KINDS = {kind.name: kind for kind in (Gqa, MlaDims)}  # --attention's values
 
 
+KV_COMPRESS = ("decode", "prefill")  # when an eviction budget is kept (LayerShape.kv_compress)
+
+
 @dataclass(frozen=True)
 class LayerShape:
     """Shapes of one causal GQA attention layer and the sequence it decodes."""
@@ -150,10 +153,13 @@ class LayerShape:
     window: int | None = None
     sinks: int = 0
     shared_prefix: int = 0  # the first P prompt tokens are the same in every sequence
-    # Token eviction (H2O): the `h2o` cache keeps kv_budget positions per KV head, the last
-    # kv_recent (default: half the budget) and the heavy hitters by accumulated attention.
+    # Token eviction (h2o, tova, knorm, snapkv, expected): kv_budget positions per KV head,
+    # the last kv_recent and the highest-scoring. kv_compress: when the budget is kept:
+    # "decode" (at every step: the cache never holds more) or "prefill" (the prompt is
+    # compressed once, then every decoded position is kept).
     kv_budget: int | None = None
     kv_recent: int | None = None
+    kv_compress: str = "decode"
     # Multi-head latent attention (--attention mla); None: GQA. An MLA shape has kv_heads =
     # q_heads and head_dim = qk_nope + qk_rope: the per-head K that decompression yields.
     mla: MlaDims | None = None
@@ -181,6 +187,12 @@ class LayerShape:
                                "give --window W too")
         if self.kv_budget is not None and (type(self.kv_budget) is not int or self.kv_budget < 1):
             raise KvbenchError(f"--kv-budget must be a positive integer, got {self.kv_budget}")
+        if self.kv_compress not in KV_COMPRESS:
+            raise KvbenchError(f"--kv-compress takes {' or '.join(KV_COMPRESS)}, got "
+                               f"{self.kv_compress!r}")
+        if self.kv_compress != "decode" and self.kv_budget is None:
+            raise KvbenchError("--kv-compress prefill compresses the prompt to a --kv-budget; "
+                               "give --kv-budget N too")
         if self.kv_recent is not None:
             if self.kv_budget is None:
                 raise KvbenchError("--kv-recent is the recent window of a --kv-budget; give "

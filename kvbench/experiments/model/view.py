@@ -17,6 +17,7 @@ def _title(command: str, result) -> str:
             f"{result.config.device}"
             + (f" window={s.window} sinks={s.sinks}" if s.window is not None else "")
             + (f" kv-budget={s.kv_budget}" if s.kv_budget is not None else "")
+            + (" (prefill)" if s.kv_compress == "prefill" else "")
             + (f" {kv_label(result.config.kv_format)}" if result.config.kv_dtype
                else ""))
 
