@@ -454,7 +454,7 @@ def _evicts_the_highest(self, k, v):
     self.k_cache.scatter_(2, at[..., None].expand(-1, -1, 1, k.shape[-1]), k)
     self.v_cache.scatter_(2, at[..., None].expand(-1, -1, 1, v.shape[-1]), v)
     self.pos.scatter_(2, at, t)
-    self.score.scatter_(2, at, self.written_score(k))
+    self.score.scatter_(2, at, self.written_score(k, v))
     self.wrote(at)
     self._advance(1)
 
@@ -486,8 +486,8 @@ class SnapKVKeepsTheLeastAttendedPrompt(SnapKVCache):
 
     name = "snapkv-keeps-the-least-attended-prompt"
 
-    def _prompt_scores(self, q, k):
-        return -super()._prompt_scores(q, k)
+    def _prompt_scores(self, q, k, v):
+        return -super()._prompt_scores(q, k, v)
 
 
 class KnormKeepsTheLargestKeys(KnormCache):
@@ -495,11 +495,11 @@ class KnormKeepsTheLargestKeys(KnormCache):
 
     name = "knorm-keeps-the-largest-keys"
 
-    def _prompt_scores(self, q, k):
-        return -super()._prompt_scores(q, k)
+    def _prompt_scores(self, q, k, v):
+        return -super()._prompt_scores(q, k, v)
 
-    def written_score(self, k):
-        return -super().written_score(k)
+    def written_score(self, k, v):
+        return -super().written_score(k, v)
 
 
 class CompiledOwnBuffers(CompiledCache):
@@ -906,3 +906,30 @@ class GraphTakesBlocksInside(PagedCache):
     def graph_step(self, x_t):
         self._grow(self.length + 1)
         return super().graph_step(x_t)
+
+
+from kvbench.caches import ExpectedAttentionCache
+
+
+class ExpectedKeepsTheLeastExpected(ExpectedAttentionCache):
+    """Expected Attention with its scores negated (the sinks still kept): it keeps the
+    positions future queries are expected to attend to least."""
+
+    name = "expected-keeps-the-least-expected"
+
+    def _score(self, logits, v):
+        return -super()._score(logits, v)
+
+
+class ExpectedIgnoresRoPE(ExpectedAttentionCache):
+    """Expected Attention that takes the statistics of the queries as cached, after RoPE,
+    and does not turn them to the future positions: right only without RoPE."""
+
+    name = "expected-ignores-rope"
+
+    def _statistics(self, q):
+        q = q.float()
+        q = q[:, :, self.SINKS:] if q.shape[2] > self.SINKS else q
+        mu = q.mean(dim=2)
+        centered = q - mu[:, :, None]
+        return mu, centered.transpose(-2, -1) @ centered / q.shape[2]

@@ -1,3 +1,5 @@
+import math
+
 import pytest
 import torch
 from broken import (
@@ -60,7 +62,7 @@ def test_every_implementation_equals_recompute(shape, rope, dtype, seed):
     # splitk is float32 only; everything else runs every shape here
     expected = ["concat", "static", "sdpa", "paged"] + (
         ["splitk"] if dtype == "float32" and "splitk" in eager(config) else [])
-    expected += ["triton", "window", "h2o", "tova", "knorm", "snapkv"]
+    expected += ["triton", "window", "h2o", "tova", "knorm", "snapkv", "expected"]
     assert [c.impl for c in report.checks] == expected
     for check in report.checks:
         assert check.passed, (check.impl, check.message)
@@ -253,7 +255,7 @@ EVICTED = LayerShape(batch=2, prompt_len=40, decode_len=12, hidden=64, q_heads=4
                      head_dim=16, kv_budget=16)
 
 
-@pytest.mark.parametrize("budget, recent", [(None, None), (64, None), (32, 8), (16, 16), (8, 1)])
+@pytest.mark.parametrize("budget, recent", [(None, None), (52, None), (32, 8), (16, 16), (8, 1)])
 @pytest.mark.parametrize("rope", [False, True])
 def test_h2o_is_exact_over_what_it_kept_and_reports_its_loss(budget, recent, rope):
     from dataclasses import replace
@@ -280,7 +282,8 @@ def test_verify_rejects_an_eviction_cache_that_reads_what_it_evicted():
 @pytest.mark.parametrize("fault, compress", [
     ("H2OEvictsTheHeaviest", "decode"), ("TOVAEvictsTheMostAttended", "decode"),
     ("KnormKeepsTheLargestKeys", "decode"), ("SnapKVEvictsTheMostAttended", "decode"),
-    ("SnapKVKeepsTheLeastAttendedPrompt", "prefill"), ("KnormKeepsTheLargestKeys", "prefill")])
+    ("SnapKVKeepsTheLeastAttendedPrompt", "prefill"), ("KnormKeepsTheLargestKeys", "prefill"),
+    ("ExpectedKeepsTheLeastExpected", "decode"), ("ExpectedIgnoresRoPE", "prefill")])
 def test_an_eviction_that_keeps_the_wrong_positions_fails(fault, compress):
     # exact over what it kept (the gate alone passes it), caught by the policy's replay
     from dataclasses import replace
@@ -289,12 +292,12 @@ def test_an_eviction_that_keeps_the_wrong_positions_fails(fault, compress):
 
     cls = getattr(broken, fault)
     shape = replace(EVICTED, kv_compress=compress)
-    (check,) = verify(RunConfig(shape), {cls.name: cls}).checks
+    (check,) = verify(RunConfig(shape, rope=True), {cls.name: cls}).checks
     assert not check.passed and "policy" in check.message, check.message
     assert check.fp64_max_abs_err < 1e-5
 
 
-@pytest.mark.parametrize("impl", ["tova", "knorm", "snapkv"])
+@pytest.mark.parametrize("impl", ["tova", "knorm", "snapkv", "expected"])
 @pytest.mark.parametrize("dtype, compress", [("float32", "decode"), ("bfloat16", "decode"),
                                              ("float32", "prefill")])
 def test_each_scorer_is_exact_and_keeps_what_its_policy_keeps(impl, dtype, compress):
@@ -307,6 +310,63 @@ def test_each_scorer_is_exact_and_keeps_what_its_policy_keeps(impl, dtype, compr
     assert check.passed and check.lossy, check.message
     # decode: the budget; prefill: the prompt's budget, then all 12 decoded positions
     assert check.cache_shape == (2, 2, 16 if compress == "decode" else 16 + 12, 16)
+
+
+def test_expected_attention_by_hand():
+    # No RoPE, one query head per KV head, scale 1. The queries past the 4 sinks, (1, 0) and
+    # (3, 0): mean (2, 0), covariance [[1, 0], [0, 0]] (over 2, not 1). A key's logit is
+    # μ·k + kᵀΣk / 2: (1, 1) -> 2.5, (0, 2) -> 0, (-1, 0) -> -1.5. Normalized over the keys
+    # past the sinks (2.5 and 0): log z = 2.5 + log(1 + e^-2.5); the score adds log ‖v‖.
+    from kvbench.caches import ExpectedAttentionCache
+    from kvbench.caches.policies import _Expected
+    from kvbench.layers.attention import AttentionLayer
+
+    q = torch.zeros(1, 1, 6, 2)
+    q[0, 0, 4, 0], q[0, 0, 5, 0] = 1.0, 3.0
+    k = torch.tensor([[-1.0, 0.0]] * 4 + [[1.0, 1.0], [0.0, 2.0]])[None, None]
+    v = torch.tensor([[1.0, 0.0]] * 4 + [[0.0, 2.0], [3.0, 4.0]])[None, None]
+    log_z = 2.5 + math.log1p(math.exp(-2.5))
+    want = [-1.5 - log_z] * 4 + [2.5 - log_z + math.log(2), 0 - log_z + math.log(5)]
+    replayed = _Expected(q[0].double(), k[0, 0].double(), 1.0, None)
+    assert [replayed.score(k[0, 0, p].double(), v[0, 0, p].double())
+            for p in range(6)] == pytest.approx(want)
+    shape = LayerShape(batch=1, prompt_len=6, decode_len=1, hidden=8, q_heads=1, kv_heads=1,
+                       head_dim=2, kv_budget=5)
+    config = RunConfig(shape)
+    cache = ExpectedAttentionCache.build(AttentionLayer.from_config(config), config)
+    cache.layer.scale = 1.0
+    scores = cache._prompt_scores(q, k, v)[0, 0]
+    assert cache.sinks == 3  # a budget of 5: 3 sinks, the newest, one position to evict
+    assert scores[:3].isinf().all() and scores[3:].tolist() == pytest.approx(want[3:], rel=1e-6)
+
+
+def test_expected_attention_turns_the_queries_to_the_next_position(monkeypatch):
+    # Averaged over one future position, RoPE's mean rotation is the rotation to position P:
+    # with every query the same before RoPE (no covariance), a key's expected logit is the
+    # logit that query, placed at position P, gives it.
+    from kvbench.caches import ExpectedAttentionCache
+    from kvbench.caches.policies import _Expected
+    from kvbench.kernels.reference import apply_rope
+    from kvbench.layers.attention import AttentionLayer
+
+    monkeypatch.setattr(ExpectedAttentionCache, "FUTURE", 1)
+    monkeypatch.setattr("kvbench.caches.policies.FUTURE", 1)
+    P, D = 9, 8
+    shape = LayerShape(batch=1, prompt_len=P, decode_len=1, hidden=16, q_heads=2, kv_heads=1,
+                       head_dim=D, kv_budget=6)
+    config = RunConfig(shape, rope=True)
+    cache = ExpectedAttentionCache.build(AttentionLayer.from_config(config), config)
+    base = torch.randn(1, 2, 1, D)
+    q = apply_rope(base.expand(1, 2, P, D), torch.arange(P))  # as cached: after RoPE
+    k = torch.randn(1, 1, P, D)
+    cache.expectation = (*cache._statistics(q), None)
+    at_p = apply_rope(base, torch.tensor([P]))  # [1, 2, 1, D]
+    want = (at_p @ k.transpose(-2, -1))[:, :, 0] * cache.layer.scale  # [1, 2, P]
+    assert torch.allclose(cache._logits(k), want, atol=1e-5)
+    freq = 10000.0 ** (-torch.arange(0, D, 2, dtype=torch.float64) / D)
+    replayed = _Expected(q[0].double(), k[0, 0].double(), cache.layer.scale, freq)
+    assert torch.allclose(replayed._logits(k[0, 0, 3].double()), want[0, :, 3].double(),
+                          atol=1e-5)
 
 
 def test_snapkv_pools_the_windows_attention_over_the_older_positions_by_hand():
@@ -325,7 +385,7 @@ def test_snapkv_pools_the_windows_attention_over_the_older_positions_by_hand():
     config = RunConfig(shape)
     cache = SnapKVCache.build(AttentionLayer.from_config(config), config)
     q, k = torch.zeros(1, 2, 6, 2), torch.randn(1, 1, 6, 2)
-    scores = cache._prompt_scores(q, k)[0, 0]
+    scores = cache._prompt_scores(q, k, k)[0, 0]
     want = torch.tensor([33 / 300, 44 / 300, 44 / 300, 33 / 300, 11 / 60, 1 / 12])
     assert torch.allclose(scores, want, atol=1e-7), scores
     wrong, score = _one("snapkv", q[0].double(), k[0, 0].double(), torch.tensor([1, 2, 4, 5]),
@@ -347,8 +407,9 @@ def test_the_policy_replay_by_hand():
     k = torch.zeros(1, 1, 6, 2)
     k[0, 0, :, 0] = torch.tensor(norms)
     q = torch.zeros(1, 1, 6, 2)
-    seen = [(q[:, :, :4], k[:, :, :4]), (None, k[:, :, 4:5]), (q[:, :, 4:5], None),
-            (None, k[:, :, 5:6]), (q[:, :, 5:6], None)]
+    seen = [(q[:, :, :4], k[:, :, :4], k[:, :, :4]), (None, k[:, :, 4:5], k[:, :, 4:5]),
+            (q[:, :, 4:5], None, None), (None, k[:, :, 5:6], k[:, :, 5:6]),
+            (q[:, :, 5:6], None, None)]
     prompt = torch.tensor([[[0, 1, 3]]])
 
     def run(first, second, prompt=prompt):
@@ -361,7 +422,7 @@ def test_the_policy_replay_by_hand():
     assert "the prefill kept [2]" in run([4, 1, 3], [5, 1, 3], torch.tensor([[[1, 2, 3]]]))
 
 
-@pytest.mark.parametrize("impl", ["h2o", "tova", "knorm", "snapkv"])
+@pytest.mark.parametrize("impl", ["h2o", "tova", "knorm", "snapkv", "expected"])
 def test_the_replays_scores_are_the_caches_own(impl):
     # each held position's score at the end, float64 replay against the cache's float32:
     # H2O's sums over the group (not means), TOVA's latest weights, Knorm's norms
@@ -376,15 +437,17 @@ def test_the_replays_scores_are_the_caches_own(impl):
     with torch.no_grad():
         x = make_inputs(config)
         serving.run(cache, config, x, x[:, : config.shape.prompt_len])
-    q = torch.cat([cache.seen[0][0], *(a for a, b in cache.seen[1:] if a is not None)], 2)
-    k = torch.cat([cache.seen[0][1], *(b for a, b in cache.seen[1:] if b is not None)], 2)
+    q = torch.cat([cache.seen[0][0], *(a for a, b, c in cache.seen[1:] if a is not None)], 2)
+    k = torch.cat([cache.seen[0][1], *(b for a, b, c in cache.seen[1:] if b is not None)], 2)
+    v = torch.cat([cache.seen[0][2], *(c for a, b, c in cache.seen[1:] if c is not None)], 2)
     wrong, score = _one(impl, q[0, :2].double(), k[0, 0].double(), cache.prompt_kept[0, 0],
                         [step[0, 0] for step in cache.kept], cache.budget, True, cache.recent,
-                        cache.layer.scale, 1e-4)
+                        cache.layer.scale, 1e-4, v[0, 0].double())
     assert wrong is None
     held = cache.slot_scores()[0, 0]
     for slot, p in enumerate(cache.pos[0, 0].tolist()):
-        assert score[p] == pytest.approx(float(held[slot]), rel=1e-4, abs=1e-6)
+        if not held[slot].isinf():  # expected's sinks: kept whatever their score
+            assert score[p] == pytest.approx(float(held[slot]), rel=1e-4, abs=1e-6)
 
 
 def test_a_fault_at_the_last_decode_step_alone_fails():
@@ -414,7 +477,7 @@ def test_h2o_keeps_the_heaviest_prompt_positions(monkeypatch):
     impl, config = _h2o(budget=4, recent=2)
     planted = torch.tensor([0.1, 0.2, 0.3, 9.0, 0.4, 5.0, 0.5, 0.6, 0.7, 0.8])  # T = 10
     monkeypatch.setattr(impl, "_prompt_scores",
-                        lambda q, k: planted.expand(1, 2, 10).clone())
+                        lambda q, k, v: planted.expand(1, 2, 10).clone())
     with torch.no_grad():
         impl.prefill(make_inputs(config)[:, :10])
     for head in range(2):  # the two heaviest older positions (3, 5), then the recent (8, 9)

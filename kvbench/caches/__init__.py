@@ -27,7 +27,13 @@ from kvbench.caches.triton import TritonCache
 from kvbench.caches.flex import FlexCache
 from kvbench.caches.compiled import CompiledCache
 from kvbench.caches.window import WindowCache
-from kvbench.caches.h2o import H2OCache, KnormCache, SnapKVCache, TOVACache
+from kvbench.caches.h2o import (
+    ExpectedAttentionCache,
+    H2OCache,
+    KnormCache,
+    SnapKVCache,
+    TOVACache,
+)
 from kvbench.caches.mla import MlaAbsorbedCache, MlaLatentCache, MlaNaiveCache
 from kvbench.caches.triton_mla import TritonMlaCache
 
@@ -37,6 +43,7 @@ __all__ = [
     "CachedAttention",
     "CompiledCache",
     "ConcatCache",
+    "ExpectedAttentionCache",
     "FlexCache",
     "H2OCache",
     "ImplOptions",

@@ -18,10 +18,13 @@ Without --kv-budget it keeps every position.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from kvbench.caches.base import FixedSlots, causal_prefill, register
 from kvbench.errors import KvbenchError
+from kvbench.kernels.reference import ROPE_BASE, apply_rope
 from kvbench.measure import footprint as fp
 
 
@@ -90,7 +93,7 @@ class H2OCache(FixedSlots):
         self.score = torch.zeros(shape[:3], dtype=torch.float32, device=dev)
         self.record = False  # verify: remember each step's kept positions
         self.kept: list[torch.Tensor] = []
-        self.seen: list[tuple[torch.Tensor, torch.Tensor]] = []  # (q, k) as they came, recorded
+        self.seen: list[tuple] = []  # (q, k, v) as they came, recorded
 
     @classmethod
     def default_recent(cls, budget: int) -> int:
@@ -111,13 +114,13 @@ class H2OCache(FixedSlots):
         q, k, v = self.layer.project(x, start=0)
         out = causal_prefill(self.layer, q, k, v)  # exact
         if self.record:
-            self.seen.append((q, k))
+            self.seen.append((q, k, v))
         T = self.prompt_len = x.shape[1]
         n = min(T, self.budget)
         if n == T and not self.evicting:  # it never evicts: no scores needed
             seen = torch.zeros(k.shape[:3], dtype=torch.float32, device=k.device)
         else:
-            seen = self._prompt_scores(q, k)  # [B, H_kv, T]
+            seen = self._prompt_scores(q, k, v)  # [B, H_kv, T]
         recent = min(self.recent, n)
         positions = torch.arange(T, device=x.device).expand_as(seen)
         keep_recent = positions[..., T - recent:]  # the last R
@@ -138,7 +141,7 @@ class H2OCache(FixedSlots):
     def kept_prompt(self, kept: torch.Tensor) -> None:
         """The prefill kept these prompt positions [B, H_kv, n] in the first n slots."""
 
-    def _prompt_scores(self, q, k) -> torch.Tensor:
+    def _prompt_scores(self, q, k, v) -> torch.Tensor:
         """Each prompt position's attention from every prompt query, summed over the query
         heads of its KV head: [B, H_kv, T] (float32), a chunk of queries at a time, each
         chunk's scores at most 2**23 elements (32 MiB)."""
@@ -162,7 +165,7 @@ class H2OCache(FixedSlots):
         """One position: into a free slot, or the lightest one outside the recent window."""
         t = self.length
         if self.record:
-            self.seen.append((None, k))
+            self.seen.append((None, k, v))
         used = self.used(t)
         if used < self.n_slots:
             slot = torch.full(self.pos.shape[:2], used, dtype=torch.long, device=k.device)
@@ -173,7 +176,7 @@ class H2OCache(FixedSlots):
         self.k_cache.scatter_(2, at[..., None].expand(-1, -1, 1, k.shape[-1]), k)
         self.v_cache.scatter_(2, at[..., None].expand(-1, -1, 1, v.shape[-1]), v)
         self.pos.scatter_(2, at, t)
-        self.score.scatter_(2, at, self.written_score(k))
+        self.score.scatter_(2, at, self.written_score(k, v))
         self.wrote(at)
         self._advance(1)
 
@@ -184,8 +187,8 @@ class H2OCache(FixedSlots):
     def wrote(self, at: torch.Tensor) -> None:
         """A new position went into the slots `at` [B, H_kv, 1]."""
 
-    def written_score(self, k: torch.Tensor) -> torch.Tensor | float:
-        """The score a new position starts with (k [B, H_kv, 1, D]): H2O's, none yet."""
+    def written_score(self, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor | float:
+        """The score a new position starts with (k, v [B, H_kv, 1, D]): H2O's, none yet."""
         return 0.0
 
     def observe(self, weights: torch.Tensor, n: int) -> None:
@@ -204,7 +207,7 @@ class H2OCache(FixedSlots):
         self.observe(weights, keys.shape[2])
         if self.record:
             self.kept.append(self.pos[..., : keys.shape[2]].clone())
-            self.seen.append((q, None))
+            self.seen.append((q, None, None))
         return (weights @ values).reshape(B, Hq, 1, D)
 
     def rewind(self, length):
@@ -237,7 +240,18 @@ class H2OCache(FixedSlots):
         from kvbench.caches.policies import replay
 
         return replay(self.name, self.seen, self.prompt_kept, self.kept, self.budget,
-                      self.evicting, self.recent, self.layer.scale, self.layer.dtype)
+                      self.evicting, self.recent, self.layer.scale, self.layer.dtype,
+                      rope_frequencies(self.layer))
+
+
+def rope_frequencies(layer) -> torch.Tensor | None:
+    """The layer's RoPE frequencies [D/2], float64; None without RoPE."""
+    if not layer.rope:
+        return None
+    if layer.inv_freq is not None:
+        return layer.inv_freq.double().cpu()
+    D = layer.shape.head_dim
+    return ROPE_BASE ** (-torch.arange(0, D, 2, dtype=torch.float64) / D)
 
 
 @register
@@ -256,7 +270,7 @@ class TOVACache(H2OCache):
     def default_recent(cls, budget: int) -> int:
         return 1
 
-    def _prompt_scores(self, q, k) -> torch.Tensor:
+    def _prompt_scores(self, q, k, v) -> torch.Tensor:
         """The last prompt query's attention over the prompt, averaged over the group's
         query heads: [B, H_kv, T]."""
         B, Hq, _, D = q.shape
@@ -284,10 +298,10 @@ class KnormCache(H2OCache):
     def default_recent(cls, budget: int) -> int:
         return 1
 
-    def _prompt_scores(self, q, k) -> torch.Tensor:
+    def _prompt_scores(self, q, k, v) -> torch.Tensor:
         return -k.float().norm(dim=-1)  # [B, H_kv, T]
 
-    def written_score(self, k):
+    def written_score(self, k, v):
         return -k.float().norm(dim=-1)  # [B, H_kv, 1]
 
     def observe(self, weights: torch.Tensor, n: int) -> None:
@@ -332,7 +346,7 @@ class SnapKVCache(H2OCache):
                                   dtype=torch.float32, device=layer.device)
         self._window_weights = None  # the prompt's window, between scoring and keeping
 
-    def _prompt_scores(self, q, k) -> torch.Tensor:
+    def _prompt_scores(self, q, k, v) -> torch.Tensor:
         """The window's attention [B, H_kv, T], the older positions' pooled."""
         B, Hq, T, D = q.shape
         Hkv = k.shape[1]
@@ -375,3 +389,110 @@ class SnapKVCache(H2OCache):
             row = self.window[:, :, (self.length - 1) % self.recent]  # this query's row
             row.zero_()
             row[..., :n] = weights.float().mean(dim=2)
+
+
+@register
+class ExpectedAttentionCache(H2OCache):
+    """`expected`: token eviction by the attention future queries are expected to pay
+    (Expected Attention, Devoto et al., 2025, as kvpress computes it). The prompt's queries
+    before RoPE, past the first SINKS, give a mean and covariance per query head, each
+    rotated by RoPE's rotation averaged over the next FUTURE positions; a key's expected
+    score is then exp(scale·μ·k + scale²·kᵀΣk / 2), normalized over the prompt's keys past the
+    sinks, averaged over the group's query heads and multiplied by ‖v‖ (kept as its log).
+    The first SINKS positions are always kept (fewer if the budget is small). At --kv-compress
+    decode each new position is scored as it is written, with the prompt's statistics and
+    normalizer; --kv-recent (default 1) protects the newest positions. Lossy."""
+
+    name = "expected"
+    description = ("token eviction, Expected Attention: keeps the --kv-budget positions per KV "
+                   "head that future queries are expected to attend to most; lossy")
+    SINKS = 4  # positions always kept, left out of the statistics (kvpress's n_sink)
+    FUTURE = 512  # positions RoPE's rotation is averaged over (kvpress's n_future_positions)
+
+    @classmethod
+    def default_recent(cls, budget: int) -> int:
+        return 1
+
+    @classmethod
+    def scratch(cls, s, n: int, length: int) -> int:
+        """At --kv-compress decode, each query head's rotated mean, covariance and
+        normalizer."""
+        if not cls.evicts(s, length):
+            return 0
+        D = s.head_dim
+        return s.batch * s.q_heads * (D + D * D + 1) * 4
+
+    def __init__(self, layer, batch, max_len, options=None, lens=None):
+        super().__init__(layer, batch, max_len, options, lens)
+        self.sinks = min(self.SINKS, max(0, self.budget - self.recent - 1))
+        self.expectation = None  # (μ [B, H_q, D], Σ [B, H_q, D, D], log normalizer [B, H_q])
+
+    def _statistics(self, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The prompt's queries [B, H_q, T, D] -> the mean and covariance of those before
+        RoPE past the sinks, rotated by the mean rotation of the next FUTURE positions."""
+        T, D = q.shape[2], q.shape[3]
+        q = q.float()
+        if self.layer.rope:
+            freq = self.layer.inv_freq
+            q = apply_rope(q, -torch.arange(T, device=q.device), freq)  # back before RoPE
+        q = q[:, :, self.SINKS:] if T > self.SINKS else q
+        mu = q.mean(dim=2)  # [B, H_q, D]
+        centered = q - mu[:, :, None]
+        cov = centered.transpose(-2, -1) @ centered / q.shape[2]  # [B, H_q, D, D]
+        if self.layer.rope:
+            future = torch.arange(T, T + self.FUTURE, device=q.device, dtype=torch.float32)
+            freq = (self.layer.inv_freq.float() if self.layer.inv_freq is not None else
+                    ROPE_BASE ** (-torch.arange(0, D, 2, device=q.device,
+                                                dtype=torch.float32) / D))
+            angles = future[:, None] * freq  # [FUTURE, D/2]
+            c, s = angles.cos().mean(0).repeat(2), angles.sin().mean(0).repeat(2)
+            half = D // 2
+            turn = torch.zeros(D, D, device=q.device)  # rotate-half: x -> (-x2, x1)
+            turn[:half, half:] = -torch.eye(half, device=q.device)
+            turn[half:, :half] = torch.eye(half, device=q.device)
+            rotation = torch.diag(c) + torch.diag(s) @ turn
+            mu = mu @ rotation.T
+            cov = rotation @ cov @ rotation.T
+        return mu, cov
+
+    def _logits(self, k: torch.Tensor) -> torch.Tensor:
+        """Keys [B, H_kv, T, D] -> each query head's expected logit [B, H_q, T]."""
+        mu, cov, _ = self.expectation
+        B, Hq, D = mu.shape
+        Hkv = k.shape[1]
+        kg = k.float().repeat_interleave(Hq // Hkv, dim=1)  # [B, H_q, T, D]
+        scale = self.layer.scale
+        return (scale * (kg @ mu[..., None])[..., 0]
+                + 0.5 * scale * scale * ((kg @ cov) * kg).sum(dim=-1))
+
+    def _score(self, logits: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """[B, H_q, T] logits, v [B, H_kv, T, D] -> log(mean over the group of the normalized
+        expected attention × ‖v‖) [B, H_kv, T]."""
+        B, Hq, T = logits.shape
+        Hkv = v.shape[1]
+        p = (logits - self.expectation[2][..., None]).view(B, Hkv, Hq // Hkv, T)
+        return (torch.logsumexp(p, dim=2) - math.log(Hq // Hkv)
+                + v.float().norm(dim=-1).log())
+
+    def _prompt_scores(self, q, k, v):
+        T = q.shape[2]
+        mu, cov = self._statistics(q)
+        self.expectation = (mu, cov, None)
+        logits = self._logits(k)
+        normed = logits[..., self.SINKS:] if T > self.SINKS else logits
+        self.expectation = (mu, cov, torch.logsumexp(normed, dim=-1))
+        score = self._score(logits, v)
+        score[..., : self.sinks] = float("inf")  # the sinks are always kept
+        return score
+
+    def kept_prompt(self, kept):
+        if not self.evicting:
+            self.expectation = None  # nothing more to score
+
+    def written_score(self, k, v):
+        if self.expectation is None:
+            return 0.0
+        return self._score(self._logits(k), v)
+
+    def observe(self, weights: torch.Tensor, n: int) -> None:
+        pass

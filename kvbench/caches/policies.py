@@ -18,11 +18,21 @@ within the dtype's rounding), the replay follows the cache.
   the POOL positions around each (zero beyond the older positions); while decoding, a
   position's score is the attention the last `recent` queries gave it, summed over them and
   averaged over the group.
+- expected: the prompt's queries past the first SINKS, taken back before RoPE, give a mean μ
+  and covariance Σ per query head; RoPE's rotation averaged over the next FUTURE positions
+  (a complex multiplier per frequency) turns them to where future queries will be. A key's
+  logit is scale·μ·k + scale²·kᵀΣk / 2 (with μ, Σ rotated: computed here as the key turned
+  back by the mean rotation's transpose); the score is the log of the mean over the group
+  of exp(logit − the log-sum-exp of the logits of the prompt's keys past the sinks), plus
+  log ‖v‖. The first min(SINKS, budget − recent − 1) positions are always kept. A decoded
+  position is scored when written, with the prompt's statistics.
 The prompt keeps its last `recent` positions and the highest-scoring of the rest; while
 decoding (evicting), the lowest-scoring position outside the last `recent` is evicted.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -30,15 +40,17 @@ RTOL = {torch.float32: 1e-4, torch.float64: 1e-9}  # other dtypes: 5e-2
 
 
 def replay(name: str, seen, prompt_kept: torch.Tensor, kept: list[torch.Tensor], budget: int,
-           evicting: bool, recent: int, scale: float, dtype) -> str | None:
-    """seen: the cache's record, (q, k) of the prompt, then (None, k_t) and (q_t, None) for
-    each decode step; prompt_kept [B, H_kv, n] and kept[j] [B, H_kv, slots] the positions it
+           evicting: bool, recent: int, scale: float, dtype,
+           inv_freq: torch.Tensor | None = None) -> str | None:
+    """seen: the cache's record, (q, k, v) of the prompt, then (None, k_t, v_t) and
+    (q_t, None, None) for each decode step; inv_freq: RoPE's frequencies (None: no RoPE); prompt_kept [B, H_kv, n] and kept[j] [B, H_kv, slots] the positions it
     held after the prefill and at decode step j. evicting: the budget is kept at every step
     (--kv-compress decode); otherwise only the prompt is compressed. What is wrong, or
     None."""
-    q0, k0 = seen[0]
-    keys = torch.cat([k0, *(k for q, k in seen[1:] if k is not None)], dim=2).double()
-    queries = torch.cat([q0, *(q for q, k in seen[1:] if q is not None)], dim=2).double()
+    q0, k0, v0 = seen[0]
+    keys = torch.cat([k0, *(k for q, k, v in seen[1:] if k is not None)], dim=2).double()
+    values = torch.cat([v0, *(v for q, k, v in seen[1:] if v is not None)], dim=2).double()
+    queries = torch.cat([q0, *(q for q, k, v in seen[1:] if q is not None)], dim=2).double()
     B, Hkv = keys.shape[:2]
     G = queries.shape[1] // Hkv
     rtol = RTOL.get(dtype, 5e-2)
@@ -46,7 +58,7 @@ def replay(name: str, seen, prompt_kept: torch.Tensor, kept: list[torch.Tensor],
         for h in range(Hkv):
             wrong, _ = _one(name, queries[b, h * G:(h + 1) * G], keys[b, h],
                             prompt_kept[b, h], [step[b, h] for step in kept], budget,
-                            evicting, recent, scale, rtol)
+                            evicting, recent, scale, rtol, values[b, h], inv_freq)
             if wrong:
                 return f"sequence {b}, KV head {h}: {wrong}"
     return None
@@ -61,11 +73,14 @@ def _weights(q: torch.Tensor, k: torch.Tensor, scale: float) -> torch.Tensor:
     return torch.softmax((q @ k.T) * scale, dim=-1)
 
 
-def _one(name, q, k, prompt_kept, kept, budget, evicting, recent, scale, rtol):
-    """One sequence's KV head: q [G, T, D] (the prompt's queries, then each step's), k [T, D].
-    (what is wrong or None, each position's score at the end)."""
+def _one(name, q, k, prompt_kept, kept, budget, evicting, recent, scale, rtol, v=None,
+         inv_freq=None):
+    """One sequence's KV head: q [G, T, D] (the prompt's queries, then each step's), k, v
+    [T, D]. (what is wrong or None, each position's score at the end)."""
     P = q.shape[1] - len(kept)
     score: dict[int, float] = {}
+    sinks = min(SINKS, max(0, budget - recent - 1)) if name == "expected" else 0
+    expected = _Expected(q[:, :P], k[:P], scale, inv_freq) if name == "expected" else None
     contrib: dict[int, dict[int, float]] = {}  # snapkv: query position -> its weights
     if name == "snapkv":
         R = min(recent, P)
@@ -85,10 +100,12 @@ def _one(name, q, k, prompt_kept, kept, budget, evicting, recent, scale, rtol):
     elif name == "tova":
         w = _weights(q[:, P - 1], k[:P], scale).mean(0)
         score = {p: float(w[p]) for p in range(P)}
+    elif name == "expected":
+        score = {p: expected.score(k[p], v[p]) for p in range(P)}
     else:  # knorm
         score = {p: -float(k[p].norm()) for p in range(P)}
     n = min(P, budget)
-    protected = set(range(P - min(recent, n), P))
+    protected = set(range(P - min(recent, n), P)) | set(range(min(sinks, P)))
     older = sorted((p for p in range(P) if p not in protected), key=lambda p: -score[p])
     want = protected | set(older[: n - len(protected)])
     held = _held(prompt_kept)
@@ -108,7 +125,7 @@ def _one(name, q, k, prompt_kept, kept, budget, evicting, recent, scale, rtol):
             if name == "snapkv":
                 _window(score, contrib, S, t, recent)
             gone = sorted((S | {t}) - now)
-            candidates = [p for p in S if p <= t - recent]
+            candidates = [p for p in S if p <= t - recent and p >= sinks]
             victim = min(candidates, key=lambda p: score[p])
             tol = rtol * max(1.0, max(abs(score[p]) for p in candidates))
             if (len(gone) != 1 or gone[0] not in candidates
@@ -122,7 +139,8 @@ def _one(name, q, k, prompt_kept, kept, budget, evicting, recent, scale, rtol):
             return f"step {j + 1}: held {sorted(now)} where it should hold {sorted(S | {t})}", score
         else:
             S = now
-        score[t] = -float(k[t].norm()) if name == "knorm" else 0.0
+        score[t] = (-float(k[t].norm()) if name == "knorm" else
+                    expected.score(k[t], v[t]) if name == "expected" else 0.0)
         order = sorted(S)
         w = _weights(q[:, t], k[order], scale)
         contrib[t] = {}
@@ -138,7 +156,9 @@ def _one(name, q, k, prompt_kept, kept, budget, evicting, recent, scale, rtol):
     return None, score
 
 
-POOL = 5  # snapkv's pool (kvbench.caches.h2o.SnapKVCache.POOL, written out again here)
+# the policies' constants (kvbench.caches.h2o's, written out again here)
+POOL = 5  # snapkv's pool
+SINKS, FUTURE = 4, 512  # expected: positions always kept; future positions averaged over
 
 
 def _window(score: dict, contrib: dict, held: set[int], t: int, recent: int) -> None:
@@ -146,3 +166,42 @@ def _window(score: dict, contrib: dict, held: set[int], t: int, recent: int) -> 
     attention the queries t - recent .. t - 1 gave it."""
     for p in held:
         score[p] = sum(contrib.get(s, {}).get(p, 0.0) for s in range(t - recent, t))
+
+
+class _Expected:
+    """expected's statistics for one KV head, in float64: q [G, P, D] and k [P, D] of the
+    prompt. RoPE's rotate-half pairs element i with i + D/2: the pair is the complex number
+    x_i + i·x_{i+D/2}, which RoPE at position t multiplies by exp(i·t·f_i)."""
+
+    def __init__(self, q, k, scale, inv_freq):
+        G, P, D = q.shape
+        self.scale, self.half = scale, D // 2
+        if inv_freq is not None:
+            t = torch.arange(P, dtype=torch.float64)
+            q = self._real(self._complex(q) * torch.exp(-1j * t[:, None] * inv_freq))
+            future = torch.arange(P, P + FUTURE, dtype=torch.float64)
+            self.turn = torch.exp(1j * future[:, None] * inv_freq).mean(0)  # [D/2]
+        else:
+            self.turn = None
+        q = q[:, SINKS:] if P > SINKS else q
+        self.mu = q.mean(dim=1)  # [G, D]
+        centered = q - self.mu[:, None]
+        self.cov = torch.einsum("gpi,gpj->gij", centered, centered) / q.shape[1]
+        logits = torch.stack([self._logits(k[p]) for p in range(P)], dim=1)  # [G, P]
+        self.log_z = torch.logsumexp(logits[:, SINKS:] if P > SINKS else logits, dim=1)
+
+    def _complex(self, x):
+        return torch.complex(x[..., : self.half], x[..., self.half:])
+
+    def _real(self, z):
+        return torch.cat((z.real, z.imag), dim=-1)
+
+    def _logits(self, key):
+        """Each query head's expected logit for one key [D]: [G]."""
+        u = key if self.turn is None else self._real(self._complex(key) * self.turn.conj())
+        return (self.scale * (self.mu @ u)
+                + 0.5 * self.scale ** 2 * torch.einsum("i,gij,j->g", u, self.cov, u))
+
+    def score(self, key, value) -> float:
+        g = self._logits(key) - self.log_z
+        return float(torch.logsumexp(g, 0) - math.log(g.shape[0]) + value.norm().log())

@@ -27,6 +27,8 @@ from kvbench.sizing.config import LayerShape, RunConfig
 class AttentionLayer:
     """Fixed random weights and the per-position work shared by every decode path."""
 
+    inv_freq: torch.Tensor | None = None  # RoPE's frequencies (None: base ROPE_BASE, unscaled)
+
     def __init__(self, shape: LayerShape, dtype: torch.dtype, device: str, seed: int,
                  rope: bool):
         self.shape, self.dtype, self.device, self.rope = shape, dtype, device, rope

@@ -193,6 +193,14 @@ class LayerShape:
         if self.kv_compress != "decode" and self.kv_budget is None:
             raise KvbenchError("--kv-compress prefill compresses the prompt to a --kv-budget; "
                                "give --kv-budget N too")
+        if self.kv_budget is not None:
+            prefill = self.kv_compress == "prefill"
+            held = self.prompt_len if prefill else max(self.row_lens)
+            if self.kv_budget > held:
+                raise KvbenchError(
+                    f"--kv-budget {self.kv_budget} is above the {held} positions "
+                    f"{'of the prompt' if prefill else 'a sequence reaches'}: nothing would be "
+                    f"evicted; use at most {held}, or drop --kv-budget to keep everything")
         if self.kv_recent is not None:
             if self.kv_budget is None:
                 raise KvbenchError("--kv-recent is the recent window of a --kv-budget; give "
