@@ -458,7 +458,7 @@ class ExpectedAttentionCache(H2OCache):
     def _logits(self, k: torch.Tensor) -> torch.Tensor:
         """Keys [B, H_kv, T, D] -> each query head's expected logit [B, H_q, T]."""
         mu, cov, _ = self.expectation
-        B, Hq, D = mu.shape
+        Hq = mu.shape[1]
         Hkv = k.shape[1]
         kg = k.float().repeat_interleave(Hq // Hkv, dim=1)  # [B, H_q, T, D]
         scale = self.layer.scale

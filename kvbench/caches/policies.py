@@ -174,7 +174,7 @@ class _Expected:
     x_i + i·x_{i+D/2}, which RoPE at position t multiplies by exp(i·t·f_i)."""
 
     def __init__(self, q, k, scale, inv_freq):
-        G, P, D = q.shape
+        P, D = q.shape[1:]
         self.scale, self.half = scale, D // 2
         if inv_freq is not None:
             t = torch.arange(P, dtype=torch.float64)
