@@ -51,7 +51,7 @@ PANELS = {
     "Serving batches and operations": ("seq_lens", "len_dist", "max_len", "prefill_chunk",
                                        "draft_len", "accept", "beams"),
     "Techniques": ("tp", "window", "sinks", "shared_prefix", "kv_budget", "kv_recent",
-                   "kv_compress"),
+                   "kv_compress", "layer_budgets"),
     "Timing": ("warmup", "rounds", "recompute", "prefill"),
     "Output and memory": ("config", "csv", "no_csv", "format", "quiet", "dry_run", "force",
                           "host_mem"),
@@ -164,6 +164,10 @@ class RunOptions:
         None, "h2o, tova, knorm, snapkv, expected: how many of the --kv-budget positions are "
         "the most recent ones (snapkv: also its observation window of queries). Default: half "
         "the budget for h2o, and for snapkv at most 64; 1 for tova, knorm and expected.", show_default=False)
+    layer_budgets: str | None = option(
+        None, "With --model and an eviction cache: each layer's budget, a comma list bottom "
+        "first (one per layer), or pyramid (PyramidKV: falling from the bottom layer to the "
+        "top, averaging --kv-budget).", show_default=False)
     kv_compress: str = option(
         "decode", "With --kv-budget: decode (evict at every step: the cache never holds more "
         "than the budget) or prefill (compress the prompt once to the budget, then keep every "

@@ -225,6 +225,7 @@ def _rows(tmp_path, *args):
     import pandas as pd
 
     out = tmp_path / "rows.csv"
+    out.parent.mkdir(exist_ok=True)
     r = runner.invoke(app, [*args, "--prompt-len", "16", "--decode-len", "4", "--csv", str(out)])
     assert r.exit_code == 0, r.output
     return pd.read_csv(out)
@@ -613,3 +614,59 @@ def test_the_first_bad_layer_is_judged_at_atol_times_one_plus_the_layers_largest
     assert first(clean, clean, beyond) == 2
     assert first(beyond, clean, clean) == 0
     assert first(clean, clean, clean) is None
+
+
+def test_the_pyramid_by_hand():
+    # mean 10 over 4 layers of 100 positions: the top keeps round(10 / 20) -> at least 1, the
+    # bottom 2·10 − 1 = 19, a step of 6 between: 19, 13, 7, 1 (40 = 4 × 10). Mean 60 over 3
+    # layers: the bottom's 117 is more than the 100 positions, so it keeps 100 and the top
+    # 120 − 100 = 20: 100, 60, 20. The bottom layer keeps the most.
+    from kvbench.caches.budgets import pyramid
+
+    assert pyramid(10, 4, 100) == (19, 13, 7, 1)
+    assert pyramid(60, 3, 100) == (100, 60, 20)
+    assert pyramid(60, 1, 100) == (60,)
+
+
+@pytest.mark.parametrize("spec, budgets", [("11,5", (11, 5)), ("pyramid", (15, 1))])
+def test_each_layer_keeps_its_own_budget_and_the_bytes_are_theirs(tiny, tmp_path, spec,
+                                                                   budgets):
+    # the tiny Llama: 2 layers, H_kv = 2, D = 32, fp32: a slot of K and V is 2·2·32·4 = 512
+    # bytes per layer. 11 and 5 slots: 16 × 512 = 8,192 bytes; pyramid around 8 of 20: 15, 1.
+    from kvbench.caches import IMPLEMENTATIONS
+    from kvbench.caches.budgets import per_layer, resolve
+    from kvbench.layers.model.transformer import CachedModel
+
+    extra = ["--kv-budget", "8"] if spec == "pyramid" else []
+    args = ["--model", str(tiny["llama"]), "--impl", "h2o,snapkv", "--layer-budgets", spec,
+            *extra]
+    rows = _rows(tmp_path, "verify", *args)
+    assert rows.passed.all() and (rows.layer_budgets == ",".join(map(str, budgets))).all()
+    assert (rows.kv_cache_bytes == sum(budgets) * 512).all()
+    assert (rows.kv_budget == round(sum(budgets) / 2)).all()
+    memory = _rows(tmp_path / "m", "memory", *args).query("impl == 'h2o'")
+    assert (memory.kv_cache_bytes == memory.kv_planner_bytes).all()
+    assert (memory.kv_cache_bytes == sum(budgets) * 512).all()
+    ref, config = _config(tiny["llama"], prompt=16, decode=4, kv_budget=8)
+    config = replace(config, shape=resolve(config.shape, budgets, 2))
+    assert [c.shape.kv_budget for c in per_layer(config, 2)] == list(budgets)
+    m = run.load(ref, config, None, None, keep_hf=False)
+    cm = CachedModel(m.model, IMPLEMENTATIONS["h2o"], config, ImplOptions())
+    assert [c.n_slots for c in cm.caches] == list(budgets)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--layer-budgets", "8,8,8"], "--layer-budgets gives 3 budgets for a model of 2 layers"),
+    (["--layer-budgets", "8,x"], "--layer-budgets takes pyramid or positive budgets"),
+    (["--layer-budgets", "pyramid"], "give --kv-budget N too"),
+    (["--layer-budgets", "8,8", "--kv-budget", "8"], "drop --kv-budget"),
+    (["--layer-budgets", "8,21"], "layer 1's budget 21 is above the 20 positions"),
+    (["--layer-budgets", "8,3", "--kv-recent", "4"], "layer 1's budget 3 is below --kv-recent 4")])
+def test_bad_layer_budgets_are_one_line(tiny, tmp_path, args, message):
+    out = tmp_path / "rows.csv"
+    r = runner.invoke(app, ["verify", "--model", str(tiny["llama"]), "--impl", "h2o", *args,
+                            "--prompt-len", "16", "--decode-len", "4", "--csv", str(out)])
+    assert r.exit_code == 2 and message in r.stderr and r.stderr.count("\n") == 1, r.stderr
+    assert not out.exists()
+    one = runner.invoke(app, ["verify", "--impl", "h2o", "--layer-budgets", "8,8"])
+    assert one.exit_code == 2 and "add --model" in one.stderr

@@ -198,7 +198,8 @@ RAGGED_COLUMNS = ["seq_lens", "len_dist", "max_len"]
 # A sliding window with attention sinks (--window, --sinks): empty without one.
 # Token eviction (--kv-budget, --kv-recent, --kv-compress; h2o and the other scorers): empty
 # without a budget.
-TP_COLUMNS = ["tp", "world_size", "window", "sinks", "kv_budget", "kv_recent", "kv_compress"]
+TP_COLUMNS = ["tp", "world_size", "window", "sinks", "kv_budget", "kv_recent", "kv_compress",
+              "layer_budgets"]
 
 # --model runs: the model (a checkpoint's name, or a preset) and the layers run
 MODEL_COLUMNS = ["model", "layers"]
@@ -297,6 +298,8 @@ def config_cells(command: str, impl: str, config) -> dict[str, object]:
             "shared_prefix": s.shared_prefix or None, "kv_budget": s.kv_budget,
             "kv_recent": s.kv_recent,
             "kv_compress": s.kv_compress if s.kv_budget is not None else None,
+            "layer_budgets": (",".join(map(str, s.layer_budgets)) if s.layer_budgets
+                              else None),
             "sinks": s.sinks if s.window is not None else None,
             "attention": s.attention,
             **s.kind.cells()}
@@ -346,7 +349,7 @@ MEMORY_COLUMNS = MEMORY_FIRST[:-len(ENV_COLUMNS)] + [
 
 # transformers' generate runs its own full cache: no technique of the point applies to it
 TECHNIQUE_COLUMNS = ("window", "sinks", "kv_budget", "kv_recent", "kv_compress",
-                     "shared_prefix")
+                     "layer_budgets", "shared_prefix")
 
 
 CAPACITY_FIRST = [

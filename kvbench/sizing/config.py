@@ -160,6 +160,9 @@ class LayerShape:
     kv_budget: int | None = None
     kv_recent: int | None = None
     kv_compress: str = "decode"
+    # A whole model's per-layer budgets (--layer-budgets, kvbench.caches.budgets): each
+    # layer's kv_budget, bottom first; kv_budget is then their mean. None: kv_budget in all.
+    layer_budgets: tuple[int, ...] | None = None
     # Multi-head latent attention (--attention mla); None: GQA. An MLA shape has kv_heads =
     # q_heads and head_dim = qk_nope + qk_rope: the per-head K that decompression yields.
     mla: MlaDims | None = None

@@ -52,6 +52,10 @@ class Layer:
         from kvbench.measure.device import resolve_device
         from kvbench.planning import plan
 
+        if o.layer_budgets is not None:
+            raise KvbenchError("--layer-budgets gives each layer of a model its budget; add "
+                               "--model (one layer takes --kv-budget)")
+
         if command == "verify":
             return (*plan.expand(o, reference_cases=True), None)
         if command == "bench":

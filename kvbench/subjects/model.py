@@ -3,6 +3,7 @@ weights, every layer's cache), its runs (kvbench.experiments.model), rows and ta
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -19,6 +20,7 @@ CONTRADICTS = ("hidden", "q_heads", "kv_heads", "head_dim", "seq_lens", "len_dis
 
 def expand(o: RunOptions, command: str):
     """The model, its points and the implementation options."""
+    from kvbench.caches import budgets
     from kvbench.layers.model.spec import resolve
     from kvbench.planning import plan
     from kvbench.sizing.config import LayerShape
@@ -36,10 +38,23 @@ def expand(o: RunOptions, command: str):
     plan.positive("--layers", o.layers)
     ref = resolve(o.model)
     arch = ref.arch.first(o.layers)
+    layer_budgets = budgets.parse(o.layer_budgets, arch.layers)
+    if isinstance(layer_budgets, tuple):
+        if o.kv_budget is not None:
+            raise KvbenchError("--layer-budgets LIST sets every layer's budget; drop "
+                               "--kv-budget (or use --layer-budgets pyramid around it)")
+        o = o.but(kv_budget=str(round(sum(layer_budgets) / len(layer_budgets))))
+    elif layer_budgets == "pyramid" and o.kv_budget is None:
+        raise KvbenchError("--layer-budgets pyramid averages --kv-budget N over the layers; "
+                           "give --kv-budget N too")
     base = LayerShape(hidden=arch.hidden, q_heads=arch.q_heads, kv_heads=arch.kv_heads,
                       head_dim=arch.head_dim, **DEFAULTS)
     points, options, notes = plan.expand(o.but(rope=True), measure=None if command == "verify"
                                          else command, base=base)
+    if layer_budgets is not None:
+        points = [(replace(config, shape=budgets.resolve(config.shape, layer_budgets,
+                                                         arch.layers)), names)
+                  for config, names in points]
     for config, _ in points:
         s = config.shape
         if arch.sliding_window and s.total_len > arch.sliding_window:

@@ -523,9 +523,11 @@ class ModelMemoryResult:
 
 
 def planner_bytes(cls, config: RunConfig, options: ImplOptions, layers: int) -> int:
-    """`kvbench capacity`'s bytes for the whole model: one layer's plan (the positions the
-    implementation reserves, its format, its blocks) times the layers."""
-    return layers * cls.planned_bytes(config, options)
+    """`kvbench capacity`'s bytes for the whole model: each layer's plan (the positions the
+    implementation reserves, its format, its blocks), summed over the layers."""
+    from kvbench.caches.budgets import per_layer
+
+    return sum(cls.planned_bytes(layer, options) for layer in per_layer(config, layers))
 
 
 def memory(ref: ModelRef, config: RunConfig, names, options: ImplOptions, layers: int | None,

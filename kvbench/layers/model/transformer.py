@@ -239,10 +239,14 @@ class CachedModel:
     """The model decoding through one cache implementation: each layer its own cache."""
 
     def __init__(self, model: Model, cls, config, options):
+        from kvbench.caches.budgets import per_layer
+
         self.model = model
-        for b in model.blocks:  # a layer's shape is its point's (a cache reads its window,
-            b.attn.shape = config.shape  # budget and batch from it, as on one layer)
-        self.caches = [cls.build(b.attn, config, options) for b in model.blocks]
+        self.caches = []
+        for b, layer in zip(model.blocks, per_layer(config, len(model.blocks))):
+            b.attn.shape = layer.shape  # a layer's shape is its point's (a cache reads its
+            # window, budget and batch from it, as on one layer), with its own budget
+            self.caches.append(cls.build(b.attn, layer, options))
 
     def prefill(self, tokens: torch.Tensor, hidden: list | None = None) -> torch.Tensor:
         """The prompt [B, T_p] -> its logits [B, T_p, V]; every layer's cache filled."""
