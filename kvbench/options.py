@@ -32,7 +32,8 @@ IMPL_HELP = (
     "memory on CUDA only; window (a sliding-window ring buffer with --window, --sinks) and "
     "h2o, tova, knorm, snapkv and expected (token eviction under --kv-budget by accumulated "
     "attention, the latest query's attention, key norm, an observation window's attention, "
-    "the expected attention of future queries; lossy): CPU and CUDA. With --attention mla: "
+    "the expected attention of future queries; lossy) and snapkv-paged (SnapKV's prompt "
+    "compression with a block table per KV head, for --head-budgets; lossy): CPU and CUDA. With --attention mla: "
     "mla-naive (decompressed K/V cached), mla-latent (latent cached, decompressed each "
     "step), mla-absorbed (attention in the latent space): CPU and CUDA; triton-mla (a paged "
     "latent pool read by a Triton split-K kernel): CUDA, on the CPU verify only. One that "
@@ -51,7 +52,7 @@ PANELS = {
     "Serving batches and operations": ("seq_lens", "len_dist", "max_len", "prefill_chunk",
                                        "draft_len", "accept", "beams"),
     "Techniques": ("tp", "window", "sinks", "shared_prefix", "kv_budget", "kv_recent",
-                   "kv_compress", "layer_budgets"),
+                   "kv_compress", "layer_budgets", "head_budgets"),
     "Timing": ("warmup", "rounds", "recompute", "prefill"),
     "Output and memory": ("config", "csv", "no_csv", "format", "quiet", "dry_run", "force",
                           "host_mem"),
@@ -168,6 +169,11 @@ class RunOptions:
         None, "With --model and an eviction cache: each layer's budget, a comma list bottom "
         "first (one per layer), or pyramid (PyramidKV: falling from the bottom layer to the "
         "top, averaging --kv-budget).", show_default=False)
+    head_budgets: str | None = option(
+        None, "With --kv-budget N and --kv-compress prefill, on snapkv-paged: share each "
+        "sequence's H_kv × N positions between its KV heads: ada (AdaKV: by score across "
+        "heads) or duo[:F] (a share F of the heads, default 0.5, keep everything, the rest "
+        "sinks and recent positions).", show_default=False)
     kv_compress: str = option(
         "decode", "With --kv-budget: decode (evict at every step: the cache never holds more "
         "than the budget) or prefill (compress the prompt once to the budget, then keep every "

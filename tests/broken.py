@@ -933,3 +933,40 @@ class ExpectedIgnoresRoPE(ExpectedAttentionCache):
         mu = q.mean(dim=2)
         centered = q - mu[:, :, None]
         return mu, centered.transpose(-2, -1) @ centered / q.shape[2]
+
+
+# Faults of per-head budgets (snapkv-paged --head-budgets): the right positions in the wrong
+# blocks, or the wrong positions exactly attended.
+
+from kvbench.caches import SnapKVPagedCache
+
+
+class HeadBudgetsFreeNothing(SnapKVPagedCache):
+    """Keeps each head's positions, but allocates every head the blocks of the whole
+    sequence: unequal budgets that free no memory."""
+
+    name = "head-budgets-free-nothing"
+
+    def allocate(self, kept):
+        super().allocate(torch.full_like(kept, self.prompt_len))
+
+
+class AdaKeepsTheLowest(SnapKVPagedCache):
+    """AdaKV sharing the budget by the lowest scores across heads (the window still kept)."""
+
+    name = "ada-keeps-the-lowest"
+
+    def keep_mask(self, score, raw):
+        window = score.isinf()
+        flipped = torch.where(window, score, -score)
+        return super().keep_mask(flipped, raw)
+
+
+class DuoWholeHeadsReversed(SnapKVPagedCache):
+    """DuoAttention-style heads, the whole cache given to the heads that attend least to the
+    middle of the prompt."""
+
+    name = "duo-whole-heads-reversed"
+
+    def keep_mask(self, score, raw):
+        return super().keep_mask(score, -raw)

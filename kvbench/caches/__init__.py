@@ -34,6 +34,7 @@ from kvbench.caches.h2o import (
     SnapKVCache,
     TOVACache,
 )
+from kvbench.caches.heads import SnapKVPagedCache
 from kvbench.caches.mla import MlaAbsorbedCache, MlaLatentCache, MlaNaiveCache
 from kvbench.caches.triton_mla import TritonMlaCache
 
@@ -55,6 +56,7 @@ __all__ = [
     "PreallocatedCache",
     "SdpaCache",
     "SnapKVCache",
+    "SnapKVPagedCache",
     "SplitKCache",
     "StaticCache",
     "TOVACache",

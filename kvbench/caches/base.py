@@ -86,6 +86,8 @@ IMPLEMENTATIONS: dict[str, type[CachedAttention]] = {}
 TECHNIQUES = {
     "window": (lambda s: s.window is not None, "keeps every position"),
     "shared_prefix": (lambda s: s.shared_prefix > 0, "stores every sequence's prefix"),
+    "head_budgets": (lambda s: s.head_budgets is not None,
+                     "holds one budget for every KV head"),
 }
 
 

@@ -308,6 +308,32 @@ class KnormCache(H2OCache):
         pass
 
 
+def window_weights(q: torch.Tensor, k: torch.Tensor, recent: int, scale: float) -> torch.Tensor:
+    """The attention of the prompt's last min(recent, T) queries (SnapKV's observation window)
+    over the prompt, averaged over each KV head's query heads: [B, H_kv, R, T]."""
+    B, Hq, T, D = q.shape
+    Hkv = k.shape[1]
+    G = Hq // Hkv
+    R = min(recent, T)
+    qw = q[:, :, T - R:].float().reshape(B, Hkv, G * R, D)
+    scores = (qw @ k.float().transpose(-2, -1)) * scale  # [B, H_kv, G·R, T]
+    t = torch.arange(T - R, T, device=q.device).repeat(G)
+    scores = scores.masked_fill(torch.arange(T, device=q.device)[None] > t[:, None],
+                                float("-inf"))
+    return torch.softmax(scores, dim=-1).view(B, Hkv, G, R, T).mean(dim=2)
+
+
+def pooled(score: torch.Tensor, window: int, pool: int) -> torch.Tensor:
+    """Scores [B, H_kv, T] with those before the last `window` averaged over the `pool`
+    positions around each (zero beyond them, as kvpress pools)."""
+    B, Hkv, T = score.shape
+    if T <= window:
+        return score
+    old = score[..., : T - window].reshape(B * Hkv, 1, T - window)
+    old = torch.nn.functional.avg_pool1d(old, pool, stride=1, padding=pool // 2)
+    return torch.cat((old.view(B, Hkv, T - window), score[..., T - window:]), dim=-1)
+
+
 @register
 class SnapKVCache(H2OCache):
     """`snapkv`: token eviction by an observation window's attention (SnapKV, Li et al., 2024).
@@ -348,24 +374,8 @@ class SnapKVCache(H2OCache):
 
     def _prompt_scores(self, q, k, v) -> torch.Tensor:
         """The window's attention [B, H_kv, T], the older positions' pooled."""
-        B, Hq, T, D = q.shape
-        Hkv = k.shape[1]
-        G = Hq // Hkv
-        R = min(self.recent, T)
-        qw = q[:, :, T - R:].float().reshape(B, Hkv, G * R, D)
-        scores = (qw @ k.float().transpose(-2, -1)) * self.layer.scale  # [B, H_kv, G·R, T]
-        t = torch.arange(T - R, T, device=q.device).repeat(G)
-        scores = scores.masked_fill(torch.arange(T, device=q.device)[None] > t[:, None],
-                                    float("-inf"))
-        weights = torch.softmax(scores, dim=-1).view(B, Hkv, G, R, T).mean(dim=2)  # [B,Hkv,R,T]
-        self._window_weights = weights
-        score = weights.mean(dim=2)
-        if T > R:
-            old = score[..., : T - R].reshape(B * Hkv, 1, T - R)
-            pooled = torch.nn.functional.avg_pool1d(old, self.POOL, stride=1,
-                                                    padding=self.POOL // 2)
-            score = torch.cat((pooled.view(B, Hkv, T - R), score[..., T - R:]), dim=-1)
-        return score
+        weights = self._window_weights = window_weights(q, k, self.recent, self.layer.scale)
+        return pooled(weights.mean(dim=2), weights.shape[2], self.POOL)
 
     def kept_prompt(self, kept):
         """Seed the sliding window: the last R prompt queries' weights on the kept slots."""

@@ -83,15 +83,7 @@ def _one(name, q, k, prompt_kept, kept, budget, evicting, recent, scale, rtol, v
     expected = _Expected(q[:, :P], k[:P], scale, inv_freq) if name == "expected" else None
     contrib: dict[int, dict[int, float]] = {}  # snapkv: query position -> its weights
     if name == "snapkv":
-        R = min(recent, P)
-        for t in range(P - R, P):
-            w = _weights(q[:, t], k[: t + 1], scale).mean(0)
-            contrib[t] = {p: float(w[p]) for p in range(t + 1)}
-        raw = [sum(contrib[t].get(p, 0.0) for t in contrib) / R for p in range(P)]
-        half = POOL // 2
-        score = {p: sum(raw[i] for i in range(p - half, p + half + 1) if 0 <= i < P - R) / POOL
-                 for p in range(P - R)}
-        score.update({p: raw[p] for p in range(P - R, P)})
+        score, _ = _window_scores(q, k, P, min(recent, P), scale, contrib)
     elif name == "h2o":
         for t in range(P):
             w = _weights(q[:, t], k[: t + 1], scale).sum(0)
@@ -156,9 +148,27 @@ def _one(name, q, k, prompt_kept, kept, budget, evicting, recent, scale, rtol, v
     return None, score
 
 
-# the policies' constants (kvbench.caches.h2o's, written out again here)
+def _window_scores(q, k, P: int, R: int, scale: float, contrib: dict | None = None):
+    """snapkv's prompt scores for one KV head: the last R queries' attention averaged over
+    them and the group (raw, a list over the P positions), and the score of each position
+    (a dict): the older ones' raw averaged over POOL positions around them (zero beyond the
+    older ones), the window's raw. contrib: filled with each window query's weights."""
+    contrib = {} if contrib is None else contrib
+    for t in range(P - R, P):
+        w = _weights(q[:, t], k[: t + 1], scale).mean(0)
+        contrib[t] = {p: float(w[p]) for p in range(t + 1)}
+    raw = [sum(contrib[t].get(p, 0.0) for t in range(P - R, P)) / R for p in range(P)]
+    half = POOL // 2
+    score = {p: sum(raw[i] for i in range(p - half, p + half + 1) if 0 <= i < P - R) / POOL
+             for p in range(P - R)}
+    score.update({p: raw[p] for p in range(P - R, P)})
+    return score, raw
+
+
+# the policies' constants (kvbench.caches.h2o's and .heads', written out again here)
 POOL = 5  # snapkv's pool
 SINKS, FUTURE = 4, 512  # expected: positions always kept; future positions averaged over
+SAFEGUARD, DUO_SINKS = 0.2, 4  # snapkv-paged: ada's share kept per head; duo's sinks
 
 
 def _window(score: dict, contrib: dict, held: set[int], t: int, recent: int) -> None:
@@ -205,3 +215,89 @@ class _Expected:
     def score(self, key, value) -> float:
         g = self._logits(key) - self.log_z
         return float(torch.logsumexp(g, 0) - math.log(g.shape[0]) + value.norm().log())
+
+
+def replay_heads(policy: str, fraction: float, seen, prompt_kept: torch.Tensor,
+                 kept: list[torch.Tensor], budget: int, recent: int, scale: float,
+                 dtype) -> str | None:
+    """snapkv-paged's choice replayed: the prompt positions each KV head of each sequence
+    kept (prompt_kept [B, H_kv, n], -1 padded) under --head-budgets `policy` (uniform, ada,
+    duo with `fraction` of the heads whole), then every decoded position appended to every
+    head (kept[j] [B, H_kv, n] at step j). What is wrong, or None.
+
+    - uniform: each head its window (the last R) and the N − R best older positions;
+    - ada: each head its window and its int(SAFEGUARD·N) best older ones (at most N − R),
+      then the rest of the sequence's H_kv·N positions to the best scores across heads;
+    - duo: the round-half-up share `fraction` of heads whose window gave the most attention
+      to the positions between the first DUO_SINKS and the last N − DUO_SINKS keep all;
+      the others keep those sinks and last positions.
+    """
+    q0, k0 = seen[0][0].double(), seen[0][1].double()
+    B, Hkv, P = k0.shape[:3]
+    G = q0.shape[1] // Hkv
+    N, R = min(P, budget), min(recent, P)
+    tol = RTOL.get(dtype, 5e-2)
+    for b in range(B):
+        held = [_held(prompt_kept[b, h]) for h in range(Hkv)]
+        scored = [_window_scores(q0[b, h * G:(h + 1) * G], k0[b, h], P, R, scale)
+                  for h in range(Hkv)]
+        wrong = _split(policy, fraction, scored, held, P, N, R, tol)
+        if wrong:
+            return f"sequence {b}: {wrong}"
+        for j, step in enumerate(kept):
+            for h in range(Hkv):
+                now = _held(step[b, h])
+                if now != held[h] | set(range(P, P + j + 1)):
+                    return (f"sequence {b}, KV head {h}, step {j + 1}: held {sorted(now)[-4:]}… "
+                            "where it should hold its prompt positions and every decoded one")
+    return None
+
+
+def _split(policy, fraction, scored, held, P, N, R, tol) -> str | None:
+    Hkv = len(scored)
+    window = set(range(P - R, P))
+    if policy == "duo":
+        sinks = min(DUO_SINKS, N)
+        middle = range(sinks, P - (N - sinks))
+        mass = [sum(raw[p] for p in middle) for _, raw in scored]
+        full = int(fraction * Hkv + 0.5)
+        order = sorted(range(Hkv), key=lambda h: -mass[h])
+        want_full = set(order[:full])
+        got_full = {h for h in range(Hkv) if len(held[h]) == P}
+        if got_full != want_full:
+            floor = min((mass[h] for h in want_full), default=0.0)
+            if len(got_full) != full or any(mass[h] < floor - tol for h in got_full):
+                return (f"KV heads {sorted(got_full)} keep every position where the duo "
+                        f"policy keeps {sorted(want_full)} (attention to the middle "
+                        f"{[round(m, 4) for m in mass]})")
+        streaming = set(range(sinks)) | set(range(P - (N - sinks), P))
+        for h in range(Hkv):
+            want = set(range(P)) if h in got_full else streaming
+            if held[h] != want:
+                return (f"KV head {h} kept {sorted(held[h] - want)} beyond what the duo "
+                        f"policy keeps, and not {sorted(want - held[h])}")
+        return None
+    score = {(h, p): s[p] for h, (s, _) in enumerate(scored) for p in range(P)}
+    forced = {(h, p) for h in range(Hkv) for p in window}
+    if policy == "ada":
+        safe = min(int(SAFEGUARD * N), N - R)
+        for h in range(Hkv):
+            older = sorted(range(P - R), key=lambda p: -score[(h, p)])
+            forced |= {(h, p) for p in older[:safe]}
+        rest = sorted((key for key in score if key not in forced), key=lambda key: -score[key])
+        want = forced | set(rest[: Hkv * N - len(forced)])
+    else:
+        want = set()
+        for h in range(Hkv):
+            older = sorted(range(P - R), key=lambda p: -score[(h, p)])
+            want |= {(h, p) for p in window} | {(h, p) for p in older[: N - R]}
+    got = {(h, p) for h in range(Hkv) for p in held[h]}
+    if got == want:
+        return None
+    extra, missing = got - want, want - got
+    windows = {(h, p) for h in range(Hkv) for p in window}
+    if (len(got) == len(want) and not missing & windows
+            and max(score[key] for key in missing) <= min(score[key] for key in extra) + tol):
+        return None  # a near tie, decided either way
+    return (f"the prefill kept {sorted(extra)[:6]} where the {policy} policy keeps "
+            f"{sorted(missing)[:6]} (KV head, position)")

@@ -98,7 +98,8 @@ def _points_of(o: RunOptions, reference_cases: bool = False,
     budgets = (parse_int_list("--kv-budget", o.kv_budget) if o.kv_budget is not None
                else [None])
     shapes = [replace(s, window=o.window, sinks=o.sinks, shared_prefix=o.shared_prefix,
-                      kv_budget=n, kv_recent=o.kv_recent, kv_compress=o.kv_compress)
+                      kv_budget=n, kv_recent=o.kv_recent, kv_compress=o.kv_compress,
+                      head_budgets=o.head_budgets)
               for s in shapes for n in budgets]
     from kvbench.measure import distributed
 

@@ -130,6 +130,30 @@ KINDS = {kind.name: kind for kind in (Gqa, MlaDims)}  # --attention's values
 
 
 KV_COMPRESS = ("decode", "prefill")  # when an eviction budget is kept (LayerShape.kv_compress)
+DUO_FULL = 0.5  # --head-budgets duo: the share of KV heads that keep everything, by default
+
+
+def head_policy(spec: str | None) -> tuple[str, float]:
+    """--head-budgets -> (policy, duo's fraction): uniform, ada or duo[:F]."""
+    if spec is None:
+        return "uniform", 0.0
+    name, _, fraction = spec.strip().lower().partition(":")
+    if name == "ada" and not fraction:
+        return "ada", 0.0
+    if name == "duo":
+        try:
+            f = float(fraction) if fraction else DUO_FULL
+        except ValueError:
+            f = -1.0
+        if 0 <= f <= 1:
+            return "duo", f
+    raise KvbenchError(f"--head-budgets takes ada, duo or duo:F (F the share of KV heads that "
+                       f"keep every position, 0 to 1), got {spec!r}")
+
+
+def full_heads(kv_heads: int, fraction: float) -> int:
+    """duo: how many KV heads keep every position (rounded half up)."""
+    return int(fraction * kv_heads + 0.5)
 
 
 @dataclass(frozen=True)
@@ -163,6 +187,9 @@ class LayerShape:
     # A whole model's per-layer budgets (--layer-budgets, kvbench.caches.budgets): each
     # layer's kv_budget, bottom first; kv_budget is then their mean. None: kv_budget in all.
     layer_budgets: tuple[int, ...] | None = None
+    # How the budget is shared between a sequence's KV heads (--head-budgets, snapkv-paged):
+    # "ada" or "duo[:F]" (kvbench.caches.heads); None: each head keeps kv_budget.
+    head_budgets: str | None = None
     # Multi-head latent attention (--attention mla); None: GQA. An MLA shape has kv_heads =
     # q_heads and head_dim = qk_nope + qk_rope: the per-head K that decompression yields.
     mla: MlaDims | None = None
@@ -204,6 +231,11 @@ class LayerShape:
                     f"--kv-budget {self.kv_budget} is above the {held} positions "
                     f"{'of the prompt' if prefill else 'a sequence reaches'}: nothing would be "
                     f"evicted; use at most {held}, or drop --kv-budget to keep everything")
+        if self.head_budgets is not None:
+            head_policy(self.head_budgets)
+            if self.kv_budget is None or self.kv_compress != "prefill":
+                raise KvbenchError("--head-budgets shares the prompt's budget between the KV "
+                                   "heads once: give --kv-budget N and --kv-compress prefill")
         if self.kv_recent is not None:
             if self.kv_budget is None:
                 raise KvbenchError("--kv-recent is the recent window of a --kv-budget; give "

@@ -1,0 +1,129 @@
+"""Per-head budgets (snapkv-paged, --head-budgets): each KV head its own blocks, the split
+replayed, the blocks worked out by hand, the faults caught."""
+
+import pandas as pd
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from kvbench.caches import IMPLEMENTATIONS, ImplOptions
+from kvbench.cli import app
+from kvbench.experiments.verify import verify
+from kvbench.sizing.config import LayerShape, RunConfig
+
+runner = CliRunner()
+
+# 2 sequences of 40 + 12, H_kv = 4 (two query heads each), a budget of 16 of the prompt
+SHAPE = LayerShape(batch=2, prompt_len=40, decode_len=12, hidden=64, q_heads=8, kv_heads=4,
+                   head_dim=16, kv_budget=16, kv_compress="prefill")
+CLI = ["--batch", "1", "--prompt-len", "20", "--decode-len", "4", "--hidden", "32",
+       "--q-heads", "4", "--kv-heads", "2", "--head-dim", "8", "--kv-budget", "6",
+       "--kv-compress", "prefill", "--block-size", "4"]
+
+
+def _shape(heads):
+    from dataclasses import replace
+
+    return replace(SHAPE, head_budgets=heads)
+
+
+@pytest.mark.parametrize("heads", [None, "ada", "duo", "duo:0.25"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_each_split_is_exact_and_keeps_what_its_policy_keeps(heads, dtype):
+    cls = IMPLEMENTATIONS["snapkv-paged"]
+    (check,) = verify(RunConfig(_shape(heads), dtype, rope=True), {cls.name: cls},
+                      ImplOptions(block_size=4)).checks
+    assert check.passed and check.lossy, check.message
+
+
+def test_uniform_heads_are_snapkv_compressing_the_prompt():
+    # the same positions kept, so the same outputs to the last bit of float32 arithmetic
+    config = RunConfig(SHAPE, rope=True)
+    report = verify(config, {n: IMPLEMENTATIONS[n] for n in ("snapkv", "snapkv-paged")},
+                    ImplOptions(block_size=4))
+    flat, paged = report.checks
+    assert flat.passed and paged.passed
+    assert flat.max_abs_err == pytest.approx(paged.max_abs_err, rel=1e-6)
+
+
+@pytest.mark.parametrize("fault", ["HeadBudgetsFreeNothing", "AdaKeepsTheLowest",
+                                   "DuoWholeHeadsReversed"])
+def test_a_split_that_frees_nothing_or_chooses_wrong_fails(fault):
+    import broken
+
+    cls = getattr(broken, fault)
+    heads = "duo" if fault.startswith("Duo") else "ada"
+    (check,) = verify(RunConfig(_shape(heads), rope=True), {cls.name: cls},
+                      ImplOptions(block_size=4)).checks
+    assert not check.passed, check.message
+    assert ("blocks" if fault == "HeadBudgetsFreeNothing" else "policy") in check.message
+    assert check.fp64_max_abs_err < 1e-5  # exact over what it kept: the gate alone passes it
+
+
+def test_the_blocks_by_hand(tmp_path):
+    # B=1, H_kv=2, D=8, fp32, blocks of 4: a block is K and V of one head, 2·4·8·4 = 256
+    # bytes. 20 + 4 positions, a budget of 6. uniform: each head 6 + 4 = 10 positions, 3
+    # blocks: 6 blocks, 1,536 bytes. duo (half the heads whole): one head 24 positions, 6
+    # blocks, the other 3: 2,304 bytes. ada: the heads' 12 + 8 positions, at most 1 block
+    # lost to rounding per head: at most (20 + 2·3) // 4 = 6 blocks; measured: its own.
+    out = tmp_path / "m.csv"
+    for heads in ([], ["--head-budgets", "duo"], ["--head-budgets", "ada"]):
+        r = runner.invoke(app, ["memory", *CLI, "--impl", "snapkv-paged", *heads,
+                                "--csv", str(out)])
+        assert r.exit_code == 0, r.output
+    df = pd.read_csv(out)
+    assert df.kv_cache_bytes.tolist()[:2] == [1536, 2304]
+    assert df.kv_planner_bytes.tolist() == [1536, 2304, 6 * 256]
+    assert df.kv_cache_bytes.iloc[2] % 256 == 0 and df.kv_cache_bytes.iloc[2] <= 6 * 256
+
+
+def test_each_heads_blocks_follow_its_kept_positions():
+    from kvbench.layers.attention import AttentionLayer, make_inputs
+
+    config = RunConfig(_shape("ada"), rope=True)
+    cache = IMPLEMENTATIONS["snapkv-paged"].build(AttentionLayer.from_config(config), config,
+                                                  ImplOptions(block_size=4))
+    with torch.no_grad():
+        cache.prefill(make_inputs(config)[:, :40])
+    kept = cache.lens  # [B, H_kv] prompt positions each head kept
+    assert (kept.sum(dim=-1) == 4 * 16).all() and len(set(kept.flatten().tolist())) > 1
+    blocks = (cache.table >= 0).sum(dim=-1)
+    assert torch.equal(blocks, (kept + 12 + 3) // 4)
+    assert cache.k_pool.shape[0] == int(blocks.sum())
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--impl", "snapkv", "--head-budgets", "ada"], "--head-budgets runs on snapkv-paged"),
+    (["--impl", "snapkv-paged", "--head-budgets", "half"], "--head-budgets takes ada, duo"),
+    (["--impl", "snapkv-paged", "--head-budgets", "duo:2"], "--head-budgets takes ada, duo"),
+])
+def test_bad_head_budgets_are_one_line(tmp_path, args, message):
+    out = tmp_path / "v.csv"
+    r = runner.invoke(app, ["verify", *CLI, *args, "--csv", str(out)])
+    assert r.exit_code == 2 and message in r.stderr and r.stderr.count("\n") == 1, r.stderr
+    assert not out.exists()
+
+
+def test_head_budgets_need_a_compressed_prompt():
+    r = runner.invoke(app, ["verify", *CLI[:-4], "--impl", "snapkv-paged", "--head-budgets",
+                            "duo"])
+    assert r.exit_code == 2 and "--kv-compress prefill" in r.stderr
+
+
+def test_on_a_model_each_layers_heads_hold_their_blocks(tiny_model, tmp_path):
+    # the tiny Llama (2 layers, H_kv = 2, D = 32, fp32; blocks of 4 = 2·4·32·4 = 1,024 bytes):
+    # 16 + 4 positions, a budget of 6, duo: per layer one head 20 positions (5 blocks), the
+    # other 10 (3 blocks): 2 × 8 blocks = 16,384 bytes, measured and planned
+    out = tmp_path / "m.csv"
+    r = runner.invoke(app, ["memory", "--model", str(tiny_model), "--impl", "snapkv-paged",
+                            "--prompt-len", "16", "--decode-len", "4", "--kv-budget", "6",
+                            "--kv-compress", "prefill", "--head-budgets", "duo",
+                            "--block-size", "4", "--csv", str(out)])
+    assert r.exit_code == 0, r.output
+    row = pd.read_csv(out).iloc[0]
+    assert row.kv_cache_bytes == row.kv_planner_bytes == 16 * 1024
+    v = runner.invoke(app, ["verify", "--model", str(tiny_model), "--impl", "snapkv-paged",
+                            "--prompt-len", "16", "--decode-len", "4", "--kv-budget", "6",
+                            "--kv-compress", "prefill", "--head-budgets", "ada",
+                            "--csv", str(tmp_path / "v.csv")])
+    assert v.exit_code == 0, v.output
