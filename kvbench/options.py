@@ -32,8 +32,9 @@ IMPL_HELP = (
     "memory on CUDA only; window (a sliding-window ring buffer with --window, --sinks) and "
     "h2o, tova, knorm, snapkv and expected (token eviction under --kv-budget by accumulated "
     "attention, the latest query's attention, key norm, an observation window's attention, "
-    "the expected attention of future queries; lossy) and snapkv-paged (SnapKV's prompt "
-    "compression with a block table per KV head, for --head-budgets; lossy): CPU and CUDA. With --attention mla: "
+    "the expected attention of future queries; lossy), snapkv-paged (SnapKV's prompt "
+    "compression with a block table per KV head, for --head-budgets) and think (K pruned to "
+    "--k-channels per head; lossy): CPU and CUDA. With --attention mla: "
     "mla-naive (decompressed K/V cached), mla-latent (latent cached, decompressed each "
     "step), mla-absorbed (attention in the latent space): CPU and CUDA; triton-mla (a paged "
     "latent pool read by a Triton split-K kernel): CUDA, on the CPU verify only. One that "
@@ -52,7 +53,7 @@ PANELS = {
     "Serving batches and operations": ("seq_lens", "len_dist", "max_len", "prefill_chunk",
                                        "draft_len", "accept", "beams"),
     "Techniques": ("tp", "window", "sinks", "shared_prefix", "kv_budget", "kv_recent",
-                   "kv_compress", "layer_budgets", "head_budgets"),
+                   "kv_compress", "layer_budgets", "head_budgets", "k_channels"),
     "Timing": ("warmup", "rounds", "recompute", "prefill"),
     "Output and memory": ("config", "csv", "no_csv", "format", "quiet", "dry_run", "force",
                           "host_mem"),
@@ -174,6 +175,9 @@ class RunOptions:
         "sequence's H_kv × N positions between its KV heads: ada (AdaKV: by score across "
         "heads) or duo[:F] (a share F of the heads, default 0.5, keep everything, the rest "
         "sinks and recent positions).", show_default=False)
+    k_channels: int | None = option(
+        None, "think: keep C of K's D channels per KV head (ThinK's key-channel pruning, "
+        "chosen from the prompt); K then takes C/D of its bytes.", show_default=False)
     kv_compress: str = option(
         "decode", "With --kv-budget: decode (evict at every step: the cache never holds more "
         "than the budget) or prefill (compress the prompt once to the budget, then keep every "

@@ -970,3 +970,42 @@ class DuoWholeHeadsReversed(SnapKVPagedCache):
 
     def keep_mask(self, score, raw):
         return super().keep_mask(score, -raw)
+
+
+# Faults of key-channel pruning (think): a pruned channel still read; the wrong channels kept.
+
+from kvbench.caches import ThinKCache
+
+
+class ThinKReadsThePrunedChannels(ThinKCache):
+    """Reports its kept channels but stores and reads K whole: no channel is pruned."""
+
+    name = "think-reads-the-pruned-channels"
+
+    def __init__(self, layer, batch, max_len, options=None, lens=None):
+        super().__init__(layer, batch, max_len, options, lens)
+        self.k_cache = torch.zeros_like(self.v_cache)
+        self.full = torch.arange(layer.shape.head_dim).expand(batch, layer.shape.kv_heads, -1)
+
+    def write(self, k, v):
+        kept, self.index = self.index, self.full
+        try:
+            super().write(k, v)
+        finally:
+            self.index = kept
+
+    def step(self, x_t):
+        kept, self.index = self.index, self.full
+        try:
+            return super().step(x_t)
+        finally:
+            self.index = kept
+
+
+class ThinKKeepsTheLowest(ThinKCache):
+    """Keeps the channels ThinK scores lowest."""
+
+    name = "think-keeps-the-lowest"
+
+    def channel_scores(self, q, k):
+        return -super().channel_scores(q, k)

@@ -20,7 +20,7 @@ SHAPES = {
                       kv_heads=1, head_dim=32),
     "mha": LayerShape(batch=3, prompt_len=128, decode_len=5, hidden=128, q_heads=4,
                       kv_heads=4, head_dim=16),
-    "long": LayerShape(batch=1, prompt_len=4000, decode_len=2, hidden=64, q_heads=4,
+    "long": LayerShape(batch=1, prompt_len=2000, decode_len=2, hidden=64, q_heads=4,
                        kv_heads=1, head_dim=16),
 }
 

@@ -63,7 +63,7 @@ def test_every_implementation_equals_recompute(shape, rope, dtype, seed):
     expected = ["concat", "static", "sdpa", "paged"] + (
         ["splitk"] if dtype == "float32" and "splitk" in eager(config) else [])
     expected += ["triton", "window", "h2o", "tova", "knorm", "snapkv", "expected",
-                 "snapkv-paged"]
+                 "snapkv-paged", "think"]
     assert [c.impl for c in report.checks] == expected
     for check in report.checks:
         assert check.passed, (check.impl, check.message)

@@ -35,6 +35,7 @@ from kvbench.caches.h2o import (
     TOVACache,
 )
 from kvbench.caches.heads import SnapKVPagedCache
+from kvbench.caches.think import ThinKCache
 from kvbench.caches.mla import MlaAbsorbedCache, MlaLatentCache, MlaNaiveCache
 from kvbench.caches.triton_mla import TritonMlaCache
 
@@ -60,6 +61,7 @@ __all__ = [
     "SplitKCache",
     "StaticCache",
     "TOVACache",
+    "ThinKCache",
     "TritonCache",
     "TritonMlaCache",
     "WindowCache",

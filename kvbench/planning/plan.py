@@ -99,7 +99,7 @@ def _points_of(o: RunOptions, reference_cases: bool = False,
                else [None])
     shapes = [replace(s, window=o.window, sinks=o.sinks, shared_prefix=o.shared_prefix,
                       kv_budget=n, kv_recent=o.kv_recent, kv_compress=o.kv_compress,
-                      head_budgets=o.head_budgets)
+                      head_budgets=o.head_budgets, k_channels=o.k_channels)
               for s in shapes for n in budgets]
     from kvbench.measure import distributed
 

@@ -18,8 +18,8 @@ KEY_COLUMNS = [c for c in CONFIG_COLUMNS if c != "timestamp"]
 OPTION_KEYS = ["kv_dtype", "group_size", "k_quant", "kv_residual", "block_size", "seq_lens",
                "len_dist", "max_len",
                "prealloc", "tp", "window", "sinks", "shared_prefix", "kv_budget",
-               "kv_recent", "kv_compress", "layer_budgets", "head_budgets", "model",
-               "layers"]
+               "kv_recent", "kv_compress", "layer_budgets", "head_budgets", "k_channels",
+               "model", "layers"]
 
 
 TEXT_KEYS = ["kv_dtype", "k_quant", "seq_lens", "len_dist", "prealloc", "kv_compress",

@@ -190,6 +190,8 @@ class LayerShape:
     # How the budget is shared between a sequence's KV heads (--head-budgets, snapkv-paged):
     # "ada" or "duo[:F]" (kvbench.caches.heads); None: each head keeps kv_budget.
     head_budgets: str | None = None
+    # Key-channel pruning (--k-channels, `think`): channels of K kept per KV head; None: D.
+    k_channels: int | None = None
     # Multi-head latent attention (--attention mla); None: GQA. An MLA shape has kv_heads =
     # q_heads and head_dim = qk_nope + qk_rope: the per-head K that decompression yields.
     mla: MlaDims | None = None
@@ -231,6 +233,10 @@ class LayerShape:
                     f"--kv-budget {self.kv_budget} is above the {held} positions "
                     f"{'of the prompt' if prefill else 'a sequence reaches'}: nothing would be "
                     f"evicted; use at most {held}, or drop --kv-budget to keep everything")
+        if self.k_channels is not None and (type(self.k_channels) is not int
+                                            or not 1 <= self.k_channels <= self.head_dim):
+            raise KvbenchError(f"--k-channels {self.k_channels} is outside 1..{self.head_dim}, "
+                               f"the channels of a K head (--head-dim {self.head_dim})")
         if self.head_budgets is not None:
             head_policy(self.head_budgets)
             if self.kv_budget is None or self.kv_compress != "prefill":

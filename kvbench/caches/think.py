@@ -1,0 +1,163 @@
+"""`think`: key-channel pruning (ThinK, Xu et al. 2024). Lossy.
+
+Each KV head of each sequence keeps --k-channels C of K's D channels, chosen once from the
+prompt as kvpress's ThinKPress chooses them: channel d's score is the mean over the last
+WINDOW queries of q_d² (averaged over the group's query heads) times the mean over the
+prompt's keys of k_d²; the C highest are kept. K is stored with those channels only, [B,
+H_kv, T, C] (V whole), so K takes C/D of its bytes; kvpress zeroes the pruned channels and
+keeps the full tensor. A decode step's query is gathered at each head's channels, the scale
+stays 1/sqrt(D): the score is the full dot product without the pruned channels' terms.
+
+The prompt's outputs are exact (the pruning comes after the prefill, as kvpress's presses do).
+verify gates every step exactly against float64 attention whose q and k are restricted to the
+kept channels, and replays the channels' choice in float64 (`consistency`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvbench.caches.base import CachedAttention, causal_prefill, register
+from kvbench.errors import KvbenchError
+
+WINDOW = 32  # queries that score the channels (kvpress's window_size)
+
+
+@register
+class ThinKCache(CachedAttention):
+    name = "think"
+    requires = "k_channels"
+    lossy = True
+    description = ("static cache with K pruned to --k-channels channels per KV head (ThinK); "
+                   "lossy")
+
+    @classmethod
+    def unavailable(cls, config, options):
+        if config.shape.ragged:
+            return "a ragged batch (every sequence shares one prompt)"
+        return None
+
+    @classmethod
+    def drops(cls, config):
+        s = config.shape
+        return s.k_channels is not None and s.k_channels < s.head_dim
+
+    @classmethod
+    def cache_shape(cls, config):
+        """K as held: its kept channels."""
+        s = config.shape
+        return (s.batch, s.kv_heads, s.total_len, s.k_channels or s.head_dim)
+
+    @classmethod
+    def planned_bytes(cls, config, options):
+        """K at C channels and V at D, every position reserved (--max-len)."""
+        s = config.shape
+        C = s.k_channels or s.head_dim
+        return (s.batch * s.kv_heads * options.alloc_len(s) * (C + s.head_dim)
+                * config.dtype_bytes)
+
+    @classmethod
+    def held_payload_bytes(cls, config, options):
+        s = config.shape
+        C = s.k_channels or s.head_dim
+        return sum(s.kv_heads * t * (C + s.head_dim) * config.dtype_bytes for t in s.row_lens)
+
+    def __init__(self, layer, batch, max_len, options=None, lens=None):
+        super().__init__(layer, batch, max_len, options, lens)
+        s = layer.shape
+        self.channels = s.k_channels or s.head_dim
+        dev, dtype = layer.device, layer.dtype
+        self.k_cache = torch.zeros(batch, s.kv_heads, max_len, self.channels, dtype=dtype,
+                                   device=dev)
+        self.v_cache = torch.zeros(batch, s.kv_heads, max_len, s.head_dim, dtype=dtype,
+                                   device=dev)
+        self.index = torch.arange(s.head_dim, device=dev)[:self.channels].expand(
+            batch, s.kv_heads, -1).clone()  # [B, H_kv, C]: each head's kept channels
+        self.record = False
+        self.kept: list[torch.Tensor] = []
+        self.seen: tuple | None = None
+
+    def channel_scores(self, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+        """q [B, H_q, T, D], k [B, H_kv, T, D] of the prompt -> [B, H_kv, D]."""
+        B, Hq, T, D = q.shape
+        Hkv = k.shape[1]
+        queries = q[:, :, -min(WINDOW, T):].float().pow(2).mean(dim=2)  # [B, H_q, D]
+        queries = queries.view(B, Hkv, Hq // Hkv, D).mean(dim=2)
+        return queries * k.float().pow(2).mean(dim=2)
+
+    def prefill(self, x):
+        q, k, v = self.layer.project(x, start=0)
+        out = causal_prefill(self.layer, q, k, v)
+        if self.channels < k.shape[-1]:
+            self.index = self.channel_scores(q, k).topk(self.channels, dim=-1).indices
+            self.index = self.index.sort(dim=-1).values
+        if self.record:
+            self.seen = (q, k)
+        self.write(k, v)
+        return self.layer.output(out)
+
+    def write(self, k, v):
+        n = k.shape[2]
+        if self.length + n > self.max_len:
+            raise KvbenchError(f"cache holds {self.max_len} positions; cannot append {n} at "
+                               f"{self.length}")
+        index = self.index[:, :, None].expand(-1, -1, n, -1)
+        self.k_cache[:, :, self.length:self.length + n] = k.gather(-1, index)
+        self.v_cache[:, :, self.length:self.length + n] = v
+        self._advance(n)
+
+    def step(self, x_t):
+        q, k, v = self.layer.project(x_t, start=self.start())
+        self.write(k, v)
+        B, Hq, _, D = q.shape
+        Hkv = self.k_cache.shape[1]
+        qg = q.reshape(B, Hkv, Hq // Hkv, D).gather(
+            -1, self.index[:, :, None].expand(-1, -1, Hq // Hkv, -1))  # [B, H_kv, G, C]
+        keys, values = self.kv()
+        scores = (qg @ keys.transpose(-2, -1)) * self.layer.scale  # [B, H_kv, G, T]
+        out = (torch.softmax(scores, dim=-1) @ values).reshape(B, Hq, 1, D)
+        if self.record:
+            self.kept.append(torch.arange(self.length, device=q.device).expand(B, Hkv, -1))
+        return self.layer.output(out)
+
+    def kv(self):
+        return self.k_cache[:, :, :self.length], self.v_cache[:, :, :self.length]
+
+    def cache_tensors(self):
+        return [self.k_cache, self.v_cache]
+
+    def rewind(self, length):
+        self._rewound(length)
+
+    def kept_channels(self) -> torch.Tensor:
+        """[B, H_kv, C]: the channels of K each head keeps (verify's gate reads them)."""
+        return self.index
+
+    def stats(self):
+        return {"k_channels": self.channels}
+
+    def consistency(self):
+        """Recorded (verify): the kept channels against a float64 replay of the choice."""
+        if not self.record or self.seen is None or self.channels == self.k_cache.shape[-1] \
+                and self.channels == self.layer.shape.head_dim:
+            return None
+        q, k = (t.double() for t in self.seen)
+        B, Hq, T, D = q.shape
+        Hkv = k.shape[1]
+        G = Hq // Hkv
+        rtol = 1e-4 if self.layer.dtype in (torch.float32, torch.float64) else 5e-2
+        for b in range(B):
+            for h in range(Hkv):
+                window = q[b, h * G:(h + 1) * G, T - min(WINDOW, T):]  # [G, W, D]
+                score = [float((window[:, :, d] ** 2).mean() * (k[b, h, :, d] ** 2).mean())
+                         for d in range(D)]
+                want = set(sorted(range(D), key=lambda d: -score[d])[: self.channels])
+                held = set(self.index[b, h].tolist())
+                if held != want:
+                    floor = min(score[d] for d in want)
+                    tol = rtol * max(score)
+                    if any(score[d] < floor - tol for d in held - want):
+                        return (f"sequence {b}, KV head {h}: kept K channels "
+                                f"{sorted(held - want)} where ThinK keeps "
+                                f"{sorted(want - held)}")
+        return None
