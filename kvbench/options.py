@@ -174,10 +174,11 @@ class RunOptions:
         None, "With --kv-budget N and --kv-compress prefill, on snapkv-paged: share each "
         "sequence's H_kv × N positions between its KV heads: ada (AdaKV: by score across "
         "heads) or duo[:F] (a share F of the heads, default 0.5, keep everything, the rest "
-        "sinks and recent positions).", show_default=False)
-    k_channels: int | None = option(
+        "sinks and recent positions). A comma list runs each.", show_default=False)
+    k_channels: str | None = option(
         None, "think: keep C of K's D channels per KV head (ThinK's key-channel pruning, "
-        "chosen from the prompt); K then takes C/D of its bytes.", show_default=False)
+        "chosen from the prompt); K then takes C/D of its bytes. A comma list runs each.",
+        show_default=False)
     kv_compress: str = option(
         "decode", "With --kv-budget: decode (evict at every step: the cache never holds more "
         "than the budget) or prefill (compress the prompt once to the budget, then keep every "

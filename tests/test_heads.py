@@ -67,11 +67,12 @@ def test_the_blocks_by_hand(tmp_path):
     # blocks, the other 3: 2,304 bytes. ada: the heads' 12 + 8 positions, at most 1 block
     # lost to rounding per head: at most (20 + 2·3) // 4 = 6 blocks; measured: its own.
     out = tmp_path / "m.csv"
-    for heads in ([], ["--head-budgets", "duo"], ["--head-budgets", "ada"]):
+    for heads in ([], ["--head-budgets", "duo,ada"]):  # a list: one point each
         r = runner.invoke(app, ["memory", *CLI, "--impl", "snapkv-paged", *heads,
                                 "--csv", str(out)])
         assert r.exit_code == 0, r.output
     df = pd.read_csv(out)
+    assert df.head_budgets.fillna("").tolist() == ["", "duo", "ada"]
     assert df.kv_cache_bytes.tolist()[:2] == [1536, 2304]
     assert df.kv_planner_bytes.tolist() == [1536, 2304, 6 * 256]
     assert df.kv_cache_bytes.iloc[2] % 256 == 0 and df.kv_cache_bytes.iloc[2] <= 6 * 256

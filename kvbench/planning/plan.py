@@ -94,13 +94,17 @@ def _points_of(o: RunOptions, reference_cases: bool = False,
     lists = {name: parse_int_list("--" + name.replace("_", "-"), getattr(o, name))
              for name in SHAPE_FIELDS if getattr(o, name) is not None}
     shapes = _mla(o, _ragged(o, expand_shapes(base or timing_case(dev), lists), lists), lists)
-    # the cache techniques, one point per --kv-budget
+    # the cache techniques, one point per --kv-budget, --head-budgets and --k-channels
     budgets = (parse_int_list("--kv-budget", o.kv_budget) if o.kv_budget is not None
                else [None])
+    splits = ([h.strip() for h in o.head_budgets.split(",")] if o.head_budgets is not None
+              else [None])
+    channels = (parse_int_list("--k-channels", o.k_channels) if o.k_channels is not None
+                else [None])
     shapes = [replace(s, window=o.window, sinks=o.sinks, shared_prefix=o.shared_prefix,
                       kv_budget=n, kv_recent=o.kv_recent, kv_compress=o.kv_compress,
-                      head_budgets=o.head_budgets, k_channels=o.k_channels)
-              for s in shapes for n in budgets]
+                      head_budgets=h, k_channels=c)
+              for s in shapes for n in budgets for h in splits for c in channels]
     from kvbench.measure import distributed
 
     if o.tp != 1 or distributed.launched():

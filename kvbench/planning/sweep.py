@@ -14,7 +14,7 @@ from kvbench.sizing.config import SHAPE_FIELDS
 from kvbench.sizing.files import read_toml
 
 LIST_OPTIONS = set(SHAPE_FIELDS) | {"dtype", "kv_dtype", "seq_lens", "len_dist",
-                                          "kv_budget"}  # comma lists
+                                          "kv_budget", "head_budgets", "k_channels"}  # comma lists
 
 
 def load_sweep(path: Path, command: str, allowed: set[str]) -> dict[str, object]:
