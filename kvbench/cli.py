@@ -215,6 +215,11 @@ def capacity(
     sinks: Annotated[int, typer.Option(help="With a window: sliding layers also keep their first S positions (attention sinks).")] = 0,
     shared_prefix: Annotated[int, typer.Option(help="The first P tokens of every sequence are the same and stored once (prefix caching; whole blocks with --block-size).")] = 0,
     share_layers: Annotated[int, typer.Option(help="Cross-layer sharing: groups of K adjacent layers read one K/V (Cross-Layer Attention's sharing factor); K must divide the layers.")] = 1,
+    kv_budget: Annotated[int | None, typer.Option(help="Token eviction: each KV head keeps at most N positions (h2o, snapkv, ... ).")] = None,
+    kv_compress: Annotated[str, typer.Option(help="With --kv-budget: decode (the budget at every step) or prefill (the first --prompt-len positions compressed to it, every later one kept).")] = "decode",
+    prompt_len: Annotated[int | None, typer.Option(help="With --kv-compress prefill: the prompt's positions, of --seq-len.")] = None,
+    layer_budgets: Annotated[str | None, typer.Option(help="Each layer's budget, bottom first (a comma list, one per layer), or pyramid around --kv-budget (PyramidKV).")] = None,
+    head_budgets: Annotated[str | None, typer.Option(help="With --kv-compress prefill: duo[:F], a share F of each layer's KV heads (default 0.5) keep every position, each head in blocks of its own (snapkv-paged).")] = None,
     gpu_mem: Annotated[str | None, typer.Option(help="Memory of one GPU, e.g. 80GiB or 80GB.")] = None,
     weight_dtype: Annotated[str, typer.Option(help="dtype of the preset's weights.")] = "bf16",
     weights_bytes: Annotated[str | None, typer.Option(help="Weights size instead, e.g. 16GB.")] = None,
@@ -232,7 +237,7 @@ def capacity(
     """Plan the KV cache of a real model on a real GPU; --allocate checks it on CUDA."""
     from kvbench.experiments import capacity as planner
 
-    planner.capacity(model=model, list_models=list_models, from_config=from_config, layers=layers, kv_heads=kv_heads, head_dim=head_dim, q_heads=q_heads, mla_latent=mla_latent, mla_rope=mla_rope, batch=batch, seq_len=seq_len, seq_lens=seq_lens, len_dist=len_dist, max_len=max_len, seed=seed, kv_dtype=kv_dtype, group_size=group_size, k_quant=k_quant, kv_residual=kv_residual, tp=tp, block_size=block_size, window=window, sinks=sinks, shared_prefix=shared_prefix, share_layers=share_layers, gpu_mem=gpu_mem, weight_dtype=weight_dtype, weights_bytes=weights_bytes, margin=margin, utilization=utilization, allocate=allocate, case=case, device=device, csv=csv, require_fit=require_fit, no_csv=no_csv, format=format, quiet=quiet)
+    planner.capacity(model=model, list_models=list_models, from_config=from_config, layers=layers, kv_heads=kv_heads, head_dim=head_dim, q_heads=q_heads, mla_latent=mla_latent, mla_rope=mla_rope, batch=batch, seq_len=seq_len, seq_lens=seq_lens, len_dist=len_dist, max_len=max_len, seed=seed, kv_dtype=kv_dtype, group_size=group_size, k_quant=k_quant, kv_residual=kv_residual, tp=tp, block_size=block_size, window=window, sinks=sinks, shared_prefix=shared_prefix, share_layers=share_layers, kv_budget=kv_budget, kv_compress=kv_compress, prompt_len=prompt_len, layer_budgets=layer_budgets, head_budgets=head_budgets, gpu_mem=gpu_mem, weight_dtype=weight_dtype, weights_bytes=weights_bytes, margin=margin, utilization=utilization, allocate=allocate, case=case, device=device, csv=csv, require_fit=require_fit, no_csv=no_csv, format=format, quiet=quiet)
 
 
 def serve_sim(**values):

@@ -1,6 +1,8 @@
 """Per-head budgets (snapkv-paged, --head-budgets): each KV head its own blocks, the split
 replayed, the blocks worked out by hand, the faults caught."""
 
+from pathlib import Path
+
 import pandas as pd
 import pytest
 import torch
@@ -123,8 +125,31 @@ def test_on_a_model_each_layers_heads_hold_their_blocks(tiny_model, tmp_path):
     assert r.exit_code == 0, r.output
     row = pd.read_csv(out).iloc[0]
     assert row.kv_cache_bytes == row.kv_planner_bytes == 16 * 1024
+    # and kvbench capacity plans the same bytes for the model's config, to the byte
+    plan = tmp_path / "c.csv"
+    c = runner.invoke(app, ["capacity", "--from-config", str(Path(tiny_model) / "config.json"),
+                            "--seq-len", "20", "--prompt-len", "16", "--kv-budget", "6",
+                            "--kv-compress", "prefill", "--head-budgets", "duo",
+                            "--block-size", "4", "--kv-dtype", "fp32", "--csv", str(plan)])
+    assert c.exit_code == 0, c.output
+    planned = pd.read_csv(plan).iloc[0]
+    assert planned.per_rank_bytes == row.kv_cache_bytes and planned.whole_heads == 1
     v = runner.invoke(app, ["verify", "--model", str(tiny_model), "--impl", "snapkv-paged",
                             "--prompt-len", "16", "--decode-len", "4", "--kv-budget", "6",
                             "--kv-compress", "prefill", "--head-budgets", "ada",
                             "--csv", str(tmp_path / "v.csv")])
     assert v.exit_code == 0, v.output
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--head-budgets", "ada"], "capacity plans duo"),
+    (["--head-budgets", "duo"], "give --kv-compress prefill and --prompt-len"),
+    (["--kv-compress", "prefill"], "give both, or neither"),
+    (["--prompt-len", "30"], "give both, or neither"),
+    (["--kv-compress", "prefill", "--prompt-len", "300"], "--prompt-len 300 is longer"),
+    (["--layer-budgets", "4,4,4"], "gives 3 budgets for a model of 2 layers")])
+def test_capacity_refuses_budgets_it_cannot_plan_in_one_line(args, message):
+    base = ["--kv-budget", "6"] if "--layer-budgets" not in args else []
+    r = runner.invoke(app, ["capacity", "--layers", "2", "--kv-heads", "2", "--head-dim", "8",
+                            "--seq-len", "40", *base, *args, "--no-csv"])
+    assert r.exit_code == 2 and message in r.stderr and r.stderr.count("\n") == 1, r.stderr

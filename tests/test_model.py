@@ -4,6 +4,7 @@ checkpoints of each supported architecture (built here with transformers, in sec
 import json
 import math
 from dataclasses import replace
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -621,7 +622,7 @@ def test_the_pyramid_by_hand():
     # bottom 2·10 − 1 = 19, a step of 6 between: 19, 13, 7, 1 (40 = 4 × 10). Mean 60 over 3
     # layers: the bottom's 117 is more than the 100 positions, so it keeps 100 and the top
     # 120 − 100 = 20: 100, 60, 20. The bottom layer keeps the most.
-    from kvbench.caches.budgets import pyramid
+    from kvbench.sizing.budgets import pyramid
 
     assert pyramid(10, 4, 100) == (19, 13, 7, 1)
     assert pyramid(60, 3, 100) == (100, 60, 20)
@@ -634,8 +635,8 @@ def test_each_layer_keeps_its_own_budget_and_the_bytes_are_theirs(tiny, tmp_path
     # the tiny Llama: 2 layers, H_kv = 2, D = 32, fp32: a slot of K and V is 2·2·32·4 = 512
     # bytes per layer. 11 and 5 slots: 16 × 512 = 8,192 bytes; pyramid around 8 of 20: 15, 1.
     from kvbench.caches import IMPLEMENTATIONS
-    from kvbench.caches.budgets import per_layer, resolve
     from kvbench.layers.model.transformer import CachedModel
+    from kvbench.sizing.budgets import per_layer, resolve
 
     extra = ["--kv-budget", "8"] if spec == "pyramid" else []
     args = ["--model", str(tiny["llama"]), "--impl", "h2o,snapkv", "--layer-budgets", spec,
@@ -647,6 +648,14 @@ def test_each_layer_keeps_its_own_budget_and_the_bytes_are_theirs(tiny, tmp_path
     memory = _rows(tmp_path / "m", "memory", *args).query("impl == 'h2o'")
     assert (memory.kv_cache_bytes == memory.kv_planner_bytes).all()
     assert (memory.kv_cache_bytes == sum(budgets) * 512).all()
+    import pandas as pd
+
+    plan = tmp_path / "c.csv"  # kvbench capacity of the model's config plans the same bytes
+    c = runner.invoke(app, ["capacity", "--from-config", str(Path(tiny["llama"]) / "config.json"),
+                            "--seq-len", "20", "--layer-budgets", spec, *extra,
+                            "--kv-dtype", "fp32", "--csv", str(plan)])
+    assert c.exit_code == 0, c.output
+    assert pd.read_csv(plan).payload_bytes.iloc[0] == memory.kv_cache_bytes.iloc[0]
     ref, config = _config(tiny["llama"], prompt=16, decode=4, kv_budget=8)
     config = replace(config, shape=resolve(config.shape, budgets, 2))
     assert [c.shape.kv_budget for c in per_layer(config, 2)] == list(budgets)

@@ -16,7 +16,7 @@ from kvbench.report.render import _table, human_bytes, out
 from kvbench.report.results import timestamp
 
 
-def capacity(model, list_models, from_config, layers, kv_heads, head_dim, q_heads, mla_latent, mla_rope, batch, seq_len, seq_lens, len_dist, max_len, seed, kv_dtype, group_size, k_quant, kv_residual, tp, block_size, window, sinks, shared_prefix, share_layers, gpu_mem, weight_dtype, weights_bytes, margin, utilization, allocate, case, device, csv, require_fit=False, no_csv=False, format="table", quiet=False) -> None:
+def capacity(model, list_models, from_config, layers, kv_heads, head_dim, q_heads, mla_latent, mla_rope, batch, seq_len, seq_lens, len_dist, max_len, seed, kv_dtype, group_size, k_quant, kv_residual, tp, block_size, window, sinks, shared_prefix, share_layers, kv_budget, kv_compress, prompt_len, layer_budgets, head_budgets, gpu_mem, weight_dtype, weights_bytes, margin, utilization, allocate, case, device, csv, require_fit=False, no_csv=False, format="table", quiet=False) -> None:
     """Plan the KV cache (or with --allocate, check it on CUDA) and write its row."""
     from kvbench.measure.env import environment
     from kvbench.planning.plan import positive
@@ -77,6 +77,10 @@ def capacity(model, list_models, from_config, layers, kv_heads, head_dim, q_head
             raise KvbenchError("--sinks keeps the first S positions of sliding layers: give "
                                "--window W too (or a model with a window), and S >= 0")
         spec = replace(spec, share_layers=share_layers, sinks=sinks)
+    if (kv_budget, prompt_len, layer_budgets, head_budgets) != (None,) * 4 or (
+            kv_compress != "decode"):
+        spec = _budgeted(spec, tp, max(lens), kv_budget, kv_compress, prompt_len,
+                         layer_budgets, head_budgets)
     fmt = cap.CacheFormat(cap.kv_dtype(kv_dtype), group_size, tp, block_size, k_quant, kv_residual)
     gpu_bytes = cap.parse_size(gpu_mem, "--gpu-mem") if gpu_mem else None
     if gpu_bytes is not None and gpu_bytes <= 0:
@@ -120,6 +124,68 @@ def capacity(model, list_models, from_config, layers, kv_heads, head_dim, q_head
 SERVING_DRAWS = 10_000  # lengths drawn for the serving comparison's means
 
 
+def _budget_summary(m) -> str:
+    if m.kv_budget is None and not m.layer_budgets:
+        return ""
+    what = (f"budgets {','.join(str(m.budget_of(i)) for i in m.cached_layers)}"
+            if m.layer_budgets else f"a budget of {m.kv_budget}")
+    when = (f" of the first {m.budget_prompt} positions" if m.budget_prompt is not None
+            else "")
+    whole = f", {m.whole_heads} whole heads a layer" if m.whole_heads else ""
+    return f", evicting to {what} per KV head{when}{whole}"
+
+
+def _budgeted(spec, tp, seq_len, kv_budget, kv_compress, prompt_len, layer_budgets,
+              head_budgets):
+    """The model with kvbench's eviction budgets (as its caches hold them)."""
+    from kvbench.planning.plan import positive
+    from kvbench.sizing import budgets
+    from kvbench.sizing.config import KV_COMPRESS, full_heads, head_policy
+
+    positive("--kv-budget", kv_budget)
+    positive("--prompt-len", prompt_len)
+    if kv_compress not in KV_COMPRESS:
+        raise KvbenchError(f"--kv-compress takes {' or '.join(KV_COMPRESS)}, got "
+                           f"{kv_compress!r}")
+    if (kv_compress == "prefill") != (prompt_len is not None):
+        raise KvbenchError("--kv-compress prefill compresses the first --prompt-len positions: "
+                           "give both, or neither")
+    if prompt_len is not None and prompt_len > seq_len:
+        raise KvbenchError(f"--prompt-len {prompt_len} is longer than the sequence "
+                           f"({seq_len}); use at most {seq_len}")
+    if spec.is_mla:
+        raise KvbenchError("--kv-budget evicts per KV head; MLA's latent is one per position: "
+                           "drop the budget options")
+    held = prompt_len if prompt_len is not None else seq_len
+    parsed = budgets.parse(layer_budgets, len(spec.cached_layers))
+    if parsed == "pyramid":
+        if kv_budget is None:
+            raise KvbenchError("--layer-budgets pyramid averages --kv-budget N over the "
+                               "layers; give --kv-budget N too")
+        parsed = budgets.pyramid(kv_budget, len(spec.cached_layers), held)
+    elif parsed is not None and kv_budget is not None:
+        raise KvbenchError("--layer-budgets LIST sets every layer's budget; drop --kv-budget")
+    elif parsed is None and kv_budget is None:
+        raise KvbenchError("the budget options evict to a --kv-budget N (or --layer-budgets): "
+                           "give one")
+    layer = tuple(parsed or ())
+    if layer and spec.share_layers > 1:
+        layer = tuple(b for b in layer for _ in range(spec.share_layers))
+    whole = 0
+    if head_budgets is not None:
+        policy, fraction = head_policy(head_budgets)
+        if policy != "duo":
+            raise KvbenchError("--head-budgets ada splits the budget by the prompt's scores, "
+                               "which a plan cannot know; capacity plans duo (kvbench memory "
+                               "--impl snapkv-paged measures ada)")
+        if kv_compress != "prefill" or tp != 1:
+            raise KvbenchError("--head-budgets duo plans snapkv-paged on one device: give "
+                               "--kv-compress prefill and --prompt-len, without --tp")
+        whole = full_heads(spec.kv_heads, fraction)
+    return replace(spec, kv_budget=kv_budget, layer_budgets=layer,
+                   budget_prompt=prompt_len, whole_heads=whole)
+
+
 def _allocate(case: str, device: str, margin_bytes: int, csv: Path | None):
     from kvbench.measure.allocation import CASES, check_allocation
     from kvbench.measure.device import resolve_device
@@ -161,7 +227,8 @@ def capacity_table(p) -> Table:
                f"{m.window_summary}; {fmt.kv_dtype}{quant}, tp={fmt.tp}"
                + (f", blocks of {fmt.block_size}" if fmt.block_size else "")
                + (f", K/V shared by groups of {m.share_layers} layers "
-                  f"({len(m.cached_layers)} caches)" if m.share_layers > 1 else ""))
+                  f"({len(m.cached_layers)} caches)" if m.share_layers > 1 else "")
+               + _budget_summary(m))
     t.add_column("quantity", no_wrap=True)
     t.add_column("value", justify="right", no_wrap=True)
     lens = p.seq_lens
@@ -256,6 +323,13 @@ def capacity_rows(p, env: dict[str, object]) -> list[dict[str, object]]:
         "kv_heads": m.kv_heads or None, "head_dim": m.head_dim or None,
         "mla_latent": m.mla_latent, "mla_rope": m.mla_rope, "sliding_window": m.sliding_window,
         "share_layers": m.share_layers,
+        "kv_budget": m.kv_budget,
+        "kv_compress": (("prefill" if m.budget_prompt is not None else "decode")
+                        if m.kv_budget is not None or m.layer_budgets else None),
+        "prompt_len": m.budget_prompt,
+        "layer_budgets": (",".join(str(m.budget_of(i)) for i in m.cached_layers)
+                          if m.layer_budgets else None),
+        "whole_heads": m.whole_heads or None,
         "kv_dtype": p.fmt.kv_dtype, "group_size": p.fmt.group_size,
         "k_quant": p.fmt.k_quant if p.fmt.kv_dtype in GROUPED_FORMATS else None,
         "kv_residual": p.fmt.residual if p.fmt.kv_dtype in GROUPED_FORMATS else None,

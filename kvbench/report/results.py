@@ -367,6 +367,8 @@ CAPACITY_COLUMNS = CAPACITY_FIRST[:-len(ENV_COLUMNS)] + [
     "len_dist", "max_len", "mean_len", "prealloc_bytes_per_sequence",
     "paged_bytes_per_sequence", "concurrent_prealloc", "concurrent_paged",
     "share_layers",  # cross-layer sharing: adjacent layers per shared K/V
+    # eviction budgets: positions per KV head, when they are kept, per layer, whole heads
+    "kv_budget", "kv_compress", "prompt_len", "layer_budgets", "whole_heads",
 ] + ENV_COLUMNS + PROVENANCE_COLUMNS
 
 

@@ -61,6 +61,15 @@ class ModelSpec:
     # V's head dim where it differs from K's (an MLA layer's decompressed cache: K is
     # qk_nope + qk_rope wide, V v_head_dim); None: head_dim
     v_head_dim: int | None = None
+    # Token eviction (kvbench's h2o, snapkv, ... caches): each KV head keeps at most
+    # kv_budget positions (layer_budgets: each layer its own, bottom first). budget_prompt:
+    # the budget compresses only the first budget_prompt positions (the prompt, --kv-compress
+    # prefill); every later one is kept. whole_heads: that many KV heads per layer keep every
+    # position (DuoAttention-style), each head in blocks of its own.
+    kv_budget: int | None = None
+    layer_budgets: tuple[int, ...] = ()
+    budget_prompt: int | None = None
+    whole_heads: int = 0
 
     def __post_init__(self) -> None:
         checks = {"layers": self.layers}
@@ -101,6 +110,9 @@ class ModelSpec:
     @property
     def is_mla(self) -> bool:
         return self.mla_latent is not None or self.mla_rope is not None
+
+    def budget_of(self, layer: int) -> int | None:
+        return self.layer_budgets[layer] if self.layer_budgets else self.kv_budget
 
     def window_of(self, layer: int) -> int | None:
         if self.layer_types:
@@ -320,18 +332,36 @@ def layer_scale_bytes(model: ModelSpec, fmt: CacheFormat, per_rank: bool) -> int
     return fmt.scale_bytes(2 * heads)
 
 
-def cached_len(model: ModelSpec, layer: int, seq_len: int) -> int:
+def cached_len(model: ModelSpec, layer: int, seq_len: int, whole: bool = False) -> int:
+    """Positions one KV head of `layer` holds of a sequence of seq_len (whole: a head that
+    keeps every position under an eviction budget)."""
     window = model.window_of(layer)
-    return min(seq_len, window + model.sinks) if window else seq_len
+    n = min(seq_len, window + model.sinks) if window else seq_len
+    budget = model.budget_of(layer)
+    if budget is None or whole:
+        return n
+    if model.budget_prompt is None:
+        return min(n, budget)
+    prompt = min(n, model.budget_prompt)
+    return min(prompt, budget) + n - prompt
 
 
 def sequence_bytes(model: ModelSpec, fmt: CacheFormat, seq_len: int, per_rank: bool,
                    paged: bool = True) -> int:
-    """KV bytes of one sequence of seq_len tokens over all layers (block-rounded if paged)."""
+    """KV bytes of one sequence of seq_len tokens over all layers (block-rounded if paged;
+    whole heads beside evicting ones: each head's positions in blocks of its own)."""
     per_token = token_bytes_per_layer(model, fmt, per_rank)
     total = 0
     for layer in model.cached_layers:
         n = cached_len(model, layer, seq_len)
+        if model.whole_heads:  # heads of two lengths, each rounded to its blocks
+            heads = kv_heads_per_rank(model, fmt.tp) if per_rank else model.kv_heads
+            full = cached_len(model, layer, seq_len, whole=True)
+            if paged and fmt.block_size:
+                n, full = (math.ceil(m / fmt.block_size) * fmt.block_size for m in (n, full))
+            total += (model.whole_heads * full + (heads - model.whole_heads) * n) * (
+                per_token // heads)
+            continue
         if paged and fmt.block_size:
             n = math.ceil(n / fmt.block_size) * fmt.block_size
         total += n * per_token + kivi_bytes_per_layer(model, fmt, n, per_rank)
@@ -468,7 +498,9 @@ def _fit(model, fmt, seq_lens, gpu_bytes, weights_bytes, margin_bytes, utilizati
     def fits_len(t: int) -> bool:
         return batch * sequence_bytes(model, fmt, t, per_rank=True) <= budget
 
-    capped = all(model.window_of(i) for i in model.cached_layers)
+    capped = all(model.window_of(i) or (model.budget_of(i) and model.budget_prompt is None
+                                        and not model.whole_heads)
+                 for i in model.cached_layers)
     if capped and fits_len(10**12):
         max_len = None
     elif not fits_len(1):

@@ -184,7 +184,7 @@ class LayerShape:
     kv_budget: int | None = None
     kv_recent: int | None = None
     kv_compress: str = "decode"
-    # A whole model's per-layer budgets (--layer-budgets, kvbench.caches.budgets): each
+    # A whole model's per-layer budgets (--layer-budgets, kvbench.sizing.budgets): each
     # layer's kv_budget, bottom first; kv_budget is then their mean. None: kv_budget in all.
     layer_budgets: tuple[int, ...] | None = None
     # How the budget is shared between a sequence's KV heads (--head-budgets, snapkv-paged):

@@ -525,7 +525,7 @@ class ModelMemoryResult:
 def planner_bytes(cls, config: RunConfig, options: ImplOptions, layers: int) -> int:
     """`kvbench capacity`'s bytes for the whole model: each layer's plan (the positions the
     implementation reserves, its format, its blocks), summed over the layers."""
-    from kvbench.caches.budgets import per_layer
+    from kvbench.sizing.budgets import per_layer
 
     return sum(cls.planned_bytes(layer, options) for layer in per_layer(config, layers))
 

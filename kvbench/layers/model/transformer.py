@@ -239,7 +239,7 @@ class CachedModel:
     """The model decoding through one cache implementation: each layer its own cache."""
 
     def __init__(self, model: Model, cls, config, options):
-        from kvbench.caches.budgets import per_layer
+        from kvbench.sizing.budgets import per_layer
 
         self.model = model
         self.caches = []
