@@ -20,9 +20,9 @@ CONTRADICTS = ("hidden", "q_heads", "kv_heads", "head_dim", "seq_lens", "len_dis
 
 def expand(o: RunOptions, command: str):
     """The model, its points and the implementation options."""
-    from kvbench.sizing import budgets
     from kvbench.layers.model.spec import resolve
     from kvbench.planning import plan
+    from kvbench.sizing import budgets
     from kvbench.sizing.config import LayerShape
 
     if o.text is not None and not Path(o.text).is_file():  # before anything loads
