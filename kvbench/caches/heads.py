@@ -28,7 +28,7 @@ import math
 
 import torch
 
-from kvbench.caches.base import CachedAttention, causal_prefill, register
+from kvbench.caches.base import CachedAttention, FixedSlots, causal_prefill, register
 from kvbench.caches.h2o import SnapKVCache, pooled, window_weights
 from kvbench.errors import KvbenchError
 from kvbench.measure import footprint as fp
@@ -49,11 +49,7 @@ class SnapKVPagedCache(CachedAttention):
                    "--head-budgets ada or duo give heads unequal budgets and fewer blocks; "
                    "lossy")
 
-    @classmethod
-    def unavailable(cls, config, options):
-        if config.shape.ragged:
-            return "a ragged batch (every sequence shares one prompt length)"
-        return None
+    unavailable = FixedSlots.unavailable  # one length for every sequence: no ragged batch
 
     @classmethod
     def inapplicable(cls, config):

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from kvbench.caches.base import CachedAttention, causal_prefill, register
+from kvbench.caches.base import CachedAttention, FixedSlots, causal_prefill, register
 from kvbench.errors import KvbenchError
 
 WINDOW = 32  # queries that score the channels (kvpress's window_size)
@@ -31,11 +31,7 @@ class ThinKCache(CachedAttention):
     description = ("static cache with K pruned to --k-channels channels per KV head (ThinK); "
                    "lossy")
 
-    @classmethod
-    def unavailable(cls, config, options):
-        if config.shape.ragged:
-            return "a ragged batch (every sequence shares one prompt)"
-        return None
+    unavailable = FixedSlots.unavailable  # one length for every sequence: no ragged batch
 
     @classmethod
     def drops(cls, config):
