@@ -153,3 +153,19 @@ def test_capacity_refuses_budgets_it_cannot_plan_in_one_line(args, message):
     r = runner.invoke(app, ["capacity", "--layers", "2", "--kv-heads", "2", "--head-dim", "8",
                             "--seq-len", "40", *base, *args, "--no-csv"])
     assert r.exit_code == 2 and message in r.stderr and r.stderr.count("\n") == 1, r.stderr
+
+
+def test_a_steps_reads_are_the_positions_the_heads_hold():
+    # 20 + 4 positions, a budget of 6, 2 KV heads: uniform, each head 6 kept + t − 20
+    # decoded; duo, one head t and one 6 + t − 20, (t + 6 + t − 20) / 2 positions of both
+    # heads; ada, the uniform total. At t = 22: 8, 15, 8.
+    from dataclasses import replace
+
+    from kvbench.caches import ImplOptions
+
+    shape = LayerShape(batch=1, prompt_len=20, decode_len=4, hidden=32, q_heads=4, kv_heads=2,
+                       head_dim=8, kv_budget=6, kv_compress="prefill")
+    cls = IMPLEMENTATIONS["snapkv-paged"]
+    reads = [cls.step_reads(RunConfig(replace(shape, head_budgets=h)), ImplOptions(), 22)
+             for h in (None, "duo", "ada")]
+    assert reads == [8, 15, 8]

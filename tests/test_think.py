@@ -94,3 +94,18 @@ def test_think_inside_a_model(tiny_model, tmp_path):
     assert row.lossy and row.k_channels == 16
     # 2 layers × H_kv 2 × 20 positions × (16 + 32) channels × 4 bytes
     assert row.kv_cache_bytes == 2 * 2 * 20 * (16 + 32) * 4
+
+
+def test_a_steps_bytes_count_k_at_its_channels():
+    # B=1, H_kv=2, D=8 of which 2 kept, fp32, 9 + 3 positions: a step reads every cached
+    # position and writes one, each H_kv·(C + D)·4 = 80 bytes where static's are 128: over
+    # the steps to 10, 11, 12 positions, (10+1 + 11+1 + 12+1) / 3 = 12 positions a step, so
+    # 12 × 48 = 576 bytes fewer a step than static
+    from kvbench.caches import ImplOptions
+
+    shape = LayerShape(batch=1, prompt_len=9, decode_len=3, hidden=32, q_heads=4, kv_heads=2,
+                       head_dim=8, k_channels=2)
+    config, options = RunConfig(shape), ImplOptions()
+    think = IMPLEMENTATIONS["think"].min_bytes_per_step(config, options)
+    static = IMPLEMENTATIONS["static"].min_bytes_per_step(config, options)
+    assert static - think == 576

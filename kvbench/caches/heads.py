@@ -80,6 +80,18 @@ class SnapKVPagedCache(CachedAttention):
         return [s.prompt_len + decoded] * full + [kept + decoded] * (s.kv_heads - full)
 
     @classmethod
+    def step_reads(cls, config, options, length):
+        """The positions the heads hold, over the batch, in units of a position of every
+        head: Σ_h len_h / H_kv a sequence (ada's total is the uniform split's)."""
+        s = config.shape
+        if s.kv_budget is None:
+            return s.batch * length
+        lens = cls.head_lens(s, length)
+        if lens is None:
+            return s.batch * (min(s.prompt_len, s.kv_budget) + max(0, length - s.prompt_len))
+        return s.batch * sum(lens) / s.kv_heads
+
+    @classmethod
     def block_bytes(cls, config, options) -> int:
         """One block: K and V of one KV head, block_size positions."""
         return 2 * options.block_size * config.shape.head_dim * config.dtype_bytes

@@ -53,6 +53,15 @@ class ThinKCache(CachedAttention):
                 * config.dtype_bytes)
 
     @classmethod
+    def min_bytes_per_step(cls, config, options):
+        """As every cache's, with a position's K at C channels: H_kv·(C + D)·dtype."""
+        from kvbench.measure import costs
+
+        s = config.shape
+        position = s.kv_heads * ((s.k_channels or s.head_dim) + s.head_dim) * config.dtype_bytes
+        return costs.decode_min_bytes_per_step(s, config.dtype_bytes, position_bytes=position)
+
+    @classmethod
     def held_payload_bytes(cls, config, options):
         s = config.shape
         C = s.k_channels or s.head_dim
