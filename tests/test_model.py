@@ -679,3 +679,56 @@ def test_bad_layer_budgets_are_one_line(tiny, tmp_path, args, message):
     assert not out.exists()
     one = runner.invoke(app, ["verify", "--impl", "h2o", "--layer-budgets", "8,8"])
     assert one.exit_code == 2 and "add --model" in one.stderr
+
+
+EVICTION_FAULTS = {  # each exact over what it kept, or keeping what its policy would
+    "EvictsIntoTheWrongSlot": "attention over the positions its cache kept",
+    "H2OEvictsTheHeaviest": "policy", "SnapKVEvictsTheMostAttended": "policy",
+    "ExpectedKeepsTheLeastExpected": "policy", "ThinKReadsThePrunedChannels": "differs",
+    "ThinKKeepsTheLowest": "ThinK keeps"}
+
+
+def _gated(ref, config, monkeypatch, methods, layers=None):
+    """verify of the methods and every fault of EVICTION_FAULTS through the model (its first
+    `layers`): the checks by name."""
+    import broken
+
+    from kvbench.caches import IMPLEMENTATIONS
+
+    for fault in EVICTION_FAULTS:
+        cls = getattr(broken, fault)
+        monkeypatch.setitem(IMPLEMENTATIONS, cls.name, cls)
+    names = [*methods, *(getattr(broken, f).name for f in EVICTION_FAULTS)]
+    report = run.verify(ref, config, names, ImplOptions(), layers, None)
+    return {c.impl: c for c in report.checks}
+
+
+def _assert_gated(checks, methods):
+    import broken
+
+    for name in methods:
+        assert checks[name].passed and checks[name].lossy, (name, checks[name].message)
+    for fault, why in EVICTION_FAULTS.items():
+        check = checks[getattr(broken, fault).name]
+        assert not check.passed and why in check.message and "layer" in check.message, (
+            fault, check.message)
+
+
+METHODS = ("h2o", "tova", "knorm", "snapkv", "expected", "think")
+
+
+def test_each_layers_lossy_gate_inside_the_model(tiny, monkeypatch):
+    # every layer's attention against float64 attention over what its cache kept, from the
+    # inputs the layer got, and every layer's replay of the policy: the faults fail there
+    ref, config = _config(tiny["llama"], prompt=16, decode=4, kv_budget=8, k_channels=16)
+    _assert_gated(_gated(ref, config, monkeypatch, METHODS), METHODS)
+
+
+@smollm2
+def test_each_method_is_gated_and_each_fault_fails_inside_smollm2(monkeypatch):
+    # SmolLM2's first 3 trained layers (every layer gated the same way; the whole model's
+    # runs are in docs/techniques.md)
+    ref = resolve("smollm2-135m")
+    config = RunConfig(layer_shape(ref.arch, batch=1, prompt_len=24, decode_len=4,
+                                   kv_budget=12, k_channels=32), rope=True)
+    _assert_gated(_gated(ref, config, monkeypatch, METHODS, layers=3), METHODS)

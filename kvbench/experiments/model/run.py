@@ -126,6 +126,7 @@ class ModelCheck:
     message: str = ""
     cache_bytes: int | None = None  # every layer's cache as `kvbench capacity` plans it
     graph: bool = False  # its steps ran as the whole model's graph (--graph)
+    note: str = ""  # what its check left out (shown under the table)
 
 
 @dataclass
@@ -229,11 +230,16 @@ def verify(ref: ModelRef, config: RunConfig, names, options: ImplOptions, layers
             graph = config.graph and cls.uncapturable(config, options.at(config)) is None
             with device_errors("verify: prefill + decode", name):
                 cm = CachedModel(m.model, cls, config, options)
+                tapped = _record_layers(cm) if cls.lossy and not graph else None
                 hidden: list = []
                 prompt, steps = decode(cm, tokens, T, G, None if graph else hidden, graph)
             steps = torch.cat(steps, dim=1)
             check = _check(name, lossy(cls, config), prompt, steps, ref_prompt, ref_steps,
                            targets, rtol, atol, m, tokens, T, hidden)
+            if tapped is not None:
+                wrong, check.note = _gate_layers(cm, tapped, T, rtol, atol)
+                if wrong is not None:
+                    check.passed, check.message = False, wrong
             check.graph = graph
             if masked is not None and "window" in cls.techniques:
                 # exact against the same window as a mask: the decode must be its logits
@@ -266,6 +272,52 @@ def _compare(a: torch.Tensor, b: torch.Tensor, rtol: float, atol: float) -> tupl
             if bad.any():
                 first = t + int(bad.any(-1).any(0).nonzero()[0])
     return err, first
+
+
+def _record_layers(cm: CachedModel) -> list[list] | None:
+    """For caches that record what they kept (eviction, channel pruning): turn recording on
+    and tap each layer's attention inputs and outputs. None for others (a window is checked
+    against transformers' masked forward, a quantized cache is not gated)."""
+    if not all(hasattr(c, "kept") and hasattr(c, "record") for c in cm.caches):
+        return None
+    tapped: list[list] = [[] for _ in cm.caches]
+    for c in cm.caches:
+        c.record = True
+    cm.tap = lambda i, x, out: tapped[i].append((x, out))
+    return tapped
+
+
+REPLAY_LIMIT = 100_000  # the policy replay (pure Python) runs up to this many kept
+# positions over the steps, per layer: beyond it a model run is gated over what it kept only
+
+
+def _gate_layers(cm: CachedModel, tapped, T: int, rtol: float,
+                 atol: float) -> tuple[str | None, str]:
+    """Each layer's lossy gate inside the model, as on one layer: its attention at every step
+    against float64 attention over the positions (and channels) its cache kept, from the
+    inputs the layer received; then the cache's own check (the policy's replay) where the
+    run is within REPLAY_LIMIT. (What is wrong, the layer and step, or None; a note.)"""
+    from kvbench.experiments.verify import restricted_reference
+
+    size = sum(k.shape[-1] for k in cm.caches[0].kept)
+    replay = size <= REPLAY_LIMIT
+    note = ("" if replay else f"the policy's replay left out ({size:,} kept positions over "
+            f"the steps a layer, above {REPLAY_LIMIT:,}); every layer gated over what it kept")
+    for i, (cache, record) in enumerate(zip(cm.caches, tapped)):
+        x = torch.cat([xi for xi, _ in record], dim=1)  # [B, T + G, H]: the layer's inputs
+        channels = cache.kept_channels() if hasattr(cache, "kept_channels") else None
+        want = restricted_reference(cache.layer, x, cache.kept, T, channels)
+        for j, (ref, (_, got)) in enumerate(zip(want, record[1:]), start=1):
+            bad = (got.double() - ref).abs() > atol + rtol * ref.abs()
+            if bad.any():
+                worst = (got.double() - ref).abs().max().item()
+                return (f"layer {i}, step {j}: attention over the positions its cache kept "
+                        f"differs from float64 by {worst:.3g} (tolerance atol {atol:g} + "
+                        f"rtol {rtol:g})"), note
+        wrong = cache.consistency() if replay else None
+        if wrong:
+            return f"layer {i}: {wrong}", note
+    return None, note
 
 
 def _check(name, is_lossy, prompt, steps, ref_prompt, ref_steps, targets, rtol, atol, m,

@@ -247,10 +247,19 @@ class CachedModel:
             b.attn.shape = layer.shape  # a layer's shape is its point's (a cache reads its
             # window, budget and batch from it, as on one layer), with its own budget
             self.caches.append(cls.build(b.attn, layer, options))
+        # tap(i, x, out): called with each layer's attention input and output (verify's
+        # per-layer gate of a lossy cache); None: nothing recorded
+        self.tap = None
+
+    def _attend(self, i: int, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        if self.tap is not None:
+            self.tap(i, x, out)
+        return out
 
     def prefill(self, tokens: torch.Tensor, hidden: list | None = None) -> torch.Tensor:
         """The prompt [B, T_p] -> its logits [B, T_p, V]; every layer's cache filled."""
-        return self.model.forward(tokens, lambda i, x: self.caches[i].prefill(x), hidden)
+        return self.model.forward(
+            tokens, lambda i, x: self._attend(i, x, self.caches[i].prefill(x)), hidden)
 
     def fill(self, tokens: torch.Tensor) -> None:
         """The prompt's caches where its outputs are not wanted (a cache may skip the
@@ -259,7 +268,8 @@ class CachedModel:
 
     def step(self, tokens: torch.Tensor, hidden: list | None = None) -> torch.Tensor:
         """One token per sequence [B, 1] -> logits [B, 1, V]; every cache one longer."""
-        return self.model.forward(tokens, lambda i, x: self.caches[i].step(x), hidden)
+        return self.model.forward(
+            tokens, lambda i, x: self._attend(i, x, self.caches[i].step(x)), hidden)
 
     def graph_step(self, tokens: torch.Tensor) -> torch.Tensor:
         """One token per sequence [B, 1] -> logits [B, 1, V] with every layer's graph-safe
