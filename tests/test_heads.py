@@ -169,3 +169,22 @@ def test_a_steps_reads_are_the_positions_the_heads_hold():
     reads = [cls.step_reads(RunConfig(replace(shape, head_budgets=h)), ImplOptions(), 22)
              for h in (None, "duo", "ada")]
     assert reads == [8, 15, 8]
+
+
+def test_the_heads_hold_only_what_they_keep_but_their_last_blocks():
+    # duo, blocks of 4, 20 + 4 positions, a budget of 6, H_kv = 2, D = 8, fp32: the heads keep
+    # 24 and 10 positions (2·8·4 = 64 bytes each), 2,176 bytes, in 9 blocks of 256: 2,304
+    from dataclasses import replace
+
+    from kvbench.caches import ImplOptions
+    from kvbench.experiments.memory import memory
+
+    shape = LayerShape(batch=1, prompt_len=20, decode_len=4, hidden=32, q_heads=4, kv_heads=2,
+                       head_dim=8, kv_budget=6, kv_compress="prefill", head_budgets="duo")
+    result = memory(RunConfig(shape), ("snapkv-paged",), ImplOptions(block_size=4))
+    (paged,) = result.impls
+    assert paged.held_bytes == 34 * 64 and paged.cache_bytes == 2304
+    assert paged.waste(result.theoretical_kv_bytes) == pytest.approx(1 - 2176 / 2304)
+    ada = IMPLEMENTATIONS["snapkv-paged"].held_payload_bytes(
+        RunConfig(replace(shape, head_budgets="ada")), ImplOptions(block_size=4))
+    assert ada == 2 * (6 + 4) * 64  # the uniform total

@@ -109,3 +109,33 @@ def test_a_steps_bytes_count_k_at_its_channels():
     think = IMPLEMENTATIONS["think"].min_bytes_per_step(config, options)
     static = IMPLEMENTATIONS["static"].min_bytes_per_step(config, options)
     assert static - think == 576
+
+
+def test_the_replay_of_the_channels_by_hand():
+    # the by-hand case above: ThinK keeps channels 1 and 3 (scores 4 and 9); the first two
+    # channels, 0 and 1, are not its choice
+    from kvbench.layers.attention import AttentionLayer
+
+    shape = LayerShape(batch=1, prompt_len=2, decode_len=1, hidden=8, q_heads=1, kv_heads=1,
+                       head_dim=4, k_channels=2)
+    config = RunConfig(shape)
+    cache = IMPLEMENTATIONS["think"].build(AttentionLayer.from_config(config), config)
+    cache.record = True
+    cache.seen = (torch.tensor([[1.0, 2.0, 0.0, 3.0], [-1.0, -2.0, 0.0, 3.0]])[None, None],
+                  torch.tensor([[2.0, 1.0, 1.0, 1.0], [0.0, 1.0, 3.0, 1.0]])[None, None])
+    cache.index = torch.tensor([[[1, 3]]])
+    assert cache.consistency() is None
+    cache.index = torch.tensor([[[0, 1]]])
+    assert "kept K channels [0] where ThinK keeps [3]" in cache.consistency()
+
+
+def test_the_cache_holds_only_what_it_keeps():
+    # memory's waste (1 − the kept tokens' bytes / the cache's): none for K at C channels
+    from kvbench.experiments.memory import memory
+
+    shape = LayerShape(batch=1, prompt_len=9, decode_len=3, hidden=32, q_heads=4, kv_heads=2,
+                       head_dim=8, k_channels=2)
+    result = memory(RunConfig(shape), ("think",))
+    (think,) = result.impls
+    assert think.held_bytes == think.cache_bytes == 2 * 12 * (2 + 8) * 4
+    assert think.waste(result.theoretical_kv_bytes) == 0
