@@ -188,3 +188,20 @@ def test_the_heads_hold_only_what_they_keep_but_their_last_blocks():
     ada = IMPLEMENTATIONS["snapkv-paged"].held_payload_bytes(
         RunConfig(replace(shape, head_budgets="ada")), ImplOptions(block_size=4))
     assert ada == 2 * (6 + 4) * 64  # the uniform total
+
+
+def test_adas_bound_is_the_most_blocks_a_split_can_take():
+    # a budget of 7 of 20, 4 decoded, 2 heads, blocks of 4: 22 positions between the heads;
+    # 9 + 13 take 3 + 4 = 7 blocks, the most any split can (11 + 11 take 6):
+    # ⌊(22 + 2·3) / 4⌋ = 7
+    from kvbench.caches import ImplOptions
+
+    shape = LayerShape(batch=1, prompt_len=20, decode_len=4, hidden=32, q_heads=4, kv_heads=2,
+                       head_dim=8, kv_budget=7, kv_compress="prefill", head_budgets="ada")
+    cls = IMPLEMENTATIONS["snapkv-paged"]
+    assert cls.blocks(RunConfig(shape), ImplOptions(block_size=4)) == 7
+
+
+def test_snapkv_paged_refuses_eviction_at_every_step():
+    r = runner.invoke(app, ["verify", *CLI[:-4], "--impl", "snapkv-paged"])
+    assert r.exit_code == 2 and "add --kv-compress prefill" in r.stderr, r.stderr
