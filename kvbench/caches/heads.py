@@ -45,6 +45,9 @@ class SnapKVPagedCache(CachedAttention):
     lossy = True
     blocked = True
     techniques = frozenset({"head_budgets"})
+    # its prefill reads the heads' kept counts on the host to size their blocks (as a
+    # server's block manager takes blocks); its decode steps read nothing back
+    sizes_on_host = True
     description = ("SnapKV's prompt compression, paged with a block table per KV head: "
                    "--head-budgets ada or duo give heads unequal budgets and fewer blocks; "
                    "lossy")
@@ -275,7 +278,8 @@ class SnapKVPagedCache(CachedAttention):
     def _gathered(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Every head's entries, padded to the longest: K, V [B, H_kv, n, D] and their
         positions [B, H_kv, n] (-1 for padding)."""
-        n = max(int(self.lens.max()), self.width if self.length > self.prompt_len else 0)
+        # decoding: the width every head fits in (no host read); the prompt: its longest head
+        n = self.width if self.length > self.prompt_len else int(self.lens.max())
         j = torch.arange(n, device=self.table.device)
         column = (j // self.block_size).clamp(max=max(self.table.shape[2] - 1, 0))
         block = self.table.gather(2, column.expand(*self.table.shape[:2], n))
