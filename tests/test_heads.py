@@ -134,6 +134,20 @@ def test_on_a_model_each_layers_heads_hold_their_blocks(tiny_model, tmp_path):
     assert c.exit_code == 0, c.output
     planned = pd.read_csv(plan).iloc[0]
     assert planned.per_rank_bytes == row.kv_cache_bytes and planned.whole_heads == 1
+    # per-layer budgets on the same paged layout: 11 and 5 of the prompt, then 4 decoded:
+    # heads of 15 and 9 positions, 4 and 3 blocks, 2 heads each: 14 blocks, 14,336 bytes
+    lay = tmp_path / "ml.csv"
+    r = runner.invoke(app, ["memory", "--model", str(tiny_model), "--impl", "snapkv-paged",
+                            "--prompt-len", "16", "--decode-len", "4", "--layer-budgets", "11,5",
+                            "--kv-compress", "prefill", "--block-size", "4", "--csv", str(lay)])
+    assert r.exit_code == 0, r.output
+    c = runner.invoke(app, ["capacity", "--from-config", str(Path(tiny_model) / "config.json"),
+                            "--seq-len", "20", "--prompt-len", "16", "--layer-budgets", "11,5",
+                            "--kv-compress", "prefill", "--block-size", "4", "--kv-dtype", "fp32",
+                            "--csv", str(plan)])
+    assert c.exit_code == 0, c.output
+    measured = pd.read_csv(lay).iloc[0].kv_cache_bytes
+    assert measured == pd.read_csv(plan).iloc[-1].per_rank_bytes == 14 * 1024
     v = runner.invoke(app, ["verify", "--model", str(tiny_model), "--impl", "snapkv-paged",
                             "--prompt-len", "16", "--decode-len", "4", "--kv-budget", "6",
                             "--kv-compress", "prefill", "--head-budgets", "ada",
