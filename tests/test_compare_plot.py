@@ -438,3 +438,23 @@ def test_compare_messages_and_one_sided_selections(bench_csv, tmp_path):
     result = runner.invoke(app, ["compare", str(tmp_path / "q.csv"), str(tmp_path / "p.csv"),
                                  "--run", "a"])  # q has run a, p has not: p is named
     assert result.exit_code == 2 and f"{tmp_path / 'p.csv'} has no run 'a'" in result.stderr
+
+
+def test_a_points_label_names_its_compression():
+    # two per-head splits of one budget, a pyramid and pruned channels stay apart in a plot
+    import pandas as pd
+
+    from kvbench.report.plot import technique
+
+    base = {"impl": "snapkv-paged", "kv_dtype": None, "shared_prefix": None, "window": None,
+            "sinks": None, "kv_budget": 90, "kv_compress": "prefill", "layer_budgets": None,
+            "head_budgets": "ada", "k_channels": None}
+    ada, duo = pd.Series(base), pd.Series({**base, "head_budgets": "duo"})
+    assert technique(ada) == "snapkv-paged budget 90 ada (prompt)"
+    assert technique(duo) == "snapkv-paged budget 90 duo (prompt)"
+    pyramid = pd.Series({**base, "impl": "snapkv", "head_budgets": None, "kv_compress": "decode",
+                         "layer_budgets": "19,13,7,1"})
+    assert technique(pyramid) == "snapkv budget 90 per layer"
+    think = pd.Series({**base, "impl": "think", "kv_budget": None, "head_budgets": None,
+                       "kv_compress": None, "k_channels": 32.0})
+    assert technique(think) == "think 32 channels"

@@ -194,6 +194,13 @@ def technique(row) -> str:
         parts.append(f"W{int(row['window'])}+S{sinks}")
     if pd.notna(row["kv_budget"]):
         parts.append(f"budget {int(row['kv_budget'])}")
+    for column, shown in (("head_budgets", "{}"), ("k_channels", "{:.0f} channels")):
+        if pd.notna(row.get(column)):
+            parts.append(shown.format(row[column]))
+    if pd.notna(row.get("layer_budgets")):
+        parts.append("per layer")
+    if row.get("kv_compress") == "prefill":
+        parts.append("(prompt)")
     return " ".join(parts)
 
 
