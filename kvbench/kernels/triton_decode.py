@@ -312,8 +312,9 @@ if INTERPRETED:
 
     from triton.runtime import interpreter as _interpreter
 
-    _interpreter.interpreter_builder.options = _replace(
-        _interpreter.interpreter_builder.options, sanitize_overflow=False)
+    _options = getattr(_interpreter.interpreter_builder, "options", None)
+    if hasattr(_options, "sanitize_overflow"):  # Triton 3.6 and 3.9 have it
+        _interpreter.interpreter_builder.options = _replace(_options, sanitize_overflow=False)
 
 
 def _interpreter_takes_loaded_bounds() -> bool:
