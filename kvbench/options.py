@@ -159,13 +159,14 @@ class RunOptions:
                                 "(a system prompt): paged and triton store their blocks once, "
                                 "copying a partly filled one on write.")
     kv_budget: str | None = option(
-        None, "h2o, tova, knorm, snapkv, expected: keep N positions per KV head (the recent ones and the "
-        "highest-scoring), evicting the rest; lossy. A comma list runs each.",
-        show_default=False)
+        None, "h2o, tova, knorm, snapkv, expected, snapkv-paged: keep N positions per KV head "
+        "(the recent ones and the highest-scoring), evicting the rest; lossy. A comma list "
+        "runs each.", show_default=False)
     kv_recent: int | None = option(
         None, "h2o, tova, knorm, snapkv, expected: how many of the --kv-budget positions are "
         "the most recent ones (snapkv: also its observation window of queries). Default: half "
-        "the budget for h2o, and for snapkv at most 64; 1 for tova, knorm and expected.", show_default=False)
+        "the budget for h2o, and for snapkv at most 64; 1 for tova, knorm and expected.",
+        show_default=False)
     layer_budgets: str | None = option(
         None, "With --model and an eviction cache: each layer's budget, a comma list bottom "
         "first (one per layer), or pyramid (PyramidKV: falling from the bottom layer to the "
