@@ -195,9 +195,15 @@ def _preset(path: Path) -> ModelRef:
 
 def cache_folder(gguf: Path) -> Path:
     """Where a .gguf file's converted checkpoint lives ($KVBENCH_CACHE, default
-    ~/.cache/kvbench), keyed by the file's path, size and modification time."""
-    st = gguf.stat()
-    key = hashlib.sha256(f"{gguf.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()
+    ~/.cache/kvbench), keyed by the file's size and its first and last MiB: the same file
+    installed again (a new virtual environment, a fresh clone's) finds its conversion."""
+    size, sample = gguf.stat().st_size, 2**20
+    digest = hashlib.sha256(str(size).encode())
+    with gguf.open("rb") as f:
+        digest.update(f.read(sample))
+        f.seek(max(0, size - sample))
+        digest.update(f.read(sample))
+    key = digest.hexdigest()
     root = Path(os.environ.get("KVBENCH_CACHE") or Path.home() / ".cache" / "kvbench")
     return root / "checkpoints" / f"{gguf.stem}-{key[:12]}"
 
