@@ -18,6 +18,9 @@ fi
     typer==0.27.2 click==8.5.0 rich==15.0.0 pandas==3.0.6 "pytest>=8" "pytest-xdist>=3" "hypothesis>=6.100" \
     "matplotlib>=3.7" "numba>=0.60" transformers==5.17.0 safetensors  # the lent machine has numba, for splitk
 export PYTHONPATH="$repo${PYTHONPATH:+:$PYTHONPATH}"
+# inductor's cache of its own: kernels another torch built into the shared default
+# (/tmp/torchinductor_$USER) load here and abort the process (torch 2.11 reading 2.13's)
+export TORCHINDUCTOR_CACHE_DIR=${TORCHINDUCTOR_CACHE_DIR:-$venv/inductor-cache}
 cd "$repo"
 "$venv/bin/python" - <<'PY'
 import platform, numpy, torch, triton
