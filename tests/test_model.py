@@ -703,15 +703,18 @@ def _gated(ref, config, monkeypatch, methods, layers=None):
     return {c.impl: c for c in report.checks}
 
 
-def _assert_gated(checks, methods):
+def _misjudged(checks, methods) -> list:
+    """The methods that did not pass lossy, and the faults that did not fail at a layer for
+    their own reason: (name, message) each; empty when every verdict is right."""
     import broken
 
-    for name in methods:
-        assert checks[name].passed and checks[name].lossy, (name, checks[name].message)
+    wrong = [(name, checks[name].message) for name in methods
+             if not (checks[name].passed and checks[name].lossy)]
     for fault, why in EVICTION_FAULTS.items():
         check = checks[getattr(broken, fault).name]
-        assert not check.passed and why in check.message and "layer" in check.message, (
-            fault, check.message)
+        if check.passed or why not in check.message or "layer" not in check.message:
+            wrong.append((fault, check.message))
+    return wrong
 
 
 METHODS = ("h2o", "tova", "knorm", "snapkv", "expected", "think")
@@ -721,7 +724,9 @@ def test_each_layers_lossy_gate_inside_the_model(tiny, monkeypatch):
     # every layer's attention against float64 attention over what its cache kept, from the
     # inputs the layer got, and every layer's replay of the policy: the faults fail there
     ref, config = _config(tiny["llama"], prompt=16, decode=4, kv_budget=8, k_channels=16)
-    _assert_gated(_gated(ref, config, monkeypatch, METHODS), METHODS)
+    checks = _gated(ref, config, monkeypatch, METHODS)
+    assert len(checks) == len(METHODS) + len(EVICTION_FAULTS)
+    assert _misjudged(checks, METHODS) == []
 
 
 @smollm2
@@ -731,4 +736,6 @@ def test_each_method_is_gated_and_each_fault_fails_inside_smollm2(monkeypatch):
     ref = resolve("smollm2-135m")
     config = RunConfig(layer_shape(ref.arch, batch=1, prompt_len=24, decode_len=4,
                                    kv_budget=12, k_channels=32), rope=True)
-    _assert_gated(_gated(ref, config, monkeypatch, METHODS, layers=3), METHODS)
+    checks = _gated(ref, config, monkeypatch, METHODS, layers=3)
+    assert len(checks) == len(METHODS) + len(EVICTION_FAULTS)
+    assert _misjudged(checks, METHODS) == []
