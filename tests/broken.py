@@ -444,40 +444,31 @@ class EvictsIntoTheWrongSlot(H2OCache):
 from kvbench.caches import KnormCache, SnapKVCache, TOVACache
 
 
-def _evicts_the_highest(self, k, v):
-    """write(), with the victim the highest-scoring slot outside the recent window."""
-    if self.used(self.length) < self.n_slots:
-        return H2OCache.write(self, k, v)
-    t = self.length
+def _evicts_the_highest(self, t):
+    """victim(): the highest-scoring slot outside the recent window."""
     old = self.pos <= t - self.recent
-    at = self.slot_scores().masked_fill(~old, float("-inf")).argmax(dim=-1)[..., None]
-    self.k_cache.scatter_(2, at[..., None].expand(-1, -1, 1, k.shape[-1]), k)
-    self.v_cache.scatter_(2, at[..., None].expand(-1, -1, 1, v.shape[-1]), v)
-    self.pos.scatter_(2, at, t)
-    self.score.scatter_(2, at, self.written_score(k, v))
-    self.wrote(at)
-    self._advance(1)
+    return self.slot_scores().masked_fill(~old, float("-inf")).argmax(dim=-1)
 
 
 class H2OEvictsTheHeaviest(H2OCache):
     """H2O that evicts its heaviest hitter: exact over what it kept, the wrong positions."""
 
     name = "h2o-evicts-the-heaviest"
-    write = _evicts_the_highest
+    victim = _evicts_the_highest
 
 
 class TOVAEvictsTheMostAttended(TOVACache):
     """TOVA that drops the position the latest query attended to most."""
 
     name = "tova-evicts-the-most-attended"
-    write = _evicts_the_highest
+    victim = _evicts_the_highest
 
 
 class SnapKVEvictsTheMostAttended(SnapKVCache):
     """SnapKV that drops the position its window attended to most."""
 
     name = "snapkv-evicts-the-most-attended"
-    write = _evicts_the_highest
+    victim = _evicts_the_highest
 
 
 class SnapKVKeepsTheLeastAttendedPrompt(SnapKVCache):

@@ -95,10 +95,12 @@ class H2OCache(FixedSlots):
         self.kept: list[torch.Tensor] = []
         self.seen: list[tuple] = []  # (q, k, v) as they came, recorded
 
+    newest_only = False  # --kv-recent's default: 1 (the position being written), not half
+
     @classmethod
     def default_recent(cls, budget: int) -> int:
-        """--kv-recent's default: H2O's split, half the budget."""
-        return max(1, budget // 2)
+        """--kv-recent's default: H2O's split, half the budget (or `newest_only`)."""
+        return 1 if cls.newest_only else max(1, budget // 2)
 
     def used(self, length: int) -> int:
         """Slots filled once `length` positions have been seen."""
@@ -170,8 +172,7 @@ class H2OCache(FixedSlots):
         if used < self.n_slots:
             slot = torch.full(self.pos.shape[:2], used, dtype=torch.long, device=k.device)
         else:
-            old = self.pos <= t - self.recent  # may be evicted
-            slot = self.slot_scores().masked_fill(~old, float("inf")).argmin(dim=-1)  # [B, H_kv]
+            slot = self.victim(t)
         at = slot[..., None]  # [B, H_kv, 1]
         self.k_cache.scatter_(2, at[..., None].expand(-1, -1, 1, k.shape[-1]), k)
         self.v_cache.scatter_(2, at[..., None].expand(-1, -1, 1, v.shape[-1]), v)
@@ -179,6 +180,12 @@ class H2OCache(FixedSlots):
         self.score.scatter_(2, at, self.written_score(k, v))
         self.wrote(at)
         self._advance(1)
+
+    def victim(self, t: int) -> torch.Tensor:
+        """The slot a full cache gives position t, per KV head [B, H_kv]: the lowest-scoring
+        outside the last `recent` positions."""
+        old = self.pos <= t - self.recent  # may be evicted
+        return self.slot_scores().masked_fill(~old, float("inf")).argmin(dim=-1)
 
     def slot_scores(self) -> torch.Tensor:
         """Each slot's score when a position must be evicted, [B, H_kv, slots]."""
@@ -266,9 +273,7 @@ class TOVACache(H2OCache):
     description = ("token eviction, TOVA: keeps --kv-budget positions per KV head, dropping "
                    "the one the latest query attended to least; lossy")
 
-    @classmethod
-    def default_recent(cls, budget: int) -> int:
-        return 1
+    newest_only = True
 
     def _prompt_scores(self, q, k, v) -> torch.Tensor:
         """The last prompt query's attention over the prompt, averaged over the group's
@@ -294,9 +299,7 @@ class KnormCache(H2OCache):
     description = ("token eviction, Knorm: keeps the --kv-budget positions per KV head whose "
                    "keys have the lowest L2 norm; lossy")
 
-    @classmethod
-    def default_recent(cls, budget: int) -> int:
-        return 1
+    newest_only = True
 
     def _prompt_scores(self, q, k, v) -> torch.Tensor:
         return -k.float().norm(dim=-1)  # [B, H_kv, T]
@@ -419,9 +422,7 @@ class ExpectedAttentionCache(H2OCache):
     SINKS = 4  # positions always kept, left out of the statistics (kvpress's n_sink)
     FUTURE = 512  # positions RoPE's rotation is averaged over (kvpress's n_future_positions)
 
-    @classmethod
-    def default_recent(cls, budget: int) -> int:
-        return 1
+    newest_only = True
 
     @classmethod
     def scratch(cls, s, n: int, length: int) -> int:
