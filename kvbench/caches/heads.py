@@ -185,7 +185,6 @@ class SnapKVPagedCache(CachedAttention):
         self.kept: list[torch.Tensor] = []
         self.seen: list[tuple] = []
         self.prompt_kept = None
-        self.head_scores = None  # the prompt's per-head scores, recorded
 
     # -- the prompt: scores, the heads' budgets, the blocks -----------------------------------
 
@@ -241,10 +240,10 @@ class SnapKVPagedCache(CachedAttention):
         for b in range(B):
             for h in range(Hkv):
                 kept = positions[keep[b, h]]
-                self._put(b, h, 0, kept, k[b, h, kept], v[b, h, kept])
+                self._put(b, h, kept, k[b, h, kept], v[b, h, kept])
         self.lens = keep.sum(dim=-1)
         if self.record:
-            self.prompt_kept = self._held()
+            self.prompt_kept = self._gathered()[2]
         self._advance(T)
         return self.layer.output(out)
 
@@ -264,13 +263,14 @@ class SnapKVPagedCache(CachedAttention):
         self.v_pool = torch.zeros(shape, dtype=self.layer.dtype, device=kept.device)
         self.pos_pool = torch.full((n, bs), -1, dtype=torch.long, device=kept.device)
 
-    def _flat(self, b: int, h: int, start: int, n: int) -> torch.Tensor:
-        """Pool slots (block · block_size + offset) of head h's entries start..start+n-1."""
-        j = torch.arange(start, start + n, device=self.table.device)
+    def _flat(self, b: int, h: int, n: int) -> torch.Tensor:
+        """Pool slots (block · block_size + offset) of head h's first n entries."""
+        j = torch.arange(n, device=self.table.device)
         return self.table[b, h, j // self.block_size] * self.block_size + j % self.block_size
 
-    def _put(self, b, h, start, positions, k, v) -> None:
-        at = self._flat(b, h, start, len(positions))
+    def _put(self, b, h, positions, k, v) -> None:
+        """Head h of sequence b's first entries: these prompt positions and their K, V."""
+        at = self._flat(b, h, len(positions))
         self.k_pool.view(-1, k.shape[-1])[at] = k
         self.v_pool.view(-1, v.shape[-1])[at] = v
         self.pos_pool.view(-1)[at] = positions
@@ -290,9 +290,6 @@ class SnapKVPagedCache(CachedAttention):
         values = self.v_pool.view(-1, D)[at]
         positions = torch.where(valid, self.pos_pool.view(-1)[at], -1)
         return keys, values, positions
-
-    def _held(self) -> torch.Tensor:
-        return self._gathered()[2]
 
     # -- decoding: every head appends ---------------------------------------------------------
 
