@@ -68,7 +68,10 @@ def cut(src, dst, keep_fields):
     return dst, len(lines) + 1
 
 
-def test_a_cut_row_is_named_by_readers_and_skipped_on_request(two_runs, tmp_path):
+def test_a_cut_row_is_named_by_readers_and_skipped_on_request(two_runs, tmp_path, monkeypatch):
+    from kvbench.report import render
+
+    monkeypatch.setattr(render.err, "_width", 30)  # a narrow terminal: the warning stays one line
     damaged, line = cut(two_runs, tmp_path / "cut.csv", 24)
     for command in (["plot", str(damaged), "-o", str(tmp_path / "p.png")],
                     ["compare", str(damaged), str(two_runs)]):

@@ -155,8 +155,9 @@ def status(message: str):
 
 
 def warn(message: str) -> None:
+    """One line on stderr whatever the width (scripts grep for it; a terminal wraps it)."""
     if _speaks():
-        err.print(f"[yellow]warning:[/] {escape(message)}")
+        err.print(f"[yellow]warning:[/] {escape(message)}", soft_wrap=True)
 
 
 def note(message: str) -> None:
