@@ -13,7 +13,7 @@ from typer.core import TyperCommand, TyperGroup
 
 from kvbench import __version__
 from kvbench.errors import KvbenchError
-from kvbench.options import CsvPath, serve_sim_signature
+from kvbench.options import CsvPath, capacity_signature, serve_sim_signature
 
 # The usage-error class of whichever click typer runs on (its vendored copy in recent
 # releases, click itself before): typer.BadParameter's direct base.
@@ -188,56 +188,15 @@ def memory(o):
     subjects.run(o, "memory")
 
 
-@command
-def capacity(
-    model: Annotated[str | None, typer.Option(help="A preset (see --list-models).")] = None,
-    list_models: Annotated[bool, typer.Option("--list-models", metavar="", help="Show the presets and exit.")] = False,
-    from_config: Annotated[Path | None, typer.Option(help="A Hugging Face config.json.")] = None,
-    layers: Annotated[int | None, typer.Option(help="Layers L.")] = None,
-    kv_heads: Annotated[int | None, typer.Option(help="KV heads H_kv.")] = None,
-    head_dim: Annotated[int | None, typer.Option(help="Head dim D.")] = None,
-    q_heads: Annotated[int | None, typer.Option(help="Query heads (for context).")] = None,
-    mla_latent: Annotated[int | None, typer.Option(help="MLA latent width d_c.")] = None,
-    mla_rope: Annotated[int | None, typer.Option(help="MLA decoupled RoPE key width.")] = None,
-    batch: Annotated[int, typer.Option(help="Sequences, each --seq-len long.")] = 1,
-    seq_len: Annotated[int | None, typer.Option(help="Tokens per sequence. \\[default: 4096]")] = None,
-    seq_lens: Annotated[str | None, typer.Option(help="A variable-length batch: 512,4096,...")] = None,
-    len_dist: Annotated[str | None, typer.Option(help="Serving: draw lengths from uniform:LO:HI or lognormal:MEAN:SIGMA (mean MEAN tokens) and compare preallocating --max-len per sequence with paged blocks.")] = None,
-    max_len: Annotated[int | None, typer.Option(help="With --len-dist: the longest a request may get (what preallocation reserves); caps the draws.")] = None,
-    seed: Annotated[int, typer.Option(help="With --len-dist: the draws' seed.")] = 0,
-    kv_dtype: Annotated[str, typer.Option(help="fp32, fp16, bf16, fp8, int8, int4, int2.")] = "fp16",
-    group_size: Annotated[int, typer.Option(help="int8, int4, int2: elements per fp16 scale + zero point.")] = 64,
-    k_quant: Annotated[str, typer.Option(help="int8, int4, int2: K per-token, or per-channel (KIVI: a scale per channel for each --group-size positions).")] = "per-token",
-    kv_residual: Annotated[int, typer.Option(help="int8, int4, int2: the newest positions kept in fp16 until this many are quantized together (KIVI; a multiple of --group-size).")] = 0,
-    tp: Annotated[int, typer.Option(help="Tensor-parallel ranks (KV heads split across them).")] = 1,
-    block_size: Annotated[int | None, typer.Option(help="Paged blocks: round each sequence up to whole blocks.")] = None,
-    window: Annotated[int | None, typer.Option(help="Sliding window W: sliding layers cache at most W tokens.")] = None,
-    sinks: Annotated[int, typer.Option(help="With a window: sliding layers also keep their first S positions (attention sinks).")] = 0,
-    shared_prefix: Annotated[int, typer.Option(help="The first P tokens of every sequence are the same and stored once (prefix caching; whole blocks with --block-size).")] = 0,
-    share_layers: Annotated[int, typer.Option(help="Cross-layer sharing: groups of K adjacent layers read one K/V (Cross-Layer Attention's sharing factor); K must divide the layers.")] = 1,
-    kv_budget: Annotated[int | None, typer.Option(help="Token eviction: each KV head keeps at most N positions (h2o, snapkv, ... ).")] = None,
-    kv_compress: Annotated[str, typer.Option(help="With --kv-budget: decode (the budget at every step) or prefill (the first --prompt-len positions compressed to it, every later one kept).")] = "decode",
-    prompt_len: Annotated[int | None, typer.Option(help="With --kv-compress prefill: the prompt's positions, of --seq-len.")] = None,
-    layer_budgets: Annotated[str | None, typer.Option(help="Each layer's budget, bottom first (a comma list, one per layer), or pyramid around --kv-budget (PyramidKV).")] = None,
-    head_budgets: Annotated[str | None, typer.Option(help="With --kv-compress prefill: duo[:F], a share F of each layer's KV heads (default 0.5) keep every position, each head in blocks of its own (snapkv-paged).")] = None,
-    gpu_mem: Annotated[str | None, typer.Option(help="Memory of one GPU, e.g. 80GiB or 80GB.")] = None,
-    weight_dtype: Annotated[str, typer.Option(help="dtype of the preset's weights.")] = "bf16",
-    weights_bytes: Annotated[str | None, typer.Option(help="Weights size instead, e.g. 16GB.")] = None,
-    margin: Annotated[str, typer.Option(help="Memory kept free for activations and workspaces.")] = "4GiB",
-    utilization: Annotated[float, typer.Option(help="Fraction of GPU memory the runtime may use.")] = 0.9,
-    allocate: Annotated[bool, typer.Option("--allocate", metavar="", help="CUDA: allocate and check the cache for real.")] = False,
-    case: Annotated[str, typer.Option(help="--allocate cases: gqa, mha or both.")] = "both",
-    device: Annotated[str, typer.Option(help="--allocate: auto, cuda or cuda:N (auto picks CUDA when present).")] = "auto",
-    require_fit: Annotated[bool, typer.Option("--require-fit", metavar="", help="With --gpu-mem: exit 1 when the model does not fit (for CI).")] = False,
-    csv: CsvPath = None,
-    no_csv: Annotated[bool, typer.Option("--no-csv", metavar="", help="Write no results file.")] = False,
-    format: Annotated[str, typer.Option("--format", help="table, csv or json (the row on stdout).")] = "table",
-    quiet: Annotated[bool, typer.Option("--quiet", "-q", metavar="", help="Print nothing but errors (and --format's rows).")] = False,
-):
+def capacity(**values):
     """Plan the KV cache of a real model on a real GPU; --allocate checks it on CUDA."""
     from kvbench.experiments import capacity as planner
 
-    planner.capacity(model=model, list_models=list_models, from_config=from_config, layers=layers, kv_heads=kv_heads, head_dim=head_dim, q_heads=q_heads, mla_latent=mla_latent, mla_rope=mla_rope, batch=batch, seq_len=seq_len, seq_lens=seq_lens, len_dist=len_dist, max_len=max_len, seed=seed, kv_dtype=kv_dtype, group_size=group_size, k_quant=k_quant, kv_residual=kv_residual, tp=tp, block_size=block_size, window=window, sinks=sinks, shared_prefix=shared_prefix, share_layers=share_layers, kv_budget=kv_budget, kv_compress=kv_compress, prompt_len=prompt_len, layer_budgets=layer_budgets, head_budgets=head_budgets, gpu_mem=gpu_mem, weight_dtype=weight_dtype, weights_bytes=weights_bytes, margin=margin, utilization=utilization, allocate=allocate, case=case, device=device, csv=csv, require_fit=require_fit, no_csv=no_csv, format=format, quiet=quiet)
+    planner.capacity(**values)
+
+
+capacity.__signature__ = capacity_signature()  # declared in kvbench.options
+command(capacity)
 
 
 def serve_sim(**values):
