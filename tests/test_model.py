@@ -315,10 +315,12 @@ def _with_tokenizer(tmp_path, folder):
 
 def test_not_a_checkpoint_and_an_unsupported_architecture_are_one_line(tmp_path):
     (tmp_path / "x.bin").write_bytes(b"\0" * 8)
+    (tmp_path / "x.gguf").write_bytes(b"GGUF" + b"\0" * 60)  # a header and nothing of a model
     gpt2 = tmp_path / "gpt2"
     gpt2.mkdir()
     (gpt2 / "config.json").write_text(json.dumps({"model_type": "gpt2", "n_layer": 2}))
     for model, message in [(tmp_path / "x.bin", "not a checkpoint"),
+                           (tmp_path / "x.gguf", "not a GGUF checkpoint transformers can read"),
                            (gpt2, "'gpt2' is not supported"),
                            ("no-such-model", "no such local path or preset")]:
         r = runner.invoke(app, ["verify", "--model", str(model)])

@@ -3,7 +3,7 @@
 A .gguf file is dequantized by transformers on load, which takes a minute or more (its
 config, tokenizer and tensors are each parsed from the file). kvbench converts it once into a
 Hugging Face folder under its cache ($KVBENCH_CACHE, default ~/.cache/kvbench), keyed by the
-file's path, size and modification time, and loads that folder from then on, in seconds.
+file's size and its first and last MiB, and loads that folder from then on, in seconds.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from kvbench.errors import KvbenchError
-from kvbench.layers.model.spec import INSTALL, ModelRef, cache_folder
+from kvbench.layers.model.spec import INSTALL, ModelRef, cache_folder, gguf_config
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 DEFAULT_TEXT = Path(__file__).resolve().parents[2] / "data" / "pydoc-topics.txt"
@@ -47,8 +47,8 @@ def converted(ref: ModelRef) -> Path:
                 "it in seconds)")
     os.environ.setdefault("TQDM_DISABLE", "1")  # the GGUF reader's own progress bar
     with render.status(f"converting {gguf.name}"):
-        model = tf.AutoModelForCausalLM.from_pretrained(ref.path, gguf_file=ref.gguf,
-                                                        dtype=torch.float32)
+        model = tf.AutoModelForCausalLM.from_pretrained(
+            ref.path, gguf_file=ref.gguf, config=gguf_config(gguf), dtype=torch.float32)
         tokenizer = tf.AutoTokenizer.from_pretrained(ref.path, gguf_file=ref.gguf)
         partial = folder.with_name(folder.name + f".partial-{os.getpid()}")
         partial.mkdir(parents=True, exist_ok=True)

@@ -4,6 +4,7 @@ at a real model's shape with random weights. No torch here: --dry-run and --help
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -208,6 +209,21 @@ def cache_folder(gguf: Path) -> Path:
     return root / "checkpoints" / f"{gguf.stem}-{key[:12]}"
 
 
+@functools.cache
+def gguf_config(path: Path):
+    """transformers' config of a .gguf file, read from its metadata once a process (each read
+    parses the whole vocabulary: seconds; the conversion that follows reuses it)."""
+    try:
+        from transformers import AutoConfig
+    except ImportError:
+        raise KvbenchError(f"--model {path.name} needs transformers and gguf: {INSTALL}") from None
+    try:
+        return AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
+    except Exception as err:  # noqa: BLE001 - any reader failure is a bad file
+        raise KvbenchError(f"--model {path}: not a GGUF checkpoint transformers can read "
+                           f"({str(err).splitlines()[0][:160]})") from None
+
+
 def _gguf(path: Path, name: str | None = None) -> ModelRef:
     """A .gguf file: its architecture from its converted copy's config.json, or from the
     file's metadata (transformers reads it)."""
@@ -217,15 +233,6 @@ def _gguf(path: Path, name: str | None = None) -> ModelRef:
     if done.is_file():
         arch = architecture(json.loads(done.read_text()), str(path))
         return ModelRef(replace(arch, name=name or path.stem), path.parent, path.name)
-    try:
-        from transformers import AutoConfig
-    except ImportError:
-        raise KvbenchError(f"--model {path.name} needs transformers and gguf: {INSTALL}") from None
-    try:
-        config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
-    except Exception as err:  # noqa: BLE001 - any reader failure is a bad file
-        raise KvbenchError(f"--model {path}: not a GGUF checkpoint transformers can read "
-                           f"({str(err).splitlines()[0][:160]})") from None
-    arch = architecture(config.to_dict(), str(path))
+    arch = architecture(gguf_config(path).to_dict(), str(path))
     return ModelRef(replace(arch, name=name or path.stem), path.parent, path.name)
 
