@@ -159,11 +159,18 @@ def test_bad_implementation_options(tmp_path, args, message):
     assert message in result.stderr and len(result.stderr.strip().splitlines()) == 1
 
 
+def planned(result) -> list[str]:
+    """The implementations a --dry-run's table says the run would verify."""
+    said = " ".join(result.stdout.split())
+    return said.split("implementations: ")[1].split(";")[0].split(", ")
+
+
 def test_all_skips_what_cannot_run_here_with_a_note(tmp_path):
-    out = tmp_path / "v.csv"
-    result = runner.invoke(app, ["verify", *TINY, "--dtype", "bf16", "--csv", str(out)])
+    # --dry-run says what the run would leave out, and why, as the run itself does
+    result = runner.invoke(app, ["verify", *TINY, "--dtype", "bf16", "--dry-run", "--no-csv"])
     assert result.exit_code == 0, result.output
-    assert "splitk (float32 only" in result.stderr
+    assert "splitk (float32 only" in result.stderr and "splitk" not in planned(result)
+    assert "static" in planned(result)
 
 
 class NoHostReads(TorchDispatchMode):
@@ -323,10 +330,10 @@ def test_without_numba_splitk_is_skipped_or_refused_naming_the_extra(tmp_path, m
     monkeypatch.setattr(importlib.util, "find_spec",
                         lambda name, *a: None if name == "numba" else real(name, *a))
     out = tmp_path / "v.csv"
-    result = runner.invoke(app, ["verify", *TINY, "--csv", str(out)])
+    result = runner.invoke(app, ["verify", *TINY, "--dry-run", "--no-csv"])
     assert result.exit_code == 0, result.output
     assert 'splitk (needs numba: pip install -e ".[cpu-kernel]"' in result.stderr
-    assert "splitk" not in pd.read_csv(out)["impl"].tolist()
+    assert "splitk" not in planned(result) and "static" in planned(result)
     result = runner.invoke(app, ["verify", *TINY, "--impl", "splitk", "--csv", str(out)])
     assert result.exit_code == 2 and "[cpu-kernel]" in result.stderr
 
@@ -341,8 +348,9 @@ def test_without_triton_the_kernel_is_skipped_or_refused_naming_the_extra(tmp_pa
     result = runner.invoke(app, ["verify", *TINY, "--impl", "concat,triton", "--no-csv"])
     assert result.exit_code == 2 and "needs triton" in result.stderr
     assert '".[dev]"' in result.stderr
-    result = runner.invoke(app, ["verify", *TINY, "--no-csv"])
+    result = runner.invoke(app, ["verify", *TINY, "--dry-run", "--no-csv"])
     assert result.exit_code == 0 and "triton (needs triton" in result.stderr
+    assert "triton" not in planned(result)
 
 
 @pytest.mark.parametrize("name", list(IMPLEMENTATIONS))

@@ -21,9 +21,9 @@ if TYPE_CHECKING:
 
 
 def _preflight(o: RunOptions, command: str, points, impl_options, bench_options=None,
-               plan_of=None):
+               plan_of=None, notes=()):
     """Each point's memory plan (plan_of(config, names), by default one layer's). --dry-run
-    shows them all and exits 0. Otherwise the points that fit are returned with the plans of
+    shows them all, and the notes on what the run leaves out, and exits 0. Otherwise the points that fit are returned with the plans of
     those that do not (each named on stderr); when none fits, one line and exit 2. --force
     runs them all."""
     from kvbench.measure import distributed
@@ -40,6 +40,8 @@ def _preflight(o: RunOptions, command: str, points, impl_options, bench_options=
             raise typer.Exit(0)
     if o.dry_run:
         render.show_plans(command, plans)
+        for line in notes:
+            render.note(line)
         raise typer.Exit(0)
     too_big = [p for p, f in zip(plans, fits) if not f]
     if o.force:
@@ -87,7 +89,7 @@ def sweep(o: RunOptions, command: str, points, run_point, impl_options, notes,
         o = o.but(quiet=True, no_csv=True, format="table")
     path = None if o.no_csv else csv_target(o.csv, command)
     planned = list(points)
-    points, skipped = _preflight(o, command, points, impl_options, bench_options, plans)
+    points, skipped = _preflight(o, command, points, impl_options, bench_options, plans, notes)
     if not o.quiet:
         for line in notes:
             render.note(line)
