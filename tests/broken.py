@@ -5,7 +5,6 @@ import torch
 from kvbench.caches import (
     CompiledCache,
     ConcatCache,
-    FlexCache,
     PagedCache,
     StaticCache,
     TritonCache,
@@ -189,24 +188,17 @@ class UnscaledMerge(TritonCache):
 
 # A compiled step that recompiles: the position reaches the graph as a Python int.
 
-class FlexIntPosition(FlexCache):
-    """Slices the block mask at the position as a Python int: every new block row is a new
-    graph (the fault the compile-count test must catch)."""
+class CompiledIntPosition(CompiledCache):
+    """Masks by the host's length, a Python int: the graph is specialized to it, so every step
+    is a new graph (the fault the compile-count test must catch; its outputs are right)."""
 
-    name = "flex-int-position"
+    name = "compiled-int-position"
 
     def attend_compiled(self, q):
-        full, pos = self.block_mask, self.length
-
-        def at_position(b, h, q_idx, kv_idx):
-            return q_idx + pos >= kv_idx
-
-        mask = full[:, :, pos // full.BLOCK_SIZE[0]]
-        mask.mask_mod = at_position
-        mask.seq_lengths = (1, self.max_len)
-        q = torch.empty(q.shape, dtype=q.dtype, device=q.device).copy_(q)
-        return self.flex_attention(q, self.k_cache, self.v_cache, block_mask=mask,
-                                   scale=self.layer.scale, enable_gqa=True)
+        visible = (self.positions <= self.length)[None]
+        return torch.nn.functional.scaled_dot_product_attention(
+            q, self.k_cache, self.v_cache, attn_mask=visible, scale=self.layer.scale,
+            enable_gqa=True)
 
 
 # Faults of a quantized cache (`static` with --kv-dtype): each reads its stored codes wrongly,

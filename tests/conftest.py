@@ -19,8 +19,26 @@ def pytest_configure(config):
                             "without it")
 
 
+def builds_graphs(item) -> bool:
+    """Whether a test builds torch.compile graphs on the CPU: marked `compiles`, in
+    test_compiled.py, or run with the compiled or flex implementation as a parameter."""
+    if "compiles" in item.keywords or item.path.name == "test_compiled.py":
+        return True
+    params = getattr(item, "callspec", None)
+    return params is not None and any(
+        isinstance(v, str) and v in ("compiled", "flex") for v in params.params.values())
+
+
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups
 def pytest_collection_modifyitems(config, items):
     import importlib.util
+
+    # Under -n, the tests that compile run in one worker: inductor's start-up (its first
+    # graph in a process takes ~10 s more than the next) is paid once, and a shape two tests
+    # compile is compiled once.
+    for item in items:
+        if builds_graphs(item) and not item.get_closest_marker("xdist_group"):
+            item.add_marker(pytest.mark.xdist_group("inductor"))
 
     if importlib.util.find_spec("numba") is None:
         no_numba = pytest.mark.skip(reason="needs numba: pip install -e \".[cpu-kernel]\"")

@@ -22,6 +22,7 @@ def test_version_and_help():
         assert command in help_text
 
 
+@pytest.mark.compiles  # (compiled and flex among every implementation)
 def test_verify_default_runs_small_case_and_timing_case(tmp_path):
     out = tmp_path / "v.csv"
     result = run("verify", "--device", "cpu", "--csv", str(out))

@@ -3,7 +3,7 @@ through inductor's C++ backend."""
 
 import pytest
 import torch
-from broken import FlexIntPosition
+from broken import CompiledIntPosition
 from torch._dynamo.utils import counters
 from typer.testing import CliRunner
 
@@ -18,28 +18,23 @@ COMPILED = {"compiled": CompiledCache, "flex": FlexCache}
 runner = CliRunner()
 
 
-# Each head layout, odd head dims and both dtypes, paired (a flex graph takes ~8 s to compile
-# on the CPU); `kvbench verify`'s default cases (test_cli) add GQA at D = 4 and 64 in float32
-@pytest.mark.parametrize("kv_heads, head_dim, dtype", [
-    (8, 80, "bfloat16"), (1, 96, "float32"), (2, 128, "bfloat16")],
-    ids=["mha-d80-bfloat16", "mqa-d96-float32", "gqa-d128-bfloat16"])
-def test_compiled_steps_equal_recompute(kv_heads, head_dim, dtype):
+# Each head layout, odd head dims, both dtypes and a ragged batch with RoPE (each sequence's
+# positions its own), paired: a flex graph takes ~8 s to compile on the CPU. `kvbench verify`'s
+# default cases (test_cli) add GQA at D = 4 and 64 in float32.
+@pytest.mark.parametrize("kv_heads, head_dim, dtype, ragged", [
+    (8, 80, "bfloat16", False), (1, 96, "float32", True), (2, 128, "bfloat16", False)],
+    ids=["mha-d80-bfloat16", "mqa-d96-float32-ragged", "gqa-d128-bfloat16"])
+def test_compiled_steps_equal_recompute(kv_heads, head_dim, dtype, ragged):
     shape = LayerShape(batch=2, prompt_len=37, decode_len=4, hidden=64, q_heads=8,
                        kv_heads=kv_heads, head_dim=head_dim)
-    report = verify(RunConfig(shape, dtype), COMPILED)
+    if ragged:  # flex: the longest crosses a 128-position mask block
+        shape = shape.with_lens((37, 5, 130), max_len=160)
+    report = verify(RunConfig(shape, dtype, rope=ragged), COMPILED)
+    assert [check.impl for check in report.checks] == ["compiled", "flex"]
     for check in report.checks:
         assert check.passed, (check.impl, check.message)
         assert check.cache_shape == shape.cache_shape
         assert check.stats["compile_ms"] > 0
-
-
-def test_compiled_steps_are_exact_on_a_ragged_batch():
-    # with RoPE: each sequence's positions its own (without it, the steps above)
-    shape = LayerShape(decode_len=4, hidden=64, q_heads=8, kv_heads=2, head_dim=16).with_lens(
-        (37, 5, 130), max_len=160)  # flex: the longest crosses a 128-position mask block
-    report = verify(RunConfig(shape, rope=True), COMPILED)
-    for check in report.checks:
-        assert check.passed, (check.impl, check.message)
 
 
 def graphs_compiled(cls, decode_len: int, prompt_len: int = 100) -> int:
@@ -62,7 +57,7 @@ def test_decode_steps_compile_once(cls):
 
 
 def test_the_compile_count_catches_a_position_passed_as_an_int():
-    assert graphs_compiled(FlexIntPosition, decode_len=2) == 2  # one graph per step
+    assert graphs_compiled(CompiledIntPosition, decode_len=3) == 3  # one graph per step
 
 
 def test_bench_reports_compile_ms_and_times_no_compile(tmp_path):
@@ -95,9 +90,11 @@ def test_without_a_compiler_named_is_one_line_exit_2(monkeypatch, name):
 def test_without_a_compiler_all_skips_them_with_a_note(monkeypatch):
     monkeypatch.setattr(compiled_module.shutil, "which", lambda _: None)
     result = runner.invoke(app, ["verify", "--prompt-len", "8", "--decode-len", "2",
-                                 "--no-csv"])
+                                 "--dry-run", "--no-csv"])
     assert result.exit_code == 0, result.output
     assert "compiled, flex (needs a C++ compiler" in result.stderr
+    planned = " ".join(result.stdout.split()).split("implementations: ")[1].split(";")[0]
+    assert "static" in planned and "compiled" not in planned and "flex" not in planned
 
 
 def test_both_are_registered_after_the_eager_ones():

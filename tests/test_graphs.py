@@ -126,6 +126,7 @@ def test_bench_graph_without_cuda_is_one_line(tmp_path):
     assert len(result.stderr.strip().splitlines()) == 1
 
 
+@pytest.mark.compiles  # (compiled and flex among every implementation)
 def test_verify_graph_with_all_notes_the_uncaptured_and_marks_the_rows(tmp_path):
     import pandas as pd
 

@@ -82,6 +82,7 @@ def test_every_architecture_equals_transformers_through_the_caches(tiny, kind):
     assert all(c.max_abs_err < 1e-4 for c in report.checks)
 
 
+@pytest.mark.compiles  # (compiled and flex among every implementation)
 def test_verify_every_implementation_on_a_model_from_the_command_line(tiny, tmp_path):
     import pandas as pd
 

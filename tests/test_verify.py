@@ -33,6 +33,7 @@ GQA = LayerShape(batch=2, prompt_len=7, decode_len=4, hidden=32, q_heads=4, kv_h
                  head_dim=8)
 
 
+@pytest.mark.compiles  # (compiled and flex among every implementation)
 def test_small_reference_case_passes_with_final_cache_1_2_13_4():
     report = verify(RunConfig(SMALL_CASE))
     assert report.passed
@@ -95,6 +96,7 @@ def test_verify_rejects_broken_implementations(broken, rope, where):
     assert check.message
 
 
+@pytest.mark.compiles  # (compiled and flex among every implementation)
 def test_verify_passes_the_same_shape_for_the_correct_ones():
     # The broken cases above fail because of the bug, not because the shape is hard.
     assert verify(RunConfig(GQA, rope=True)).passed
@@ -147,6 +149,7 @@ def test_the_ragged_faults_fail_for_their_bug_not_the_shape():
         assert verify(config, eager(config)).passed
 
 
+@pytest.mark.compiles  # (compiled and flex among every implementation)
 def test_reports_float64_error_of_both_paths():
     report = verify(RunConfig(GQA))
     assert 0 < report.recompute_fp64_max_abs_err < 1e-5
