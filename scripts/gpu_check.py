@@ -530,6 +530,10 @@ def _last_error(output: str) -> str:
 
 
 def has_cuda() -> tuple[bool, int]:
+    """Whether torch sees a CUDA device, and how many. Without an NVIDIA device node (or WSL's
+    /dev/dxg) torch cannot see one: answered without starting torch (seconds)."""
+    if not any(Path("/dev").glob("nvidia[0-9]*")) and not Path("/dev/dxg").exists():
+        return False, 0
     probe = subprocess.run([sys.executable, "-c", ("import torch; print("
                             "torch.cuda.device_count() if torch.cuda.is_available() else 0)")],
                            capture_output=True, text=True, check=False)
