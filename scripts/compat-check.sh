@@ -15,7 +15,7 @@ if [ ! -x "$venv/bin/python" ]; then
     "$venv/bin/python" -m pip install --quiet --upgrade pip
 fi
 "$venv/bin/python" -m pip install --quiet torch==2.11.0 triton==3.6.0 numpy==2.5.2 \
-    typer==0.27.2 click==8.5.0 rich==15.0.0 pandas==3.0.6 "pytest>=8" "pytest-xdist>=3" "hypothesis>=6.100" \
+    typer==0.27.2 click==8.5.0 rich==15.0.0 pandas==3.0.6 "pytest>=8,<9.2" "pytest-xdist>=3" "hypothesis>=6.100" \
     "matplotlib>=3.7" "numba>=0.60" transformers==5.17.0 safetensors  # the lent machine has numba, for splitk
 export PYTHONPATH="$repo${PYTHONPATH:+:$PYTHONPATH}"
 # inductor's cache of its own: kernels another torch built into the shared default
