@@ -235,8 +235,8 @@ class RunOptions:
                          "--format")
     quiet: bool = option(False, "No table, notes or progress; errors only.", "--quiet", "-q")
     dry_run: bool = option(False, "Show every point's phases with their estimated peak "
-                           "memory, and what would be skipped and why; allocate nothing, "
-                           "exit 0.", "--dry-run")
+                           "memory, what would be skipped and the implementations left out, and "
+                           "why; allocate nothing, exit 0.", "--dry-run")
     force: bool = option(False, "Run points whose estimated peak memory does not fit in what "
                          "is available.", "--force")
     host_mem: str | None = option(
