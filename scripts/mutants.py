@@ -120,6 +120,12 @@ def main(argv: list[str]) -> int:
         print("mutants: no module to mutate (name kvbench/... files, or --changed REF)",
               file=sys.stderr)
         return 2
+    import importlib.util
+
+    if importlib.util.find_spec("mutmut") is None:
+        print(f"mutants: mutmut is not installed for {sys.executable}: pip install -e "
+              "\".[mutants]\" there, or run with PYTHON=.venv/bin/python", file=sys.stderr)
+        return 2
     tests = sorted({t for m in modules for t in tests_for(m)})
     copy = Path(tempfile.mkdtemp(prefix="kvbench-mutants-"))
     files = subprocess.run(["git", "ls-files"], cwd=REPO, capture_output=True, text=True,
@@ -147,6 +153,10 @@ def main(argv: list[str]) -> int:
         if ":" in line:
             name, state = line.rsplit(":", 1)
             status[name.strip()] = state.strip()
+    if not status:  # mutmut itself failed: no mutant ran, nothing was shown to be killed
+        print(f"mutants: no mutant ran (mutmut exited {run.returncode}; its copy is kept in "
+              f"{copy}: `{sys.executable} -m mutmut run` there shows why)", file=sys.stderr)
+        return 2
     survivors = [n for n, s in status.items() if s == "survived"]
     counts = {}
     for s in status.values():
