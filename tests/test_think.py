@@ -139,3 +139,18 @@ def test_the_cache_holds_only_what_it_keeps():
     (think,) = result.impls
     assert think.held_bytes == think.cache_bytes == 2 * 12 * (2 + 8) * 4
     assert think.waste(result.theoretical_kv_bytes) == 0
+
+
+def test_a_full_cache_refuses_one_more_position_in_one_line():
+    from kvbench.errors import KvbenchError
+    from kvbench.layers.attention import AttentionLayer, make_inputs
+
+    config = RunConfig(SHAPE)
+    layer, x = AttentionLayer.from_config(config), make_inputs(config)
+    cache = IMPLEMENTATIONS["think"](layer, 2, 41)  # the prompt's 40 and one step
+    with torch.no_grad():
+        cache.prefill(x[:, :40])
+        cache.step(x[:, 40:41])
+        with pytest.raises(KvbenchError, match="cache holds 41 positions; cannot append 1 at 41"):
+            cache.step(x[:, 41:42])
+    assert cache.length == 41

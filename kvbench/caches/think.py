@@ -138,9 +138,6 @@ class ThinKCache(CachedAttention):
         """[B, H_kv, C]: the channels of K each head keeps (verify's gate reads them)."""
         return self.index
 
-    def stats(self):
-        return {"k_channels": self.channels}
-
     def consistency(self):
         """Recorded (verify): the kept channels against a float64 replay of the choice."""
         if not self.record or self.seen is None or self.channels == self.k_cache.shape[-1] \
