@@ -43,6 +43,29 @@ def test_estimates_are_within_25_percent_of_the_measured_peaks(shape, rope):
         assert abs(estimate - measured) <= 0.25 * measured, (phase, estimate, measured)
 
 
+@pytest.mark.parametrize("impls, fields", [
+    ("window", {"window": 16, "sinks": 2}),
+    ("h2o,tova,knorm,snapkv", {"kv_budget": 32}),
+    ("snapkv", {"kv_budget": 32, "kv_compress": "prefill"}),
+    ("snapkv-paged", {"kv_budget": 32, "kv_compress": "prefill", "head_budgets": "duo"}),
+    ("think", {"k_channels": 16}),  # K held at 16 of 64 channels: not the default's D
+], ids=["window", "evicting", "snapkv-prefill", "duo", "think"])
+def test_the_estimates_of_caches_with_options_are_within_25_percent(impls, fields):
+    from dataclasses import replace
+
+    config = RunConfig(replace(SHAPES["gqa"], **fields), rope=True)
+    names, _ = select_impls(impls, config, measure="memory")
+    result = memory(config, names)
+    assert [m.impl for m in result.impls] == impls.split(",")
+    for m in result.impls:
+        for phase, estimate, measured in (
+                ("prefill + decode", m.estimate.cached, m.cached.peak_allocated_bytes),
+                ("decode", m.estimate.decode, m.decode.peak_allocated_bytes),
+                ("held after", m.estimate.storage, m.cached.end_allocated_bytes)):
+            assert abs(estimate - measured) <= 0.25 * measured, (m.impl, phase, estimate,
+                                                                 measured)
+
+
 def test_memory_figures_do_not_depend_on_the_order_of_the_phases(monkeypatch):
     monkeypatch.setitem(IMPLEMENTATIONS, "lazy-workspace", broken.LazyWorkspace)
     config = RunConfig(SHAPES["gqa"])

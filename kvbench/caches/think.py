@@ -19,6 +19,7 @@ import torch
 
 from kvbench.caches.base import CachedAttention, FixedSlots, causal_prefill, register
 from kvbench.errors import KvbenchError
+from kvbench.measure import footprint as fp
 
 WINDOW = 32  # queries that score the channels (kvpress's window_size)
 
@@ -51,6 +52,14 @@ class ThinKCache(CachedAttention):
         C = s.k_channels or s.head_dim
         return (s.batch * s.kv_heads * options.alloc_len(s) * (C + s.head_dim)
                 * config.dtype_bytes)
+
+    @classmethod
+    def footprint(cls, config, options):
+        """The default's (a fused prefill, grouped steps), with K held at C channels."""
+        s, b = config.shape, config.dtype_bytes
+        return fp.preallocated(s, config.rope, b, cls.planned_bytes(config, options),
+                               lambda t: fp.grouped_step(s, config.rope, t) * b,
+                               fp.sdpa_is_fused(config.device, config.dtype, s.head_dim))
 
     @classmethod
     def min_bytes_per_step(cls, config, options):
