@@ -73,8 +73,23 @@ class H2OCache(FixedSlots):
             return (fp.grouped_step(s, config.rope, m) * b + widened * m
                     + s.batch * s.kv_heads * m * 4 + evicts)
 
-        return fp.preallocated(s, config.rope, b, fp.Sizes(s).kv(n) * b + held, step_at,
+        foot = fp.preallocated(s, config.rope, b, fp.Sizes(s).kv(n) * b + held, step_at,
                                fp.sdpa_is_fused(config.device, config.dtype, s.head_dim))
+        length = options.alloc_len(s)
+        if min(s.prompt_len, s.kv_budget or length) == s.prompt_len and not cls.evicts(
+                s, length):
+            return foot  # the prefill keeps the whole prompt: nothing scored
+        scoring = cls.prompt_scoring(s)  # beside the prompt's q, k, v and attention output
+        return fp.ImplFootprint(foot.storage, foot.cached + scoring, foot.prefill + scoring,
+                                foot.decode)
+
+    @classmethod
+    def prompt_scoring(cls, s) -> int:
+        """Bytes the prefill's scoring of the prompt holds at once (see _prompt_scores): a
+        chunk of the prompt's queries' scores and their weights, float32."""
+        T = s.prompt_len
+        chunk = min(T, max(1, 2**23 // (s.batch * s.q_heads * T)))
+        return 2 * s.batch * s.q_heads * chunk * T * 4
 
     def __init__(self, layer, batch, max_len, options=None, lens=None):
         super().__init__(layer, batch, max_len, options, lens)
@@ -275,6 +290,11 @@ class TOVACache(H2OCache):
 
     newest_only = True
 
+    @classmethod
+    def prompt_scoring(cls, s) -> int:
+        """The last query's scores and weights over the prompt, float32."""
+        return 2 * s.batch * s.q_heads * s.prompt_len * 4
+
     def _prompt_scores(self, q, k, v) -> torch.Tensor:
         """The last prompt query's attention over the prompt, averaged over the group's
         query heads: [B, H_kv, T]."""
@@ -300,6 +320,11 @@ class KnormCache(H2OCache):
                    "keys have the lowest L2 norm; lossy")
 
     newest_only = True
+
+    @classmethod
+    def prompt_scoring(cls, s) -> int:
+        """K in float32, for its norms."""
+        return s.batch * s.kv_heads * s.prompt_len * s.head_dim * 4
 
     def _prompt_scores(self, q, k, v) -> torch.Tensor:
         return -k.float().norm(dim=-1)  # [B, H_kv, T]
@@ -374,6 +399,13 @@ class SnapKVCache(H2OCache):
         self.window = torch.zeros(batch, layer.shape.kv_heads, R, self.n_slots,
                                   dtype=torch.float32, device=layer.device)
         self._window_weights = None  # the prompt's window, between scoring and keeping
+
+    @classmethod
+    def prompt_scoring(cls, s) -> int:
+        """The window's queries' scores and weights over the prompt, float32."""
+        R = min(s.prompt_len, s.kv_recent if s.kv_recent is not None else cls.default_recent(
+            min(s.prompt_len, s.kv_budget or s.prompt_len)))
+        return 2 * s.batch * s.q_heads * R * s.prompt_len * 4
 
     def _prompt_scores(self, q, k, v) -> torch.Tensor:
         """The window's attention [B, H_kv, T], the older positions' pooled."""
@@ -484,6 +516,11 @@ class ExpectedAttentionCache(H2OCache):
         p = (logits - self.expectation[2][..., None]).view(B, Hkv, Hq // Hkv, T)
         return (torch.logsumexp(p, dim=2) - math.log(Hq // Hkv)
                 + v.float().norm(dim=-1).log())
+
+    @classmethod
+    def prompt_scoring(cls, s) -> int:
+        """Each query head's copy of K and K·Σ ([B, H_q, T, D], float32) for the logits."""
+        return 2 * s.batch * s.q_heads * s.prompt_len * s.head_dim * 4
 
     def _prompt_scores(self, q, k, v):
         T = q.shape[2]

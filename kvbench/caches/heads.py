@@ -154,8 +154,11 @@ class SnapKVPagedCache(CachedAttention):
         R = min(s.prompt_len, s.kv_recent or SnapKVCache.default_recent(s.kv_budget or 2))
         scoring = s.batch * s.q_heads * R * s.prompt_len * 4 * 2
 
-        def step_at(t: int) -> int:  # the heads' K/V gathered, then grouped attention
-            return fp.grouped_step(s, config.rope, t) * b + 2 * s.batch * s.kv_heads * t * (
+        def step_at(t: int) -> int:
+            # the heads' K/V (and positions) gathered at the widest a head holds, then
+            # grouped attention over them
+            w = cls.longest_head(s, t) if s.kv_budget is not None else t
+            return fp.grouped_step(s, config.rope, w) * b + 2 * s.batch * s.kv_heads * w * (
                 s.head_dim * b + 8)
 
         foot = fp.preallocated(s, config.rope, b, storage, step_at,
