@@ -23,6 +23,7 @@ equivalent rewrite) is listed with the reason in the change's notes.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import re
 import shutil
@@ -122,8 +123,6 @@ def main(argv: list[str]) -> int:
         print("mutants: no module to mutate (name kvbench/... files, or --changed REF)",
               file=sys.stderr)
         return 2
-    import importlib.util
-
     if importlib.util.find_spec("mutmut") is None:
         print(f"mutants: mutmut is not installed for {sys.executable}: pip install -e "
               "\".[mutants]\" there, or run with PYTHON=.venv/bin/python", file=sys.stderr)

@@ -369,9 +369,16 @@ class CachedAttention(ABC):
                 s, config.rope, b, cls.planned_bytes(config, options),
                 lambda t: fp.grouped_step(s, config.rope, t) * b + fp.dequantized_read(s, t, b),
                 fused)
-        return fp.preallocated(
-            s, config.rope, b, fp.Sizes(s).kv(options.alloc_len(s)) * b,
-            lambda t: fp.grouped_step(s, config.rope, t) * b, fused)
+        return cls.grouped_footprint(config, fp.Sizes(s).kv(options.alloc_len(s)) * b)
+
+    @classmethod
+    def grouped_footprint(cls, config: RunConfig, storage: int) -> fp.ImplFootprint:
+        """`storage` bytes allocated up front, filled by SDPA's causal prefill, then grouped
+        matmul steps."""
+        s, b = config.shape, config.dtype_bytes
+        return fp.preallocated(s, config.rope, b, storage,
+                               lambda t: fp.grouped_step(s, config.rope, t) * b,
+                               fp.sdpa_is_fused(config.device, config.dtype, s.head_dim))
 
     @classmethod
     def reserved_lens(cls, config: RunConfig, options: ImplOptions) -> tuple[int, ...]:

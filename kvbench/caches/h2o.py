@@ -402,9 +402,10 @@ class SnapKVCache(H2OCache):
 
     @classmethod
     def prompt_scoring(cls, s) -> int:
-        """The window's queries' scores and weights over the prompt, float32."""
+        """The window's queries' scores and weights over the prompt, float32 (the window as
+        the cache sets it: --kv-recent, else its default for the budget)."""
         R = min(s.prompt_len, s.kv_recent if s.kv_recent is not None else cls.default_recent(
-            min(s.prompt_len, s.kv_budget or s.prompt_len)))
+            s.kv_budget or s.prompt_len))
         return 2 * s.batch * s.q_heads * R * s.prompt_len * 4
 
     def _prompt_scores(self, q, k, v) -> torch.Tensor:

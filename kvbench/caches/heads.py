@@ -150,9 +150,7 @@ class SnapKVPagedCache(CachedAttention):
     def footprint(cls, config, options):
         s, b = config.shape, config.dtype_bytes
         storage = cls.planned_bytes(config, options)
-        # the prompt's scoring: the window's weights over the prompt, per query head
-        R = min(s.prompt_len, s.kv_recent or SnapKVCache.default_recent(s.kv_budget or 2))
-        scoring = s.batch * s.q_heads * R * s.prompt_len * 4 * 2
+        scoring = SnapKVCache.prompt_scoring(s)  # the window's weights over the prompt
 
         def step_at(t: int) -> int:
             # the heads' K/V (and positions) gathered at the widest a head holds, then

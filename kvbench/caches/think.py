@@ -19,7 +19,6 @@ import torch
 
 from kvbench.caches.base import CachedAttention, FixedSlots, causal_prefill, register
 from kvbench.errors import KvbenchError
-from kvbench.measure import footprint as fp
 
 WINDOW = 32  # queries that score the channels (kvpress's window_size)
 
@@ -55,11 +54,8 @@ class ThinKCache(CachedAttention):
 
     @classmethod
     def footprint(cls, config, options):
-        """The default's (a fused prefill, grouped steps), with K held at C channels."""
-        s, b = config.shape, config.dtype_bytes
-        return fp.preallocated(s, config.rope, b, cls.planned_bytes(config, options),
-                               lambda t: fp.grouped_step(s, config.rope, t) * b,
-                               fp.sdpa_is_fused(config.device, config.dtype, s.head_dim))
+        """The default's, with K held at C channels."""
+        return cls.grouped_footprint(config, cls.planned_bytes(config, options))
 
     @classmethod
     def min_bytes_per_step(cls, config, options):

@@ -23,9 +23,9 @@ if TYPE_CHECKING:
 def _preflight(o: RunOptions, command: str, points, impl_options, bench_options=None,
                plan_of=None, notes=()):
     """Each point's memory plan (plan_of(config, names), by default one layer's). --dry-run
-    shows them all, and the notes on what the run leaves out, and exits 0. Otherwise the points that fit are returned with the plans of
-    those that do not (each named on stderr); when none fits, one line and exit 2. --force
-    runs them all."""
+    shows them all and the notes on what the run leaves out, and exits 0. Otherwise the
+    points that fit are returned with the plans of those that do not (each named on stderr);
+    when none fits, one line and exit 2. --force runs them all."""
     from kvbench.measure import distributed
     from kvbench.planning import preflight
     from kvbench.report import render
