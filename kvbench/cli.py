@@ -223,7 +223,7 @@ app.command("serve-sim", cls=_Command, epilog=EXIT_CODES, help=_unwrap("""
 @command
 def tune(
     dtype: Annotated[str, typer.Option(help="float16|fp16, bfloat16|bf16 or float32|fp32.")] = "float16",
-    kv_dtype: Annotated[str, typer.Option(help="K/V formats to tune: a comma list of none (the activation dtype), fp8, int8, int4, int2.")] = "none,int8,fp8,int4",
+    kv_dtype: Annotated[str, typer.Option(help="K/V formats to tune, in this order: a comma list of none (the activation dtype), fp8, int8, int4, int2.")] = "none,fp8,int8,int4",
     block_size: Annotated[str, typer.Option(help="Page (block) sizes to tune, a comma list.")] = "16",
     budget: Annotated[float, typer.Option(help="Seconds the search may take; past them the best so far is kept.")] = 150.0,
     rounds: Annotated[int, typer.Option(help="Timed rounds per configuration (median).")] = 9,
@@ -234,6 +234,7 @@ def tune(
     no_csv: Annotated[bool, typer.Option("--no-csv", metavar="", help="Write no results file.")] = False,
     format: Annotated[str, typer.Option("--format", help="table, csv or json (the rows on stdout).")] = "table",
     quiet: Annotated[bool, typer.Option("--quiet", "-q", metavar="", help="Print nothing but errors (and --format's rows).")] = False,
+    inspect: Annotated[bool, typer.Option("--inspect", metavar="", help="Compile every decode kernel for sm_90 (H100/H200) at the long shape in each K/V format's configuration and report its registers, spills, shared memory, programs per SM, K/V tiles in flight and load widths; needs no GPU, times nothing, writes no file.")] = False,
 ):
     """Search the Triton decode kernel's launch configuration on this GPU.
 
@@ -245,6 +246,9 @@ def tune(
     """
     from kvbench.experiments import tune as tuner
 
+    if inspect:
+        tuner.inspect_command(format, quiet)
+        return
     tuner.command(device, dtype, kv_dtype, block_size, rehearse, budget, rounds, table, csv,
                   no_csv, format, quiet)
 

@@ -96,11 +96,13 @@ def test_the_kernel_reads_its_device_s_entry_and_ignores_others(tmp_path, monkey
                  {"config": KernelConfig(block_n=32)}}, table)
     assert tuning.lookup("NVIDIA H200", "float16", "int8", 128, 4, 16, table) == (
         KernelConfig(block_n=128, num_warps=8, waves=1), True)
-    # another format, another device, another page: the default
+    # another format, another device, another page: that format's default
     for args in (("NVIDIA H200", "float16", None, 128, 4, 16),
                  ("NVIDIA H100", "float16", "int8", 128, 4, 16),
                  ("NVIDIA H200", "float16", "int8", 128, 4, 64)):
-        assert tuning.lookup(*args, path=table) == (tuning.DEFAULT, False)
+        assert tuning.lookup(*args, path=table) == (tuning.default("gqa", args[2]), False)
+    assert tuning.lookup("NVIDIA H100", "float16", "fp8", 576, 128, 64, table,
+                         kernel="mla") == (tuning.DEFAULTS[("mla", "fp8")], False)
     from kvbench.measure import device
 
     monkeypatch.setattr(device, "device_name", lambda dev: "NVIDIA H100")

@@ -190,7 +190,7 @@ class TritonCache(KernelLengths, PagedCache):
 
 
 def kernel_config(device: str, dtype: str, kv_dtype: str | None, head_dim: int, group: int,
-                  page: int):
+                  page: int, kernel: str = "gqa"):
     """The tuning table's configuration for this case on this device (CUDA), else the
     default (the CPU's interpreter has no launch parameters to tune)."""
     from kvbench.kernels import tuning
@@ -199,4 +199,4 @@ def kernel_config(device: str, dtype: str, kv_dtype: str | None, head_dim: int, 
     if dev.type != "cuda":
         return tuning.DEFAULT
     name = torch.cuda.get_device_name(dev)
-    return tuning.lookup(name, dtype, kv_dtype, head_dim, group, page)[0]
+    return tuning.lookup(name, dtype, kv_dtype, head_dim, group, page, kernel=kernel)[0]

@@ -52,7 +52,7 @@ class TritonMlaCache(KernelLengths, Absorbed, PagedCache):
     def kernel_config(cls, config, options):
         s = config.shape
         return kernel_config(config.device, config.dtype, options.kv_dtype, s.mla.entry_dim,
-                             s.q_heads, options.block_size)
+                             s.q_heads, options.block_size, kernel="mla")
 
     def __init__(self, layer, batch, max_len, options=None, lens=None):
         super().__init__(layer, batch, max_len, options, lens)
@@ -63,7 +63,7 @@ class TritonMlaCache(KernelLengths, Absorbed, PagedCache):
         self.units = triton_mla.units(s.q_heads)
         config = kernel_config(layer.device, str(layer.dtype).replace("torch.", ""),
                                self.options.kv_dtype, s.mla.entry_dim, s.q_heads,
-                               self.options.block_size)
+                               self.options.block_size, kernel="mla")
         self.launch = triton_decode.Launch.make(batch, s.q_heads, s.mla.kv_lora_rank,
                                                 max_len, self.units, layer.device, config,
                                                 self.options.splits or 0)

@@ -34,7 +34,7 @@ from kvbench.report.render import _table, note, out, warn
 SEARCH = {  # the candidates of each dimension, searched in this order
     "block_n": (32, 64, 128),
     "num_warps": (4, 8),
-    "num_stages": (1, 2, 3),
+    "num_stages": (2, 3, 4),
     "waves": (1, 2, 4),
 }
 REHEARSAL_SEARCH = {"block_n": (16, 32), "num_warps": (4,), "num_stages": (2,), "waves": (1, 2)}
@@ -115,6 +115,7 @@ class TuneResult:
 def run(device: str, dtype: str, kv_dtypes: list[str | None], pages: list[int],
         rehearse: bool, budget_s: float, rounds: int = 9, seed: int = 0) -> TuneResult:
     from kvbench.caches.triton import prepare
+    from kvbench.kernels import tuning
     from kvbench.measure import bandwidth
     from kvbench.measure.device import device_name, torch_dtype
     from kvbench.measure.timing import time_samples
@@ -134,12 +135,17 @@ def run(device: str, dtype: str, kv_dtypes: list[str | None], pages: list[int],
     search = REHEARSAL_SEARCH if rehearse else SEARCH
     for kv in kv_dtypes:
         for page in pages:
+            if time.perf_counter() - start > budget_s:  # no cache built for a format unreached
+                result.out_of_time = True
+                break
             benches = [_Bench(c, kv, page, device, torch_dtype(dtype), seed) for c in
                        cases(rehearse, seed)]
+            # from the format's default on a GPU; a rehearsal from the interpreter's
+            origin = tuning.DEFAULT if rehearse else tuning.default("gqa", kv)
             best, seen = None, set()
             for dim, values in search.items():
                 for value in values:
-                    config = replace(best or KernelConfig(), **{dim: value})
+                    config = replace(best or origin, **{dim: value})
                     if config in seen:
                         continue
                     seen.add(config)
@@ -425,3 +431,54 @@ def tune_rows(result, cases, stamp: str, env: dict[str, object]) -> list[dict[st
             "shared_bytes": t.shared,
             "best": result.best.get((t.kv_dtype, t.page)) == t.config, **env})
     return rows
+
+
+# ------------------------------------------------------------- --inspect
+
+
+def inspect_command(format: str, quiet: bool) -> list:
+    """`kvbench tune --inspect`: every decode kernel compiled for sm_90 here and read."""
+    from kvbench.kernels import inspection
+    from kvbench.report import render
+
+    if format not in ("table", "csv", "json"):
+        raise KvbenchError(f"--format {format!r}: use table, csv or json")
+    if reason := inspection.unavailable():
+        raise KvbenchError(reason)
+    with render.status("tune --inspect: compiling the decode kernels for sm_90") if not quiet \
+            else contextlib.nullcontext():
+        rows = inspection.inspect()
+    if format != "table":
+        render.machine_output([r.row() for r in rows], inspection.COLUMNS, format)
+    elif not quiet:
+        out.print(inspect_table(rows))
+    if not quiet:
+        for line in inspection.shortfalls(rows):
+            warn(line)
+    return rows
+
+
+def inspect_table(rows) -> Table:
+    from kvbench.kernels import inspection
+
+    s = inspection.LONG
+    t = _table(f"tune --inspect  sm_90 (H100/H200), B={s['batch']} T={s['length']:,} "
+               f"H_q={s['q_heads']} H_kv={s['kv_heads']} D={s['head_dim']}, pages of "
+               f"{s['page']}")
+    for name in ("kernel", "K/V", "config", "regs", "spill", "smem", "prog/SM", "in flight",
+                 "early", "vector", "scalar", "byte", "buffer"):
+        t.add_column(name, justify="left" if name in ("kernel", "K/V", "config") else "right",
+                     no_wrap=True)
+    for r in rows:
+        t.add_row(r.kernel, r.kv_format, r.config, str(r.registers), str(r.spills),
+                  f"{r.shared_bytes:,}", str(r.programs_per_sm), str(r.tiles_in_flight),
+                  "yes" if r.issued_early else "no", str(r.vector_loads), str(r.scalar_loads),
+                  str(r.byte_loads), f"{r.buffer_bytes:,}")
+    t.caption = ("config: BLOCK_N/warps/stages/waves (each format's default); regs a thread; "
+                 "spill: stack bytes a thread; smem: shared bytes a program; prog/SM: programs "
+                 "an SM holds at those; in flight: K/V tiles a program has on their way while "
+                 "it computes; early: a load issued before the loop's first dot; vector, "
+                 "scalar, byte: global load instructions of >= 8, < 8 and 1 byte a thread; "
+                 "buffer: one stage of the loop's shared K/V buffers, bytes. MLA: "
+                 "DeepSeek-V3's 128 heads, 512 + 64 latent, pages of 64")
+    return t

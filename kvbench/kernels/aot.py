@@ -13,6 +13,7 @@ Triton's API, no cuobjdump), the answer is None and the report says so.
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import subprocess
@@ -37,17 +38,19 @@ def request(kernel: str, arg_names: list[str], args: tuple, constants: dict,
         constants = {**constants, "WIDEN": False, "STATIC_TILES": 0,
                      "DOT_PRECISION": "ieee" if dtype == torch.float32 else "tf32"}
     options = {k: constants[k] for k in ("num_warps", "num_stages") if k in constants}
-    signature = {}
+    signature, values = {}, {}
     for name, value in zip(arg_names, args):
         if isinstance(value, torch.Tensor):
             signature[name] = "*" + TYPES[str(value.dtype).replace("torch.", "")]
+            values[name] = value.data_ptr() % 16 == 0  # the JIT's alignment specialization
         elif isinstance(value, float):
             signature[name] = "fp32"
         else:
             signature[name] = "i32"
+            values[name] = int(value)  # specialized as the JIT does: 1, or divisible by 16
     consts = {k: v for k, v in constants.items() if k not in options}
     return {"kernel": kernel, "function": function, "signature": signature,
-            "constexprs": consts, "options": options}
+            "values": values, "constexprs": consts, "options": options}
 
 
 def cache_requests(cache, q) -> list[dict]:
@@ -68,20 +71,57 @@ def cache_requests(cache, q) -> list[dict]:
 def resources(requests: list[dict], arch: int = 90, timeout_s: float = 600) -> list:
     """(registers, spill bytes, shared bytes) per request, compiled for sm_`arch` in a child
     process without the interpreter; None for each that could not be compiled."""
+    return [None if a is None else (a["registers"], a["spills"], a["shared_bytes"])
+            for a in anatomies(requests, arch, timeout_s)]
+
+
+def anatomies(requests: list[dict], arch: int = 90, timeout_s: float = 600) -> list:
+    """What each request's kernel compiles to for sm_`arch` (`anatomy`'s dict), in a child
+    process without the interpreter; None for each that could not be compiled."""
     if not requests:
         return []
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # (3.9 warns where unset; 1 = its default)
     try:
         done = subprocess.run([sys.executable, "-m", "kvbench.kernels.aot", str(arch)],
                               input=json.dumps(requests), capture_output=True, text=True,
                               env=env, timeout=timeout_s, check=False)
     except (OSError, subprocess.SubprocessError):
         return [None] * len(requests)
-    answers = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("[")
+    answers = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")
                or line == "null"]
     if len(answers) != len(requests):
         return [None] * len(requests)
-    return [None if a is None else tuple(a) for a in answers]
+    return answers
+
+
+def _specialized(jit, req: dict):
+    """(signature, constexprs, attrs) of ASTSource for the request, specialized as Triton's
+    JIT specializes a launch: an int argument of 1 becomes a constant, one divisible by 16
+    and every 16-byte-aligned pointer gets tt.divisibility 16 (what lets the compiler issue
+    wide, asynchronous loads), except where the kernel says do_not_specialize."""
+    names = list(jit.arg_names)
+    signature, constexprs, attrs = {}, {}, {}
+    for i, param in enumerate(jit.params):
+        name = param.name
+        if name in req["constexprs"]:
+            signature[name], constexprs[(i,)] = "constexpr", req["constexprs"][name]
+            continue
+        kind, value = req["signature"][name], req.get("values", {}).get(name)
+        signature[name] = kind
+        if value is None or param.do_not_specialize:
+            continue
+        if kind.startswith("*"):
+            divisible = value is True
+        elif value == 1:
+            signature[name], constexprs[(i,)] = "constexpr", 1
+            continue
+        else:
+            divisible = value % 16 == 0
+        if divisible and not param.do_not_specialize_on_alignment:
+            attrs[(i,)] = [["tt.divisibility", 16]]
+    assert len(signature) == len(names)
+    return signature, constexprs, attrs
 
 
 def _compile(req: dict, arch: int):
@@ -92,11 +132,9 @@ def _compile(req: dict, arch: int):
 
     module = importlib.import_module(KERNELS[req["kernel"]])
     jit = getattr(module, req["function"])
-    names = list(jit.arg_names)
-    signature = {n: ("constexpr" if n in req["constexprs"] else req["signature"][n])
-                 for n in names}
-    constexprs = {(names.index(n),): v for n, v in req["constexprs"].items()}
-    src = triton.compiler.ASTSource(fn=jit, signature=signature, constexprs=constexprs)
+    signature, constexprs, attrs = _specialized(jit, req)
+    src = triton.compiler.ASTSource(fn=jit, signature=signature, constexprs=constexprs,
+                                    attrs=attrs)
     compiled = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=req["options"])
     tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin",
                         "cuobjdump")
@@ -106,10 +144,83 @@ def _compile(req: dict, arch: int):
             f.write(compiled.asm["cubin"])
         usage = subprocess.run([tool, "--dump-resource-usage", path], capture_output=True,
                                text=True, timeout=60, check=False).stdout
-    regs, local = re.search(r"REG:(\d+)", usage), re.search(r"LOCAL:(\d+)", usage)
+    regs = re.search(r"REG:(\d+)", usage)
     if regs is None:
         return None
-    return [int(regs.group(1)), int(local.group(1)) if local else 0, compiled.metadata.shared]
+    # spills: ptxas spills to the thread's stack frame (STACK); LOCAL is other local memory
+    frame = sum(int(m.group(1)) for m in re.finditer(r"(?:STACK|LOCAL):(\d+)", usage))
+    return {"registers": int(regs.group(1)), "spills": frame,
+            "shared_bytes": compiled.metadata.shared,
+            "num_warps": compiled.metadata.num_warps,
+            **anatomy(compiled.asm["ttgir"], compiled.asm["ptx"])}
+
+
+def _loop(ttgir: str) -> list[str]:
+    """The lines of the first scf.for whose body has a dot: the kernel's tile loop."""
+    lines = ttgir.splitlines()
+    for i, line in enumerate(lines):
+        if "scf.for" not in line or "=" not in line.split("scf.for")[0]:
+            continue
+        indent = len(line) - len(line.lstrip())
+        body = []
+        for other in lines[i + 1:]:
+            if other.strip().startswith("}") and len(other) - len(other.lstrip()) == indent:
+                break
+            body.append(other)
+        if any(" tt.dot " in b or "warp_group_dot" in b for b in body):
+            return body
+    return []
+
+
+_BUFFER = re.compile(r"= ttg\.local_alloc\s*:\s*\(\)\s*->\s*!ttg\.memdesc<(\d+)x([0-9x]+)x"
+                     r"(f16|bf16|f32|i8|i32|f8E4M3FN)\b[^>]*mutable")
+_TILE_LOAD = re.compile(r"%([\w.]+) = tt\.load .*: tensor<(\d+)x(\d+)x!tt\.ptr")
+_ELEMENT = {"f16": 2, "bf16": 2, "f32": 4, "i8": 1, "i32": 4, "f8E4M3FN": 1}
+_LOAD = re.compile(r"\bld\.global(?:\.[a-z]+)*?(?:\.v(\d))?\.[bfsu](\d+)\b")
+_CP_ASYNC = re.compile(r"\bcp\.async\.c[ag]\.shared\.global\s*\[[^\]]*\],\s*\[[^\]]*\],"
+                       r"\s*(0x[0-9a-fA-F]+|\d+)")
+
+
+def anatomy(ttgir: str, ptx: str) -> dict:
+    """How the compiled tile loop moves K/V, read from Triton's GPU IR and the PTX.
+
+    tiles_in_flight: the K/V tiles one program can have on their way while it computes: the
+    fewest shared-memory stages over the loop's asynchronous copy buffers; a tile stream
+    loaded synchronously in the loop counts 1, or 2 when its load is for the next iteration
+    (its value carried by scf.yield). issued_early: the loop issues a load (or copy) before
+    its first dot. vector_loads, scalar_loads: global load instructions in the PTX (cp.async
+    included) moving at least 8 bytes a thread, and fewer; byte_loads: those of one byte (a
+    code loaded byte by byte). buffer_bytes: the bytes of one
+    stage of every pipelined buffer."""
+    body = _loop(ttgir)
+    stages, buffer_bytes = [], 0
+    for m in _BUFFER.finditer(ttgir):
+        dims = [int(d) for d in m.group(2).split("x")]
+        stages.append(int(m.group(1)))
+        buffer_bytes += math.prod(dims) * _ELEMENT[m.group(3)]
+    text = "\n".join(body)
+    copies = "async_copy_global_to_local" in text
+    yielded = next((b for b in body if "scf.yield" in b), "")
+    streams = [min(stages, default=1)] if copies else []
+    for b in body:  # tile loads (2-D, both dims > 1 except a K/V row of scales) in the loop
+        m = _TILE_LOAD.search(b)
+        if m and int(m.group(2)) > 1 and int(m.group(3)) > 1:
+            streams.append(2 if f"%{m.group(1)}" in yielded.split(":")[0] else 1)
+    first_dot = next((i for i, b in enumerate(body) if " tt.dot " in b
+                      or "warp_group_dot" in b), len(body))
+    first_load = next((i for i, b in enumerate(body) if "tt.load" in b
+                       or "async_copy_global_to_local" in b), len(body))
+    vector = scalar = single = 0
+    for m in _LOAD.finditer(ptx):
+        width = int(m.group(1) or 1) * int(m.group(2)) // 8
+        vector, scalar = (vector + 1, scalar) if width >= 8 else (vector, scalar + 1)
+        single += width == 1
+    for m in _CP_ASYNC.finditer(ptx):
+        wide = int(m.group(1), 0) >= 8
+        vector, scalar = (vector + 1, scalar) if wide else (vector, scalar + 1)
+    return {"tiles_in_flight": min(streams, default=0), "issued_early": first_load < first_dot,
+            "vector_loads": vector, "scalar_loads": scalar, "byte_loads": single,
+            "buffer_bytes": buffer_bytes}
 
 
 def main() -> None:

@@ -144,6 +144,41 @@ def _dequantized(C, S, Z, slot_c, slot_m, offs_d, mask, BITS: tl.constexpr,
     return q.to(tl.float32) * s + z
 
 
+def _int_meta(S, Z, slot_m, valid, NG: tl.constexpr):
+    """A tile's scales and zero points, [BLOCK_N, NG] each, as stored (fp16)."""
+    groups = slot_m[:, None] + tl.arange(0, NG)[None, :]
+    return (tl.load(S + groups, mask=valid[:, None], other=0.0),
+            tl.load(Z + groups, mask=valid[:, None], other=0.0))
+
+
+def _int_rows(C, s, z, slot, valid, BITS: tl.constexpr, GROUP: tl.constexpr,
+              D: tl.constexpr, BLOCK_N: tl.constexpr, MATH: tl.constexpr):
+    """[BLOCK_N, D] values (in MATH) of a grouped int pool whose D and GROUP are powers of
+    two: each position's codes loaded packed, as the D·BITS/8 contiguous bytes they take
+    (wide loads, not a byte per element), unpacked in registers (element i of a byte at
+    bits i·BITS), then x = c·s + z with each group's scale and zero point (s, z [BLOCK_N,
+    groups], from `_int_meta`) broadcast over it."""
+    PER: tl.constexpr = 8 // BITS  # codes a byte
+    W: tl.constexpr = D // PER  # bytes a position
+    NG: tl.constexpr = D // GROUP
+    MASK: tl.constexpr = (1 << BITS) - 1
+    raw = tl.load(C + slot[:, None] + tl.arange(0, W)[None, :], mask=valid[:, None],
+                  other=0)  # [BLOCK_N, W] uint8
+    if PER == 1:
+        c = raw  # (converted straight to float: no int32 copy of the tile)
+    elif PER == 2:  # [N, W, 2] -> [N, D]: element 2w + i
+        raw = raw.to(tl.int32)
+        c = tl.reshape(tl.join(raw & MASK, raw >> BITS), (BLOCK_N, D))
+    else:  # 4 a byte: [N, W, 2, 2] -> [N, D], element 4w + 2a + b at [w, a, b]
+        raw = raw.to(tl.int32)
+        c = tl.reshape(tl.join(tl.join(raw & MASK, (raw >> 2 * BITS) & MASK),
+                               tl.join((raw >> BITS) & MASK, (raw >> 3 * BITS) & MASK)),
+                       (BLOCK_N, D))
+    s = tl.reshape(tl.broadcast_to(s.to(MATH)[:, :, None], (BLOCK_N, NG, GROUP)), (BLOCK_N, D))
+    z = tl.reshape(tl.broadcast_to(z.to(MATH)[:, :, None], (BLOCK_N, NG, GROUP)), (BLOCK_N, D))
+    return c.to(MATH) * s + z
+
+
 def _stage1(Q, K, V, Table, Lengths, Acc, M, L, KS, KZ, VS, VZ, scale, batch, target, fixed,
             stride_qb, stride_qh, stride_kn, stride_kh, stride_kt, stride_tb,
             stride_ab, stride_ah, stride_as, stride_mb, stride_mh,
@@ -152,12 +187,13 @@ def _stage1(Q, K, V, Table, Lengths, Acc, M, L, KS, KZ, VS, VZ, scale, batch, ta
             BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr, PAGE: tl.constexpr,
             SPLITS: tl.constexpr, UNITS: tl.constexpr, DOT_PRECISION: tl.constexpr,
             WIDEN: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr,
-            GROUPED: tl.constexpr, BLOCK_J: tl.constexpr, FP8: tl.constexpr,
-            STATIC_TILES: tl.constexpr):
+            PACKED: tl.constexpr, FP8: tl.constexpr,
+            STATIC_TILES: tl.constexpr, AHEAD: tl.constexpr = True):
     """BITS = 0: K and V pools in the activation dtype. FP8: float8 e4m3 pools, KS and VS one
     float32 scale per KV head. BITS = 8, 4 or 2: pools of codes with fp16 scale (KS, VS) and
-    zero-point (KZ, VZ) pools of strides stride_s*, one per GROUP elements; GROUPED: GROUP is
-    a power of two >= 16, so each group is its own tl.dot.
+    zero-point (KZ, VZ) pools of strides stride_s*, one per GROUP elements; PACKED: D and
+    GROUP are powers of two, so a tile's codes load packed and dequantize as whole rows
+    (`_int_rows`); otherwise element by element (`_dequantized`).
 
     STATIC_TILES = 0: the loop runs over the split's tiles, bounds known at run time (compiled
     kernels). STATIC_TILES = N > 0: N tiles from the split's first, those past its end
@@ -186,19 +222,46 @@ def _stage1(Q, K, V, Table, Lengths, Acc, M, L, KS, KZ, VS, VZ, scale, batch, ta
     if FP8:  # K's scale folded into the softmax scale; V's applied to the output at the end
         qk_scale = scale * tl.load(KS + h)
     dtype = Q.dtype.element_ty
-    NG: tl.constexpr = (D + GROUP - 1) // GROUP
-    offs_j = tl.arange(0, BLOCK_J)  # a group's elements (GROUPED)
+    # the int formats' c·s + z in the activation dtype (its registers: half of float32's
+    # for a 16-bit dtype), in float32 where the interpreter widens
+    MATH: tl.constexpr = tl.float32 if WIDEN else dtype
 
     m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
+    # The first tile's block ids here; each iteration fetches the next tile's before this
+    # tile's K/V. Loaded in the same iteration, the ids would put the K/V copies behind an
+    # indirect load, which Triton's pipeliner gives (num_stages - 1) / 2 stages of latency:
+    # one K/V buffer at num_stages 2-4. Loop-carried, the copies get num_stages - 1 buffers.
     # (the bound written in the range itself: 3.6's interpreter fails on it through a variable)
+    # The int formats' scales and zero points are fetched ahead with the ids (small loads
+    # that would otherwise stall each tile). AHEAD = False loads both in the iteration that
+    # uses them (the kernel before; the inspection's planted fault).
+    NG: tl.constexpr = D // GROUP
+    block, off, valid = _tile(Table, b, first, tl.where(first < end, length, 0), stride_tb,
+                              BLOCK_N, PAGE)
+    if PACKED:
+        slot_m = block * stride_sn + h * stride_sh + off * stride_st
+        ks, kz = _int_meta(KS, KZ, slot_m, valid, NG)  # [BLOCK_N, NG] each
+        vs, vz = _int_meta(VS, VZ, slot_m, valid, NG)
     for i in range(STATIC_TILES if STATIC_TILES > 0 else end - first):
         t = first + i
-        block, off, valid = _tile(Table, b, t, tl.where(t < end, length, 0), stride_tb,
-                                  BLOCK_N, PAGE)
+        if AHEAD:
+            nblock, noff, nvalid = _tile(Table, b, t + 1, tl.where(t + 1 < end, length, 0),
+                                         stride_tb, BLOCK_N, PAGE)
+            if PACKED:
+                nslot_m = nblock * stride_sn + h * stride_sh + noff * stride_st
+                nks, nkz = _int_meta(KS, KZ, nslot_m, nvalid, NG)
+                nvs, nvz = _int_meta(VS, VZ, nslot_m, nvalid, NG)
+        else:
+            block, off, valid = _tile(Table, b, t, tl.where(t < end, length, 0), stride_tb,
+                                      BLOCK_N, PAGE)
+            if PACKED:
+                slot_m = block * stride_sn + h * stride_sh + off * stride_st
+                ks, kz = _int_meta(KS, KZ, slot_m, valid, NG)
+                vs, vz = _int_meta(VS, VZ, slot_m, valid, NG)
         slot = block * stride_kn + h * stride_kh + off * stride_kt  # [BLOCK_N]
-        slot_m = block * stride_sn + h * stride_sh + off * stride_st  # (grouped int pools)
+        slot_m = block * stride_sn + h * stride_sh + off * stride_st  # (element-wise int)
         kmask = valid[None, :] & mask_d[:, None]
         if BITS == 0:
             k = tl.load(K + slot[None, :] + offs_d[:, None], mask=kmask, other=0.0)
@@ -207,24 +270,10 @@ def _stage1(Q, K, V, Table, Lengths, Acc, M, L, KS, KZ, VS, VZ, scale, batch, ta
             if WIDEN:
                 k = k.to(tl.float32)
             scores = tl.dot(q, k, input_precision=DOT_PRECISION)  # [BLOCK_G, BLOCK_N]
-        elif GROUPED:
-            # x = c·s + z per group: q·x = s·(q·c) + z·Σq over the group's elements
-            scores = tl.zeros([BLOCK_G, BLOCK_N], dtype=tl.float32)
-            for j in tl.static_range(NG):
-                dims = j * GROUP + offs_j
-                dmask = dims < D
-                q_j = tl.load(q_ptrs + dims[None, :], mask=mask_g[:, None] & dmask[None, :],
-                              other=0.0)  # [BLOCK_G, GROUP]
-                c_j = _codes(K, slot[None, :], dims[:, None],
-                             valid[None, :] & dmask[:, None], BITS)  # [GROUP, N]
-                if WIDEN:  # (the interpreter's int -> bfloat16 conversion is wrong)
-                    q_j, c_j = q_j.to(tl.float32), c_j.to(tl.float32)
-                else:
-                    c_j = c_j.to(dtype)
-                s_j = tl.load(KS + slot_m + j, mask=valid, other=0.0).to(tl.float32)
-                z_j = tl.load(KZ + slot_m + j, mask=valid, other=0.0).to(tl.float32)
-                part = tl.dot(q_j, c_j, input_precision=DOT_PRECISION)
-                scores += part * s_j[None, :] + tl.sum(q_j.to(tl.float32), 1)[:, None] * z_j[None, :]
+        elif PACKED:  # dequantized in registers, then one dot as for the activation dtype
+            k = tl.trans(_int_rows(K, ks, kz, slot, valid, BITS, GROUP, D, BLOCK_N, MATH))
+            k = k.to(tl.float32 if WIDEN else dtype)  # [D, BLOCK_N]
+            scores = tl.dot(q, k, input_precision=DOT_PRECISION)
         else:
             k = _dequantized(K, KS, KZ, slot, slot_m, offs_d, kmask, BITS, GROUP).to(dtype)
             if WIDEN:
@@ -246,21 +295,10 @@ def _stage1(Q, K, V, Table, Lengths, Acc, M, L, KS, KZ, VS, VZ, scale, batch, ta
             if WIDEN:
                 v = v.to(tl.float32)
             acc += tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-        elif GROUPED:
-            # Σ_n p·(c·s + z) = (p·s)·c + Σ_n p·z for each group's elements
-            for j in tl.static_range(NG):
-                in_j = (offs_d >= j * GROUP) & (offs_d < (j + 1) * GROUP) & mask_d
-                c_j = _codes(V, slot[:, None], offs_d[None, :],
-                             valid[:, None] & in_j[None, :], BITS)  # [N, BLOCK_D]
-                if WIDEN:
-                    c_j = c_j.to(tl.float32)
-                else:
-                    c_j = c_j.to(dtype)
-                s_j = tl.load(VS + slot_m + j, mask=valid, other=0.0).to(tl.float32)
-                z_j = tl.load(VZ + slot_m + j, mask=valid, other=0.0).to(tl.float32)
-                w = p * s_j[None, :]
-                pv = tl.dot(w.to(c_j.dtype), c_j, input_precision=DOT_PRECISION)
-                acc += pv + tl.where(in_j[None, :], tl.sum(p * z_j[None, :], 1)[:, None], 0.0)
+        elif PACKED:
+            v = _int_rows(V, vs, vz, slot, valid, BITS, GROUP, D, BLOCK_N, MATH)
+            v = v.to(tl.float32 if WIDEN else dtype)  # [BLOCK_N, D]
+            acc += tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         else:
             v = tl.trans(_dequantized(V, VS, VZ, slot, slot_m, offs_d,
                                       valid[None, :] & mask_d[:, None], BITS, GROUP).to(dtype))
@@ -268,6 +306,10 @@ def _stage1(Q, K, V, Table, Lengths, Acc, M, L, KS, KZ, VS, VZ, scale, batch, ta
                 v = v.to(tl.float32)
             acc += tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
+        if AHEAD:
+            block, off, valid = nblock, noff, nvalid
+            if PACKED:
+                ks, kz, vs, vz = nks, nkz, nvs, nvz
     if FP8:
         acc = acc * tl.load(VS + h)
 
@@ -334,6 +376,8 @@ _plan = triton.jit(_plan)
 _tile = triton.jit(_tile)
 _codes = triton.jit(_codes)
 _dequantized = triton.jit(_dequantized)
+_int_meta = triton.jit(_int_meta)
+_int_rows = triton.jit(_int_rows)
 # batch, target and fixed are constant for a cache's life; not specializing them keeps one
 # kernel whatever their values
 stage1 = triton.jit(_stage1, do_not_specialize=["batch", "target", "fixed"])
@@ -432,7 +476,7 @@ def stage1_args(q, k_pool, v_pool, table, lengths, scale, launch: Launch, store=
     widen = INTERPRETED and q.dtype == torch.bfloat16
     # float32: exact products; the GPUs' TF32 default would miss float32's tolerance
     precision = "ieee" if q.dtype == torch.float32 or widen else "tf32"
-    grouped = bits > 0 and group >= 16 and group & (group - 1) == 0
+    packed = bits > 0 and D & (D - 1) == 0 and group & (group - 1) == 0 and group <= D
     args = (q, k_pool, v_pool, table, lengths, acc, m, l, ks, kz, vs, vz, scale, B,
             launch.target, launch.fixed,
             q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), k_pool.stride(2),
@@ -442,8 +486,8 @@ def stage1_args(q, k_pool, v_pool, table, lengths, scale, launch: Launch, store=
         "G": G, "D": D, "BLOCK_G": pad(G), "BLOCK_D": pad(D), "BLOCK_N": cfg.block_n,
         "BLOCK_B": triton.next_power_of_2(B), "PAGE": page, "SPLITS": launch.splits,
         "UNITS": Hkv, "DOT_PRECISION": precision, "WIDEN": widen, "BITS": bits,
-        "GROUP": group, "GROUPED": grouped, "BLOCK_J": group if grouped else 16, "FP8": fp8,
-        "STATIC_TILES": static_tiles(longest, launch),
+        "GROUP": group, "PACKED": packed, "FP8": fp8,
+        "STATIC_TILES": static_tiles(longest, launch), "AHEAD": True,
         "num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
     return (B, Hkv, launch.splits), args, constants
 

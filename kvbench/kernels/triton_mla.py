@@ -41,7 +41,7 @@ def _stage1(Q, Pool, Table, Lengths, Acc, M, L, Fp8Scale, scale, batch, target, 
             BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
             BLOCK_B: tl.constexpr, PAGE: tl.constexpr, SPLITS: tl.constexpr,
             UNITS: tl.constexpr, DOT_PRECISION: tl.constexpr, WIDEN: tl.constexpr,
-            FP8: tl.constexpr, STATIC_TILES: tl.constexpr):
+            FP8: tl.constexpr, STATIC_TILES: tl.constexpr, AHEAD: tl.constexpr = True):
     """Q [B, H, C + R] (the absorbed queries); Pool [N_blocks, 1, page, C + R] entries.
     STATIC_TILES: as triton_decode's (interpreters that cannot take a run-time loop bound)."""
     b = tl.program_id(0)
@@ -72,10 +72,20 @@ def _stage1(Q, Pool, Table, Lengths, Acc, M, L, Fp8Scale, scale, batch, target, 
     m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_C], dtype=tl.float32)
+    # each iteration fetches the next tile's block ids before this tile's loads, so those
+    # depend on a loop-carried id and Triton's pipeliner keeps tiles in flight (as
+    # triton_decode's stage 1)
+    # (AHEAD = False: the ids loaded in the iteration that uses them, the planted fault)
+    block, off, valid = _tile(Table, b, first, tl.where(first < end, length, 0), stride_tb,
+                              BLOCK_N, PAGE)
     for i in range(STATIC_TILES if STATIC_TILES > 0 else end - first):
         t = first + i
-        block, off, valid = _tile(Table, b, t, tl.where(t < end, length, 0), stride_tb,
-                                  BLOCK_N, PAGE)
+        if AHEAD:
+            nblock, noff, nvalid = _tile(Table, b, t + 1, tl.where(t + 1 < end, length, 0),
+                                         stride_tb, BLOCK_N, PAGE)
+        else:
+            block, off, valid = _tile(Table, b, t, tl.where(t < end, length, 0), stride_tb,
+                                      BLOCK_N, PAGE)
         slot = block * stride_pn + off * stride_pt  # [BLOCK_N]
         c = tl.load(Pool + slot[None, :] + offs_c[:, None],
                     mask=valid[None, :] & mask_c[:, None], other=0.0)  # [BLOCK_C, BLOCK_N]
@@ -93,10 +103,20 @@ def _stage1(Q, Pool, Table, Lengths, Acc, M, L, Fp8Scale, scale, batch, target, 
         alpha = tl.exp(m_i - shift)
         p = tl.exp(scores - shift[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        # the values are the latent tile already loaded: [BLOCK_N, BLOCK_C]
-        acc = acc * alpha[:, None] + tl.dot(p.to(c.dtype), tl.trans(c),
-                                            input_precision=DOT_PRECISION)
+        # the values are the latent again, [BLOCK_N, BLOCK_C], loaded as rows: one load a
+        # dot, so Triton's pipeliner can stage both through shared memory (a load feeding
+        # two dots, the second through tl.trans, it leaves synchronous); the second read
+        # of the same bytes is served by L2
+        cv = tl.load(Pool + slot[:, None] + offs_c[None, :],
+                     mask=valid[:, None] & mask_c[None, :], other=0.0)
+        if FP8:
+            cv = cv.to(Q.dtype.element_ty)
+        if WIDEN:
+            cv = cv.to(tl.float32)
+        acc = acc * alpha[:, None] + tl.dot(p.to(cv.dtype), cv, input_precision=DOT_PRECISION)
         m_i = m_new
+        if AHEAD:
+            block, off, valid = nblock, noff, nvalid
     if FP8:
         acc = acc * tl.load(Fp8Scale)
 
@@ -149,6 +169,6 @@ def stage1_args(q, pool, table, lengths, scale, launch, latent_dim: int, fp8_sca
         "H": H, "C": C, "R": R, "BLOCK_H": BLOCK_H, "BLOCK_C": pad(C), "BLOCK_R": pad(R),
         "BLOCK_N": cfg.block_n, "BLOCK_B": triton.next_power_of_2(B), "PAGE": pool.shape[2],
         "SPLITS": launch.splits, "UNITS": units(H), "DOT_PRECISION": precision,
-        "WIDEN": widen, "FP8": fp8_scale is not None, "STATIC_TILES": static_tiles(longest, launch),
+        "WIDEN": widen, "FP8": fp8_scale is not None, "STATIC_TILES": static_tiles(longest, launch), "AHEAD": True,
         "num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
     return (B, units(H), launch.splits), args, constants

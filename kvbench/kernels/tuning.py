@@ -21,7 +21,29 @@ from kvbench.kernels.config import KernelConfig
 
 PACKAGE_TABLE = Path(__file__).with_name("tuned.json")
 TABLE_VAR = "KVBENCH_TUNING_TABLE"  # another table to read and write (gpu-check sets it)
-DEFAULT = KernelConfig()
+DEFAULT = KernelConfig()  # the CPU's (Triton's interpreter has no launch to tune)
+
+# The configuration each kernel and K/V format runs on a GPU where the table has none. Each
+# keeps >= 2 K/V tiles in flight per program without spilling, compiled for sm_90, and its
+# waves are the programs an sm_90 multiprocessor holds at its registers and shared memory,
+# so the split planner fills whole waves (tests/test_inspection.py checks both against the
+# compiled code: `kvbench tune --inspect`). fp8 and int8 keep 3 tiles in flight (4 stages)
+# where their registers allow, so a program has about as many bytes on their way as fp16's.
+DEFAULTS = {
+    ("gqa", None): KernelConfig(block_n=64, num_warps=4, num_stages=3, waves=3),
+    ("gqa", "fp8"): KernelConfig(block_n=64, num_warps=8, num_stages=4, waves=2),
+    ("gqa", "int8"): KernelConfig(block_n=32, num_warps=4, num_stages=4, waves=3),
+    ("gqa", "int4"): KernelConfig(block_n=64, num_warps=4, num_stages=3, waves=3),
+    ("gqa", "int2"): KernelConfig(block_n=64, num_warps=4, num_stages=3, waves=3),
+    ("mla", None): KernelConfig(block_n=16, num_warps=4, num_stages=3, waves=2),
+    ("mla", "fp8"): KernelConfig(block_n=16, num_warps=4, num_stages=3, waves=2),
+}
+
+
+def default(kernel: str, kv_format: str | None) -> KernelConfig:
+    """The configuration of `kernel` ("gqa" or "mla") in a K/V format where no table entry
+    names one."""
+    return DEFAULTS.get((kernel, kv_format), DEFAULTS[(kernel, None)])
 
 
 def table_path() -> Path:
@@ -58,12 +80,12 @@ def load(path: Path | None = None) -> dict:
 
 
 def lookup(device: str, dtype: str, kv_format: str | None, head_dim: int, group: int,
-           page: int, path: Path | None = None) -> tuple[KernelConfig, bool]:
-    """The configuration tuned for this case on this device, or DEFAULT; and whether it
-    came from the table."""
+           page: int, path: Path | None = None, kernel: str = "gqa") -> tuple[KernelConfig, bool]:
+    """The configuration tuned for this case on this device, or the kernel's default for
+    the format; and whether it came from the table."""
     entry = load(path)["entries"].get(key(device, dtype, kv_format, head_dim, group, page))
     if entry is None:
-        return DEFAULT, False
+        return default(kernel, kv_format), False
     return KernelConfig(**entry["config"]), True
 
 
