@@ -234,7 +234,7 @@ def tune(
     no_csv: Annotated[bool, typer.Option("--no-csv", metavar="", help="Write no results file.")] = False,
     format: Annotated[str, typer.Option("--format", help="table, csv or json (the rows on stdout).")] = "table",
     quiet: Annotated[bool, typer.Option("--quiet", "-q", metavar="", help="Print nothing but errors (and --format's rows).")] = False,
-    inspect: Annotated[bool, typer.Option("--inspect", metavar="", help="Compile every decode kernel for sm_90 (H100/H200) at the long shape in each K/V format's configuration and report its registers, spills, shared memory, programs per SM, K/V tiles in flight and load widths; needs no GPU, times nothing, writes no file.")] = False,
+    inspect: Annotated[bool, typer.Option("--inspect", metavar="", help="Compile every decode kernel for sm_90 (H100/H200) at the long shape in each K/V format's configuration and report its registers, spills, shared memory, programs per SM, K/V tiles in flight and load widths; needs no GPU and times nothing; writes a file only where --csv names one.")] = False,
 ):
     """Search the Triton decode kernel's launch configuration on this GPU.
 
@@ -247,7 +247,7 @@ def tune(
     from kvbench.experiments import tune as tuner
 
     if inspect:
-        tuner.inspect_command(format, quiet)
+        tuner.inspect_command(format, quiet, csv)
         return
     tuner.command(device, dtype, kv_dtype, block_size, rehearse, budget, rounds, table, csv,
                   no_csv, format, quiet)

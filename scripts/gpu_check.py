@@ -92,7 +92,8 @@ GPU = Mode(False, "cuda", _shape(2, 256, 32, 512, 8, 2, 64), SMALL,
            ("--prompt-len", "1000", "--decode-len", "16"), "512", (),
            # measured on a lent H200 on 2026-11-30 (torch 2.11), plus 15%; tp is a guess
            # tune, graph and the model's graph: guesses (not yet run on a GPU)
-           {"env": 8, "tune": 110, "verify": 65, "bench": 35, "targets": 100, "graph": 60,
+           {"env": 8, "inspect": 30, "tune": 80, "verify": 65, "bench": 35, "targets": 100,
+            "graph": 60,
             "allocation": 8, "memory": 12, "pytest": 92, "ragged": 30, "techniques": 45,
             "context": 26, "tp": 120, "sdpa-backends": 30, "model": 240, "mla": 90,
             "serve-sim": 60, "profile": 90, "serve-model": 150},
@@ -103,7 +104,7 @@ GPU = Mode(False, "cuda", _shape(2, 256, 32, 512, 8, 2, 64), SMALL,
            ("--batch", "8", "--prompt-len", "32768", "--decode-len", "8"),
            # 400 requests on 1,024 blocks of 16: prealloc to 2,048 holds 8 at once
            ("--requests", "400", "--kv-blocks", "1024"),
-           ("--budget", "100", "--rounds", "5", "--kv-dtype", "none,int8,fp8,int4"),
+           ("--budget", "70", "--rounds", "5", "--kv-dtype", "none,fp8,int8,int4"),
            # one Llama-3-8B layer's serving step, to 4,096 positions and 64 sequences
            ("--hidden", "4096", "--q-heads", "32", "--kv-heads", "8", "--head-dim", "128",
             "--max-len", "4096", "--kv-blocks", "4096", "--prefill-chunk", "2048",
@@ -113,7 +114,8 @@ CPU = Mode(True, "cpu", _shape(2, 64, 8, 512, 8, 2, 64), SMALL,
            ("--seq-lens", "1,17,64,90", "--max-len", "100"), "16,64,256", "float32", "float32",
            ("--prompt-len", "300", "--decode-len", "8"), "128", ("--warmup", "1", "--rounds", "3"),
            # measured on the 2-core CPU kvbench is developed on (a process starts in ~4 s)
-           {"env": 8, "tune": 30, "verify": 30, "bench": 40, "targets": 0, "graph": 25,
+           {"env": 8, "inspect": 20, "tune": 30, "verify": 30, "bench": 40, "targets": 0,
+            "graph": 25,
             "allocation": 0, "memory": 12, "pytest": 0, "ragged": 20, "techniques": 40,
             "context": 25, "tp": 0, "sdpa-backends": 0, "model": 0, "mla": 30,
             "serve-sim": 20, "profile": 20, "serve-model": 0},
@@ -179,6 +181,10 @@ def plan(mode: Mode, out: Path, gpus: int) -> list[Step]:
     steps = [
         Step("env", 1, "versions, GPU, allocator settings, host memory, copy bandwidth", 15,
              [[*py, str(REPO / "scripts" / "gpu_env.py"), mode.device]]),
+        Step("inspect", 2, "the decode kernels compiled for sm_90 and read (kvbench tune "
+             "--inspect: registers, spills, shared memory, programs per SM, K/V tiles in "
+             "flight), beside which tune's rows give the GPU's own registers and shared memory",
+             30, [[*kv, "tune", "--inspect", "--quiet", *csv("inspect.csv")]]),
         Step("tune", 2, "the kernel diagnosis: kvbench tune (the Triton decode kernel's "
              "configurations at the long shape and a ragged batch; registers, spills, shared "
              "memory; the best per K/V format to the tuning table the later steps read)", 110,

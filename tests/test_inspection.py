@@ -150,6 +150,19 @@ def test_the_cli_prints_the_rows_as_json(rows):
     assert fp16 == rows[("triton stage1", "fp16")].row()
 
 
+def test_inspect_writes_its_rows_to_csv_and_refuses_a_missing_folder(rows, tmp_path):
+    import pandas as pd
+
+    out = tmp_path / "inspect.csv"
+    result = CliRunner().invoke(app, ["tune", "--inspect", "--quiet", "--csv", str(out)])
+    assert result.exit_code == 0, result.output
+    written = pd.read_csv(out)
+    assert list(written.columns) == inspection.COLUMNS and len(written) == len(rows)
+    bad = CliRunner().invoke(app, ["tune", "--inspect", "--csv", str(tmp_path / "no" / "x.csv")])
+    assert bad.exit_code == 2 and "does not exist" in bad.stderr
+    assert len(bad.stderr.strip().splitlines()) == 1
+
+
 def test_without_a_compiler_inspect_is_one_line_and_exit_2(monkeypatch):
     monkeypatch.setattr(inspection, "unavailable",
                         lambda: "--inspect: triton 3.0 has no NVIDIA backend to compile with")

@@ -436,18 +436,32 @@ def tune_rows(result, cases, stamp: str, env: dict[str, object]) -> list[dict[st
 # ------------------------------------------------------------- --inspect
 
 
-def inspect_command(format: str, quiet: bool) -> list:
-    """`kvbench tune --inspect`: every decode kernel compiled for sm_90 here and read."""
+def inspect_command(format: str, quiet: bool, csv=None) -> list:
+    """`kvbench tune --inspect`: every decode kernel compiled for sm_90 here and read; the
+    rows to `csv` (written whole) where given."""
+    from pathlib import Path
+
+    import pandas as pd
+
     from kvbench.kernels import inspection
     from kvbench.report import render
 
     if format not in ("table", "csv", "json"):
         raise KvbenchError(f"--format {format!r}: use table, csv or json")
+    if csv is not None and not Path(csv).parent.is_dir():
+        raise KvbenchError(f"--csv {csv}: its folder {Path(csv).parent} does not exist; "
+                           "create it or name another file")
     if reason := inspection.unavailable():
         raise KvbenchError(reason)
     with render.status("tune --inspect: compiling the decode kernels for sm_90") if not quiet \
             else contextlib.nullcontext():
         rows = inspection.inspect()
+    if csv is not None:
+        path = Path(csv)
+        tmp = path.with_name(path.name + ".tmp")
+        pd.DataFrame([r.row() for r in rows], columns=inspection.COLUMNS).to_csv(tmp,
+                                                                                index=False)
+        tmp.replace(path)
     if format != "table":
         render.machine_output([r.row() for r in rows], inspection.COLUMNS, format)
     elif not quiet:

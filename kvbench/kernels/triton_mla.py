@@ -3,15 +3,19 @@
 Absorbed MLA decode is multi-query attention with wide heads: every query head, moved into
 the latent space (q_nope · W_ukᵀ, then q_pe), reads the same cached entries, whose keys are
 the whole entry [c, k_pe] (d_c + d_rope wide) and whose values are its latent c (d_c wide).
-FlashMLA and vLLM's Triton MLA decode work this way; the tile sizes follow vLLM's
-(BLOCK_H = 16 query heads, BLOCK_N = 32 positions per tile).
+FlashMLA and vLLM's Triton MLA decode work this way; BLOCK_H = 16 query
+heads a program follows vLLM's.
 
 - Stage 1, one program per (sequence, block of BLOCK_H query heads, split). It walks its split
-  in tiles of BLOCK_N positions, each position's block from the block table, and loads each
-  tile's latent [d_c, BLOCK_N] and RoPE key [d_rope, BLOCK_N] from the pool where they lie.
-  Scores are q_c · c + q_r · k_pe; the same latent tile, transposed, is the values, so each
-  cached byte is read once for keys and values of every head in the block. An online
-  softmax keeps the running max m, exp-sum l and the weighted latent sum acc [BLOCK_H, d_c].
+  in tiles of BLOCK_N positions, each position's block from the block table (the next
+  tile's fetched ahead, so the pipeliner keeps tiles in flight), and loads each tile's latent
+  [d_c, BLOCK_N] and RoPE key [d_rope, BLOCK_N] from the pool where they lie. Scores are
+  q_c · c + q_r · k_pe; the values are the same latent, loaded again as rows [BLOCK_N, d_c]
+  (bytes the program loaded a moment before, which L2 is expected to serve; no GPU has
+  measured it yet, and bench counts each cached byte once). One load a dot
+  lets Triton stage both through shared memory; one load feeding both dots, the second
+  through tl.trans, it leaves synchronous. An online softmax keeps the running max m,
+  exp-sum l and the weighted latent sum acc [BLOCK_H, d_c].
 - Stage 2 merges the splits by log-sum-exp: kvbench.kernels.triton_decode's, with D = d_c.
 
 Splits are planned per sequence on the device, lengths read from device memory and the grid
