@@ -742,3 +742,48 @@ def test_each_method_is_gated_and_each_fault_fails_inside_smollm2(monkeypatch):
     checks = _gated(ref, config, monkeypatch, METHODS, layers=3)
     assert len(checks) == len(METHODS) + len(EVICTION_FAULTS)
     assert _misjudged(checks, METHODS) == []
+
+
+@pytest.mark.compiles
+def test_the_whole_model_step_compiles_once_as_one_graph_and_equals_the_eager_step(
+        tiny, monkeypatch):
+    # every layer's Triton launches are custom ops: fullgraph=True traces the whole step
+    # (it raises at a graph break), once for the 8 steps, and its logits are the eager step's
+    from torch._dynamo.utils import counters
+
+    from kvbench.caches import IMPLEMENTATIONS
+    from kvbench.caches.triton import TritonCache
+
+    ref, config = _config(tiny["llama"], prompt=24, decode=8, batch=2)
+    config = replace(config, graph=True)
+    m = run.load(ref, config, None, None)
+    tokens = torch.randint(0, 128, (2, 33), generator=torch.Generator().manual_seed(0))
+
+    def steps(n):
+        torch._dynamo.reset()
+        counters.clear()
+        graphed, eager = (transformer.CachedModel(m.model, IMPLEMENTATIONS["triton"], config,
+                                                  ImplOptions(block_size=16)) for _ in "ge")
+        for cm in (graphed, eager):
+            cm.prefill(tokens[:, :24])
+        out = [(graphed.step_graphed(tokens[:, 24 + j:25 + j]).clone(),
+                eager.step(tokens[:, 24 + j:25 + j])) for j in range(n)]
+        return out, counters["stats"]["unique_graphs"]
+
+    out, graphs = steps(8)
+    assert graphs == 1
+    for a, b in out:
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    # the fault: a host length reaching the traced step (a guard that changes every step)
+    class HostLength(TritonCache):
+        def attend(self, q, keys=None, values=None):
+            B, Hq, _, D = q.shape
+            self.kernel.split_partials(q.reshape(B, Hq, D), *self.pools_read(), self.table,
+                                       self.kernel_lens, self.layer.scale, self.launch,
+                                       self.store, self.length)
+            out = torch.empty(B, Hq, D, dtype=q.dtype, device=q.device)
+            return self.merge(out).reshape(B, Hq, 1, D)
+
+    monkeypatch.setitem(IMPLEMENTATIONS, "triton", HostLength)
+    _, graphs = steps(2)
+    assert graphs == 2

@@ -162,7 +162,9 @@ class TritonCache(KernelLengths, PagedCache):
     def attend(self, q, keys=None, values=None):
         B, Hq, _, D = q.shape
         # (the interpreter's fixed loop walks the capacity under a graph: lengths grow)
-        longest = self.max_len if self.captured is not None else self.length
+        # (a compiled step too: a host length that grows would be a guard, recompiling)
+        longest = (self.max_len if self.captured is not None or torch.compiler.is_compiling()
+                   else self.length)
         self.kernel.split_partials(q.reshape(B, Hq, D), *self.pools_read(), self.table,
                                    self.kernel_lens, self.layer.scale, self.launch, self.store,
                                    longest)

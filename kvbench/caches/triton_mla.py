@@ -130,7 +130,9 @@ class TritonMlaCache(KernelLengths, Absorbed, PagedCache):
         q = self.layer.absorb_query(q_nope, q_pe).reshape(B, Hq, m.entry_dim)
         pool, scale = self._read()
         # (the interpreter's fixed loop walks the capacity under a graph: lengths grow)
-        longest = self.max_len if self.captured is not None else self.length
+        # (a compiled step too: a host length that grows would be a guard, recompiling)
+        longest = (self.max_len if self.captured is not None or torch.compiler.is_compiling()
+                   else self.length)
         self.kernel.split_partials(q.contiguous(), pool, self.table, self.kernel_lens,
                                    self.layer.scale, self.launch, m.kv_lora_rank, scale,
                                    longest)

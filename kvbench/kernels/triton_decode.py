@@ -431,7 +431,6 @@ def static_tiles(longest: int, launch: Launch) -> int:
     return math.ceil(longest / launch.config.block_n) if STATIC_LOOP else 0
 
 
-@torch.compiler.disable  # (a compiled model step calls it as it is: a Triton launch)
 def split_partials(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
                    table: torch.Tensor, lengths: torch.Tensor, scale: float, launch: Launch,
                    store=None, longest: int = 0):
@@ -443,8 +442,25 @@ def split_partials(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
     whose scales and zero points the kernel reads beside them: [N_blocks, H_kv, block_size,
     groups] for the int formats, one scale per KV head for fp8. `longest`: the longest
     length, for the interpreter's fixed loop only. Returns Triton's compiled kernel (its
-    registers and shared memory; None in the interpreter).
+    registers and shared memory; None in the interpreter and under torch.compile, where the
+    launch is the op kvbench::gqa_stage1, a node of the traced graph).
     """
+    if torch.compiler.is_compiling():
+        from kvbench.kernels import ops
+
+        t = store.tensors if store is not None else {}
+        bits = store.fmt.bits if store is not None and store.fmt.grouped else 0
+        group = store.fmt.group_size if store is not None else 1
+        ops.gqa_stage1(q, k_pool, v_pool, table, lengths, *launch.partials, t.get("k_scale"),
+                       t.get("k_zero"), t.get("v_scale"), t.get("v_zero"), scale,
+                       *ops.launch_numbers(launch), bits, group, longest)
+        return None
+    return launch_stage1(q, k_pool, v_pool, table, lengths, scale, launch, store, longest)
+
+
+def launch_stage1(q, k_pool, v_pool, table, lengths, scale, launch: Launch, store=None,
+                  longest: int = 0):
+    """Stage 1 launched (split_partials' eager path, and the op's body)."""
     grid, args, constants = stage1_args(q, k_pool, v_pool, table, lengths, scale, launch,
                                         store, longest)
     return graphs.launch(stage1[grid], *args, **constants)
@@ -492,10 +508,21 @@ def stage1_args(q, k_pool, v_pool, table, lengths, scale, launch: Launch, store=
     return (B, Hkv, launch.splits), args, constants
 
 
-@torch.compiler.disable
 def merge(launch: Launch, lengths: torch.Tensor, out: torch.Tensor, units: int) -> torch.Tensor:
     """Stage 2: each sequence's splits merged by log-sum-exp into out [B, H_q, D]; units:
-    the programs stage 1 ran per (sequence, split) (KV heads, or MLA's head blocks)."""
+    the programs stage 1 ran per (sequence, split) (KV heads, or MLA's head blocks). Under
+    torch.compile, the op kvbench::split_merge."""
+    if torch.compiler.is_compiling():
+        from kvbench.kernels import ops
+
+        ops.split_merge(*launch.partials, lengths, out, units)
+        return out
+    return launch_merge(launch, lengths, out, units)
+
+
+def launch_merge(launch: Launch, lengths: torch.Tensor, out: torch.Tensor,
+                 units: int) -> torch.Tensor:
+    """Stage 2 launched (merge's eager path, and the op's body)."""
     grid, args, constants = stage2_args(launch, lengths, out, units)
     graphs.launch(stage2[grid], *args, **constants)
     return out

@@ -138,7 +138,6 @@ def units(q_heads: int) -> int:
     return triton.cdiv(q_heads, BLOCK_H)
 
 
-@torch.compiler.disable  # (a compiled model step calls it as it is: a Triton launch)
 def split_partials(q: torch.Tensor, pool: torch.Tensor, table: torch.Tensor,
                    lengths: torch.Tensor, scale: float, launch, latent_dim: int,
                    fp8_scale: torch.Tensor | None = None, longest: int = 0):
@@ -148,6 +147,19 @@ def split_partials(q: torch.Tensor, pool: torch.Tensor, table: torch.Tensor,
     fp8_scale, one float32, is given); table [B, blocks] int32; lengths [B] on the device.
     Returns Triton's compiled kernel (None in the interpreter).
     """
+    if torch.compiler.is_compiling():  # the op kvbench::mla_stage1, a node of the graph
+        from kvbench.kernels import ops
+
+        ops.mla_stage1(q, pool, table, lengths, *launch.partials, fp8_scale, scale,
+                       *ops.launch_numbers(launch), latent_dim, longest)
+        return None
+    return launch_stage1(q, pool, table, lengths, scale, launch, latent_dim, fp8_scale,
+                         longest)
+
+
+def launch_stage1(q, pool, table, lengths, scale, launch, latent_dim: int, fp8_scale=None,
+                  longest: int = 0):
+    """Stage 1 launched (split_partials' eager path, and the op's body)."""
     grid, args, constants = stage1_args(q, pool, table, lengths, scale, launch, latent_dim,
                                         fp8_scale, longest)
     return graphs.launch(stage1[grid], *args, **constants)

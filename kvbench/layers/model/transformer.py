@@ -293,7 +293,9 @@ class CachedModel:
                 from kvbench.caches.compiled import _raise_recompile_limits
 
                 _raise_recompile_limits()
-                fn = torch.compile(fn, dynamic=False)
+                # one graph (every Triton launch a custom op: kvbench.kernels.ops), traced
+                # once for the shape: nothing on the host feeds it
+                fn = torch.compile(fn, fullgraph=True, dynamic=False)
             cuda = torch.device(self.model.device).type == "cuda"
             self.captured = graphs.Captured(fn, self.caches, self.model.device,
                                             capture=cuda or not compile)
