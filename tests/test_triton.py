@@ -183,6 +183,23 @@ def test_quantized_pools_decoded_in_registers_pass_the_exact_check(kv_dtype, lay
         assert result.max_abs_err > result.fp64_max_abs_err  # the format's, reported apart
 
 
+@pytest.mark.parametrize("kv_dtype", ["int8", "int4", "int2"])
+def test_each_int_format_through_the_packed_rows_passes_the_exact_check(kv_dtype):
+    # D = 32 in groups of 16: codes loaded as each position's D·bits/8 bytes and unpacked in
+    # registers (1, 2 or 4 codes a byte), scales broadcast over their groups
+    import torch
+
+    cache = _filled(TritonCache, shape("gqa", 32), "float32", block_size=16,
+                    kv_dtype=kv_dtype, group_size=16)
+    _, _, _, constants, _ = cache.stage1_call(torch.zeros(2, 8, 32))
+    assert constants["PACKED"] is True
+    config = RunConfig(shape("gqa", 32), kv_dtype=kv_dtype, group_size=16)
+    report = verify(config, {"triton": TritonCache},
+                    ImplOptions(block_size=16, splits=2, kv_dtype=kv_dtype, group_size=16))
+    (result,) = report.checks
+    assert result.passed, result.message
+
+
 @pytest.mark.parametrize("error", ["out-of-resources", "compilation"])
 def test_a_triton_error_of_any_class_is_a_device_error_naming_the_implementation(error):
     # Triton's CompilationError and OutOfResources derive from Exception, not RuntimeError

@@ -192,7 +192,7 @@ def _stage1(Q, K, V, Table, Lengths, Acc, M, L, KS, KZ, VS, VZ, scale, batch, ta
     """BITS = 0: K and V pools in the activation dtype. FP8: float8 e4m3 pools, KS and VS one
     float32 scale per KV head. BITS = 8, 4 or 2: pools of codes with fp16 scale (KS, VS) and
     zero-point (KZ, VZ) pools of strides stride_s*, one per GROUP elements; PACKED: D and
-    GROUP are powers of two, so a tile's codes load packed and dequantize as whole rows
+    GROUP are powers of two (D >= 16), so a tile's codes load packed and dequantize as whole rows
     (`_int_rows`); otherwise element by element (`_dequantized`).
 
     STATIC_TILES = 0: the loop runs over the split's tiles, bounds known at run time (compiled
@@ -492,7 +492,8 @@ def stage1_args(q, k_pool, v_pool, table, lengths, scale, launch: Launch, store=
     widen = INTERPRETED and q.dtype == torch.bfloat16
     # float32: exact products; the GPUs' TF32 default would miss float32's tolerance
     precision = "ieee" if q.dtype == torch.float32 or widen else "tf32"
-    packed = bits > 0 and D & (D - 1) == 0 and group & (group - 1) == 0 and group <= D
+    # (D a power of two of at least 16: the tile's width is tl.dot's, unpadded)
+    packed = bits > 0 and D == pad(D) and group & (group - 1) == 0 and group <= D
     args = (q, k_pool, v_pool, table, lengths, acc, m, l, ks, kz, vs, vz, scale, B,
             launch.target, launch.fixed,
             q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), k_pool.stride(2),
