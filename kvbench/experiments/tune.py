@@ -35,7 +35,7 @@ SEARCH = {  # the candidates of each dimension, searched in this order
     "block_n": (32, 64, 128),
     "num_warps": (4, 8),
     "num_stages": (2, 3, 4),
-    "waves": (1, 2, 4),
+    "waves": (1, 2, 3, 4),
 }
 REHEARSAL_SEARCH = {"block_n": (16, 32), "num_warps": (4,), "num_stages": (2,), "waves": (1, 2)}
 
