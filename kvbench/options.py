@@ -206,7 +206,8 @@ class RunOptions:
         False, "Also run each decode step captured in a graph and replayed (static, sdpa, "
         "paged, triton, triton-mla): verify checks the captured steps (on the CPU through a recorder with "
         "a CUDA graph's semantics); bench on CUDA times each both ways, so a row says how "
-        "much of a step is launch overhead.", commands=("verify", "bench"))
+        "much of a step is launch overhead (on by default for a ragged batch on CUDA).",
+        commands=("verify", "bench"))
     model: str | None = option(
         None, "Run the whole model: a local Hugging Face checkpoint folder, a .gguf file, or a "
         "preset (random weights at its real shape; see kvbench capacity --list-models). Sets "

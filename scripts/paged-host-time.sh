@@ -4,7 +4,8 @@
 # --max-len 2,048 and 32,768: the table a sequence may reach is 128 or 2,048 blocks of 16
 # wide, but a step's host work should depend on the blocks it opens, not on that width.
 # Passes when the step at 32,768 is within 1.5x of the step at 2,048 (one run; the machine's
-# noise applies). Usage: scripts/paged-host-time.sh [extra kvbench bench options]
+# noise applies). Then the host time of a triton ragged step against static's whole step
+# (scripts/triton_host_time.py: within 2x). Usage: scripts/paged-host-time.sh [extra kvbench bench options]
 set -euo pipefail
 cd "$(dirname "$0")/.."
 out=$(mktemp -d)
@@ -25,3 +26,4 @@ print(f"paged decode step: {narrow:.3f} ms at --max-len 2048, {wide:.3f} ms at 3
       f"{ratio:.2f}x ({'within' if ratio <= 1.5 else 'ABOVE'} the 1.5x bound)")
 sys.exit(0 if ratio <= 1.5 else 1)
 PY
+python scripts/triton_host_time.py

@@ -246,6 +246,27 @@ def test_paged_uploads_only_the_entries_of_the_blocks_it_opens():
     assert _decode_uploads(PagedCache, 32768) == (6 * 12, 6)
 
 
+def test_a_ragged_step_opens_a_block_for_exactly_the_rows_that_cross_one():
+    # lengths 5, 8, 3 in blocks of 4, decoded 6 steps: row i at step t holds n_i + t
+    # positions, so ceil((n_i + t) / 4) blocks, no more, no fewer, each step; and after a
+    # rewind to 6 (rows 3, 6, 1 long: 1, 2, 1 blocks) the count starts from there.
+    shape = LayerShape(decode_len=6, hidden=32, q_heads=4, kv_heads=2,
+                       head_dim=8).with_lens((5, 8, 3))
+    config = RunConfig(shape)
+    layer, x = AttentionLayer.from_config(config), make_inputs(config)
+    with torch.no_grad():
+        paged = PagedCache.build(layer, config, ImplOptions(block_size=4))
+        paged.prefill(x[:, :8])
+        for t in range(1, 7):
+            paged.decode(x[:, :8 + t], keep=False)
+            assert [len(b) for b in paged.tables] == [-(-(n + t) // 4) for n in (5, 8, 3)]
+        paged.rewind(6)
+        assert [len(b) for b in paged.tables] == [1, 2, 1]
+        paged.decode(x[:, :10], keep=False)  # 7, 10, 5 long: 2, 3, 2 blocks
+        assert [len(b) for b in paged.tables] == [2, 3, 2]
+    assert torch.equal(paged.table[:, :2].long(), torch.tensor([b[:2] for b in paged.tables]))
+
+
 def test_a_whole_table_upload_is_caught():
     from broken import UploadsWholeTable
 

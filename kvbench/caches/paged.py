@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from collections import deque
 
+import numpy as np
 import torch
 
 from kvbench.caches.base import CachedAttention, grouped_decode_attention, register
@@ -82,6 +83,7 @@ class PagedCache(CachedAttention):
         self.tables: list[list[int]] = [[] for _ in range(batch)]
         self.block_table = BlockTable(batch, layer.device, most=self.blocks_per_seq)
         self.n_blocks = n_blocks
+        self.limits = self._limits()
 
     @property
     def table(self) -> torch.Tensor:
@@ -178,12 +180,20 @@ class PagedCache(CachedAttention):
         if self.refs[block] == 0:
             self.free.appendleft(block)
 
+    def _limits(self) -> np.ndarray:
+        """[B] the longest length each row's blocks hold (a ragged row's deficit counted)."""
+        bs = self.options.block_size
+        return np.array([len(blocks) * bs + deficit for blocks, deficit
+                         in zip(self.tables, self.deficit or (0,) * self.batch)], dtype=np.int64)
+
     def _grow(self, length: int) -> None:
         """Blocks for `length` positions of the longest sequence (each takes its own); only
-        the new entries go to the device table."""
+        the new entries go to the device table. The loop visits only the rows that open a
+        block at this length (found at once from their limits), not every row."""
         rows, cols, ids = [], [], []
+        bs = self.options.block_size
         if self.prefix and not any(self.tables):  # the prefix's blocks, once for all
-            shared = [self._take() for _ in range(math.ceil(self.prefix / self.options.block_size))]
+            shared = [self._take() for _ in range(math.ceil(self.prefix / bs))]
             for block in shared:
                 self.refs[block] = self.batch
             for row, blocks in enumerate(self.tables):
@@ -191,14 +201,16 @@ class PagedCache(CachedAttention):
                 cols += range(len(shared))
                 ids += shared
                 blocks.extend(shared)
-        for row, (blocks, deficit) in enumerate(zip(self.tables,
-                                                    self.deficit or (0,) * self.batch)):
-            need = math.ceil((length - deficit) / self.options.block_size)
+            self.limits = self._limits()
+        for row in np.flatnonzero(self.limits < length).tolist():
+            blocks, deficit = self.tables[row], self.deficit[row] if self.deficit else 0
+            need = math.ceil((length - deficit) / bs)
             while len(blocks) < need:
                 rows.append(row)
                 cols.append(len(blocks))
                 blocks.append(self._take())
                 ids.append(blocks[-1])
+            self.limits[row] = len(blocks) * bs + deficit
         self.block_table.set(rows, cols, ids)
 
     def _own(self, row: int, index: int) -> bool:
@@ -307,6 +319,7 @@ class PagedCache(CachedAttention):
             keep = math.ceil((length - deficit) / self.options.block_size)
             while len(blocks) > keep:
                 self._release(blocks.pop())
+        self.limits = self._limits()
         self._rewound(length)
 
     def reorder(self, parents):
@@ -322,6 +335,7 @@ class PagedCache(CachedAttention):
             for block in blocks:
                 self._release(block)
         self.tables = tables
+        self.limits = self._limits()
         self.block_table.reorder(parents)  # the same rows, gathered on the device
         self.forked = True
         self.reorders += 1

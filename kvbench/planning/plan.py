@@ -149,13 +149,17 @@ def _points_of(o: RunOptions, reference_cases: bool = False,
         if o.beams:  # the rows: each prompt's beams (_serving refused fewer than 2)
             shape = replace(shape, batch=shape.batch * o.beams)
         rope = o.rope or shape.kind.rotates_always  # MLA rotates its decoupled part always
+        # a ragged batch timed on CUDA: each step captured too (its eager step is mostly the
+        # host's launches at serving batch sizes, which the captured step removes)
+        graph = o.graph or (measure == "bench" and dev.split(":")[0] == "cuda"
+                            and shape.ragged)
         config = RunConfig(shape, dt, dev, o.seed, rope, kv, o.group_size, o.tp, *kivi,
                            prefill_chunk=o.prefill_chunk, draft_len=o.draft_len,
-                           accept=o.accept, beams=o.beams, graph=o.graph)
+                           accept=o.accept, beams=o.beams, graph=graph)
         names, skipped = select_impls(spec, config, options, strict=False,
                                       measure=measure)
-        if o.graph:
-            _uncaptured(names, config, options, explicit, notes)
+        if graph:
+            _uncaptured(names, config, options, explicit and o.graph, notes)
         ran.update(names)
         by_reason: dict[str, list[str]] = {}
         for name, reason in skipped:
