@@ -129,7 +129,7 @@ def test_bench_graph_without_cuda_is_one_line(tmp_path):
 def test_a_ragged_bench_on_cuda_captures_its_steps_by_default(monkeypatch):
     # planned as on CUDA (no CUDA touched): bench of a ragged batch captures each step too,
     # an uncapturable one noted; a uniform batch, or verify, only with --graph
-    import kvbench.measure.device as device
+    from kvbench.measure import device
     from kvbench.options import RunOptions
     from kvbench.planning import plan
 
@@ -138,8 +138,8 @@ def test_a_ragged_bench_on_cuda_captures_its_steps_by_default(monkeypatch):
                         max_len=256)
     points, _, notes = plan.expand(ragged, measure="bench")
     assert [p[0].graph for p in points] == [True]
-    assert notes == ["--graph: concat run without a graph (it captures static, sdpa, paged, "
-                     "triton, triton-mla)"]
+    assert notes == [("--graph: concat run without a graph (it captures static, sdpa, paged, "
+                      "triton, triton-mla)")]
     assert [p[0].graph for p in plan.expand(ragged, measure="verify")[0]] == [False]
     uniform = RunOptions(impl="static,paged", batch="4")
     assert [p[0].graph for p in plan.expand(uniform, measure="bench")[0]] == [False]
