@@ -16,8 +16,9 @@ from kvbench.report.render import _table, human_bytes, out
 from kvbench.report.results import timestamp
 
 
-def capacity(model, list_models, from_config, layers, kv_heads, head_dim, q_heads, mla_latent, mla_rope, batch, seq_len, seq_lens, len_dist, max_len, seed, kv_dtype, group_size, k_quant, kv_residual, tp, block_size, window, sinks, shared_prefix, share_layers, kv_budget, kv_compress, prompt_len, layer_budgets, head_budgets, gpu_mem, weight_dtype, weights_bytes, margin, utilization, allocate, case, device, csv, require_fit=False, no_csv=False, format="table", quiet=False) -> None:
-    """Plan the KV cache (or with --allocate, check it on CUDA) and write its row."""
+def capacity(model, list_models, from_config, layers, kv_heads, head_dim, q_heads, mla_latent, mla_rope, batch, seq_len, seq_lens, len_dist, max_len, seed, kv_dtype, group_size, k_quant, kv_residual, tp, block_size, window, sinks, shared_prefix, share_layers, kv_budget, kv_compress, prompt_len, layer_budgets, head_budgets, gpu_mem, weight_dtype, weights_bytes, margin, utilization, allocate, case, device, csv, require_fit=False, no_csv=False, format="table", quiet=False, engine=None, **serving) -> None:
+    """Plan the KV cache (or with --allocate, check it on CUDA; with --engine, as that engine
+    allocates it) and write its row."""
     from kvbench.measure.env import environment
     from kvbench.planning.plan import positive
     from kvbench.planning.runner import csv_target
@@ -28,6 +29,12 @@ def capacity(model, list_models, from_config, layers, kv_heads, head_dim, q_head
     if list_models:
         render.out.print(models_table(cap.presets()))
         return
+    if engine is not None:
+        from kvbench.experiments import engines
+
+        return engines.capacity(engine, model, from_config, gpu_mem, tp, block_size,
+                                weight_dtype, weights_bytes, require_fit, csv, no_csv, format,
+                                quiet, **serving)
     margin_bytes = cap.parse_size(margin, "--margin")
     if allocate:
         return _allocate(case, device, margin_bytes, csv)

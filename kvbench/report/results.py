@@ -369,6 +369,10 @@ CAPACITY_COLUMNS = CAPACITY_FIRST[:-len(ENV_COLUMNS)] + [
     "share_layers",  # cross-layer sharing: adjacent layers per shared K/V
     # eviction budgets: positions per KV head, when they are kept, per layer, whole heads
     "kv_budget", "kv_compress", "prompt_len", "layer_budgets", "whole_heads",
+    # --engine: what vLLM or SGLang allocates (kvbench.sizing.engine's ledger)
+    "engine", "pp", "engine_weights_bytes", "engine_activation_bytes",
+    "engine_kv_bytes_available", "engine_kv_tokens", "engine_kv_blocks",
+    "engine_max_concurrency", "engine_groups",
 ] + ENV_COLUMNS + PROVENANCE_COLUMNS
 
 

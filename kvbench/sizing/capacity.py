@@ -70,6 +70,14 @@ class ModelSpec:
     layer_budgets: tuple[int, ...] = ()
     budget_prompt: int | None = None
     whole_heads: int = 0
+    # The shapes an engine's activation estimate reads (kvbench.sizing.engine), and a Mamba
+    # layer's state: the elements of its conv and SSM state for one request (layer_types
+    # "mamba": no K/V cache).
+    hidden: int | None = None
+    intermediate: int | None = None  # the MLP's (an MoE expert's)
+    vocab: int | None = None
+    moe_top_k: int | None = None  # experts a token runs through
+    mamba_state: int | None = None
 
     def __post_init__(self) -> None:
         checks = {"layers": self.layers}
@@ -99,9 +107,11 @@ class ModelSpec:
                                f"{', '.join(map(str, divisors(self.layers)))}")
 
     @property
-    def cached_layers(self) -> range:
-        """The layers that hold a K/V cache: every one, or each sharing group's first."""
-        return range(0, self.layers, self.share_layers)
+    def cached_layers(self) -> tuple[int, ...]:
+        """The layers that hold a K/V cache: every one, or each sharing group's first (a
+        Mamba layer holds a state instead)."""
+        return tuple(i for i in range(0, self.layers, self.share_layers)
+                     if not self.layer_types or self.layer_types[i] not in ("mamba", "none"))
 
     @property
     def v_dim(self) -> int:
@@ -150,7 +160,11 @@ def _pattern(layers: int, pattern: list[str]) -> tuple[str, ...]:
 
 def load_preset_file(path: Path) -> ModelSpec:
     data = read_toml(path, "preset")
-    data.pop("architecture", None)  # the whole model's fields, for --model on the experiments
+    arch = data.pop("architecture", None) or {}  # the whole model's, for --model runs
+    for key, name in (("hidden_size", "hidden"), ("intermediate_size", "intermediate"),
+                      ("vocab_size", "vocab")):
+        if key in arch:
+            data.setdefault(name, arch[key])
     data.pop("attention", None)  # an MLA model's attention layer, for --model --layers 1
     pattern = data.pop("layer_pattern", None)
     if pattern:
@@ -232,10 +246,11 @@ def from_hf_config(path: Path) -> ModelSpec:
 
     layers = field_("num_hidden_layers")
     name = cfg.get("_name_or_path") or cfg.get("model_type") or Path(path).stem
+    shapes = _shapes(cfg)
     if cfg.get("kv_lora_rank") is not None:
         return ModelSpec(name=name, layers=layers, q_heads=field_("num_attention_heads", False),
                          mla_latent=field_("kv_lora_rank"), mla_rope=field_("qk_rope_head_dim"),
-                         source=str(path))
+                         source=str(path), **shapes)
     q_heads = field_("num_attention_heads")
     kv_heads = field_("num_key_value_heads", False) or q_heads
     if cfg.get("head_dim") is not None:
@@ -251,21 +266,85 @@ def from_hf_config(path: Path) -> ModelSpec:
         window = None
     if window is not None:
         window = field_("sliding_window")
-    layer_types = ()
-    if isinstance(cfg.get("layer_types"), list):
-        kinds = {"sliding_attention": "sliding", "full_attention": "full",
-                 "sliding": "sliding", "full": "full"}
-        try:
-            layer_types = tuple(kinds[t] for t in cfg["layer_types"])
-        except (KeyError, TypeError):
-            raise KvbenchError(f"{path}: field 'layer_types' holds an unknown type; expected "
-                               "sliding_attention or full_attention") from None
-    elif cfg.get("model_type") == "gemma2" and window:
-        layer_types = _pattern(layers, ["sliding", "full"])
+    layer_types = _layer_types(cfg, layers, window, path)
+    if "sliding" not in layer_types and layer_types:
+        window = None
+    state = _mamba_state(cfg, path) if "mamba" in layer_types else None
     return ModelSpec(name=name, layers=layers, kv_heads=kv_heads, head_dim=head_dim,
                      q_heads=q_heads, sliding_window=window if layer_types or window else None,
-                     layer_types=layer_types, source=str(path),
-                     params=_config_params(cfg, layers, q_heads, kv_heads, head_dim))
+                     layer_types=layer_types, source=str(path), mamba_state=state,
+                     params=_config_params(cfg, layers, q_heads, kv_heads, head_dim),
+                     **shapes)
+
+
+LAYER_KINDS = {"sliding_attention": "sliding", "full_attention": "full", "sliding": "sliding",
+               "full": "full", "attention": "full", "linear_attention": "mamba",
+               "mamba": "mamba"}
+NO_KV = ("mamba", "none")  # layers that hold no K/V: a recurrent state, or an MLP alone
+
+
+def _shapes(cfg: dict) -> dict:
+    """The sizes an engine's activation estimate reads (absent ones left out)."""
+    moe = any(cfg.get(k) for k in MOE_KEYS)
+    inter = cfg.get("moe_intermediate_size") if moe else None
+    found = {"hidden": cfg.get("hidden_size"),
+             "intermediate": inter or cfg.get("intermediate_size"),
+             "vocab": cfg.get("vocab_size"),
+             "moe_top_k": cfg.get("num_experts_per_tok") if moe else None}
+    return {k: v for k, v in found.items() if type(v) is int and v > 0}
+
+
+def _layer_types(cfg: dict, layers: int, window, path) -> tuple[str, ...]:
+    """Each layer's kind from the config's own way of saying it: layer_types, Gemma-2's
+    alternation, Nemotron-H's hybrid_override_pattern (M Mamba, * attention, - or E an MLP
+    alone), Jamba's attn_layer_period/offset, Qwen3-Next's full_attention_interval."""
+    if isinstance(cfg.get("layer_types"), list):
+        try:
+            return tuple(LAYER_KINDS[t] for t in cfg["layer_types"])
+        except (KeyError, TypeError):
+            raise KvbenchError(f"{path}: field 'layer_types' holds an unknown type; expected "
+                               "one of " + ", ".join(LAYER_KINDS)) from None
+    if isinstance(cfg.get("hybrid_override_pattern"), str):
+        pattern = cfg["hybrid_override_pattern"]
+        if len(pattern) != layers or set(pattern) - set("M*-E"):
+            raise KvbenchError(f"{path}: field 'hybrid_override_pattern' must hold one of M, "
+                               f"*, -, E for each of the {layers} layers")
+        return tuple({"M": "mamba", "*": "full"}.get(c, "none") for c in pattern)
+    if cfg.get("attn_layer_period"):
+        period, offset = cfg["attn_layer_period"], cfg.get("attn_layer_offset", 0)
+        return tuple("full" if i % period == offset else "mamba" for i in range(layers))
+    if cfg.get("full_attention_interval"):
+        every = cfg["full_attention_interval"]
+        return tuple("full" if (i + 1) % every == 0 else "mamba" for i in range(layers))
+    if cfg.get("model_type") == "gemma2" and window:
+        return _pattern(layers, ["sliding", "full"])
+    return ()
+
+
+def _mamba_state(cfg: dict, path) -> int:
+    """One recurrent layer's state for one request, in elements: Mamba2 (Nemotron-H), Mamba1
+    (Jamba) or a gated delta net (Qwen3-Next): its conv state plus its SSM state."""
+    def need(*names):
+        missing = [n for n in names if not isinstance(cfg.get(n), int)]
+        if missing:
+            raise KvbenchError(f"{path}: its Mamba layers need field {missing[0]!r} (the "
+                               "state's size)")
+        return [cfg[n] for n in names]
+
+    if "linear_num_value_heads" in cfg:  # gated delta net
+        kernel, kh, kd, vh, vd = need("linear_conv_kernel_dim", "linear_num_key_heads",
+                                      "linear_key_head_dim", "linear_num_value_heads",
+                                      "linear_value_head_dim")
+        return (kernel - 1) * (2 * kh * kd + vh * vd) + vh * kd * vd
+    if "mamba_num_heads" in cfg:  # Mamba2
+        heads, dim, state, kernel = need("mamba_num_heads", "mamba_head_dim",
+                                         "ssm_state_size", "conv_kernel")
+        groups = cfg.get("n_groups", 1)
+        return (kernel - 1) * (heads * dim + 2 * groups * state) + heads * dim * state
+    hidden, expand, state, kernel = need("hidden_size", "mamba_expand", "mamba_d_state",
+                                         "mamba_d_conv")  # Mamba1
+    inner = expand * hidden
+    return (kernel - 1) * inner + inner * state
 
 
 # ----------------------------------------------------------------------------- sizes

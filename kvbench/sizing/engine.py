@@ -1,0 +1,391 @@
+"""What a serving engine will allocate for the KV cache: vLLM v1's and SGLang's accounting,
+step by step, as a ledger. No torch here.
+
+vLLM (v1; `v1/worker/gpu_worker.py` determine_available_memory, `v1/core/kv_cache_utils.py`,
+`v1/kv_cache_interface.py`; the rules as of 0.10-0.33):
+- requested = total GPU memory x gpu_memory_utilization; KV available = requested - weights
+  - the torch activation peak of the profile run - non-torch memory (- CUDA graphs only where
+  the version estimates them; otherwise graphs live in the 1 - utilization headroom).
+- A layer's page is block_size tokens of it: full or sliding attention 2 x max(1, H_kv / TP)
+  x D x dtype bytes a token (KV heads replicated when TP exceeds them), MLA (d_c + d_rope) x
+  dtype bytes (no 2x, no TP split; DeepSeek's fp8 layout 656 bytes), a Mamba layer one state
+  page a request, the attention block size raised so its page covers the state's.
+- One kind of layer: one group of every layer. Several kinds: groups of equal size (the
+  fewest layers of a kind, or the most where that is less than 1.5x the fewest), each kind's
+  layers split across cdiv(n, size) groups, the last padded. blocks = available // page //
+  group size (the fewest over the pipeline stages). `GPU KV cache size` = blocks // groups x
+  block size; `Maximum concurrency` = blocks / the blocks a request needs at max_model_len
+  (full: cdiv(L, bs); sliding: cdiv(min(W - 1 + batched tokens, L), bs) + 1; Mamba: 1).
+
+SGLang (`model_executor/model_runner.py` profile_max_num_token): the pool is
+total x mem_fraction_static - weights - non-torch memory, divided by a token's bytes over all
+layers, rounded down to whole pages; activations and CUDA graphs live in the rest.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from kvbench.errors import KvbenchError
+from kvbench.sizing.capacity import ModelSpec, kv_heads_per_rank
+
+GIB = 2**30
+ENGINES = ("vllm", "sglang")
+
+# Usable memory as torch's total_memory (and vLLM's "total_gpu_memory") reports it, GiB.
+# Read from engine logs where one printed it, else the board's MiB; --gpu-mem for others.
+GPUS = {
+    "A100-40GB": 39.39, "A100-80GB": 79.15, "H100-80GB": 79.19, "H100-94GB": 93.10,
+    "H200": 139.81, "L4": 22.03, "L40S": 44.42, "RTX-3090": 23.58, "RTX-4090": 23.65,
+    "RTX-A6000": 47.43, "B200": 178.35,
+}
+
+NON_TORCH_BYTES = int(0.35 * GIB)  # CUDA context and NCCL outside torch's allocator (a guess)
+SAMPLER_COPIES = 7  # logits, sorted values, indices (2), probabilities, penalty counts (2)
+ATTENTION_ALIGNMENT = 16  # the attention kernels' block-size alignment (FlashAttention)
+DS_MLA_FP8_BYTES = 656  # DeepSeek's fp8 latent: 512 fp8, 4 float32 scales, 64 bf16 RoPE
+
+
+def serve_defaults(engine: str, gpu: int) -> dict[str, int]:
+    """`vllm serve`'s scheduler defaults by GPU memory (0.10 on: at least 70 GiB takes the
+    larger), and SGLang's chunked prefill and running requests (its defaults vary more)."""
+    big = gpu >= 70 * GIB
+    if engine == "sglang":
+        return {"max_num_seqs": 4096 if big else 2048, "max_num_batched_tokens": 8192
+                if big else 2048, "block_size": 1, "utilization": 0.88}
+    return {"max_num_seqs": 1024 if big else 256, "max_num_batched_tokens": 8192 if big
+            else 2048, "block_size": 16, "utilization": 0.9}
+
+
+def gpu_bytes(name: str) -> int:
+    """A GPU's usable memory by its name (case and spaces ignored)."""
+    key = name.strip().upper().replace(" ", "-").replace("_", "-")
+    found = {k.upper(): v for k, v in GPUS.items()}.get(key)
+    if found is None:
+        raise KvbenchError(f"--gpu {name!r} is not a GPU kvbench knows ({', '.join(GPUS)}); "
+                           "give its memory with --gpu-mem instead, e.g. --gpu-mem 79.19GiB")
+    return int(found * GIB)
+
+
+@dataclass(frozen=True)
+class EngineOptions:
+    """An engine launch as its own flags name it (SGLang's under vLLM's names: utilization is
+    mem_fraction_static, block_size page_size, max_num_seqs max_running_requests,
+    max_num_batched_tokens chunked_prefill_size)."""
+
+    engine: str
+    gpu_bytes: int
+    utilization: float = 0.9
+    max_model_len: int = 8192
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    block_size: int = 16
+    kv_cache_dtype: str = "auto"  # auto (the model's dtype), fp8, fp8_ds_mla (MLA)
+    tp: int = 1
+    pp: int = 1
+    dtype_bytes: int = 2  # the model's (activation) dtype
+    weight_bytes: float = 2  # bytes a parameter (bf16 2, fp8 1, int4 0.5)
+    weights: int | None = None  # bytes, instead of params x weight_bytes
+    non_torch: int = NON_TORCH_BYTES
+    activation: int | None = None  # bytes; None: estimated from the model's shapes
+    cuda_graphs: int = 0  # bytes subtracted for CUDA graphs (0: in the headroom)
+    kv_memory: int | None = None  # the available KV an engine's log printed, instead
+    num_blocks: int | None = None  # vLLM's --num-gpu-blocks-override: the blocks, given
+
+    def __post_init__(self) -> None:
+        if self.engine not in ENGINES:
+            raise KvbenchError(f"--engine {self.engine!r}: use {' or '.join(ENGINES)}")
+        flag = "--mem-fraction-static" if self.engine == "sglang" else \
+            "--gpu-memory-utilization"
+        if not 0 < self.utilization <= 1:
+            raise KvbenchError(f"{flag} must be in (0, 1], got {self.utilization}")
+        for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size",
+                     "tp", "pp"):
+            value = getattr(self, name)
+            if type(value) is not int or value < 1:
+                raise KvbenchError(f"--{name.replace('_', '-')} must be a positive integer, "
+                                   f"got {value}")
+        if self.kv_cache_dtype not in ("auto", "fp8", "fp8_ds_mla"):
+            raise KvbenchError(f"--kv-cache-dtype {self.kv_cache_dtype!r}: use auto, fp8 or "
+                               "fp8_ds_mla")
+        for name in ("non_torch", "activation", "cuda_graphs", "kv_memory", "num_blocks"):
+            value = getattr(self, name)
+            if value is not None and value < 0:
+                raise KvbenchError(f"--{name.replace('_', '-')} must be 0 or more")
+
+
+@dataclass(frozen=True)
+class Group:
+    """A KV cache group: layers of one kind sharing a block table."""
+
+    kind: str  # full, sliding, mla, mamba
+    layers: int  # real layers in it (the rest of the group size is padding)
+    page_bytes: int  # one block of one layer
+    block_size: int  # tokens a block (a Mamba group: its whole state)
+    blocks_per_request: int  # at max_model_len
+
+
+@dataclass
+class Ledger:
+    """Where one GPU's memory goes under an engine, and what the KV cache then holds."""
+
+    engine: str
+    gpu_bytes: int
+    requested: int  # x utilization
+    weights: int | None  # per rank (None: unknown, not needed)
+    activation: int | None  # None: not needed (--kv-memory)
+    activation_estimated: bool
+    non_torch: int
+    cuda_graphs: int
+    kv_available: int
+    token_bytes: dict[str, int]  # kind -> bytes a token a layer (per rank)
+    groups: list[Group]
+    group_size: int  # layers of each group (padded)
+    num_blocks: int
+    tokens: int  # the engine's "GPU KV cache size"
+    blocks_per_request: int
+    max_concurrency: float
+    max_model_len: int
+    block_size: int
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def fits(self) -> bool:
+        return self.kv_available > 0 and self.max_concurrency >= 1
+
+
+def layer_kinds(model: ModelSpec) -> list[str]:
+    """Each layer's cache kind as the engine sees it."""
+    if model.is_mla:
+        return ["mla"] * model.layers
+    if not model.layer_types:
+        return ["sliding" if model.sliding_window else "full"] * model.layers
+    return [kind for kind in model.layer_types if kind != "none"]  # an MLP alone: no cache
+
+
+def token_bytes(model: ModelSpec, kind: str, o: EngineOptions) -> int:
+    """One token of one layer on one rank."""
+    s = 1 if o.kv_cache_dtype.startswith("fp8") else o.dtype_bytes
+    if kind == "mla":
+        if o.kv_cache_dtype == "fp8_ds_mla":
+            return DS_MLA_FP8_BYTES
+        return (model.mla_latent + model.mla_rope) * s
+    return 2 * kv_heads_per_rank(model, o.tp) * model.head_dim * s
+
+
+def state_bytes(model: ModelSpec, o: EngineOptions) -> int:
+    """A Mamba layer's state for one request on one rank (conv and SSM, the model's dtype)."""
+    if not model.mamba_state:
+        raise KvbenchError(f"model {model.name} has Mamba layers but no mamba_state (the "
+                           "elements of one layer's conv and SSM state a request)")
+    return math.ceil(model.mamba_state / o.tp) * o.dtype_bytes
+
+
+def activation_peak(model: ModelSpec, o: EngineOptions) -> int:
+    """An estimate of the torch activation peak of vLLM's profile run, per rank: one layer's
+    largest live tensors for max_num_batched_tokens tokens (the residual, its normed copy, and
+    the larger of the attention's q/k/v + output and the MLP's gate/up + product), plus the
+    sampler's float32 logits and probabilities for min(max_num_seqs, tokens) requests."""
+    missing = [k for k in ("hidden", "intermediate", "vocab") if not getattr(model, k)]
+    if missing:
+        raise KvbenchError(f"model {model.name} lacks {', '.join(missing)} for the activation "
+                           "estimate: pass --activation GiB (the engine log's activation peak)")
+    n, s, tp = o.max_num_batched_tokens, o.dtype_bytes, o.tp
+    H, I = model.hidden, model.intermediate
+    if model.is_mla:
+        attn = n * (model.q_heads or 1) * (model.mla_latent + model.mla_rope) * 2 // tp
+    else:
+        q = model.q_heads or model.kv_heads
+        attn = n * (2 * q + 2 * max(1, model.kv_heads // tp)) * model.head_dim
+    mlp = n * 3 * (model.moe_top_k or 1) * I // tp
+    forward = (2 * n * H + max(attn, mlp)) * s
+    requests = min(o.max_num_seqs, n)
+    sampler = SAMPLER_COPIES * requests * model.vocab * 4
+    return forward + sampler
+
+
+def _groups(kinds: list[str], pages: dict[str, int], blocks: dict[str, int],
+            sizes: dict[str, int]) -> tuple[list[Group], int]:
+    """vLLM's grouping: one group for one kind; else groups of equal size, padded."""
+    counts: dict[str, int] = {}
+    for kind in kinds:
+        counts[kind] = counts.get(kind, 0) + 1
+    if len(counts) == 1:
+        (kind, n), = counts.items()
+        return [Group(kind, n, pages[kind], sizes[kind], blocks[kind])], n
+    size = min(counts.values())
+    if max(counts.values()) < 1.5 * size:
+        size = max(counts.values())
+    groups = []
+    for kind, n in counts.items():
+        for i in range(math.ceil(n / size)):
+            real = len(range(i, n, math.ceil(n / size)))
+            groups.append(Group(kind, real, pages[kind], sizes[kind], blocks[kind]))
+    return groups, size
+
+
+def stages(layers: int, pp: int) -> list[int]:
+    """Layers per pipeline stage (vLLM's split: even, the remainder to the last stages)."""
+    base, extra = divmod(layers, pp)
+    return [base + (1 if i >= pp - extra else 0) for i in range(pp)]
+
+
+def vllm(model: ModelSpec, o: EngineOptions) -> Ledger:
+    """vLLM v1's KV cache: its memory, groups, blocks, tokens and concurrency."""
+    kinds = layer_kinds(model)
+    notes = []
+    per_token = {k: token_bytes(model, k, o) for k in set(kinds) if k != "mamba"}
+    bs = o.block_size
+    if "mamba" in kinds:  # the attention block grows until its page covers the state's
+        state = state_bytes(model, o)
+        one = max(per_token.values())
+        need = ATTENTION_ALIGNMENT * math.ceil(state / (ATTENTION_ALIGNMENT * one))
+        if need > bs:
+            notes.append(f"block size raised from {bs} to {need}: an attention page must "
+                         f"cover a Mamba layer's state ({state:,} B)")
+            bs = need
+    L, T = o.max_model_len, o.max_num_batched_tokens
+    pages, blocks, sizes = {}, {}, {}
+    for kind, b in per_token.items():
+        pages[kind], sizes[kind] = b * bs, bs
+        if kind == "sliding":
+            held = min(model.sliding_window - 1 + T, L)
+            blocks[kind] = math.ceil(held / bs) + 1
+        else:
+            blocks[kind] = math.ceil(L / bs)
+    if "mamba" in kinds:
+        pages["mamba"], sizes["mamba"], blocks["mamba"] = max(pages.values()), L, 1
+    if len(set(pages.values())) > 1:  # vLLM unifies pages by growing the smaller blocks
+        top = max(pages.values())
+        for kind, page in list(pages.items()):
+            if top % page:
+                raise KvbenchError(f"{model.name}: vLLM cannot unify its page sizes "
+                                   f"({sorted(set(pages.values()))} B)")
+            ratio = top // page
+            sizes[kind] *= ratio
+            pages[kind] = top
+            blocks[kind] = math.ceil(blocks[kind] / ratio) if kind != "mamba" else 1
+    groups, size = _groups(kinds, pages, blocks, sizes)
+    weights = _weights(model, o)
+    activation, estimated = o.activation, False
+    if activation is None and o.kv_memory is None:
+        activation, estimated = activation_peak(model, o), True
+    requested = int(o.gpu_bytes * o.utilization)
+    if o.kv_memory is not None:
+        available = o.kv_memory
+        notes.append("KV available as given (--kv-memory), not from the ledger above it")
+    else:
+        available = requested - weights - activation - o.non_torch - o.cuda_graphs
+    page = groups[0].page_bytes
+    if len(groups) == 1:  # every layer in one group: a block holds each layer's page
+        layers_per_stage = max(stages(model.layers, o.pp))
+        num_blocks = max(0, available // (page * layers_per_stage))
+        per_request_bytes = groups[0].blocks_per_request * page * model.layers
+        memory_per_block = page * model.layers
+    else:
+        per_stage = max(math.ceil(size / o.pp), 1)
+        num_blocks = max(0, available // page // per_stage)
+        per_request_bytes = size * sum(g.blocks_per_request * page for g in groups)
+        memory_per_block = page * size
+    if o.num_blocks is not None:
+        num_blocks = o.num_blocks
+        notes.append("blocks as given (--num-gpu-blocks-override)")
+    need = math.ceil(per_request_bytes / memory_per_block)
+    tokens = num_blocks // len(groups) * min(g.block_size for g in groups)
+    if size != max(g.layers for g in groups) or any(g.layers < size for g in groups):
+        padded = sum(size - g.layers for g in groups)
+        if padded:
+            notes.append(f"{padded} padding layer(s) in the groups: that share of the pool "
+                         "holds nothing")
+    if "mamba" in kinds:
+        notes.append("Mamba layers: one state page a request (their state, not tokens)")
+    return Ledger("vllm", o.gpu_bytes, requested, weights, activation, estimated,
+                  o.non_torch, o.cuda_graphs, available, per_token, groups, size,
+                  num_blocks, tokens, need, num_blocks / need if need else 0.0, L, bs, notes)
+
+
+def sglang(model: ModelSpec, o: EngineOptions) -> Ledger:
+    """SGLang's token pool: max_total_num_tokens, in whole pages."""
+    kinds = layer_kinds(model)
+    if set(kinds) - {"full", "mla"}:
+        raise KvbenchError(f"--engine sglang sizes full-attention and MLA models here; "
+                           f"{model.name} has {', '.join(sorted(set(kinds) - {'full', 'mla'}))} "
+                           "layers (its hybrid pools differ): use --engine vllm")
+    kind = kinds[0]
+    per_token = token_bytes(model, kind, o)
+    layers = max(stages(model.layers, o.pp))
+    cell = per_token * layers
+    weights = _weights(model, o)
+    requested = int(o.gpu_bytes * o.utilization)
+    notes = [("activations and CUDA graphs: in the 1 - mem_fraction_static rest (SGLang "
+             "subtracts neither)")]
+    if o.kv_memory is not None:
+        available = o.kv_memory
+        notes.append("KV available as given (--kv-memory), not from the ledger above it")
+    else:
+        available = requested - weights - o.non_torch
+    tokens = max(0, available // cell) // o.block_size * o.block_size
+    blocks = tokens // o.block_size
+    need = math.ceil(o.max_model_len / o.block_size)
+    group = Group(kind, model.layers, per_token * o.block_size, o.block_size, need)
+    return Ledger("sglang", o.gpu_bytes, requested, weights, 0, False, o.non_torch, 0,
+                  available, {kind: per_token}, [group], model.layers, blocks, tokens, need,
+                  blocks / need, o.max_model_len, o.block_size, notes)
+
+
+def _weights(model: ModelSpec, o: EngineOptions) -> int | None:
+    """One rank's weights: the parameters x bytes a parameter, split over TP x PP ranks
+    (None where unknown and not needed: --kv-memory given)."""
+    if o.weights is not None:
+        return o.weights
+    if not model.params and o.kv_memory is not None:
+        return None
+    if not model.params:
+        raise KvbenchError(f"model {model.name} has no parameter count: pass --weights-bytes "
+                           "(the engine log's 'Model loading took ... GiB')")
+    return int(model.params * o.weight_bytes) // (o.tp * o.pp)
+
+
+def ledger(model: ModelSpec, o: EngineOptions) -> Ledger:
+    result = (vllm if o.engine == "vllm" else sglang)(model, o)
+    if o.kv_memory is not None and result.num_blocks == 0:
+        raise KvbenchError(f"--kv-memory {o.kv_memory / GIB:.3g} GiB is below one block of "
+                           f"every layer ({result.groups[0].page_bytes * result.group_size:,} "
+                           "B): give the KV memory the engine's log printed")
+    return result
+
+
+def to_target(model: ModelSpec, o: EngineOptions, target: float) -> list[str]:
+    """What would reach `target` concurrent requests at max_model_len: each lever alone."""
+    from dataclasses import replace
+
+    base = ledger(model, o)
+    if base.max_concurrency >= target:
+        return [f"already {base.max_concurrency:.2f} concurrent requests (target {target:g})"]
+    lines = []
+
+    def reach(label: str, options: list[tuple[str, EngineOptions]]) -> None:
+        for text, changed in options:
+            try:
+                if ledger(model, changed).max_concurrency >= target:
+                    lines.append(f"{label} {text}")
+                    return
+            except KvbenchError:
+                continue
+        lines.append(f"{label}: no setting alone reaches it")
+
+    util = [u / 100 for u in range(int(o.utilization * 100) + 1, 100)] + [1.0]
+    name = "--mem-fraction-static" if o.engine == "sglang" else "--gpu-memory-utilization"
+    reach(name, [(f"{u:.2f}", replace(o, utilization=u)) for u in util])
+    if o.kv_cache_dtype == "auto":
+        reach("--kv-cache-dtype", [("fp8", replace(o, kv_cache_dtype="fp8"))])
+    reach("--tp", [(str(t), replace(o, tp=t)) for t in (2, 4, 8) if t > o.tp])
+    lens = [n for n in (131072, 65536, 32768, 16384, 8192, 4096, 2048, 1024)
+            if n < o.max_model_len]
+    reach("--max-model-len", [(str(n), replace(o, max_model_len=n)) for n in lens])
+    if o.engine == "vllm" and o.activation is None:
+        lens = [n for n in (8192, 4096, 2048, 1024, 512) if n < o.max_num_batched_tokens]
+        reach("--max-num-batched-tokens",
+              [(str(n), replace(o, max_num_batched_tokens=n)) for n in lens])
+    return lines
