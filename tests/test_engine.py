@@ -63,13 +63,15 @@ def test_qwen3_0_6b_on_an_a100_reproduces_vllms_log(tmp_path):
 def test_a_sliding_window_hybrid_worked_by_hand():
     # gemma-2-9b: 21 sliding (4,096) + 21 full layers, 8 KV heads of 256: a page is
     # 16 x 2 x 8 x 256 x 2 = 131,072 B; groups of 21 -> 2 groups. 10 GiB available:
-    # 10 GiB // 131,072 // 21 = 3,900 blocks; tokens 3,900 // 2 x 16 = 31,200.
+    # 10 GiB // 131,072 // 21 = 3,900 blocks.
     # A request at 8,192: full cdiv(8192, 16) = 512, sliding cdiv(min(4095 + 2048, 8192),
-    # 16) + 1 = 385 -> 897 blocks; concurrency 3,900 / 897.
+    # 16) + 1 = 385 -> 897 blocks; concurrency 3,900 / 897; vLLM 0.33's KV cache size:
+    # int(3,900 / 897 x 8,192) = 35,617 tokens (older versions: 3,900 // 2 x 16 = 31,200).
     led = vllm(cap.preset("gemma-2-9b"), max_model_len=8192, max_num_batched_tokens=2048,
                kv_memory=10 * GIB)
     assert [(g.kind, g.layers) for g in led.groups] == [("sliding", 21), ("full", 21)]
-    assert (led.group_size, led.num_blocks, led.tokens) == (21, 3900, 31_200)
+    assert (led.group_size, led.num_blocks, led.tokens) == (21, 3900, 35_617)
+    assert any("31,200 as older versions" in n for n in led.notes)
     assert [g.blocks_per_request for g in led.groups] == [385, 512]
     assert led.blocks_per_request == 897 and led.max_concurrency == 3900 / 897
 
@@ -91,15 +93,15 @@ def test_a_mamba_hybrid_worked_by_hand():
     # 3 Mamba layers and 1 attention layer (8 KV heads of 128: 4,096 B a token); a state of
     # 300,000 elements = 600,000 B. The attention block grows to cover it: 16 x cdiv(600,000,
     # 16 x 4,096) = 160 tokens, a page of 655,360 B, the state padded to it. Groups of 1 ->
-    # 4 groups; 100 MiB: 104,857,600 // 655,360 = 160 blocks; tokens 160 // 4 x 160 = 6,400;
-    # a request at 4,096: cdiv(4096, 160) = 26 attention blocks + 3 states = 29.
+    # 4 groups; 100 MiB: 104,857,600 // 655,360 = 160 blocks; a request at 4,096:
+    # cdiv(4096, 160) = 26 attention blocks + 3 states = 29; int(160 / 29 x 4,096) tokens.
     model = cap.ModelSpec(name="hybrid", layers=4, kv_heads=8, head_dim=128, q_heads=32,
                           layer_types=("mamba", "mamba", "mamba", "full"),
                           mamba_state=300_000)
     led = vllm(model, kv_memory=100 * 2**20, max_model_len=4096)
     assert led.block_size == 160 and led.groups[0].page_bytes == 655_360
     assert (len(led.groups), led.group_size, led.num_blocks) == (4, 1, 160)
-    assert led.tokens == 6400 and led.blocks_per_request == 29
+    assert led.tokens == 22_598 and led.blocks_per_request == 29
     assert model.cached_layers == (3,)  # only the attention layer holds K/V
 
 

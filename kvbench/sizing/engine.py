@@ -13,9 +13,10 @@ vLLM (v1; `v1/worker/gpu_worker.py` determine_available_memory, `v1/core/kv_cach
 - One kind of layer: one group of every layer. Several kinds: groups of equal size (the
   fewest layers of a kind, or the most where that is less than 1.5x the fewest), each kind's
   layers split across cdiv(n, size) groups, the last padded. blocks = available // page //
-  group size (the fewest over the pipeline stages). `GPU KV cache size` = blocks // groups x
-  block size; `Maximum concurrency` = blocks / the blocks a request needs at max_model_len
-  (full: cdiv(L, bs); sliding: cdiv(min(W - 1 + batched tokens, L), bs) + 1; Mamba: 1).
+  group size (the fewest over the pipeline stages). `Maximum concurrency` = blocks / the
+  blocks a request needs at max_model_len (full: cdiv(L, bs); sliding: cdiv(min(W - 1 +
+  batched tokens, L), bs) + 1; Mamba: 1); `KV cache size` = concurrency x max_model_len
+  tokens (0.33; older versions printed blocks // groups x block size).
 
 SGLang (`model_executor/model_runner.py` profile_max_num_token): the pool is
 total x mem_fraction_static - weights - non-torch memory, divided by a token's bytes over all
@@ -292,7 +293,15 @@ def vllm(model: ModelSpec, o: EngineOptions) -> Ledger:
         num_blocks = o.num_blocks
         notes.append("blocks as given (--num-gpu-blocks-override)")
     need = math.ceil(per_request_bytes / memory_per_block)
-    tokens = num_blocks // len(groups) * min(g.block_size for g in groups)
+    concurrency = num_blocks / need if need else 0.0
+    # the log's "KV cache size": 0.33 prints concurrency x max_model_len; older versions
+    # printed blocks // groups x block size (the same for one group when bs divides L)
+    tokens = int(concurrency * L)
+    by_blocks = num_blocks // len(groups) * min(g.block_size for g in groups)
+    if by_blocks != tokens:
+        notes.append(f"KV cache size: {tokens:,} tokens as vLLM 0.33 prints it (concurrency "
+                     f"x max_model_len); {by_blocks:,} as older versions did (blocks // "
+                     "groups x block size)")
     if size != max(g.layers for g in groups) or any(g.layers < size for g in groups):
         padded = sum(size - g.layers for g in groups)
         if padded:
@@ -302,7 +311,7 @@ def vllm(model: ModelSpec, o: EngineOptions) -> Ledger:
         notes.append("Mamba layers: one state page a request (their state, not tokens)")
     return Ledger("vllm", o.gpu_bytes, requested, weights, activation, estimated,
                   o.non_torch, o.cuda_graphs, available, per_token, groups, size,
-                  num_blocks, tokens, need, num_blocks / need if need else 0.0, L, bs, notes)
+                  num_blocks, tokens, need, concurrency, L, bs, notes)
 
 
 def sglang(model: ModelSpec, o: EngineOptions) -> Ledger:
