@@ -406,3 +406,24 @@ def test_kivis_layout_by_hand():
     assert kivi.bytes_per_token == heads * (64 + 64 + 16) == 36 * 1024
     assert kivi.per_rank_bytes == heads * (4096 * 144 + 128 * 128 * 4 + 2 * 128 * 128 * 2)
     assert kivi.per_rank_bytes == 176 * 2**20
+
+
+def test_prefill_compression_charges_a_short_sequence_its_own_positions():
+    # 2 layers, 2 KV heads of 64, fp16: 512 B a position a layer. A budget of 64 of the first
+    # 256 (the prompt): a sequence of 100 holds min(100, 64) = 64 positions, one of 300
+    # holds 64 + (300 - 256) = 108. Payload 2 x 512 x (64 + 108) = 176,128 B. At batch 4 in
+    # 299,000 B: 4 x 2 x 512 x (64 + T - 256) <= 299,000 -> T = 264.
+    from kvbench.sizing import capacity as cap
+
+    model = cap.ModelSpec(name="m", layers=2, kv_heads=2, head_dim=64, kv_budget=64,
+                          budget_prompt=256)
+    assert [cap.cached_len(model, 0, t) for t in (50, 100, 256, 300)] == [50, 64, 64, 108]
+    args = ["capacity", "--layers", "2", "--kv-heads", "2", "--head-dim", "64",
+            "--kv-budget", "64", "--kv-compress", "prefill", "--prompt-len", "256",
+            "--no-csv", "--format", "json", "-q"]
+    row = json.loads(runner.invoke(app, [*args, "--seq-lens", "100,300"]).stdout)[0]
+    assert row["payload_bytes"] == 176_128
+    row = json.loads(runner.invoke(app, [*args, "--seq-len", "300", "--batch", "4",
+                                         "--gpu-mem", "300kB", "--weights-bytes", "1kB",
+                                         "--margin", "0GiB", "--utilization", "1"]).stdout)[0]
+    assert row["max_seq_len"] == 264

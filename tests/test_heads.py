@@ -219,3 +219,24 @@ def test_adas_bound_is_the_most_blocks_a_split_can_take():
 def test_snapkv_paged_refuses_eviction_at_every_step():
     r = runner.invoke(app, ["verify", *CLI[:-4], "--impl", "snapkv-paged"])
     assert r.exit_code == 2 and "add --kv-compress prefill" in r.stderr, r.stderr
+
+
+def test_adas_safeguard_goes_to_positions_beyond_the_window():
+    # 2 heads, T = 20, N = 10, a window of R = 2: the safeguard is int(0.2 x 10) = 2 positions
+    # beyond each head's window. Head 0 outscores head 1 everywhere, so of the 2 x 10 kept,
+    # head 1 keeps its window (18, 19) and its safeguard, its best 2 outside it (5 and 11),
+    # 4 in all; head 0 the other 16. A safeguard spent on the window would leave head 1 2.
+    from kvbench.layers.attention import AttentionLayer
+
+    shape = LayerShape(batch=1, prompt_len=20, decode_len=1, hidden=16, q_heads=2, kv_heads=2,
+                       head_dim=8, kv_budget=10, kv_recent=2, kv_compress="prefill",
+                       head_budgets="ada")
+    config = RunConfig(shape)
+    cache = IMPLEMENTATIONS["snapkv-paged"].build(AttentionLayer.from_config(config), config,
+                                                  ImplOptions(block_size=4))
+    score = torch.stack([torch.arange(20.0) + 100, torch.zeros(20)])[None]  # [1, 2, 20]
+    score[0, 1, 5], score[0, 1, 11] = 3.0, 2.0
+    score[..., 18:] = float("inf")  # the window, as prefill marks it
+    keep = cache.keep_mask(score, score)
+    assert keep[0, 1].nonzero().flatten().tolist() == [5, 11, 18, 19]
+    assert int(keep[0, 0].sum()) == 16

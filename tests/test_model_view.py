@@ -220,3 +220,17 @@ def test_the_titles_name_the_run():
                      group_size=4)
     result = replace(bench_result(), config=budget)
     assert view._title("memory", result).endswith("float32 cpu kv-budget=5 kv int4 g=4")
+
+
+def test_tokens_per_second_counts_every_sequence_of_the_batch():
+    # B = 8, G = 4 steps in 2 ms: 0.5 ms a step, each step makes 8 tokens: 16,000 tokens/s
+    from kvbench.experiments.model.run import ModelBenchResult, ModelTiming
+    from kvbench.measure.timing import Stats
+    from kvbench.sizing.config import LayerShape, RunConfig
+
+    config = RunConfig(LayerShape(batch=8, prompt_len=16, decode_len=4, hidden=32, q_heads=4,
+                                  kv_heads=2, head_dim=8))
+    timing = ModelTiming("static", None, Stats(2.0, 2.0, 2.0, 0.0, 1), 0.0)
+    result = ModelBenchResult(config, None, 1, None, 0, 1.0, [timing])
+    assert result.ms_per_token(timing) == 0.5
+    assert result.tokens_per_s(timing) == 16_000

@@ -107,3 +107,17 @@ def test_old_bench_and_verify_files_still_read(tmp_path):
     data = Path(__file__).parent / "data"
     assert read_results(data / "bench-0.1.0.csv")[0] == "bench"
     assert read_results(data / "verify-0.1.0.csv")[0] == "verify"
+
+
+def test_where_compares_numbers_as_numbers_and_text_as_text(tmp_path):
+    # kv_budget a float column (64.0, NaN): "64" picks the 64.0 row; impl=paged text; an
+    # empty value the empty cells
+    from kvbench.report.load import select
+
+    df = pd.DataFrame({"impl": ["paged", "h2o", "h2o"], "kv_budget": [None, 64.0, 128.0]})
+    picked = select(df, tmp_path / "r.csv", where="kv_budget=64")
+    assert picked["impl"].tolist() == ["h2o"] and picked["kv_budget"].tolist() == [64.0]
+    assert select(df, tmp_path / "r.csv", where="impl=paged")["kv_budget"].isna().all()
+    assert select(df, tmp_path / "r.csv", where="kv_budget=")["impl"].tolist() == ["paged"]
+    with pytest.raises(KvbenchError, match="no row"):
+        select(df, tmp_path / "r.csv", where="kv_budget=65")

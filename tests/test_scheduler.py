@@ -552,3 +552,17 @@ def test_each_step_records_the_work_a_cost_model_reads():
     s.run()
     assert s.prefill_positions[:2] == [4, 4] and s.prefill_calls[:2] == [1, 2]
     assert s.prefill_sizes[:2] == [[4], [1, 3]]
+
+
+def test_a_token_budget_of_two_decodes_at_most_two_a_step():
+    # vLLM v0's steps: prefills alone whenever a waiting request fits, decodes in the
+    # others. With a budget of 2 tokens a step (blocks of 2) three or more sequences come to
+    # be decoding at once, but a step decodes at most 2 of them: each takes one token
+    reqs = [Request(0, 0.0, 4, 6), Request(1, 0.0, 4, 2), Request(2, 1.0, 2, 5),
+            Request(3, 1.0, 6, 1), Request(4, 2.0, 4, 6)]
+    sched = Scheduler(reqs, n_blocks=64, block_size=2, max_batched_tokens=2, policy="vllm-v0")
+    sched.run()
+    assert max(sched.batch) == 2 and all(r.finished is not None for r in sched.records.values())
+    free = Scheduler(reqs, n_blocks=64, block_size=2, policy="vllm-v0")
+    free.run()
+    assert max(free.batch) >= 3  # the same trace without the budget decodes more at once

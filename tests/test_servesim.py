@@ -499,3 +499,16 @@ def test_prefix_caching_that_shares_a_block_it_should_not_fails_the_check(monkey
     result = runner.invoke(app, ["serve-sim", *SMALL, "--reserve", "paged", "--prefix-caching",
                                  "--no-csv", "-q"])
     assert result.exit_code == 1 and "differs from path A" in result.stderr
+
+
+def test_the_mean_batch_counts_every_step_those_that_decode_nothing_too():
+    # 4 steps, two of them prefill-only (0 decoded): (0 + 2 + 0 + 1) / 4 = 0.75, where a mean
+    # over the decoding steps alone would say 1.5
+    from kvbench.experiments.servesim import Served, serve_rows
+
+    served = Served("paged", 7, 2.0, 4, [0.5, 1.0, 1.5, 2.0], [0.5, 0.4, 0.6, 0.5], [0, 2, 0, 1],
+                    [5, 10, 15, 10], [4, 6, 6, 2], [0.1, 0.2], [0.02, 0.04], [0.1, 0.3],
+                    output_tokens=40, prompt_tokens=100)
+    assert served.mean_batch == 0.75
+    (row,) = serve_rows(OPTIONS, "cpu", [served], "t", {})
+    assert (row["mean_batch"], row["max_batch"]) == (0.75, 2)
