@@ -165,7 +165,8 @@ class RunOptions:
     kv_recent: int | None = option(
         None, "h2o, tova, knorm, snapkv, expected: how many of the --kv-budget positions are "
         "the most recent ones (snapkv: also its observation window of queries). Default: half "
-        "the budget for h2o, and for snapkv at most 64; 1 for tova, knorm and expected.",
+        "the budget for h2o, and for snapkv at most 64; 1 for tova, knorm and expected. 0 (with "
+        "--kv-compress prefill, not snapkv): no recent window, as kvpress's presses keep.",
         show_default=False)
     layer_budgets: str | None = option(
         None, "With --model and an eviction cache: each layer's budget, a comma list bottom "

@@ -58,6 +58,8 @@ TESTS = {
     "kvbench/serving/workloads.py": ["tests/test_scheduler.py", "tests/test_servesim.py"],
     "kvbench/experiments/servesim.py": ["tests/test_servesim.py"],
     "kvbench/report/compare.py": ["tests/test_compare_plot.py"],
+    "kvbench/report/load.py": ["tests/test_compare_plot.py", "tests/test_results.py"],
+    "kvbench/sizing/engine.py": ["tests/test_engine.py"],
     "kvbench/report/plot.py": ["tests/test_compare_plot.py"],
     "kvbench/serving/ops.py": ["tests/test_serving.py"],
     "kvbench/layers/mla.py": ["tests/test_mla.py"],

@@ -505,3 +505,30 @@ def test_h2o_evicts_the_lightest_position_outside_the_recent_window():
         impl.write(k, v)  # position 4 takes the lightest slot outside the last 1 position
     assert impl.pos[0, 0].tolist() == [0, 4, 2, 3]
     assert impl.pos[0, 1].tolist() == [0, 1, 4, 3]
+
+
+@pytest.mark.parametrize("recent", [0, 1])
+def test_knorm_without_a_recent_window_keeps_kvpress_s_positions(recent):
+    # kvpress's KnormPress keeps the N positions of lowest key norm, the last included only
+    # if it is among them; kvbench's default (--kv-recent 1) always keeps the last prompt
+    # position, --kv-recent 0 (with --kv-compress prefill) keeps exactly kvpress's set
+    from kvbench.caches import IMPLEMENTATIONS, ImplOptions
+    from kvbench.layers.attention import AttentionLayer, make_inputs
+
+    shape = LayerShape(batch=1, prompt_len=24, decode_len=1, hidden=32, q_heads=4, kv_heads=2,
+                       head_dim=8, kv_budget=6, kv_recent=recent, kv_compress="prefill")
+    config = RunConfig(shape)
+    layer, x = AttentionLayer.from_config(config), make_inputs(config)
+    cache = IMPLEMENTATIONS["knorm"].build(layer, config, ImplOptions())
+    with torch.no_grad():
+        cache.prefill(x[:, :24])
+        _, k, _ = layer.project(x[:, :24], start=0)
+    norms = k.float().norm(dim=-1)[0]  # [H_kv, T]
+    kept = cache.pos[0, :, :6].sort(dim=-1).values
+    lowest = (-norms).topk(6, dim=-1).indices.sort(dim=-1).values
+    if recent == 0:
+        assert torch.equal(kept, lowest)
+    else:  # the last position and the 5 lowest of the others
+        others = (-norms[:, :23]).topk(5, dim=-1).indices
+        assert torch.equal(kept, torch.cat((others, torch.full((2, 1), 23)), -1).sort(-1).values)
+    assert (23 in lowest[0].tolist() and 23 in lowest[1].tolist()) is False  # the cases differ

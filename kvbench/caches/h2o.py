@@ -379,6 +379,12 @@ class SnapKVCache(H2OCache):
     POOL = 5  # positions averaged in the prompt's scores (kvpress's kernel_size)
 
     @classmethod
+    def inapplicable(cls, config):
+        if config.shape.kv_recent == 0:
+            return "its queries' window is its score: --kv-recent 0 leaves it none"
+        return super().inapplicable(config)
+
+    @classmethod
     def default_recent(cls, budget: int) -> int:
         """Half the budget, at most 64 (kvpress's window)."""
         return max(1, min(64, budget // 2))

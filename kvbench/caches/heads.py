@@ -58,6 +58,8 @@ class SnapKVPagedCache(CachedAttention):
     def inapplicable(cls, config):
         if config.shape.kv_budget is not None and config.shape.kv_compress != "prefill":
             return "compresses the prompt once: add --kv-compress prefill"
+        if config.shape.kv_recent == 0:
+            return "its queries' window is its score: --kv-recent 0 leaves it none"
         return super().inapplicable(config)
 
     @classmethod

@@ -246,8 +246,10 @@ class LayerShape:
             if self.kv_budget is None:
                 raise KvbenchError("--kv-recent is the recent window of a --kv-budget; give "
                                    "--kv-budget N too")
-            if type(self.kv_recent) is not int or self.kv_recent < 1:
-                raise KvbenchError(f"--kv-recent must be a positive integer, got "
+            if type(self.kv_recent) is not int or self.kv_recent < 0 or (
+                    self.kv_recent == 0 and self.kv_compress != "prefill"):
+                raise KvbenchError(f"--kv-recent must be a positive integer (0, no recent "
+                                   f"window, with --kv-compress prefill), got "
                                    f"{self.kv_recent}")
             if self.kv_budget < self.kv_recent:
                 raise KvbenchError(f"--kv-budget {self.kv_budget} is below the recent window "
