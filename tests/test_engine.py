@@ -226,3 +226,165 @@ def test_a_config_without_a_mamba_field_is_one_line(tmp_path):
     # Mamba2: conv 3 x (16 x 32 + 2 x 2 x 64) + SSM 16 x 32 x 64 = 2,304 + 32,768
     assert model.layer_types == ("mamba", "full", "mamba", "none")
     assert model.mamba_state == 35_072 and model.cached_layers == (1,)
+
+
+SMALL = cap.ModelSpec(name="t", layers=4, kv_heads=2, head_dim=64, q_heads=4,
+                      params=1_000_000_000, hidden=256, intermediate=512, vocab=1000)
+
+
+def test_every_line_of_a_vllm_ledger_by_hand():
+    # 10 GiB x 0.5 = 5,368,709,120; weights 1e9 x 2 B; activation, non-torch and CUDA graphs
+    # given: 5,368,709,120 - 2e9 - 134,217,728 - 268,435,456 - 134,217,728 = 2,831,838,208.
+    # 512 B a token a layer, a page of 16 tokens 8,192 B, one group of 4: 2,831,838,208 //
+    # 32,768 = 86,420 blocks; a request of 1,000 needs cdiv(1000, 16) = 63: 1371.746x,
+    # int(1371.746 x 1000) = 1,371,746 tokens (older versions: 86,420 x 16 = 1,382,720)
+    o = eng.EngineOptions("vllm", 10 * GIB, 0.5, max_model_len=1000, max_num_seqs=8,
+                          max_num_batched_tokens=64, block_size=16, weight_bytes=2,
+                          non_torch=GIB // 4, activation=GIB // 8, cuda_graphs=GIB // 8)
+    note = ("KV cache size: 1,371,746 tokens as vLLM 0.33 prints it (concurrency x "
+            "max_model_len); 1,382,720 as older versions did (blocks // groups x block size)")
+    assert eng.ledger(SMALL, o) == eng.Ledger(
+        "vllm", 10 * GIB, 5_368_709_120, 2_000_000_000, GIB // 8, False, GIB // 4, GIB // 8,
+        2_831_838_208, {"full": 512}, [eng.Group("full", 4, 8192, 16, 63)], 4, 86_420,
+        1_371_746, 63, 86_420 / 63, 1000, 16, [note])
+    estimated = eng.ledger(SMALL, eng.EngineOptions("vllm", 10 * GIB, 0.5, max_model_len=1024))
+    assert estimated.activation_estimated and estimated.activation == eng.activation_peak(
+        SMALL, eng.EngineOptions("vllm", 10 * GIB, 0.5, max_model_len=1024))
+    assert estimated.notes == []  # 16 divides 1,024: both ways of counting tokens agree
+    given = eng.ledger(SMALL, eng.EngineOptions("vllm", 10 * GIB, kv_memory=GIB,
+                                                max_model_len=1024))
+    assert given.activation is None and not given.activation_estimated
+    assert given.notes == ["KV available as given (--kv-memory), not from the ledger above it"]
+    assert eng.ledger(SMALL, eng.EngineOptions("vllm", 10 * GIB, max_model_len=1024,
+                                               num_blocks=100)).notes == [
+        "blocks as given (--num-gpu-blocks-override)"]
+
+
+def test_every_line_of_an_sglang_ledger_by_hand():
+    # 5,368,709,120 - 1 GiB - 0.25 GiB = 4,026,531,840 over 512 x 4 = 2,048 B a token:
+    # 1,966,080 tokens, whole pages of 4: 491,520 pages; cdiv(1000, 4) = 250 a request
+    o = eng.EngineOptions("sglang", 10 * GIB, 0.5, max_model_len=1000, block_size=4,
+                          weights=GIB, non_torch=GIB // 4)
+    led = eng.ledger(SMALL, o)
+    assert led == eng.Ledger(
+        "sglang", 10 * GIB, 5_368_709_120, GIB, 0, False, GIB // 4, 0, 4_026_531_840,
+        {"full": 512}, [eng.Group("full", 4, 2048, 4, 250)], 4, 491_520, 1_966_080, 250,
+        1966.08, 1000, 4, [("activations and CUDA graphs: in the 1 - mem_fraction_static rest "
+                           "(SGLang subtracts neither)")])
+    assert type(led.num_blocks) is int
+    mla = eng.ledger(cap.preset("deepseek-v3"), eng.EngineOptions(
+        "sglang", 80 * GIB, 0.9, max_model_len=4096, block_size=1, kv_memory=GIB))
+    assert mla.token_bytes == {"mla": 1152} and mla.tokens == GIB // (1152 * 61)
+    assert mla.groups[0].kind == "mla" and mla.weights > 0
+
+
+def test_a_ledger_with_nothing_left_holds_no_blocks():
+    # weights alone above 10 GiB x 0.5: negative KV memory, 0 blocks, 0 tokens, 0x
+    o = eng.EngineOptions("vllm", 10 * GIB, 0.5, max_model_len=1024, weights=6 * GIB,
+                          activation=0)
+    led = eng.ledger(SMALL, o)
+    assert led.kv_available < 0 and (led.num_blocks, led.tokens, led.max_concurrency) == (0, 0, 0)
+    assert not led.fits
+    sg = eng.ledger(SMALL, eng.EngineOptions("sglang", 10 * GIB, 0.5, weights=6 * GIB))
+    assert (sg.num_blocks, sg.tokens) == (0, 0)
+
+
+def test_a_sliding_window_of_w_holds_w_minus_1_plus_the_batched_tokens():
+    # W = 130, 16 batched tokens: min(129 + 16, 1000) = 145 = 9 x 16 + 1 -> 10 blocks + 1
+    model = cap.ModelSpec(name="s", layers=2, kv_heads=1, head_dim=8, sliding_window=130,
+                          layer_types=("sliding", "full"))
+    led = vllm(model, max_model_len=1000, max_num_batched_tokens=16, kv_memory=GIB)
+    assert [g.blocks_per_request for g in led.groups] == [11, 63]
+    assert eng.layer_kinds(model) == ["sliding", "full"]
+    window_only = cap.ModelSpec(name="w", layers=2, kv_heads=1, head_dim=8, sliding_window=64)
+    assert eng.layer_kinds(window_only) == ["sliding", "sliding"]
+
+
+def test_pipeline_stages_split_the_layers_and_the_blocks_follow_the_largest():
+    # 5 layers over 2 stages: 2 and 3 (the remainder to the last); one group: a stage's
+    # blocks = available // (page x 3). Two groups of 2 (2 sliding + 2 full) over PP 2:
+    # a stage holds one layer of each group: available // page // 1
+    assert eng.stages(5, 2) == [2, 3] and eng.stages(4, 2) == [2, 2] and eng.stages(7, 3) == [2, 2, 3]
+    model = cap.ModelSpec(name="p", layers=5, kv_heads=1, head_dim=8)
+    assert vllm(model, pp=2, kv_memory=GIB).num_blocks == GIB // (16 * 32 * 3)
+    mixed = cap.ModelSpec(name="m", layers=4, kv_heads=1, head_dim=8, sliding_window=64,
+                          layer_types=("sliding", "full") * 2)
+    assert vllm(mixed, pp=2, kv_memory=GIB).num_blocks == GIB // (16 * 32) // 1
+    assert vllm(mixed, pp=1, kv_memory=GIB).num_blocks == GIB // (16 * 32) // 2
+
+
+def test_the_notes_say_what_the_engine_changed():
+    # a state that fits one block of 16 exactly: no raise; 12 sliding + 13 full: 1 padding
+    # layer; Mamba layers noted
+    exact = cap.ModelSpec(name="e", layers=2, kv_heads=1, head_dim=8,
+                          layer_types=("mamba", "full"), mamba_state=256)  # 512 B = 16 x 32
+    led = vllm(exact, kv_memory=GIB)
+    assert led.block_size == 16 and not any("raised" in n for n in led.notes)
+    assert "Mamba layers: one state page a request (their state, not tokens)" in led.notes
+    bigger = cap.ModelSpec(name="b", layers=2, kv_heads=1, head_dim=8,
+                           layer_types=("mamba", "full"), mamba_state=257)
+    assert vllm(bigger, kv_memory=GIB).notes[0] == (
+        "block size raised from 16 to 32: an attention page must cover a Mamba layer's state "
+        "(514 B)")
+    padded = cap.ModelSpec(name="g", layers=25, kv_heads=1, head_dim=8, sliding_window=64,
+                           layer_types=("sliding",) * 12 + ("full",) * 13)
+    assert ("1 padding layer(s) in the groups: that share of the pool holds nothing"
+            in vllm(padded, kv_memory=GIB, max_model_len=1024).notes)
+    assert not any("padding" in n for n in vllm(SMALL, kv_memory=GIB).notes)
+
+
+def test_serve_defaults_follow_the_gpu_size():
+    assert eng.serve_defaults("vllm", 70 * GIB) == {
+        "max_num_seqs": 1024, "max_num_batched_tokens": 8192, "block_size": 16,
+        "utilization": 0.9}
+    assert eng.serve_defaults("vllm", 70 * GIB - 1) == {
+        "max_num_seqs": 256, "max_num_batched_tokens": 2048, "block_size": 16,
+        "utilization": 0.9}
+    assert eng.serve_defaults("sglang", 80 * GIB) == {
+        "max_num_seqs": 4096, "max_num_batched_tokens": 8192, "block_size": 1,
+        "utilization": 0.88}
+    assert eng.serve_defaults("sglang", 24 * GIB)["max_num_batched_tokens"] == 2048
+    assert eng.serve_defaults("sglang", 24 * GIB)["max_num_seqs"] == 2048
+
+
+def test_gpu_names_ignore_case_spaces_and_underscores():
+    assert eng.gpu_bytes("h100 80gb") == eng.gpu_bytes("H100_80GB") == int(79.19 * GIB)
+    assert eng.gpu_bytes(" rtx-3090 ") == int(23.58 * GIB)
+
+
+@pytest.mark.parametrize("field, value, says", [
+    ("engine", "tgi", "--engine 'tgi': use vllm or sglang"),
+    ("utilization", 0.0, "--gpu-memory-utilization must be in (0, 1], got 0.0"),
+    ("max_model_len", 0, "--max-model-len must be a positive integer, got 0"),
+    ("block_size", 1.5, "--block-size must be a positive integer, got 1.5"),
+    ("kv_cache_dtype", "int8", "--kv-cache-dtype 'int8': use auto, fp8 or fp8_ds_mla"),
+    ("non_torch", -1, "--non-torch must be 0 or more"),
+    ("num_blocks", -1, "--num-blocks must be 0 or more"),
+])
+def test_engine_options_refuse_each_bad_value_in_its_own_words(field, value, says):
+    with pytest.raises(KvbenchError) as err:
+        eng.EngineOptions(**{"engine": "vllm", "gpu_bytes": GIB, field: value})
+    assert str(err.value) == says
+    with pytest.raises(KvbenchError, match=r"--mem-fraction-static must be in \(0, 1\]"):
+        eng.EngineOptions("sglang", GIB, 1.5)
+    assert eng.EngineOptions("vllm", GIB, 1.0).utilization == 1.0  # 1 itself is allowed
+
+
+def test_to_target_lines_by_hand():
+    # SMALL on 10 GiB at 0.5 holds 1,371.75 requests of 1,000; 2,000 needs 0.63 utilization
+    # (0.62 holds 1,952.4), or fp8 K/V, or TP 2; no max model len below 1,000 is offered
+    o = eng.EngineOptions("vllm", 10 * GIB, 0.5, max_model_len=1000, max_num_seqs=8,
+                          max_num_batched_tokens=64, block_size=16, non_torch=GIB // 4,
+                          activation=GIB // 8, cuda_graphs=GIB // 8)
+    assert eng.to_target(SMALL, o, 2000) == [
+        "--gpu-memory-utilization 0.63", "--kv-cache-dtype fp8", "--tp 2",
+        "--max-model-len: no setting alone reaches it"]
+    assert eng.to_target(SMALL, o, 100) == ["already 1371.75 concurrent requests (target 100)"]
+    from dataclasses import replace
+
+    assert eng.ledger(SMALL, replace(o, utilization=0.62)).max_concurrency < 2000
+    assert eng.ledger(SMALL, replace(o, utilization=0.63)).max_concurrency >= 2000
+    sg = eng.EngineOptions("sglang", 10 * GIB, 0.5, max_model_len=4096, block_size=16,
+                           weights=GIB)
+    lines = eng.to_target(SMALL, sg, 1e9)
+    assert lines[0] == "--mem-fraction-static: no setting alone reaches it" and len(lines) == 4
