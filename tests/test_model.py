@@ -787,3 +787,23 @@ def test_the_whole_model_step_compiles_once_as_one_graph_and_equals_the_eager_st
     monkeypatch.setitem(IMPLEMENTATIONS, "triton", HostLength)
     _, graphs = steps(2)
     assert graphs == 2
+
+
+def test_budgets_resolve_the_pyramid_over_the_positions_a_budget_applies_to():
+    # --kv-compress prefill: the budget applies to the prompt's 40 positions, not the 52 a
+    # sequence reaches; a pyramid of mean 16 over 4 layers: top round(16 / 20) = 1, bottom 31
+    # -> 31, 21, 11, 1 (none above 40); decode-time the positions are 52
+    from dataclasses import replace
+
+    from kvbench.sizing import budgets
+    from kvbench.sizing.config import LayerShape
+
+    shape = LayerShape(batch=1, prompt_len=40, decode_len=12, hidden=32, q_heads=4,
+                       kv_heads=2, head_dim=8, kv_budget=16, kv_compress="prefill")
+    assert budgets.positions(shape) == 40
+    assert budgets.positions(replace(shape, kv_compress="decode")) == 52
+    assert budgets.resolve(shape, "pyramid", 4).layer_budgets == (31, 21, 11, 1)
+    assert budgets.resolve(shape, (5, 6, 7, 8), 4).layer_budgets == (5, 6, 7, 8)
+    assert budgets.parse(None, 4) is None and budgets.parse(" Pyramid ", 4) == "pyramid"
+    # held 20: bottom capped at 20, top 2 x 16 - 20 = 12
+    assert budgets.pyramid(16, 3, 20) == (20, 16, 12)

@@ -121,3 +121,63 @@ def test_where_compares_numbers_as_numbers_and_text_as_text(tmp_path):
     assert select(df, tmp_path / "r.csv", where="kv_budget=")["impl"].tolist() == ["paged"]
     with pytest.raises(KvbenchError, match="no row"):
         select(df, tmp_path / "r.csv", where="kv_budget=65")
+
+
+def _capacity_rows(path, n):
+    from typer.testing import CliRunner
+
+    from kvbench.cli import app
+
+    for seq in range(1, n + 1):
+        result = CliRunner().invoke(app, ["capacity", "--layers", "2", "--kv-heads", "2",
+                                          "--head-dim", "64", "--seq-len", str(seq), "-q",
+                                          "--csv", str(path)])
+        assert result.exit_code == 0, result.output
+
+
+def test_damaged_rows_are_named_by_line_and_counted(tmp_path, monkeypatch):
+    # 8 rows (lines 2-9); lines 3-9 cut to 3 fields: the read stops at line 3 "(and 6 more)"
+    # unless skip_bad_rows, which leaves 7 out and names the first 5 lines then "…"
+    from kvbench.report import load, render
+
+    path = tmp_path / "cap.csv"
+    _capacity_rows(path, 8)
+    lines = path.read_text().splitlines()
+    fields = len(lines[0].split(","))
+    path.write_text("\n".join(lines[:2] + [",".join(l.split(",")[:3]) for l in lines[2:]]) + "\n")
+    with pytest.raises(KvbenchError) as err:
+        load.read_results(path)
+    assert str(err.value) == (f"{path}, line 3: 3 of {fields} fields, a cut or damaged row "
+                              "(and 6 more); --skip-bad-rows reads the others")
+    warned = []
+    monkeypatch.setattr(render, "warn", warned.append)
+    kind, df = load.read_results(path, skip_bad_rows=True)
+    assert kind == "capacity" and len(df) == 1
+    assert warned == [f"{path}: left out 7 damaged rows (line 3, 4, 5, 6, 7 …)"]
+    path.write_text("\n".join(lines[:8] + [",".join(lines[8].split(",")[:3])]) + "\n")
+    with pytest.raises(KvbenchError) as err:
+        load.read_results(path)
+    assert str(err.value).endswith("a cut or damaged row; --skip-bad-rows reads the others")
+    warned.clear()
+    assert len(load.read_results(path, skip_bad_rows=True)[1]) == 7
+    assert warned == [f"{path}: left out 1 damaged row (line 9)"]
+
+
+def test_select_names_the_filter_that_matched_nothing_and_renumbers_rows(tmp_path):
+    from kvbench.report.load import parse_where, select
+
+    df = pd.DataFrame({"impl": ["paged", "h2o", "h2o"], "run_id": ["a", "b", "b"],
+                       "kv_budget": [None, 64.0, 128.0]})
+    picked = select(df, tmp_path / "r.csv", run="b", where="kv_budget=128")
+    assert list(picked.columns) == ["impl", "run_id", "kv_budget"] and picked.index.tolist() == [0]
+    with pytest.raises(KvbenchError) as err:
+        select(df, tmp_path / "r.csv", run="a", where="impl=h2o")
+    assert str(err.value) == (f"no row of {tmp_path / 'r.csv'} matches --run a --where "
+                              "impl=h2o; check the values")
+    with pytest.raises(KvbenchError) as err:
+        select(df, tmp_path / "r.csv", run="z")
+    assert "its latest runs: b, a (or --run last)" in str(err.value)
+    assert parse_where("note=a=b, impl=paged") == [("note", "a=b"), ("impl", "paged")]
+    for bad in ("=paged", "impl"):
+        with pytest.raises(KvbenchError, match="column=value pairs"):
+            parse_where(bad)
