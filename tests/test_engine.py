@@ -388,3 +388,51 @@ def test_to_target_lines_by_hand():
                            weights=GIB)
     lines = eng.to_target(SMALL, sg, 1e9)
     assert lines[0] == "--mem-fraction-static: no setting alone reaches it" and len(lines) == 4
+
+
+def test_more_engine_figures_by_hand():
+    # the Mamba hybrid's per-token line holds its attention layer only; TP 2 halves the state
+    hybrid = cap.ModelSpec(name="h", layers=4, kv_heads=8, head_dim=128, q_heads=32,
+                           layer_types=("mamba", "mamba", "mamba", "full"),
+                           mamba_state=300_000)
+    assert vllm(hybrid, kv_memory=100 * 2**20).token_bytes == {"full": 4096}
+    assert eng.state_bytes(hybrid, eng.EngineOptions("vllm", GIB, tp=2)) == 300_000
+    assert vllm(hybrid, kv_memory=GIB, max_model_len=4096).num_blocks > 0
+    nothing = vllm(hybrid, weights=80 * GIB, activation=0, max_model_len=4096)
+    assert nothing.num_blocks == 0 and nothing.max_concurrency == 0
+    # 2 full + 3 sliding: 3 = 1.5 x 2 is not under it, so groups of 2 (3 groups)
+    mixed = cap.ModelSpec(name="m", layers=5, kv_heads=1, head_dim=8, sliding_window=64,
+                          layer_types=("full",) * 2 + ("sliding",) * 3)
+    led = vllm(mixed, kv_memory=GIB)
+    assert (led.group_size, len(led.groups)) == (2, 3)
+    # SGLang: nothing left at page 1 is 0 tokens; --kv-memory noted
+    sg = eng.ledger(SMALL, eng.EngineOptions("sglang", 10 * GIB, 0.5, block_size=1,
+                                             weights=6 * GIB))
+    assert (sg.tokens, sg.num_blocks) == (0, 0)
+    given = eng.ledger(SMALL, eng.EngineOptions("sglang", GIB, kv_memory=GIB // 2))
+    assert given.notes[-1] == "KV available as given (--kv-memory), not from the ledger above it"
+    with pytest.raises(KvbenchError) as err:
+        eng.ledger(cap.preset("gemma-2-9b"), eng.EngineOptions("sglang", GIB))
+    assert str(err.value) == ("--engine sglang sizes full-attention and MLA models here; "
+                              "gemma-2-9b has sliding layers (its hybrid pools differ): use "
+                              "--engine vllm")
+    with pytest.raises(KvbenchError) as err:
+        eng.ledger(SMALL, eng.EngineOptions("vllm", GIB, kv_memory=1024))
+    assert str(err.value) == ("--kv-memory 9.54e-07 GiB is below one block of every layer "
+                              "(32,768 B): give the KV memory the engine's log printed")
+
+
+def test_the_activation_estimate_where_attention_outweighs_the_mlp():
+    # 64 tokens, 16 query heads and 4 KV heads of 64, TP 2: q and o 2 x 16, k and v 2 x
+    # max(1, 4 // 2) = 4 -> 64 x 36 x 64 = 147,456 elements; the MLP 64 x 3 x 100 // 2 =
+    # 9,600; plus the residual 2 x 64 x 256; x 2 B; the sampler 7 x 8 x 1,000 x 4 B
+    model = cap.ModelSpec(name="a", layers=2, kv_heads=4, head_dim=64, q_heads=16, hidden=256,
+                          intermediate=100, vocab=1000, moe_top_k=None)
+    o = eng.EngineOptions("vllm", GIB, tp=2, max_num_batched_tokens=64, max_num_seqs=8)
+    assert eng.activation_peak(model, o) == (2 * 64 * 256 + 64 * 36 * 64) * 2 + 7 * 8 * 1000 * 4
+    moe = cap.ModelSpec(name="e", layers=2, kv_heads=1, head_dim=8, q_heads=1, hidden=16,
+                        intermediate=1000, vocab=10, moe_top_k=2)
+    o1 = eng.EngineOptions("vllm", GIB, max_num_batched_tokens=10, max_num_seqs=4)
+    assert eng.activation_peak(moe, o1) == (2 * 10 * 16 + 10 * 3 * 2 * 1000) * 2 + 7 * 4 * 10 * 4
+    with pytest.raises(KvbenchError, match="lacks hidden, intermediate, vocab"):
+        eng.activation_peak(cap.ModelSpec(name="x", layers=1, kv_heads=1, head_dim=8), o1)
