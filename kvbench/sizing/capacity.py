@@ -273,7 +273,10 @@ def from_hf_config(path: Path) -> ModelSpec:
     return ModelSpec(name=name, layers=layers, kv_heads=kv_heads, head_dim=head_dim,
                      q_heads=q_heads, sliding_window=window if layer_types or window else None,
                      layer_types=layer_types, source=str(path), mamba_state=state,
-                     params=_config_params(cfg, layers, q_heads, kv_heads, head_dim),
+                     # (a hybrid's Mamba and MLP-only layers are no dense decoder's: the
+                     # weights then need --weights-bytes)
+                     params=None if "mamba" in layer_types or "none" in layer_types
+                     else _config_params(cfg, layers, q_heads, kv_heads, head_dim),
                      **shapes)
 
 
