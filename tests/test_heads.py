@@ -240,3 +240,24 @@ def test_adas_safeguard_goes_to_positions_beyond_the_window():
     keep = cache.keep_mask(score, score)
     assert keep[0, 1].nonzero().flatten().tolist() == [5, 11, 18, 19]
     assert int(keep[0, 0].sum()) == 16
+
+
+def test_what_snapkv_paged_drops_reads_and_reports_by_hand():
+    # drops: a budget below the prompt drops positions, unless duo keeps every head whole
+    # (duo:1: 4 of 4 heads) or the budget is the whole prompt
+    from dataclasses import replace
+
+    from kvbench.layers.attention import AttentionLayer, make_inputs
+
+    cls = IMPLEMENTATIONS["snapkv-paged"]
+    assert cls.drops(RunConfig(_shape(None))) and cls.drops(RunConfig(_shape("duo:0.5")))
+    assert not cls.drops(RunConfig(_shape("duo:1")))
+    assert not cls.drops(RunConfig(replace(SHAPE, kv_budget=40)))
+    # ada's reads: B x (min(P, N) + the decoded): at the prompt's end 2 x 16, 2 later 2 x 18
+    config = RunConfig(_shape("ada"))
+    assert cls.step_reads(config, ImplOptions(block_size=4), 40) == 2 * 16
+    assert cls.step_reads(config, ImplOptions(block_size=4), 42) == 2 * 18
+    cache = cls.build(AttentionLayer.from_config(config), config, ImplOptions(block_size=4))
+    with torch.no_grad():
+        cache.prefill(make_inputs(config)[:, :40])
+    assert cache.stats() == {"blocks": int((cache.table >= 0).sum())}
