@@ -92,10 +92,8 @@ def capacity(engine, model, from_config, gpu_mem, tp, block_size, weight_dtype, 
                            "--list-models) or --from-config config.json")
     spec = cap.preset(model) if model else cap.from_hf_config(from_config)
     o = options(engine, gpu_mem, tp, block_size, weight_dtype, weights_bytes, **serving)
-    if not spec.is_mla and spec.kv_heads and spec.kv_heads % o.tp and o.tp % spec.kv_heads:
-        raise KvbenchError(f"--tp {o.tp} neither divides nor is a multiple of {spec.name}'s "
-                           f"{spec.kv_heads} KV heads; use one of "
-                           f"{', '.join(str(t) for t in (1, 2, 4, 8) if not spec.kv_heads % t or not t % spec.kv_heads)}")
+    if not spec.is_mla:
+        cap.kv_heads_per_rank(spec, o.tp)  # refuses a TP the KV heads cannot split over
     if spec.q_heads and spec.q_heads % o.tp:
         raise KvbenchError(f"--tp {o.tp} does not divide {spec.name}'s {spec.q_heads} "
                            "attention heads")

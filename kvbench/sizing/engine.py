@@ -26,7 +26,7 @@ layers, rounded down to whole pages; activations and CUDA graphs live in the res
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from kvbench.errors import KvbenchError
 from kvbench.sizing.capacity import ModelSpec, kv_heads_per_rank
@@ -257,16 +257,8 @@ def vllm(model: ModelSpec, o: EngineOptions) -> Ledger:
             blocks[kind] = math.ceil(L / bs)
     if "mamba" in kinds:
         pages["mamba"], sizes["mamba"], blocks["mamba"] = max(pages.values()), L, 1
-    if len(set(pages.values())) > 1:  # vLLM unifies pages by growing the smaller blocks
-        top = max(pages.values())
-        for kind, page in list(pages.items()):
-            if top % page:
-                raise KvbenchError(f"{model.name}: vLLM cannot unify its page sizes "
-                                   f"({sorted(set(pages.values()))} B)")
-            ratio = top // page
-            sizes[kind] *= ratio
-            pages[kind] = top
-            blocks[kind] = math.ceil(blocks[kind] / ratio) if kind != "mamba" else 1
+    # (vLLM unifies unequal pages by growing the smaller blocks; here they never differ:
+    # sliding and full layers cost the same a token, and a Mamba page is padded to theirs)
     groups, size = _groups(kinds, pages, blocks, sizes)
     weights = _weights(model, o)
     activation, estimated = o.activation, False
@@ -367,8 +359,6 @@ def ledger(model: ModelSpec, o: EngineOptions) -> Ledger:
 
 def to_target(model: ModelSpec, o: EngineOptions, target: float) -> list[str]:
     """What would reach `target` concurrent requests at max_model_len: each lever alone."""
-    from dataclasses import replace
-
     base = ledger(model, o)
     if base.max_concurrency >= target:
         return [f"already {base.max_concurrency:.2f} concurrent requests (target {target:g})"]
