@@ -53,7 +53,8 @@ PANELS = {
     "Serving batches and operations": ("seq_lens", "len_dist", "max_len", "prefill_chunk",
                                        "draft_len", "accept", "beams"),
     "Techniques": ("tp", "window", "sinks", "shared_prefix", "kv_budget", "kv_recent",
-                   "kv_compress", "layer_budgets", "head_budgets", "k_channels"),
+                   "kv_compress", "layer_budgets", "head_budgets", "k_channels",
+                   "kv_reference"),
     "Timing": ("warmup", "rounds", "recompute", "prefill"),
     "Output and memory": ("config", "csv", "no_csv", "format", "quiet", "dry_run", "force",
                           "host_mem"),
@@ -181,6 +182,13 @@ class RunOptions:
         None, "think: keep C of K's D channels per KV head (ThinK's key-channel pruning, "
         "chosen from the prompt); K then takes C/D of its bytes. A comma list runs each.",
         show_default=False)
+    kv_reference: str | None = option(
+        None, "kvpress: run each scorer as NVIDIA kvpress's press does where kvbench's own "
+        "differs (with --kv-compress prefill): h2o's attention divided by the queries that "
+        "see each position, tova's averaged over the layer's query heads, knorm, expected "
+        "and h2o with no recent window, ada's safeguard spent on the window first, "
+        "--layer-budgets pyramid as PyramidKVPress draws it, think zeroing the prompt's "
+        "pruned channels only (docs/techniques.md).", show_default=False)
     kv_compress: str = option(
         "decode", "With --kv-budget: decode (evict at every step: the cache never holds more "
         "than the budget) or prefill (compress the prompt once to the budget, then keep every "
@@ -360,6 +368,7 @@ def _capacity(
     prompt_len: Annotated[int | None, typer.Option(help="With --kv-compress prefill: the prompt's positions, of --seq-len.")] = None,
     layer_budgets: Annotated[str | None, typer.Option(help="Each layer's budget, bottom first (a comma list, one per layer), or pyramid around --kv-budget (PyramidKV).")] = None,
     head_budgets: Annotated[str | None, typer.Option(help="With --kv-compress prefill: duo[:F], a share F of each layer's KV heads (default 0.5) keep every position, each head in blocks of its own (snapkv-paged).")] = None,
+    kv_reference: Annotated[str | None, typer.Option(help="kvpress: --layer-budgets pyramid as kvpress's PyramidKVPress draws it (its 64-position window).")] = None,
     gpu_mem: Annotated[str | None, typer.Option(help="Memory of one GPU, e.g. 80GiB or 80GB.")] = None,
     weight_dtype: Annotated[str, typer.Option(help="dtype of the preset's weights.")] = "bf16",
     weights_bytes: Annotated[str | None, typer.Option(help="Weights size instead, e.g. 16GB.")] = None,

@@ -992,3 +992,40 @@ class ThinKKeepsTheLowest(ThinKCache):
 
     def channel_scores(self, q, k):
         return -super().channel_scores(q, k)
+
+
+# Faults of --kv-reference kvpress: kvbench's own variant run where kvpress's was asked for.
+
+
+class H2OSumsUnderKvpress(H2OCache):
+    """Under --kv-reference kvpress, ranks the prompt by summed attention, not its mean over
+    the queries that saw each position (ObservedAttentionPress)."""
+
+    name = "h2o-sums-under-kvpress"
+
+    def _prompt_scores(self, q, k, v):
+        total = super()._prompt_scores(q, k, v)
+        T = total.shape[-1]
+        return total * torch.arange(T, 0, -1, dtype=total.dtype, device=total.device)
+
+
+class TOVAPerHeadUnderKvpress(TOVACache):
+    """Under --kv-reference kvpress, averages each KV head's own query heads, not the layer's."""
+
+    name = "tova-per-head-under-kvpress"
+
+    def layer_mean(self, weights):
+        return weights.float().mean(dim=2)
+
+
+class ThinKPrunesDecodedUnderKvpress(ThinKCache):
+    """Under --kv-reference kvpress, zeroes the pruned channels of every key, decoded ones
+    too (kvpress prunes the prompt's keys only)."""
+
+    name = "think-prunes-decoded-under-kvpress"
+
+    def write(self, k, v):
+        if self.zeroing and self.pruned_until is not None:
+            keep = torch.zeros(k.shape[:2] + k.shape[-1:], dtype=k.dtype, device=k.device)
+            k = k * keep.scatter_(-1, self.index, 1.0)[:, :, None]
+        super().write(k, v)

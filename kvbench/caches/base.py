@@ -88,6 +88,7 @@ TECHNIQUES = {
     "shared_prefix": (lambda s: s.shared_prefix > 0, "stores every sequence's prefix"),
     "head_budgets": (lambda s: s.head_budgets is not None,
                      "holds one budget for every KV head"),
+    "kv_reference": (lambda s: s.kv_reference is not None, "has no reference variant to run"),
 }
 
 

@@ -11,6 +11,14 @@ scores; the cache then keeps its budget's worth of the prompt.
 position (the prompt compressed, as kvpress's presses do); decode (the default) keeps the
 budget at every step.
 
+--kv-reference kvpress scores and keeps the prompt as NVIDIA kvpress's press does where
+kvbench's own differs (with --kv-compress prefill, the presses' protocol): h2o as
+ObservedAttentionPress (each position's attention divided by the queries that see it, no
+recent window), tova as TOVAPress (the last query's attention averaged over every query head
+of the layer: one set for all KV heads), knorm and expected without the last prompt position
+(no recent window, kvpress keeps only the sinks), snapkv as SnapKVPress (its window 64,
+fewer under a smaller budget); docs/techniques.md has the table.
+
 It is lossy: verify reports its error against full attention (path A), and checks it exactly
 against float64 attention restricted to the positions it kept at each step (`kept`).
 Without --kv-budget it keeps every position.
@@ -36,6 +44,7 @@ class H2OCache(FixedSlots):
                    "ones and the heavy hitters by accumulated attention); lossy")
     lossy = True
     state = ("k_cache", "v_cache", "pos", "score")
+    techniques = frozenset({"kv_reference"})
 
     @classmethod
     def slots(cls, s, length: int) -> int:
@@ -97,7 +106,9 @@ class H2OCache(FixedSlots):
         self.n_slots = self.slots(s, max_len)
         self.budget = min(max_len, s.kv_budget if s.kv_budget is not None else max_len)
         self.evicting = self.evicts(s, max_len)
-        self.recent = s.kv_recent if s.kv_recent is not None else self.default_recent(self.budget)
+        self.reference = s.kv_reference
+        self.recent = (s.kv_recent if s.kv_recent is not None
+                       else self.default_recent(self.budget, self.reference))
         self.prompt_len = 0  # set by the prefill: decoded positions fill the slots after it
         dev = layer.device
         shape = (batch, s.kv_heads, self.n_slots, s.head_dim)
@@ -111,10 +122,14 @@ class H2OCache(FixedSlots):
         self.seen: list[tuple] = []  # (q, k, v) as they came, recorded
 
     newest_only = False  # --kv-recent's default: 1 (the position being written), not half
+    kvpress_recent = 0  # --kv-recent's default under --kv-reference kvpress (no recent window)
 
     @classmethod
-    def default_recent(cls, budget: int) -> int:
-        """--kv-recent's default: H2O's split, half the budget (or `newest_only`)."""
+    def default_recent(cls, budget: int, reference: str | None = None) -> int:
+        """--kv-recent's default: H2O's split, half the budget (or `newest_only`); under
+        --kv-reference kvpress, the press's (`kvpress_recent`)."""
+        if reference == "kvpress":
+            return min(budget, cls.kvpress_recent)
         return 1 if cls.newest_only else max(1, budget // 2)
 
     def used(self, length: int) -> int:
@@ -176,6 +191,8 @@ class H2OCache(FixedSlots):
             scores = scores.masked_fill(torch.arange(T, device=q.device)[None] > t[:, None],
                                         float("-inf"))
             total += torch.softmax(scores, dim=-1).sum(dim=2)
+        if self.reference == "kvpress":  # ObservedAttentionPress: the mean over its queries
+            total /= torch.arange(T, 0, -1, device=q.device, dtype=torch.float32)
         return total
 
     def write(self, k, v):
@@ -263,7 +280,7 @@ class H2OCache(FixedSlots):
 
         return replay(self.name, self.seen, self.prompt_kept, self.kept, self.budget,
                       self.evicting, self.recent, self.layer.scale, self.layer.dtype,
-                      rope_frequencies(self.layer))
+                      rope_frequencies(self.layer), self.reference)
 
 
 def rope_frequencies(layer) -> torch.Tensor | None:
@@ -282,13 +299,23 @@ class TOVACache(H2OCache):
     Each slot's score is the attention the latest query gave it, averaged over the query
     heads of its KV head (replaced every step, not accumulated); the new position takes the
     slot of the lowest. --kv-recent (default 1: only the position being written) protects
-    the newest positions. The prompt is scored by its last query. Lossy."""
+    the newest positions. The prompt is scored by its last query. Under --kv-reference
+    kvpress the attention is averaged over every query head of the layer, as TOVA's own code
+    and kvpress's TOVAPress do: every KV head scores, and keeps, the same positions. Lossy."""
 
     name = "tova"
     description = ("token eviction, TOVA: keeps --kv-budget positions per KV head, dropping "
                    "the one the latest query attended to least; lossy")
 
     newest_only = True
+    kvpress_recent = 1  # TOVAPress keeps the last position (scored above every other)
+
+    def layer_mean(self, weights: torch.Tensor) -> torch.Tensor:
+        """Weights [B, H_kv, G, n] -> the score [B, H_kv, n]: the group's mean, or under
+        --kv-reference kvpress the layer's, the same for every KV head."""
+        if self.reference == "kvpress":
+            return weights.float().mean(dim=(1, 2))[:, None].expand(-1, weights.shape[1], -1)
+        return weights.float().mean(dim=2)
 
     @classmethod
     def prompt_scoring(cls, s) -> int:
@@ -302,10 +329,10 @@ class TOVACache(H2OCache):
         Hkv = k.shape[1]
         qg = q[:, :, -1].float().reshape(B, Hkv, Hq // Hkv, D)
         scores = (qg @ k.float().transpose(-2, -1)) * self.layer.scale  # [B, H_kv, G, T]
-        return torch.softmax(scores, dim=-1).mean(dim=2)
+        return self.layer_mean(torch.softmax(scores, dim=-1))
 
     def observe(self, weights: torch.Tensor, n: int) -> None:
-        self.score[..., :n] = weights.float().mean(dim=2)
+        self.score[..., :n] = self.layer_mean(weights)
 
 
 @register
@@ -385,8 +412,11 @@ class SnapKVCache(H2OCache):
         return super().inapplicable(config)
 
     @classmethod
-    def default_recent(cls, budget: int) -> int:
-        """Half the budget, at most 64 (kvpress's window)."""
+    def default_recent(cls, budget: int, reference: str | None = None) -> int:
+        """Half the budget, at most 64 (kvpress's window); under --kv-reference kvpress,
+        SnapKVPress's 64 (the budget, if smaller)."""
+        if reference == "kvpress":
+            return min(64, budget)
         return max(1, min(64, budget // 2))
 
     @classmethod
@@ -395,7 +425,7 @@ class SnapKVCache(H2OCache):
         if not cls.evicts(s, length):
             return 0
         recent = (s.kv_recent if s.kv_recent is not None
-                  else cls.default_recent(min(s.kv_budget, length)))
+                  else cls.default_recent(min(s.kv_budget, length), s.kv_reference))
         return s.batch * s.kv_heads * recent * n * 4
 
     def __init__(self, layer, batch, max_len, options=None, lens=None):
@@ -411,7 +441,7 @@ class SnapKVCache(H2OCache):
         """The window's queries' scores and weights over the prompt, float32 (the window as
         the cache sets it: --kv-recent, else its default for the budget)."""
         R = min(s.prompt_len, s.kv_recent if s.kv_recent is not None else cls.default_recent(
-            s.kv_budget or s.prompt_len))
+            s.kv_budget or s.prompt_len, s.kv_reference))
         return 2 * s.batch * s.q_heads * R * s.prompt_len * 4
 
     def _prompt_scores(self, q, k, v) -> torch.Tensor:

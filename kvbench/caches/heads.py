@@ -10,7 +10,8 @@ decoded position is then appended to every head. How the budget is shared betwee
 - `ada` (AdaKV, Feng et al. 2024): the sequence's H_kv × N positions go to the highest
   scores across all its heads, after each head has kept its window and its SAFEGUARD × N best
   older positions (kvpress's alpha_safeguard; kvpress spends the safeguard on the window
-  first, kvbench on the positions beyond it);
+  first, kvbench on the positions beyond it: --kv-reference kvpress spends it as kvpress
+  does, each head then sure of max(R, SAFEGUARD × N) positions);
 - `duo` or `duo:F` (DuoAttention-style, Xiao et al. 2024): a fraction F (default 0.5) of the
   KV heads keep every position, the rest SINKS sinks and the last N − SINKS. DuoAttention
   learns which heads retrieve from afar; kvbench picks, per sequence, the heads whose window
@@ -38,13 +39,21 @@ SAFEGUARD = 0.2  # ada: each head keeps at least this share of N beyond its wind
 SINKS = 4  # duo: positions a streaming head keeps from the start
 
 
+def safeguard(N: int, R: int, reference: str | None = None) -> int:
+    """ada: the older positions (beyond its window of R) each head keeps whatever the other
+    heads score: int(SAFEGUARD·N), at most N − R; kvpress spends the safeguard on the window
+    first, leaving int(SAFEGUARD·N) − R."""
+    safe = int(SAFEGUARD * N)
+    return max(0, min(safe - R if reference == "kvpress" else safe, N - R))
+
+
 @register
 class SnapKVPagedCache(CachedAttention):
     name = "snapkv-paged"
     requires = "kv_budget"
     lossy = True
     blocked = True
-    techniques = frozenset({"head_budgets"})
+    techniques = frozenset({"head_budgets", "kv_reference"})
     # its prefill reads the heads' kept counts on the host to size their blocks (as a
     # server's block manager takes blocks); its decode steps read nothing back
     sizes_on_host = True
@@ -129,8 +138,9 @@ class SnapKVPagedCache(CachedAttention):
         if lens is not None:
             return max(lens)
         T, N = s.prompt_len, min(s.prompt_len, s.kv_budget)
-        R = min(T, s.kv_recent if s.kv_recent is not None else SnapKVCache.default_recent(N))
-        least = R + min(int(SAFEGUARD * N), N - R)
+        R = min(T, s.kv_recent if s.kv_recent is not None
+                else SnapKVCache.default_recent(N, s.kv_reference))
+        least = R + safeguard(N, R, s.kv_reference)
         return min(T, s.kv_heads * N - (s.kv_heads - 1) * least) + max(0, length - T)
 
     @classmethod
@@ -171,8 +181,9 @@ class SnapKVPagedCache(CachedAttention):
         s = layer.shape
         self.block_size = (options.block_size if options is not None else 16)
         self.budget = min(max_len, s.kv_budget if s.kv_budget is not None else max_len)
+        self.reference = s.kv_reference
         self.recent = (s.kv_recent if s.kv_recent is not None
-                       else SnapKVCache.default_recent(self.budget))
+                       else SnapKVCache.default_recent(self.budget, self.reference))
         self.policy, self.fraction = head_policy(s.head_budgets)
         # K/V gathered for attention are padded to the longest a head can get (ada's split
         # follows the scores): the logical cache's width, as verify expects it
@@ -213,7 +224,7 @@ class SnapKVPagedCache(CachedAttention):
             return torch.zeros_like(score, dtype=torch.bool).scatter_(-1, index, True)
         # ada: each head's window and its safeguard, then the best across heads
         R = min(self.recent, T)
-        safe = min(int(SAFEGUARD * N), N - R)
+        safe = safeguard(N, R, self.reference)
         score = score.clone()
         if safe:
             top = score[..., : T - R].topk(safe, dim=-1).indices
@@ -363,4 +374,4 @@ class SnapKVPagedCache(CachedAttention):
 
         return replay_heads(self.policy, self.fraction, self.seen, self.prompt_kept,
                             self.kept, self.budget, self.recent, self.layer.scale,
-                            self.layer.dtype)
+                            self.layer.dtype, self.reference)

@@ -28,6 +28,10 @@ within the dtype's rounding), the replay follows the cache.
   position is scored when written, with the prompt's statistics.
 The prompt keeps its last `recent` positions and the highest-scoring of the rest; while
 decoding (evicting), the lowest-scoring position outside the last `recent` is evicted.
+
+Under --kv-reference kvpress (the prompt compressed once): h2o's prompt score is divided by
+the number of queries that saw the position (P − p), and tova's is the latest query's
+attention averaged over every query head of the layer, one score for all KV heads.
 """
 
 from __future__ import annotations
@@ -41,7 +45,7 @@ RTOL = {torch.float32: 1e-4, torch.float64: 1e-9}  # other dtypes: 5e-2
 
 def replay(name: str, seen, prompt_kept: torch.Tensor, kept: list[torch.Tensor], budget: int,
            evicting: bool, recent: int, scale: float, dtype,
-           inv_freq: torch.Tensor | None = None) -> str | None:
+           inv_freq: torch.Tensor | None = None, reference: str | None = None) -> str | None:
     """seen: the cache's record, (q, k, v) of the prompt, then (None, k_t, v_t) and
     (q_t, None, None) for each decode step; inv_freq: RoPE's frequencies (None: no RoPE); prompt_kept [B, H_kv, n] and kept[j] [B, H_kv, slots] the positions it
     held after the prefill and at decode step j. evicting: the budget is kept at every step
@@ -54,11 +58,15 @@ def replay(name: str, seen, prompt_kept: torch.Tensor, kept: list[torch.Tensor],
     B, Hkv = keys.shape[:2]
     G = queries.shape[1] // Hkv
     rtol = RTOL.get(dtype, 5e-2)
+    layer_wide = name == "tova" and reference == "kvpress"
     for b in range(B):
+        # tova under kvpress: every KV head's queries over its own keys, averaged together
+        heads = [(queries[b, i * G:(i + 1) * G], keys[b, i]) for i in range(Hkv)]
         for h in range(Hkv):
             wrong, _ = _one(name, queries[b, h * G:(h + 1) * G], keys[b, h],
                             prompt_kept[b, h], [step[b, h] for step in kept], budget,
-                            evicting, recent, scale, rtol, values[b, h], inv_freq)
+                            evicting, recent, scale, rtol, values[b, h], inv_freq,
+                            heads if layer_wide else None, reference)
             if wrong:
                 return f"sequence {b}, KV head {h}: {wrong}"
     return None
@@ -74,10 +82,19 @@ def _weights(q: torch.Tensor, k: torch.Tensor, scale: float) -> torch.Tensor:
 
 
 def _one(name, q, k, prompt_kept, kept, budget, evicting, recent, scale, rtol, v=None,
-         inv_freq=None):
+         inv_freq=None, heads=None, reference=None):
     """One sequence's KV head: q [G, T, D] (the prompt's queries, then each step's), k, v
-    [T, D]. (what is wrong or None, each position's score at the end)."""
+    [T, D]; heads: every KV head's (q, k), for a score averaged over the layer (tova under
+    kvpress; None: this head's own). (what is wrong or None, each position's score at the
+    end)."""
     P = q.shape[1] - len(kept)
+    heads = heads or [(q, k)]
+
+    def mean_weights(t: int, positions) -> torch.Tensor:
+        """Query t's weights over `positions`, averaged over the query heads of `heads`."""
+        return torch.stack([_weights(qh[:, t], kh[positions], scale).mean(0)
+                            for qh, kh in heads]).mean(0)
+
     score: dict[int, float] = {}
     sinks = min(SINKS, max(0, budget - recent - 1)) if name == "expected" else 0
     expected = _Expected(q[:, :P], k[:P], scale, inv_freq) if name == "expected" else None
@@ -89,8 +106,10 @@ def _one(name, q, k, prompt_kept, kept, budget, evicting, recent, scale, rtol, v
             w = _weights(q[:, t], k[: t + 1], scale).sum(0)
             for p in range(t + 1):
                 score[p] = score.get(p, 0.0) + float(w[p])
+        if reference == "kvpress":  # the mean over the queries that saw each position
+            score = {p: s / (P - p) for p, s in score.items()}
     elif name == "tova":
-        w = _weights(q[:, P - 1], k[:P], scale).mean(0)
+        w = mean_weights(P - 1, list(range(P)))
         score = {p: float(w[p]) for p in range(P)}
     elif name == "expected":
         score = {p: expected.score(k[p], v[p]) for p in range(P)}
@@ -135,12 +154,13 @@ def _one(name, q, k, prompt_kept, kept, budget, evicting, recent, scale, rtol, v
                     expected.score(k[t], v[t]) if name == "expected" else 0.0)
         order = sorted(S)
         w = _weights(q[:, t], k[order], scale)
+        layer_w = mean_weights(t, order) if name == "tova" else None
         contrib[t] = {}
         for i, p in enumerate(order):
             if name == "h2o":
                 score[p] += float(w[:, i].sum())
             elif name == "tova":
-                score[p] = float(w[:, i].mean())
+                score[p] = float(layer_w[i])
             elif name == "snapkv":
                 contrib[t][p] = float(w[:, i].mean())
     if name == "snapkv" and kept:
@@ -219,15 +239,16 @@ class _Expected:
 
 def replay_heads(policy: str, fraction: float, seen, prompt_kept: torch.Tensor,
                  kept: list[torch.Tensor], budget: int, recent: int, scale: float,
-                 dtype) -> str | None:
+                 dtype, reference: str | None = None) -> str | None:
     """snapkv-paged's choice replayed: the prompt positions each KV head of each sequence
     kept (prompt_kept [B, H_kv, n], -1 padded) under --head-budgets `policy` (uniform, ada,
     duo with `fraction` of the heads whole), then every decoded position appended to every
     head (kept[j] [B, H_kv, n] at step j). What is wrong, or None.
 
     - uniform: each head its window (the last R) and the N − R best older positions;
-    - ada: each head its window and its int(SAFEGUARD·N) best older ones (at most N − R),
-      then the rest of the sequence's H_kv·N positions to the best scores across heads;
+    - ada: each head its window and its int(SAFEGUARD·N) best older ones (at most N − R;
+      under kvpress the window counts against them: int(SAFEGUARD·N) − R), then the rest of
+      the sequence's H_kv·N positions to the best scores across heads;
     - duo: the round-half-up share `fraction` of heads whose window gave the most attention
       to the positions between the first DUO_SINKS and the last N − DUO_SINKS keep all;
       the others keep those sinks and last positions.
@@ -241,7 +262,7 @@ def replay_heads(policy: str, fraction: float, seen, prompt_kept: torch.Tensor,
         held = [_held(prompt_kept[b, h]) for h in range(Hkv)]
         scored = [_window_scores(q0[b, h * G:(h + 1) * G], k0[b, h], P, R, scale)
                   for h in range(Hkv)]
-        wrong = _split(policy, fraction, scored, held, P, N, R, tol)
+        wrong = _split(policy, fraction, scored, held, P, N, R, tol, reference)
         if wrong:
             return f"sequence {b}: {wrong}"
         for j, step in enumerate(kept):
@@ -253,7 +274,7 @@ def replay_heads(policy: str, fraction: float, seen, prompt_kept: torch.Tensor,
     return None
 
 
-def _split(policy, fraction, scored, held, P, N, R, tol) -> str | None:
+def _split(policy, fraction, scored, held, P, N, R, tol, reference=None) -> str | None:
     Hkv = len(scored)
     window = set(range(P - R, P))
     if policy == "duo":
@@ -280,7 +301,8 @@ def _split(policy, fraction, scored, held, P, N, R, tol) -> str | None:
     score = {(h, p): s[p] for h, (s, _) in enumerate(scored) for p in range(P)}
     forced = {(h, p) for h in range(Hkv) for p in window}
     if policy == "ada":
-        safe = min(int(SAFEGUARD * N), N - R)
+        safe = int(SAFEGUARD * N) - (R if reference == "kvpress" else 0)
+        safe = max(0, min(safe, N - R))
         for h in range(Hkv):
             older = sorted(range(P - R), key=lambda p: -score[(h, p)])
             forced |= {(h, p) for p in older[:safe]}
@@ -296,8 +318,16 @@ def _split(policy, fraction, scored, held, P, N, R, tol) -> str | None:
         return None
     extra, missing = got - want, want - got
     windows = {(h, p) for h in range(Hkv) for p in window}
+    # a near tie, decided either way: no window position missing, a missing safeguarded one
+    # only for an extra of its own head scored the same, the other missing ones scored no
+    # higher than what was kept instead
+    guarded = (missing & forced) - windows
+    free = missing - forced
     if (len(got) == len(want) and not missing & windows
-            and max(score[key] for key in missing) <= min(score[key] for key in extra) + tol):
-        return None  # a near tie, decided either way
+            and all(any(e[0] == key[0] and abs(score[e] - score[key]) <= tol for e in extra)
+                    for key in guarded)
+            and (not free or max(score[key] for key in free)
+                 <= min(score[key] for key in extra) + tol)):
+        return None
     return (f"the prefill kept {sorted(extra)[:6]} where the {policy} policy keeps "
             f"{sorted(missing)[:6]} (KV head, position)")

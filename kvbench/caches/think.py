@@ -8,6 +8,10 @@ H_kv, T, C] (V whole), so K takes C/D of its bytes; kvpress zeroes the pruned ch
 keeps the full tensor. A decode step's query is gathered at each head's channels, the scale
 stays 1/sqrt(D): the score is the full dot product without the pruned channels' terms.
 
+--kv-reference kvpress prunes as kvpress's ThinKPress does: the prompt's keys have their
+pruned channels zeroed in a K of all D channels (no memory saved) and every decoded key keeps
+all of its channels.
+
 The prompt's outputs are exact (the pruning comes after the prefill, as kvpress's presses do).
 verify gates every step exactly against float64 attention whose q and k are restricted to the
 kept channels, and replays the channels' choice in float64 (`consistency`).
@@ -32,6 +36,13 @@ class ThinKCache(CachedAttention):
                    "lossy")
 
     unavailable = FixedSlots.unavailable  # one length for every sequence: no ragged batch
+    techniques = frozenset({"kv_reference"})
+
+    @staticmethod
+    def stored_channels(s) -> int:
+        """K's channels as held: --k-channels C, or D where --kv-reference kvpress zeroes the
+        pruned channels instead (and where nothing is pruned)."""
+        return s.head_dim if s.kv_reference == "kvpress" else (s.k_channels or s.head_dim)
 
     @classmethod
     def drops(cls, config):
@@ -42,13 +53,13 @@ class ThinKCache(CachedAttention):
     def cache_shape(cls, config):
         """K as held: its kept channels."""
         s = config.shape
-        return (s.batch, s.kv_heads, s.total_len, s.k_channels or s.head_dim)
+        return (s.batch, s.kv_heads, s.total_len, cls.stored_channels(s))
 
     @classmethod
     def planned_bytes(cls, config, options):
         """K at C channels and V at D, every position reserved (--max-len)."""
         s = config.shape
-        C = s.k_channels or s.head_dim
+        C = cls.stored_channels(s)
         return (s.batch * s.kv_heads * options.alloc_len(s) * (C + s.head_dim)
                 * config.dtype_bytes)
 
@@ -63,22 +74,25 @@ class ThinKCache(CachedAttention):
         from kvbench.measure import costs
 
         s = config.shape
-        position = s.kv_heads * ((s.k_channels or s.head_dim) + s.head_dim) * config.dtype_bytes
+        position = s.kv_heads * (cls.stored_channels(s) + s.head_dim) * config.dtype_bytes
         return costs.decode_min_bytes_per_step(s, config.dtype_bytes, position_bytes=position)
 
     @classmethod
     def held_payload_bytes(cls, config, options):
         s = config.shape
-        C = s.k_channels or s.head_dim
+        C = cls.stored_channels(s)
         return sum(s.kv_heads * t * (C + s.head_dim) * config.dtype_bytes for t in s.row_lens)
 
     def __init__(self, layer, batch, max_len, options=None, lens=None):
         super().__init__(layer, batch, max_len, options, lens)
         s = layer.shape
         self.channels = s.k_channels or s.head_dim
+        self.zeroing = s.kv_reference == "kvpress"  # the prompt's pruned channels zeroed
+        # the positions whose K is pruned (verify's gate): every one, or the prompt's
+        self.pruned_until: int | None = None
         dev, dtype = layer.device, layer.dtype
-        self.k_cache = torch.zeros(batch, s.kv_heads, max_len, self.channels, dtype=dtype,
-                                   device=dev)
+        self.k_cache = torch.zeros(batch, s.kv_heads, max_len, self.stored_channels(s),
+                                   dtype=dtype, device=dev)
         self.v_cache = torch.zeros(batch, s.kv_heads, max_len, s.head_dim, dtype=dtype,
                                    device=dev)
         self.index = torch.arange(s.head_dim, device=dev)[:self.channels].expand(
@@ -104,6 +118,10 @@ class ThinKCache(CachedAttention):
         if self.record:
             self.seen = (q, k)
         self.write(k, v)
+        if self.zeroing:  # ThinKPress: the prompt's keys zeroed at the pruned channels
+            self.pruned_until = k.shape[2]
+            keep = torch.zeros(k.shape[:2] + k.shape[-1:], dtype=k.dtype, device=k.device)
+            self.k_cache[:, :, :k.shape[2]].mul_(keep.scatter_(-1, self.index, 1.0)[:, :, None])
         return self.layer.output(out)
 
     def write(self, k, v):
@@ -111,8 +129,9 @@ class ThinKCache(CachedAttention):
         if self.length + n > self.max_len:
             raise KvbenchError(f"cache holds {self.max_len} positions; cannot append {n} at "
                                f"{self.length}")
-        index = self.index[:, :, None].expand(-1, -1, n, -1)
-        self.k_cache[:, :, self.length:self.length + n] = k.gather(-1, index)
+        if not self.zeroing:
+            k = k.gather(-1, self.index[:, :, None].expand(-1, -1, n, -1))
+        self.k_cache[:, :, self.length:self.length + n] = k
         self.v_cache[:, :, self.length:self.length + n] = v
         self._advance(n)
 
@@ -121,8 +140,9 @@ class ThinKCache(CachedAttention):
         self.write(k, v)
         B, Hq, _, D = q.shape
         Hkv = self.k_cache.shape[1]
-        qg = q.reshape(B, Hkv, Hq // Hkv, D).gather(
-            -1, self.index[:, :, None].expand(-1, -1, Hq // Hkv, -1))  # [B, H_kv, G, C]
+        qg = q.reshape(B, Hkv, Hq // Hkv, D)
+        if not self.zeroing:  # at each head's kept channels [B, H_kv, G, C]
+            qg = qg.gather(-1, self.index[:, :, None].expand(-1, -1, Hq // Hkv, -1))
         keys, values = self.kv()
         scores = (qg @ keys.transpose(-2, -1)) * self.layer.scale  # [B, H_kv, G, T]
         out = (torch.softmax(scores, dim=-1) @ values).reshape(B, Hq, 1, D)

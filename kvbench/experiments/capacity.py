@@ -16,7 +16,7 @@ from kvbench.report.render import _table, human_bytes, out
 from kvbench.report.results import timestamp
 
 
-def capacity(model, list_models, from_config, layers, kv_heads, head_dim, q_heads, mla_latent, mla_rope, batch, seq_len, seq_lens, len_dist, max_len, seed, kv_dtype, group_size, k_quant, kv_residual, tp, block_size, window, sinks, shared_prefix, share_layers, kv_budget, kv_compress, prompt_len, layer_budgets, head_budgets, gpu_mem, weight_dtype, weights_bytes, margin, utilization, allocate, case, device, csv, require_fit=False, no_csv=False, format="table", quiet=False, engine=None, **serving) -> None:
+def capacity(model, list_models, from_config, layers, kv_heads, head_dim, q_heads, mla_latent, mla_rope, batch, seq_len, seq_lens, len_dist, max_len, seed, kv_dtype, group_size, k_quant, kv_residual, tp, block_size, window, sinks, shared_prefix, share_layers, kv_budget, kv_compress, prompt_len, layer_budgets, head_budgets, gpu_mem, weight_dtype, weights_bytes, margin, utilization, allocate, case, device, csv, require_fit=False, no_csv=False, format="table", quiet=False, engine=None, kv_reference=None, **serving) -> None:
     """Plan the KV cache (or with --allocate, check it on CUDA; with --engine, as that engine
     allocates it) and write its row."""
     from kvbench.measure.env import environment
@@ -87,7 +87,10 @@ def capacity(model, list_models, from_config, layers, kv_heads, head_dim, q_head
     if (kv_budget, prompt_len, layer_budgets, head_budgets) != (None,) * 4 or (
             kv_compress != "decode"):
         spec = _budgeted(spec, tp, max(lens), kv_budget, kv_compress, prompt_len,
-                         layer_budgets, head_budgets)
+                         layer_budgets, head_budgets, kv_reference)
+    elif kv_reference is not None:
+        raise KvbenchError("--kv-reference draws --layer-budgets pyramid as kvpress does: "
+                           "give --layer-budgets pyramid and --kv-budget N too")
     fmt = cap.CacheFormat(cap.kv_dtype(kv_dtype), group_size, tp, block_size, k_quant, kv_residual)
     gpu_bytes = cap.parse_size(gpu_mem, "--gpu-mem") if gpu_mem else None
     if gpu_bytes is not None and gpu_bytes <= 0:
@@ -143,11 +146,11 @@ def _budget_summary(m) -> str:
 
 
 def _budgeted(spec, tp, seq_len, kv_budget, kv_compress, prompt_len, layer_budgets,
-              head_budgets):
+              head_budgets, kv_reference=None):
     """The model with kvbench's eviction budgets (as its caches hold them)."""
     from kvbench.planning.plan import positive
     from kvbench.sizing import budgets
-    from kvbench.sizing.config import KV_COMPRESS, full_heads, head_policy
+    from kvbench.sizing.config import KV_COMPRESS, KV_REFERENCE, full_heads, head_policy
 
     positive("--kv-budget", kv_budget)
     positive("--prompt-len", prompt_len)
@@ -165,11 +168,16 @@ def _budgeted(spec, tp, seq_len, kv_budget, kv_compress, prompt_len, layer_budge
                            "drop the budget options")
     held = prompt_len if prompt_len is not None else seq_len
     parsed = budgets.parse(layer_budgets, len(spec.cached_layers))
+    if kv_reference is not None and (kv_reference not in KV_REFERENCE or parsed != "pyramid"
+                                     or kv_compress != "prefill"):
+        raise KvbenchError(f"--kv-reference {kv_reference}: capacity draws --layer-budgets "
+                           "pyramid as kvpress does (--kv-reference kvpress, with "
+                           "--kv-compress prefill)")
     if parsed == "pyramid":
         if kv_budget is None:
             raise KvbenchError("--layer-budgets pyramid averages --kv-budget N over the "
                                "layers; give --kv-budget N too")
-        parsed = budgets.pyramid(kv_budget, len(spec.cached_layers), held)
+        parsed = budgets.pyramid(kv_budget, len(spec.cached_layers), held, kv_reference)
     elif parsed is not None and kv_budget is not None:
         raise KvbenchError("--layer-budgets LIST sets every layer's budget; drop --kv-budget")
     elif parsed is None and kv_budget is None:

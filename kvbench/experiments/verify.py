@@ -202,12 +202,13 @@ def _kivi_reference(layer: AttentionLayer, x: torch.Tensor, prompt: torch.Tensor
 
 
 def restricted_reference(layer: AttentionLayer, x: torch.Tensor, kept: list[torch.Tensor],
-                         prompt_len: int, channels: torch.Tensor | None = None
-                         ) -> list[torch.Tensor]:
+                         prompt_len: int, channels: torch.Tensor | None = None,
+                         pruned_until: int | None = None) -> list[torch.Tensor]:
     """Float64 decode outputs [B, 1, H]: step j's query attends exactly to the positions a
     lossy cache kept at that step (kept[j]: [B, H_kv, n] positions, -1 for none), each KV head
     its own; k, v and q projected in float64 at their own positions. channels [B, H_kv, C]:
-    the scores use only these channels of q and k (key-channel pruning)."""
+    the scores use only these channels of the keys before position `pruned_until` (key-
+    channel pruning; None: of every key)."""
     s = layer.shape
     layer64 = layer.to(torch.float64)
     q, k, v = layer64.project(x.double(), start=0)  # [B, H_q | H_kv, T, D]
@@ -215,8 +216,8 @@ def restricted_reference(layer: AttentionLayer, x: torch.Tensor, kept: list[torc
     if channels is not None:
         mask = torch.zeros(B, Hkv, D, dtype=torch.float64, device=k.device)
         mask.scatter_(-1, channels, 1.0)
-        k = k * mask[:, :, None]
-        q = q * mask.repeat_interleave(s.group, dim=1)[:, :, None]
+        until = k.shape[2] if pruned_until is None else pruned_until
+        k = torch.cat((k[:, :, :until] * mask[:, :, None], k[:, :, until:]), dim=2)
     outputs = []
     for j, positions in enumerate(kept):
         t = prompt_len + j
@@ -251,7 +252,7 @@ def _check(name, cls, layer, options, x, prompt, real, config, ref_prefill, ref_
         if cls.lossy:
             channels = impl.kept_channels() if hasattr(impl, "kept_channels") else None
             gate_steps = restricted_reference(layer, x, impl.kept, config.shape.prompt_len,
-                                              channels)
+                                              channels, getattr(impl, "pruned_until", None))
         if real is not None and prefill.shape[:2] == real.shape:
             prefill = prefill[real]
         cache_shape = tuple(impl.kv()[0].shape)

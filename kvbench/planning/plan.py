@@ -103,7 +103,7 @@ def _points_of(o: RunOptions, reference_cases: bool = False,
                 else [None])
     shapes = [replace(s, window=o.window, sinks=o.sinks, shared_prefix=o.shared_prefix,
                       kv_budget=n, kv_recent=o.kv_recent, kv_compress=o.kv_compress,
-                      head_budgets=h, k_channels=c)
+                      head_budgets=h, k_channels=c, kv_reference=o.kv_reference)
               for s in shapes for n in budgets for h in splits for c in channels]
     from kvbench.measure import distributed
 

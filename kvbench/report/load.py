@@ -19,11 +19,12 @@ OPTION_KEYS = ["kv_dtype", "group_size", "k_quant", "kv_residual", "block_size",
                "len_dist", "max_len",
                "prealloc", "tp", "window", "sinks", "shared_prefix", "kv_budget",
                "kv_recent", "kv_compress", "layer_budgets", "head_budgets", "k_channels",
+               "kv_reference",
                "model", "layers"]
 
 
 TEXT_KEYS = ["kv_dtype", "k_quant", "seq_lens", "len_dist", "prealloc", "kv_compress",
-             "layer_budgets", "head_budgets", "model"]
+             "layer_budgets", "head_budgets", "kv_reference", "model"]
 
 
 def key_columns(df: pd.DataFrame) -> list[str]:

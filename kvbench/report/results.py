@@ -199,7 +199,7 @@ RAGGED_COLUMNS = ["seq_lens", "len_dist", "max_len"]
 # Token eviction (--kv-budget, --kv-recent, --kv-compress; h2o and the other scorers): empty
 # without a budget.
 TP_COLUMNS = ["tp", "world_size", "window", "sinks", "kv_budget", "kv_recent", "kv_compress",
-              "layer_budgets", "head_budgets", "k_channels"]
+              "layer_budgets", "head_budgets", "k_channels", "kv_reference"]
 
 # --model runs: the model (a checkpoint's name, or a preset) and the layers run
 MODEL_COLUMNS = ["model", "layers"]
@@ -301,6 +301,7 @@ def config_cells(command: str, impl: str, config) -> dict[str, object]:
             "layer_budgets": (",".join(map(str, s.layer_budgets)) if s.layer_budgets
                               else None),
             "head_budgets": s.head_budgets, "k_channels": s.k_channels,
+            "kv_reference": s.kv_reference,
             "sinks": s.sinks if s.window is not None else None,
             "attention": s.attention,
             **s.kind.cells()}
@@ -350,7 +351,8 @@ MEMORY_COLUMNS = MEMORY_FIRST[:-len(ENV_COLUMNS)] + [
 
 # transformers' generate runs its own full cache: no technique of the point applies to it
 TECHNIQUE_COLUMNS = ("window", "sinks", "kv_budget", "kv_recent", "kv_compress",
-                     "layer_budgets", "head_budgets", "k_channels", "shared_prefix")
+                     "layer_budgets", "head_budgets", "k_channels", "kv_reference",
+                     "shared_prefix")
 
 
 CAPACITY_FIRST = [

@@ -9,6 +9,11 @@ number of positions per KV head.
   of L keeps round(bottom − i·(bottom − top)/(L − 1)). kvpress's PyramidKVPress computes the
   same line and falls back to N everywhere when the top layer's budget would be below its
   observation window; kvbench draws the pyramid whatever the window.
+- `pyramid` under --kv-reference kvpress: PyramidKVPress's budgets, whose every layer keeps
+  its window of W positions (--kv-recent, default KVPRESS_WINDOW) within its budget: the
+  bottom keeps at most the prompt less W; the top's budget is N / BETA, or where the bottom
+  is capped the rest of 2N; where the top would then be below W (or the bottom below the
+  top), every layer keeps N.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ from dataclasses import replace
 from kvbench.errors import KvbenchError
 
 BETA = 20  # the pyramid's steepness: the bottom layer keeps about 2·BETA − 1 times the top's
+KVPRESS_WINDOW = 64  # PyramidKVPress's window_size
 
 
 def positions(shape) -> int:
@@ -26,8 +32,12 @@ def positions(shape) -> int:
     return shape.prompt_len if shape.kv_compress == "prefill" else max(shape.row_lens)
 
 
-def pyramid(mean: int, layers: int, held: int) -> tuple[int, ...]:
-    """Budgets for `layers` layers averaging `mean`, none above `held` positions."""
+def pyramid(mean: int, layers: int, held: int, reference: str | None = None,
+            window: int = KVPRESS_WINDOW) -> tuple[int, ...]:
+    """Budgets for `layers` layers averaging `mean`, none above `held` positions (under
+    --kv-reference kvpress: PyramidKVPress's, with its `window`)."""
+    if reference == "kvpress":
+        return kvpress_pyramid(mean, layers, held, window)
     if layers == 1:
         return (mean,)
     top = max(1, round(mean / BETA))
@@ -36,6 +46,19 @@ def pyramid(mean: int, layers: int, held: int) -> tuple[int, ...]:
         bottom, top = held, 2 * mean - held
     step = (bottom - top) / (layers - 1)
     return tuple(round(bottom - i * step) for i in range(layers))
+
+
+def kvpress_pyramid(mean: int, layers: int, held: int, window: int) -> tuple[int, ...]:
+    """PyramidKVPress.get_layer_budget for each layer, as kvpress 0.5.5 computes it."""
+    low = mean / BETA
+    high = 2 * mean - low
+    if high >= held - window:
+        high = held - window
+        low = 2 * mean - high
+    if layers == 1 or not held >= high >= low >= window:
+        return (mean,) * layers
+    step = (high - low) / (layers - 1)
+    return tuple(round(high - i * step) for i in range(layers))
 
 
 def parse(spec: str | None, layers: int) -> tuple[int, ...] | str | None:
@@ -58,7 +81,9 @@ def parse(spec: str | None, layers: int) -> tuple[int, ...] | str | None:
 def resolve(shape, spec: tuple[int, ...] | str, layers: int):
     """The shape with each layer's budget (LayerShape.layer_budgets)."""
     held = positions(shape)
-    budgets = pyramid(shape.kv_budget, layers, held) if spec == "pyramid" else spec
+    window = shape.kv_recent if shape.kv_recent is not None else KVPRESS_WINDOW
+    budgets = (pyramid(shape.kv_budget, layers, held, shape.kv_reference, window)
+               if spec == "pyramid" else spec)
     for i, b in enumerate(budgets):
         if b > held:
             raise KvbenchError(f"--layer-budgets: layer {i}'s budget {b} is above the {held} "

@@ -130,6 +130,7 @@ KINDS = {kind.name: kind for kind in (Gqa, MlaDims)}  # --attention's values
 
 
 KV_COMPRESS = ("decode", "prefill")  # when an eviction budget is kept (LayerShape.kv_compress)
+KV_REFERENCE = ("kvpress",)  # whose variant of a scorer to run (LayerShape.kv_reference)
 DUO_FULL = 0.5  # --head-budgets duo: the share of KV heads that keep everything, by default
 
 
@@ -192,6 +193,9 @@ class LayerShape:
     head_budgets: str | None = None
     # Key-channel pruning (--k-channels, `think`): channels of K kept per KV head; None: D.
     k_channels: int | None = None
+    # --kv-reference kvpress: each scorer (and the pyramid, ada's safeguard, ThinK) as NVIDIA
+    # kvpress's press does it, where kvbench's own differs (docs/techniques.md); None: kvbench's.
+    kv_reference: str | None = None
     # Multi-head latent attention (--attention mla); None: GQA. An MLA shape has kv_heads =
     # q_heads and head_dim = qk_nope + qk_rope: the per-head K that decompression yields.
     mla: MlaDims | None = None
@@ -237,6 +241,16 @@ class LayerShape:
                                             or not 1 <= self.k_channels <= self.head_dim):
             raise KvbenchError(f"--k-channels {self.k_channels} is outside 1..{self.head_dim}, "
                                f"the channels of a K head (--head-dim {self.head_dim})")
+        if self.kv_reference is not None:
+            if self.kv_reference not in KV_REFERENCE:
+                raise KvbenchError(f"--kv-reference takes {', '.join(KV_REFERENCE)}, got "
+                                   f"{self.kv_reference!r}")
+            if self.kv_budget is not None and self.kv_compress != "prefill":
+                raise KvbenchError("--kv-reference kvpress compresses the prompt once, as "
+                                   "kvpress's presses do: add --kv-compress prefill")
+            if self.kv_budget is None and self.k_channels is None:
+                raise KvbenchError("--kv-reference changes how a --kv-budget or --k-channels "
+                                   "is kept: give one of them too")
         if self.head_budgets is not None:
             head_policy(self.head_budgets)
             if self.kv_budget is None or self.kv_compress != "prefill":

@@ -306,7 +306,8 @@ def _gate_layers(cm: CachedModel, tapped, T: int, rtol: float,
     for i, (cache, record) in enumerate(zip(cm.caches, tapped)):
         x = torch.cat([xi for xi, _ in record], dim=1)  # [B, T + G, H]: the layer's inputs
         channels = cache.kept_channels() if hasattr(cache, "kept_channels") else None
-        want = restricted_reference(cache.layer, x, cache.kept, T, channels)
+        want = restricted_reference(cache.layer, x, cache.kept, T, channels,
+                                    getattr(cache, "pruned_until", None))
         for j, (ref, (_, got)) in enumerate(zip(want, record[1:]), start=1):
             bad = (got.double() - ref).abs() > atol + rtol * ref.abs()
             if bad.any():
