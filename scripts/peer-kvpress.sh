@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # kvbench's eviction scorers against NVIDIA kvpress 0.5.5's presses on the same SmolLM2 prompt
-# (512 tokens, compressed once to 256 and 128 positions per KV head): the share of (layer, KV
-# head) pairs whose kept positions are identical (scripts/peer_kvpress.py). kvpress pins
+# (512 tokens, compressed once to 256 and 128 positions per KV head; ThinK to 32 and 16 of 64
+# channels), kvbench's own variant and --kv-reference kvpress: the share of (layer, KV head)
+# pairs whose kept positions are identical, and for most methods the perplexity of the 511
+# tokens after (scripts/peer_kvpress.py; about 1 h on 2 cores). kvpress pins
 # transformers below 5.3, so it runs in a virtual environment of its own (built once, in
 # $KVPRESS_ENV, default .kvpress-env). Usage: scripts/peer-kvpress.sh [OUT.csv]
 set -euo pipefail

@@ -213,8 +213,8 @@ def kvpress_side(out: Path, given: Path) -> None:
 
 def compare(ours: Path, theirs: Path, csv: Path | None) -> int:
     a, b = json.loads(ours.read_text()), json.loads(theirs.read_text())
-    rows = ["method,press,mode,budget,pairs,identical,share_identical,mean_overlap,"
-            "kvbench_ppl,kvpress_ppl,full_cache_ppl"]
+    rows = [("method,press,mode,budget,pairs,identical,share_identical,mean_overlap,"
+             "kvbench_ppl,kvpress_ppl,full_cache_ppl")]
     for key, sets in a["kept"].items():
         method, mode, n = key.split(":")
         other = f"{method}:kvpress:{n}"

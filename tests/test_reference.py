@@ -162,6 +162,9 @@ def test_the_ada_replay_follows_the_reference():
     ((8, 3, 20, 2), (8, 8, 8)),  # the top 0.4 is below the window of 2: N everywhere
     ((256, 30, 512, 64), (448, 435) + (64,)),  # SmolLM2 at 256: 448 down to 64
     ((128, 30, 512, 64), (128,) * 30),  # at 128: 6.4 < 64, uniform
+    ((40, 2, 100, 2), (78, 2)),  # two layers: the line's ends
+    ((40, 1, 100, 2), (78,)),  # one layer: kvpress gives it the bottom's budget
+    ((40, 3, 60, 0), (60, 40, 20)),  # no window: the bottom may keep the whole prompt
 ])
 def test_the_pyramid_as_kvpress_draws_it(args, want):
     got = budgets.pyramid(*args[:3], "kvpress", args[3])

@@ -181,3 +181,58 @@ def test_select_names_the_filter_that_matched_nothing_and_renumbers_rows(tmp_pat
     for bad in ("=paged", "impl"):
         with pytest.raises(KvbenchError, match="column=value pairs"):
             parse_where(bad)
+
+
+def test_the_config_cells_by_hand():
+    # a ragged, windowed, shared-prefix point; an eviction point with per-layer budgets; a
+    # plain one: each technique's cells are written only where the technique is on
+    from kvbench.report.results import config_cells
+    from kvbench.sizing.config import LayerShape, RunConfig
+
+    base = {"decode_len": 2, "hidden": 32, "q_heads": 4, "kv_heads": 2, "head_dim": 8}
+    ragged = config_cells("verify", "window", RunConfig(LayerShape(
+        batch=2, prompt_len=5, seq_lens=(3, 5), window=4, sinks=2, shared_prefix=2, **base)))
+    assert (ragged["seq_lens"], ragged["window"], ragged["sinks"], ragged["shared_prefix"],
+            ragged["kv_budget"], ragged["kv_compress"], ragged["layer_budgets"]) == (
+        "3,5", 4, 2, 2, None, None, None)
+    evicting = config_cells("verify", "h2o", RunConfig(LayerShape(
+        batch=1, prompt_len=8, kv_budget=4, kv_compress="prefill", layer_budgets=(6, 2),
+        kv_reference="kvpress", **base)))
+    assert (evicting["seq_lens"], evicting["window"], evicting["sinks"],
+            evicting["shared_prefix"], evicting["kv_budget"], evicting["kv_compress"],
+            evicting["layer_budgets"], evicting["kv_reference"]) == (
+        None, None, None, None, 4, "prefill", "6,2", "kvpress")
+    plain = config_cells("bench", "static", RunConfig(LayerShape(batch=1, prompt_len=8,
+                                                                 **base)))
+    assert (plain["kv_compress"], plain["sinks"], plain["seq_lens"], plain["batch"]) == (
+        None, None, None, 1)
+
+
+def test_cells_headers_and_damaged_rows_by_hand(tmp_path):
+    from kvbench.formats.kvformat import KvFormat
+    from kvbench.report.results import (
+        _cell,
+        _read_header,
+        damaged_rows,
+        kv_cells,
+        merged_header,
+        timestamp,
+    )
+
+    assert (_cell(0.1), _cell(float("nan")), _cell(float("inf")), _cell(None), _cell(3)) == (
+        "0.1", "", "", "", 3)
+    # the header, a row over two lines (a quoted newline), a short row at line 4, a blank
+    # line, a long row at line 6
+    path = tmp_path / "d.csv"
+    path.write_text('a,b,c\n1,"two\nlines",3\n4,5\n\n6,7,8,9\n')
+    assert damaged_rows(path) == (3, [(4, 2), (6, 4)])
+    empty = tmp_path / "e.csv"
+    empty.write_text("")
+    assert damaged_rows(empty) == (0, []) and _read_header(empty) is None
+    # a column with no predecessor in the old header goes first; the others after theirs
+    assert merged_header(["a", "c"], ["x", "a", "b", "c"]) == ["x", "a", "b", "c"]
+    assert merged_header(["a", "c"], ["a", "c", "d"]) == ["a", "c", "d"]
+    assert timestamp().endswith("+00:00")  # UTC
+    assert kv_cells(KvFormat()) == {}
+    assert kv_cells(KvFormat("int8", group_size=32)) == {
+        "kv_dtype": "int8", "group_size": 32, "k_quant": "per-token", "kv_residual": 0}

@@ -55,9 +55,9 @@ def kvpress_pyramid(mean: int, layers: int, held: int, window: int) -> tuple[int
     if high >= held - window:
         high = held - window
         low = 2 * mean - high
-    if layers == 1 or not held >= high >= low >= window:
+    if not held >= high >= low >= window:
         return (mean,) * layers
-    step = (high - low) / (layers - 1)
+    step = (high - low) / (layers - 1) if layers > 1 else 0.0  # one layer: the bottom's
     return tuple(round(high - i * step) for i in range(layers))
 
 
