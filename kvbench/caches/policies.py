@@ -153,16 +153,16 @@ def _one(name, q, k, prompt_kept, kept, budget, evicting, recent, scale, rtol, v
         score[t] = (-float(k[t].norm()) if name == "knorm" else
                     expected.score(k[t], v[t]) if name == "expected" else 0.0)
         order = sorted(S)
-        w = _weights(q[:, t], k[order], scale)
-        layer_w = mean_weights(t, order) if name == "tova" else None
         contrib[t] = {}
-        for i, p in enumerate(order):
-            if name == "h2o":
-                score[p] += float(w[:, i].sum())
-            elif name == "tova":
-                score[p] = float(layer_w[i])
-            elif name == "snapkv":
-                contrib[t][p] = float(w[:, i].mean())
+        if name == "tova":  # the group's (or the layer's) mean weight
+            score.update(zip(order, map(float, mean_weights(t, order))))
+        elif name in ("h2o", "snapkv"):
+            w = _weights(q[:, t], k[order], scale)
+            for i, p in enumerate(order):
+                if name == "h2o":
+                    score[p] += float(w[:, i].sum())
+                else:
+                    contrib[t][p] = float(w[:, i].mean())
     if name == "snapkv" and kept:
         _window(score, contrib, S, q.shape[1], recent)
     return None, score
