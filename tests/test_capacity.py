@@ -427,3 +427,315 @@ def test_prefill_compression_charges_a_short_sequence_its_own_positions():
                                          "--gpu-mem", "300kB", "--weights-bytes", "1kB",
                                          "--margin", "0GiB", "--utilization", "1"]).stdout)[0]
     assert row["max_seq_len"] == 264
+
+
+# --- every figure and decision of the planner, worked by hand on small cases ------------------
+
+def test_dense_params_by_hand():
+    # H=8, I=16, V=10, 2 layers, H_q=4, H_kv=2, D=4. Attention: W_q, W_k, W_v 8·(4+2·2)·4 =
+    # 256, W_o 4·4·8 = 128; SwiGLU 3·8·16 = 384; two norms 16: 784 a layer. Embedding and
+    # head 80 each, final norm 8: 80 + 2·784 + 8 + 80 = 1,736.
+    assert cap.dense_params(8, 16, 10, 2, 4, 2, 4) == 1736
+    assert cap.dense_params(8, 16, 10, 2, 4, 2, 4, tie_embeddings=True) == 1736 - 80
+    assert cap.dense_params(8, 16, 10, 2, 4, 2, 4, qkv_bias=True) == 1736 + 2 * (4 + 4) * 4
+    assert cap.dense_params(8, 16, 10, 2, 4, 2, 4, qk_norm=True) == 1736 + 2 * 2 * 4
+
+
+TINY = {"num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "head_dim": 4, "hidden_size": 8, "intermediate_size": 16, "vocab_size": 10}
+
+
+@pytest.mark.parametrize("extra, params", [
+    ({"model_type": "llama"}, 1736),
+    ({"model_type": "llama", "tie_word_embeddings": True}, 1736 - 80),
+    ({"model_type": "llama", "tie_word_embeddings": False}, 1736),
+    ({"model_type": "qwen2"}, 1736 + 64),  # Qwen2's q/k/v bias by default
+    ({"model_type": "qwen2", "attention_bias": False}, 1736),
+    ({"model_type": "llama", "attention_bias": True}, 1736 + 64),
+    ({"model_type": "qwen3"}, 1736 + 16),  # per-head q and k norms
+    ({"intermediate_size": 1}, 1736 - 2 * 3 * 8 * 15),  # the smallest MLP still counts
+    ({"num_local_experts": 8}, None),  # an MoE's experts: --weights-bytes
+    ({"vocab_size": 0}, None),
+    ({"hidden_size": 8.0}, None),
+], ids=["llama", "tied", "untied", "qwen2", "qwen2-nobias", "bias", "qwen3", "i1", "moe",
+        "vocab0", "float"])
+def test_a_configs_parameter_count_by_hand(tmp_path, extra, params):
+    m = cap.from_hf_config(write(tmp_path, TINY | extra))
+    assert m.params == params
+
+
+def test_a_configs_name_source_and_nested_text_config(tmp_path):
+    def name(**cfg):
+        return cap.from_hf_config(write(tmp_path, TINY | cfg)).name
+
+    assert name(_name_or_path="org/m", model_type="llama") == "org/m"
+    assert name(_name_or_path="org/m") == "org/m"
+    assert name(model_type="llama") == "llama"
+    assert name() == "config"  # the file's stem
+    nested = cap.from_hf_config(write(tmp_path, {"model_type": "llava", "text_config": TINY}))
+    assert (nested.layers, nested.kv_heads, nested.params) == (2, 2, 1736)
+    assert nested.source == str(tmp_path / "config.json")
+    # a top-level model is read even beside a text_config (the vision tower's, say)
+    both = cap.from_hf_config(write(tmp_path, TINY | {"text_config": TINY | {
+        "num_hidden_layers": 7}}))
+    assert both.layers == 2
+
+
+def test_a_configs_head_dim_mqa_and_window_by_hand(tmp_path):
+    m = cap.from_hf_config(write(tmp_path, {"num_hidden_layers": 2, "num_attention_heads": 8,
+                                            "num_key_value_heads": 1, "hidden_size": 512}))
+    assert (m.kv_heads, m.head_dim, type(m.head_dim)) == (1, 64, int)
+    assert m.attention_summary == "MQA H_kv=1 D=64"
+    mistral = cap.from_hf_config(write(tmp_path, TINY | {"model_type": "mistral",
+                                                         "sliding_window": 4096}))
+    assert (mistral.layer_types, mistral.sliding_window) == ((), 4096)
+    assert mistral.window_summary == "4096 on 2/2 layers"
+
+
+def test_an_mla_configs_fields_by_hand(tmp_path):
+    path = write(tmp_path, {"num_hidden_layers": 3, "num_attention_heads": 16,
+                            "kv_lora_rank": 32, "qk_rope_head_dim": 8, "hidden_size": 64,
+                            "intermediate_size": 96, "vocab_size": 100,
+                            "model_type": "deepseek_v3"})
+    m = cap.from_hf_config(path)
+    assert (m.name, m.layers, m.q_heads, m.mla_latent, m.mla_rope) == (
+        "deepseek_v3", 3, 16, 32, 8)
+    assert (m.source, m.hidden, m.intermediate, m.vocab) == (str(path), 64, 96, 100)
+    bare = cap.from_hf_config(write(tmp_path, {"num_hidden_layers": 3, "kv_lora_rank": 32,
+                                               "qk_rope_head_dim": 8}))
+    assert bare.q_heads is None and bare.name == "config"
+
+
+def test_hybrid_configs_layer_kinds_and_states_by_hand(tmp_path):
+    base = {"num_attention_heads": 2, "num_key_value_heads": 1, "hidden_size": 8,
+            "intermediate_size": 16, "vocab_size": 10}
+    # Jamba (Mamba1): attention every 2nd layer from 1; state (d_conv − 1)·inner + inner·d_state
+    # with inner = 2·8: 2·16 + 16·4 = 96
+    jamba = cap.from_hf_config(write(tmp_path, base | {
+        "num_hidden_layers": 4, "attn_layer_period": 2, "attn_layer_offset": 1,
+        "mamba_expand": 2, "mamba_d_state": 4, "mamba_d_conv": 3}))
+    assert jamba.layer_types == ("mamba", "full", "mamba", "full")
+    assert (jamba.mamba_state, jamba.params, jamba.cached_layers) == (96, None, (1, 3))
+    # Qwen3-Next's gated delta net: (kernel − 1)·(2·1·2 + 2·2) + 2·2·2 = 32
+    nxt = cap.from_hf_config(write(tmp_path, base | {
+        "num_hidden_layers": 4, "full_attention_interval": 2, "linear_conv_kernel_dim": 4,
+        "linear_num_key_heads": 1, "linear_key_head_dim": 2, "linear_num_value_heads": 2,
+        "linear_value_head_dim": 2}))
+    assert nxt.layer_types == ("mamba", "full", "mamba", "full") and nxt.mamba_state == 32
+    # Nemotron-H (Mamba2): (conv − 1)·(heads·dim + 2·groups·state) + heads·dim·state = 42
+    nemo = cap.from_hf_config(write(tmp_path, base | {
+        "num_hidden_layers": 4, "hybrid_override_pattern": "M*-E", "mamba_num_heads": 2,
+        "mamba_head_dim": 2, "ssm_state_size": 3, "conv_kernel": 4, "n_groups": 1}))
+    assert nemo.layer_types == ("mamba", "full", "none", "none") and nemo.mamba_state == 42
+    # MLP-only layers and no Mamba: no state, and no dense parameter count either
+    mlp = cap.from_hf_config(write(tmp_path, base | {"num_hidden_layers": 4,
+                                                     "hybrid_override_pattern": "*-*-"}))
+    assert (mlp.layer_types, mlp.mamba_state, mlp.params) == (
+        ("full", "none", "full", "none"), None, None)
+
+
+def test_a_configs_shapes_for_the_engine_by_hand(tmp_path):
+    moe = cap.from_hf_config(write(tmp_path, TINY | {
+        "intermediate_size": 64, "moe_intermediate_size": 32, "num_local_experts": 8,
+        "num_experts_per_tok": 1}))
+    assert (moe.hidden, moe.intermediate, moe.vocab, moe.moe_top_k) == (8, 32, 10, 1)
+    dense = cap.from_hf_config(write(tmp_path, TINY | {"num_experts_per_tok": 2}))
+    assert (dense.intermediate, dense.moe_top_k) == (16, None)
+    odd = cap.from_hf_config(write(tmp_path, TINY | {"vocab_size": 0, "hidden_size": 8.0}))
+    assert (odd.vocab, odd.hidden) == (None, None)
+
+
+def test_config_and_preset_messages_name_the_file(tmp_path):
+    path = write(tmp_path, TINY | {"layer_types": ["local"] * 2})
+    with pytest.raises(KvbenchError) as err:
+        cap.from_hf_config(path)
+    assert str(err.value) == (f"{path}: field 'layer_types' holds an unknown type; expected one "
+                              "of sliding_attention, full_attention, sliding, full, attention, "
+                              "linear_attention, mamba")
+    with pytest.raises(KvbenchError) as err:
+        cap.preset("llama-9")
+    assert f"known presets: {', '.join(cap.presets())} (or pass" in str(err.value)
+    bad = tmp_path / "bad.toml"
+    bad.write_text("layers = \n")
+    with pytest.raises(KvbenchError, match=f"^preset {bad} is not valid TOML"):
+        cap.load_preset_file(bad)
+
+
+def test_a_preset_reads_its_architecture_and_names_itself_by_its_file(tmp_path):
+    path = tmp_path / "tiny-model.toml"
+    path.write_text("layers = 2\nkv_heads = 1\nhead_dim = 4\n[architecture]\n"
+                    "hidden_size = 64\nintermediate_size = 128\nvocab_size = 100\n")
+    m = cap.load_preset_file(path)
+    assert (m.name, m.hidden, m.intermediate, m.vocab) == ("tiny-model", 64, 128, 100)
+
+
+@pytest.mark.parametrize("fields, message", [
+    ({"layers": 0, "kv_heads": 1, "head_dim": 4}, "--layers must be a positive integer, got 0"),
+    ({"layers": 0, "mla_latent": 8, "mla_rope": 4}, "--layers must be a positive integer, got 0"),
+    ({"layers": 1, "mla_latent": 0, "mla_rope": 4}, "--mla-latent must be a positive integer, "
+                                                     "got 0"),
+    ({"layers": 1, "mla_latent": 8}, "--mla-rope must be a positive integer, got None"),
+    ({"layers": 1, "kv_heads": 0, "head_dim": 4}, "--kv-heads must be a positive integer, got 0"),
+    ({"layers": 1, "kv_heads": 1, "head_dim": 0}, "--head-dim must be a positive integer, got 0"),
+    ({"layers": 2, "kv_heads": 1, "head_dim": 4, "layer_types": ("sliding", "full")},
+     "model m has sliding layers but no sliding_window"),
+    ({"layers": 2, "kv_heads": 1, "head_dim": 4, "share_layers": 0},
+     "--share-layers must be a positive integer, got 0"),
+])
+def test_a_model_specs_bad_dimensions_are_named(fields, message):
+    with pytest.raises(KvbenchError) as err:
+        ModelSpec(name="m", **fields)
+    assert str(err.value).startswith(message)
+
+
+def test_sinks_add_to_the_window_and_tiny_sequences_plan():
+    m = ModelSpec(name="m", layers=1, kv_heads=1, head_dim=4, sliding_window=4, sinks=2)
+    assert [cap.cached_len(m, 0, t) for t in (5, 6, 10)] == [5, 6, 6]
+    one = plan(spec(1, layers=1, head_dim=4), CacheFormat("fp16"), (1,))
+    assert one.payload_bytes == 16
+    with pytest.raises(KvbenchError, match="sequence lengths must be positive integers"):
+        plan(spec(1), CacheFormat("fp16"), (0,))
+    for bad in (0, 1.5):
+        with pytest.raises(KvbenchError, match=rf"--utilization must be in \(0, 1\], got {bad}"):
+            plan(spec(1), CacheFormat("fp16"), (8,), gpu_bytes=GIB, weights_bytes=0,
+                 utilization=bad)
+
+
+def test_a_shared_prefix_under_tp_windows_and_blocks_by_hand():
+    # 3 layers (full, sliding 8, full), 4 KV heads of 16, fp32: 512 B a token a layer, 256
+    # a rank at TP 2. Three sequences of 72 share 40.
+    model = ModelSpec(name="m", layers=3, kv_heads=4, head_dim=16, sliding_window=8,
+                      layer_types=("full", "sliding", "full"))
+    p = plan(model, CacheFormat("fp32", block_size=16, tp=2), (72,) * 3, shared_prefix=40)
+    # payload: 3 × (2·72 + 8)·512 less the prefix's 2 extra copies in the 2 full layers
+    assert p.payload_bytes == 3 * (2 * 72 + 8) * 512 - 2 * 40 * 512 * 2 == 151_552
+    # per rank, blocks of 16: 72 -> 80, 8 -> 16; the prefix's 2 whole blocks stored once
+    assert p.per_rank_bytes == 3 * (2 * 80 + 16) * 256 - 2 * 32 * 256 * 2 == 102_400
+    assert p.wasted_bytes == 102_400 - (3 * (2 * 72 + 8) * 256 - 2 * 40 * 256 * 2) == 26_624
+    assert p.bytes_per_token == 3 * 512  # every layer, every head: no TP, no window
+    assert p.bytes_per_sequence == (2 * 72 + 8) * 512  # exact, every head
+    assert all(type(v) is int for v in (p.payload_bytes, p.per_rank_bytes, p.wasted_bytes))
+    whole = plan(model, CacheFormat("fp32"), (40, 72), shared_prefix=40)  # all of one
+    assert whole.payload_bytes == (2 * 40 + 8 + 2 * 72 + 8 - 2 * 40) * 512
+
+
+def test_tp_notes_and_fp8_scales_by_hand():
+    mla = ModelSpec(name="mla", layers=2, mla_latent=16, mla_rope=4)
+    # fp8: 20 B a latent, and one float32 scale a layer
+    assert plan(mla, CacheFormat("fp8"), (3,)).payload_bytes == 2 * 3 * 20 + 2 * 4
+    assert plan(mla, CacheFormat("fp16"), (3,)).notes == []  # (no "0 KV heads over 1 rank")
+    assert plan(mla, CacheFormat("fp16", tp=2), (3,)).notes == [
+        "MLA's latent cache is replicated on every TP rank"]
+    assert plan(spec(8), CacheFormat("fp16", tp=2), (3,)).notes == []
+    assert plan(spec(8), CacheFormat("fp16", tp=16), (3,)).notes == [
+        "8 KV heads over 16 ranks: each rank keeps a replica of one head"]
+    # fp8 under TP: the payload keeps all 8 heads' scales, a rank its 2
+    p = plan(spec(8), CacheFormat("fp8", tp=4), (4096,) * 4)
+    assert (p.payload_bytes, p.per_rank_bytes) == (GIB + 32 * 2 * 8 * 4, GIB // 4 + 32 * 2 * 2 * 4)
+    assert type(p.per_rank_bytes) is int
+
+
+def test_kivis_residual_per_rank_and_per_token_by_hand():
+    # 1 layer, 4 KV heads of 8, int8 in groups of 8 (8 + 4 B a vector), K per token, a
+    # residual of 2 positions of K and V in fp16 (2·2·8·2 = 64 B a head); TP 2
+    model = ModelSpec(name="m", layers=1, kv_heads=4, head_dim=8)
+    p = plan(model, CacheFormat("int8", 8, tp=2, residual=8), (10,))
+    assert CacheFormat("int8", 8, residual=8).residual_slots == 8
+    residual = 2 * 8 * 8 * 2
+    assert p.payload_bytes == 10 * 4 * 2 * 12 + 4 * residual
+    assert p.per_rank_bytes == 10 * 2 * 2 * 12 + 2 * residual
+    # K per channel: K's codes per token, its scales for each group of 8 positions begun
+    # (ceil(10 / 8) = 2 groups × 8 channels × 4 B), the group being filled as residual
+    pc = plan(model, CacheFormat("int8", 8, k_quant="per-channel", tp=2), (10,))
+    assert pc.per_rank_bytes == 2 * (10 * (8 + 12) + 2 * 8 * 4 + residual)
+
+
+def test_whole_heads_beside_evicting_ones_by_hand():
+    # 2 layers (sliding 4, full), 4 KV heads of 2, fp16 (8 B a head a position), a budget
+    # of 3, 1 head a layer whole, 9 tokens. Sliding: 1 × 4 + 3 × 3; full: 1 × 9 + 3 × 3.
+    model = ModelSpec(name="m", layers=2, kv_heads=4, head_dim=2, sliding_window=4,
+                      layer_types=("sliding", "full"), kv_budget=3, budget_prompt=9,
+                      whole_heads=1)
+    p = plan(model, CacheFormat("fp16", block_size=2), (9,))
+    assert p.payload_bytes == ((4 + 3 * 3) + (9 + 3 * 3)) * 8 == 248
+    # in blocks of 2: 3 -> 4, 4 -> 4, 9 -> 10
+    assert p.per_rank_bytes == ((4 + 3 * 4) + (10 + 3 * 4)) * 8 == 304
+    assert type(p.per_rank_bytes) is int
+    with pytest.raises(KvbenchError, match="one device; drop --tp"):
+        plan(model, CacheFormat("fp16", tp=2), (9,))
+
+
+def fit(model, seq_lens, gpu, weights=0, margin=0, utilization=1.0, **fmt):
+    return plan(model, CacheFormat("fp16", **fmt), seq_lens, gpu_bytes=gpu,
+                weights_bytes=weights, margin_bytes=margin, utilization=utilization).fit
+
+
+def test_fit_under_utilization_and_tp_by_hand():
+    f = fit(spec(1, layers=1, head_dim=64), (1000,) * 2, 2 * MIB, 256 * KIB, 256 * KIB, 0.5)
+    assert f.budget_bytes == MIB - 512 * KIB
+    # 2 KV heads of 64: 512 B a token, 256 a rank at TP 2; a budget of 512 KiB + 100 B a rank
+    f = fit(spec(2, layers=1, head_dim=64), (1000,) * 2, MIB, 512 * KIB, 256 * KIB - 100, tp=2)
+    assert (f.weights_bytes, f.budget_bytes) == (256 * KIB, 512 * KIB + 100)
+    assert f.required_bytes == 2 * 1000 * 256
+    assert f.max_batch == (512 * KIB + 100) // (1000 * 256) == 2
+    assert f.max_tokens == (512 * KIB + 100) // 256 == 2048 and type(f.max_tokens) is int
+    assert f.max_seq_len == 1024  # 2 × 256 × 1024 <= 512 KiB + 100
+
+
+def test_the_longest_sequence_that_fits_by_hand():
+    one = spec(1, layers=1, head_dim=64)  # 256 B a token
+    assert fit(one, (1,) * 2, 2 * 256 + 100).max_seq_len == 1  # 2 sequences of 1, not of 2
+    assert fit(one, (1,), 255).max_seq_len == 0
+    # a window longer than what fits: the planner searches, it does not say "unbounded"
+    window = ModelSpec(name="w", layers=1, kv_heads=1, head_dim=64, sliding_window=4096,
+                       layer_types=("sliding",))
+    f = fit(window, (1,), 256 * 1001)
+    assert f.max_seq_len == 1001 and type(f.max_seq_len) is int
+    assert fit(window, (1,), 256 * 4096).max_seq_len is None  # the whole window fits
+    # a cache that grows without bound but is tiny: 4 B a token in 8 TB
+    tiny = spec(1, layers=1, head_dim=1)
+    f = fit(tiny, (10,), 8 * 10**12)
+    assert f.max_seq_len == f.max_tokens == 2 * 10**12
+    # per-layer budgets cap every layer: 8 + 4 positions of 256 B
+    capped = ModelSpec(name="b", layers=2, kv_heads=1, head_dim=64, layer_budgets=(8, 4))
+    assert fit(capped, (100,), 12 * 256).max_seq_len is None
+    assert fit(capped, (100,), 12 * 256 - 1).max_seq_len == 7  # 7 + 4 positions at 7
+
+
+def test_serving_counts_by_hand():
+    from kvbench.sizing.capacity import serving
+
+    model = spec(1, layers=1, head_dim=1024)  # 4,096 B a token
+    # blocks of 1: 46 + 54 + 45 = 145 positions, a mean of 197,973.33 B; a budget of exactly
+    # 6 means holds 6 sequences (the float mean, divided, gives 5)
+    v = serving(model, CacheFormat("fp16", block_size=1), (46, 54, 45), 64,
+                budget_bytes=1_187_840)
+    assert (v.samples, v.paged_total_bytes, v.concurrent_paged) == (3, 145 * 4096, 6)
+    assert v.concurrent_prealloc == 1_187_840 // (64 * 4096) == 4
+    # vLLM's blocks of 16 where none is given: 17 -> 32; preallocation is never rounded
+    v = serving(model, CacheFormat("fp16"), (17,), 20, None)
+    assert (v.paged_bytes, v.prealloc_bytes) == (32 * 4096, 20 * 4096)
+    assert v.concurrent_paged is None and v.concurrent_prealloc is None
+    v = serving(model, CacheFormat("fp16", block_size=16), (17,), 20, None)
+    assert v.prealloc_bytes == 20 * 4096
+    # per rank: 2 heads over TP 2
+    v = serving(spec(2, layers=1, head_dim=512), CacheFormat("fp16", tp=2), (17,), 20, None)
+    assert (v.paged_bytes, v.prealloc_bytes) == (32 * 2048, 20 * 2048)
+
+
+def test_explicit_dimensions_merge_by_hand():
+    custom = cap.merge_dimensions(None, {"layers": 2, "kv_heads": 1, "head_dim": 4})
+    assert custom.name == "custom"
+    with pytest.raises(KvbenchError) as err:
+        cap.merge_dimensions(None, {"kv_heads": 1})
+    assert str(err.value) == ("say which model: --model NAME, --from-config PATH, or --layers "
+                              "with --kv-heads and --head-dim (or --mla-latent and --mla-rope)")
+    llama = cap.preset("llama-3-8b")
+    with pytest.raises(KvbenchError) as err:
+        cap.merge_dimensions(llama, {"kv_heads": 4, "head_dim": 64})
+    assert str(err.value) == ("llama-3-8b disagrees with --kv-heads 4 (the model has 8), "
+                              "--head-dim 64 (the model has 128); drop the explicit dimensions "
+                              "or the model")
+    assert cap.merge_dimensions(llama, {"kv_heads": 8, "layers": 32}) == llama
+    mistral = cap.merge_dimensions(cap.preset("mistral-7b"), {"sliding_window": 1024})
+    assert mistral.sliding_window == 1024

@@ -235,24 +235,25 @@ def from_hf_config(path: Path) -> ModelSpec:
         raise KvbenchError(f"{path}: expected a JSON object")
     cfg = cfg.get("text_config", cfg) if "num_hidden_layers" not in cfg else cfg
 
-    def field_(name: str, required: bool = True, default=None):
-        value = cfg.get(name, default)
-        if value is None and not required:
-            return None
+    def field_(name: str):
+        value = cfg.get(name)
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise KvbenchError(f"{path}: field {name!r} must be a positive integer, got "
                                f"{value!r}")
         return value
 
+    def optional(name: str):  # absent (or null): None
+        return None if cfg.get(name) is None else field_(name)
+
     layers = field_("num_hidden_layers")
     name = cfg.get("_name_or_path") or cfg.get("model_type") or Path(path).stem
     shapes = _shapes(cfg)
     if cfg.get("kv_lora_rank") is not None:
-        return ModelSpec(name=name, layers=layers, q_heads=field_("num_attention_heads", False),
+        return ModelSpec(name=name, layers=layers, q_heads=optional("num_attention_heads"),
                          mla_latent=field_("kv_lora_rank"), mla_rope=field_("qk_rope_head_dim"),
                          source=str(path), **shapes)
     q_heads = field_("num_attention_heads")
-    kv_heads = field_("num_key_value_heads", False) or q_heads
+    kv_heads = optional("num_key_value_heads") or q_heads
     if cfg.get("head_dim") is not None:
         head_dim = field_("head_dim")
     else:
@@ -271,7 +272,7 @@ def from_hf_config(path: Path) -> ModelSpec:
         window = None
     state = _mamba_state(cfg, path) if "mamba" in layer_types else None
     return ModelSpec(name=name, layers=layers, kv_heads=kv_heads, head_dim=head_dim,
-                     q_heads=q_heads, sliding_window=window if layer_types or window else None,
+                     q_heads=q_heads, sliding_window=window,
                      layer_types=layer_types, source=str(path), mamba_state=state,
                      # (a hybrid's Mamba and MLP-only layers are no dense decoder's: the
                      # weights then need --weights-bytes)
@@ -398,7 +399,7 @@ def kivi_bytes_per_layer(model: ModelSpec, fmt: CacheFormat, n: int, per_rank: b
     """What KIVI's layout adds to n positions of one sequence in one layer: K's channel
     scales and zero points (fp16 each) for every group of group_size positions begun, and
     the residual's positions of K and V in the activation dtype."""
-    if model.is_mla or not fmt.residual_slots:
+    if model.is_mla:  # a latent has no K channels to scale, and keeps no residual
         return 0
     heads = kv_heads_per_rank(model, fmt.tp) if per_rank else model.kv_heads
     D = model.head_dim
@@ -436,8 +437,9 @@ def sequence_bytes(model: ModelSpec, fmt: CacheFormat, seq_len: int, per_rank: b
     total = 0
     for layer in model.cached_layers:
         n = cached_len(model, layer, seq_len)
-        if model.whole_heads:  # heads of two lengths, each rounded to its blocks
-            heads = kv_heads_per_rank(model, fmt.tp) if per_rank else model.kv_heads
+        if model.whole_heads:  # heads of two lengths, each rounded to its blocks (on one
+            # device: plan refuses whole heads under TP)
+            heads = model.kv_heads
             full = cached_len(model, layer, seq_len, whole=True)
             if paged and fmt.block_size:
                 n, full = (math.ceil(m / fmt.block_size) * fmt.block_size for m in (n, full))
@@ -482,24 +484,29 @@ class Serving:
     samples: int  # lengths drawn
     mean_len: float
     prealloc_bytes: int  # per sequence: max_len positions, every layer
-    paged_bytes: float  # per sequence, mean over the draws: its length in whole blocks
+    paged_total_bytes: int  # every draw's length in whole blocks, summed
     budget_bytes: int | None = None
+
+    @property
+    def paged_bytes(self) -> float:
+        """Per sequence, the mean over the draws."""
+        return self.paged_total_bytes / self.samples
 
     @property
     def payload_fraction(self) -> float:
         """Of a preallocated sequence's bytes, the share that holds tokens."""
         return self.mean_len / self.max_len
 
-    def concurrent(self, per_sequence: float) -> int | None:
-        return None if self.budget_bytes is None else int(self.budget_bytes // per_sequence)
-
     @property
     def concurrent_prealloc(self) -> int | None:
-        return self.concurrent(self.prealloc_bytes)
+        return None if self.budget_bytes is None else self.budget_bytes // self.prealloc_bytes
 
     @property
     def concurrent_paged(self) -> int | None:
-        return self.concurrent(self.paged_bytes)
+        """budget / mean, in integers (a float mean can round a whole count down by one)."""
+        if self.budget_bytes is None:
+            return None
+        return self.budget_bytes * self.samples // self.paged_total_bytes
 
 
 @dataclass
@@ -536,6 +543,8 @@ def plan(model: ModelSpec, fmt: CacheFormat, seq_lens: tuple[int, ...],
                            f"sequence ({min(seq_lens)} tokens)")
     if not 0 < utilization <= 1:
         raise KvbenchError(f"--utilization must be in (0, 1], got {utilization}")
+    if model.whole_heads and fmt.tp > 1:
+        raise KvbenchError("--head-budgets duo plans snapkv-paged on one device; drop --tp")
     per_token_layer = token_bytes_per_layer(model, fmt, per_rank=False)
     scales, scales_rank = (len(model.cached_layers) * layer_scale_bytes(model, fmt, per_rank=r)
                            for r in (False, True))
@@ -558,7 +567,7 @@ def plan(model: ModelSpec, fmt: CacheFormat, seq_lens: tuple[int, ...],
                   payload, per_rank, per_rank - per_rank_exact)
     if fmt.tp > 1 and model.is_mla:
         result.notes.append("MLA's latent cache is replicated on every TP rank")
-    elif fmt.tp > model.kv_heads:
+    elif not model.is_mla and fmt.tp > model.kv_heads:
         result.notes.append(f"{model.kv_heads} KV heads over {fmt.tp} ranks: each rank keeps "
                             "a replica of one head")
     if gpu_bytes is not None:
@@ -604,8 +613,8 @@ def serving(model: ModelSpec, fmt: CacheFormat, lens: tuple[int, ...], max_len: 
     """Per TP rank. fmt.block_size: the paged block (16, vLLM's default, when not given)."""
     paged = replace(fmt, block_size=fmt.block_size or 16)
     prealloc = sequence_bytes(model, replace(fmt, block_size=None), max_len, per_rank=True)
-    mean_paged = sum(sequence_bytes(model, paged, t, per_rank=True) for t in lens) / len(lens)
-    return Serving(max_len, len(lens), sum(lens) / len(lens), prealloc, mean_paged,
+    total_paged = sum(sequence_bytes(model, paged, t, per_rank=True) for t in lens)
+    return Serving(max_len, len(lens), sum(lens) / len(lens), prealloc, total_paged,
                    budget_bytes)
 
 
