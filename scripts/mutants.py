@@ -39,8 +39,10 @@ DEFAULT_BUDGET_S = 900
 # module -> the tests that cover it, where they are not tests/test_<name>.py
 TESTS = {
     "kvbench/experiments/model/view.py": ["tests/test_model_view.py"],
-    "kvbench/layers/model/": ["tests/test_model.py", "tests/test_costs.py"],
-    "kvbench/experiments/model/": ["tests/test_model.py", "tests/test_costs.py"],
+    "kvbench/layers/model/": ["tests/test_model.py", "tests/test_costs.py",
+                              "tests/test_transformer.py"],
+    "kvbench/experiments/model/": ["tests/test_model.py", "tests/test_costs.py",
+                                   "tests/test_model_view.py", "tests/test_transformer.py"],
     "kvbench/subjects/": ["tests/test_model.py", "tests/test_cli.py", "tests/test_mla.py"],
     "kvbench/serving/scheduler.py": ["tests/test_scheduler.py", "tests/test_servesim.py"],
     "kvbench/serving/engine.py": ["tests/test_servesim.py"],
@@ -74,6 +76,11 @@ TESTS = {
 }
 
 
+# modules whose mutants run without the slow tests (torch.compile builds, the trained model):
+# a mutant would otherwise take minutes; what only those tests see is left to them
+FAST_ONLY = ("kvbench/layers/model/", "kvbench/experiments/model/")
+
+
 def tests_for(module: str) -> list[str]:
     for prefix, tests in TESTS.items():
         if module == prefix or (prefix.endswith("/") and module.startswith(prefix)):
@@ -95,13 +102,16 @@ def changed(ref: str) -> list[str]:
 def configure(copy: Path, modules: list[str], tests: list[str]) -> None:
     """mutmut's settings in the copy's pyproject: these modules, these tests, the whole
     package beside them."""
+    markers = "not cuda"
+    if any(m.startswith(FAST_ONLY) for m in modules):
+        markers += " and not compiles and not trained"
     text = (copy / "pyproject.toml").read_text()
     section = ("[tool.mutmut]\n"
                f"source_paths = {modules!r}\n".replace("'", '"')
                + f"pytest_add_cli_args_test_selection = {tests!r}\n".replace("'", '"')
                + 'also_copy = ["kvbench/", "configs/", "tests/", "scripts/"]\n'
                'pytest_add_cli_args = ["-q", "-x", "-p", "no:cacheprovider", "-m", '
-               '"not cuda"]\n'
+               f'"{markers}"]\n'
                # a mutant that hangs (a loop that never ends) is killed at 3x the tests' time
                "timeout_multiplier = 3.0\n"
                # torch is not fork-safe: workers fork from a server that never ran a test
@@ -143,9 +153,12 @@ def main(argv: list[str]) -> int:
     configure(copy, modules, tests)
     print(f"mutants: {', '.join(modules)} against {', '.join(tests)} (budget {budget:.0f} s, "
           f"in {copy})", flush=True)
+    # one thread a worker: mutmut's timeout is CPU time, which torch's threads would run up
+    # faster than the clock (a mutant timed out for that is not killed)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
     run = subprocess.Popen([sys.executable, "-m", "mutmut", "run", "--max-children", "2", *only],
                            cwd=copy, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                           start_new_session=True)
+                           start_new_session=True, env=env)
     try:
         run.wait(timeout=budget)
         stopped = False

