@@ -36,7 +36,7 @@ class _Group(TyperGroup):
 
     def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
         from kvbench.measure.env import start_run
-        from kvbench.planning.runner import Terminated, terminate_on_sigterm
+        from kvbench.planning.signals import Terminated, terminate_on_sigterm
 
         args = _bare_ray(sys.argv[1:] if args is None else list(args))
         start_run(args)  # one run id per invocation, on every row it writes

@@ -45,3 +45,30 @@ def test_every_package_and_top_module_is_in_the_contract():
 
 def test_only_the_interface_sits_at_the_top_of_the_package():
     assert {p.name for p in PACKAGE.glob("*.py")} <= TOP_LEVEL
+
+
+def test_no_module_imports_itself_round_a_circle():
+    # lazy (function-level) imports included: a circle hidden inside a function is still one
+    import grimp
+
+    graph = grimp.build_graph("kvbench", cache_dir=None)
+    circles = sorted((a, b) for a in graph.modules
+                     for b in graph.find_modules_directly_imported_by(a)
+                     if graph.chain_exists(importer=b, imported=a))
+    assert not circles, circles
+
+
+def test_no_private_name_is_imported_from_another_package():
+    import ast
+
+    reached = []
+    for path in PACKAGE.rglob("*.py"):
+        parts = path.relative_to(PACKAGE).parts
+        own = parts[0] if len(parts) > 1 else None
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("kvbench."):
+                package = node.module.split(".")[1]
+                reached += [f"{path.relative_to(ROOT)}:{node.lineno} {node.module}.{a.name}"
+                            for a in node.names if a.name.startswith("_")
+                            and not a.name.startswith("__") and package != own]
+    assert not reached, reached

@@ -154,7 +154,8 @@ def test_plot_labels_never_show_nan():
 # ------------------------------------------------------------------ provenance
 
 def test_rows_say_how_they_were_made(two_runs):
-    from kvbench.measure.env import LIBRARIES, commit, cpu_model
+    from kvbench.measure.env import LIBRARIES, commit
+    from kvbench.measure.hostmem import cpu_model
 
     row = pd.read_csv(two_runs, dtype=str).iloc[-1]
     assert row["command_line"].startswith("kvbench bench --device cpu")
@@ -183,7 +184,7 @@ SIM = ["serve-sim", "--requests", "6", "--len-dist", "uniform:4:12", "--output-d
 def test_serve_sim_keeps_each_finished_reserve_when_stopped(monkeypatch, tmp_path, signal_,
                                                              code, word):
     from kvbench.experiments import servesim
-    from kvbench.planning.runner import Terminated
+    from kvbench.planning.signals import Terminated
 
     real, calls = servesim.serve, []
 

@@ -537,3 +537,57 @@ def test_the_time_estimate_and_host_bytes_by_hand():
     long = SimOptions(requests=10, len_dist="uniform:20:20", output_dist="uniform:90:90",
                       max_len=100, kv_blocks=1, block_size=16, reserve=("paged",))
     assert expected_steps(long, "paged") == 10 * 80 + 10
+
+
+def _table_cells(table, row):
+    from rich.console import Console
+
+    return {" ".join(str(c.header).split()): Console(width=300).render_str(
+        str(list(c.cells)[row])).plain for c in table.columns}
+
+
+def test_the_table_by_hand():
+    # paged, two seeds: 10 requests in 2 s and in 4 s (5 and 2.5 req/s: mean 3.75, half-width
+    # t(1) 12.7062 × 1.25 = 15.88); prealloc, two seeds that failed and passed
+    from rich.console import Console
+
+    from kvbench.experiments.servesim import Served, serve_table
+
+    def run(reserve, seed, duration, failures=()):
+        return Served(reserve, seed, duration, 4, [1.0] * 4, [0.5] * 4, [2, 4, 4, 2],
+                      [2, 4, 4, 2], [3, 5, 5, 3], [0.1 * i for i in range(1, 11)],
+                      [0.01, 0.02, 0.03], [0.1] * 10, output_tokens=40,
+                      preemptions=3, failures=list(failures))
+
+    o = SimOptions(**{**OPTIONS.__dict__, "seeds": 2, "seed": 5, "traced": ()})
+    served = [run("paged", 5, 2.0), run("paged", 6, 4.0), run("prealloc", 5, 4.0, ["bad"]),
+              run("prealloc", 6, 4.0)]
+    t = serve_table(o, "cpu", served)
+    paged, prealloc = _table_cells(t, 0), _table_cells(t, 1)
+    assert paged["reserve"] == "paged" and paged["path A"] == "PASS"
+    assert paged["req/s"] == "3.8\n±15.9"
+    assert paged["tok/s"] == "15\n±64"  # 20 and 10 output tokens a second
+    assert paged["TTFT p50 s"] == "0.55\n±0.00" and paged["TTFT p99 s"] == "0.99\n±0.00"
+    assert paged["TPOT p50 ms"] == "20.00\n±0.00" and paged["TPOT p99 ms"] == "29.80\n±0.00"
+    assert paged["batch"] == "3.0\n±0.0" and paged["held"] == "4\n±0"
+    assert paged["pre- empt"] == "3\n±0"
+    assert prealloc["path A"] == "FAIL" and prealloc["req/s"] == "2.5\n±0.0"
+    console = Console(record=True, width=200, color_system=None)
+    console.print(t)
+    text = " ".join(console.export_text().split())  # (the title wraps at the table's width)
+    assert ("serve-sim 40 requests arriving all at once; prompts lognormal:40:0.8, outputs "
+            "lognormal:24:0.8; mean ±95% interval over 2 seeds (5..6)") in text
+    assert "one attention layer: 40 blocks of 8 H=64 H_q=4 H_kv=2 D=16 float32 cpu" in text
+    assert "held: blocks held (of 40)" in text
+    one = serve_table(OPTIONS, "cpu", [run("paged", 0, 2.0)])
+    assert _table_cells(one, 0)["req/s"] == "5.0"  # one run: no interval
+    rated = SimOptions(**{**OPTIONS.__dict__, "rate": 2.5, "traced": ()})
+    console = Console(record=True, width=200, color_system=None)
+    console.print(serve_table(rated, "cpu", [run("paged", 0, 2.0)]))
+    assert "40 requests arriving 2.5/s;" in " ".join(console.export_text().split())
+    no_tpot = run("paged", 0, 2.0)
+    no_tpot.tpot_s = []
+    assert _table_cells(serve_table(OPTIONS, "cpu", [no_tpot]), 0)["TPOT p50 ms"] == "n/a"
+    replayed = run("paged", 0, 2.0)
+    replayed.verified = False
+    assert _table_cells(serve_table(OPTIONS, "cpu", [replayed]), 0)["path A"] == "not run"

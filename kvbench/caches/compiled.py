@@ -60,9 +60,15 @@ _compile_ms: dict[tuple, float] = {}  # graph key -> the first step's time, comp
 # (class, K/V shape, dtype, device) -> the static buffers, and the cache that holds them now
 _leases: dict[tuple, tuple[dict[str, torch.Tensor], weakref.ref]] = {}
 COMPILE_LOG = "KVBENCH_COMPILE_LOG"
-# status(message) -> a context manager shown while a graph compiles (the CLI sets it to a
-# spinner on the terminal; nothing here prints)
+# status(message) -> a context manager shown while a graph compiles (the CLI's spinner on the
+# terminal, through show_compiling; nothing here prints)
 compile_status = None
+
+
+def show_compiling(status) -> None:
+    """status(message): a context manager to show while a graph compiles (None: nothing)."""
+    global compile_status
+    compile_status = status
 
 
 def release_static_buffers() -> None:
@@ -78,7 +84,8 @@ def _log_compile(impl: str, ms: float, key: tuple) -> None:
             f.write(f"{impl}\t{ms:.0f}\t{key[1:]}\n")
 
 
-def _raise_recompile_limits() -> None:
+def raise_recompile_limits() -> None:
+    """torch.compile's recompile limits raised to RECOMPILE_LIMITS (a graph per shape)."""
     config = torch._dynamo.config
     for name, limit in RECOMPILE_LIMITS.items():
         # torch < 2.6 calls them cache_size_limit and accumulated_cache_size_limit
@@ -148,7 +155,7 @@ class CompiledCache(PreallocatedCache):
             statics += [self.deficit_dev, self.rows]
         for t in statics:
             torch._dynamo.mark_static_address(t)
-        _raise_recompile_limits()
+        raise_recompile_limits()
         # the unbound step (self is an argument): a bound method would tie the cache to itself
         # in a cycle, alive until the garbage collector runs, and keep its buffers leased
         self._compiled = torch.compile(type(self)._step, fullgraph=True, dynamic=False)

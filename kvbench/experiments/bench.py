@@ -22,13 +22,13 @@ from kvbench.measure import bandwidth, costs
 from kvbench.measure.device import free_bytes
 from kvbench.measure.timing import Stats, time_interleaved
 from kvbench.planning.plan import verification_config
-from kvbench.report.render import _ms, _spread, _table, describe, out, warn
+from kvbench.report.render import describe, ms_text, new_table, out, spread_text, warn
 from kvbench.report.results import (
     BENCH_COLUMNS,
-    _stats_cells,
     config_cells,
     kv_cells,
     serving_cells,
+    stats_cells,
 )
 from kvbench.serving import ops as serving
 from kvbench.sizing.config import RunConfig
@@ -239,7 +239,7 @@ def bench(config: RunConfig, impls: tuple[str, ...], options: BenchOptions,
 
 def bench_table(result) -> Table:
     g = result.config.shape.decode_len
-    t = _table(f"bench  {describe(result.config)}")
+    t = new_table(f"bench  {describe(result.config)}")
     cols = ["impl", "prefill", "recompute", "cached", "IQR", "speedup", "ms/step", "MB/step",
             "GB/s", "%copy"]
     for col in cols:
@@ -247,10 +247,10 @@ def bench_table(result) -> Table:
     rec = result.recompute
     for timing in result.timings:
         speedup = result.speedup(timing)
-        t.add_row(timing.impl, _ms(timing.prefill.median_ms) if timing.prefill else "skipped",
-                  _ms(rec.median_ms) if rec else "skipped",
-                  _ms(timing.decode.median_ms), _spread(timing.decode),
-                  f"{speedup:.2f}×" if speedup else "—", _ms(result.ms_per_step(timing)),
+        t.add_row(timing.impl, ms_text(timing.prefill.median_ms) if timing.prefill else "skipped",
+                  ms_text(rec.median_ms) if rec else "skipped",
+                  ms_text(timing.decode.median_ms), spread_text(timing.decode),
+                  f"{speedup:.2f}×" if speedup else "—", ms_text(result.ms_per_step(timing)),
                   f"{timing.min_bytes_per_step / 1e6:.3g}",
                   f"{result.achieved_gbps(timing):.1f}",
                   f"{100 * result.bandwidth_fraction(timing):.0f}%"
@@ -273,7 +273,7 @@ def _tp_caption(result) -> str:
     ar = result.allreduce.median_ms
     shares = ", ".join(f"{t.impl} {ar / result.ms_per_step(t):.0%}" for t in result.timings)
     return (f"; tp={result.config.tp}: each sample is its slowest rank's time; the step's "
-            f"all-reduce of [B, 1, H] alone takes {_ms(ar)} ms, of a cached step: {shares}"
+            f"all-reduce of [B, 1, H] alone takes {ms_text(ar)} ms, of a cached step: {shares}"
             + (" (the two are timed apart: above 100%, the all-reduce alone took longer than "
                "a whole step did, as a lone collective waits on every rank's arrival)"
                if any(ar > result.ms_per_step(t) for t in result.timings) else ""))
@@ -294,7 +294,7 @@ def graph_lines(result) -> list[str]:
         speedup = result.graph_speedup(t)
         if speedup is None:
             continue
-        lines.append(f"{t.impl} captured in a CUDA graph: {_ms(result.graph_ms_per_step(t))} "
+        lines.append(f"{t.impl} captured in a CUDA graph: {ms_text(result.graph_ms_per_step(t))} "
                      f"ms/step, {speedup:.2f}× its eager step ({100 * (1 - 1 / speedup):.0f}% "
                      f"of that was launch and host overhead), "
                      f"{100 * result.graph_bandwidth_fraction(t):.0f}% of copy")
@@ -335,9 +335,9 @@ def bench_rows(result, env: dict[str, object]) -> list[dict[str, object]]:
             **config_cells("bench", t.impl, result.config), **serving_cells(result.config),
             "warmup": result.options.warmup, "rounds": result.options.rounds,
             "verified": result.verified,
-            **_stats_cells("prefill_ms", t.prefill),
-            **_stats_cells("decode_recompute_ms", rec),
-            **_stats_cells("decode_cached_ms", t.decode),
+            **stats_cells("prefill_ms", t.prefill),
+            **stats_cells("decode_recompute_ms", rec),
+            **stats_cells("decode_cached_ms", t.decode),
             "speedup": result.speedup(t),
             "recompute_ms_per_step": rec.median_ms / g if rec else None,
             "cached_ms_per_step": result.ms_per_step(t),
@@ -356,7 +356,7 @@ def bench_rows(result, env: dict[str, object]) -> list[dict[str, object]]:
             "verify_mean_abs_err": t.check.mean_abs_err if t.check else None,
             "verify_cosine": t.check.cosine if t.check else None,
             "lossy": (t.check.lossy or None) if t.check else None,
-            **_stats_cells("decode_graph_ms", t.graph),
+            **stats_cells("decode_graph_ms", t.graph),
             "graph_ms_per_step": result.graph_ms_per_step(t),
             "graph_speedup": result.graph_speedup(t),
             "graph_bandwidth_fraction": result.graph_bandwidth_fraction(t), **env,

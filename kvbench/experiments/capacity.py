@@ -12,7 +12,7 @@ from rich.table import Table
 
 from kvbench.errors import KvbenchError
 from kvbench.formats.kvformat import GROUPED as GROUPED_FORMATS
-from kvbench.report.render import _table, human_bytes, out
+from kvbench.report.render import human_bytes, new_table, out
 from kvbench.report.results import timestamp
 
 
@@ -238,7 +238,7 @@ def capacity_table(p) -> Table:
         quant += ", K per channel"
     if fmt.residual_slots:
         quant += f", a residual of {fmt.residual_slots} positions in fp16"
-    t = _table(f"capacity  {m.name}: L={m.layers} {m.attention_summary}, window "
+    t = new_table(f"capacity  {m.name}: L={m.layers} {m.attention_summary}, window "
                f"{m.window_summary}; {fmt.kv_dtype}{quant}, tp={fmt.tp}"
                + (f", blocks of {fmt.block_size}" if fmt.block_size else "")
                + (f", K/V shared by groups of {m.share_layers} layers "
@@ -302,7 +302,7 @@ def show_capacity(p) -> None:
 
 
 def models_table(models) -> Table:
-    t = _table("model presets (configs/models/)")
+    t = new_table("model presets (configs/models/)")
     for col in ("name", "layers", "attention", "sliding window", "params"):
         t.add_column(col, no_wrap=True)
     for m in models.values():
@@ -313,7 +313,7 @@ def models_table(models) -> Table:
 
 
 def allocation_table(results) -> Table:
-    t = _table("capacity --allocate  one fp16 tensor [L, 2, B, H_kv, T, D] per case")
+    t = new_table("capacity --allocate  one fp16 tensor [L, 2, B, H_kv, T, D] per case")
     for col in ("case", "shape", "formula", "numel × size", "Δallocated model",
                 "Δallocated", "Δreserved model", "Δreserved", "result"):
         t.add_column(col, justify="left" if col in ("case", "shape", "result") else "right")

@@ -8,7 +8,7 @@ import sys
 import typer
 
 from kvbench.errors import KvbenchError
-from kvbench.report.render import _table, human_bytes, out
+from kvbench.report.render import human_bytes, new_table, out
 from kvbench.report.results import timestamp
 from kvbench.sizing import capacity as cap
 from kvbench.sizing import engine as eng
@@ -138,7 +138,7 @@ def _gib(n: int | None) -> str:
 
 def ledger_table(spec, o: eng.EngineOptions, led: eng.Ledger):
     util = "mem_fraction_static" if o.engine == "sglang" else "gpu_memory_utilization"
-    t = _table(f"capacity --engine {o.engine}  {spec.name} on one GPU of "
+    t = new_table(f"capacity --engine {o.engine}  {spec.name} on one GPU of "
                f"{_gib(o.gpu_bytes)} (TP {o.tp}, PP {o.pp})")
     t.add_column("line")
     t.add_column("value", justify="right")

@@ -37,7 +37,7 @@ from kvbench.layers.attention import (
 from kvbench.measure import footprint
 from kvbench.measure.device import free_bytes, synchronize
 from kvbench.measure.footprint import ImplFootprint
-from kvbench.report.render import _table, describe, human_bytes, mib, out
+from kvbench.report.render import describe, human_bytes, mib, new_table, out
 from kvbench.report.results import config_cells, kv_cells
 from kvbench.sizing.config import RunConfig
 
@@ -273,7 +273,7 @@ def _position_bytes(impl: CachedAttention, stat: str, config: RunConfig,
 
 
 def memory_table(result) -> Table:
-    t = _table(f"memory  {describe(result.config)}")
+    t = new_table(f"memory  {describe(result.config)}")
     for col in ("impl", "phase", "allocated MiB", "reserved MiB", "estimate MiB"):
         # the phase's words wrap to make room; names and numbers do not
         t.add_column(col, justify="left" if col in ("impl", "phase") else "right",
@@ -303,7 +303,7 @@ def reservation_table(result) -> Table:
     payload = result.theoretical_kv_bytes
     s = result.config.shape
     distinct = sum(s.row_lens) - (s.batch - 1) * s.shared_prefix
-    t = _table(f"KV memory held against used  (payload {human_bytes(payload)}: "
+    t = new_table(f"KV memory held against used  (payload {human_bytes(payload)}: "
                f"Σ (T_i + G) = {distinct:,} positions"
                + (", the shared prefix once)" if s.shared_prefix else ")"))
     for col in ("impl", "cache bytes", "planner bytes", "holds tokens", "waste",

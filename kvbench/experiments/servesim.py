@@ -28,7 +28,7 @@ from pathlib import Path
 from rich.table import Table
 
 from kvbench.errors import KvbenchError
-from kvbench.report.render import _table, out
+from kvbench.report.render import new_table, out
 from kvbench.serving.scheduler import (
     PREEMPT,
     Request,
@@ -732,7 +732,7 @@ def run(o: SimOptions) -> list[Served]:
                             render.note(_estimate(o, s))
                         finished(s, env)
     except KeyboardInterrupt as stopped:
-        from kvbench.planning.runner import terminated
+        from kvbench.planning.signals import terminated
 
         what = "terminated" if terminated(stopped) else "interrupted"
         kept = (f"; {len(served)} {'row' if len(served) == 1 else 'rows'} kept in {csv}"
@@ -879,11 +879,11 @@ def trace_preflight(o: SimOptions, device: str) -> None:
 
 def _estimate(o: SimOptions, first: Served) -> str:
     """After the first reserve: the others' time at its pace per step."""
-    from kvbench.planning.runner import _duration
+    from kvbench.planning.runner import duration_text
 
     per_step = first.duration_s / max(first.steps, 1)
     left = sum(expected_steps(o, r) for r in o.reserve[1:]) * per_step
-    return (f"{first.reserve} took {_duration(first.duration_s)}; about {_duration(left)} for "
+    return (f"{first.reserve} took {duration_text(first.duration_s)}; about {duration_text(left)} for "
             f"{', '.join(o.reserve[1:])} at its pace per step")
 
 
@@ -932,7 +932,7 @@ def serve_table(o, device: str, served) -> Table:
             else f"{o.rate:g}/s")
     seeds = (f"; mean ±95% interval over {o.seeds} seeds ({o.seed}..{o.seed + o.seeds - 1})"
              if o.seeds > 1 else "")
-    t = _table(f"serve-sim  {o.requests} requests arriving {rate}; prompts {o.len_dist}, "
+    t = new_table(f"serve-sim  {o.requests} requests arriving {rate}; prompts {o.len_dist}, "
                f"outputs {o.output_dist}{seeds}\n{o.label}: {o.kv_blocks} blocks of "
                f"{o.block_size}  H={o.hidden} H_q={o.q_heads} H_kv={o.kv_heads} D={o.head_dim}  {o.dtype}  "
                f"{device}")

@@ -29,7 +29,7 @@ from rich.table import Table
 
 from kvbench.errors import KvbenchError
 from kvbench.kernels.config import KernelConfig
-from kvbench.report.render import _table, note, out, warn
+from kvbench.report.render import new_table, note, out, warn
 
 SEARCH = {  # the candidates of each dimension, searched in this order
     "block_n": (32, 64, 128),
@@ -378,7 +378,7 @@ def command(device: str, dtype: str, kv_dtypes: str, block_sizes: str, rehearse:
 def tune_table(result, kv, page) -> Table:
     """One K/V format and page size: every configuration tried, at each case."""
     fmt = kv or result.dtype
-    t = _table(f"tune  {result.device}  {result.dtype}, K/V {fmt}, pages of {page}")
+    t = new_table(f"tune  {result.device}  {result.dtype}, K/V {fmt}, pages of {page}")
     for name in ("config", "case", "ms", "GB/s", "%copy", "splits", "regs", "spill", "smem",
                  "check"):
         t.add_column(name, justify="left" if name in ("config", "case", "check") else "right",
@@ -476,7 +476,7 @@ def inspect_table(rows) -> Table:
     from kvbench.kernels import inspection
 
     s = inspection.LONG
-    t = _table(f"tune --inspect  sm_90 (H100/H200), B={s['batch']} T={s['length']:,} "
+    t = new_table(f"tune --inspect  sm_90 (H100/H200), B={s['batch']} T={s['length']:,} "
                f"H_q={s['q_heads']} H_kv={s['kv_heads']} D={s['head_dim']}, pages of "
                f"{s['page']}")
     for name in ("kernel", "K/V", "config", "regs", "spill", "smem", "prog/SM", "in flight",

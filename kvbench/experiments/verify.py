@@ -41,7 +41,7 @@ from kvbench.layers.attention import (
 )
 from kvbench.measure.device import free_bytes
 from kvbench.measure.distributed import all_reduce
-from kvbench.report.render import _sci, _table, describe, err, out
+from kvbench.report.render import describe, err, new_table, out, sci
 from kvbench.report.results import VERIFY_COLUMNS, config_cells, kv_cells, serving_cells
 from kvbench.serving import ops as serving
 from kvbench.sizing.config import RunConfig
@@ -330,7 +330,7 @@ def _check(name, cls, layer, options, x, prompt, real, config, ref_prefill, ref_
 def verify_table(report) -> Table:
     if report.kv_format.quantized:
         return _quantized_verify_table(report)
-    t = _table(f"verify  {describe(report.config)}")
+    t = new_table(f"verify  {describe(report.config)}")
     # the failure column only where something failed or is lossy: at 80 columns it is the
     # room the others need
     notes = any(c.message or c.lossy for c in report.checks)
@@ -340,13 +340,13 @@ def verify_table(report) -> Table:
                      no_wrap=col != "failure")
     for c in report.checks:
         note = c.message or (f"lossy: cos(A,B) {c.cosine:.5f}" if c.lossy else "—")
-        t.add_row(c.impl, _result(c), _sci(c.max_abs_err), _sci(c.mean_abs_err),
-                  _sci(c.prefill_max_abs_err), _sci(c.fp64_max_abs_err), _cache(c),
+        t.add_row(c.impl, _result(c), sci(c.max_abs_err), sci(c.mean_abs_err),
+                  sci(c.prefill_max_abs_err), sci(c.fp64_max_abs_err), _cache(c),
                   *([note] if notes else []))
     lossy = any(c.lossy for c in report.checks)
     t.caption = (f"A = recompute, B = cached; prefill = max |A−B| of the prompt outputs; "
                  f"tolerance rtol={report.rtol:g} atol={report.atol:g}; "
-                 f"max |A−f64| = {_sci(report.recompute_fp64_max_abs_err)}"
+                 f"max |A−f64| = {sci(report.recompute_fp64_max_abs_err)}"
                  + ("; lossy (an eviction): PASS means exact against float64 attention over "
                     "the positions it kept (max|B−f64|), the ones its policy chooses; its "
                     "|A−B| is what eviction costs"
@@ -356,7 +356,7 @@ def verify_table(report) -> Table:
 
 def _quantized_verify_table(report) -> Table:
     """The exact check (pass/fail) and the quantization error, side by side but apart."""
-    t = _table(f"verify  {describe(report.config)}")
+    t = new_table(f"verify  {describe(report.config)}")
     cols = ("impl", "result", "max|R−B|", "quant max|A−B|", "mean|A−B|", "cos(A,B)", "cache",
             "failure")
     for col in cols:
@@ -364,8 +364,8 @@ def _quantized_verify_table(report) -> Table:
                      no_wrap=col != "failure")
     for c in report.checks:
         cos = "—" if c.cosine is None or not math.isfinite(c.cosine) else f"{c.cosine:.5f}"
-        t.add_row(c.impl, _result(c), _sci(c.fp64_max_abs_err), _sci(c.max_abs_err),
-                  _sci(c.mean_abs_err), cos, _cache(c), c.message or "—")
+        t.add_row(c.impl, _result(c), sci(c.fp64_max_abs_err), sci(c.max_abs_err),
+                  sci(c.mean_abs_err), cos, _cache(c), c.message or "—")
     t.caption = (f"result: B against R, float64 attention over the dequantized stored cache "
                  f"(rtol={report.rtol:g} atol={report.atol:g}); quantization error, reported "
                  f"only: B against A = recompute in {report.config.dtype}; cos = the lowest "

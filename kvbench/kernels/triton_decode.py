@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 import torch
 import triton
@@ -446,14 +447,12 @@ def split_partials(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
     launch is the op kvbench::gqa_stage1, a node of the traced graph).
     """
     if torch.compiler.is_compiling():
-        from kvbench.kernels import ops
-
         t = store.tensors if store is not None else {}
         bits = store.fmt.bits if store is not None and store.fmt.grouped else 0
         group = store.fmt.group_size if store is not None else 1
-        ops.gqa_stage1(q, k_pool, v_pool, table, lengths, *launch.partials, t.get("k_scale"),
-                       t.get("k_zero"), t.get("v_scale"), t.get("v_zero"), scale,
-                       *ops.launch_numbers(launch), bits, group, longest)
+        gqa_stage1(q, k_pool, v_pool, table, lengths, *launch.partials, t.get("k_scale"),
+                   t.get("k_zero"), t.get("v_scale"), t.get("v_zero"), scale,
+                   *launch_numbers(launch), bits, group, longest)
         return None
     return launch_stage1(q, k_pool, v_pool, table, lengths, scale, launch, store, longest)
 
@@ -514,9 +513,7 @@ def merge(launch: Launch, lengths: torch.Tensor, out: torch.Tensor, units: int) 
     the programs stage 1 ran per (sequence, split) (KV heads, or MLA's head blocks). Under
     torch.compile, the op kvbench::split_merge."""
     if torch.compiler.is_compiling():
-        from kvbench.kernels import ops
-
-        ops.split_merge(*launch.partials, lengths, out, units)
+        split_merge(*launch.partials, lengths, out, units)
         return out
     return launch_merge(launch, lengths, out, units)
 
@@ -540,3 +537,61 @@ def stage2_args(launch: Launch, lengths: torch.Tensor, out: torch.Tensor, units:
     constants = {"D": D, "SPLITS": launch.splits,
                  "BLOCK_S": triton.next_power_of_2(max(launch.splits, 2)), "BLOCK_D": pad(D)}
     return (B, Hq), args, constants
+
+# ----------------------------------------------------------------- the launches as custom ops
+#
+# torch.compile cannot trace into a Triton launch with Python objects around it (the Launch,
+# the quantized store): each launch would break the graph twice. Registered as ops
+# (`torch.library.custom_op`) with their tensors and numbers as arguments and the partials or
+# the output as the tensors they mutate, the launches are nodes of the graph, opaque to it, and
+# a CUDA graph captures them like any kernel. Inside, each op launches as the eager path does.
+# split_partials and merge call them while compiling (triton_mla's stage 1 has its own op).
+
+
+def _launch(acc, m, l, target: int, fixed: int, block_n: int, num_warps: int,
+            num_stages: int, waves: int):
+    return Launch(acc.shape[2], target, fixed,
+                  KernelConfig(block_n, num_warps, num_stages, waves), (acc, m, l))
+
+
+@torch.library.custom_op("kvbench::gqa_stage1", mutates_args=("acc", "m", "l"))
+def gqa_stage1(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
+               table: torch.Tensor, lengths: torch.Tensor, acc: torch.Tensor, m: torch.Tensor,
+               l: torch.Tensor, k_scale: torch.Tensor | None, k_zero: torch.Tensor | None,
+               v_scale: torch.Tensor | None, v_zero: torch.Tensor | None, scale: float,
+               target: int, fixed: int, block_n: int, num_warps: int, num_stages: int,
+               waves: int, bits: int, group_size: int, longest: int) -> None:
+    """triton_decode's stage 1 into acc, m, l. bits 0 with k_scale: fp8; bits > 0: the int
+    formats (k_zero, v_zero their zero points)."""
+    store = None
+    if k_scale is not None:
+        tensors = {"k_scale": k_scale, "v_scale": v_scale, "k_zero": k_zero, "v_zero": v_zero}
+        store = SimpleNamespace(tensors=tensors, fmt=SimpleNamespace(
+            bits=bits, grouped=bits > 0, group_size=group_size))
+    launch = _launch(acc, m, l, target, fixed, block_n, num_warps, num_stages, waves)
+    launch_stage1(q, k_pool, v_pool, table, lengths, scale, launch, store, longest)
+
+
+@gqa_stage1.register_fake
+def _(q, k_pool, v_pool, table, lengths, acc, m, l, k_scale, k_zero, v_scale, v_zero, scale,
+      target, fixed, block_n, num_warps, num_stages, waves, bits, group_size, longest):
+    return None
+
+
+@torch.library.custom_op("kvbench::split_merge", mutates_args=("out",))
+def split_merge(acc: torch.Tensor, m: torch.Tensor, l: torch.Tensor, lengths: torch.Tensor,
+                out: torch.Tensor, units: int) -> None:
+    """triton_decode's stage 2: the splits in acc, m, l merged into out."""
+    launch = _launch(acc, m, l, 0, 0, 16, 4, 2, 1)  # (stage 2 reads only the partials)
+    launch_merge(launch, lengths, out, units)
+
+
+@split_merge.register_fake
+def _(acc, m, l, lengths, out, units):
+    return None
+
+
+def launch_numbers(launch) -> tuple[int, ...]:
+    """A Launch's numbers as the ops take them: target, fixed and the configuration."""
+    c = launch.config
+    return launch.target, launch.fixed, c.block_n, c.num_warps, c.num_stages, c.waves

@@ -33,7 +33,7 @@ import triton
 import triton.language as tl
 
 from kvbench.kernels import graphs
-from kvbench.kernels.triton_decode import _plan, _tile, pad, static_tiles
+from kvbench.kernels.triton_decode import _launch, _plan, _tile, launch_numbers, pad, static_tiles
 
 BLOCK_H = 16  # query heads per program
 
@@ -148,10 +148,8 @@ def split_partials(q: torch.Tensor, pool: torch.Tensor, table: torch.Tensor,
     Returns Triton's compiled kernel (None in the interpreter).
     """
     if torch.compiler.is_compiling():  # the op kvbench::mla_stage1, a node of the graph
-        from kvbench.kernels import ops
-
-        ops.mla_stage1(q, pool, table, lengths, *launch.partials, fp8_scale, scale,
-                       *ops.launch_numbers(launch), latent_dim, longest)
+        mla_stage1(q, pool, table, lengths, *launch.partials, fp8_scale, scale,
+                   *launch_numbers(launch), latent_dim, longest)
         return None
     return launch_stage1(q, pool, table, lengths, scale, launch, latent_dim, fp8_scale,
                          longest)
@@ -188,3 +186,23 @@ def stage1_args(q, pool, table, lengths, scale, launch, latent_dim: int, fp8_sca
         "WIDEN": widen, "FP8": fp8_scale is not None, "STATIC_TILES": static_tiles(longest, launch), "AHEAD": True,
         "num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
     return (B, units(H), launch.splits), args, constants
+
+
+# stage 1 as a custom op (see triton_decode's): a node of a torch.compile graph
+
+
+@torch.library.custom_op("kvbench::mla_stage1", mutates_args=("acc", "m", "l"))
+def mla_stage1(q: torch.Tensor, pool: torch.Tensor, table: torch.Tensor,
+               lengths: torch.Tensor, acc: torch.Tensor, m: torch.Tensor, l: torch.Tensor,
+               fp8_scale: torch.Tensor | None, scale: float, target: int, fixed: int,
+               block_n: int, num_warps: int, num_stages: int, waves: int, latent_dim: int,
+               longest: int) -> None:
+    """triton_mla's stage 1 into acc, m, l."""
+    launch = _launch(acc, m, l, target, fixed, block_n, num_warps, num_stages, waves)
+    launch_stage1(q, pool, table, lengths, scale, launch, latent_dim, fp8_scale, longest)
+
+
+@mla_stage1.register_fake
+def _(q, pool, table, lengths, acc, m, l, fp8_scale, scale, target, fixed, block_n, num_warps,
+      num_stages, waves, latent_dim, longest):
+    return None

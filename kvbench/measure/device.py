@@ -53,7 +53,7 @@ def synchronize(device: str) -> None:
 def device_name(device: str) -> str:
     if device.startswith("cuda"):
         return torch.cuda.get_device_name(device)
-    from kvbench.measure.env import cpu_model
+    from kvbench.measure.hostmem import cpu_model
 
     return cpu_model() or "cpu"
 

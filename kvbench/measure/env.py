@@ -23,6 +23,7 @@ from importlib import metadata
 from pathlib import Path
 
 from kvbench import __version__
+from kvbench.measure.hostmem import cpu_model
 
 ENV_COLUMNS = ["kvbench_version", "python_version", "torch_version", "device_name",
                "cuda_version", "torch_threads"]
@@ -65,17 +66,6 @@ def commit() -> str:
 
 
 @cache
-def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 def _version(package: str) -> str:
     try:
         return metadata.version(package)

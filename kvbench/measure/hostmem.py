@@ -1,8 +1,10 @@
-"""How much host memory a point may use: MemAvailable, or what --host-mem says. No torch."""
+"""The host: how much memory a point may use (MemAvailable, or what --host-mem says) and its
+CPU's model. No torch."""
 
 from __future__ import annotations
 
 import os
+import platform
 
 HOST_MEM_VAR = "KVBENCH_HOST_MEM"
 
@@ -49,3 +51,14 @@ def meminfo(field: str) -> int | None:
     except OSError:
         pass
     return None
+
+
+def cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()

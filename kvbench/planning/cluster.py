@@ -122,7 +122,7 @@ class Cluster:
             raise KvbenchError(f"--ray {self.address}: cannot join the cluster ({first})") \
                 from None
         self.started = True
-        from kvbench.planning.runner import terminate_on_sigterm
+        from kvbench.planning.signals import terminate_on_sigterm
 
         terminate_on_sigterm()  # Ray's own handler ends the process without a word
         return self

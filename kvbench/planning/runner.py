@@ -5,9 +5,7 @@ SIGTERM handled. The commands hand it their points and a function that runs one.
 
 from __future__ import annotations
 
-import signal
 import sys
-import threading
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -15,6 +13,7 @@ from typing import TYPE_CHECKING
 import typer
 
 from kvbench.errors import KvbenchError
+from kvbench.planning.signals import terminated
 
 if TYPE_CHECKING:
     from kvbench.options import RunOptions
@@ -95,7 +94,7 @@ def sweep(o: RunOptions, command: str, points, run_point, impl_options, notes,
             render.note(line)
         from kvbench.caches import compiled
 
-        compiled.compile_status = render.status
+        compiled.show_compiling(render.status)
     env = environment(points[0][0].device)
     results, rows, failed = [], [], []
     stopped = None  # the signal that ended the run early
@@ -228,46 +227,19 @@ def _estimate(first_s: float, work: list[float], compile_s: float = 0.0) -> str:
     timed = max(first_s - compile_s, 1e-3)
     left = timed * sum(work[1:]) / work[0]
     n = len(work) - 1
-    compiling = (f", {_duration(compile_s)} of it compiling, left out"
+    compiling = (f", {duration_text(compile_s)} of it compiling, left out"
                  if compile_s >= 0.5 else "")
-    return (f"about {_duration(left)} for the {n} {_plural(n, 'point')} left (the first took "
-            f"{_duration(first_s)}{compiling}; the others scaled by their arithmetic and "
+    return (f"about {duration_text(left)} for the {n} {_plural(n, 'point')} left (the first took "
+            f"{duration_text(first_s)}{compiling}; the others scaled by their arithmetic and "
             "steps)")
 
 
-def _duration(seconds: float) -> str:
+def duration_text(seconds: float) -> str:
     if seconds < 90:
         return f"{seconds:.0f} s"
     if seconds < 5400:
         return f"{seconds / 60:.0f} min"
     return f"{seconds / 3600:.1f} h"
-
-
-_signals: list[int] = []  # SIGTERMs received
-
-
-def terminated(stopped: BaseException) -> bool:
-    """Whether a KeyboardInterrupt was SIGTERM (Ray's wait re-raises it as a plain one)."""
-    return isinstance(stopped, Terminated) or signal.SIGTERM in _signals
-
-
-class Terminated(KeyboardInterrupt):
-    """SIGTERM, handled as Ctrl-C is: the rows of finished points kept, exit 143."""
-
-
-def terminate_on_sigterm() -> None:
-    """From now on SIGTERM raises Terminated in the main thread (elsewhere nothing changes).
-    Not under torchrun, which stops the ranks with it once one has exited."""
-    from kvbench.measure import distributed
-
-    if threading.current_thread() is not threading.main_thread() or distributed.multiprocess():
-        return
-
-    def terminate(signum, frame):
-        _signals.append(signum)  # said again where a library turned it into a KeyboardInterrupt
-        raise Terminated()
-
-    signal.signal(signal.SIGTERM, terminate)
 
 
 def _plural(n: int, word: str) -> str:

@@ -43,7 +43,7 @@ class _Table(Table):
         return super().__rich_console__(console, options)
 
 
-def _table(title: str) -> Table:
+def new_table(title: str) -> Table:
     # No padding: the box's blank divider is the space between columns, so the widest table
     # (bench, with a noisy IQR marked) fits 80 columns with no header broken inside a word.
     return _Table(title=title, title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False,
@@ -85,7 +85,7 @@ def human_bytes(nbytes: float) -> str:
     return f"{nbytes:,.0f} B"
 
 
-def _sci(x: float) -> str:
+def sci(x: float) -> str:
     return f"{x:.2e}" if math.isfinite(x) else "—"
 
 
@@ -125,12 +125,12 @@ def kv_label(fmt) -> str:
             + (f" residual {fmt.residual}" if fmt.residual else ""))
 
 
-def _ms(x: float) -> str:
+def ms_text(x: float) -> str:
     """A time in ms to four significant digits (two decimals at least below 100)."""
     return f"{x:.1f}" if x >= 100 else f"{x:.2f}" if x >= 10 else f"{x:.3f}" if x >= 1 else f"{x:.4f}"
 
 
-def _spread(stats) -> str:
+def spread_text(stats) -> str:
     pct = 100 * stats.iqr_ms / stats.median_ms if stats.median_ms else 0.0
     flag = " [yellow]![/]" if stats.noisy else ""
     return f"{pct:.0f}%{flag}"
@@ -265,7 +265,7 @@ def show_comparison(c) -> None:
         warn(f"environments differ: {line}")
     if c.only_base or c.only_new:
         note(f"{c.only_base} configurations only in the baseline, {c.only_new} only in the new file")
-    t = _table(f"compare  {c.kind}: new / baseline per configuration")
+    t = new_table(f"compare  {c.kind}: new / baseline per configuration")
     for col in ("impl", "config", "metric", "baseline", "new", "ratio", "verdict"):
         # the configuration and a verdict's words wrap to make room; a name is never split
         t.add_column(col, justify="right" if col in ("baseline", "new", "ratio") else "left",
@@ -341,7 +341,7 @@ def device_error(config, err) -> str:
 
 def plan_table(command: str, plan) -> Table:
     verdict = "[green]fits[/]" if plan.fits else "[red bold]too big[/]"
-    t = _table(f"{command} --dry-run  {_planned_point(plan)}: {verdict}")
+    t = new_table(f"{command} --dry-run  {_planned_point(plan)}: {verdict}")
     for col in ("phase", "memory", "estimated peak", "may use", ""):
         t.add_column(col, justify="right" if col in ("estimated peak", "may use") else "left",
                      no_wrap=col != "")

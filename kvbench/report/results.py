@@ -307,7 +307,7 @@ def config_cells(command: str, impl: str, config) -> dict[str, object]:
             **s.kind.cells()}
 
 
-def _stats_cells(name: str, stats) -> dict[str, object]:
+def stats_cells(name: str, stats) -> dict[str, object]:
     if stats is None:
         return {}
     return {name: stats.median_ms, f"{name}_min": stats.min_ms, f"{name}_max": stats.max_ms,

@@ -6,8 +6,8 @@ from rich.table import Table
 
 from kvbench.experiments.model import run
 from kvbench.experiments.verify import _result
-from kvbench.report.render import _ms, _sci, _spread, _table, human_bytes, kv_label, mib
-from kvbench.report.results import TECHNIQUE_COLUMNS, _stats_cells, config_cells, kv_cells
+from kvbench.report.render import human_bytes, kv_label, mib, ms_text, new_table, sci, spread_text
+from kvbench.report.results import TECHNIQUE_COLUMNS, config_cells, kv_cells, stats_cells
 
 
 def _title(command: str, result) -> str:
@@ -23,7 +23,7 @@ def _title(command: str, result) -> str:
 
 
 def verify_table(report) -> Table:
-    t = _table(_title("verify", report))
+    t = new_table(_title("verify", report))
     trained = report.ref.trained
     cols = ["impl", "result", "max|Δlogit|"] + (["ppl", "KL mean", "KL max", "top-1"]
                                                   if trained else []) + ["failure"]
@@ -33,14 +33,14 @@ def verify_table(report) -> Table:
     for c in report.checks:
         q = c.quality
         result = "[yellow]lossy[/]" if c.lossy and c.passed else _result(c)
-        quality = [f"{q.ppl:.3f}", _sci(q.kl_mean), _sci(q.kl_max), f"{q.top1:.1%}"]
-        t.add_row(c.impl, result, _sci(c.max_abs_err), *(quality if trained else []),
+        quality = [f"{q.ppl:.3f}", sci(q.kl_mean), sci(q.kl_max), f"{q.top1:.1%}"]
+        t.add_row(c.impl, result, sci(c.max_abs_err), *(quality if trained else []),
                   c.message or "—")
     ref = report.reference
     if report.masked is not None:
         q = report.masked
-        t.add_row("[dim]masked A[/]", "[dim]reference[/]", "—", f"{q.ppl:.3f}", _sci(q.kl_mean),
-                  _sci(q.kl_max), f"{q.top1:.1%}", "—")
+        t.add_row("[dim]masked A[/]", "[dim]reference[/]", "—", f"{q.ppl:.3f}", sci(q.kl_mean),
+                  sci(q.kl_max), f"{q.top1:.1%}", "—")
     t.caption = (("masked A = transformers' forward under the window's mask (sinks + the last "
                   "W positions): a windowed cache must give its logits, within the tolerance; "
                   if report.masked is not None else "")
@@ -61,21 +61,21 @@ def verify_table(report) -> Table:
 
 
 def bench_table(result) -> Table:
-    t = _table(_title("bench", result))
+    t = new_table(_title("bench", result))
     for col in ("impl", "TTFT ms", "ms/token", "IQR", "tok/s", "MB/token", "KV share",
                 "%copy"):
         t.add_column(col, justify="left" if col == "impl" else "right", no_wrap=True)
     for timing in result.timings:
         pct = result.bandwidth_fraction(timing)
-        t.add_row(timing.impl, _ms(timing.prefill.median_ms) if timing.prefill else "skipped",
-                  _ms(result.ms_per_token(timing)), _spread(timing.decode),
+        t.add_row(timing.impl, ms_text(timing.prefill.median_ms) if timing.prefill else "skipped",
+                  ms_text(result.ms_per_token(timing)), spread_text(timing.decode),
                   f"{result.tokens_per_s(timing):,.1f}",
                   f"{result.bytes_per_step(timing) / 1e6:,.2f}",
                   f"{result.kv_share(timing):.1%}",
                   f"{100 * pct:.0f}%" + (" [yellow]?[/]" if pct > 1 else ""))
         if timing.graph is not None:
             ms, pct = result.graph_ms_per_token(timing), result.graph_bandwidth_fraction(timing)
-            t.add_row(f"{timing.impl} graph", "—", _ms(ms), _spread(timing.graph),
+            t.add_row(f"{timing.impl} graph", "—", ms_text(ms), spread_text(timing.graph),
                       f"{result.config.shape.batch * 1e3 / ms:,.1f}",
                       f"{result.bytes_per_step(timing) / 1e6:,.2f}",
                       f"{result.kv_share(timing):.1%}",
@@ -98,7 +98,7 @@ def bench_table(result) -> Table:
 
 
 def memory_table(result) -> Table:
-    t = _table(_title("memory", result))
+    t = new_table(_title("memory", result))
     for col in ("impl", "K/V MiB", "planner MiB", "prefill peak", "decode peak"):
         t.add_column(col, justify="left" if col == "impl" else "right", no_wrap=True)
     for m in result.impls:
@@ -143,7 +143,7 @@ def model_bench_rows(result, env: dict[str, object]) -> list[dict[str, object]]:
     return [{
         **_model_cells("bench", t.impl, result), "warmup": result.options.warmup,
         "rounds": result.options.rounds, "verified": t.check is not None or None,
-        **_stats_cells("prefill_ms", t.prefill), **_stats_cells("decode_cached_ms", t.decode),
+        **stats_cells("prefill_ms", t.prefill), **stats_cells("decode_cached_ms", t.decode),
         "cached_ms_per_step": result.ms_per_token(t), "tokens_per_s": result.tokens_per_s(t),
         "noisy": t.decode.noisy, "copy_gbps": result.copy_gbps,
         "min_bytes_per_step": result.bytes_per_step(t),
@@ -154,7 +154,7 @@ def model_bench_rows(result, env: dict[str, object]) -> list[dict[str, object]]:
         "kv_bytes_per_step": t.kv_bytes_per_step, "kv_share": result.kv_share(t),
         "verify_max_abs_err": t.check.max_abs_err if t.check else None,
         "lossy": (t.check.lossy or None) if t.check else None,
-        **_stats_cells("decode_graph_ms", t.graph),
+        **stats_cells("decode_graph_ms", t.graph),
         "graph_ms_per_step": result.graph_ms_per_token(t),
         "graph_speedup": result.graph_speedup(t),
         "graph_bandwidth_fraction": result.graph_bandwidth_fraction(t), **env,

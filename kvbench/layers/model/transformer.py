@@ -290,10 +290,10 @@ class CachedModel:
                 c.enter_graph()
             fn = self.graph_step
             if compile:
-                from kvbench.caches.compiled import _raise_recompile_limits
+                from kvbench.caches.compiled import raise_recompile_limits
 
-                _raise_recompile_limits()
-                # one graph (every Triton launch a custom op: kvbench.kernels.ops), traced
+                raise_recompile_limits()
+                # one graph (every Triton launch a custom op: kvbench::gqa_stage1 ...), traced
                 # once for the shape: nothing on the host feeds it
                 fn = torch.compile(fn, fullgraph=True, dynamic=False)
             cuda = torch.device(self.model.device).type == "cuda"

@@ -1,0 +1,35 @@
+"""SIGTERM handled as Ctrl-C is: `terminate_on_sigterm` makes it raise `Terminated` in the
+main thread, and `terminated` tells the two apart once a library has turned either into a
+plain KeyboardInterrupt. The runner, the cluster and serve-sim share it; it imports nothing
+of theirs."""
+
+from __future__ import annotations
+
+import signal
+import threading
+
+_signals: list[int] = []  # SIGTERMs received
+
+
+def terminated(stopped: BaseException) -> bool:
+    """Whether a KeyboardInterrupt was SIGTERM (Ray's wait re-raises it as a plain one)."""
+    return isinstance(stopped, Terminated) or signal.SIGTERM in _signals
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, handled as Ctrl-C is: the rows of finished points kept, exit 143."""
+
+
+def terminate_on_sigterm() -> None:
+    """From now on SIGTERM raises Terminated in the main thread (elsewhere nothing changes).
+    Not under torchrun, which stops the ranks with it once one has exited."""
+    from kvbench.measure import distributed
+
+    if threading.current_thread() is not threading.main_thread() or distributed.multiprocess():
+        return
+
+    def terminate(signum, frame):
+        _signals.append(signum)  # said again where a library turned it into a KeyboardInterrupt
+        raise Terminated()
+
+    signal.signal(signal.SIGTERM, terminate)
