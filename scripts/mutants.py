@@ -6,6 +6,8 @@
     scripts/mutants.sh --only 'kvbench.experiments.model.run.x_kv_bytes*' kvbench/experiments/model/run.py
                                                                 only the mutants whose names
                                                                 match (mutmut's globs)
+    scripts/mutants.sh --all-tests ...                          the slow tests too, for the
+                                                                modules in FAST_ONLY
 
 mutmut changes one thing at a time in the named modules (an operator, a constant, a
 comparison, an argument) and runs the tests that cover them; a mutant no test kills is a
@@ -76,9 +78,11 @@ TESTS = {
 }
 
 
-# modules whose mutants run without the slow tests (torch.compile builds, the trained model):
-# a mutant would otherwise take minutes; what only those tests see is left to them
-FAST_ONLY = ("kvbench/layers/model/", "kvbench/experiments/model/")
+# modules whose mutants run without the slow tests (torch.compile builds, the trained model,
+# whole runs end to end): a surviving mutant would otherwise take minutes. --all-tests runs
+# them too: a second pass over the survivors (--only) tells which only the slow tests kill.
+FAST_ONLY = ("kvbench/layers/model/", "kvbench/experiments/model/",
+             "kvbench/experiments/servesim.py")
 
 
 def tests_for(module: str) -> list[str]:
@@ -99,12 +103,12 @@ def changed(ref: str) -> list[str]:
             and not p.endswith("__init__.py")]
 
 
-def configure(copy: Path, modules: list[str], tests: list[str]) -> None:
+def configure(copy: Path, modules: list[str], tests: list[str], all_tests: bool = False) -> None:
     """mutmut's settings in the copy's pyproject: these modules, these tests, the whole
     package beside them."""
     markers = "not cuda"
-    if any(m.startswith(FAST_ONLY) for m in modules):
-        markers += " and not compiles and not trained"
+    if not all_tests and any(m.startswith(FAST_ONLY) for m in modules):
+        markers += " and not compiles and not trained and not slow"
     text = (copy / "pyproject.toml").read_text()
     section = ("[tool.mutmut]\n"
                f"source_paths = {modules!r}\n".replace("'", '"')
@@ -123,6 +127,9 @@ def configure(copy: Path, modules: list[str], tests: list[str]) -> None:
 
 def main(argv: list[str]) -> int:
     budget, only = DEFAULT_BUDGET_S, []
+    all_tests = "--all-tests" in argv
+    if all_tests:
+        argv.remove("--all-tests")
     if "--budget" in argv:
         i = argv.index("--budget")
         budget = float(argv[i + 1])
@@ -150,7 +157,7 @@ def main(argv: list[str]) -> int:
     for f in files:
         (copy / f).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy2(REPO / f, copy / f)
-    configure(copy, modules, tests)
+    configure(copy, modules, tests, all_tests)
     print(f"mutants: {', '.join(modules)} against {', '.join(tests)} (budget {budget:.0f} s, "
           f"in {copy})", flush=True)
     # one thread a worker: mutmut's timeout is CPU time, which torch's threads would run up

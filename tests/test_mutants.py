@@ -29,13 +29,14 @@ def test_no_module_is_exit_2(capsys):
 
 
 def test_the_model_modules_run_their_mutants_without_the_slow_tests(tmp_path):
-    def section(module):
+    def section(module, all_tests=False):
         (tmp_path / "pyproject.toml").write_text((REPO / "pyproject.toml").read_text())
-        mutants.configure(tmp_path, [module], mutants.tests_for(module))
+        mutants.configure(tmp_path, [module], mutants.tests_for(module), all_tests)
         text = (tmp_path / "pyproject.toml").read_text()
         return text[text.index("[tool.mutmut]"):]
 
     model = section("kvbench/layers/model/transformer.py")
-    assert '"-m", "not cuda and not compiles and not trained"]' in model
+    assert '"-m", "not cuda and not compiles and not trained and not slow"]' in model
     assert '"tests/test_transformer.py"' in model
     assert '"-m", "not cuda"]' in section("kvbench/sizing/capacity.py")
+    assert '"-m", "not cuda"]' in section("kvbench/experiments/servesim.py", all_tests=True)

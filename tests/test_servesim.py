@@ -36,6 +36,7 @@ def layer():
 
 
 @pytest.mark.parametrize("preempt", ["recompute", "swap"])
+@pytest.mark.slow
 def test_serve_sim_serves_every_request_as_path_a_does(tmp_path, preempt):
     out = tmp_path / "s.csv"
     result = runner.invoke(app, ["serve-sim", *SMALL, "--reserve", "paged,prealloc,oracle",
@@ -66,6 +67,7 @@ def test_serve_sim_serves_every_request_as_path_a_does(tmp_path, preempt):
         assert f.with_suffix(".png").stat().st_size > 0
 
 
+@pytest.mark.slow
 def test_chunked_prefill_serves_every_request_and_bounds_the_step(tmp_path):
     out = tmp_path / "s.csv"
     for chunk in ([], ["--prefill-chunk", "16"]):
@@ -81,6 +83,7 @@ def test_chunked_prefill_serves_every_request_and_bounds_the_step(tmp_path):
                                    broken.RecomputeRestartsAtThePrompt,
                                    broken.LastOutputOverwritesThePrevious,
                                    broken.ChunkReadsZerosBeforeIt])
+@pytest.mark.slow
 def test_serve_sim_catches_an_engine_that_gets_the_cache_wrong(monkeypatch, fault):
     import kvbench.serving.engine
 
@@ -93,6 +96,7 @@ def test_serve_sim_catches_an_engine_that_gets_the_cache_wrong(monkeypatch, faul
     assert not served.passed, fault.__name__
 
 
+@pytest.mark.slow
 def test_a_failed_check_exits_1_and_keeps_its_rows(tmp_path, monkeypatch):
     import kvbench.serving.engine
 
@@ -137,6 +141,7 @@ MODEL_TRACE = ["--requests", "10", "--len-dist", "lognormal:20:0.6", "--output-d
                "--device", "cpu"]
 
 
+@pytest.mark.slow
 def test_serve_sim_runs_a_whole_models_steps_and_verifies_every_request(tiny_model, tmp_path):
     out = tmp_path / "m.csv"
     for preempt in ("recompute", "swap"):
@@ -158,6 +163,7 @@ def test_serve_sim_runs_a_whole_models_steps_and_verifies_every_request(tiny_mod
 @pytest.mark.parametrize("fault, preempt", [
     (broken.EveryLayerWritesTheFirstLayersBlocks, "recompute"),
     (broken.SwapCopiesTheFirstLayerOnly, "swap")])
+@pytest.mark.slow
 def test_serve_sim_catches_a_model_engine_that_mixes_up_its_layers(tiny_model, monkeypatch,
                                                                    fault, preempt):
     import kvbench.serving.engine
@@ -203,6 +209,7 @@ def test_layers_without_a_model_is_one_line(refused):
     assert code == 2 and len(lines) == 1 and "give --model too" in lines[0] and not written
 
 
+@pytest.mark.slow
 def test_the_triton_decode_kernel_serves_as_the_torch_one_and_a_fault_in_it_fails(monkeypatch):
     """--decode-kernel triton: kvbench's paged decode kernel reads the pool in place (Triton's
     interpreter on CPU tensors); one slot read past each sequence's end fails path A."""
@@ -373,6 +380,7 @@ def test_expected_steps_caps_the_mean_prompt_at_max_len_minus_one():
     assert expected_steps(o, "paged") == math.ceil(10 * 1 / 1.25) + 10 == 18
 
 
+@pytest.mark.slow
 def test_the_papers_baselines_serve_every_request_verified_and_hold_what_they_reserve(
         tmp_path):
     # the same trace and 40 blocks: paged > orca-oracle > orca-pow2 > orca-max in batch, and
@@ -435,6 +443,7 @@ def test_a_ratio_whose_intervals_overlap_is_marked_and_one_whose_do_not_is_not()
     assert "overlap" not in ratio_line(_runs("paged", [10], 6) + _runs("oracle", [9], 4))
 
 
+@pytest.mark.slow
 def test_seeds_run_each_reserve_on_its_own_trace_and_show_intervals(tmp_path):
     out = tmp_path / "s.csv"
     args = ["serve-sim", *SMALL, "--requests", "12", "--reserve", "paged,oracle", "--seeds",
@@ -469,6 +478,7 @@ def test_a_shared_prompt_goes_before_a_seeded_share_of_the_prompts():
     assert (r.prompt_len, r.output_len) == (21, 1)
 
 
+@pytest.mark.slow
 def test_prefix_caching_serves_every_request_verified_and_counts_what_it_saved(tmp_path):
     out = tmp_path / "s.csv"
     shared = ["--reserve", "paged", "--max-len", "300", "--shared-prefix-len", "64", "-q"]
@@ -491,6 +501,7 @@ def test_prefix_caching_serves_every_request_verified_and_counts_what_it_saved(t
     del out
 
 
+@pytest.mark.slow
 def test_prefix_caching_that_shares_a_block_it_should_not_fails_the_check(monkeypatch):
     from kvbench.serving.scheduler import Request
 
@@ -528,10 +539,12 @@ def test_the_time_estimate_and_host_bytes_by_hand():
     assert host_bytes(o) == 10 * 1024 + (34 + 89 + 89) * 256
     assert host_bytes(SimOptions(**{**o.__dict__, "seeds": 2, "traced": ()})) == (
         10 * 1024 + 2 * (34 + 89 + 89) * 256)
-    # paged's 34 steps took 34 s: 1 s a step, so 178 s for the two others
-    first = Served("paged", 0, 34.0, 34, [], [], [], [], [], [], [], [])
-    assert _estimate(o, first) == ("paged took 34 s; about 3 min for prealloc, orca-max at its "
+    # paged's 34 steps took 68 s: 2 s a step, so 356 s for the two others; one step of 5 s
+    first = Served("paged", 0, 68.0, 34, [], [], [], [], [], [], [], [])
+    assert _estimate(o, first) == ("paged took 68 s; about 6 min for prealloc, orca-max at its "
                                    "pace per step")
+    first = Served("paged", 0, 5.0, 1, [], [], [], [], [], [], [], [])
+    assert _estimate(o, first).startswith("paged took 5 s; about 15 min for")  # 178 × 5 s
     # an output longer than the room a prompt leaves is cut to it: 100 − 20 = 80 positions;
     # one block a pool: a batch of at least 1 sequence
     long = SimOptions(requests=10, len_dist="uniform:20:20", output_dist="uniform:90:90",
@@ -591,3 +604,26 @@ def test_the_table_by_hand():
     replayed = run("paged", 0, 2.0)
     replayed.verified = False
     assert _table_cells(serve_table(OPTIONS, "cpu", [replayed]), 0)["path A"] == "not run"
+
+
+def test_what_serve_sim_prints_under_its_table_by_hand(capsys):
+    # paged: gaps 0.1, 0.2, 0.3, 0.4 s (p50 0.25 s, p99 0.397 s); prealloc none (one token
+    # each). Prefix caching: 30 of 120 positions found cached, then 10 of 40: 40 of 160 = 25%
+    from kvbench.experiments.servesim import Served, show_serve
+
+    def run(reserve, itl, hits, asked):
+        return Served(reserve, 0, 2.0, 2, [1.0, 2.0], [1.0, 1.0], [2, 2], [2, 2], [3, 3],
+                      [0.1, 0.2], [0.01], [0.1, 0.1], itl_s=itl, output_tokens=4,
+                      hit_positions=hits, query_positions=asked)
+
+    o = SimOptions(**{**OPTIONS.__dict__, "prefix_caching": True, "reserve": ("paged",),
+                      "traced": ()})
+    show_serve(o, "cpu", [run("paged", [0.1, 0.2, 0.3, 0.4], 30, 120),
+                          run("prealloc", [], 10, 40)])
+    text = " ".join(capsys.readouterr().out.split())
+    assert ("ITL p50 / p99, every gap between two tokens of a request: paged 250.00 / 397.00 ms"
+            in text) and "prealloc 0" not in text
+    assert ("prefix cache: 25.0% of the prompt positions admitted were found cached (40 of 160, "
+            "not prefilled)") in text
+    assert "paged serves 1.00× prealloc's (1.00× the batch) requests per second" in text
+    assert "cpu" in text  # the table's title names the device
