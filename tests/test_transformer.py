@@ -39,6 +39,14 @@ def test_rope_frequencies_by_hand_default_linear_and_llama3():
     assert rope_inv_freq(llama3, torch.float64).tolist() == pytest.approx(
         [1.0, middle, 1e-4 / 8], rel=1e-12)
     assert middle == pytest.approx(0.0029753, rel=1e-4)
+    # low 2, high 8, original 4,000: D=8, θ=10⁴: wavelengths 6.28 and 62.8 (below 4,000/8:
+    # kept), 628 (between 500 and 2,000: interpolated), 6,283 (above 2,000: divided by 8)
+    banded = replace(ARCH, head_dim=8, rope_theta=1e4, rope_scaling=(
+        ("rope_type", "llama3"), ("factor", 8.0), ("low_freq_factor", 2.0),
+        ("high_freq_factor", 8.0), ("original_max_position_embeddings", 4000)))
+    smooth = (4000 / (2 * math.pi / 1e-2) - 2) / (8 - 2)
+    assert rope_inv_freq(banded, torch.float64).tolist() == pytest.approx(
+        [1.0, 0.1, (1 - smooth) * 1e-2 / 8 + smooth * 1e-2, 1e-3 / 8], rel=1e-12)
 
 
 def test_rms_norm_by_hand_in_float32_scaled_in_the_inputs_dtype():
@@ -50,6 +58,17 @@ def test_rms_norm_by_hand_in_float32_scaled_in_the_inputs_dtype():
     half = rms_norm(x.bfloat16(), w.bfloat16(), 0.0)
     assert half.dtype == torch.bfloat16
     assert rms_norm(x.double(), w.double(), 0.0).dtype == torch.float64
+    # float64 stays float64 throughout (the exact reference): within 1e-15, not float32's 1e-7
+    g = torch.Generator().manual_seed(0)
+    x64 = torch.randn(4, 64, generator=g, dtype=torch.float64)
+    exact = x64 / (x64 * x64).mean(-1, keepdim=True).add(1e-5).sqrt()
+    assert torch.allclose(rms_norm(x64, torch.ones(64, dtype=torch.float64), 1e-5), exact,
+                          rtol=1e-15, atol=0)
+    # bfloat16 is normalised in float32, then rounded (as transformers does), not in bfloat16
+    x16 = torch.randn(4, 64, generator=g).bfloat16()
+    want = (x16.float() * torch.rsqrt(x16.float().pow(2).mean(-1, keepdim=True) + 1e-5))
+    assert torch.equal(rms_norm(x16, torch.ones(64, dtype=torch.bfloat16), 1e-5),
+                       want.bfloat16())
 
 
 def test_weight_bytes_by_hand_a_tied_head_counted_once():
@@ -76,6 +95,12 @@ def test_random_weights_are_scaled_by_their_fan_in_and_seeded():
     assert b.w_down.std().item() == pytest.approx(1 / math.sqrt(512), rel=0.05)
     assert m.embed.std().item() == pytest.approx(1.0, rel=0.05)
     assert (b.attn_norm == 1).all() and (m.norm == 1).all()
+    assert m.blocks[0].attn.inv_freq.dtype == torch.float64  # RoPE exact in the reference
+    assert m.blocks[0].attn.rope  # (the caches read it: h2o's replay, expected's statistics)
+    assert (b.mlp_norm.dtype, m.norm.dtype) == (torch.float64, torch.float64)
+    assert torch.equal(random_model(arch, torch.float64, "cpu").embed,
+                       random_model(arch, torch.float64, "cpu", seed=0).embed)  # seed 0
+    assert transformer.layer_shape(arch, batch=3).hidden == 256
     again = random_model(arch, torch.float64, "cpu", seed=3)
     assert torch.equal(again.blocks[1].w_gate_up, m.blocks[1].w_gate_up)
     assert not torch.equal(random_model(arch, torch.float64, "cpu", seed=4).embed, m.embed)
@@ -166,3 +191,50 @@ def test_path_a_in_one_forward_beyond_the_per_step_limit(monkeypatch):
     for a, b in zip(per_step, at_once):
         assert a.shape == b.shape and torch.allclose(a, b, atol=1e-12)
     assert per_step[0].shape == (1, 3, 10) and per_step[1].shape == (1, 3, 10)
+
+
+def test_a_model_cast_keeps_every_weight_and_its_own_head():
+    m = random_model(replace(ARCH, qkv_bias=True, qk_norm=True), torch.float32, "cpu")
+    half = m.to(torch.float64)
+    a, b = half.blocks[0].attn, m.blocks[0].attn
+    for new, old in ((a.b_qkv, b.b_qkv), (a.q_norm, b.q_norm), (a.k_norm, b.k_norm),
+                     (half.lm_head, m.lm_head), (half.norm, m.norm)):
+        assert new.dtype == torch.float64 and torch.equal(new, old.double())
+    assert half.arch == m.arch and half.lm_head.data_ptr() != half.embed.data_ptr()
+
+
+def test_the_cached_model_takes_the_options_and_collects_every_layers_output():
+    from kvbench.caches import ImplOptions
+
+    m = random_model(ARCH, torch.float64, "cpu")
+    shape = LayerShape(hidden=8, q_heads=2, kv_heads=1, head_dim=4, batch=1, prompt_len=5,
+                       decode_len=1)
+    cm = CachedModel(m, IMPLEMENTATIONS["paged"], RunConfig(shape, dtype="float64"),
+                     ImplOptions(block_size=4))
+    assert {c.options.block_size for c in cm.caches} == {4}
+    tokens = torch.tensor([[1, 2, 3, 4, 5]])
+    hidden: list = []
+    cm.prefill(tokens, hidden)
+    reference: list = []
+    m.full_forward(tokens, reference)
+    assert len(hidden) == 2 and all(torch.allclose(a, b, atol=1e-12)
+                                    for a, b in zip(hidden, reference))
+
+
+def test_a_checkpoints_weights_in_kvbenchs_layout(tiny_model):
+    transformers = pytest.importorskip("transformers")
+    from kvbench.layers.model.spec import resolve
+
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tiny_model)
+    arch = resolve(tiny_model).arch
+    m = transformer.from_transformers(hf, arch, torch.float64, "cpu", layers=1)
+    a = hf.model.layers[0].self_attn
+    assert len(m.blocks) == 1 and m.blocks[0].attn.w_qkv.dtype == torch.float64
+    assert m.blocks[0].attn.shape.q_heads == 4
+    assert torch.equal(m.blocks[0].attn.w_qkv[:, :4 * 32], a.q_proj.weight.t().double())
+    hf.model.layers = hf.model.layers[:1]
+    tokens = torch.tensor([[3, 1, 4, 1, 5]])
+    assert torch.allclose(m.full_forward(tokens), hf(tokens).logits.double(), atol=1e-5)
+    tied = replace(arch, tie_embeddings=True)
+    one = transformer.from_transformers(hf, tied, torch.float32, "cpu", layers=1)
+    assert one.lm_head.data_ptr() == one.embed.data_ptr()  # the head is the embedding's view

@@ -26,9 +26,9 @@ def rope_inv_freq(arch: Architecture, dtype: torch.dtype) -> torch.Tensor:
     the band between."""
     compute = torch.float64 if dtype == torch.float64 else torch.float32
     D = arch.head_dim
-    inv = 1.0 / (arch.rope_theta ** (torch.arange(0, D, 2, dtype=torch.int64).to(compute) / D))
+    inv = 1.0 / (arch.rope_theta ** (torch.arange(0, D, 2).to(compute) / D))
     s = arch.scaling
-    kind = s.get("rope_type", "default")
+    kind = s.get("rope_type")  # (spec.py names it wherever there is a scaling)
     if kind == "linear":
         return inv / s["factor"]
     if kind == "llama3":
