@@ -134,8 +134,9 @@ def _version(value: bool):
 
 
 @app.callback()
-def _root(version: Annotated[bool, typer.Option("--version", metavar="", callback=_version, is_eager=True,
-                                                help="Print the version and exit.")] = False):
+def _root(version: Annotated[bool, typer.Option(
+        "--version", metavar="", callback=_version, is_eager=True,
+        help="Print the version and exit.")] = False):
     """Prove, time and size the attention KV cache of decoder-only transformers."""
 
 
@@ -222,19 +223,39 @@ app.command("serve-sim", cls=_Command, epilog=EXIT_CODES, help=_unwrap("""
 
 @command
 def tune(
-    dtype: Annotated[str, typer.Option(help="float16|fp16, bfloat16|bf16 or float32|fp32.")] = "float16",
-    kv_dtype: Annotated[str, typer.Option(help="K/V formats to tune, in this order: a comma list of none (the activation dtype), fp8, int8, int4, int2.")] = "none,fp8,int8,int4",
-    block_size: Annotated[str, typer.Option(help="Page (block) sizes to tune, a comma list.")] = "16",
-    budget: Annotated[float, typer.Option(help="Seconds the search may take; past them the best so far is kept.")] = 150.0,
+    dtype: Annotated[str, typer.Option(
+        help="float16|fp16, bfloat16|bf16 or float32|fp32.")] = "float16",
+    kv_dtype: Annotated[str, typer.Option(
+        help="K/V formats to tune, in this order: a comma list of none (the activation dtype), "
+             "fp8, int8, int4, int2.")] = "none,fp8,int8,int4",
+    block_size: Annotated[str, typer.Option(
+        help="Page (block) sizes to tune, a comma list.")] = "16",
+    budget: Annotated[float, typer.Option(
+        help="Seconds the search may take; past them the best so far is kept.")] = 150.0,
     rounds: Annotated[int, typer.Option(help="Timed rounds per configuration (median).")] = 9,
-    rehearse: Annotated[bool, typer.Option("--rehearse", metavar="", help="Run the plan on the CPU in Triton's interpreter at small shapes (times describe the interpreter; registers and spills are sm_90's, compiled here).")] = False,
+    rehearse: Annotated[bool, typer.Option(
+        "--rehearse", metavar="", help="Run the plan on the CPU in Triton's interpreter at small "
+                                       "shapes (times describe the interpreter; registers and "
+                                       "spills are sm_90's, compiled here).")] = False,
     device: Annotated[str, typer.Option(help="auto, cuda or cuda:N.")] = "auto",
-    table: Annotated[Path | None, typer.Option(help="Tuning table to update. \\[default: $KVBENCH_TUNING_TABLE, else the package's; with --rehearse results/tune-rehearsal.json]")] = None,
+    table: Annotated[Path | None, typer.Option(
+        help="Tuning table to update. \\[default: $KVBENCH_TUNING_TABLE, else the package's; with "
+             "--rehearse results/tune-rehearsal.json]")] = None,
     csv: CsvPath = None,
-    no_csv: Annotated[bool, typer.Option("--no-csv", metavar="", help="Write no results file.")] = False,
-    format: Annotated[str, typer.Option("--format", help="table, csv or json (the rows on stdout).")] = "table",
-    quiet: Annotated[bool, typer.Option("--quiet", "-q", metavar="", help="Print nothing but errors (and --format's rows).")] = False,
-    inspect: Annotated[bool, typer.Option("--inspect", metavar="", help="Compile every decode kernel for sm_90 (H100/H200) at the long shape in each K/V format's configuration and report its registers, spills, shared memory, programs per SM, K/V tiles in flight and load widths; needs no GPU and times nothing; writes a file only where --csv names one.")] = False,
+    no_csv: Annotated[bool, typer.Option(
+        "--no-csv", metavar="", help="Write no results file.")] = False,
+    format: Annotated[str, typer.Option(
+        "--format", help="table, csv or json (the rows on stdout).")] = "table",
+    quiet: Annotated[bool, typer.Option(
+        "--quiet", "-q", metavar="", help="Print nothing but errors (and --format's "
+                                          "rows).")] = False,
+    inspect: Annotated[bool, typer.Option(
+        "--inspect", metavar="", help="Compile every decode kernel for sm_90 (H100/H200) at the "
+                                      "long shape in each K/V format's configuration and report "
+                                      "its registers, spills, shared memory, programs per SM, K/V "
+                                      "tiles in flight and load widths; needs no GPU and times "
+                                      "nothing; writes a file only where --csv names "
+                                      "one.")] = False,
 ):
     """Search the Triton decode kernel's launch configuration on this GPU.
 
@@ -285,7 +306,8 @@ def compare(baseline: Annotated[Path, typer.Argument(help="Baseline results CSV.
                      "where the runs' interquartile ranges separate, too noisy to judge where "
                      "they overlap.")] = None,
             allow_noisy: Annotated[bool, typer.Option(
-                "--allow-noisy", metavar="", help="With --fail-above: exit 0 for changes too noisy to "
+                "--allow-noisy", metavar="", help="With --fail-above: exit 0 for changes too noisy "
+                                                  "to "
                 "judge (regressions still fail).")] = False,
             run: RunId = None, where: Where = None, skip_bad_rows: SkipBad = False):
     """Compare results with a baseline, configuration by configuration. --run and --where
@@ -296,8 +318,10 @@ def compare(baseline: Annotated[Path, typer.Argument(help="Baseline results CSV.
 
 
 @command
-def merge(files: Annotated[list[Path], typer.Argument(help="Results CSVs of one kind (a sweep's --shard outputs).")],
-          output: Annotated[Path, typer.Option("-o", "--output", help="The file to append them all to (created if missing).")]):
+def merge(files: Annotated[list[Path], typer.Argument(help="Results CSVs of one kind (a sweep's "
+                                                           "--shard outputs).")],
+          output: Annotated[Path, typer.Option(
+              "-o", "--output", help="The file to append them all to (created if missing).")]):
     """Join results files of one kind into one, as a sweep run whole would have written them
     (each --shard I/N of a job array writes its own)."""
     from kvbench.report import render

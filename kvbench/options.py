@@ -25,8 +25,9 @@ OUTPUT = {"config", "csv", "no_csv", "format", "quiet", "dry_run", "force", "hos
 # names every registered implementation).
 IMPL_HELP = (
     "Cached implementations: 'default' (all of them; on the CPU bench and memory leave out "
-    "splitk, compiled and flex, which compile first), 'all', or a comma list of concat, static, sdpa, paged (eager "
-    "PyTorch: CPU and CUDA); splitk (CPU, float32: a numba kernel); triton (CUDA; on the CPU "
+    "splitk, compiled and flex, which compile first), 'all', or a comma list of concat, static, "
+    "sdpa, paged (eager PyTorch: CPU and CUDA); splitk (CPU, float32: a numba kernel); triton "
+    "(CUDA; on the CPU "
     "verify only, in Triton's interpreter); compiled (gpt-fast's step: a CUDA graph on CUDA, "
     "inductor C++ on the CPU) and flex (FlexAttention under torch.compile): CUDA and CPU, "
     "memory on CUDA only; window (a sliding-window ring buffer with --window, --sinks) and "
@@ -213,9 +214,9 @@ class RunOptions:
         show_default=False, commands=("verify", "bench"))
     graph: bool = option(
         False, "Also run each decode step captured in a graph and replayed (static, sdpa, "
-        "paged, triton, triton-mla): verify checks the captured steps (on the CPU through a recorder with "
-        "a CUDA graph's semantics); bench on CUDA times each both ways, so a row says how "
-        "much of a step is launch overhead (on by default for a ragged batch on CUDA).",
+        "paged, triton, triton-mla): verify checks the captured steps (on the CPU through a "
+        "recorder with a CUDA graph's semantics); bench on CUDA times each both ways, so a row "
+        "says how much of a step is launch overhead (on by default for a ragged batch on CUDA).",
         commands=("verify", "bench"))
     model: str | None = option(
         None, "Run the whole model: a local Hugging Face checkpoint folder, a .gguf file, or a "
@@ -334,12 +335,14 @@ def from_context(ctx: typer.Context, values: dict | None = None) -> RunOptions:
     return RunOptions(**values)
 
 
-CsvPath = Annotated[Path | None, typer.Option("--csv", help="Append rows to this CSV. \\[default: results/COMMAND.csv]")]
+CsvPath = Annotated[Path | None, typer.Option("--csv", help="Append rows to this CSV. \\[default: "
+                                                            "results/COMMAND.csv]")]
 
 
 def _capacity(
     model: Annotated[str | None, typer.Option(help="A preset (see --list-models).")] = None,
-    list_models: Annotated[bool, typer.Option("--list-models", metavar="", help="Show the presets and exit.")] = False,
+    list_models: Annotated[bool, typer.Option(
+        "--list-models", metavar="", help="Show the presets and exit.")] = False,
     from_config: Annotated[Path | None, typer.Option(help="A Hugging Face config.json.")] = None,
     layers: Annotated[int | None, typer.Option(help="Layers L.")] = None,
     kv_heads: Annotated[int | None, typer.Option(help="KV heads H_kv.")] = None,
@@ -348,58 +351,139 @@ def _capacity(
     mla_latent: Annotated[int | None, typer.Option(help="MLA latent width d_c.")] = None,
     mla_rope: Annotated[int | None, typer.Option(help="MLA decoupled RoPE key width.")] = None,
     batch: Annotated[int, typer.Option(help="Sequences, each --seq-len long.")] = 1,
-    seq_len: Annotated[int | None, typer.Option(help="Tokens per sequence. \\[default: 4096]")] = None,
-    seq_lens: Annotated[str | None, typer.Option(help="A variable-length batch: 512,4096,...")] = None,
-    len_dist: Annotated[str | None, typer.Option(help="Serving: draw lengths from uniform:LO:HI or lognormal:MEAN:SIGMA (mean MEAN tokens) and compare preallocating --max-len per sequence with paged blocks.")] = None,
-    max_len: Annotated[int | None, typer.Option(help="With --len-dist: the longest a request may get (what preallocation reserves); caps the draws.")] = None,
+    seq_len: Annotated[int | None, typer.Option(
+        help="Tokens per sequence. \\[default: 4096]")] = None,
+    seq_lens: Annotated[str | None, typer.Option(
+        help="A variable-length batch: 512,4096,...")] = None,
+    len_dist: Annotated[str | None, typer.Option(
+        help="Serving: draw lengths from uniform:LO:HI or lognormal:MEAN:SIGMA (mean MEAN tokens) "
+             "and compare preallocating --max-len per sequence with paged blocks.")] = None,
+    max_len: Annotated[int | None, typer.Option(
+        help="With --len-dist: the longest a request may get (what preallocation reserves); caps "
+             "the draws.")] = None,
     seed: Annotated[int, typer.Option(help="With --len-dist: the draws' seed.")] = 0,
-    kv_dtype: Annotated[str, typer.Option(help="fp32, fp16, bf16, fp8, int8, int4, int2.")] = "fp16",
-    group_size: Annotated[int, typer.Option(help="int8, int4, int2: elements per fp16 scale + zero point.")] = 64,
-    k_quant: Annotated[str, typer.Option(help="int8, int4, int2: K per-token, or per-channel (KIVI: a scale per channel for each --group-size positions).")] = "per-token",
-    kv_residual: Annotated[int, typer.Option(help="int8, int4, int2: the newest positions kept in fp16 until this many are quantized together (KIVI; a multiple of --group-size).")] = 0,
-    tp: Annotated[int, typer.Option(help="Tensor-parallel ranks (KV heads split across them).")] = 1,
-    block_size: Annotated[int | None, typer.Option(help="Paged blocks: round each sequence up to whole blocks.")] = None,
-    window: Annotated[int | None, typer.Option(help="Sliding window W: sliding layers cache at most W tokens.")] = None,
-    sinks: Annotated[int, typer.Option(help="With a window: sliding layers also keep their first S positions (attention sinks).")] = 0,
-    shared_prefix: Annotated[int, typer.Option(help="The first P tokens of every sequence are the same and stored once (prefix caching; whole blocks with --block-size).")] = 0,
-    share_layers: Annotated[int, typer.Option(help="Cross-layer sharing: groups of K adjacent layers read one K/V (Cross-Layer Attention's sharing factor); K must divide the layers.")] = 1,
-    kv_budget: Annotated[int | None, typer.Option(help="Token eviction: each KV head keeps at most N positions (h2o, snapkv, ... ).")] = None,
-    kv_compress: Annotated[str, typer.Option(help="With --kv-budget: decode (the budget at every step) or prefill (the first --prompt-len positions compressed to it, every later one kept).")] = "decode",
-    prompt_len: Annotated[int | None, typer.Option(help="With --kv-compress prefill: the prompt's positions, of --seq-len.")] = None,
-    layer_budgets: Annotated[str | None, typer.Option(help="Each layer's budget, bottom first (a comma list, one per layer), or pyramid around --kv-budget (PyramidKV).")] = None,
-    head_budgets: Annotated[str | None, typer.Option(help="With --kv-compress prefill: duo[:F], a share F of each layer's KV heads (default 0.5) keep every position, each head in blocks of its own (snapkv-paged).")] = None,
-    kv_reference: Annotated[str | None, typer.Option(help="kvpress: --layer-budgets pyramid as kvpress's PyramidKVPress draws it (its 64-position window).")] = None,
-    gpu_mem: Annotated[str | None, typer.Option(help="Memory of one GPU, e.g. 80GiB or 80GB.")] = None,
+    kv_dtype: Annotated[str, typer.Option(
+        help="fp32, fp16, bf16, fp8, int8, int4, int2.")] = "fp16",
+    group_size: Annotated[int, typer.Option(
+        help="int8, int4, int2: elements per fp16 scale + zero point.")] = 64,
+    k_quant: Annotated[str, typer.Option(
+        help="int8, int4, int2: K per-token, or per-channel (KIVI: a scale per channel for each "
+             "--group-size positions).")] = "per-token",
+    kv_residual: Annotated[int, typer.Option(
+        help="int8, int4, int2: the newest positions kept in fp16 until this many are quantized "
+             "together (KIVI; a multiple of --group-size).")] = 0,
+    tp: Annotated[int, typer.Option(
+        help="Tensor-parallel ranks (KV heads split across them).")] = 1,
+    block_size: Annotated[int | None, typer.Option(
+        help="Paged blocks: round each sequence up to whole blocks.")] = None,
+    window: Annotated[int | None, typer.Option(
+        help="Sliding window W: sliding layers cache at most W tokens.")] = None,
+    sinks: Annotated[int, typer.Option(
+        help="With a window: sliding layers also keep their first S positions (attention "
+             "sinks).")] = 0,
+    shared_prefix: Annotated[int, typer.Option(
+        help="The first P tokens of every sequence are the same and stored once (prefix caching; "
+             "whole blocks with --block-size).")] = 0,
+    share_layers: Annotated[int, typer.Option(
+        help="Cross-layer sharing: groups of K adjacent layers read one K/V (Cross-Layer "
+             "Attention's sharing factor); K must divide the layers.")] = 1,
+    kv_budget: Annotated[int | None, typer.Option(
+        help="Token eviction: each KV head keeps at most N positions (h2o, snapkv, ... ).")] = None,
+    kv_compress: Annotated[str, typer.Option(
+        help="With --kv-budget: decode (the budget at every step) or prefill (the first "
+             "--prompt-len positions compressed to it, every later one kept).")] = "decode",
+    prompt_len: Annotated[int | None, typer.Option(
+        help="With --kv-compress prefill: the prompt's positions, of --seq-len.")] = None,
+    layer_budgets: Annotated[str | None, typer.Option(
+        help="Each layer's budget, bottom first (a comma list, one per layer), or pyramid around "
+             "--kv-budget (PyramidKV).")] = None,
+    head_budgets: Annotated[str | None, typer.Option(
+        help="With --kv-compress prefill: duo[:F], a share F of each layer's KV heads (default "
+             "0.5) keep every position, each head in blocks of its own (snapkv-paged).")] = None,
+    kv_reference: Annotated[str | None, typer.Option(
+        help="kvpress: --layer-budgets pyramid as kvpress's PyramidKVPress draws it (its "
+             "64-position window).")] = None,
+    gpu_mem: Annotated[str | None, typer.Option(
+        help="Memory of one GPU, e.g. 80GiB or 80GB.")] = None,
     weight_dtype: Annotated[str, typer.Option(help="dtype of the preset's weights.")] = "bf16",
-    weights_bytes: Annotated[str | None, typer.Option(help="Weights size instead, e.g. 16GB.")] = None,
-    margin: Annotated[str, typer.Option(help="Memory kept free for activations and workspaces.")] = "4GiB",
-    utilization: Annotated[float, typer.Option(help="Fraction of GPU memory the runtime may use.")] = 0.9,
-    engine: Annotated[str | None, typer.Option(help="vllm or sglang: the ledger of what that engine allocates on one GPU (weights, activation peak, KV available), its 'GPU KV cache size' in tokens and blocks, and its maximum concurrency at --max-model-len.", rich_help_panel="Serving engine")] = None,
-    gpu: Annotated[str | None, typer.Option(help="With --engine: a GPU by name (H100-80GB, H200, A100-40GB, A100-80GB, L40S, RTX-4090, ...), its usable memory as torch reports it; or --gpu-mem.", rich_help_panel="Serving engine")] = None,
-    gpu_memory_utilization: Annotated[float | None, typer.Option(help="vLLM's: the fraction of the GPU it may use. \\[default: 0.9]", rich_help_panel="Serving engine")] = None,
-    mem_fraction_static: Annotated[float | None, typer.Option(help="SGLang's: the fraction for weights and the KV pool. \\[default: 0.88]", rich_help_panel="Serving engine")] = None,
-    max_model_len: Annotated[int | None, typer.Option(help="The longest request (SGLang's context length). \\[default: 8192]", rich_help_panel="Serving engine")] = None,
-    max_num_seqs: Annotated[int | None, typer.Option(help="vLLM's running requests at most (SGLang: --max-running-requests). \\[default: vllm serve's, by GPU memory]", rich_help_panel="Serving engine")] = None,
-    max_running_requests: Annotated[int | None, typer.Option(help="SGLang's running requests at most.", rich_help_panel="Serving engine")] = None,
-    max_num_batched_tokens: Annotated[int | None, typer.Option(help="vLLM's tokens a step (the profile run's tokens). \\[default: vllm serve's, by GPU memory]", rich_help_panel="Serving engine")] = None,
-    chunked_prefill_size: Annotated[int | None, typer.Option(help="SGLang's tokens a prefill chunk.", rich_help_panel="Serving engine")] = None,
-    page_size: Annotated[int | None, typer.Option(help="SGLang's tokens a page (its --block-size). \\[default: 1]", rich_help_panel="Serving engine")] = None,
-    kv_cache_dtype: Annotated[str, typer.Option(help="The engine's KV dtype: auto (the model's), fp8, or fp8_ds_mla (DeepSeek's 656-byte latent).", rich_help_panel="Serving engine")] = "auto",
-    pp: Annotated[int, typer.Option(help="Pipeline-parallel stages (layers split across them).", rich_help_panel="Serving engine")] = 1,
-    kv_memory: Annotated[str | None, typer.Option(help="The 'Available KV cache memory' an engine log printed, e.g. 3.81GiB, instead of the ledger's estimate.", rich_help_panel="Serving engine")] = None,
-    num_gpu_blocks_override: Annotated[int | None, typer.Option(help="vLLM's: the blocks, given (its log's block count).", rich_help_panel="Serving engine")] = None,
-    activation: Annotated[str | None, typer.Option(help="The profile run's activation peak instead of the estimate, e.g. 2.07GiB.", rich_help_panel="Serving engine")] = None,
-    non_torch: Annotated[str, typer.Option(help="Memory outside torch's allocator (CUDA context, NCCL).", rich_help_panel="Serving engine")] = "0.35GiB",
-    cuda_graphs: Annotated[str, typer.Option(help="CUDA graph memory the engine subtracts (0: it lives in the 1 - utilization headroom, as vLLM counts it by default).", rich_help_panel="Serving engine")] = "0GiB",
-    target_concurrency: Annotated[float | None, typer.Option(help="With --engine: what one change (utilization, fp8 KV, TP, max model len, batched tokens) would reach this many requests at --max-model-len.", rich_help_panel="Serving engine")] = None,
-    allocate: Annotated[bool, typer.Option("--allocate", metavar="", help="CUDA: allocate and check the cache for real.")] = False,
+    weights_bytes: Annotated[str | None, typer.Option(
+        help="Weights size instead, e.g. 16GB.")] = None,
+    margin: Annotated[str, typer.Option(
+        help="Memory kept free for activations and workspaces.")] = "4GiB",
+    utilization: Annotated[float, typer.Option(
+        help="Fraction of GPU memory the runtime may use.")] = 0.9,
+    engine: Annotated[str | None, typer.Option(
+        help="vllm or sglang: the ledger of what that engine allocates on one GPU (weights, "
+             "activation peak, KV available), its 'GPU KV cache size' in tokens and blocks, and "
+             "its maximum concurrency at "
+             "--max-model-len.", rich_help_panel="Serving engine")] = None,
+    gpu: Annotated[str | None, typer.Option(
+        help="With --engine: a GPU by name (H100-80GB, H200, A100-40GB, A100-80GB, L40S, RTX-4090, "
+             "...), its usable memory as torch reports it; or "
+             "--gpu-mem.", rich_help_panel="Serving engine")] = None,
+    gpu_memory_utilization: Annotated[float | None, typer.Option(
+        help="vLLM's: the fraction of the GPU it may use. \\[default: "
+             "0.9]", rich_help_panel="Serving engine")] = None,
+    mem_fraction_static: Annotated[float | None, typer.Option(
+        help="SGLang's: the fraction for weights and the KV pool. \\[default: "
+             "0.88]", rich_help_panel="Serving engine")] = None,
+    max_model_len: Annotated[int | None, typer.Option(
+        help="The longest request (SGLang's context length). \\[default: "
+             "8192]", rich_help_panel="Serving engine")] = None,
+    max_num_seqs: Annotated[int | None, typer.Option(
+        help="vLLM's running requests at most (SGLang: --max-running-requests). \\[default: vllm "
+             "serve's, by GPU memory]", rich_help_panel="Serving engine")] = None,
+    max_running_requests: Annotated[int | None, typer.Option(
+        help="SGLang's running requests at most.", rich_help_panel="Serving engine")] = None,
+    max_num_batched_tokens: Annotated[int | None, typer.Option(
+        help="vLLM's tokens a step (the profile run's tokens). \\[default: vllm serve's, by GPU "
+             "memory]", rich_help_panel="Serving engine")] = None,
+    chunked_prefill_size: Annotated[int | None, typer.Option(
+        help="SGLang's tokens a prefill chunk.", rich_help_panel="Serving engine")] = None,
+    page_size: Annotated[int | None, typer.Option(
+        help="SGLang's tokens a page (its --block-size). \\[default: "
+             "1]", rich_help_panel="Serving engine")] = None,
+    kv_cache_dtype: Annotated[str, typer.Option(
+        help="The engine's KV dtype: auto (the model's), fp8, or fp8_ds_mla (DeepSeek's 656-byte "
+             "latent).", rich_help_panel="Serving engine")] = "auto",
+    pp: Annotated[int, typer.Option(
+        help="Pipeline-parallel stages (layers split across "
+             "them).", rich_help_panel="Serving engine")] = 1,
+    kv_memory: Annotated[str | None, typer.Option(
+        help="The 'Available KV cache memory' an engine log printed, e.g. 3.81GiB, instead of the "
+             "ledger's estimate.", rich_help_panel="Serving engine")] = None,
+    num_gpu_blocks_override: Annotated[int | None, typer.Option(
+        help="vLLM's: the blocks, given (its log's block "
+             "count).", rich_help_panel="Serving engine")] = None,
+    activation: Annotated[str | None, typer.Option(
+        help="The profile run's activation peak instead of the estimate, e.g. "
+             "2.07GiB.", rich_help_panel="Serving engine")] = None,
+    non_torch: Annotated[str, typer.Option(
+        help="Memory outside torch's allocator (CUDA context, "
+             "NCCL).", rich_help_panel="Serving engine")] = "0.35GiB",
+    cuda_graphs: Annotated[str, typer.Option(
+        help="CUDA graph memory the engine subtracts (0: it lives in the 1 - utilization headroom, "
+             "as vLLM counts it by default).", rich_help_panel="Serving engine")] = "0GiB",
+    target_concurrency: Annotated[float | None, typer.Option(
+        help="With --engine: what one change (utilization, fp8 KV, TP, max model len, batched "
+             "tokens) would reach this many requests at "
+             "--max-model-len.", rich_help_panel="Serving engine")] = None,
+    allocate: Annotated[bool, typer.Option(
+        "--allocate", metavar="", help="CUDA: allocate and check the cache for real.")] = False,
     case: Annotated[str, typer.Option(help="--allocate cases: gqa, mha or both.")] = "both",
-    device: Annotated[str, typer.Option(help="--allocate: auto, cuda or cuda:N (auto picks CUDA when present).")] = "auto",
-    require_fit: Annotated[bool, typer.Option("--require-fit", metavar="", help="With --gpu-mem: exit 1 when the model does not fit (for CI).")] = False,
+    device: Annotated[str, typer.Option(
+        help="--allocate: auto, cuda or cuda:N (auto picks CUDA when present).")] = "auto",
+    require_fit: Annotated[bool, typer.Option(
+        "--require-fit", metavar="", help="With --gpu-mem: exit 1 when the model does not fit (for "
+                                          "CI).")] = False,
     csv: CsvPath = None,
-    no_csv: Annotated[bool, typer.Option("--no-csv", metavar="", help="Write no results file.")] = False,
-    format: Annotated[str, typer.Option("--format", help="table, csv or json (the row on stdout).")] = "table",
-    quiet: Annotated[bool, typer.Option("--quiet", "-q", metavar="", help="Print nothing but errors (and --format's rows).")] = False,
+    no_csv: Annotated[bool, typer.Option(
+        "--no-csv", metavar="", help="Write no results file.")] = False,
+    format: Annotated[str, typer.Option(
+        "--format", help="table, csv or json (the row on stdout).")] = "table",
+    quiet: Annotated[bool, typer.Option(
+        "--quiet", "-q", metavar="", help="Print nothing but errors (and --format's "
+                                          "rows).")] = False,
 ):
     """capacity's options as Typer declares them (a signature only: kvbench.cli's command
     takes it, and kvbench.experiments.capacity.capacity their values by name)."""
@@ -411,52 +495,121 @@ def capacity_signature() -> inspect.Signature:
 
 def _serve_sim(
     requests: Annotated[int, typer.Option(help="Requests in the trace.")] = 200,
-    len_dist: Annotated[str, typer.Option(help="Prompt lengths: uniform:LO:HI or lognormal:MEAN:SIGMA.")] = "lognormal:256:1.0",
-    output_dist: Annotated[str, typer.Option(help="Output lengths, as --len-dist.")] = "lognormal:128:1.0",
-    max_len: Annotated[int, typer.Option(help="The longest a request may get (prompt + output): caps the draws; prealloc reserves it.")] = 2048,
-    rate: Annotated[float | None, typer.Option(help="Poisson arrivals, requests per second of the measured clock. \\[default: all at once]")] = None,
-    kv_blocks: Annotated[int | None, typer.Option(help="KV blocks in the pool (the memory budget). \\[default: 512]")] = None,
-    kv_mem: Annotated[str | None, typer.Option(help="The pool's size instead, e.g. 64MiB: as many blocks as fit (K and V of every layer run, in --dtype).")] = None,
+    len_dist: Annotated[str, typer.Option(
+        help="Prompt lengths: uniform:LO:HI or lognormal:MEAN:SIGMA.")] = "lognormal:256:1.0",
+    output_dist: Annotated[str, typer.Option(
+        help="Output lengths, as --len-dist.")] = "lognormal:128:1.0",
+    max_len: Annotated[int, typer.Option(
+        help="The longest a request may get (prompt + output): caps the draws; prealloc reserves "
+             "it.")] = 2048,
+    rate: Annotated[float | None, typer.Option(
+        help="Poisson arrivals, requests per second of the measured clock. \\[default: all at "
+             "once]")] = None,
+    kv_blocks: Annotated[int | None, typer.Option(
+        help="KV blocks in the pool (the memory budget). \\[default: 512]")] = None,
+    kv_mem: Annotated[str | None, typer.Option(
+        help="The pool's size instead, e.g. 64MiB: as many blocks as fit (K and V of every layer "
+             "run, in --dtype).")] = None,
     block_size: Annotated[int, typer.Option(help="Positions per block.")] = 16,
-    reserve: Annotated[str, typer.Option(help="Ways of reserving to serve the trace with (comma-separated): paged, prealloc (--max-len a request), oracle (its own length), the vLLM paper's contiguous orca-max, orca-pow2, orca-oracle, and static batching.")] = "paged,prealloc",
-    preempt: Annotated[str, typer.Option(help="When blocks run out: recompute (free and prefill again) or swap (to host memory and back).")] = "recompute",
-    prefill_chunk: Annotated[int | None, typer.Option(help="Chunked prefill: at most this many prompt positions prefilled per step, between the others' decode steps. \\[default: each prompt whole]")] = None,
-    max_seqs: Annotated[int | None, typer.Option(help="vLLM's max_num_seqs: at most this many sequences running at once. \\[default: no cap]")] = None,
-    max_batched_tokens: Annotated[int | None, typer.Option(help="vLLM's max_num_batched_tokens: the tokens a step schedules, decodes and prefill positions alike (a longer prompt is prefilled in chunks). \\[default: no cap]")] = None,
-    watermark: Annotated[float, typer.Option(help="vLLM v0's watermark: this fraction of the pool's blocks kept free at admission (v0 keeps 0.01).")] = 0.0,
-    policy: Annotated[str, typer.Option(help="vllm: v1's steps, decodes and prefills mixed; vllm-v0: a step of prefills alone whenever a waiting request fits, decodes in the others.")] = "vllm",
-    burstiness: Annotated[float, typer.Option(help="With --rate: the gamma shape of the gaps between arrivals, as vLLM's benchmark draws them (1: Poisson; below 1 burstier).")] = 1.0,
-    trace: Annotated[Path | None, typer.Option(help="A trace CSV of arrival_s, prompt_len and output_len (arrival in seconds, sorted): its requests instead of --requests, --len-dist, --output-dist and --rate.")] = None,
-    workload: Annotated[str | None, typer.Option(help="sharegpt or alpaca: prompt and output lengths with the vLLM paper's means (161 and 338, 19 and 58 tokens) and vLLM's benchmark's filters, instead of --len-dist and --output-dist.")] = None,
-    slo_ttft: Annotated[float | None, typer.Option(help="Goodput: a request counts when its time to first token is at most this many ms (and its TPOT within --slo-tpot).")] = None,
-    slo_tpot: Annotated[float | None, typer.Option(help="Goodput: the most ms per output token after the first.")] = None,
-    model: Annotated[str | None, typer.Option(help="Run a whole model's steps instead of one layer's: a preset (e.g. smollm2-135m) or a checkpoint folder; its shape sets H, H_q, H_kv, D and a block holds every layer's K and V.")] = None,
-    layers: Annotated[int | None, typer.Option(help="With --model: its first N layers. \\[default: all]")] = None,
+    reserve: Annotated[str, typer.Option(
+        help="Ways of reserving to serve the trace with (comma-separated): paged, prealloc "
+             "(--max-len a request), oracle (its own length), the vLLM paper's contiguous "
+             "orca-max, orca-pow2, orca-oracle, and static batching.")] = "paged,prealloc",
+    preempt: Annotated[str, typer.Option(
+        help="When blocks run out: recompute (free and prefill again) or swap (to host memory and "
+             "back).")] = "recompute",
+    prefill_chunk: Annotated[int | None, typer.Option(
+        help="Chunked prefill: at most this many prompt positions prefilled per step, between the "
+             "others' decode steps. \\[default: each prompt whole]")] = None,
+    max_seqs: Annotated[int | None, typer.Option(
+        help="vLLM's max_num_seqs: at most this many sequences running at once. \\[default: no "
+             "cap]")] = None,
+    max_batched_tokens: Annotated[int | None, typer.Option(
+        help="vLLM's max_num_batched_tokens: the tokens a step schedules, decodes and prefill "
+             "positions alike (a longer prompt is prefilled in chunks). \\[default: no "
+             "cap]")] = None,
+    watermark: Annotated[float, typer.Option(
+        help="vLLM v0's watermark: this fraction of the pool's blocks kept free at admission (v0 "
+             "keeps 0.01).")] = 0.0,
+    policy: Annotated[str, typer.Option(
+        help="vllm: v1's steps, decodes and prefills mixed; vllm-v0: a step of prefills alone "
+             "whenever a waiting request fits, decodes in the others.")] = "vllm",
+    burstiness: Annotated[float, typer.Option(
+        help="With --rate: the gamma shape of the gaps between arrivals, as vLLM's benchmark draws "
+             "them (1: Poisson; below 1 burstier).")] = 1.0,
+    trace: Annotated[Path | None, typer.Option(
+        help="A trace CSV of arrival_s, prompt_len and output_len (arrival in seconds, sorted): "
+             "its requests instead of --requests, --len-dist, --output-dist and --rate.")] = None,
+    workload: Annotated[str | None, typer.Option(
+        help="sharegpt or alpaca: prompt and output lengths with the vLLM paper's means (161 and "
+             "338, 19 and 58 tokens) and vLLM's benchmark's filters, instead of --len-dist and "
+             "--output-dist.")] = None,
+    slo_ttft: Annotated[float | None, typer.Option(
+        help="Goodput: a request counts when its time to first token is at most this many ms (and "
+             "its TPOT within --slo-tpot).")] = None,
+    slo_tpot: Annotated[float | None, typer.Option(
+        help="Goodput: the most ms per output token after the first.")] = None,
+    model: Annotated[str | None, typer.Option(
+        help="Run a whole model's steps instead of one layer's: a preset (e.g. smollm2-135m) or a "
+             "checkpoint folder; its shape sets H, H_q, H_kv, D and a block holds every layer's K "
+             "and V.")] = None,
+    layers: Annotated[int | None, typer.Option(
+        help="With --model: its first N layers. \\[default: all]")] = None,
     hidden: Annotated[int | None, typer.Option(help="Hidden size H. \\[default: 512]")] = None,
     q_heads: Annotated[int | None, typer.Option(help="Query heads H_q. \\[default: 8]")] = None,
     kv_heads: Annotated[int | None, typer.Option(help="KV heads H_kv. \\[default: 2]")] = None,
     head_dim: Annotated[int | None, typer.Option(help="Head dim D. \\[default: 64]")] = None,
-    dtype: Annotated[str, typer.Option(help="float32|fp32, float16|fp16, bfloat16|bf16.")] = "float32",
+    dtype: Annotated[str, typer.Option(
+        help="float32|fp32, float16|fp16, bfloat16|bf16.")] = "float32",
     device: Annotated[str, typer.Option(help="auto, cpu, cuda or cuda:N.")] = "auto",
     seed: Annotated[int, typer.Option(help="Seed of the trace, the weights and the inputs.")] = 0,
-    decode_kernel: Annotated[str, typer.Option(help="How a decode step attends over the blocks: torch (block-wise attention in PyTorch ops), triton (kvbench's paged decode kernel; on CPU tensors Triton's interpreter, slow), or auto: triton on CUDA, torch elsewhere.")] = "auto",
-    prefix_caching: Annotated[bool, typer.Option("--prefix-caching", metavar="", help="vLLM v1's automatic prefix caching: full blocks shared by content across requests, kept after they are freed until needed (paged, recompute).")] = False,
-    shared_prefix_len: Annotated[int, typer.Option(help="A shared system prompt of this many positions before the prompts of --shared-prefix-frac of the requests.")] = 0,
-    shared_prefix_frac: Annotated[float, typer.Option(help="The share of requests that start with the shared prompt.")] = 1.0,
-    write_profile: Annotated[Path | None, typer.Option(help="Measure the engine's step time over a grid of (sequences decoding, their context, prefill positions) on this layer and device, and write it to this file (a cost profile).")] = None,
-    cost_profile: Annotated[Path | None, typer.Option(help="Replay the trace with each step's time read from this cost profile (--write-profile) instead of running it: no tensors, nothing verified.")] = None,
-    profile_batch: Annotated[int, typer.Option(help="--write-profile: the most sequences decoding measured.")] = 64,
-    profile_rounds: Annotated[int, typer.Option(help="--write-profile: timed steps per point (their median).")] = 5,
-    seeds: Annotated[int, typer.Option(help="Runs of each --reserve, on seeds --seed, --seed + 1, ...: the table shows each figure's mean and 95% interval, and marks a ratio whose intervals overlap.")] = 1,
-    host_mem: Annotated[str | None, typer.Option(help="Host memory this run may use, e.g. 64GiB. \\[default: MemAvailable]")] = None,
+    decode_kernel: Annotated[str, typer.Option(
+        help="How a decode step attends over the blocks: torch (block-wise attention in PyTorch "
+             "ops), triton (kvbench's paged decode kernel; on CPU tensors Triton's interpreter, "
+             "slow), or auto: triton on CUDA, torch elsewhere.")] = "auto",
+    prefix_caching: Annotated[bool, typer.Option(
+        "--prefix-caching", metavar="", help="vLLM v1's automatic prefix caching: full blocks "
+                                             "shared by content across requests, kept after they "
+                                             "are freed until needed (paged, recompute).")] = False,
+    shared_prefix_len: Annotated[int, typer.Option(
+        help="A shared system prompt of this many positions before the prompts of "
+             "--shared-prefix-frac of the requests.")] = 0,
+    shared_prefix_frac: Annotated[float, typer.Option(
+        help="The share of requests that start with the shared prompt.")] = 1.0,
+    write_profile: Annotated[Path | None, typer.Option(
+        help="Measure the engine's step time over a grid of (sequences decoding, their context, "
+             "prefill positions) on this layer and device, and write it to this file (a cost "
+             "profile).")] = None,
+    cost_profile: Annotated[Path | None, typer.Option(
+        help="Replay the trace with each step's time read from this cost profile (--write-profile) "
+             "instead of running it: no tensors, nothing verified.")] = None,
+    profile_batch: Annotated[int, typer.Option(
+        help="--write-profile: the most sequences decoding measured.")] = 64,
+    profile_rounds: Annotated[int, typer.Option(
+        help="--write-profile: timed steps per point (their median).")] = 5,
+    seeds: Annotated[int, typer.Option(
+        help="Runs of each --reserve, on seeds --seed, --seed + 1, ...: the table shows each "
+             "figure's mean and 95% interval, and marks a ratio whose intervals overlap.")] = 1,
+    host_mem: Annotated[str | None, typer.Option(
+        help="Host memory this run may use, e.g. 64GiB. \\[default: MemAvailable]")] = None,
     csv: CsvPath = None,
-    steps_csv: Annotated[Path | None, typer.Option(help="The per-step log. \\[default: the --csv path with -steps]")] = None,
-    no_csv: Annotated[bool, typer.Option("--no-csv", metavar="", help="Write no results file.")] = False,
-    format: Annotated[str, typer.Option("--format", help="table, csv or json (the rows on stdout).")] = "table",
-    quiet: Annotated[bool, typer.Option("--quiet", "-q", metavar="", help="Print nothing but errors (and --format's rows).")] = False,
-    ray: Annotated[str | None, typer.Option("--ray", help="Serve each --reserve in its own Ray task: --ray alone (or local) starts a cluster on this machine, auto joins the one it belongs to, HOST:PORT another. Needs the cluster extra.")] = None,
-    retries: Annotated[int, typer.Option(help="--ray: times a reserve whose worker died is run again.")] = 2,
-    threads: Annotated[int | None, typer.Option(help="--ray: CPU threads per reserve. \\[default: 1]")] = None,
+    steps_csv: Annotated[Path | None, typer.Option(
+        help="The per-step log. \\[default: the --csv path with -steps]")] = None,
+    no_csv: Annotated[bool, typer.Option(
+        "--no-csv", metavar="", help="Write no results file.")] = False,
+    format: Annotated[str, typer.Option(
+        "--format", help="table, csv or json (the rows on stdout).")] = "table",
+    quiet: Annotated[bool, typer.Option(
+        "--quiet", "-q", metavar="", help="Print nothing but errors (and --format's "
+                                          "rows).")] = False,
+    ray: Annotated[str | None, typer.Option(
+        "--ray", help="Serve each --reserve in its own Ray task: --ray alone (or local) starts a "
+                      "cluster on this machine, auto joins the one it belongs to, HOST:PORT "
+                      "another. Needs the cluster extra.")] = None,
+    retries: Annotated[int, typer.Option(
+        help="--ray: times a reserve whose worker died is run again.")] = 2,
+    threads: Annotated[int | None, typer.Option(
+        help="--ray: CPU threads per reserve. \\[default: 1]")] = None,
 ):
     """serve-sim's options as Typer declares them (a signature only: kvbench.cli's command
     takes it, and kvbench.experiments.servesim.SimOptions.from_cli their values)."""

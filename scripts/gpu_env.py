@@ -51,8 +51,9 @@ def main(device: str) -> int:
             smi = subprocess.run(["nvidia-smi", ("--query-gpu=driver_version,memory.used,"
                                   "clocks.sm,clocks.mem"), "--format=csv,noheader"],
                                  capture_output=True, text=True, check=False)
-            print(f"nvidia-smi: driver, memory used, SM clock, memory clock: "
-                  f"{smi.stdout.strip().splitlines()[0] if smi.stdout.strip() else smi.stderr.strip()}")
+            print("nvidia-smi: driver, memory used, SM clock, memory clock: "
+                  + (smi.stdout.strip().splitlines()[0] if smi.stdout.strip()
+                     else smi.stderr.strip()))
     else:
         print(f"device: the CPU ({os.cpu_count()} cores; a rehearsal of the plan)")
     for var in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):

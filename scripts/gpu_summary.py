@@ -207,7 +207,8 @@ def details(out: Path) -> int:
         print("bench, ragged decode (lognormal B=32): ms/step, % of copy: " + ", ".join(
             f"{r['impl']} {r['cached_ms_per_step']:.3f} {100 * r['bandwidth_fraction']:.0f}%"
             for _, r in rb.iterrows()))
-    bad += verdicts(out, "verify-techniques.csv", "verify, window / shared prefix / h2o (gate) / chunked prefill + speculative / beams")
+    bad += verdicts(out, "verify-techniques.csv", "verify, window / shared prefix / h2o (gate) / "
+                    "chunked prefill + speculative / beams")
     serve = read(out, "serve-sim.csv")
     if serve is not None:
         print("serve-sim (one trace, one pool): req/s, mean batch, TPOT p99 ms, step max ms, "

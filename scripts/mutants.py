@@ -3,7 +3,8 @@
     scripts/mutants.sh [--budget SECONDS] MODULE [MODULE ...]   e.g. kvbench/serving/ops.py
     scripts/mutants.sh [--budget SECONDS] --changed [REF]       the modules changed since REF
                                                                 (default: HEAD~1)
-    scripts/mutants.sh --only 'kvbench.experiments.model.run.x_kv_bytes*' kvbench/experiments/model/run.py
+    scripts/mutants.sh --only 'kvbench.experiments.model.run.x_kv_bytes*'
+    kvbench/experiments/model/run.py
                                                                 only the mutants whose names
                                                                 match (mutmut's globs)
     scripts/mutants.sh --all-tests ...                          the slow tests too, for the

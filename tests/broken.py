@@ -619,7 +619,8 @@ class RopeKeyPerHead(MlaLatentCache):
                                      dtype=layer.dtype, device=layer.device)
 
     def write(self, entry, _v=None):
-        n, d_c, at = entry.shape[2], self.latent_dim, slice(self.length, self.length + entry.shape[2])
+        n, d_c = entry.shape[2], self.latent_dim
+        at = slice(self.length, self.length + n)
         self.entries[:, :, at] = entry[..., :d_c]
         self.rope_keys[:, :, at] = entry[..., d_c:].expand(-1, self.rope_keys.shape[1], -1, -1)
         self._advance(n)

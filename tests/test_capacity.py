@@ -19,7 +19,8 @@ def spec(kv_heads, layers=32, head_dim=128, **kw):
     return ModelSpec(name="t", layers=layers, kv_heads=kv_heads, head_dim=head_dim, **kw)
 
 
-# --- the capacity formula's worked figures, exactly -------------------------------------------------------
+# --- the capacity formula's worked figures, exactly
+# -------------------------------------------------------
 
 def test_gqa_2_gib_and_512_kib_per_new_token_for_4_sequences():
     p = plan(spec(8), CacheFormat("fp16"), (4096,) * 4)

@@ -66,7 +66,8 @@ def test_compare_flags_a_regression_and_exits_1(bench_csv, tmp_path):
     assert runner.invoke(app, ["compare", str(base), str(slow)]).exit_code == 0
     # a 5% slowdown passes a 10% gate
     slight = scaled(bench_csv, tmp_path / "slight.csv", 1.05)
-    assert runner.invoke(app, ["compare", str(base), str(slight), "--fail-above", "10%"]).exit_code == 0
+    result = runner.invoke(app, ["compare", str(base), str(slight), "--fail-above", "10%"])
+    assert result.exit_code == 0
 
 
 def test_compare_warns_when_environments_differ(bench_csv, tmp_path):
@@ -136,7 +137,8 @@ def test_plot_draws_ragged_memory_rows_as_shares_holding_tokens(tmp_path):
 
 def test_plot_capacity_without_fit_says_what_is_missing(tmp_path):
     cap = tmp_path / "c.csv"
-    assert runner.invoke(app, ["capacity", "--model", "llama-3-8b", "--csv", str(cap)]).exit_code == 0
+    result = runner.invoke(app, ["capacity", "--model", "llama-3-8b", "--csv", str(cap)])
+    assert result.exit_code == 0
     result = runner.invoke(app, ["plot", str(cap)])
     assert result.exit_code == 2 and "--gpu-mem" in result.stderr
 
@@ -218,8 +220,10 @@ def test_a_memory_file_mixing_square_and_ragged_rows_draws_each_on_its_own(tmp_p
 
     seen = {}
     originals = plot.plot_serving, plot.plot_memory
-    plot.plot_serving = lambda df, plt: seen.setdefault("ragged", df) is None or originals[0](df, plt)
-    plot.plot_memory = lambda df, plt: seen.setdefault("square", df) is None or originals[1](df, plt)
+    plot.plot_serving = (lambda df, plt: seen.setdefault("ragged", df) is None
+                         or originals[0](df, plt))
+    plot.plot_memory = (lambda df, plt: seen.setdefault("square", df) is None
+                        or originals[1](df, plt))
     try:
         result = runner.invoke(app, ["plot", str(mem)])
     finally:

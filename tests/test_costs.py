@@ -80,7 +80,8 @@ def test_bench_derived_figures_by_hand():
 def test_bench_rows_carry_the_same_figures():
     (row,) = bench_rows(known_result(), {})
     assert row["decode_cached_ms"] == 8.0 and row["decode_cached_ms_iqr"] == 0.4
-    assert (row["decode_recompute_ms"], row["prefill_ms"], row["prefill_ms_max"]) == (40.0, 3.0, 3.5)
+    assert (row["decode_recompute_ms"], row["prefill_ms"], row["prefill_ms_max"]) == (
+        40.0, 3.0, 3.5)
     assert row["speedup"] == 5.0
     assert (row["recompute_ms_per_step"], row["cached_ms_per_step"]) == (10.0, 2.0)
     assert row["achieved_gbps"] == pytest.approx(2.0)
@@ -124,7 +125,8 @@ def test_graph_figures_by_hand():
     (t,) = r.timings
     assert r.graph_ms_per_step(t) == 0.5
     assert r.graph_speedup(t) == 4.0  # 2 ms eager per step / 0.5 captured
-    assert r.graph_bandwidth_fraction(t) == pytest.approx(1.6, rel=1e-12)  # 4e6 B / 0.5 ms = 8 GB/s / 5
+    # 4e6 B / 0.5 ms = 8 GB/s / 5
+    assert r.graph_bandwidth_fraction(t) == pytest.approx(1.6, rel=1e-12)
     (row,) = bench_rows(r, {})
     assert (row["decode_graph_ms"], row["graph_ms_per_step"], row["graph_speedup"]) == (
         2.0, 0.5, 4.0)
@@ -146,4 +148,5 @@ def test_model_graph_figures_by_hand():
     assert r.graph_speedup(t) == 2.5
     assert r.tokens_per_s(t) == 200.0  # 2 sequences a step, 100 steps a second
     assert r.bandwidth_fraction(t) == pytest.approx(0.2, rel=1e-12)  # 4e6 B / 10 ms = 0.4 GB/s / 2
-    assert r.graph_bandwidth_fraction(t) == pytest.approx(0.5, rel=1e-12)  # 4e6 B / 4 ms = 1 GB/s / 2
+    # 4e6 B / 4 ms = 1 GB/s / 2
+    assert r.graph_bandwidth_fraction(t) == pytest.approx(0.5, rel=1e-12)

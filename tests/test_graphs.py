@@ -1,5 +1,5 @@
-"""Captured decode steps (--graph): on the CPU through kvbench.kernels.graphs' recorder, which keeps a
-CUDA graph's contract (tensors by address, numbers frozen, no host reads), and the faults a
+"""Captured decode steps (--graph): on the CPU through kvbench.kernels.graphs' recorder, which keeps
+a CUDA graph's contract (tensors by address, numbers frozen, no host reads), and the faults a
 step that is not graph-safe shows."""
 
 import pytest
@@ -162,5 +162,5 @@ def test_verify_graph_with_all_notes_the_uncaptured_and_marks_the_rows(tmp_path)
     assert result.exit_code == 0, result.output
     assert "run without a graph" in result.stderr and "concat" in result.stderr
     rows = pd.read_csv(out).set_index("impl")
-    assert rows.loc["static", "graph"] == True
+    assert rows.loc["static", "graph"] is True  # (a bool column, not the text "True")
     assert pd.isna(rows.loc["concat", "graph"])

@@ -111,7 +111,8 @@ def test_the_window_ring_stays_at_sinks_plus_window_and_matches_the_planner():
         (m,) = memory(RunConfig(shape), ("window",)).impls
         model = ModelSpec(name="layer", layers=1, kv_heads=2, head_dim=8, sliding_window=8,
                           sinks=2)
-        assert m.cache_bytes == plan(model, CacheFormat("fp32"), (shape.total_len,) * 2).payload_bytes
+        planned = plan(model, CacheFormat("fp32"), (shape.total_len,) * 2)
+        assert m.cache_bytes == planned.payload_bytes
         held.append(m.cache_bytes)
     assert held == [2 * 10 * POSITION_WINDOW] * 2
 

@@ -1,5 +1,6 @@
-"""Continuous batching's bookkeeping (kvbench.serving.scheduler) on a seeded trace of 1,000 requests:
-no request lost or duplicated, no block leaked or held twice, under both preemption modes and
+"""Continuous batching's bookkeeping (kvbench.serving.scheduler) on a seeded trace of 1,000
+requests: no request lost or duplicated, no block leaked or held twice, under both preemption modes
+and
 both ways of reserving blocks."""
 
 import itertools

@@ -264,7 +264,8 @@ def test_latencies_by_hand():
                Record(Request(2, 1.9, 8, 4), first_token=2, finished=4)]
     ttft, tpot, per_token, _ = latencies(records, ends)
     assert ttft == pytest.approx([0.5, 0.3, 0.1])  # first token's step end − arrival
-    assert tpot == pytest.approx([0.75, 2.0 / 3])  # (finish − first) / (outputs − 1); 1 output: none
+    # (finish − first) / (outputs − 1); 1 output: none
+    assert tpot == pytest.approx([0.75, 2.0 / 3])
     assert per_token == pytest.approx([2.0 / 3, 0.3, 0.525])  # (finish − arrival) / outputs
 
 

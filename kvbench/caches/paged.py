@@ -20,14 +20,13 @@ from kvbench.sizing.capacity import QUANTIZED
 class PagedCache(CachedAttention):
     """vLLM-style paging: a pool of fixed-size blocks and a block table per sequence.
 
-    Pool [N_blocks, H_kv, block_size, D] for K and for V, as many blocks as the batch's
-    sequences take at their final lengths. A sequence takes blocks from the free list as it
-    grows; its table lists them in order (kept on the host, where blocks are handed out, and
-    on the device, appended to: caches/blocktable.py). Attention gathers the sequence's blocks (a copy; a
-    production kernel reads them in place) and attends like `static`. In a ragged batch each
-    sequence takes only the blocks its own length needs, and only its real positions are
-    written; the gather pads the shorter sequences (their unused table entries are 0, a real
-    block whose positions are masked).
+    Pool [N_blocks, H_kv, block_size, D] for K and for V, as many blocks as the batch's sequences
+    take at their final lengths. A sequence takes blocks from the free list as it grows; its table
+    lists them in order (kept on the host, where blocks are handed out, and on the device, appended
+    to: caches/blocktable.py). Attention gathers the sequence's blocks (a copy; a production kernel
+    reads them in place) and attends like `static`. In a ragged batch each sequence takes only the
+    blocks its own length needs, and only its real positions are written; the gather pads the
+    shorter sequences (their unused table entries are 0, a real block whose positions are masked).
     """
 
     name = "paged"

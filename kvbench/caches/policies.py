@@ -47,9 +47,10 @@ def replay(name: str, seen, prompt_kept: torch.Tensor, kept: list[torch.Tensor],
            evicting: bool, recent: int, scale: float, dtype,
            inv_freq: torch.Tensor | None = None, reference: str | None = None) -> str | None:
     """seen: the cache's record, (q, k, v) of the prompt, then (None, k_t, v_t) and
-    (q_t, None, None) for each decode step; inv_freq: RoPE's frequencies (None: no RoPE); prompt_kept [B, H_kv, n] and kept[j] [B, H_kv, slots] the positions it
-    held after the prefill and at decode step j. evicting: the budget is kept at every step
-    (--kv-compress decode); otherwise only the prompt is compressed. What is wrong, or
+    (q_t, None, None) for each decode step; inv_freq: RoPE's frequencies (None: no RoPE);
+    prompt_kept [B, H_kv, n] and kept[j] [B, H_kv, slots] the positions it held after the prefill
+    and at decode step j. evicting: the budget is kept at every step (--kv-compress decode);
+    otherwise only the prompt is compressed. What is wrong, or
     None."""
     q0, k0, v0 = seen[0]
     keys = torch.cat([k0, *(k for q, k, v in seen[1:] if k is not None)], dim=2).double()

@@ -16,7 +16,13 @@ from kvbench.report.render import human_bytes, new_table, out
 from kvbench.report.results import timestamp
 
 
-def capacity(model, list_models, from_config, layers, kv_heads, head_dim, q_heads, mla_latent, mla_rope, batch, seq_len, seq_lens, len_dist, max_len, seed, kv_dtype, group_size, k_quant, kv_residual, tp, block_size, window, sinks, shared_prefix, share_layers, kv_budget, kv_compress, prompt_len, layer_budgets, head_budgets, gpu_mem, weight_dtype, weights_bytes, margin, utilization, allocate, case, device, csv, require_fit=False, no_csv=False, format="table", quiet=False, engine=None, kv_reference=None, **serving) -> None:
+def capacity(model, list_models, from_config, layers, kv_heads, head_dim, q_heads, mla_latent,
+             mla_rope, batch, seq_len, seq_lens, len_dist, max_len, seed, kv_dtype, group_size,
+             k_quant, kv_residual, tp, block_size, window, sinks, shared_prefix, share_layers,
+             kv_budget, kv_compress, prompt_len, layer_budgets, head_budgets, gpu_mem, weight_dtype,
+             weights_bytes, margin, utilization, allocate, case, device, csv, require_fit=False,
+             no_csv=False, format="table", quiet=False, engine=None, kv_reference=None,
+             **serving) -> None:
     """Plan the KV cache (or with --allocate, check it on CUDA; with --engine, as that engine
     allocates it) and write its row."""
     from kvbench.measure.env import environment

@@ -883,8 +883,8 @@ def _estimate(o: SimOptions, first: Served) -> str:
 
     per_step = first.duration_s / max(first.steps, 1)
     left = sum(expected_steps(o, r) for r in o.reserve[1:]) * per_step
-    return (f"{first.reserve} took {duration_text(first.duration_s)}; about {duration_text(left)} for "
-            f"{', '.join(o.reserve[1:])} at its pace per step")
+    return (f"{first.reserve} took {duration_text(first.duration_s)}; about "
+            f"{duration_text(left)} for {', '.join(o.reserve[1:])} at its pace per step")
 
 
 # ------------------------------------------------------------- its rows and tables
@@ -934,8 +934,8 @@ def serve_table(o, device: str, served) -> Table:
              if o.seeds > 1 else "")
     t = new_table(f"serve-sim  {o.requests} requests arriving {rate}; prompts {o.len_dist}, "
                f"outputs {o.output_dist}{seeds}\n{o.label}: {o.kv_blocks} blocks of "
-               f"{o.block_size}  H={o.hidden} H_q={o.q_heads} H_kv={o.kv_heads} D={o.head_dim}  {o.dtype}  "
-               f"{device}")
+               f"{o.block_size}  H={o.hidden} H_q={o.q_heads} H_kv={o.kv_heads} "
+               f"D={o.head_dim}  {o.dtype}  {device}")
     for name in ("reserve", *(f[0] for f in SEED_FIGURES), "path A"):
         t.add_column(name, justify="left" if name in ("reserve", "path A") else "right",
                      no_wrap=name in ("reserve", "path A"))
@@ -1007,7 +1007,8 @@ def serve_rows(o, device: str, served, stamp: str,
                "kv_blocks": o.kv_blocks, "block_size": o.block_size,
                "prefill_chunk": o.prefill_chunk, "max_seqs": o.max_seqs,
                "max_batched_tokens": o.max_batched_tokens, "watermark": o.watermark or None,
-               "policy": o.policy, "burstiness": o.burstiness, "slo_ttft_ms": o.slo_ttft, "slo_tpot_ms": o.slo_tpot,
+               "policy": o.policy, "burstiness": o.burstiness, "slo_ttft_ms": o.slo_ttft,
+               "slo_tpot_ms": o.slo_tpot,
                "goodput_per_s": None if s.good is None else s.good / s.duration_s,
                "workload": o.workload, "prefix_caching": o.prefix_caching,
                "shared_prefix_len": o.shared_prefix_len or None,

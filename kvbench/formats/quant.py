@@ -65,7 +65,8 @@ def _grouped_view(x: torch.Tensor, group: int, fill: float) -> torch.Tensor:
 
 
 def quantize_grouped(x: torch.Tensor, bits: int, group: int):
-    """x [..., D] -> (codes uint8 [..., ceil(D·bits/8)], scale fp16 [..., G], zero fp16 [..., G])."""
+    """x [..., D] -> (codes uint8 [..., ceil(D·bits/8)], scale fp16 [..., G], zero fp16
+    [..., G])."""
     D = x.shape[-1]
     xf = x.float()
     lo = _grouped_view(xf, group, math.inf).amin(-1)

@@ -1,13 +1,13 @@
 """A split-K decode attention kernel and a skinny GEMM, JIT-compiled with numba (CPU).
 
-Why a kernel: decode attention has G = H_q/H_kv query rows per KV head, so its two matmuls are
-GEMMs with M = G (4 in typical GQA). BLAS packs the whole K and V for such a call and runs at a
-fraction of memory bandwidth; a torch eager step cannot do better (see docs/techniques.md). This kernel
-streams each K and V row once and applies it to all G queries while it is in registers, and
-splits the context into chunks so every thread has work even for one sequence (flash-decoding:
-each chunk keeps its running max, exp-sum and weighted V sum; chunks merge by log-sum-exp).
-The first call compiles the kernels (or loads them from numba's cache); its time is reported
-as compile_ms and verify makes that call before anything is timed.
+Why a kernel: decode attention has G = H_q/H_kv query rows per KV head, so its two matmuls are GEMMs
+with M = G (4 in typical GQA). BLAS packs the whole K and V for such a call and runs at a fraction
+of memory bandwidth; a torch eager step cannot do better (see docs/techniques.md). This kernel
+streams each K and V row once and applies it to all G queries while it is in registers, and splits
+the context into chunks so every thread has work even for one sequence (flash-decoding: each chunk
+keeps its running max, exp-sum and weighted V sum; chunks merge by log-sum-exp). The first call
+compiles the kernels (or loads them from numba's cache); its time is reported as compile_ms and
+verify makes that call before anything is timed.
 """
 
 from __future__ import annotations

@@ -183,7 +183,8 @@ def stage1_args(q, pool, table, lengths, scale, launch, latent_dim: int, fp8_sca
         "H": H, "C": C, "R": R, "BLOCK_H": BLOCK_H, "BLOCK_C": pad(C), "BLOCK_R": pad(R),
         "BLOCK_N": cfg.block_n, "BLOCK_B": triton.next_power_of_2(B), "PAGE": pool.shape[2],
         "SPLITS": launch.splits, "UNITS": units(H), "DOT_PRECISION": precision,
-        "WIDEN": widen, "FP8": fp8_scale is not None, "STATIC_TILES": static_tiles(longest, launch), "AHEAD": True,
+        "WIDEN": widen, "FP8": fp8_scale is not None,
+        "STATIC_TILES": static_tiles(longest, launch), "AHEAD": True,
         "num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
     return (B, units(H), launch.splits), args, constants
 

@@ -218,7 +218,8 @@ def recompute_step(layer: AttentionLayer, prefix: torch.Tensor) -> torch.Tensor:
 
 def recompute_decode(layer: AttentionLayer, x: torch.Tensor, prompt_len: int) -> list[torch.Tensor]:
     """Path A: step j (1..G) recomputes the prefix x[:, :T_p + j]; returns G outputs [B, 1, H]."""
-    return [recompute_step(layer, x[:, : prompt_len + j]) for j in range(1, x.shape[1] - prompt_len + 1)]
+    return [recompute_step(layer, x[:, : prompt_len + j])
+            for j in range(1, x.shape[1] - prompt_len + 1)]
 
 
 def recompute_each(layer: AttentionLayer, x: torch.Tensor, prompt_lens) -> list[torch.Tensor]:

@@ -1,10 +1,10 @@
 """The allocation check (CUDA): allocate the formula's cache for real and compare.
 
-One merged fp16 tensor [L, 2, B, H_kv, T, D] (K and V side by side: a check of the payload,
-not a production layout) is allocated, zero-filled so its pages are really touched, read at
-its first and last element, and the growth of allocated and of reserved memory is compared with
-a model of the caching allocator's rules (allocator_model), not with the formula itself. It does not model weights, activations, a paged
-allocator, CUDA graphs or scheduling, and it is not an OOM-limit test.
+One merged fp16 tensor [L, 2, B, H_kv, T, D] (K and V side by side: a check of the payload, not a
+production layout) is allocated, zero-filled so its pages are really touched, read at its first and
+last element, and the growth of allocated and of reserved memory is compared with a model of the
+caching allocator's rules (allocator_model), not with the formula itself. It does not model weights,
+activations, a paged allocator, CUDA graphs or scheduling, and it is not an OOM-limit test.
 """
 
 from __future__ import annotations
@@ -18,7 +18,8 @@ import torch
 from kvbench.errors import KvbenchError
 
 MIB = 2**20
-# The two worked cases of the capacity formula (2 · L · B · T · H_kv · D · 2 bytes): L=32, B=4, T=4096, H_kv (8 or 32), D=128, fp16.
+# The two worked cases of the capacity formula (2 · L · B · T · H_kv · D · 2 bytes): L=32, B=4,
+# T=4096, H_kv (8 or 32), D=128, fp16.
 CASES = {
     "gqa": {"layers": 32, "batch": 4, "seq_len": 4096, "kv_heads": 8, "head_dim": 128},
     "mha": {"layers": 32, "batch": 4, "seq_len": 4096, "kv_heads": 32, "head_dim": 128},

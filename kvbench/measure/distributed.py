@@ -1,11 +1,11 @@
 """Tensor parallelism on torch.distributed: one process per rank, started by torchrun.
 
-The layer is split by head, Megatron-style (kvbench.layers.attention.AttentionLayer.shard): each rank
-holds H_q/N query heads, its KV heads (H_kv/N of them, or one replicated KV head when there
-are fewer KV heads than ranks), the matching columns of W_q, W_k, W_v (column-parallel) and
-rows of W_o (row-parallel), and caches only its own KV heads. The output projection's partial
-sums are all-reduced: one collective per layer per step. NCCL on CUDA (rank r on cuda:r of its
-node), gloo on the CPU.
+The layer is split by head, Megatron-style (kvbench.layers.attention.AttentionLayer.shard): each
+rank holds H_q/N query heads, its KV heads (H_kv/N of them, or one replicated KV head when there are
+fewer KV heads than ranks), the matching columns of W_q, W_k, W_v (column-parallel) and rows of W_o
+(row-parallel), and caches only its own KV heads. The output projection's partial sums are
+all-reduced: one collective per layer per step. NCCL on CUDA (rank r on cuda:r of its node), gloo on
+the CPU.
 
 Rank 0 alone prints and writes results; every rank runs the same points, so collectives meet.
 """

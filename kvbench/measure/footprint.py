@@ -1,9 +1,9 @@
 """How many bytes each phase holds at its peak, from the shape alone. No torch needed.
 
-The preflight (kvbench.planning.preflight) adds these up before anything is allocated, to refuse a point
-that would not fit. Each function models the live tensors of one piece of kvbench's own code at
-its worst moment, as the CPU tracker of kvbench.experiments.memory sees them (a test holds the two within
-25%). Sizes are in elements of the compute dtype unless the name says bytes.
+The preflight (kvbench.planning.preflight) adds these up before anything is allocated, to refuse a
+point that would not fit. Each function models the live tensors of one piece of kvbench's own code
+at its worst moment, as the CPU tracker of kvbench.experiments.memory sees them (a test holds the
+two within 25%). Sizes are in elements of the compute dtype unless the name says bytes.
 
 Moments worth knowing (path A and the teaching prefill): `(q @ kᵀ) * scale` holds two T×T score
 tensors at once, as do `masked_fill` and `softmax`, so dense causal attention peaks at twice

@@ -1,4 +1,5 @@
-"""Timing the way careful harnesses do: warm up, synchronise around every sample, median + spread."""
+"""Timing the way careful harnesses do: warm up, synchronise around every sample, median +
+spread."""
 
 from __future__ import annotations
 

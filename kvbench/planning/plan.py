@@ -19,8 +19,8 @@ if TYPE_CHECKING:
 
 def expand(o: RunOptions, reference_cases: bool = False, measure: str | None = None,
            base=None):
-    """The points of the options (_points_of), or with a sweep file's [[points]] the points of each table
-    (options over the file's own), in order. The tables may not change the options every
+    """The points of the options (_points_of), or with a sweep file's [[points]] the points of each
+    table (options over the file's own), in order. The tables may not change the options every
     implementation shares (--block-size and the like). `base`: the shape the options
     change (default: the device's timing case; a --model's layer)."""
     variants = o.points

@@ -6,9 +6,9 @@ what this process's allocator holds unused, and the host's for the weights drawn
 point may use BUDGET_FRACTION of what is available: the estimate is held within 25% of the
 measured peaks (tests/test_preflight.py), so 1/1.25 of the memory leaves room for its error.
 
-Every phase is the whole process's peak above what it held before the point: weights and
-inputs, what the phase keeps from earlier phases, and the phase's own peak (kvbench.measure.footprint
-and each implementation's `footprint`).
+Every phase is the whole process's peak above what it held before the point: weights and inputs,
+what the phase keeps from earlier phases, and the phase's own peak (kvbench.measure.footprint and
+each implementation's `footprint`).
 """
 
 from __future__ import annotations
@@ -114,7 +114,8 @@ def _remedy_for(name: str) -> str:
 
 def verify_phases(config: RunConfig, impls, options, label: str = "verify",
                   path_a_remedy: str = f"{_SHRINK} (path A is quadratic)") -> list[Phase]:
-    """kvbench.experiments.verify.verify: path A, its float64 twin, then each implementation beside them."""
+    """kvbench.experiments.verify.verify: path A, its float64 twin, then each implementation
+    beside them."""
     s, b = config.shape, config.dtype_bytes
     mem, base = _memory(config), layer_bytes(config)
     outputs = fp.Sizes(s).x(s.prompt_len) * b + s.decode_len * s.batch * s.hidden * b
@@ -145,7 +146,8 @@ def bench_phases(config: RunConfig, impls, options, bench_options) -> list[Phase
     s = config.shape
     mem = _memory(config)
     feet = _impl_footprints(config, impls, options)
-    held = layer_bytes(config) + 2 * copy_bytes(config.device) + sum(f.storage for f in feet.values())
+    held = (layer_bytes(config) + 2 * copy_bytes(config.device)
+            + sum(f.storage for f in feet.values()))
     if config.graph:  # --graph: a second prompt cache of each one captured
         from kvbench.caches import IMPLEMENTATIONS
 
@@ -189,7 +191,8 @@ def plan(command: str, config: RunConfig, impls, options, bench_options=None,
         phases += bench_phases(config, impls, options, bench_options)
     else:
         phases += memory_phases(config, impls, options)
-    return Plan(config, tuple(impls), tuple(phases), available or available_memory(config.device, host_mem))
+    return Plan(config, tuple(impls), tuple(phases),
+                available or available_memory(config.device, host_mem))
 
 
 def available_memory(device: str, host_mem: str | None = None) -> dict[str, int]:

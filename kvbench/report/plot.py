@@ -151,7 +151,7 @@ def plot_serving(df: pd.DataFrame, plt):
 
 def plot_budget(df: pd.DataFrame, plt):
     """Lossy caches (h2o) against their --kv-budget: the error against full attention."""
-    df = latest(df[df["lossy"] == True], key_columns(df))  # == True: empty (NaN) when exact
+    df = latest(df[df["lossy"].eq(True)], key_columns(df))  # eq(True): empty (NaN) when exact
     df = df.dropna(subset=["kv_budget"])
     if df.empty:
         raise KvbenchError("no lossy rows with a --kv-budget to plot: run kvbench verify "
@@ -518,7 +518,7 @@ def _plot_one(kind: str, df: pd.DataFrame, output: Path) -> list[Path]:
         drawers[kind] = lambda df, plt: plot_frontier(kind, df, plt)
     if kind == "memory" and df["seq_lens"].notna().any() and df["kv_waste"].notna().any():
         drawers[kind] = plot_serving
-    if kind == "verify" and ((df["lossy"] == True) & df["kv_budget"].notna()).any():
+    if kind == "verify" and (df["lossy"].eq(True) & df["kv_budget"].notna()).any():
         drawers[kind] = plot_budget
     if kind == "bench" and df[["window", "shared_prefix", "kv_budget"]].notna().any().any():
         drawers[kind] = plot_techniques

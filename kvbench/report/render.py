@@ -127,7 +127,8 @@ def kv_label(fmt) -> str:
 
 def ms_text(x: float) -> str:
     """A time in ms to four significant digits (two decimals at least below 100)."""
-    return f"{x:.1f}" if x >= 100 else f"{x:.2f}" if x >= 10 else f"{x:.3f}" if x >= 1 else f"{x:.4f}"
+    return (f"{x:.1f}" if x >= 100 else f"{x:.2f}" if x >= 10 else f"{x:.3f}" if x >= 1
+            else f"{x:.4f}")
 
 
 def spread_text(stats) -> str:
@@ -264,18 +265,22 @@ def show_comparison(c) -> None:
     for line in c.env_differences:
         warn(f"environments differ: {line}")
     if c.only_base or c.only_new:
-        note(f"{c.only_base} configurations only in the baseline, {c.only_new} only in the new file")
+        note(f"{c.only_base} configurations only in the baseline, {c.only_new} only in the new "
+             "file")
     t = new_table(f"compare  {c.kind}: new / baseline per configuration")
     for col in ("impl", "config", "metric", "baseline", "new", "ratio", "verdict"):
         # the configuration and a verdict's words wrap to make room; a name is never split
         t.add_column(col, justify="right" if col in ("baseline", "new", "ratio") else "left",
                      no_wrap=col in ("impl", "metric"))
     unit = (lambda x: f"{x:.3f}") if c.kind == "bench" else (lambda x: mib(x))
+
+    def spread(s):  # under the value: 80 columns
+        return f"\n±{s:.3f}" if s else ""
+
     for ch in c.changes:
         k = ch.config
         config = (f"B={k['batch']} T={k['prompt_len']}+{k['decode_len']} H_q={k['q_heads']} "
                   f"H_kv={k['kv_heads']} D={k['head_dim']} {k['dtype']}")
-        spread = (lambda s: f"\n±{s:.3f}" if s else "")  # under the value: 80 columns
         if ch.regression:
             verdict = "[red bold]REGRESSION[/]"
         elif ch.too_noisy:

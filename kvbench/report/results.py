@@ -171,7 +171,8 @@ def append_csv(path: Path, rows: list[dict[str, object]], columns: list[str],
         os.chmod(tmp, mode)
         os.replace(tmp, path)
     except OSError as err:
-        raise KvbenchError(f"cannot write {path}: {err.strerror}; pass another --csv path") from None
+        raise KvbenchError(f"cannot write {path}: {err.strerror}; pass another --csv "
+                           "path") from None
     finally:
         if tmp and os.path.exists(tmp):
             os.unlink(tmp)
@@ -263,7 +264,8 @@ BENCH_COLUMNS = BENCH_FIRST[:-len(ENV_COLUMNS)] + [
     # planner's figure), and the verification's error against path A (lossy: h2o)
     "kv_cache_bytes", "verify_max_abs_err", "verify_mean_abs_err", "verify_cosine",
     "lossy",
-    # above the copy bandwidth: served from a cache, not memory (see kvbench.experiments.bench.bench_warnings)
+    # above the copy bandwidth: served from a cache, not memory (see
+    # kvbench.experiments.bench.bench_warnings)
     "suspect",
     # --model: time to first token (prefill_ms), per decode step of the batch: ms, tokens/s,
     # the weight and K/V bytes read and written, the K/V share of them
@@ -384,17 +386,19 @@ ALLOCATION_FIRST = [
     "free_before_bytes", "passed",
 ] + ENV_COLUMNS
 ALLOCATION_COLUMNS = ALLOCATION_FIRST[:-len(ENV_COLUMNS) - 2] + [
-    "expected_reserved_increase_bytes", "free_before_bytes", "passed"] + ENV_COLUMNS + PROVENANCE_COLUMNS
+    "expected_reserved_increase_bytes", "free_before_bytes", "passed"] + ENV_COLUMNS \
+    + PROVENANCE_COLUMNS
 
 
-# serve-sim: one row per way of reserving on a trace (kvbench.experiments.servesim); times in ms except
-# the run's duration; rate_per_s empty when every request arrived at once
+# serve-sim: one row per way of reserving on a trace (kvbench.experiments.servesim); times in ms
+# except the run's duration; rate_per_s empty when every request arrived at once
 SERVE_FIRST = [
     "timestamp", "command", "reserve", "preempt", "requests", "len_dist", "output_dist",
     "max_len", "rate_per_s", "kv_blocks", "block_size", "prefill_chunk", "kv_pool_bytes",
     "hidden", "q_heads",
     "kv_heads", "head_dim", "dtype", "device", "seed", "passed", "max_abs_err", "duration_s",
-    "steps", "step_p50_ms", "step_max_ms", "requests_per_s", "output_tokens_per_s", "prompt_tokens", "output_tokens",
+    "steps", "step_p50_ms", "step_max_ms", "requests_per_s", "output_tokens_per_s", "prompt_tokens",
+    "output_tokens",
     "ttft_p50_ms", "ttft_p90_ms", "ttft_p99_ms", "tpot_p50_ms", "tpot_p90_ms", "tpot_p99_ms",
     "latency_per_token_mean_ms", "mean_batch", "max_batch", "mean_blocks_in_use",
     "max_blocks_in_use", "mean_kv_bytes_in_use", "preemptions", "recomputed_tokens",

@@ -27,9 +27,9 @@ from pathlib import Path
 
 from kvbench.errors import KvbenchError
 
-PROFILE_COLUMNS = ["command", "model", "layers", "decode_kernel", "hidden", "q_heads", "kv_heads", "head_dim", "dtype", "device",
-                   "device_name", "block_size", "batch", "context", "prefill", "step_ms",
-                   "rounds", "calls"]
+PROFILE_COLUMNS = ["command", "model", "layers", "decode_kernel", "hidden", "q_heads", "kv_heads",
+                   "head_dim", "dtype", "device", "device_name", "block_size", "batch", "context",
+                   "prefill", "step_ms", "rounds", "calls"]
 SHAPE_COLUMNS = ("model", "layers", "hidden", "q_heads", "kv_heads", "head_dim", "dtype",
                  "block_size", "decode_kernel")
 # a profile written before these columns: one attention layer, the torch kernel

@@ -49,7 +49,8 @@ class Loaded:
 _loaded: dict[tuple, Loaded] = {}
 
 
-def load(ref: ModelRef, config: RunConfig, layers: int | None, text, keep_hf: bool = True) -> Loaded:
+def load(ref: ModelRef, config: RunConfig, layers: int | None, text,
+         keep_hf: bool = True) -> Loaded:
     """The model at this point's dtype and device, and its tokens (loaded once per dtype)."""
     s = config.shape
     key = (ref, config.dtype, config.device, layers, str(text), keep_hf)
@@ -257,7 +258,8 @@ def verify(ref: ModelRef, config: RunConfig, names, options: ImplOptions, layers
 COMPARE_BYTES = 2**28  # logits are compared in float64 a slice of positions at a time
 
 
-def _compare(a: torch.Tensor, b: torch.Tensor, rtol: float, atol: float) -> tuple[float, int | None]:
+def _compare(a: torch.Tensor, b: torch.Tensor, rtol: float,
+             atol: float) -> tuple[float, int | None]:
     """max |a - b| over logits [B, T, V], and the first position t where b is not within
     tolerance of a (None if none is), in float64 a slice of positions at a time: a long
     prompt's logits in float64 would take tens of GiB (B=8, T=4,096, V=128,256: 31 GiB)."""
@@ -340,7 +342,8 @@ def _check(name, is_lossy, prompt, steps, ref_prompt, ref_steps, targets, rtol, 
         if not differs.any():
             return check
         check.passed, check.first_bad_step = False, 1 + int(differs.nonzero()[0])
-        check.message = f"its most likely token differs from path A's at step {check.first_bad_step}"
+        check.message = (f"its most likely token differs from path A's at step "
+                         f"{check.first_bad_step}")
         return check
     where = "the prompt" if first == 0 else f"step {first}"
     check.passed, check.first_bad_step = False, first

@@ -67,7 +67,9 @@ class ModelAttention(AttentionLayer):
         self.scale = 1.0 / math.sqrt(arch.head_dim)
 
     def to(self, dtype: torch.dtype) -> ModelAttention:
-        cast = (lambda t: None if t is None else t.to(dtype))
+        def cast(t):
+            return None if t is None else t.to(dtype)
+
         return ModelAttention(self.arch, self.shape, cast(self.w_qkv), cast(self.w_o),
                               cast(self.b_qkv), cast(self.q_norm), cast(self.k_norm))
 
