@@ -39,44 +39,17 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_BUDGET_S = 900
 
-# module -> the tests that cover it, where they are not tests/test_<name>.py
-TESTS = {
-    "kvbench/experiments/model/view.py": ["tests/test_model_view.py"],
-    "kvbench/layers/model/": ["tests/test_model.py", "tests/test_costs.py",
-                              "tests/test_transformer.py"],
-    "kvbench/experiments/model/": ["tests/test_model.py", "tests/test_costs.py",
-                                   "tests/test_model_view.py", "tests/test_transformer.py"],
-    "kvbench/subjects/": ["tests/test_model.py", "tests/test_cli.py", "tests/test_mla.py"],
-    "kvbench/serving/scheduler.py": ["tests/test_scheduler.py", "tests/test_servesim.py"],
-    "kvbench/serving/engine.py": ["tests/test_servesim.py"],
-    "kvbench/serving/profile.py": ["tests/test_profile.py"],
-    "kvbench/caches/policies.py": ["tests/test_verify.py", "tests/test_reference.py"],
-    # (each cache's footprint is checked against measured peaks in test_preflight)
-    "kvbench/caches/h2o.py": ["tests/test_verify.py", "tests/test_cli.py",
-                              "tests/test_preflight.py", "tests/test_reference.py"],
-    "kvbench/caches/heads.py": ["tests/test_heads.py", "tests/test_preflight.py",
-                                "tests/test_reference.py"],
-    "kvbench/caches/think.py": ["tests/test_think.py", "tests/test_preflight.py",
-                                "tests/test_reference.py"],
-    "kvbench/sizing/budgets.py": ["tests/test_model.py::test_the_pyramid_by_hand",
-                                  "tests/test_model.py::test_bad_layer_budgets_are_one_line",
-                                  "tests/test_heads.py::test_capacity_refuses_budgets_it_cannot_plan_in_one_line",
-                                  "tests/test_reference.py"],
-    "kvbench/sizing/capacity.py": ["tests/test_capacity.py", "tests/test_heads.py",
-                                   "tests/test_engine.py"],
-    "kvbench/serving/workloads.py": ["tests/test_scheduler.py", "tests/test_servesim.py"],
-    "kvbench/experiments/servesim.py": ["tests/test_servesim.py"],
-    "kvbench/report/compare.py": ["tests/test_compare_plot.py"],
-    "kvbench/report/load.py": ["tests/test_compare_plot.py", "tests/test_results.py"],
-    "kvbench/sizing/engine.py": ["tests/test_engine.py"],
-    "kvbench/report/plot.py": ["tests/test_compare_plot.py"],
-    "kvbench/serving/ops.py": ["tests/test_serving.py"],
-    "kvbench/layers/mla.py": ["tests/test_mla.py"],
-    "kvbench/caches/mla.py": ["tests/test_mla.py"],
-    "kvbench/experiments/bench.py": ["tests/test_costs.py", "tests/test_cli.py"],
-    "kvbench/kernels/triton_decode.py": ["tests/test_triton.py"],
-    "kvbench/caches/paged.py": ["tests/test_cache.py", "tests/test_serving.py"],
-}
+# module -> the tests that cover it (tests/map.toml: one map for readers and this tool)
+def _map() -> dict[str, list[str]]:
+    try:
+        import tomllib
+    except ImportError:  # Python 3.10
+        import tomli as tomllib
+
+    return tomllib.loads((REPO / "tests" / "map.toml").read_text())["modules"]
+
+
+TESTS = _map()
 
 
 # modules whose mutants run without the slow tests (torch.compile builds, the trained model,
@@ -87,13 +60,15 @@ FAST_ONLY = ("kvbench/layers/model/", "kvbench/experiments/model/",
 
 
 def tests_for(module: str) -> list[str]:
+    if module in TESTS:  # a module's own entry before its folder's
+        return TESTS[module]
     for prefix, tests in TESTS.items():
-        if module == prefix or (prefix.endswith("/") and module.startswith(prefix)):
+        if prefix.endswith("/") and module.startswith(prefix):
             return tests
     own = REPO / "tests" / f"test_{Path(module).stem}.py"
     if not own.exists():
         raise SystemExit(f"mutants: no tests/test_{Path(module).stem}.py for {module}; add it "
-                         "to TESTS in scripts/mutants.py")
+                         "to tests/map.toml")
     return [str(own.relative_to(REPO))]
 
 

@@ -19,6 +19,9 @@ def pytest_configure(config):
                             "without it")
 
 
+SLOW_MARKERS = ("slow", "compiles", "trained", "cuda")
+
+
 def builds_graphs(item) -> bool:
     """Whether a test builds torch.compile graphs on the CPU: marked `compiles`, in
     test_compiled.py, or run with the compiled or flex implementation as a parameter."""
@@ -39,6 +42,9 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if builds_graphs(item) and not item.get_closest_marker("xdist_group"):
             item.add_marker(pytest.mark.xdist_group("inductor"))
+        # the inner loop's tier (pytest -m fast): every test under a second or so
+        if not (builds_graphs(item) or any(m in item.keywords for m in SLOW_MARKERS)):
+            item.add_marker(pytest.mark.fast)
 
     if importlib.util.find_spec("numba") is None:
         no_numba = pytest.mark.skip(reason="needs numba: pip install -e \".[cpu-kernel]\"")

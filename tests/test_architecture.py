@@ -58,6 +58,7 @@ def test_no_module_imports_itself_round_a_circle():
     assert not circles, circles
 
 
+@pytest.mark.slow
 def test_no_private_name_is_imported_from_another_package():
     import ast
 
@@ -72,3 +73,17 @@ def test_no_private_name_is_imported_from_another_package():
                             for a in node.names if a.name.startswith("_")
                             and not a.name.startswith("__") and package != own]
     assert not reached, reached
+
+
+def test_every_module_has_its_tests_in_the_map():
+    # tests/map.toml (or tests/test_<name>.py) names each module's tests, and they exist
+    import sys
+
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import mutants
+
+    for path in sorted(PACKAGE.rglob("*.py")):
+        if path.name == "__init__.py":
+            continue
+        for test in mutants.tests_for(str(path.relative_to(ROOT))):
+            assert (ROOT / test.split("::")[0]).is_file(), (path, test)

@@ -37,6 +37,7 @@ def at_shape(name: str):
 
 
 @pytest.mark.parametrize("name", list(IMPLEMENTATIONS))
+@pytest.mark.slow
 def test_rewind_then_decode_equals_a_fresh_decode(name):
     cls, layer, x = at_shape(name)
     with torch.no_grad():
@@ -120,6 +121,7 @@ def test_sdpa_reports_the_backend_that_runs():
 
 
 @pytest.mark.numba
+@pytest.mark.slow
 def test_splitk_merges_chunks_exactly():
     # One sequence, one KV head and 1500 positions: the kernel splits the context into chunks.
     shape = LayerShape(batch=1, prompt_len=1500, decode_len=3, hidden=32, q_heads=4,
@@ -375,6 +377,7 @@ def test_without_triton_the_kernel_is_skipped_or_refused_naming_the_extra(tmp_pa
 
 
 @pytest.mark.parametrize("name", list(IMPLEMENTATIONS))
+@pytest.mark.slow
 def test_a_prompt_cache_filled_without_attention_decodes_as_a_prefilled_one(name):
     # bench --no-prefill builds its prompt caches with fill(): K and V are projections of the
     # prompt, so concat needs no dense T×T prefill there

@@ -223,6 +223,7 @@ def test_verify_a_ragged_batch_writes_its_lengths(tmp_path):
     assert set(df["max_len"]) == {40} and set(df["cache_shape"]) == {"3x2x20x12"}
 
 
+@pytest.mark.slow
 def test_len_dist_draws_seeded_lengths_one_point_per_distribution(tmp_path):
     out = tmp_path / "m.csv"
     small = ["--device", "cpu", "--decode-len", "2", "--hidden", "32", "--q-heads", "4",
@@ -243,6 +244,7 @@ def test_len_dist_draws_seeded_lengths_one_point_per_distribution(tmp_path):
     assert (paged["kv_frag_bytes"] >= 0).all() and static["kv_frag_bytes"].isna().all()
 
 
+@pytest.mark.slow
 def test_kv_budget_list_runs_each_and_plots_the_loss(tmp_path):
     out = tmp_path / "v.csv"
     small = ["--device", "cpu", "--batch", "1", "--prompt-len", "30", "--decode-len", "4",
@@ -315,6 +317,7 @@ def test_an_implementation_named_twice_and_half_precision_on_the_cpu_are_said():
     assert result.stdout.count(" static ") == 1
 
 
+@pytest.mark.slow
 def test_memory_of_an_eviction_budget_by_hand(tmp_path):
     # B=1, H_kv=2, D=8, fp32, a budget of 6 of 8 + 4 positions. decode: 6 slots of K and V
     # (2·2·6·8·4 = 768 bytes), each slot's position and score (2·6·(8+4) = 144), and snapkv's

@@ -38,6 +38,7 @@ def sweep(command, csv, *extra):
     return pd.read_csv(csv).sort_values(["prompt_len", "impl"]).reset_index(drop=True)
 
 
+@pytest.mark.slow
 def test_a_sweep_on_ray_writes_what_a_local_sweep_writes(cluster, tmp_path):
     # 6 verify points (3 prompts x 2 dtypes) and 4 memory points, each row once
     lens = ["--prompt-len", "4,8,12"]
@@ -95,6 +96,7 @@ def test_a_point_that_fails_for_its_own_reasons_is_not_run_again(cluster, tmp_pa
     assert attempts.read_text() == "x"
 
 
+@pytest.mark.slow
 def test_sigterm_on_the_driver_keeps_the_finished_rows(cluster, tmp_path):
     # a driver in a subprocess joins the module's cluster: the first point is quick, the last
     # two long
@@ -115,6 +117,7 @@ def test_sigterm_on_the_driver_keeps_the_finished_rows(cluster, tmp_path):
     assert rows["prompt_len"].tolist() == [4] and "terminated after 1 of 3 points" in err
 
 
+@pytest.mark.slow
 def test_shards_merged_equal_the_whole_sweep(tmp_path):
     lens = ["--prompt-len", "4,8,12"]
     whole = sweep("memory", tmp_path / "whole.csv", *lens)
@@ -166,6 +169,7 @@ def test_a_point_that_needs_more_gpus_than_any_node_is_refused(cluster):
         c.check([(config, ("static",))])
 
 
+@pytest.mark.slow
 def test_serve_sim_on_ray_serves_each_reserve_as_a_task(cluster, tmp_path):
     sim = ["serve-sim", "--requests", "6", "--len-dist", "uniform:4:12", "--output-dist",
            "uniform:2:6", "--max-len", "32", "--kv-blocks", "16", "--block-size", "4",
@@ -181,6 +185,7 @@ def test_serve_sim_on_ray_serves_each_reserve_as_a_task(cluster, tmp_path):
         assert on_ray[col].tolist() == local[col].tolist(), col
 
 
+@pytest.mark.slow
 def test_a_tp_point_runs_its_ranks_inside_its_task(cluster, tmp_path):
     # --tp 2 on the CPU: the task starts both ranks (gloo) on the sweep's one point; rank 0's
     # row comes back with the driver's run id, each rank having cached its own KV head

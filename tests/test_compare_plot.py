@@ -98,6 +98,7 @@ def test_compare_bad_threshold(bench_csv):
     assert result.exit_code == 2 and "--fail-above" in result.stderr
 
 
+@pytest.mark.slow
 def test_plot_bench_memory_capacity(tmp_path, bench_csv):
     out = tmp_path / "b.png"
     result = runner.invoke(app, ["plot", str(bench_csv), "-o", str(out)])
@@ -115,6 +116,7 @@ def test_plot_bench_memory_capacity(tmp_path, bench_csv):
     assert runner.invoke(app, ["plot", str(cap), "-o", str(tmp_path / "c.png")]).exit_code == 0
 
 
+@pytest.mark.slow
 def test_plot_draws_ragged_memory_rows_as_shares_holding_tokens(tmp_path):
     mem = tmp_path / "serving.csv"
     args = ["memory", "--device", "cpu", "--decode-len", "2", "--hidden", "32", "--q-heads",
@@ -209,6 +211,7 @@ def test_each_run_is_judged_by_its_own_spread(bench_csv, tmp_path):
     assert cached and all(c.too_noisy for c in cached)
 
 
+@pytest.mark.slow
 def test_a_memory_file_mixing_square_and_ragged_rows_draws_each_on_its_own(tmp_path):
     mem = tmp_path / "mixed.csv"
     small = ["memory", "--device", "cpu", "--decode-len", "2", "--hidden", "32", "--q-heads",

@@ -24,6 +24,7 @@ runner = CliRunner()
 @pytest.mark.parametrize("kv_heads, head_dim, dtype, ragged", [
     (8, 80, "bfloat16", False), (1, 96, "float32", True), (2, 128, "bfloat16", False)],
     ids=["mha-d80-bfloat16", "mqa-d96-float32-ragged", "gqa-d128-bfloat16"])
+@pytest.mark.slow
 def test_compiled_steps_equal_recompute(kv_heads, head_dim, dtype, ragged):
     shape = LayerShape(batch=2, prompt_len=37, decode_len=4, hidden=64, q_heads=8,
                        kv_heads=kv_heads, head_dim=head_dim)
@@ -51,6 +52,7 @@ def graphs_compiled(cls, decode_len: int, prompt_len: int = 100) -> int:
 
 
 @pytest.mark.parametrize("cls", [CompiledCache, FlexCache], ids=["compiled", "flex"])
+@pytest.mark.slow
 def test_decode_steps_compile_once(cls):
     # 100 prompt + 40 steps: the position crosses the block mask's 128-position row
     assert graphs_compiled(cls, decode_len=40) == 1
@@ -60,6 +62,7 @@ def test_the_compile_count_catches_a_position_passed_as_an_int():
     assert graphs_compiled(CompiledIntPosition, decode_len=3) == 3  # one graph per step
 
 
+@pytest.mark.slow
 def test_bench_reports_compile_ms_and_times_no_compile(tmp_path):
     out = tmp_path / "b.csv"
     # (flex times its compile as compiled does: CompiledCache's first step, its subclass)

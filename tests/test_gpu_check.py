@@ -32,6 +32,7 @@ def assert_fits_the_loan(out: Path):
     assert {p.name for p in files} <= {"summary.txt", "gpu-check.log", "results.tar.gz"}
 
 
+@pytest.mark.slow
 def test_a_budget_that_forces_skips_runs_what_fits_in_priority_order(tmp_path):
     out = tmp_path / "out"
     result = run("--rehearse", out, 22)  # env runs; graph (25 s) and verify (30 s) cannot
@@ -54,6 +55,7 @@ def test_a_budget_that_forces_skips_runs_what_fits_in_priority_order(tmp_path):
         assert "results/memory.csv" in names
 
 
+@pytest.mark.slow
 def test_a_run_killed_part_way_leaves_a_summary_naming_what_finished(tmp_path):
     out = tmp_path / "out"
     proc = subprocess.Popen([sys.executable, str(SCRIPT), "--rehearse", str(out), "120"],
@@ -107,6 +109,7 @@ def test_without_a_gpu_it_is_one_line_exit_2(tmp_path):
 
 
 @pytest.mark.parametrize("args", [[], ["--rehearse"], ["out", "ten"]])
+@pytest.mark.slow
 def test_bad_usage_is_one_line_exit_2(tmp_path, args):
     result = run(*args)
     assert result.returncode == 2 and result.stderr.count("\n") == 1

@@ -42,6 +42,7 @@ def test_a_host_read_under_capture_is_refused():
 
 @pytest.mark.parametrize("name", CAPTURED)
 @pytest.mark.parametrize("ragged", [False, True], ids=["square", "ragged"])
+@pytest.mark.slow
 def test_captured_steps_equal_recompute(name, ragged):
     if reason := IMPLEMENTATIONS[name].unavailable(RunConfig(SHAPE), ImplOptions()):
         pytest.skip(reason)
@@ -55,6 +56,7 @@ def test_captured_steps_equal_recompute(name, ragged):
 
 
 @pytest.mark.parametrize("kv_dtype", [None, "fp8"])
+@pytest.mark.slow
 def test_triton_mla_captures_its_steps(kv_dtype):
     from kvbench.sizing.config import MlaDims
 
@@ -67,6 +69,7 @@ def test_triton_mla_captures_its_steps(kv_dtype):
     assert check.passed and check.stats["graph"], check.message
 
 
+@pytest.mark.slow
 def test_triton_captures_quantized_k_v():
     assert prepare("cpu") is None
     config = RunConfig(SHAPE, graph=True, kv_dtype="int8", group_size=16)
@@ -77,6 +80,7 @@ def test_triton_captures_quantized_k_v():
 
 @pytest.mark.parametrize("fault", ["GraphSlicesByHostLength", "GraphKernelLengthsFromHost",
                                    "GraphTakesBlocksInside"])
+@pytest.mark.slow
 def test_a_step_that_is_not_graph_safe_fails_captured(fault):
     import broken
 

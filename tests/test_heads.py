@@ -62,6 +62,7 @@ def test_a_split_that_frees_nothing_or_chooses_wrong_fails(fault):
     assert check.fp64_max_abs_err < 1e-5  # exact over what it kept: the gate alone passes it
 
 
+@pytest.mark.slow
 def test_the_blocks_by_hand(tmp_path):
     # B=1, H_kv=2, D=8, fp32, blocks of 4: a block is K and V of one head, 2·4·8·4 = 256
     # bytes. 20 + 4 positions, a budget of 6. uniform: each head 6 + 4 = 10 positions, 3
@@ -113,6 +114,7 @@ def test_head_budgets_need_a_compressed_prompt():
     assert r.exit_code == 2 and "--kv-compress prefill" in r.stderr
 
 
+@pytest.mark.slow
 def test_on_a_model_each_layers_heads_hold_their_blocks(tiny_model, tmp_path):
     # the tiny Llama (2 layers, H_kv = 2, D = 32, fp32; blocks of 4 = 2·4·32·4 = 1,024 bytes):
     # 16 + 4 positions, a budget of 6, duo: per layer one head 20 positions (5 blocks), the
@@ -185,6 +187,7 @@ def test_a_steps_reads_are_the_positions_the_heads_hold():
     assert reads == [8, 15, 8]
 
 
+@pytest.mark.slow
 def test_the_heads_hold_only_what_they_keep_but_their_last_blocks():
     # duo, blocks of 4, 20 + 4 positions, a budget of 6, H_kv = 2, D = 8, fp32: the heads keep
     # 24 and 10 positions (2·8·4 = 64 bytes each), 2,176 bytes, in 9 blocks of 256: 2,304

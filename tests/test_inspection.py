@@ -35,6 +35,7 @@ def fetched_late():
 
 
 @pytest.mark.parametrize("fmt", TARGETED)
+@pytest.mark.slow
 def test_each_format_keeps_two_tiles_in_flight_without_spilling(rows, fmt):
     r = rows[("triton stage1", fmt)]
     assert r.tiles_in_flight >= 2 and r.spills == 0, r
@@ -64,6 +65,7 @@ def test_each_default_aims_at_the_programs_an_sm_holds(rows):
             assert config.waves == r.programs_per_sm, (kernel, fmt, r)
 
 
+@pytest.mark.slow
 def test_ids_loaded_in_the_iteration_that_uses_them_leave_one_tile_in_flight(fetched_late):
     for key in (("triton stage1", "fp16"), ("triton stage1", "int8"),
                 ("triton-mla stage1", "fp16")):
@@ -139,6 +141,7 @@ def test_the_jit_specialization_marks_aligned_pointers_and_divisible_ints():
     assert constexprs[(6,)] == 128
 
 
+@pytest.mark.slow
 def test_the_cli_prints_the_rows_as_json(rows):
     result = CliRunner().invoke(app, ["tune", "--inspect", "--format", "json", "--quiet"])
     assert result.exit_code == 0, result.output
@@ -150,6 +153,7 @@ def test_the_cli_prints_the_rows_as_json(rows):
     assert fp16 == rows[("triton stage1", "fp16")].row()
 
 
+@pytest.mark.slow
 def test_inspect_writes_its_rows_to_csv_and_refuses_a_missing_folder(rows, tmp_path):
     import pandas as pd
 

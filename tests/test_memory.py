@@ -33,6 +33,7 @@ def test_tracker_ignores_views_of_tensors_made_before_it():
         del y, z
 
 
+@pytest.mark.slow
 def test_tracker_sees_the_dense_prefill_score_matrix():
     # The check behind the long-prompt test can fail: concat's dense prefill shows its T×T scores.
     shape = LayerShape(batch=1, prompt_len=1024, decode_len=1, hidden=32, q_heads=4,
@@ -45,6 +46,7 @@ def test_tracker_sees_the_dense_prefill_score_matrix():
 
 
 @pytest.mark.numba
+@pytest.mark.slow
 def test_memory_phases_on_cpu():
     shape = LayerShape(batch=2, prompt_len=32, decode_len=4, hidden=64, q_heads=4, kv_heads=2,
                        head_dim=16)
@@ -98,6 +100,7 @@ def test_prealloc_exact_reserves_the_longest_sequence():
     assert result.prealloc == "exact"
 
 
+@pytest.mark.slow
 def test_the_window_ring_stays_at_sinks_plus_window_and_matches_the_planner():
     from dataclasses import replace
 

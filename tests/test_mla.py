@@ -33,6 +33,7 @@ def test_the_mla_implementations_are_the_four_of_the_issue():
 
 @pytest.mark.parametrize("q_lora_rank", [0, 24])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.slow
 def test_every_mla_cache_equals_recompute(q_lora_rank, dtype):
     from dataclasses import replace
 
@@ -45,6 +46,7 @@ def test_every_mla_cache_equals_recompute(q_lora_rank, dtype):
 
 @pytest.mark.parametrize("lens, block_size", [((3, 11, 7), 1), ((1, 17), 4),
                                               ((16, 16, 5), 16)])
+@pytest.mark.slow
 def test_every_mla_cache_is_exact_on_a_ragged_batch(lens, block_size):
     config = RunConfig(SHAPE.with_lens(lens), rope=True)
     report = verify(config, MLA, ImplOptions(block_size=block_size))
@@ -227,6 +229,7 @@ def test_mla_bad_input_is_one_line_and_exit_2(args, message, refused):
     assert code == 2 and len(lines) == 1 and message in lines[0] and not written, lines
 
 
+@pytest.mark.slow
 def test_verify_attention_mla_all_on_the_cli(tmp_path):
     import pandas as pd
 
@@ -276,6 +279,7 @@ def test_the_cost_model_counts_the_layers_weights_and_each_steps_arithmetic():
                                                + 2 * 4 * (2 * t) * (2 * 32 + 8))
 
 
+@pytest.mark.slow
 def test_the_decompressing_caches_step_estimate_is_what_its_step_holds():
     # mla-latent decompresses every cached position each step: per position and head the
     # [k_nope | v] product (nope + v), K with the RoPE key (qk) and V's contiguous copy (v).

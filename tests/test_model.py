@@ -210,6 +210,7 @@ def test_quality_figures_are_the_definitions():
 
 
 @pytest.mark.parametrize("kv_dtype", [None, "int8"])
+@pytest.mark.slow
 def test_memory_on_a_model_equals_capacity_from_its_config_to_the_byte(tiny, kv_dtype):
     ref, config = _config(tiny["qwen2"], batch=2)
     config = replace(config, kv_dtype=kv_dtype, group_size=16)
@@ -413,6 +414,7 @@ def test_model_rows_carry_the_cache_bytes_and_plot_quality_against_them(tiny, tm
     ["--impl", "h2o", "--kv-budget", "8"],
     ["--impl", "static", "--kv-dtype", "int4", "--group-size", "4", "--k-quant", "per-channel",
      "--kv-residual", "8"]])
+@pytest.mark.slow
 def test_bench_on_a_model_times_caches_that_cannot_simply_rewind(tiny, tmp_path, technique):
     # each timed prefill starts from an empty cache (rewind to 0), each timed decode from the
     # prompt's (the checkpoint): a ring that wrapped, an eviction, and KIVI's flushes
@@ -635,6 +637,7 @@ def test_the_pyramid_by_hand():
 
 
 @pytest.mark.parametrize("spec, budgets", [("11,5", (11, 5)), ("pyramid", (15, 1))])
+@pytest.mark.slow
 def test_each_layer_keeps_its_own_budget_and_the_bytes_are_theirs(tiny, tmp_path, spec,
                                                                    budgets):
     # the tiny Llama: 2 layers, H_kv = 2, D = 32, fp32: a slot of K and V is 2·2·32·4 = 512

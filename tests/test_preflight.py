@@ -29,6 +29,7 @@ SHAPES = {
     (shape, rope) for name, shape in SHAPES.items() for rope in (False, True)
     # the long prompt (seconds a run) with RoPE only: its rotated copies are the larger peak
     if name != "long" or rope], ids=lambda v: v if isinstance(v, bool) else None)
+@pytest.mark.slow
 def test_estimates_are_within_25_percent_of_the_measured_peaks(shape, rope):
     config = RunConfig(shape, rope=rope)
     names, _ = select_impls("all", config, measure="memory")  # what memory measures on the CPU
@@ -54,6 +55,7 @@ def test_estimates_are_within_25_percent_of_the_measured_peaks(shape, rope):
     ("snapkv-paged", {"kv_budget": 32, "kv_compress": "prefill", "head_budgets": "duo"}),
     ("think", {"k_channels": 16}),  # K held at 16 of 64 channels: not the default's D
 ], ids=["window", "evicting", "compressing-the-prompt", "uniform-heads", "ada", "duo", "think"])
+@pytest.mark.slow
 def test_the_estimates_of_caches_with_options_are_within_25_percent(impls, fields):
     from dataclasses import replace
 
@@ -70,6 +72,7 @@ def test_the_estimates_of_caches_with_options_are_within_25_percent(impls, field
                                                                  measured)
 
 
+@pytest.mark.slow
 def test_memory_figures_do_not_depend_on_the_order_of_the_phases(monkeypatch):
     monkeypatch.setitem(IMPLEMENTATIONS, "lazy-workspace", broken.LazyWorkspace)
     config = RunConfig(SHAPES["gqa"])
@@ -147,6 +150,7 @@ def _small_host(monkeypatch, nbytes):
     monkeypatch.setattr(preflight, "host_available", lambda given=None: nbytes)
 
 
+@pytest.mark.slow
 def test_a_sweep_runs_the_points_that_fit_and_exits_2(tmp_path, monkeypatch):
     # 64 MiB available: the 6-token prompt fits, the 3000-token one (concat's dense prefill
     # alone is 2 x 4 x 3000 x 3000 x 4 bytes = 275 MiB) does not.
@@ -175,6 +179,7 @@ def test_dry_run_shows_the_plan_and_allocates_nothing(tmp_path, monkeypatch):
     assert not out.exists()
 
 
+@pytest.mark.slow
 def test_force_runs_a_point_that_does_not_fit(tmp_path, monkeypatch):
     _small_host(monkeypatch, 4096)  # 4 KiB: even the tiny point does not fit
     out = tmp_path / "r.csv"
@@ -187,6 +192,7 @@ def test_force_runs_a_point_that_does_not_fit(tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("command", ["verify", "bench", "memory"])
+@pytest.mark.slow
 def test_out_of_memory_is_a_device_error_not_a_mismatch(tmp_path, monkeypatch, command):
     monkeypatch.setitem(IMPLEMENTATIONS, "out-of-memory", broken.OutOfMemory)
     out = tmp_path / "r.csv"

@@ -131,6 +131,7 @@ def test_verify_rejects_fp8_scales_set_by_padding():
 @pytest.mark.parametrize("name", ["fp8", "int8", "int4", "int2"])
 @pytest.mark.parametrize("group", [32, 64, 128])
 @pytest.mark.parametrize("head_dim", [96, 128])  # 96 with groups of 64: a partial last group
+@pytest.mark.slow
 def test_memory_measures_the_planners_bytes_for_every_format(name, group, head_dim):
     from kvbench.experiments.memory import memory
 
@@ -287,6 +288,7 @@ def test_verify_rejects_each_kivi_fault(broken, k_quant, residual, step):
 @pytest.mark.parametrize("name, k_quant, residual, group", [
     ("int4", "per-channel", 0, 32), ("int2", "per-channel", 128, 32),
     ("int4", "per-token", 128, 128), ("int8", "per-channel", 0, 7)])
+@pytest.mark.slow
 def test_memory_measures_the_planners_bytes_in_kivis_layout(name, k_quant, residual, group):
     from kvbench.experiments.memory import memory
 

@@ -69,6 +69,7 @@ def test_a_file_missing_a_first_release_column_is_refused_untouched(tmp_path):
     assert path.read_text() == "a_ms,c\n1,x\n"
 
 
+@pytest.mark.slow
 def test_an_old_memory_file_is_upgraded_and_read_by_compare_and_plot(tmp_path):
     import shutil
     from pathlib import Path

@@ -21,6 +21,7 @@ SMALL = ["--device", "cpu", "--impl", "static", "--batch", "1", "--decode-len", 
 runner = CliRunner()
 
 
+@pytest.mark.slow
 def test_sigterm_after_two_points_keeps_their_rows_and_exits_143(tmp_path):
     out = tmp_path / "b.csv"
     # four points: two quick, two of seconds each (4,000 positions), signalled after the second

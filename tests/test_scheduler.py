@@ -41,6 +41,7 @@ class Checked(Scheduler):
 @pytest.mark.parametrize("reserve", ["paged", "prealloc"])
 @pytest.mark.parametrize("preempt", ["recompute", "swap"])
 @pytest.mark.parametrize("chunk", [None, 64])
+@pytest.mark.slow
 def test_no_request_lost_or_duplicated_and_no_block_leaked(reserve, preempt, chunk):
     scheduler = Checked(TRACE, n_blocks=600, block_size=16, reserve=reserve, preempt=preempt,
                         chunk=chunk)
@@ -59,6 +60,7 @@ def test_no_request_lost_or_duplicated_and_no_block_leaked(reserve, preempt, chu
         assert (scheduler.recomputed_tokens > 0) == (preempt == "recompute")
 
 
+@pytest.mark.slow
 def test_paged_serves_the_trace_sooner_than_preallocating():
     paged = Scheduler(TRACE, n_blocks=600, block_size=16, reserve="paged")
     oracle = Scheduler(TRACE, n_blocks=600, block_size=16, reserve="prealloc")
@@ -409,6 +411,7 @@ def test_paged_cannot_be_contiguous_or_static():
             Scheduler([Request(0, 0, 1, 1)], 4, 2, reserve="paged", **{flag: True})
 
 
+@pytest.mark.slow
 def test_the_built_in_workloads_have_the_papers_means_after_the_filters():
     # ShareGPT 161.31 / 337.99, Alpaca 19.31 / 58.45 (vLLM paper, Fig. 11), within 1.5% over
     # 20,000 seeded draws; every request passes vLLM's benchmark's filters

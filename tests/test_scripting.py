@@ -36,6 +36,7 @@ def one_error_line(result, code=2):
 
 # ------------------------------------------------------------------ plot's output
 
+@pytest.mark.slow
 def test_a_format_matplotlib_cannot_write_is_one_line(two_runs, tmp_path):
     line = one_error_line(runner.invoke(app, ["plot", str(two_runs), "-o",
                                               str(tmp_path / "out.txt")]))
@@ -43,6 +44,7 @@ def test_a_format_matplotlib_cannot_write_is_one_line(two_runs, tmp_path):
     assert not (tmp_path / "out.txt").exists()
 
 
+@pytest.mark.slow
 def test_o_folder_writes_inside_it_and_the_message_names_the_file(two_runs, tmp_path):
     result = runner.invoke(app, ["plot", str(two_runs), "-o", str(tmp_path)])
     assert result.exit_code == 0, result.output
@@ -127,6 +129,7 @@ def test_json_output_carries_the_run_id():
     assert result.exit_code == 0 and rows[0]["run_id"]
 
 
+@pytest.mark.slow
 def test_a_file_mixing_kinds_of_run_draws_one_figure_per_kind(two_runs, tmp_path):
     df = pd.read_csv(two_runs)
     model = df.iloc[[0]].copy()

@@ -43,6 +43,7 @@ def test_the_implementations_that_extend():
 
 @pytest.mark.parametrize("shape", [GQA, MLA], ids=["gqa", "mla"])
 @pytest.mark.parametrize("chunk", [1, 7])
+@pytest.mark.slow
 def test_a_chunked_prefill_equals_path_a(shape, chunk):
     report = verify(RunConfig(shape, rope=True, prefill_chunk=chunk), extending(shape),
                     ImplOptions(block_size=4))
@@ -152,6 +153,7 @@ def test_serving_bad_input_is_one_line_and_exit_2(args, message, refused):
     assert code == 2 and len(lines) == 1 and message in lines[0] and not written, lines
 
 
+@pytest.mark.slow
 def test_bench_times_both_operations_and_writes_them_down(tmp_path):
     import pandas as pd
 
@@ -185,6 +187,7 @@ def forking(shape):
 
 
 @pytest.mark.parametrize("shape", [GQA, MLA], ids=["gqa", "mla"])
+@pytest.mark.slow
 def test_every_beam_equals_path_a_on_its_own_history(shape):
     from dataclasses import replace
 
@@ -235,6 +238,7 @@ def test_verify_rejects_beam_faults(broken):
                                           (MLA, ("mla-absorbed", "triton-mla"))],
                          ids=["gqa", "mla"])
 @pytest.mark.parametrize("kv_dtype", ["fp8", "int4"])
+@pytest.mark.slow
 def test_quantized_beams_copy_codes_and_scales(shape, names, kv_dtype):
     from dataclasses import replace
 

@@ -152,6 +152,7 @@ def test_tasks_are_timed_round_robin():
     assert set(stats) == {"a", "b", "c"} and stats["a"].rounds == 2
 
 
+@pytest.mark.slow
 def test_points_tables_run_each_technique_into_one_file(tmp_path):
     from typer.testing import CliRunner
 

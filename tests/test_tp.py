@@ -27,6 +27,7 @@ def torchrun(*args, tmp_path, env=None, script=None):
                           env={**os.environ, "PYTHONWARNINGS": "ignore", **(env or {})})
 
 
+@pytest.mark.slow
 def test_verify_tp2_passes_for_each_cache_layout_and_technique(tmp_path):
     # under torchrun, as a user runs it: each layout a rank's shard is cached in (contiguous,
     # SDPA, paged, the Triton kernel's pages), then a window, a shared prefix and eviction,
@@ -52,6 +53,7 @@ def test_verify_tp2_passes_for_each_cache_layout_and_technique(tmp_path):
     assert techniques["lossy"].fillna(False).tolist() == [False, False, True]
 
 
+@pytest.mark.slow
 def test_memory_per_rank_equals_capacity_tp(tmp_path):
     # H_kv = 2 over 2 ranks: one head each; H_kv = 1: the head replicated on both ranks.
     # Each rank's own exit status too: a rank that left while its peer still talked to it, or
@@ -73,6 +75,7 @@ def test_memory_per_rank_equals_capacity_tp(tmp_path):
         assert (rows["theoretical_kv_bytes"] == payload).all()
 
 
+@pytest.mark.slow
 def test_bench_tp2_times_the_slowest_rank_and_the_all_reduce(tmp_path):
     out = tmp_path / "b.csv"
     r, r1 = ranks("bench", "--tp", "2", *SMALL, "--kv-heads", "2", "--impl", "static,sdpa",
@@ -84,6 +87,7 @@ def test_bench_tp2_times_the_slowest_rank_and_the_all_reduce(tmp_path):
     assert "all-reduce" in r.stdout
 
 
+@pytest.mark.slow
 def test_a_failing_rank_ends_the_group_with_a_clear_message(tmp_path):
     driver = tmp_path / "fail_on_rank_1.py"
     driver.write_text(
@@ -104,6 +108,7 @@ def test_a_failing_rank_ends_the_group_with_a_clear_message(tmp_path):
     assert "kvbench/experiments/verify.py" not in r.stderr  # one line, not kvbench's traceback
 
 
+@pytest.mark.slow
 def test_tp_unlike_the_world_size_is_one_line(tmp_path):
     # torchrun's own launcher: ranks other than 0 wait for it to stop them once rank 0 has
     # said why
@@ -177,6 +182,7 @@ def _verify_with_faults(rank: int, store: str, results) -> None:
     dist.destroy_process_group()
 
 
+@pytest.mark.slow
 def test_verify_rejects_tp_faults(tmp_path):
     ctx = mp.get_context("spawn")
     results = ctx.Queue()

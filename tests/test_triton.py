@@ -56,6 +56,7 @@ def check(config: RunConfig, impls, **options):
 
 @pytest.mark.parametrize("heads, head_dim, block_size, dtype", pairwise(
     list(HEADS), [4, 64, 80, 96, 128], [1, 12, 16, 64], ["float32", "bfloat16"]))
+@pytest.mark.slow
 def test_triton_equals_recompute(heads, head_dim, block_size, dtype):
     # 37 + 3 positions: never a whole number of blocks of 12, 16 or 64, so the last block is
     # partial
@@ -77,6 +78,7 @@ def tiles_of_16(monkeypatch):
 
 
 @pytest.mark.parametrize("splits", [1, 2, 3, 7])
+@pytest.mark.slow
 def test_any_split_count_gives_the_same_answer(tiles_of_16, splits):
     # 101..103 positions: 7 tiles of 16, so 7 splits of one tile each, the last partial
     config = RunConfig(shape("gqa", 64, prompt_len=100, decode_len=3))
@@ -96,6 +98,7 @@ def test_float16_passes():
     (WrongKvHead, "gqa", {}),
     (UnscaledMerge, "gqa", {"splits": 4}),
 ])
+@pytest.mark.slow
 def test_verify_rejects_each_kernel_fault(broken, heads, options):
     config = RunConfig(shape(heads, 64, prompt_len=70))
     result = check(config, {broken.name: broken}, **options)[broken.name]
@@ -108,6 +111,7 @@ RAGGED_LENS = (70, 3, 33, 50)  # one sequence per program row; most end mid-bloc
 
 @pytest.mark.parametrize("kv_dtype", [None, "fp8", "int4"])
 @pytest.mark.parametrize("block_size", [1, 16])
+@pytest.mark.slow
 def test_triton_is_exact_on_a_ragged_batch(block_size, kv_dtype):
     config = RunConfig(shape("gqa", 64).with_lens(RAGGED_LENS), rope=True)
     result = check(config, {"triton": TritonCache}, block_size=block_size,
@@ -116,6 +120,7 @@ def test_triton_is_exact_on_a_ragged_batch(block_size, kv_dtype):
 
 
 @pytest.mark.parametrize("broken", [KernelLengthOfAnother, KernelReadsPadding])
+@pytest.mark.slow
 def test_verify_rejects_ragged_kernel_faults(broken):
     config = RunConfig(shape("gqa", 64).with_lens(RAGGED_LENS))
     result = check(config, {broken.name: broken})[broken.name]
@@ -123,6 +128,7 @@ def test_verify_rejects_ragged_kernel_faults(broken):
     assert result.first_bad_step == 1
 
 
+@pytest.mark.slow
 def test_the_faults_fail_for_their_bug_not_the_shape():
     config = RunConfig(shape("gqa", 64, prompt_len=70))
     for options in ({"block_size": 4}, {"block_size": 16}, {"splits": 4}):
@@ -148,6 +154,7 @@ def test_the_split_plan_worked_by_hand(lengths, units, target, fixed, expected):
     assert triton_decode.grid_splits(100, 8, 264, 64, fixed=7) == 7
 
 
+@pytest.mark.slow
 def test_the_kernel_splits_each_sequence_as_the_host_plan_says(tiles_of_16):
     # lengths 150, 3, 64, 77 + 4 decoded: 10, 1, 5, 6 tiles of 16; 2 KV heads, 32 programs
     # wanted (2 waves of 16): 44 tile-programs / 32 -> 2 tiles a split -> 5, 1, 2, 3 splits
@@ -169,6 +176,7 @@ def test_the_kernel_splits_each_sequence_as_the_host_plan_says(tiles_of_16):
 @pytest.mark.parametrize("kv_dtype, layout, block_size, dtype", pairwise(
     ["fp8", "int8", "int4", "int2"], [(64, 32), (96, 64), (32, 8)], [1, 16],
     ["float32", "bfloat16"]))
+@pytest.mark.slow
 def test_quantized_pools_decoded_in_registers_pass_the_exact_check(kv_dtype, layout,
                                                                     block_size, dtype):
     # 96 in groups of 64: a partial group; groups of 8: decoded element by element
@@ -184,6 +192,7 @@ def test_quantized_pools_decoded_in_registers_pass_the_exact_check(kv_dtype, lay
 
 
 @pytest.mark.parametrize("kv_dtype", ["int8", "int4", "int2"])
+@pytest.mark.slow
 def test_each_int_format_through_the_packed_rows_passes_the_exact_check(kv_dtype):
     # D = 32 in groups of 16: codes loaded as each position's D·bits/8 bytes and unpacked in
     # registers (1, 2 or 4 codes a byte), scales broadcast over their groups
@@ -232,6 +241,7 @@ def test_a_programming_error_is_not_taken_for_a_device_error():
 
 
 @pytest.mark.parametrize("kv_dtype", [None, "int4", "fp8"])
+@pytest.mark.slow
 def test_the_static_tile_loop_equals_recompute(monkeypatch, kv_dtype):
     # the loop Triton 3.6's interpreter needs under numpy >= 2.4: every tile of a split,
     # masked past the sequence's end (a ragged batch has splits with nothing left)
@@ -266,6 +276,7 @@ def _filled(cls, shape, dtype, **options):
     return cache
 
 
+@pytest.mark.slow
 def test_every_kernel_variant_compiles_for_an_h200():
     # The interpreter runs the kernels' logic, not the GPU compiler: each variant (dtype,
     # K/V format and its decode path, the three ways a tile finds its pages, MLA, stage 2)

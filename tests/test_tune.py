@@ -36,6 +36,7 @@ def test_bad_tune_input(tmp_path, args, message):
     assert not (tmp_path / "t.csv").exists() and not (tmp_path / "t.json").exists()
 
 
+@pytest.mark.slow
 def test_the_rehearsal_checks_times_and_writes_the_best(tmp_path, monkeypatch):
     pytest.importorskip("triton")
     from kvbench.experiments import tune
@@ -61,6 +62,7 @@ def test_the_rehearsal_checks_times_and_writes_the_best(tmp_path, monkeypatch):
     assert entries[key]["config"]["block_n"] == best["block_n"].iloc[0]
 
 
+@pytest.mark.slow
 def test_a_configuration_that_answers_wrong_is_never_the_best(monkeypatch):
     pytest.importorskip("triton")
     from kvbench.caches.triton import prepare

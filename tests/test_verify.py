@@ -57,6 +57,7 @@ def shapes(draw):
 @settings(max_examples=12, deadline=None, derandomize=True)
 @given(shape=shapes(), rope=st.booleans(), dtype=st.sampled_from(["float32", "bfloat16"]),
        seed=st.integers(0, 1000))
+@pytest.mark.slow
 def test_every_implementation_equals_recompute(shape, rope, dtype, seed):
     config = RunConfig(shape, dtype, "cpu", seed, rope)
     report = verify(config, eager(config))
@@ -73,6 +74,7 @@ def test_every_implementation_equals_recompute(shape, rope, dtype, seed):
 
 @pytest.mark.parametrize("kv_heads", [4, 2, 1], ids=["mha", "gqa", "mqa"])
 @pytest.mark.parametrize("rope", [False, True])
+@pytest.mark.slow
 def test_mha_gqa_mqa_with_and_without_rope(kv_heads, rope):
     shape = LayerShape(batch=2, prompt_len=9, decode_len=5, hidden=32, q_heads=4,
                        kv_heads=kv_heads, head_dim=8)
@@ -110,6 +112,7 @@ RAGGED = GQA.with_lens((3, 11, 7))
 @given(lens=st.lists(st.integers(1, 20), min_size=2, max_size=4), rope=st.booleans(),
        dtype=st.sampled_from(["float32", "bfloat16"]), block_size=st.sampled_from([1, 4, 16]),
        seed=st.integers(0, 1000))
+@pytest.mark.slow
 def test_every_implementation_is_exact_on_a_ragged_batch(lens, rope, dtype, block_size, seed):
     config = RunConfig(GQA.with_lens(lens), dtype, "cpu", seed, rope)
     report = verify(config, eager(config), ImplOptions(block_size=block_size))
@@ -143,6 +146,7 @@ def test_verify_rejects_ragged_faults(broken, rope):
     assert check.first_bad_step == 1  # the prefill is right; the first decode step is not
 
 
+@pytest.mark.slow
 def test_the_ragged_faults_fail_for_their_bug_not_the_shape():
     for rope in (False, True):
         config = RunConfig(RAGGED, rope=rope)
@@ -156,6 +160,7 @@ def test_reports_float64_error_of_both_paths():
     assert all(0 < c.fp64_max_abs_err < 1e-5 for c in report.checks)
 
 
+@pytest.mark.slow
 def test_long_prompt_prefill_does_not_build_the_square_score_matrix():
     # 4096 tokens x 8 heads of fp32 scores would be 512 MiB; the cached prefill must not need it.
     shape = LayerShape(batch=1, prompt_len=4096, decode_len=1, hidden=64, q_heads=8,
@@ -508,6 +513,7 @@ def test_h2o_evicts_the_lightest_position_outside_the_recent_window():
 
 
 @pytest.mark.parametrize("recent", [0, 1])
+@pytest.mark.slow
 def test_knorm_without_a_recent_window_keeps_kvpress_s_positions(recent):
     # kvpress's KnormPress keeps the N positions of lowest key norm, the last included only
     # if it is among them; kvbench's default (--kv-recent 1) always keeps the last prompt
