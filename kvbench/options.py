@@ -21,21 +21,38 @@ FORMATS = ("table", "csv", "json")
 OUTPUT = {"config", "csv", "no_csv", "format", "quiet", "dry_run", "force", "host_mem", "ray",
           "retries", "shard"}
 
+def _scorers() -> tuple[str, str]:
+    """The eviction scorers' names and what each scores by, read from their files
+    (kvbench/caches/eviction/NAME.py's SUMMARY) without importing torch."""
+    import ast
+
+    folder = Path(__file__).parent / "caches" / "eviction"
+    found = []
+    for path in sorted(folder.glob("*.py")):
+        if path.stem in ("__init__", "cache", "replay"):
+            continue
+        summary = next((str(node.value.value) for node in ast.parse(path.read_text()).body
+                        if isinstance(node, ast.Assign) and isinstance(node.value, ast.Constant)
+                        and getattr(node.targets[0], "id", None) == "SUMMARY"), path.stem)
+        found.append((path.stem, summary))
+    names = [n for n, _ in found]
+    listed = ", ".join(names[:-1]) + (" and " if len(names) > 1 else "") + names[-1]
+    return listed, ", ".join(s for _, s in found)
+
+
 # Where each implementation runs, for --help without importing torch (a test checks that it
 # names every registered implementation).
+_EVICTION, _BY = _scorers()
 IMPL_HELP = (
     "Cached implementations: 'default' (all of them; on the CPU bench and memory leave out "
     "splitk, compiled and flex, which compile first), 'all', or a comma list of concat, static, "
     "sdpa, paged (eager PyTorch: CPU and CUDA); splitk (CPU, float32: a numba kernel); triton "
-    "(CUDA; on the CPU "
-    "verify only, in Triton's interpreter); compiled (gpt-fast's step: a CUDA graph on CUDA, "
-    "inductor C++ on the CPU) and flex (FlexAttention under torch.compile): CUDA and CPU, "
-    "memory on CUDA only; window (a sliding-window ring buffer with --window, --sinks) and "
-    "h2o, tova, knorm, snapkv and expected (token eviction under --kv-budget by accumulated "
-    "attention, the latest query's attention, key norm, an observation window's attention, "
-    "the expected attention of future queries; lossy), snapkv-paged (SnapKV's prompt "
-    "compression with a block table per KV head, for --head-budgets) and think (K pruned to "
-    "--k-channels per head; lossy): CPU and CUDA. With --attention mla: "
+    "(CUDA; on the CPU verify only, in Triton's interpreter); compiled (gpt-fast's step: a CUDA "
+    "graph on CUDA, inductor C++ on the CPU) and flex (FlexAttention under torch.compile): CUDA "
+    "and CPU, memory on CUDA only; window (a sliding-window ring buffer with --window, --sinks) "
+    f"and {_EVICTION} (token eviction under --kv-budget by {_BY}; lossy), snapkv-paged "
+    "(SnapKV's prompt compression with a block table per KV head, for --head-budgets) and "
+    "think (K pruned to --k-channels per head; lossy): CPU and CUDA. With --attention mla: "
     "mla-naive (decompressed K/V cached), mla-latent (latent cached, decompressed each "
     "step), mla-absorbed (attention in the latent space): CPU and CUDA; triton-mla (a paged "
     "latent pool read by a Triton split-K kernel): CUDA, on the CPU verify only. One that "
@@ -161,14 +178,15 @@ class RunOptions:
                                 "(a system prompt): paged and triton store their blocks once, "
                                 "copying a partly filled one on write.")
     kv_budget: str | None = option(
-        None, "h2o, tova, knorm, snapkv, expected, snapkv-paged: keep N positions per KV head "
-        "(the recent ones and the highest-scoring), evicting the rest; lossy. A comma list "
+        None, f"{_EVICTION.replace(' and ', ', ')}, snapkv-paged: keep N positions per KV "
+        "head (the recent ones and the highest-scoring), evicting the rest; lossy. A comma list "
         "runs each.", show_default=False)
     kv_recent: int | None = option(
-        None, "h2o, tova, knorm, snapkv, expected: how many of the --kv-budget positions are "
-        "the most recent ones (snapkv: also its observation window of queries). Default: half "
-        "the budget for h2o, and for snapkv at most 64; 1 for tova, knorm and expected. 0 (with "
-        "--kv-compress prefill, not snapkv): no recent window, as kvpress's presses keep.",
+        None, f"{_EVICTION.replace(' and ', ', ')}: how many of the --kv-budget positions are "
+        "the most recent ones (snapkv: also its observation window of queries). Default: each "
+        "scorer's (its file says): half the budget for h2o, and for snapkv at most 64; 1 for "
+        "tova, knorm and expected. 0 (with --kv-compress prefill, not snapkv): no recent window, "
+        "as kvpress's presses keep.",
         show_default=False)
     layer_budgets: str | None = option(
         None, "With --model and an eviction cache: each layer's budget, a comma list bottom "

@@ -411,7 +411,7 @@ class FreesSharedBlock(PagedCache):
 
 # A fault of the eviction cache (`h2o`): its record of what it kept disagrees with its slots.
 
-from kvbench.caches import H2OCache
+from kvbench.caches.eviction.h2o import H2OCache
 
 
 class EvictsIntoTheWrongSlot(H2OCache):
@@ -433,7 +433,9 @@ class EvictsIntoTheWrongSlot(H2OCache):
         self._advance(1)
 
 
-from kvbench.caches import KnormCache, SnapKVCache, TOVACache
+from kvbench.caches.eviction.knorm import KnormCache
+from kvbench.caches.eviction.snapkv import SnapKVCache
+from kvbench.caches.eviction.tova import TOVACache
 
 
 def _evicts_the_highest(self, t):
@@ -469,8 +471,8 @@ class SnapKVKeepsTheLeastAttendedPrompt(SnapKVCache):
 
     name = "snapkv-keeps-the-least-attended-prompt"
 
-    def _prompt_scores(self, q, k, v):
-        return -super()._prompt_scores(q, k, v)
+    def prompt_scores(self, q, k, v):
+        return -super().prompt_scores(q, k, v)
 
 
 class KnormKeepsTheLargestKeys(KnormCache):
@@ -478,8 +480,8 @@ class KnormKeepsTheLargestKeys(KnormCache):
 
     name = "knorm-keeps-the-largest-keys"
 
-    def _prompt_scores(self, q, k, v):
-        return -super()._prompt_scores(q, k, v)
+    def prompt_scores(self, q, k, v):
+        return -super().prompt_scores(q, k, v)
 
     def written_score(self, k, v):
         return -super().written_score(k, v)
@@ -892,7 +894,7 @@ class GraphTakesBlocksInside(PagedCache):
         return super().graph_step(x_t)
 
 
-from kvbench.caches import ExpectedAttentionCache
+from kvbench.caches.eviction.expected import ExpectedAttentionCache
 
 
 class ExpectedKeepsTheLeastExpected(ExpectedAttentionCache):
@@ -1004,8 +1006,8 @@ class H2OSumsUnderKvpress(H2OCache):
 
     name = "h2o-sums-under-kvpress"
 
-    def _prompt_scores(self, q, k, v):
-        total = super()._prompt_scores(q, k, v)
+    def prompt_scores(self, q, k, v):
+        total = super().prompt_scores(q, k, v)
         T = total.shape[-1]
         return total * torch.arange(T, 0, -1, dtype=total.dtype, device=total.device)
 

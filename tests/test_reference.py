@@ -36,8 +36,8 @@ def test_h2o_divides_by_the_queries_that_see_each_position():
                        head_dim=1, kv_budget=1, kv_recent=0, kv_compress="prefill")
     q = torch.tensor([0.0, 0.0, torch.log(torch.tensor(8.0))]).view(1, 1, 3, 1)
     k = torch.tensor([0.0, 0.0, 1.0]).view(1, 1, 3, 1)
-    ours = _cache("h2o", shape)._prompt_scores(q, k, k)[0, 0]
-    theirs = _cache("h2o", replace(shape, kv_reference="kvpress"))._prompt_scores(q, k, k)[0, 0]
+    ours = _cache("h2o", shape).prompt_scores(q, k, k)[0, 0]
+    theirs = _cache("h2o", replace(shape, kv_reference="kvpress")).prompt_scores(q, k, k)[0, 0]
     assert ours.tolist() == pytest.approx([1.6, 0.6, 0.8], abs=1e-6)
     assert theirs.tolist() == pytest.approx([1.6 / 3, 0.3, 0.8], abs=1e-6)
     assert int(ours.argmax()) == 0 and int(theirs.argmax()) == 2
@@ -59,7 +59,7 @@ def test_tova_averages_the_layers_query_heads_under_kvpress():
 def test_the_replay_tells_the_two_variants_apart(name):
     # the same prompt kept by kvbench's variant and by kvpress's: each passes its own replay
     # and fails the other's
-    from kvbench.caches.policies import replay
+    from kvbench.caches.eviction.replay import replay
     from kvbench.layers.attention import make_inputs
 
     chosen = {}
@@ -82,8 +82,8 @@ def test_the_replay_tells_the_two_variants_apart(name):
         c = chosen[mine]
         args = (c.seen, c.prompt_kept, [], c.budget, False, c.recent, c.layer.scale,
                 c.layer.dtype, None)
-        assert replay(name, *args, mine) is None
-        assert "policy keeps" in replay(name, *args, other)
+        assert replay(IMPLEMENTATIONS[name], *args, mine) is None
+        assert "policy keeps" in replay(IMPLEMENTATIONS[name], *args, other)
 
 
 @pytest.mark.parametrize("fault", ["H2OSumsUnderKvpress", "TOVAPerHeadUnderKvpress"])
@@ -137,7 +137,7 @@ def test_adas_safeguard_as_kvpress_spends_it():
 def test_the_ada_replay_follows_the_reference():
     # the split of the case above replayed: kvpress's kept sets pass under kvpress and fail
     # under kvbench's safeguard, and the other way round
-    from kvbench.caches.policies import _split
+    from kvbench.caches.eviction.replay import split as _split
 
     raw = [[100.0 + p for p in range(20)], [0.0] * 20]
     raw[1][5], raw[1][11] = 3.0, 2.0
@@ -240,7 +240,7 @@ def test_think_pruning_decoded_keys_under_kvpress_fails_verify():
 
 @pytest.mark.parametrize("args, message", [
     (["--impl", "static", "--kv-budget", "8", "--kv-compress", "prefill"],
-     "--kv-reference runs on h2o, tova, knorm, snapkv, expected, snapkv-paged, think"),
+     "--kv-reference runs on expected, h2o, knorm, snapkv, tova, snapkv-paged, think"),
     (["--impl", "h2o", "--kv-budget", "8"], "add --kv-compress prefill"),
     (["--impl", "static"], "give one of them too"),
 ])

@@ -64,7 +64,7 @@ def test_every_implementation_equals_recompute(shape, rope, dtype, seed):
     # splitk is float32 only; everything else runs every shape here
     expected = ["concat", "static", "sdpa", "paged"] + (
         ["splitk"] if dtype == "float32" and "splitk" in eager(config) else [])
-    expected += ["triton", "window", "h2o", "tova", "knorm", "snapkv", "expected",
+    expected += ["triton", "window", "expected", "h2o", "knorm", "snapkv", "tova",
                  "snapkv-paged", "think"]
     assert [c.impl for c in report.checks] == expected
     for check in report.checks:
@@ -264,6 +264,16 @@ def test_verify_rejects_prefix_sharing_faults(broken):
 
 
 # Eviction (h2o): a budget of 16 positions of 40 + 12, half of them recent.
+def _replay_one(name, q, k, prompt_kept, kept, budget, evicting, recent, scale, rtol, v=None):
+    """The float64 replay of one sequence's KV head (no RoPE): what is wrong, and each
+    position's score at the end."""
+    from kvbench.caches.eviction.replay import Head, one
+
+    head = Head(q, k, k if v is None else v, q.shape[1] - len(kept), budget, recent, scale,
+                None, None, [(q, k)])
+    return one(IMPLEMENTATIONS[name], head, prompt_kept, kept, evicting, rtol), head.score
+
+
 EVICTED = LayerShape(batch=2, prompt_len=40, decode_len=12, hidden=64, q_heads=4, kv_heads=2,
                      head_dim=16, kv_budget=16)
 
@@ -273,7 +283,7 @@ EVICTED = LayerShape(batch=2, prompt_len=40, decode_len=12, hidden=64, q_heads=4
 def test_h2o_is_exact_over_what_it_kept_and_reports_its_loss(budget, recent, rope):
     from dataclasses import replace
 
-    from kvbench.caches import H2OCache
+    from kvbench.caches.eviction.h2o import H2OCache
 
     shape = replace(EVICTED, kv_budget=budget, kv_recent=recent)
     (check,) = verify(RunConfig(shape, rope=rope), {"h2o": H2OCache}).checks
@@ -330,8 +340,8 @@ def test_expected_attention_by_hand():
     # (3, 0): mean (2, 0), covariance [[1, 0], [0, 0]] (over 2, not 1). A key's logit is
     # μ·k + kᵀΣk / 2: (1, 1) -> 2.5, (0, 2) -> 0, (-1, 0) -> -1.5. Normalized over the keys
     # past the sinks (2.5 and 0): log z = 2.5 + log(1 + e^-2.5); the score adds log ‖v‖.
-    from kvbench.caches import ExpectedAttentionCache
-    from kvbench.caches.policies import _Expected
+    from kvbench.caches.eviction.expected import Expectation as _Expected
+    from kvbench.caches.eviction.expected import ExpectedAttentionCache
     from kvbench.layers.attention import AttentionLayer
 
     q = torch.zeros(1, 1, 6, 2)
@@ -348,7 +358,7 @@ def test_expected_attention_by_hand():
     config = RunConfig(shape)
     cache = ExpectedAttentionCache.build(AttentionLayer.from_config(config), config)
     cache.layer.scale = 1.0
-    scores = cache._prompt_scores(q, k, v)[0, 0]
+    scores = cache.prompt_scores(q, k, v)[0, 0]
     assert cache.sinks == 3  # a budget of 5: 3 sinks, the newest, one position to evict
     assert scores[:3].isinf().all() and scores[3:].tolist() == pytest.approx(want[3:], rel=1e-6)
 
@@ -357,13 +367,12 @@ def test_expected_attention_turns_the_queries_to_the_next_position(monkeypatch):
     # Averaged over one future position, RoPE's mean rotation is the rotation to position P:
     # with every query the same before RoPE (no covariance), a key's expected logit is the
     # logit that query, placed at position P, gives it.
-    from kvbench.caches import ExpectedAttentionCache
-    from kvbench.caches.policies import _Expected
+    from kvbench.caches.eviction.expected import Expectation as _Expected
+    from kvbench.caches.eviction.expected import ExpectedAttentionCache
     from kvbench.kernels.reference import apply_rope
     from kvbench.layers.attention import AttentionLayer
 
     monkeypatch.setattr(ExpectedAttentionCache, "FUTURE", 1)
-    monkeypatch.setattr("kvbench.caches.policies.FUTURE", 1)
     P, D = 9, 8
     shape = LayerShape(batch=1, prompt_len=P, decode_len=1, hidden=16, q_heads=2, kv_heads=1,
                        head_dim=D, kv_budget=6)
@@ -389,8 +398,7 @@ def test_snapkv_pools_the_windows_attention_over_the_older_positions_by_hand():
     # ones, the edges get 3 of them (33/300 = 0.11) and positions 1, 2 get 4 (44/300). The
     # window's own: 4 gets (1/5 + 1/6) / 2, 5 gets (0 + 1/6) / 2. A budget of 4 keeps the
     # window and the two pooled highest, 1 and 2 (without the zero padding all four tie).
-    from kvbench.caches import SnapKVCache
-    from kvbench.caches.policies import _one
+    from kvbench.caches.eviction.snapkv import SnapKVCache
     from kvbench.layers.attention import AttentionLayer
 
     shape = LayerShape(batch=1, prompt_len=6, decode_len=1, hidden=8, q_heads=2, kv_heads=1,
@@ -398,14 +406,14 @@ def test_snapkv_pools_the_windows_attention_over_the_older_positions_by_hand():
     config = RunConfig(shape)
     cache = SnapKVCache.build(AttentionLayer.from_config(config), config)
     q, k = torch.zeros(1, 2, 6, 2), torch.randn(1, 1, 6, 2)
-    scores = cache._prompt_scores(q, k, k)[0, 0]
+    scores = cache.prompt_scores(q, k, k)[0, 0]
     want = torch.tensor([33 / 300, 44 / 300, 44 / 300, 33 / 300, 11 / 60, 1 / 12])
     assert torch.allclose(scores, want, atol=1e-7), scores
-    wrong, score = _one("snapkv", q[0].double(), k[0, 0].double(), torch.tensor([1, 2, 4, 5]),
-                        [], 4, True, 2, 1.0, 1e-9)
+    wrong, score = _replay_one("snapkv", q[0].double(), k[0, 0].double(),
+                               torch.tensor([1, 2, 4, 5]), [], 4, True, 2, 1.0, 1e-9)
     assert wrong is None and [score[p] for p in range(6)] == pytest.approx(want.tolist())
-    wrong, _ = _one("snapkv", q[0].double(), k[0, 0].double(), torch.tensor([0, 3, 4, 5]),
-                    [], 4, True, 2, 1.0, 1e-9)
+    wrong, _ = _replay_one("snapkv", q[0].double(), k[0, 0].double(),
+                           torch.tensor([0, 3, 4, 5]), [], 4, True, 2, 1.0, 1e-9)
     assert "the prefill kept [0, 3] where the snapkv policy keeps [1, 2]" in wrong
 
 
@@ -414,7 +422,7 @@ def test_the_policy_replay_by_hand():
     # then 9 and 2. The prompt keeps 3 and the two lowest norms of the rest: {0, 1, 3}. Step
     # 1 writes 4 and evicts the highest norm among {0, 1, 3}: 0. Step 2 writes 5 and evicts
     # among {1, 3, 4}: 4 (norm 9).
-    from kvbench.caches.policies import replay
+    from kvbench.caches.eviction.replay import replay
 
     norms = [3.0, 1.0, 4.0, 1.5, 9.0, 2.0]
     k = torch.zeros(1, 1, 6, 2)
@@ -426,8 +434,9 @@ def test_the_policy_replay_by_hand():
     prompt = torch.tensor([[[0, 1, 3]]])
 
     def run(first, second, prompt=prompt):
-        return replay("knorm", seen, prompt, [torch.tensor([[first]]), torch.tensor([[second]])],
-                      3, True, 1, 1.0, torch.float32)
+        return replay(IMPLEMENTATIONS["knorm"], seen, prompt,
+                      [torch.tensor([[first]]), torch.tensor([[second]])], 3, True, 1, 1.0,
+                      torch.float32)
 
     assert run([4, 1, 3], [4, 1, 3][:2] + [5]) is not None  # step 2 kept 4 and evicted 3
     assert run([4, 1, 3], [5, 1, 3]) is None
@@ -440,7 +449,6 @@ def test_the_replays_scores_are_the_caches_own(impl):
     # each held position's score at the end, float64 replay against the cache's float32:
     # H2O's sums over the group (not means), TOVA's latest weights, Knorm's norms
     from kvbench.caches import IMPLEMENTATIONS
-    from kvbench.caches.policies import _one
     from kvbench.layers.attention import AttentionLayer, make_inputs
     from kvbench.serving import ops as serving
 
@@ -453,9 +461,10 @@ def test_the_replays_scores_are_the_caches_own(impl):
     q = torch.cat([cache.seen[0][0], *(a for a, b, c in cache.seen[1:] if a is not None)], 2)
     k = torch.cat([cache.seen[0][1], *(b for a, b, c in cache.seen[1:] if b is not None)], 2)
     v = torch.cat([cache.seen[0][2], *(c for a, b, c in cache.seen[1:] if c is not None)], 2)
-    wrong, score = _one(impl, q[0, :2].double(), k[0, 0].double(), cache.prompt_kept[0, 0],
-                        [step[0, 0] for step in cache.kept], cache.budget, True, cache.recent,
-                        cache.layer.scale, 1e-4, v[0, 0].double())
+    wrong, score = _replay_one(impl, q[0, :2].double(), k[0, 0].double(),
+                               cache.prompt_kept[0, 0], [step[0, 0] for step in cache.kept],
+                               cache.budget, True, cache.recent, cache.layer.scale, 1e-4,
+                               v[0, 0].double())
     assert wrong is None
     held = cache.slot_scores()[0, 0]
     for slot, p in enumerate(cache.pos[0, 0].tolist()):
@@ -473,7 +482,7 @@ def test_a_fault_at_the_last_decode_step_alone_fails():
 
 
 def _h2o(budget: int, recent: int, prompt_len: int = 10):
-    from kvbench.caches import H2OCache
+    from kvbench.caches.eviction.h2o import H2OCache
     from kvbench.layers.attention import AttentionLayer
 
     shape = LayerShape(batch=1, prompt_len=prompt_len, decode_len=4, hidden=32, q_heads=4,
@@ -489,7 +498,7 @@ def test_h2o_keeps_the_heaviest_prompt_positions(monkeypatch):
 
     impl, config = _h2o(budget=4, recent=2)
     planted = torch.tensor([0.1, 0.2, 0.3, 9.0, 0.4, 5.0, 0.5, 0.6, 0.7, 0.8])  # T = 10
-    monkeypatch.setattr(impl, "_prompt_scores",
+    monkeypatch.setattr(impl, "prompt_scores",
                         lambda q, k, v: planted.expand(1, 2, 10).clone())
     with torch.no_grad():
         impl.prefill(make_inputs(config)[:, :10])

@@ -2,7 +2,8 @@
 
 Importing this package registers every implementation, in the order `--impl all` runs them.
 Adding one is a new module here that subclasses CachedAttention, decorates it with
-`@register`, and is listed below.
+`@register`, and is listed below; adding an eviction scorer is a new module in eviction/
+(found there on import, nothing listed).
 
 May import: kernels, measure, sizing, formats and errors (a cache is handed its layer).
 """
@@ -27,13 +28,7 @@ from kvbench.caches.triton import TritonCache
 from kvbench.caches.flex import FlexCache
 from kvbench.caches.compiled import CompiledCache
 from kvbench.caches.window import WindowCache
-from kvbench.caches.h2o import (
-    ExpectedAttentionCache,
-    H2OCache,
-    KnormCache,
-    SnapKVCache,
-    TOVACache,
-)
+from kvbench.caches.eviction import EvictionCache
 from kvbench.caches.heads import SnapKVPagedCache
 from kvbench.caches.think import ThinKCache
 from kvbench.caches.mla import MlaAbsorbedCache, MlaLatentCache, MlaNaiveCache
@@ -45,22 +40,18 @@ __all__ = [
     "CachedAttention",
     "CompiledCache",
     "ConcatCache",
-    "ExpectedAttentionCache",
+    "EvictionCache",
     "FlexCache",
-    "H2OCache",
     "ImplOptions",
-    "KnormCache",
     "MlaAbsorbedCache",
     "MlaLatentCache",
     "MlaNaiveCache",
     "PagedCache",
     "PreallocatedCache",
     "SdpaCache",
-    "SnapKVCache",
     "SnapKVPagedCache",
     "SplitKCache",
     "StaticCache",
-    "TOVACache",
     "ThinKCache",
     "TritonCache",
     "TritonMlaCache",

@@ -196,6 +196,13 @@ class CachedAttention(ABC):
     # the option a point must give for it to run at all (window: --window; h2o: --kv-budget):
     # it changes what attention sees, so it is no full-attention cache without it
     requires: ClassVar[str | None] = None
+    # Recording, for a lossy cache's gate (verify, the model's per-layer gate): with `record`
+    # set, a cache that `records_kept` appends to `kept` the positions [B, H_kv, n] each
+    # decode step attended to; one that prunes K's channels says which (`kept_channels`) and
+    # up to which position (`pruned_until`); `consistency` checks its own choice.
+    records_kept: ClassVar[bool] = False
+    record: bool = False
+    pruned_until: int | None = None
 
     def __init__(self, layer: AttentionLayer, batch: int, max_len: int,
                  options: ImplOptions | None = None, lens: tuple[int, ...] | None = None):
@@ -208,6 +215,7 @@ class CachedAttention(ABC):
         the longest, and each sequence is written and read at its own length.
         """
         self.layer, self.batch, self.max_len = layer, batch, max_len
+        self.kept: list[torch.Tensor] = []  # recorded (see records_kept)
         self.options = options or ImplOptions()
         self.lens = tuple(lens) if lens is not None else (max_len,) * batch
         self.length = 0  # positions cached so far (of the longest sequence)
@@ -538,6 +546,14 @@ class CachedAttention(ABC):
         """What is wrong with its own bookkeeping (a block pool's reference counts), or None;
         verify fails an implementation that reports something."""
         return None
+
+    def kept_channels(self) -> torch.Tensor | None:
+        """Recorded: the channels of K each KV head kept [B, H_kv, C] (None: all of them)."""
+        return None
+
+    def restored(self, length: int) -> bool:
+        """Back to a checkpoint taken at `length`, if it keeps one (FixedSlots do)."""
+        return False
 
     @classmethod
     def uncapturable(cls, config: RunConfig, options: ImplOptions) -> str | None:

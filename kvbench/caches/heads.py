@@ -30,7 +30,7 @@ import math
 import torch
 
 from kvbench.caches.base import CachedAttention, FixedSlots, causal_prefill, register
-from kvbench.caches.h2o import SnapKVCache, pooled, window_weights
+from kvbench.caches.eviction.snapkv import SnapKVCache, pooled, window_weights
 from kvbench.errors import KvbenchError
 from kvbench.measure import footprint as fp
 from kvbench.sizing.config import full_heads, head_policy
@@ -52,6 +52,7 @@ class SnapKVPagedCache(CachedAttention):
     name = "snapkv-paged"
     requires = "kv_budget"
     lossy = True
+    records_kept = True
     blocked = True
     techniques = frozenset({"head_budgets", "kv_reference"})
     # its prefill reads the heads' kept counts on the host to size their blocks (as a
@@ -195,8 +196,6 @@ class SnapKVPagedCache(CachedAttention):
         self.table = torch.zeros(batch, s.kv_heads, 0, dtype=torch.long, device=dev)
         self.lens = torch.zeros(batch, s.kv_heads, dtype=torch.long, device=dev)
         self.prompt_len = 0
-        self.record = False
-        self.kept: list[torch.Tensor] = []
         self.seen: list[tuple] = []
         self.prompt_kept = None
 
@@ -355,7 +354,7 @@ class SnapKVPagedCache(CachedAttention):
 
     def consistency(self):
         """Recorded (verify): the blocks each head holds, and the positions it kept against
-        a float64 replay of the policy (kvbench.caches.policies.replay_heads)."""
+        a float64 replay of the policy (kvbench.caches.eviction.replay.replay_heads)."""
         if not self.record or self.prompt_kept is None:
             return None
         bs, decoded = self.block_size, self.max_len - self.prompt_len
@@ -370,8 +369,8 @@ class SnapKVPagedCache(CachedAttention):
                     f"for {int(want.sum())})")
         if min(self.prompt_len, self.budget) >= self.prompt_len:
             return None
-        from kvbench.caches.policies import replay_heads
+        from kvbench.caches.eviction.replay import replay_heads
 
         return replay_heads(self.policy, self.fraction, self.seen, self.prompt_kept,
                             self.kept, self.budget, self.recent, self.layer.scale,
-                            self.layer.dtype, self.reference)
+                            self.layer.dtype, SnapKVCache.POOL, self.reference)

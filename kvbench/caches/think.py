@@ -32,6 +32,7 @@ class ThinKCache(CachedAttention):
     name = "think"
     requires = "k_channels"
     lossy = True
+    records_kept = True
     description = ("static cache with K pruned to --k-channels channels per KV head (ThinK); "
                    "lossy")
 
@@ -97,8 +98,6 @@ class ThinKCache(CachedAttention):
                                    device=dev)
         self.index = torch.arange(s.head_dim, device=dev)[:self.channels].expand(
             batch, s.kv_heads, -1).clone()  # [B, H_kv, C]: each head's kept channels
-        self.record = False
-        self.kept: list[torch.Tensor] = []
         self.seen: tuple | None = None
 
     def channel_scores(self, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:

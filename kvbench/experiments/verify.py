@@ -250,9 +250,8 @@ def _check(name, cls, layer, options, x, prompt, real, config, ref_prefill, ref_
         impl.record = cls.lossy  # a lossy cache keeps what it attended to, for its gate
         prefill, steps = serving.run(impl, config, x, prompt)
         if cls.lossy:
-            channels = impl.kept_channels() if hasattr(impl, "kept_channels") else None
             gate_steps = restricted_reference(layer, x, impl.kept, config.shape.prompt_len,
-                                              channels, getattr(impl, "pruned_until", None))
+                                              impl.kept_channels(), impl.pruned_until)
         if real is not None and prefill.shape[:2] == real.shape:
             prefill = prefill[real]
         cache_shape = tuple(impl.kv()[0].shape)

@@ -280,7 +280,7 @@ def _record_layers(cm: CachedModel) -> list[list] | None:
     """For caches that record what they kept (eviction, channel pruning): turn recording on
     and tap each layer's attention inputs and outputs. None for others (a window is checked
     against transformers' masked forward, a quantized cache is not gated)."""
-    if not all(hasattr(c, "kept") and hasattr(c, "record") for c in cm.caches):
+    if not all(c.records_kept for c in cm.caches):
         return None
     tapped: list[list] = [[] for _ in cm.caches]
     for c in cm.caches:
@@ -307,9 +307,9 @@ def _gate_layers(cm: CachedModel, tapped, T: int, rtol: float,
             f"the steps a layer, above {REPLAY_LIMIT:,}); every layer gated over what it kept")
     for i, (cache, record) in enumerate(zip(cm.caches, tapped)):
         x = torch.cat([xi for xi, _ in record], dim=1)  # [B, T + G, H]: the layer's inputs
-        channels = cache.kept_channels() if hasattr(cache, "kept_channels") else None
+        channels = cache.kept_channels()
         want = restricted_reference(cache.layer, x, cache.kept, T, channels,
-                                    getattr(cache, "pruned_until", None))
+                                    cache.pruned_until)
         for j, (ref, (_, got)) in enumerate(zip(want, record[1:]), start=1):
             bad = (got.double() - ref).abs() > atol + rtol * ref.abs()
             if bad.any():
@@ -544,7 +544,7 @@ def _steps(cm: CachedModel, tokens, T: int, G: int, graph: bool = False) -> None
 
 def _rewound(cm: CachedModel, length: int) -> CachedModel:
     for c in cm.caches:
-        if not (hasattr(c, "restored") and c.restored(length)):
+        if not c.restored(length):
             c.rewind(length)
     return cm
 
