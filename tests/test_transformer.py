@@ -238,3 +238,316 @@ def test_a_checkpoints_weights_in_kvbenchs_layout(tiny_model):
     tied = replace(arch, tie_embeddings=True)
     one = transformer.from_transformers(hf, tied, torch.float32, "cpu", layers=1)
     assert one.lm_head.data_ptr() == one.embed.data_ptr()  # the head is the embedding's view
+
+
+# --- the model runner (kvbench.experiments.model.run) on a random model ----------------------
+
+def _random(prompt=10, decode=9, batch=1, **shape):
+    from kvbench.layers.model.spec import ModelRef
+
+    # (its config: transformers' own model at this shape, bench's transformers row)
+    config = {"model_type": "llama", "hidden_size": 8, "intermediate_size": 16,
+              "vocab_size": 50, "num_attention_heads": 2, "num_key_value_heads": 1,
+              "head_dim": 4, "num_hidden_layers": 2}
+    ref = ModelRef(replace(ARCH, vocab=50, config=config))
+    config = RunConfig(transformer.layer_shape(ref.arch, batch=batch, prompt_len=prompt,
+                                               decode_len=decode, **shape), rope=True)
+    return ref, config
+
+
+@pytest.fixture(autouse=True)
+def _fresh_models():
+    run._loaded.clear()
+    yield
+    run._loaded.clear()
+
+
+def test_the_runner_loads_once_per_dtype_and_draws_the_tokens_it_reads():
+    ref, config = _random(prompt=10, decode=9, batch=2)
+    a = run.load(ref, config, None, None)
+    assert a.ref is ref and a.hf is None and a.tokenizer is None and not a.trained
+    assert a.tokens.shape == (2, 10 + 9 + 1)  # T_p + G + 1: step G predicts the last
+    assert a.model.dtype == torch.float32 and len(a.model.blocks) == 2
+    assert run.load(ref, config, None, None).model is a.model  # kept between points
+    one = run.load(ref, config, 1, None)
+    assert len(one.model.blocks) == 1 and one.model is not a.model
+    wide = run.load(ref, replace(config, dtype="float64"), None, None)
+    assert wide.model.dtype == torch.float64 and len(run._loaded) == 1  # one model at a time
+    assert a.text([3, 1, 4]) == "3 1 4"  # no tokenizer: the ids
+
+
+def test_path_a_asks_transformers_for_no_cache_and_kvbench_for_its_layers():
+    seen = {}
+
+    class Spy:
+        def __call__(self, tokens, **kwargs):
+            seen.update(kwargs)
+            return type("Out", (), {"logits": torch.zeros(1, tokens.shape[1], 3)})()
+
+    m = random_model(ARCH, torch.float64, "cpu")
+    tokens = torch.tensor([[1, 2, 3]])
+    run.path_a(run.Loaded(None, m, Spy(), None, tokens), tokens)
+    assert seen == {"use_cache": False}
+    hidden: list = []
+    run.path_a(run.Loaded(None, m, Spy(), None, tokens), tokens, hidden)
+    assert len(hidden) == 2  # with `hidden`, kvbench's own forward, each layer's output
+
+
+def test_quality_counts_the_steps_whose_most_likely_token_is_path_as():
+    ref = torch.log(torch.tensor([[[0.6, 0.4], [0.6, 0.4], [0.6, 0.4]]]))
+    steps = torch.log(torch.tensor([[[0.7, 0.3], [0.4, 0.6], [0.3, 0.7]]]))  # 1 of 3 agrees
+    assert run.Quality.of(steps, ref, torch.tensor([[0, 0, 0]])).top1 == pytest.approx(1 / 3)
+
+
+def test_a_window_mask_is_the_models_dtype():
+    mask = run.window_mask(4, 2, 0, torch.float16, "cpu")
+    assert mask.shape == (1, 1, 4, 4) and mask.dtype == torch.float16
+    assert mask[0, 0, 3, 0].item() == torch.finfo(torch.float16).min
+
+
+def test_compare_uses_the_relative_tolerance_it_is_given():
+    a = torch.full((1, 3, 4), 100.0)
+    b = a.clone()
+    b[0, 2, 1] = 100.05  # within rtol 1e-3 of 100 (0.1), not within torch's default 1e-5
+    assert run._compare(a, b, 1e-3, 0.0) == (pytest.approx(0.05, rel=1e-4), None)
+    assert run._compare(a, b, 1e-4, 0.0)[1] == 2
+
+
+def _check(ref_steps, steps, rtol=0.0, atol=0.6, prompt_bad=False, m=None, tokens=None,
+           hidden=None):
+    B, G, _ = ref_steps.shape
+    prompt = torch.zeros(B, 2, ref_steps.shape[-1])
+    ours = prompt + (10.0 if prompt_bad else 0.0)
+    return run._check("x", False, ours, steps, prompt, ref_steps,
+                      torch.zeros(B, G, dtype=torch.long), rtol, atol, m, tokens, 2, hidden)
+
+
+def test_the_first_bad_step_and_its_message_by_hand():
+    # two sequences, three steps; only sequence 0's third step picks another token (decisive:
+    # path A's top two 1.0 apart, above atol 0.6): step 3, not step 1 (sequence 0's index)
+    ref = torch.tensor([[[1.0, 2.0, 0.0]] * 3] * 2)
+    ours = ref.clone()
+    ours[0, 2] = torch.tensor([1.55, 1.45, 0.0])
+    check = _check(ref, ours)
+    assert (check.passed, check.first_bad_step) == (False, 3)
+    assert check.message == "its most likely token differs from path A's at step 3"
+    # the same logits with rtol 0.05: the tolerance is 0.6 + 0.05 × 2 = 0.7 < 1.0, decisive
+    assert _check(ref, ours, rtol=0.05).first_bad_step == 3
+    # a margin of 1.0 within 0.5 + 0.3 × 2 = 1.1: a near tie, either token passes
+    assert _check(ref, ours, rtol=0.3, atol=0.5).passed
+    far = ref.clone()
+    far[1, 1] += 5.0
+    bad = _check(ref, far)
+    assert bad.first_bad_step == 2 and bad.message == (
+        "logits differ from path A by up to 5 (tolerance atol 0.6 + rtol 0) from step 2")
+    prompt = _check(ref, ours, prompt_bad=True, hidden=[[]] * 3)
+    assert prompt.first_bad_step == 0 and prompt.first_bad_layer is None
+    assert prompt.message == ("logits differ from path A by up to 10 (tolerance atol 0.6 + rtol "
+                              "0) from the prompt")
+
+
+def test_verify_on_a_random_model_by_hand():
+    # path A is kvbench's own cacheless forward: the report's reference perplexity, greedy
+    # tokens (the first 8 steps) and context (the prompt's last 12 tokens) are its
+    ref, config = _random(prompt=16, decode=9)
+    report = run.verify(ref, config, ("static",), ImplOptions(), None, None)
+    m = run.load(ref, config, None, None)
+    logits = m.model.full_forward(m.tokens[:, :25])
+    steps = logits[:, 16:25]
+    targets = m.tokens[:, 17:26]
+    nll = -torch.log_softmax(steps.double(), -1).gather(-1, targets[..., None]).mean()
+    assert report.reference.ppl == pytest.approx(float(nll.exp()), rel=1e-9)
+    assert report.greedy == " ".join(map(str, steps[0, :8].argmax(-1).tolist()))
+    assert report.context == " ".join(map(str, m.tokens[0, 4:16].tolist()))
+    (check,) = report.checks
+    assert check.passed and check.graph is False and report.layers == 2
+    assert report.masked is None  # no window: no masked path A
+    short = run.verify(ref, replace(config, shape=replace(config.shape, prompt_len=10)),
+                       ("static",), ImplOptions(), 1, None)
+    assert short.context == " ".join(map(str, run.load(ref, replace(
+        config, shape=replace(config.shape, prompt_len=10)), 1, None).tokens[0, :10].tolist()))
+    assert short.layers == 1
+
+
+def test_the_options_reach_every_cache_the_runner_builds(monkeypatch):
+    from kvbench.experiments.bench import BenchOptions
+
+    built = []
+    real = CachedModel.__init__
+
+    def spy(self, model, cls, config, options):
+        built.append(options.block_size)
+        real(self, model, cls, config, options)
+
+    monkeypatch.setattr(CachedModel, "__init__", spy)
+    ref, config = _random(prompt=6, decode=2)
+    options = ImplOptions(block_size=4)
+    run.verify(ref, config, ("paged",), options, None, None)
+    run.memory(ref, config, ("paged",), options, None, None)
+    run.bench(ref, config, ("paged",), BenchOptions(warmup=0, rounds=1), options, None, None)
+    assert built and set(built) == {4}
+
+
+def test_bench_times_the_steps_it_names_and_checks_the_first_four(monkeypatch):
+    from kvbench.experiments.bench import BenchOptions
+
+    calls = {"prefill": 0, "step": 0}
+    prefill, step = CachedModel.prefill, CachedModel.step
+
+    def count(name, real):
+        def wrapped(self, *args, **kwargs):
+            calls[name] += 1
+            return real(self, *args, **kwargs)
+        return wrapped
+
+    monkeypatch.setattr(CachedModel, "prefill", count("prefill", prefill))
+    monkeypatch.setattr(CachedModel, "step", count("step", step))
+    ref, config = _random(prompt=6, decode=6)
+    result = run.bench(ref, config, ("static",), BenchOptions(warmup=0, rounds=2),
+                       ImplOptions(), 1, None)
+    assert result.layers == 1
+    # the check: 4 steps (min(G, 4)), as verify reports them at G = 4
+    four = run.verify(ref, replace(config, shape=replace(config.shape, decode_len=4)),
+                      ("static",), ImplOptions(), 1, None)
+    assert result.timings[0].check.quality == four.checks[0].quality
+    # verify (1 prefill, 4 steps), the cache's own prefill, then 2 rounds of a timed prefill
+    # and of 6 timed steps
+    assert calls["prefill"] >= 1 + 1 + 2 and calls["step"] >= 4 + 2 * 6
+
+
+@pytest.mark.parametrize("command, phase, where", [
+    ("verify", "verify: prefill + decode", "prefill"),
+    ("verify", "verify: path A", "full_forward"),
+    ("memory", "memory: prefill", "prefill"),
+    ("memory", "memory: decode", "step"),
+    ("bench", "verify: prefill + decode", "prefill"),
+])
+def test_a_device_error_names_its_phase_and_implementation(monkeypatch, command, phase, where):
+    from kvbench.errors import DeviceError
+    from kvbench.experiments.bench import BenchOptions
+
+    owner = transformer.Model if where == "full_forward" else CachedModel
+
+    def fails(*args, **kwargs):
+        raise RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    ref, config = _random(prompt=6, decode=2)
+    if command == "memory" and where == "step":  # the warm-up decode runs steps too
+        real, seen = CachedModel.step, []
+
+        def fails_after_warmup(self, *args, **kwargs):
+            seen.append(1)
+            if len(seen) > 2:
+                fails()
+            return real(self, *args, **kwargs)
+
+        monkeypatch.setattr(CachedModel, "step", fails_after_warmup)
+    else:
+        monkeypatch.setattr(owner, where, fails)
+    run_it = {"verify": lambda: run.verify(ref, config, ("static",), ImplOptions(), None, None),
+              "memory": lambda: run.memory(ref, config, ("static",), ImplOptions(), None, None),
+              "bench": lambda: run.bench(ref, config, ("static",), BenchOptions(0, 1),
+                                         ImplOptions(), None, None)}[command]
+    with pytest.raises(DeviceError) as err:
+        run_it()
+    impl = None if where == "full_forward" else "static"
+    assert (err.value.phase, err.value.impl) == (phase, impl)
+
+
+def test_memory_on_a_model_counts_every_step_and_the_layers():
+    ref, config = _random(prompt=6, decode=3, batch=2)
+    result = run.memory(ref, config, ("concat",), ImplOptions(), 1, None)
+    (m,) = result.impls
+    # concat grows by each position: 1 layer, K and V, 2 sequences, 1 KV head, 9 positions,
+    # D = 4, float32
+    assert m.cache_bytes == 2 * 2 * 1 * (6 + 3) * 4 * 4 and result.layers == 1
+
+
+def test_the_transformers_row_is_greedy_with_exactly_new_tokens_and_its_static_cache():
+    seen = {}
+
+    class Spy:
+        def generate(self, prompt, **kwargs):
+            seen["prompt"] = prompt
+            seen.update(kwargs)
+
+    prompt = torch.tensor([[5, 6, 7]])
+    run._generate(Spy(), prompt, 4)
+    mask = seen.pop("attention_mask")
+    assert seen == {"prompt": prompt, "max_new_tokens": 4, "min_new_tokens": 4,
+                    "do_sample": False, "cache_implementation": "static", "pad_token_id": 0}
+    assert torch.equal(mask, torch.ones_like(prompt))
+
+
+def test_the_steps_after_the_first_token_keep_the_rounds():
+    from kvbench.measure.timing import Stats
+
+    steps = run.after_first_token(Stats(2.0, 1.5, 3.0, 0.5, 7), Stats(10.0, 9.0, 12.0, 1.0, 7))
+    assert (steps.median_ms, steps.min_ms, steps.max_ms, steps.iqr_ms, steps.rounds) == (
+        8.0, 6.0, 10.5, 1.5, 7)
+
+
+def test_kv_bytes_a_step_in_a_quantized_format_by_hand():
+    # int8 in groups of 4: a vector of D = 8 is 8 codes + 2 groups × 4 B = 16 B; K and V of
+    # 2 KV heads: 64 B a position. static reads T_p + 1 .. T_p + G positions (mean 6 at
+    # T_p 4, G 3: 5, 6, 7) and writes 1, per sequence and layer: 2 layers × (6 + 1) × 64
+    from kvbench.caches import ImplOptions as Options
+
+    shape = LayerShape(batch=1, prompt_len=4, decode_len=3, hidden=32, q_heads=4, kv_heads=2,
+                       head_dim=8)
+    config = RunConfig(shape, kv_dtype="int8", group_size=4)
+    got = run.kv_bytes_per_step(IMPLEMENTATIONS["static"], config,
+                                Options(group_size=4).at(config), 2)
+    assert got == 2 * (6 + 1) * 64
+
+
+def _h2o_model(**shape):
+    ref, config = _random(prompt=10, decode=3, kv_budget=8, layer_budgets=(8, 4), **shape)
+    return ref, config
+
+
+def test_the_model_gate_replays_within_its_limit_and_says_when_it_does_not(monkeypatch):
+    from kvbench.caches.eviction.h2o import H2OCache
+
+    # layer 0 keeps 8 positions at each of 3 steps: 24 over the steps (layer 1's 4 are not
+    # the measure); at the limit the replay runs, one below it does not and says so
+    ref, config = _h2o_model()
+    monkeypatch.setattr(H2OCache, "consistency", lambda self: "kept the wrong ones")
+    monkeypatch.setattr(run, "REPLAY_LIMIT", 24)
+    (check,) = run.verify(ref, config, ("h2o",), ImplOptions(), None, None).checks
+    assert (check.passed, check.message, check.note) == (False, "layer 0: kept the wrong ones", "")
+    monkeypatch.setattr(run, "REPLAY_LIMIT", 23)
+    (check,) = run.verify(ref, config, ("h2o",), ImplOptions(), None, None).checks
+    assert check.passed and check.note == (
+        "the policy's replay left out (24 kept positions over the steps a layer, above 23); "
+        "every layer gated over what it kept")
+
+
+def test_the_model_gate_names_the_layer_and_step_and_the_error(monkeypatch):
+    from kvbench.caches.eviction.h2o import H2OCache
+
+    real = H2OCache.attend
+
+    def off_at_step_two(self, q, keys, values):
+        out = real(self, q, keys, values)
+        return out + 1.0 if self.length == 10 + 2 else out
+
+    monkeypatch.setattr(H2OCache, "attend", off_at_step_two)
+    ref, config = _h2o_model()
+    (check,) = run.verify(ref, config, ("h2o",), ImplOptions(), None, None).checks
+    assert check.passed is False
+    assert check.message.startswith("layer 0, step 2: attention over the positions its cache "
+                                    "kept differs from float64 by ")
+    worst = float(check.message.split("float64 by ")[1].split(" ")[0])
+    # 1.0 added to every head's output moves the layer's by W_o's column sums: the largest
+    w_o = run.load(ref, config, None, None).model.blocks[0].attn.w_o
+    assert worst == pytest.approx(w_o.sum(0).abs().max().item(), rel=5e-3)
+
+
+def test_the_model_gate_prunes_only_the_prompts_channels_under_kvpress():
+    # ThinK as kvpress prunes: the prompt's keys at the pruned channels, decoded keys whole;
+    # the gate must restrict only the keys before `pruned_until` to pass it
+    ref, config = _random(prompt=10, decode=3, k_channels=2, kv_budget=10,
+                          kv_compress="prefill", kv_reference="kvpress")
+    (check,) = run.verify(ref, config, ("think",), ImplOptions(), None, None).checks
+    assert check.passed, check.message
