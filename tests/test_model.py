@@ -379,7 +379,7 @@ def test_a_window_decoding_token_by_token_equals_transformers_masked_forward(tin
     monkeypatch.setattr(run, "window_mask",
                         lambda n, w, s, dtype, device: real(n, w + 1, s, dtype, device))
     (check,) = run.verify(ref, config, ("window",), ImplOptions(), None, None).checks
-    assert not check.passed and "masked forward" in check.message
+    assert check.passed is False and "masked forward" in check.message
 
 
 def test_compare_finds_the_first_bad_position_across_slices(monkeypatch):

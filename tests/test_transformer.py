@@ -551,3 +551,11 @@ def test_the_model_gate_prunes_only_the_prompts_channels_under_kvpress():
                           kv_compress="prefill", kv_reference="kvpress")
     (check,) = run.verify(ref, config, ("think",), ImplOptions(), None, None).checks
     assert check.passed, check.message
+
+
+def test_a_window_on_a_random_model_has_no_masked_path_a():
+    # no transformers model to mask: the window is gated as a lossy cache alone
+    ref, config = _random(prompt=8, decode=4, window=4, sinks=1)
+    report = run.verify(ref, config, ("window",), ImplOptions(), None, None)
+    (check,) = report.checks
+    assert report.masked is None and check.passed and check.lossy
