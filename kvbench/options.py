@@ -14,6 +14,7 @@ from typing import Annotated
 import typer
 
 from kvbench.errors import KvbenchError
+from kvbench.sizing.config import TECHNIQUE_OPTIONS, TECHNIQUES
 
 EXPERIMENTS = ("verify", "bench", "memory")
 FORMATS = ("table", "csv", "json")
@@ -43,6 +44,7 @@ def _scorers() -> tuple[str, str]:
 # Where each implementation runs, for --help without importing torch (a test checks that it
 # names every registered implementation).
 _EVICTION, _BY = _scorers()
+_SCORERS = _EVICTION.replace(" and ", ", ")  # the techniques' help: {scorers}
 IMPL_HELP = (
     "Cached implementations: 'default' (all of them; on the CPU bench and memory leave out "
     "splitk, compiled and flex, which compile first), 'all', or a comma list of concat, static, "
@@ -70,9 +72,7 @@ PANELS = {
     "Whole model": ("model", "layers", "text"),
     "Serving batches and operations": ("seq_lens", "len_dist", "max_len", "prefill_chunk",
                                        "draft_len", "accept", "beams"),
-    "Techniques": ("tp", "window", "sinks", "shared_prefix", "kv_budget", "kv_recent",
-                   "kv_compress", "layer_budgets", "head_budgets", "k_channels",
-                   "kv_reference"),
+    "Techniques": ("tp", *TECHNIQUES),  # (each declared once, on LayerShape)
     "Timing": ("warmup", "rounds", "recompute", "prefill"),
     "Output and memory": ("config", "csv", "no_csv", "format", "quiet", "dry_run", "force",
                           "host_mem"),
@@ -169,49 +169,10 @@ class RunOptions:
     tp: int = option(1, "Tensor-parallel ranks: the layer split by head, one process per rank "
                      "under torchrun (torchrun --nproc-per-node N -m kvbench COMMAND --tp N "
                      "...); gloo on the CPU, NCCL on CUDA.")
-    window: int | None = option(
-        None, "A sliding window: each query sees the last W positions (itself included), "
-        "plus the --sinks; path A attends the same way. Runs on window.", show_default=False)
-    sinks: int = option(0, "With --window: the first S positions stay visible to every query "
-                        "(StreamingLLM's attention sinks).")
-    shared_prefix: int = option(0, "The first P prompt tokens are the same in every sequence "
-                                "(a system prompt): paged and triton store their blocks once, "
-                                "copying a partly filled one on write.")
-    kv_budget: str | None = option(
-        None, f"{_EVICTION.replace(' and ', ', ')}, snapkv-paged: keep N positions per KV "
-        "head (the recent ones and the highest-scoring), evicting the rest; lossy. A comma list "
-        "runs each.", show_default=False)
-    kv_recent: int | None = option(
-        None, f"{_EVICTION.replace(' and ', ', ')}: how many of the --kv-budget positions are "
-        "the most recent ones (snapkv: also its observation window of queries). Default: each "
-        "scorer's (its file says): half the budget for h2o, and for snapkv at most 64; 1 for "
-        "tova, knorm and expected. 0 (with --kv-compress prefill, not snapkv): no recent window, "
-        "as kvpress's presses keep.",
-        show_default=False)
     layer_budgets: str | None = option(
         None, "With --model and an eviction cache: each layer's budget, a comma list bottom "
         "first (one per layer), or pyramid (PyramidKV: falling from the bottom layer to the "
         "top, averaging --kv-budget).", show_default=False)
-    head_budgets: str | None = option(
-        None, "With --kv-budget N and --kv-compress prefill, on snapkv-paged: share each "
-        "sequence's H_kv × N positions between its KV heads: ada (AdaKV: by score across "
-        "heads) or duo[:F] (a share F of the heads, default 0.5, keep everything, the rest "
-        "sinks and recent positions). A comma list runs each.", show_default=False)
-    k_channels: str | None = option(
-        None, "think: keep C of K's D channels per KV head (ThinK's key-channel pruning, "
-        "chosen from the prompt); K then takes C/D of its bytes. A comma list runs each.",
-        show_default=False)
-    kv_reference: str | None = option(
-        None, "kvpress: run each scorer as NVIDIA kvpress's press does where kvbench's own "
-        "differs (with --kv-compress prefill): h2o's attention divided by the queries that "
-        "see each position, tova's averaged over the layer's query heads, knorm, expected "
-        "and h2o with no recent window, ada's safeguard spent on the window first, "
-        "--layer-budgets pyramid as PyramidKVPress draws it, think zeroing the prompt's "
-        "pruned channels only (docs/techniques.md).", show_default=False)
-    kv_compress: str = option(
-        "decode", "With --kv-budget: decode (evict at every step: the cache never holds more "
-        "than the budget) or prefill (compress the prompt once to the budget, then keep every "
-        "decoded position).")
     prefill_chunk: int | None = option(
         None, "Chunked prefill: the prompt enters the cache C positions at a time, each chunk "
         "attending to the cache so far and causally within itself (bench times it).",
@@ -286,31 +247,61 @@ class RunOptions:
         "for a job array; kvbench merge joins the shards' CSVs.", show_default=False)
     # a sweep file's [[points]]: each table's options over the file's own (not a flag)
     points: tuple[dict, ...] | None = field(default=None, metadata={"commands": ()})
+    # the technique options given (TECHNIQUES, declared on LayerShape): (name, value) pairs
+    techniques: tuple[tuple[str, object], ...] = field(default=(), metadata={"commands": ()})
+
+    @classmethod
+    def of(cls, values: dict) -> RunOptions:
+        """The options from values by name, the techniques' among them."""
+        given = {k: v for k, v in values.items() if k not in TECHNIQUE_OPTIONS}
+        chosen = {k: v for k, v in values.items() if k in TECHNIQUE_OPTIONS}
+        return cls(**given).but(**chosen)
+
+    def technique(self, name: str):
+        """A technique option's value as given (its default when not)."""
+        return dict(self.techniques).get(name, TECHNIQUE_OPTIONS[name])
 
     def but(self, **changes) -> RunOptions:
         from dataclasses import replace
 
+        chosen = {k: changes.pop(k) for k in list(changes) if k in TECHNIQUE_OPTIONS}
+        if chosen:
+            merged = dict(self.techniques) | chosen
+            changes["techniques"] = tuple((k, merged[k]) for k in TECHNIQUE_OPTIONS
+                                          if k in merged)
         return replace(self, **changes)
 
 
+def taken(command: str) -> set[str]:
+    """The options a command takes, by name (a sweep file's keys): its fields of RunOptions
+    and, for verify, bench and memory, the technique options."""
+    names = {f.name for f in fields(RunOptions) if command in f.metadata["commands"]}
+    return names | (set(TECHNIQUE_OPTIONS) if command in EXPERIMENTS else set())
+
+
 def signature(command: str) -> inspect.Signature:
-    """The Typer signature of an experiment command: ctx, then its fields of RunOptions."""
+    """The Typer signature of an experiment command: ctx, then its fields of RunOptions and
+    the technique options (TECHNIQUES), panel by panel."""
     hints = typing.get_type_hints(RunOptions)
+    declared: list[tuple[str, object, object, typing.Mapping]] = [
+        (f.name, hints[f.name], f.default, f.metadata) for f in fields(RunOptions)
+        if command in f.metadata["commands"]]
+    if command in EXPERIMENTS:
+        declared += [(name, TECHNIQUES[name].option, default,
+                      {"flags": (), "help": TECHNIQUES[name].help.format(scorers=_SCORERS),
+                       "show_default": TECHNIQUES[name].show_default})
+                     for name, default in TECHNIQUE_OPTIONS.items()]
     params = [inspect.Parameter("ctx", inspect.Parameter.POSITIONAL_OR_KEYWORD,
                                 annotation=typer.Context)]
     order = list(PANEL_OF)  # panel by panel, as PANELS lists them
-    for f in sorted(fields(RunOptions), key=lambda f: order.index(f.name) if f.name in order
-                    else len(order)):
-        meta = f.metadata
-        if command not in meta["commands"]:
-            continue
-        flag = hints[f.name] is bool  # a flag takes no value: no "<bool>" placeholder
+    for name, kind, default, meta in sorted(
+            declared, key=lambda d: order.index(d[0]) if d[0] in order else len(order)):
+        flag = kind is bool  # a flag takes no value: no "<bool>" placeholder
         opt = typer.Option(*meta["flags"], help=meta["help"],
                            show_default=meta["show_default"], metavar="" if flag else None,
-                           rich_help_panel=PANEL_OF[f.name])
-        params.append(inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY,
-                                        default=f.default,
-                                        annotation=Annotated[hints[f.name], opt]))
+                           rich_help_panel=PANEL_OF[name])
+        params.append(inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=default,
+                                        annotation=Annotated[kind, opt]))
     return inspect.Signature(params)
 
 
@@ -330,7 +321,7 @@ def from_context(ctx: typer.Context, values: dict | None = None) -> RunOptions:
         parse_host_mem(values["host_mem"])
     path = values.get("config")
     if path is None:
-        return RunOptions(**values)
+        return RunOptions.of(values)
     allowed = set(values) - OUTPUT
     swept = load_sweep(path, ctx.info_name, allowed)
     variants = swept.pop("points", None)
@@ -350,7 +341,7 @@ def from_context(ctx: typer.Context, values: dict | None = None) -> RunOptions:
     fill(values, swept)
     if variants is not None:  # [[points]]: each table's options over the file's own
         values["points"] = tuple(fill({}, v) for v in variants)
-    return RunOptions(**values)
+    return RunOptions.of(values)
 
 
 CsvPath = Annotated[Path | None, typer.Option("--csv", help="Append rows to this CSV. \\[default: "

@@ -457,11 +457,14 @@ def test_a_points_label_names_its_compression():
             "sinks": None, "kv_budget": 90, "kv_compress": "prefill", "layer_budgets": None,
             "head_budgets": "ada", "k_channels": None}
     ada, duo = pd.Series(base), pd.Series({**base, "head_budgets": "duo"})
-    assert technique(ada) == "snapkv-paged budget 90 ada (prompt)"
-    assert technique(duo) == "snapkv-paged budget 90 duo (prompt)"
+    assert technique(ada) == "snapkv-paged budget 90 (prompt) ada"
+    assert technique(duo) == "snapkv-paged budget 90 (prompt) duo"
     pyramid = pd.Series({**base, "impl": "snapkv", "head_budgets": None, "kv_compress": "decode",
                          "layer_budgets": "19,13,7,1"})
     assert technique(pyramid) == "snapkv budget 90 per layer"
     think = pd.Series({**base, "impl": "think", "kv_budget": None, "head_budgets": None,
                        "kv_compress": None, "k_channels": 32.0})
     assert technique(think) == "think 32 channels"
+    window = pd.Series({**base, "impl": "window", "kv_budget": None, "head_budgets": None,
+                        "kv_compress": None, "window": 8.0, "sinks": 2.0, "shared_prefix": 16.0})
+    assert technique(window) == "window W8+S2 prefix 16"

@@ -59,16 +59,13 @@ def test_bad_sweep_files(tmp_path, text, message):
 
 @pytest.mark.parametrize("path", sorted(SWEEPS.glob("*.toml")), ids=lambda p: p.stem)
 def test_shipped_sweep_files_parse(path):
-    from dataclasses import fields
-
     import tomllib
 
-    from kvbench.options import OUTPUT, RunOptions
+    from kvbench.options import OUTPUT, taken
     from kvbench.planning.sweep import load_sweep
 
     command = tomllib.loads(path.read_text()).get("command", "verify")
-    allowed = {f.name for f in fields(RunOptions)
-               if command in f.metadata["commands"] and f.name not in OUTPUT}
+    allowed = taken(command) - OUTPUT
     assert load_sweep(path, command, allowed)
 
 
@@ -183,3 +180,33 @@ def test_points_tables_run_each_technique_into_one_file(tmp_path):
     shared.write_text(sweep.read_text() + '[[points]]\nimpl = "paged"\nblock_size = 8\n')
     bad = CliRunner().invoke(app, ["bench", "--device", "cpu", "--config", str(shared)])
     assert bad.exit_code == 2 and "not the options every implementation" in bad.stderr
+
+
+def test_every_technique_declared_once_reaches_the_cli_sweeps_results_and_plots():
+    # a technique is one field of LayerShape (technique(...)): the option, the sweep file's
+    # key, the results column, the compare/plot keys and the label all come from it
+    from kvbench.options import EXPERIMENTS, TECHNIQUE_OPTIONS, signature, taken
+    from kvbench.planning.sweep import LIST_OPTIONS
+    from kvbench.report.load import OPTION_KEYS, TEXT_KEYS
+    from kvbench.report.results import FILE_KINDS
+    from kvbench.sizing.config import TECHNIQUES
+
+    for name, t in TECHNIQUES.items():
+        assert name in OPTION_KEYS and (name in TEXT_KEYS) == t.text
+        for kind in ("verify", "bench", "memory"):
+            assert name in FILE_KINDS[kind][0], (name, kind)
+        if t.flag:
+            for command in EXPERIMENTS:
+                assert name in taken(command) and name in signature(command).parameters
+            assert (name in LIST_OPTIONS) == t.points
+        else:
+            assert name not in TECHNIQUE_OPTIONS
+    # a comma list runs one point per value; the others one value for every point
+    result = run("verify", "--device", "cpu", "--impl", "think,h2o", "--prompt-len", "16",
+                 "--decode-len", "2", "--k-channels", "16,32", "--kv-budget", "8,12", "--rope",
+                 "--format", "json", "--no-csv", "-q")
+    assert result.exit_code == 0, result.output
+    rows = json.loads(result.stdout)
+    assert sorted((r["impl"], r["kv_budget"], r["k_channels"]) for r in rows) == [
+        ("h2o", 8, 16), ("h2o", 8, 32), ("h2o", 12, 16), ("h2o", 12, 32),
+        ("think", 8, 16), ("think", 8, 32), ("think", 12, 16), ("think", 12, 32)]

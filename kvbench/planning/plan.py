@@ -7,7 +7,7 @@ expanded here.
 from __future__ import annotations
 
 import itertools
-from dataclasses import replace
+from dataclasses import fields, replace
 from typing import TYPE_CHECKING
 
 from kvbench.errors import KvbenchError
@@ -66,6 +66,27 @@ def _uncaptured(names, config, options, explicit: bool, notes: list[str]) -> Non
         notes.append(line)
 
 
+def _techniques(o: RunOptions) -> list[dict[str, object]]:
+    """The technique options of each point: one dict per combination of the comma lists'
+    values (a list of integers for an int field, of text otherwise)."""
+    from itertools import product
+
+    from kvbench.sizing.config import TECHNIQUE_OPTIONS, TECHNIQUES, LayerShape, parse_int_list
+
+    numbers = {f.name for f in fields(LayerShape) if "int" in str(f.type)}
+    choices = {}
+    for name in TECHNIQUE_OPTIONS:
+        value = o.technique(name)
+        if TECHNIQUES[name].points and value is not None:
+            flag = "--" + name.replace("_", "-")
+            value = (parse_int_list(flag, value) if name in numbers
+                     else [v.strip() for v in str(value).split(",")])
+        else:
+            value = [value]
+        choices[name] = value
+    return [dict(zip(choices, combo)) for combo in product(*choices.values())]
+
+
 def _points_of(o: RunOptions, reference_cases: bool = False,
                measure: str | None = None, base=None):
     """Options -> [(RunConfig, implementation names)], the implementation options, and notes
@@ -94,17 +115,8 @@ def _points_of(o: RunOptions, reference_cases: bool = False,
     lists = {name: parse_int_list("--" + name.replace("_", "-"), getattr(o, name))
              for name in SHAPE_FIELDS if getattr(o, name) is not None}
     shapes = _mla(o, _ragged(o, expand_shapes(base or timing_case(dev), lists), lists), lists)
-    # the cache techniques, one point per --kv-budget, --head-budgets and --k-channels
-    budgets = (parse_int_list("--kv-budget", o.kv_budget) if o.kv_budget is not None
-               else [None])
-    splits = ([h.strip() for h in o.head_budgets.split(",")] if o.head_budgets is not None
-              else [None])
-    channels = (parse_int_list("--k-channels", o.k_channels) if o.k_channels is not None
-                else [None])
-    shapes = [replace(s, window=o.window, sinks=o.sinks, shared_prefix=o.shared_prefix,
-                      kv_budget=n, kv_recent=o.kv_recent, kv_compress=o.kv_compress,
-                      head_budgets=h, k_channels=c, kv_reference=o.kv_reference)
-              for s in shapes for n in budgets for h in splits for c in channels]
+    # the cache techniques (TECHNIQUES): a comma list's one point per value
+    shapes = [replace(s, **chosen) for s in shapes for chosen in _techniques(o)]
     from kvbench.measure import distributed
 
     if o.tp != 1 or distributed.launched():
@@ -122,8 +134,8 @@ def _points_of(o: RunOptions, reference_cases: bool = False,
             KvFormat(kv, o.group_size, o.k_quant, o.kv_residual)
     _serving(o, kv_dtypes)
     ragged = (o.seq_lens is not None or o.len_dist is not None
-              or o.window is not None or o.shared_prefix
-              or o.kv_budget is not None or o.prefill_chunk is not None
+              or o.technique("window") is not None or o.technique("shared_prefix")
+              or o.technique("kv_budget") is not None or o.prefill_chunk is not None
               or o.draft_len is not None or o.beams is not None)  # (not for the small case)
     if reference_cases and not lists and not ragged:
         mla = shapes[0].mla
@@ -258,7 +270,8 @@ def _mla(o: RunOptions, shapes, lists: dict[str, list[int]]):
     if "head_dim" in lists:
         raise KvbenchError("--head-dim does not apply to MLA: use --qk-nope-dim, "
                            "--qk-rope-dim and --v-head-dim")
-    for flag, value in (("--window", o.window), ("--kv-budget", o.kv_budget)):
+    for flag, value in (("--window", o.technique("window")),
+                        ("--kv-budget", o.technique("kv_budget"))):
         if value is not None:
             raise KvbenchError(f"{flag} runs on GQA layers; MLA's caches keep every "
                                f"position of every sequence: drop {flag}")

@@ -10,11 +10,11 @@ from __future__ import annotations
 from pathlib import Path
 
 from kvbench.errors import KvbenchError
-from kvbench.sizing.config import SHAPE_FIELDS
+from kvbench.sizing.config import SHAPE_FIELDS, TECHNIQUES
 from kvbench.sizing.files import read_toml
 
-LIST_OPTIONS = set(SHAPE_FIELDS) | {"dtype", "kv_dtype", "seq_lens", "len_dist",
-                                          "kv_budget", "head_budgets", "k_channels"}  # comma lists
+LIST_OPTIONS = (set(SHAPE_FIELDS) | {"dtype", "kv_dtype", "seq_lens", "len_dist"}  # comma lists
+                | {name for name, t in TECHNIQUES.items() if t.points})
 
 
 def load_sweep(path: Path, command: str, allowed: set[str]) -> dict[str, object]:

@@ -10,21 +10,18 @@ import pandas as pd
 
 from kvbench.errors import KvbenchError
 from kvbench.report.results import CONFIG_COLUMNS, FILE_KINDS, damaged_rows, header_accepted
+from kvbench.sizing.config import TECHNIQUES
 
 KINDS = {kind: columns for kind, (columns, _) in FILE_KINDS.items()}
 # The columns that identify a measured configuration (not when, not what was measured).
 KEY_COLUMNS = [c for c in CONFIG_COLUMNS if c != "timestamp"]
 # Later columns that tell configurations apart too, in the files that have them.
 OPTION_KEYS = ["kv_dtype", "group_size", "k_quant", "kv_residual", "block_size", "seq_lens",
-               "len_dist", "max_len",
-               "prealloc", "tp", "window", "sinks", "shared_prefix", "kv_budget",
-               "kv_recent", "kv_compress", "layer_budgets", "head_budgets", "k_channels",
-               "kv_reference",
-               "model", "layers"]
+               "len_dist", "max_len", "prealloc", "tp", *TECHNIQUES, "model", "layers"]
 
 
-TEXT_KEYS = ["kv_dtype", "k_quant", "seq_lens", "len_dist", "prealloc", "kv_compress",
-             "layer_budgets", "head_budgets", "kv_reference", "model"]
+TEXT_KEYS = ["kv_dtype", "k_quant", "seq_lens", "len_dist", "prealloc",
+             *(name for name, t in TECHNIQUES.items() if t.text), "model"]
 
 
 def key_columns(df: pd.DataFrame) -> list[str]:

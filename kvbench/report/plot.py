@@ -187,20 +187,11 @@ def technique(row) -> str:
             parts.append("K/ch")
         if pd.notna(row.get("kv_residual")) and row["kv_residual"]:
             parts.append(f"r{int(row['kv_residual'])}")
-    if pd.notna(row["shared_prefix"]):
-        parts.append(f"prefix {int(row['shared_prefix'])}")
-    if pd.notna(row["window"]):
-        sinks = int(row["sinks"]) if pd.notna(row["sinks"]) else 0
-        parts.append(f"W{int(row['window'])}+S{sinks}")
-    if pd.notna(row["kv_budget"]):
-        parts.append(f"budget {int(row['kv_budget'])}")
-    for column, shown in (("head_budgets", "{}"), ("k_channels", "{:.0f} channels")):
-        if pd.notna(row.get(column)):
-            parts.append(shown.format(row[column]))
-    if pd.notna(row.get("layer_budgets")):
-        parts.append("per layer")
-    if row.get("kv_compress") == "prefill":
-        parts.append("(prompt)")
+    from kvbench.sizing.config import TECHNIQUES
+
+    for t in TECHNIQUES.values():  # each technique's own words (declared on LayerShape)
+        if t.label is not None and (words := t.label(row)):
+            parts.append(words)
     return " ".join(parts)
 
 

@@ -22,7 +22,7 @@ from pathlib import Path
 
 from kvbench.errors import KvbenchError
 from kvbench.measure.env import ENV_COLUMNS, PROVENANCE_COLUMNS
-from kvbench.sizing.config import MlaDims
+from kvbench.sizing.config import TECHNIQUES, MlaDims, technique_cells
 
 DEFAULT_DIR = Path("results")
 
@@ -198,9 +198,9 @@ RAGGED_COLUMNS = ["seq_lens", "len_dist", "max_len"]
 # Tensor parallelism (--tp under torchrun): ranks the layer is split over; 1 on one device.
 # A sliding window with attention sinks (--window, --sinks): empty without one.
 # Token eviction (--kv-budget, --kv-recent, --kv-compress; h2o and the other scorers): empty
-# without a budget.
-TP_COLUMNS = ["tp", "world_size", "window", "sinks", "kv_budget", "kv_recent", "kv_compress",
-              "layer_budgets", "head_budgets", "k_channels", "kv_reference"]
+# without a budget. Every technique's column (TECHNIQUES, declared on LayerShape); the shared
+# prefix's sits beside the bytes it saved.
+TP_COLUMNS = ["tp", "world_size", *(t for t in TECHNIQUES if t != "shared_prefix")]
 
 # --model runs: the model (a checkpoint's name, or a preset) and the layers run
 MODEL_COLUMNS = ["model", "layers"]
@@ -296,15 +296,7 @@ def config_cells(command: str, impl: str, config) -> dict[str, object]:
             "seed": config.seed,
             "seq_lens": ",".join(map(str, s.seq_lens)) if s.seq_lens else None,
             "len_dist": s.len_dist, "max_len": s.max_len, "tp": config.tp,
-            "world_size": config.tp, "window": s.window,
-            "shared_prefix": s.shared_prefix or None, "kv_budget": s.kv_budget,
-            "kv_recent": s.kv_recent,
-            "kv_compress": s.kv_compress if s.kv_budget is not None else None,
-            "layer_budgets": (",".join(map(str, s.layer_budgets)) if s.layer_budgets
-                              else None),
-            "head_budgets": s.head_budgets, "k_channels": s.k_channels,
-            "kv_reference": s.kv_reference,
-            "sinks": s.sinks if s.window is not None else None,
+            "world_size": config.tp, **technique_cells(s),
             "attention": s.attention,
             **s.kind.cells()}
 
@@ -352,9 +344,7 @@ MEMORY_COLUMNS = MEMORY_FIRST[:-len(ENV_COLUMNS)] + [
 
 
 # transformers' generate runs its own full cache: no technique of the point applies to it
-TECHNIQUE_COLUMNS = ("window", "sinks", "kv_budget", "kv_recent", "kv_compress",
-                     "layer_budgets", "head_budgets", "k_channels", "kv_reference",
-                     "shared_prefix")
+TECHNIQUE_COLUMNS = tuple(TECHNIQUES)
 
 
 CAPACITY_FIRST = [

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, fields, replace
 from itertools import product
-from typing import ClassVar
+from typing import Any, ClassVar
 
 from kvbench.errors import KvbenchError
 
@@ -158,6 +159,39 @@ def full_heads(kv_heads: int, fraction: float) -> int:
 
 
 @dataclass(frozen=True)
+class Technique:
+    """A technique option, declared once, as a field of LayerShape (`technique(...)`): the
+    command-line option (--field-name, in --help's Techniques panel of verify, bench and
+    memory), the sweep file's key and the results column take the field's name; its rules
+    are LayerShape's, beside it.
+
+    option: the option's type (str for a comma list); points: a comma list runs one point
+    per value; text: results compare it as text; flag: False where the option is another's
+    (a whole model's --layer-budgets); cell(shape): its results cell (default: the value);
+    label(row): its words in a plot's label of a row (None: none). In help, {scorers} is
+    the eviction scorers' names."""
+
+    help: str
+    option: Any = None
+    points: bool = False
+    text: bool = False
+    flag: bool = True
+    show_default: bool = True
+    cell: Callable[[Any], object] | None = None
+    label: Callable[[Mapping], str | None] | None = None
+
+
+def technique(default, help: str, **kw) -> Any:
+    """A LayerShape field that is a technique option (see Technique)."""
+    return field(default=default, metadata={"technique": Technique(help, **kw)})
+
+
+def _number(row: Mapping, name: str) -> int | None:
+    value = row.get(name)
+    return None if value is None or value != value else int(value)  # (NaN: empty)
+
+
+@dataclass(frozen=True)
 class LayerShape:
     """Shapes of one causal GQA attention layer and the sequence it decodes."""
 
@@ -173,29 +207,79 @@ class LayerShape:
     seq_lens: tuple[int, ...] | None = None
     max_len: int | None = None  # the longest a request may get (preallocation); None: total_len
     len_dist: str | None = None  # where seq_lens were drawn from (a label for the results)
+    # --- the techniques (each declared once: see Technique) ---------------------------
     # A sliding window with attention sinks (StreamingLLM): each query sees the first `sinks`
     # positions and the last `window` (itself included). None: every earlier position.
-    window: int | None = None
-    sinks: int = 0
-    shared_prefix: int = 0  # the first P prompt tokens are the same in every sequence
-    # Token eviction (h2o, tova, knorm, snapkv, expected): kv_budget positions per KV head,
-    # the last kv_recent and the highest-scoring. kv_compress: when the budget is kept:
+    window: int | None = technique(
+        None, "A sliding window: each query sees the last W positions (itself included), "
+        "plus the --sinks; path A attends the same way. Runs on window.", option=int | None,
+        show_default=False,
+        label=lambda r: (None if _number(r, "window") is None else
+                         f"W{_number(r, 'window')}+S{_number(r, 'sinks') or 0}"))
+    sinks: int = technique(
+        0, "With --window: the first S positions stay visible to every query (StreamingLLM's "
+        "attention sinks).", option=int, cell=lambda s: s.sinks if s.window is not None else None)
+    # the first P prompt tokens are the same in every sequence
+    shared_prefix: int = technique(
+        0, "The first P prompt tokens are the same in every sequence (a system prompt): paged "
+        "and triton store their blocks once, copying a partly filled one on write.", option=int,
+        cell=lambda s: s.shared_prefix or None,
+        label=lambda r: (None if not _number(r, "shared_prefix") else
+                         f"prefix {_number(r, 'shared_prefix')}"))
+    # Token eviction (the scorers of kvbench.caches.eviction): kv_budget positions per KV
+    # head, the last kv_recent and the highest-scoring. kv_compress: when the budget is kept:
     # "decode" (at every step: the cache never holds more) or "prefill" (the prompt is
     # compressed once, then every decoded position is kept).
-    kv_budget: int | None = None
-    kv_recent: int | None = None
-    kv_compress: str = "decode"
+    kv_budget: int | None = technique(
+        None, "{scorers}, snapkv-paged: keep N positions per KV head (the recent ones and the "
+        "highest-scoring), evicting the rest; lossy. A comma list runs each.", option=str | None,
+        points=True, show_default=False,
+        label=lambda r: (None if _number(r, "kv_budget") is None else
+                         f"budget {_number(r, 'kv_budget')}"))
+    kv_recent: int | None = technique(
+        None, "{scorers}: how many of the --kv-budget positions are the most recent ones "
+        "(snapkv: also its observation window of queries). Default: each scorer's (its file "
+        "says): half the budget for h2o, and for snapkv at most 64; 1 for tova, knorm and "
+        "expected. 0 (with --kv-compress prefill, not snapkv): no recent window, as kvpress's "
+        "presses keep.", option=int | None, show_default=False)
+    kv_compress: str = technique(
+        "decode", "With --kv-budget: decode (evict at every step: the cache never holds more "
+        "than the budget) or prefill (compress the prompt once to the budget, then keep every "
+        "decoded position).", option=str, text=True,
+        cell=lambda s: s.kv_compress if s.kv_budget is not None else None,
+        label=lambda r: "(prompt)" if r.get("kv_compress") == "prefill" else None)
     # A whole model's per-layer budgets (--layer-budgets, kvbench.sizing.budgets): each
     # layer's kv_budget, bottom first; kv_budget is then their mean. None: kv_budget in all.
-    layer_budgets: tuple[int, ...] | None = None
+    layer_budgets: tuple[int, ...] | None = technique(
+        None, "", flag=False, text=True,
+        cell=lambda s: ",".join(map(str, s.layer_budgets)) if s.layer_budgets else None,
+        label=lambda r: "per layer" if isinstance(r.get("layer_budgets"), str) else None)
     # How the budget is shared between a sequence's KV heads (--head-budgets, snapkv-paged):
     # "ada" or "duo[:F]" (kvbench.caches.heads); None: each head keeps kv_budget.
-    head_budgets: str | None = None
+    head_budgets: str | None = technique(
+        None, "With --kv-budget N and --kv-compress prefill, on snapkv-paged: share each "
+        "sequence's H_kv × N positions between its KV heads: ada (AdaKV: by score across "
+        "heads) or duo[:F] (a share F of the heads, default 0.5, keep everything, the rest "
+        "sinks and recent positions). A comma list runs each.", option=str | None, points=True,
+        text=True, show_default=False,
+        label=lambda r: r["head_budgets"] if isinstance(r.get("head_budgets"), str) else None)
     # Key-channel pruning (--k-channels, `think`): channels of K kept per KV head; None: D.
-    k_channels: int | None = None
+    k_channels: int | None = technique(
+        None, "think: keep C of K's D channels per KV head (ThinK's key-channel pruning, "
+        "chosen from the prompt); K then takes C/D of its bytes. A comma list runs each.",
+        option=str | None, points=True, show_default=False,
+        label=lambda r: (None if _number(r, "k_channels") is None else
+                         f"{_number(r, 'k_channels')} channels"))
     # --kv-reference kvpress: each scorer (and the pyramid, ada's safeguard, ThinK) as NVIDIA
     # kvpress's press does it, where kvbench's own differs (docs/techniques.md); None: kvbench's.
-    kv_reference: str | None = None
+    kv_reference: str | None = technique(
+        None, "kvpress: run each scorer as NVIDIA kvpress's press does where kvbench's own "
+        "differs (with --kv-compress prefill): h2o's attention divided by the queries that "
+        "see each position, tova's averaged over the layer's query heads, knorm, expected "
+        "and h2o with no recent window, ada's safeguard spent on the window first, "
+        "--layer-budgets pyramid as PyramidKVPress draws it, think zeroing the prompt's "
+        "pruned channels only (docs/techniques.md).", option=str | None, text=True,
+        show_default=False)
     # Multi-head latent attention (--attention mla); None: GQA. An MLA shape has kv_heads =
     # q_heads and head_dim = qk_nope + qk_rope: the per-head K that decompression yields.
     mla: MlaDims | None = None
@@ -339,6 +423,23 @@ class LayerShape:
     def cache_shape(self) -> tuple[int, int, int, int]:
         """Final cache shape [B, H_kv, T_p + G, D]."""
         return (self.batch, self.kv_heads, self.total_len, self.head_dim)
+
+
+# the technique options, in LayerShape's order: name -> its declaration
+TECHNIQUES: dict[str, Technique] = {f.name: f.metadata["technique"] for f in fields(LayerShape)
+                                    if "technique" in f.metadata}
+
+
+# the technique options that are flags of verify, bench and memory -> the value when not given
+# (a comma list's text: None)
+TECHNIQUE_OPTIONS: dict[str, object] = {
+    f.name: None if TECHNIQUES[f.name].points else f.default for f in fields(LayerShape)
+    if f.name in TECHNIQUES and TECHNIQUES[f.name].flag}
+
+
+def technique_cells(s: LayerShape) -> dict[str, object]:
+    """A row's technique columns: each technique's cell of the shape."""
+    return {name: t.cell(s) if t.cell else getattr(s, name) for name, t in TECHNIQUES.items()}
 
 
 @dataclass(frozen=True)

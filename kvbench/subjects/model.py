@@ -32,7 +32,7 @@ def expand(o: RunOptions, command: str):
         flag = "--" + given[0].replace("_", "-")
         raise KvbenchError(f"--model {o.model} sets the layer's shape and batch layout; drop "
                            f"{flag}")
-    if o.tp != 1 or o.shared_prefix:
+    if o.tp != 1 or o.technique("shared_prefix"):
         flag = "--tp" if o.tp != 1 else "--shared-prefix"
         raise KvbenchError(f"{flag} runs on one layer; drop it or --model")
     plan.positive("--layers", o.layers)
@@ -40,11 +40,11 @@ def expand(o: RunOptions, command: str):
     arch = ref.arch.first(o.layers)
     layer_budgets = budgets.parse(o.layer_budgets, arch.layers)
     if isinstance(layer_budgets, tuple):
-        if o.kv_budget is not None:
+        if o.technique("kv_budget") is not None:
             raise KvbenchError("--layer-budgets LIST sets every layer's budget; drop "
                                "--kv-budget (or use --layer-budgets pyramid around it)")
         o = o.but(kv_budget=str(round(sum(layer_budgets) / len(layer_budgets))))
-    elif layer_budgets == "pyramid" and o.kv_budget is None:
+    elif layer_budgets == "pyramid" and o.technique("kv_budget") is None:
         raise KvbenchError("--layer-budgets pyramid averages --kv-budget N over the layers; "
                            "give --kv-budget N too")
     base = LayerShape(hidden=arch.hidden, q_heads=arch.q_heads, kv_heads=arch.kv_heads,
