@@ -502,127 +502,27 @@ def capacity_signature() -> inspect.Signature:
     return inspect.signature(_capacity, eval_str=True)
 
 
-def _serve_sim(
-    requests: Annotated[int, typer.Option(help="Requests in the trace.")] = 200,
-    len_dist: Annotated[str, typer.Option(
-        help="Prompt lengths: uniform:LO:HI or lognormal:MEAN:SIGMA.")] = "lognormal:256:1.0",
-    output_dist: Annotated[str, typer.Option(
-        help="Output lengths, as --len-dist.")] = "lognormal:128:1.0",
-    max_len: Annotated[int, typer.Option(
-        help="The longest a request may get (prompt + output): caps the draws; prealloc reserves "
-             "it.")] = 2048,
-    rate: Annotated[float | None, typer.Option(
-        help="Poisson arrivals, requests per second of the measured clock. \\[default: all at "
-             "once]")] = None,
-    kv_blocks: Annotated[int | None, typer.Option(
-        help="KV blocks in the pool (the memory budget). \\[default: 512]")] = None,
-    kv_mem: Annotated[str | None, typer.Option(
-        help="The pool's size instead, e.g. 64MiB: as many blocks as fit (K and V of every layer "
-             "run, in --dtype).")] = None,
-    block_size: Annotated[int, typer.Option(help="Positions per block.")] = 16,
-    reserve: Annotated[str, typer.Option(
-        help="Ways of reserving to serve the trace with (comma-separated): paged, prealloc "
-             "(--max-len a request), oracle (its own length), the vLLM paper's contiguous "
-             "orca-max, orca-pow2, orca-oracle, and static batching.")] = "paged,prealloc",
-    preempt: Annotated[str, typer.Option(
-        help="When blocks run out: recompute (free and prefill again) or swap (to host memory and "
-             "back).")] = "recompute",
-    prefill_chunk: Annotated[int | None, typer.Option(
-        help="Chunked prefill: at most this many prompt positions prefilled per step, between the "
-             "others' decode steps. \\[default: each prompt whole]")] = None,
-    max_seqs: Annotated[int | None, typer.Option(
-        help="vLLM's max_num_seqs: at most this many sequences running at once. \\[default: no "
-             "cap]")] = None,
-    max_batched_tokens: Annotated[int | None, typer.Option(
-        help="vLLM's max_num_batched_tokens: the tokens a step schedules, decodes and prefill "
-             "positions alike (a longer prompt is prefilled in chunks). \\[default: no "
-             "cap]")] = None,
-    watermark: Annotated[float, typer.Option(
-        help="vLLM v0's watermark: this fraction of the pool's blocks kept free at admission (v0 "
-             "keeps 0.01).")] = 0.0,
-    policy: Annotated[str, typer.Option(
-        help="vllm: v1's steps, decodes and prefills mixed; vllm-v0: a step of prefills alone "
-             "whenever a waiting request fits, decodes in the others.")] = "vllm",
-    burstiness: Annotated[float, typer.Option(
-        help="With --rate: the gamma shape of the gaps between arrivals, as vLLM's benchmark draws "
-             "them (1: Poisson; below 1 burstier).")] = 1.0,
-    trace: Annotated[Path | None, typer.Option(
-        help="A trace CSV of arrival_s, prompt_len and output_len (arrival in seconds, sorted): "
-             "its requests instead of --requests, --len-dist, --output-dist and --rate.")] = None,
-    workload: Annotated[str | None, typer.Option(
-        help="sharegpt or alpaca: prompt and output lengths with the vLLM paper's means (161 and "
-             "338, 19 and 58 tokens) and vLLM's benchmark's filters, instead of --len-dist and "
-             "--output-dist.")] = None,
-    slo_ttft: Annotated[float | None, typer.Option(
-        help="Goodput: a request counts when its time to first token is at most this many ms (and "
-             "its TPOT within --slo-tpot).")] = None,
-    slo_tpot: Annotated[float | None, typer.Option(
-        help="Goodput: the most ms per output token after the first.")] = None,
-    model: Annotated[str | None, typer.Option(
-        help="Run a whole model's steps instead of one layer's: a preset (e.g. smollm2-135m) or a "
-             "checkpoint folder; its shape sets H, H_q, H_kv, D and a block holds every layer's K "
-             "and V.")] = None,
-    layers: Annotated[int | None, typer.Option(
-        help="With --model: its first N layers. \\[default: all]")] = None,
-    hidden: Annotated[int | None, typer.Option(help="Hidden size H. \\[default: 512]")] = None,
-    q_heads: Annotated[int | None, typer.Option(help="Query heads H_q. \\[default: 8]")] = None,
-    kv_heads: Annotated[int | None, typer.Option(help="KV heads H_kv. \\[default: 2]")] = None,
-    head_dim: Annotated[int | None, typer.Option(help="Head dim D. \\[default: 64]")] = None,
-    dtype: Annotated[str, typer.Option(
-        help="float32|fp32, float16|fp16, bfloat16|bf16.")] = "float32",
-    device: Annotated[str, typer.Option(help="auto, cpu, cuda or cuda:N.")] = "auto",
-    seed: Annotated[int, typer.Option(help="Seed of the trace, the weights and the inputs.")] = 0,
-    decode_kernel: Annotated[str, typer.Option(
-        help="How a decode step attends over the blocks: torch (block-wise attention in PyTorch "
-             "ops), triton (kvbench's paged decode kernel; on CPU tensors Triton's interpreter, "
-             "slow), or auto: triton on CUDA, torch elsewhere.")] = "auto",
-    prefix_caching: Annotated[bool, typer.Option(
-        "--prefix-caching", metavar="", help="vLLM v1's automatic prefix caching: full blocks "
-                                             "shared by content across requests, kept after they "
-                                             "are freed until needed (paged, recompute).")] = False,
-    shared_prefix_len: Annotated[int, typer.Option(
-        help="A shared system prompt of this many positions before the prompts of "
-             "--shared-prefix-frac of the requests.")] = 0,
-    shared_prefix_frac: Annotated[float, typer.Option(
-        help="The share of requests that start with the shared prompt.")] = 1.0,
-    write_profile: Annotated[Path | None, typer.Option(
-        help="Measure the engine's step time over a grid of (sequences decoding, their context, "
-             "prefill positions) on this layer and device, and write it to this file (a cost "
-             "profile).")] = None,
-    cost_profile: Annotated[Path | None, typer.Option(
-        help="Replay the trace with each step's time read from this cost profile (--write-profile) "
-             "instead of running it: no tensors, nothing verified.")] = None,
-    profile_batch: Annotated[int, typer.Option(
-        help="--write-profile: the most sequences decoding measured.")] = 64,
-    profile_rounds: Annotated[int, typer.Option(
-        help="--write-profile: timed steps per point (their median).")] = 5,
-    seeds: Annotated[int, typer.Option(
-        help="Runs of each --reserve, on seeds --seed, --seed + 1, ...: the table shows each "
-             "figure's mean and 95% interval, and marks a ratio whose intervals overlap.")] = 1,
-    host_mem: Annotated[str | None, typer.Option(
-        help="Host memory this run may use, e.g. 64GiB. \\[default: MemAvailable]")] = None,
-    csv: CsvPath = None,
-    steps_csv: Annotated[Path | None, typer.Option(
-        help="The per-step log. \\[default: the --csv path with -steps]")] = None,
-    no_csv: Annotated[bool, typer.Option(
-        "--no-csv", metavar="", help="Write no results file.")] = False,
-    format: Annotated[str, typer.Option(
-        "--format", help="table, csv or json (the rows on stdout).")] = "table",
-    quiet: Annotated[bool, typer.Option(
-        "--quiet", "-q", metavar="", help="Print nothing but errors (and --format's "
-                                          "rows).")] = False,
-    ray: Annotated[str | None, typer.Option(
-        "--ray", help="Serve each --reserve in its own Ray task: --ray alone (or local) starts a "
-                      "cluster on this machine, auto joins the one it belongs to, HOST:PORT "
-                      "another. Needs the cluster extra.")] = None,
-    retries: Annotated[int, typer.Option(
-        help="--ray: times a reserve whose worker died is run again.")] = 2,
-    threads: Annotated[int | None, typer.Option(
-        help="--ray: CPU threads per reserve. \\[default: 1]")] = None,
-):
-    """serve-sim's options as Typer declares them (a signature only: kvbench.cli's command
-    takes it, and kvbench.experiments.servesim.SimOptions.from_cli their values)."""
+def declared_signature(cls) -> inspect.Signature:
+    """A command's Typer signature from its options' declarations (kvbench.sizing.config's
+    `flag`): each field with help, in the order declared."""
+    from dataclasses import MISSING
+
+    hints = typing.get_type_hints(cls)
+    params = []
+    for f in fields(cls):
+        meta = f.metadata
+        if "help" not in meta:
+            continue  # not an option
+        kind = meta["cli"] if meta["cli"] is not None else hints[f.name]
+        default = f.default if meta["cli_default"] is MISSING else meta["cli_default"]
+        opt = typer.Option(*meta["flags"], help=meta["help"], show_default=meta["show_default"],
+                           metavar="" if kind is bool else None)
+        params.append(inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY,
+                                        default=default, annotation=Annotated[kind, opt]))
+    return inspect.Signature(params)
 
 
 def serve_sim_signature() -> inspect.Signature:
-    return inspect.signature(_serve_sim, eval_str=True)
+    from kvbench.experiments.servesim import SimOptions
+
+    return declared_signature(SimOptions)

@@ -37,7 +37,7 @@ from kvbench.serving.scheduler import (
     refuse_unfit,
     trace,
 )
-from kvbench.sizing.config import DTYPE_BYTES, canonical_dtype
+from kvbench.sizing.config import DTYPE_BYTES, canonical_dtype, flag
 from kvbench.sizing.lengths import parse_len_dist
 
 # reserve -> the Scheduler's reservation: its kind, whether it reserves --max-len, whether one
@@ -59,58 +59,114 @@ WARMUP_REQUESTS = 4
 
 @dataclass(frozen=True)
 class SimOptions:
-    requests: int = 200
-    len_dist: str = "lognormal:256:1.0"  # prompt lengths
-    output_dist: str = "lognormal:128:1.0"  # output lengths
-    max_len: int = 2048
-    rate: float = math.inf  # arrivals per second
-    burstiness: float = 1.0  # the gamma shape of the gaps between arrivals (1: Poisson)
-    kv_blocks: int | None = None  # the pool's blocks; None: DEFAULT_BLOCKS, or from kv_mem
-    kv_mem: str | None = None  # the pool's size instead (e.g. 64MiB): as many blocks as fit
-    block_size: int = 16
-    reserve: tuple[str, ...] = ("paged", "prealloc")
-    preempt: str = "recompute"
-    prefill_chunk: int | None = None  # prompt positions prefilled per step; None: whole
-    max_seqs: int | None = None  # vLLM's max_num_seqs
-    max_batched_tokens: int | None = None  # vLLM's max_num_batched_tokens
-    watermark: float = 0.0  # vLLM v0's: this fraction of the pool kept free at admission
-    slo_ttft: float | None = None  # goodput's service-level objectives, in ms
-    slo_tpot: float | None = None
-    trace: Path | None = None  # a CSV of arrival_s, prompt_len, output_len, instead of draws
-    # the trace file's requests (read once, in __post_init__)
+    """serve-sim's options, each declared once (its help and flags are the command line's:
+    kvbench.options builds the command from them)."""
+
+    requests: int = flag(200, "Requests in the trace.")
+    len_dist: str = flag("lognormal:256:1.0",
+                         "Prompt lengths: uniform:LO:HI or lognormal:MEAN:SIGMA.")
+    output_dist: str = flag("lognormal:128:1.0", "Output lengths, as --len-dist.")
+    max_len: int = flag(2048, "The longest a request may get (prompt + output): caps the "
+                        "draws; prealloc reserves it.")
+    # arrivals per second (the command line's no --rate: inf)
+    rate: float = flag(math.inf, "Poisson arrivals, requests per second of the measured clock. "
+                       "\\[default: all at once]", cli=float | None, cli_default=None)
+    # the pool's blocks; None: DEFAULT_BLOCKS, or from kv_mem
+    kv_blocks: int | None = flag(None, "KV blocks in the pool (the memory budget). \\[default: "
+                                 "512]")
+    kv_mem: str | None = flag(None, "The pool's size instead, e.g. 64MiB: as many blocks as fit "
+                              "(K and V of every layer run, in --dtype).")
+    block_size: int = flag(16, "Positions per block.")
+    reserve: tuple[str, ...] = flag(
+        ("paged", "prealloc"), "Ways of reserving to serve the trace with (comma-separated): "
+        "paged, prealloc (--max-len a request), oracle (its own length), the vLLM paper's "
+        "contiguous orca-max, orca-pow2, orca-oracle, and static batching.", cli=str,
+        cli_default="paged,prealloc")
+    preempt: str = flag("recompute", "When blocks run out: recompute (free and prefill again) "
+                        "or swap (to host memory and back).")
+    prefill_chunk: int | None = flag(
+        None, "Chunked prefill: at most this many prompt positions prefilled per step, between "
+        "the others' decode steps. \\[default: each prompt whole]")
+    max_seqs: int | None = flag(None, "vLLM's max_num_seqs: at most this many sequences running "
+                                "at once. \\[default: no cap]")
+    max_batched_tokens: int | None = flag(
+        None, "vLLM's max_num_batched_tokens: the tokens a step schedules, decodes and prefill "
+        "positions alike (a longer prompt is prefilled in chunks). \\[default: no cap]")
+    watermark: float = flag(0.0, "vLLM v0's watermark: this fraction of the pool's blocks kept "
+                            "free at admission (v0 keeps 0.01).")
+    policy: str = flag("vllm", "vllm: v1's steps, decodes and prefills mixed; vllm-v0: a step "
+                       "of prefills alone whenever a waiting request fits, decodes in the "
+                       "others.")
+    burstiness: float = flag(1.0, "With --rate: the gamma shape of the gaps between arrivals, as "
+                             "vLLM's benchmark draws them (1: Poisson; below 1 burstier).")
+    trace: Path | None = flag(  # noqa: RUF009
+        None, "A trace CSV of arrival_s, prompt_len and output_len (arrival in seconds, sorted): "
+        "its requests instead of --requests, --len-dist, --output-dist and --rate.")
+    workload: str | None = flag(
+        None, "sharegpt or alpaca: prompt and output lengths with the vLLM paper's means (161 "
+        "and 338, 19 and 58 tokens) and vLLM's benchmark's filters, instead of --len-dist and "
+        "--output-dist.")
+    slo_ttft: float | None = flag(
+        None, "Goodput: a request counts when its time to first token is at most this many ms "
+        "(and its TPOT within --slo-tpot).")
+    slo_tpot: float | None = flag(None, "Goodput: the most ms per output token after the first.")
+    model: str | None = flag(
+        None, "Run a whole model's steps instead of one layer's: a preset (e.g. smollm2-135m) or "
+        "a checkpoint folder; its shape sets H, H_q, H_kv, D and a block holds every layer's K "
+        "and V.")
+    layers: int | None = flag(None, "With --model: its first N layers. \\[default: all]")
+    hidden: int | None = flag(None, "Hidden size H. \\[default: 512]")
+    q_heads: int | None = flag(None, "Query heads H_q. \\[default: 8]")
+    kv_heads: int | None = flag(None, "KV heads H_kv. \\[default: 2]")
+    head_dim: int | None = flag(None, "Head dim D. \\[default: 64]")
+    dtype: str = flag("float32", "float32|fp32, float16|fp16, bfloat16|bf16.")
+    device: str = flag("auto", "auto, cpu, cuda or cuda:N.")
+    seed: int = flag(0, "Seed of the trace, the weights and the inputs.")
+    decode_kernel: str = flag(
+        "auto", "How a decode step attends over the blocks: torch (block-wise attention in "
+        "PyTorch ops), triton (kvbench's paged decode kernel; on CPU tensors Triton's "
+        "interpreter, slow), or auto: triton on CUDA, torch elsewhere.")
+    prefix_caching: bool = flag(
+        False, "vLLM v1's automatic prefix caching: full blocks shared by content across "
+        "requests, kept after they are freed until needed (paged, recompute).",
+        "--prefix-caching")
+    shared_prefix_len: int = flag(0, "A shared system prompt of this many positions before the "
+                                  "prompts of --shared-prefix-frac of the requests.")
+    shared_prefix_frac: float = flag(1.0, "The share of requests that start with the shared "
+                                     "prompt.")
+    write_profile: Path | None = flag(  # noqa: RUF009
+        None, "Measure the engine's step time over a grid of (sequences decoding, their "
+        "context, prefill positions) on this layer and device, and write it to this file (a "
+        "cost profile).")
+    cost_profile: Path | None = flag(  # noqa: RUF009
+        None, "Replay the trace with each step's time read from this cost profile "
+        "(--write-profile) instead of running it: no tensors, nothing verified.")
+    profile_batch: int = flag(64, "--write-profile: the most sequences decoding measured.")
+    profile_rounds: int = flag(5, "--write-profile: timed steps per point (their median).")
+    seeds: int = flag(
+        1, "Runs of each --reserve, on seeds --seed, --seed + 1, ...: the table shows each "
+        "figure's mean and 95% interval, and marks a ratio whose intervals overlap.")
+    host_mem: str | None = flag(None, "Host memory this run may use, e.g. 64GiB. \\[default: "
+                                "MemAvailable]")
+    csv: Path | None = flag(None, "Append rows to this CSV. \\[default: results/COMMAND.csv]",  # noqa: RUF009
+                            "--csv")
+    steps_csv: Path | None = flag(None, "The per-step log. \\[default: the --csv path with "  # noqa: RUF009
+                                  "-steps]")
+    no_csv: bool = flag(False, "Write no results file.", "--no-csv")
+    format: str = flag("table", "table, csv or json (the rows on stdout).", "--format")
+    quiet: bool = flag(False, "Print nothing but errors (and --format's rows).", "--quiet",
+                       "-q")
+    ray: str | None = flag(
+        None, "Serve each --reserve in its own Ray task: --ray alone (or local) starts a cluster "
+        "on this machine, auto joins the one it belongs to, HOST:PORT another. Needs the "
+        "cluster extra.", "--ray")
+    retries: int = flag(2, "--ray: times a reserve whose worker died is run again.")
+    threads: int | None = flag(None, "--ray: CPU threads per reserve. \\[default: 1]")
+    # not options: the trace file's requests (read once, in __post_init__); the resolved
+    # --model (kvbench.layers.model.spec.ModelRef) and the layers each step runs
     traced: tuple = field(default=(), repr=False, compare=False)
-    policy: str = "vllm"  # vllm (v1's mixed steps) or vllm-v0 (prompt-only steps)
-    workload: str | None = None  # sharegpt or alpaca: the paper's lengths, instead of draws
-    prefix_caching: bool = False  # vLLM v1's automatic prefix caching (paged only)
-    shared_prefix_len: int = 0  # a shared system prompt of this many positions ...
-    shared_prefix_frac: float = 1.0  # ... at the start of this share of the requests
-    model: str | None = None  # a whole model's steps (a preset or checkpoint) for one layer's
-    layers: int | None = None  # its first this many layers; None: all
-    hidden: int | None = None  # one layer's shape (None: 512, 8, 2, 64; --model sets them)
-    q_heads: int | None = None
-    kv_heads: int | None = None
-    head_dim: int | None = None
-    # the resolved --model (kvbench.layers.model.spec.ModelRef), and the layers each step runs
     ref: object = field(default=None, repr=False, compare=False)
     n_layers: int = field(default=1, compare=False)
-    dtype: str = "float32"
-    device: str = "auto"
-    seed: int = 0
-    decode_kernel: str = "auto"  # how a decode step attends over the blocks (DECODE_KERNELS)
-    seeds: int = 1  # runs of each reserve, seeds seed .. seed + seeds - 1 (a 95% interval)
-    write_profile: Path | None = None  # measure the engine's step cost over a grid, to here
-    cost_profile: Path | None = None  # replay the trace with step times read from this
-    profile_batch: int = 64  # --write-profile: the most sequences decoding measured
-    profile_rounds: int = 5
-    host_mem: str | None = None
-    csv: Path | None = None
-    steps_csv: Path | None = None
-    no_csv: bool = False
-    quiet: bool = False
-    format: str = "table"
-    ray: str | None = None  # each reserve a Ray task (kvbench.planning.cluster)
-    retries: int = 2
-    threads: int | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "dtype", canonical_dtype(self.dtype))
@@ -195,17 +251,17 @@ class SimOptions:
                 r != "paged" for r in self.reserve)):
             raise KvbenchError("--prefix-caching shares paged blocks and preempts by recompute "
                                "(as vLLM v1 does); use --reserve paged and --preempt recompute")
-        for flag, value in (("--slo-ttft", self.slo_ttft), ("--slo-tpot", self.slo_tpot)):
+        for name, value in (("--slo-ttft", self.slo_ttft), ("--slo-tpot", self.slo_tpot)):
             if value is not None and not value > 0:
-                raise KvbenchError(f"{flag} is a latency in ms above 0, got {value}")
+                raise KvbenchError(f"{name} is a latency in ms above 0, got {value}")
 
         if self.write_profile is not None and self.cost_profile is not None:
             raise KvbenchError("--write-profile measures a profile and --cost-profile replays "
                                "one; give one of them")
-        for flag, value in (("--profile-batch", self.profile_batch),
+        for name, value in (("--profile-batch", self.profile_batch),
                             ("--profile-rounds", self.profile_rounds)):
             if value < 1:
-                raise KvbenchError(f"{flag} must be a positive integer, got {value}")
+                raise KvbenchError(f"{name} must be a positive integer, got {value}")
         if self.decode_kernel not in DECODE_KERNELS:
             raise KvbenchError(f"--decode-kernel {self.decode_kernel!r}: use "
                                f"{', '.join(DECODE_KERNELS)}")

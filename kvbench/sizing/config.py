@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import MISSING, dataclass, field, fields, replace
 from itertools import product
 from typing import Any, ClassVar
 
@@ -179,6 +179,17 @@ class Technique:
     show_default: bool = True
     cell: Callable[[Any], object] | None = None
     label: Callable[[Mapping], str | None] | None = None
+
+
+def flag(default, help: str, *flags: str, cli: Any = None, cli_default: Any = MISSING,
+         show_default: bool = True) -> Any:
+    """A field of a command's options that is a command-line option: its help and flags
+    (default --field-name), and the option's type and default where they differ from the
+    field's (cli, cli_default; the command converts the value). kvbench.options builds the
+    command's Typer signature from these declarations."""
+    return field(default=default, metadata={"help": help, "flags": flags, "cli": cli,
+                                            "cli_default": cli_default,
+                                            "show_default": show_default})
 
 
 def technique(default, help: str, **kw) -> Any:
