@@ -193,7 +193,7 @@ def capacity(**values):
     """Plan the KV cache of a real model on a real GPU; --allocate checks it on CUDA."""
     from kvbench.experiments import capacity as planner
 
-    planner.capacity(**values)
+    planner.capacity(planner.CapacityOptions(**values))
 
 
 capacity.__signature__ = capacity_signature()  # declared in kvbench.options

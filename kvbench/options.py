@@ -348,158 +348,10 @@ CsvPath = Annotated[Path | None, typer.Option("--csv", help="Append rows to this
                                                             "results/COMMAND.csv]")]
 
 
-def _capacity(
-    model: Annotated[str | None, typer.Option(help="A preset (see --list-models).")] = None,
-    list_models: Annotated[bool, typer.Option(
-        "--list-models", metavar="", help="Show the presets and exit.")] = False,
-    from_config: Annotated[Path | None, typer.Option(help="A Hugging Face config.json.")] = None,
-    layers: Annotated[int | None, typer.Option(help="Layers L.")] = None,
-    kv_heads: Annotated[int | None, typer.Option(help="KV heads H_kv.")] = None,
-    head_dim: Annotated[int | None, typer.Option(help="Head dim D.")] = None,
-    q_heads: Annotated[int | None, typer.Option(help="Query heads (for context).")] = None,
-    mla_latent: Annotated[int | None, typer.Option(help="MLA latent width d_c.")] = None,
-    mla_rope: Annotated[int | None, typer.Option(help="MLA decoupled RoPE key width.")] = None,
-    batch: Annotated[int, typer.Option(help="Sequences, each --seq-len long.")] = 1,
-    seq_len: Annotated[int | None, typer.Option(
-        help="Tokens per sequence. \\[default: 4096]")] = None,
-    seq_lens: Annotated[str | None, typer.Option(
-        help="A variable-length batch: 512,4096,...")] = None,
-    len_dist: Annotated[str | None, typer.Option(
-        help="Serving: draw lengths from uniform:LO:HI or lognormal:MEAN:SIGMA (mean MEAN tokens) "
-             "and compare preallocating --max-len per sequence with paged blocks.")] = None,
-    max_len: Annotated[int | None, typer.Option(
-        help="With --len-dist: the longest a request may get (what preallocation reserves); caps "
-             "the draws.")] = None,
-    seed: Annotated[int, typer.Option(help="With --len-dist: the draws' seed.")] = 0,
-    kv_dtype: Annotated[str, typer.Option(
-        help="fp32, fp16, bf16, fp8, int8, int4, int2.")] = "fp16",
-    group_size: Annotated[int, typer.Option(
-        help="int8, int4, int2: elements per fp16 scale + zero point.")] = 64,
-    k_quant: Annotated[str, typer.Option(
-        help="int8, int4, int2: K per-token, or per-channel (KIVI: a scale per channel for each "
-             "--group-size positions).")] = "per-token",
-    kv_residual: Annotated[int, typer.Option(
-        help="int8, int4, int2: the newest positions kept in fp16 until this many are quantized "
-             "together (KIVI; a multiple of --group-size).")] = 0,
-    tp: Annotated[int, typer.Option(
-        help="Tensor-parallel ranks (KV heads split across them).")] = 1,
-    block_size: Annotated[int | None, typer.Option(
-        help="Paged blocks: round each sequence up to whole blocks.")] = None,
-    window: Annotated[int | None, typer.Option(
-        help="Sliding window W: sliding layers cache at most W tokens.")] = None,
-    sinks: Annotated[int, typer.Option(
-        help="With a window: sliding layers also keep their first S positions (attention "
-             "sinks).")] = 0,
-    shared_prefix: Annotated[int, typer.Option(
-        help="The first P tokens of every sequence are the same and stored once (prefix caching; "
-             "whole blocks with --block-size).")] = 0,
-    share_layers: Annotated[int, typer.Option(
-        help="Cross-layer sharing: groups of K adjacent layers read one K/V (Cross-Layer "
-             "Attention's sharing factor); K must divide the layers.")] = 1,
-    kv_budget: Annotated[int | None, typer.Option(
-        help="Token eviction: each KV head keeps at most N positions (h2o, snapkv, ... ).")] = None,
-    kv_compress: Annotated[str, typer.Option(
-        help="With --kv-budget: decode (the budget at every step) or prefill (the first "
-             "--prompt-len positions compressed to it, every later one kept).")] = "decode",
-    prompt_len: Annotated[int | None, typer.Option(
-        help="With --kv-compress prefill: the prompt's positions, of --seq-len.")] = None,
-    layer_budgets: Annotated[str | None, typer.Option(
-        help="Each layer's budget, bottom first (a comma list, one per layer), or pyramid around "
-             "--kv-budget (PyramidKV).")] = None,
-    head_budgets: Annotated[str | None, typer.Option(
-        help="With --kv-compress prefill: duo[:F], a share F of each layer's KV heads (default "
-             "0.5) keep every position, each head in blocks of its own (snapkv-paged).")] = None,
-    kv_reference: Annotated[str | None, typer.Option(
-        help="kvpress: --layer-budgets pyramid as kvpress's PyramidKVPress draws it (its "
-             "64-position window).")] = None,
-    gpu_mem: Annotated[str | None, typer.Option(
-        help="Memory of one GPU, e.g. 80GiB or 80GB.")] = None,
-    weight_dtype: Annotated[str, typer.Option(help="dtype of the preset's weights.")] = "bf16",
-    weights_bytes: Annotated[str | None, typer.Option(
-        help="Weights size instead, e.g. 16GB.")] = None,
-    margin: Annotated[str, typer.Option(
-        help="Memory kept free for activations and workspaces.")] = "4GiB",
-    utilization: Annotated[float, typer.Option(
-        help="Fraction of GPU memory the runtime may use.")] = 0.9,
-    engine: Annotated[str | None, typer.Option(
-        help="vllm or sglang: the ledger of what that engine allocates on one GPU (weights, "
-             "activation peak, KV available), its 'GPU KV cache size' in tokens and blocks, and "
-             "its maximum concurrency at "
-             "--max-model-len.", rich_help_panel="Serving engine")] = None,
-    gpu: Annotated[str | None, typer.Option(
-        help="With --engine: a GPU by name (H100-80GB, H200, A100-40GB, A100-80GB, L40S, RTX-4090, "
-             "...), its usable memory as torch reports it; or "
-             "--gpu-mem.", rich_help_panel="Serving engine")] = None,
-    gpu_memory_utilization: Annotated[float | None, typer.Option(
-        help="vLLM's: the fraction of the GPU it may use. \\[default: "
-             "0.9]", rich_help_panel="Serving engine")] = None,
-    mem_fraction_static: Annotated[float | None, typer.Option(
-        help="SGLang's: the fraction for weights and the KV pool. \\[default: "
-             "0.88]", rich_help_panel="Serving engine")] = None,
-    max_model_len: Annotated[int | None, typer.Option(
-        help="The longest request (SGLang's context length). \\[default: "
-             "8192]", rich_help_panel="Serving engine")] = None,
-    max_num_seqs: Annotated[int | None, typer.Option(
-        help="vLLM's running requests at most (SGLang: --max-running-requests). \\[default: vllm "
-             "serve's, by GPU memory]", rich_help_panel="Serving engine")] = None,
-    max_running_requests: Annotated[int | None, typer.Option(
-        help="SGLang's running requests at most.", rich_help_panel="Serving engine")] = None,
-    max_num_batched_tokens: Annotated[int | None, typer.Option(
-        help="vLLM's tokens a step (the profile run's tokens). \\[default: vllm serve's, by GPU "
-             "memory]", rich_help_panel="Serving engine")] = None,
-    chunked_prefill_size: Annotated[int | None, typer.Option(
-        help="SGLang's tokens a prefill chunk.", rich_help_panel="Serving engine")] = None,
-    page_size: Annotated[int | None, typer.Option(
-        help="SGLang's tokens a page (its --block-size). \\[default: "
-             "1]", rich_help_panel="Serving engine")] = None,
-    kv_cache_dtype: Annotated[str, typer.Option(
-        help="The engine's KV dtype: auto (the model's), fp8, or fp8_ds_mla (DeepSeek's 656-byte "
-             "latent).", rich_help_panel="Serving engine")] = "auto",
-    pp: Annotated[int, typer.Option(
-        help="Pipeline-parallel stages (layers split across "
-             "them).", rich_help_panel="Serving engine")] = 1,
-    kv_memory: Annotated[str | None, typer.Option(
-        help="The 'Available KV cache memory' an engine log printed, e.g. 3.81GiB, instead of the "
-             "ledger's estimate.", rich_help_panel="Serving engine")] = None,
-    num_gpu_blocks_override: Annotated[int | None, typer.Option(
-        help="vLLM's: the blocks, given (its log's block "
-             "count).", rich_help_panel="Serving engine")] = None,
-    activation: Annotated[str | None, typer.Option(
-        help="The profile run's activation peak instead of the estimate, e.g. "
-             "2.07GiB.", rich_help_panel="Serving engine")] = None,
-    non_torch: Annotated[str, typer.Option(
-        help="Memory outside torch's allocator (CUDA context, "
-             "NCCL).", rich_help_panel="Serving engine")] = "0.35GiB",
-    cuda_graphs: Annotated[str, typer.Option(
-        help="CUDA graph memory the engine subtracts (0: it lives in the 1 - utilization headroom, "
-             "as vLLM counts it by default).", rich_help_panel="Serving engine")] = "0GiB",
-    target_concurrency: Annotated[float | None, typer.Option(
-        help="With --engine: what one change (utilization, fp8 KV, TP, max model len, batched "
-             "tokens) would reach this many requests at "
-             "--max-model-len.", rich_help_panel="Serving engine")] = None,
-    allocate: Annotated[bool, typer.Option(
-        "--allocate", metavar="", help="CUDA: allocate and check the cache for real.")] = False,
-    case: Annotated[str, typer.Option(help="--allocate cases: gqa, mha or both.")] = "both",
-    device: Annotated[str, typer.Option(
-        help="--allocate: auto, cuda or cuda:N (auto picks CUDA when present).")] = "auto",
-    require_fit: Annotated[bool, typer.Option(
-        "--require-fit", metavar="", help="With --gpu-mem: exit 1 when the model does not fit (for "
-                                          "CI).")] = False,
-    csv: CsvPath = None,
-    no_csv: Annotated[bool, typer.Option(
-        "--no-csv", metavar="", help="Write no results file.")] = False,
-    format: Annotated[str, typer.Option(
-        "--format", help="table, csv or json (the row on stdout).")] = "table",
-    quiet: Annotated[bool, typer.Option(
-        "--quiet", "-q", metavar="", help="Print nothing but errors (and --format's "
-                                          "rows).")] = False,
-):
-    """capacity's options as Typer declares them (a signature only: kvbench.cli's command
-    takes it, and kvbench.experiments.capacity.capacity their values by name)."""
-
-
 def capacity_signature() -> inspect.Signature:
-    return inspect.signature(_capacity, eval_str=True)
+    from kvbench.experiments.capacity import CapacityOptions
+
+    return declared_signature(CapacityOptions)
 
 
 def declared_signature(cls) -> inspect.Signature:
@@ -516,7 +368,8 @@ def declared_signature(cls) -> inspect.Signature:
         kind = meta["cli"] if meta["cli"] is not None else hints[f.name]
         default = f.default if meta["cli_default"] is MISSING else meta["cli_default"]
         opt = typer.Option(*meta["flags"], help=meta["help"], show_default=meta["show_default"],
-                           metavar="" if kind is bool else None)
+                           metavar="" if kind is bool else None,
+                           rich_help_panel=meta["panel"])
         params.append(inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY,
                                         default=default, annotation=Annotated[kind, opt]))
     return inspect.Signature(params)

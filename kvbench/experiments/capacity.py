@@ -4,7 +4,7 @@ a plan (kvbench.sizing.capacity), a table and a row. The CLI hands it what it pa
 from __future__ import annotations
 
 import sys
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import typer
@@ -14,15 +14,195 @@ from kvbench.errors import KvbenchError
 from kvbench.formats.kvformat import GROUPED as GROUPED_FORMATS
 from kvbench.report.render import human_bytes, new_table, out
 from kvbench.report.results import timestamp
+from kvbench.sizing.config import flag
 
 
-def capacity(model, list_models, from_config, layers, kv_heads, head_dim, q_heads, mla_latent,
-             mla_rope, batch, seq_len, seq_lens, len_dist, max_len, seed, kv_dtype, group_size,
-             k_quant, kv_residual, tp, block_size, window, sinks, shared_prefix, share_layers,
-             kv_budget, kv_compress, prompt_len, layer_budgets, head_budgets, gpu_mem, weight_dtype,
-             weights_bytes, margin, utilization, allocate, case, device, csv, require_fit=False,
-             no_csv=False, format="table", quiet=False, engine=None, kv_reference=None,
-             **serving) -> None:
+@dataclass(frozen=True)
+class CapacityOptions:
+    """capacity's options, each declared once (its help and flags are the command line's:
+    kvbench.options builds the command from them)."""
+
+    model: str | None = flag(None, "A preset (see --list-models).")
+    list_models: bool = flag(False, "Show the presets and exit.", "--list-models")
+    from_config: Path | None = flag(None, "A Hugging Face config.json.")
+    layers: int | None = flag(None, "Layers L.")
+    kv_heads: int | None = flag(None, "KV heads H_kv.")
+    head_dim: int | None = flag(None, "Head dim D.")
+    q_heads: int | None = flag(None, "Query heads (for context).")
+    mla_latent: int | None = flag(None, "MLA latent width d_c.")
+    mla_rope: int | None = flag(None, "MLA decoupled RoPE key width.")
+    batch: int = flag(1, "Sequences, each --seq-len long.")
+    seq_len: int | None = flag(None, "Tokens per sequence. \\[default: 4096]")
+    seq_lens: str | None = flag(None, "A variable-length batch: 512,4096,...")
+    len_dist: str | None = flag(
+        None,
+        "Serving: draw lengths from uniform:LO:HI or lognormal:MEAN:SIGMA (mean MEAN tokens) and "
+        "compare preallocating --max-len per sequence with paged blocks.",
+    )
+    max_len: int | None = flag(
+        None,
+        "With --len-dist: the longest a request may get (what preallocation reserves); caps the "
+        "draws.",
+    )
+    seed: int = flag(0, "With --len-dist: the draws' seed.")
+    kv_dtype: str = flag("fp16", "fp32, fp16, bf16, fp8, int8, int4, int2.")
+    group_size: int = flag(64, "int8, int4, int2: elements per fp16 scale + zero point.")
+    k_quant: str = flag(
+        "per-token",
+        "int8, int4, int2: K per-token, or per-channel (KIVI: a scale per channel for each "
+        "--group-size positions).",
+    )
+    kv_residual: int = flag(
+        0,
+        "int8, int4, int2: the newest positions kept in fp16 until this many are quantized "
+        "together (KIVI; a multiple of --group-size).",
+    )
+    tp: int = flag(1, "Tensor-parallel ranks (KV heads split across them).")
+    block_size: int | None = flag(None, "Paged blocks: round each sequence up to whole blocks.")
+    window: int | None = flag(None, "Sliding window W: sliding layers cache at most W tokens.")
+    sinks: int = flag(
+        0, "With a window: sliding layers also keep their first S positions (attention sinks)."
+    )
+    shared_prefix: int = flag(
+        0,
+        "The first P tokens of every sequence are the same and stored once (prefix caching; whole "
+        "blocks with --block-size).",
+    )
+    share_layers: int = flag(
+        1,
+        "Cross-layer sharing: groups of K adjacent layers read one K/V (Cross-Layer Attention's "
+        "sharing factor); K must divide the layers.",
+    )
+    kv_budget: int | None = flag(
+        None, "Token eviction: each KV head keeps at most N positions (h2o, snapkv, ... )."
+    )
+    kv_compress: str = flag(
+        "decode",
+        "With --kv-budget: decode (the budget at every step) or prefill (the first --prompt-len "
+        "positions compressed to it, every later one kept).",
+    )
+    prompt_len: int | None = flag(
+        None, "With --kv-compress prefill: the prompt's positions, of --seq-len."
+    )
+    layer_budgets: str | None = flag(
+        None,
+        "Each layer's budget, bottom first (a comma list, one per layer), or pyramid around "
+        "--kv-budget (PyramidKV).",
+    )
+    head_budgets: str | None = flag(
+        None,
+        "With --kv-compress prefill: duo[:F], a share F of each layer's KV heads (default 0.5) "
+        "keep every position, each head in blocks of its own (snapkv-paged).",
+    )
+    kv_reference: str | None = flag(
+        None,
+        "kvpress: --layer-budgets pyramid as kvpress's PyramidKVPress draws it (its 64-position "
+        "window).",
+    )
+    gpu_mem: str | None = flag(None, "Memory of one GPU, e.g. 80GiB or 80GB.")
+    weight_dtype: str = flag("bf16", "dtype of the preset's weights.")
+    weights_bytes: str | None = flag(None, "Weights size instead, e.g. 16GB.")
+    margin: str = flag("4GiB", "Memory kept free for activations and workspaces.")
+    utilization: float = flag(0.9, "Fraction of GPU memory the runtime may use.")
+    engine: str | None = flag(
+        None,
+        "vllm or sglang: the ledger of what that engine allocates on one GPU (weights, activation "
+        "peak, KV available), its 'GPU KV cache size' in tokens and blocks, and its maximum "
+        "concurrency at --max-model-len.",
+        panel="Serving engine",
+    )
+    gpu: str | None = flag(
+        None,
+        "With --engine: a GPU by name (H100-80GB, H200, A100-40GB, A100-80GB, L40S, RTX-4090, "
+        "...), its usable memory as torch reports it; or --gpu-mem.",
+        panel="Serving engine",
+    )
+    gpu_memory_utilization: float | None = flag(
+        None, "vLLM's: the fraction of the GPU it may use. \\[default: 0.9]", panel="Serving engine"
+    )
+    mem_fraction_static: float | None = flag(
+        None,
+        "SGLang's: the fraction for weights and the KV pool. \\[default: 0.88]",
+        panel="Serving engine",
+    )
+    max_model_len: int | None = flag(
+        None,
+        "The longest request (SGLang's context length). \\[default: 8192]",
+        panel="Serving engine",
+    )
+    max_num_seqs: int | None = flag(
+        None,
+        "vLLM's running requests at most (SGLang: --max-running-requests). \\[default: vllm "
+        "serve's, by GPU memory]",
+        panel="Serving engine",
+    )
+    max_running_requests: int | None = flag(
+        None, "SGLang's running requests at most.", panel="Serving engine"
+    )
+    max_num_batched_tokens: int | None = flag(
+        None,
+        "vLLM's tokens a step (the profile run's tokens). \\[default: vllm serve's, by GPU memory]",
+        panel="Serving engine",
+    )
+    chunked_prefill_size: int | None = flag(
+        None, "SGLang's tokens a prefill chunk.", panel="Serving engine"
+    )
+    page_size: int | None = flag(
+        None, "SGLang's tokens a page (its --block-size). \\[default: 1]", panel="Serving engine"
+    )
+    kv_cache_dtype: str = flag(
+        "auto",
+        "The engine's KV dtype: auto (the model's), fp8, or fp8_ds_mla (DeepSeek's 656-byte "
+        "latent).",
+        panel="Serving engine",
+    )
+    pp: int = flag(
+        1, "Pipeline-parallel stages (layers split across them).", panel="Serving engine"
+    )
+    kv_memory: str | None = flag(
+        None,
+        "The 'Available KV cache memory' an engine log printed, e.g. 3.81GiB, instead of the "
+        "ledger's estimate.",
+        panel="Serving engine",
+    )
+    num_gpu_blocks_override: int | None = flag(
+        None, "vLLM's: the blocks, given (its log's block count).", panel="Serving engine"
+    )
+    activation: str | None = flag(
+        None,
+        "The profile run's activation peak instead of the estimate, e.g. 2.07GiB.",
+        panel="Serving engine",
+    )
+    non_torch: str = flag(
+        "0.35GiB", "Memory outside torch's allocator (CUDA context, NCCL).", panel="Serving engine"
+    )
+    cuda_graphs: str = flag(
+        "0GiB",
+        "CUDA graph memory the engine subtracts (0: it lives in the 1 - utilization headroom, as "
+        "vLLM counts it by default).",
+        panel="Serving engine",
+    )
+    target_concurrency: float | None = flag(
+        None,
+        "With --engine: what one change (utilization, fp8 KV, TP, max model len, batched tokens) "
+        "would reach this many requests at --max-model-len.",
+        panel="Serving engine",
+    )
+    allocate: bool = flag(False, "CUDA: allocate and check the cache for real.", "--allocate")
+    case: str = flag("both", "--allocate cases: gqa, mha or both.")
+    device: str = flag("auto", "--allocate: auto, cuda or cuda:N (auto picks CUDA when present).")
+    require_fit: bool = flag(
+        False, "With --gpu-mem: exit 1 when the model does not fit (for CI).", "--require-fit"
+    )
+    csv: Path | None = flag(
+        None, "Append rows to this CSV. \\[default: results/COMMAND.csv]", "--csv"
+    )
+    no_csv: bool = flag(False, "Write no results file.", "--no-csv")
+    format: str = flag("table", "table, csv or json (the row on stdout).", "--format")
+    quiet: bool = flag(False, "Print nothing but errors (and --format's rows).", "--quiet", "-q")
+
+
+def capacity(o: CapacityOptions) -> None:
     """Plan the KV cache (or with --allocate, check it on CUDA; with --engine, as that engine
     allocates it) and write its row."""
     from kvbench.measure.env import environment
@@ -32,109 +212,119 @@ def capacity(model, list_models, from_config, layers, kv_heads, head_dim, q_head
     from kvbench.report.results import FILE_KINDS, append_csv
     from kvbench.sizing import capacity as cap
 
-    if list_models:
+    if o.list_models:
         render.out.print(models_table(cap.presets()))
         return
-    if engine is not None:
+    if o.engine is not None:
         from kvbench.experiments import engines
 
-        return engines.capacity(engine, model, from_config, gpu_mem, tp, block_size,
-                                weight_dtype, weights_bytes, require_fit, csv, no_csv, format,
-                                quiet, **serving)
-    margin_bytes = cap.parse_size(margin, "--margin")
-    if allocate:
-        return _allocate(case, device, margin_bytes, csv)
-    for flag, value in (("--layers", layers), ("--kv-heads", kv_heads), ("--head-dim", head_dim),
-                        ("--q-heads", q_heads), ("--mla-latent", mla_latent),
-                        ("--mla-rope", mla_rope), ("--batch", batch), ("--seq-len", seq_len),
-                        ("--window", window)):
-        positive(flag, value)
-    if model and from_config:
+        return engines.capacity(o.engine, o.model, o.from_config, o.gpu_mem, o.tp, o.block_size,
+                                o.weight_dtype, o.weights_bytes, o.require_fit, o.csv, o.no_csv,
+                                o.format, o.quiet,
+                                **{name: getattr(o, name) for name in ENGINE_ONLY})
+    margin_bytes = cap.parse_size(o.margin, "--margin")
+    if o.allocate:
+        return _allocate(o.case, o.device, margin_bytes, o.csv)
+    for name in ("layers", "kv_heads", "head_dim", "q_heads", "mla_latent", "mla_rope", "batch",
+                 "seq_len", "window"):
+        positive("--" + name.replace("_", "-"), getattr(o, name))
+    if o.model and o.from_config:
         raise KvbenchError("give --model or --from-config, not both")
-    if seed < 0:
-        raise KvbenchError(f"--seed must be 0 or more, got {seed}")
-    if format not in ("table", "csv", "json"):
-        raise KvbenchError(f"--format {format!r}: use table, csv or json")
-    if require_fit and not gpu_mem:
+    if o.seed < 0:
+        raise KvbenchError(f"--seed must be 0 or more, got {o.seed}")
+    if o.format not in ("table", "csv", "json"):
+        raise KvbenchError(f"--format {o.format!r}: use table, csv or json")
+    if o.require_fit and not o.gpu_mem:
         raise KvbenchError("--require-fit judges a fit on a GPU: give --gpu-mem too")
-    if seq_len is not None and seq_lens is not None:
+    if o.seq_len is not None and o.seq_lens is not None:
         raise KvbenchError("give --seq-len (with --batch) or --seq-lens, not both")
-    if seq_lens is not None and batch != 1:
+    if o.seq_lens is not None and o.batch != 1:
         raise KvbenchError("--seq-lens sets the batch itself; drop --batch")
     from kvbench.sizing.config import parse_int_list
 
-    lens = (tuple(parse_int_list("--seq-lens", seq_lens)) if seq_lens is not None
-            else (seq_len or 4096,) * batch)
-    serving_lens = None
-    if len_dist is not None:
+    lens = (tuple(parse_int_list("--seq-lens", o.seq_lens)) if o.seq_lens is not None
+            else (o.seq_len or 4096,) * o.batch)
+    serving_at, max_len = None, o.max_len  # the draws and the longest a request may get
+    if o.len_dist is not None:
         from kvbench.sizing.lengths import draw, parse_len_dist
 
-        if seq_len is not None or seq_lens is not None:
+        if o.seq_len is not None or o.seq_lens is not None:
             raise KvbenchError("give --len-dist or --seq-len/--seq-lens, not both")
-        dist = parse_len_dist(len_dist)
+        dist = parse_len_dist(o.len_dist)
         positive("--max-len", max_len)
         max_len = max_len or dist.largest
         if max_len is None:
             raise KvbenchError(f"--len-dist {dist} needs --max-len: the longest a request may "
                                "get, which preallocation reserves")
-        lens = draw(dist, batch, seed, max_len)
-        serving_lens = draw(dist, SERVING_DRAWS, seed, max_len)
+        lens = draw(dist, o.batch, o.seed, max_len)
+        serving_at = (draw(dist, SERVING_DRAWS, o.seed, max_len), max_len)
     elif max_len is not None:
         raise KvbenchError("--max-len goes with --len-dist")
-    base = cap.preset(model) if model else cap.from_hf_config(from_config) if from_config else None
+    base = (cap.preset(o.model) if o.model else
+            cap.from_hf_config(o.from_config) if o.from_config else None)
     spec = cap.merge_dimensions(base, {
-        "layers": layers, "kv_heads": kv_heads, "head_dim": head_dim, "q_heads": q_heads,
-        "mla_latent": mla_latent, "mla_rope": mla_rope, "sliding_window": window})
-    if share_layers != 1 or sinks:
-        if sinks < 0 or (sinks and not spec.sliding_window):
+        "layers": o.layers, "kv_heads": o.kv_heads, "head_dim": o.head_dim,
+        "q_heads": o.q_heads, "mla_latent": o.mla_latent, "mla_rope": o.mla_rope,
+        "sliding_window": o.window})
+    if o.share_layers != 1 or o.sinks:
+        if o.sinks < 0 or (o.sinks and not spec.sliding_window):
             raise KvbenchError("--sinks keeps the first S positions of sliding layers: give "
                                "--window W too (or a model with a window), and S >= 0")
-        spec = replace(spec, share_layers=share_layers, sinks=sinks)
-    if (kv_budget, prompt_len, layer_budgets, head_budgets) != (None,) * 4 or (
-            kv_compress != "decode"):
-        spec = _budgeted(spec, tp, max(lens), kv_budget, kv_compress, prompt_len,
-                         layer_budgets, head_budgets, kv_reference)
-    elif kv_reference is not None:
+        spec = replace(spec, share_layers=o.share_layers, sinks=o.sinks)
+    if (o.kv_budget, o.prompt_len, o.layer_budgets, o.head_budgets) != (None,) * 4 or (
+            o.kv_compress != "decode"):
+        spec = _budgeted(spec, o.tp, max(lens), o.kv_budget, o.kv_compress, o.prompt_len,
+                         o.layer_budgets, o.head_budgets, o.kv_reference)
+    elif o.kv_reference is not None:
         raise KvbenchError("--kv-reference draws --layer-budgets pyramid as kvpress does: "
                            "give --layer-budgets pyramid and --kv-budget N too")
-    fmt = cap.CacheFormat(cap.kv_dtype(kv_dtype), group_size, tp, block_size, k_quant, kv_residual)
-    gpu_bytes = cap.parse_size(gpu_mem, "--gpu-mem") if gpu_mem else None
+    fmt = cap.CacheFormat(cap.kv_dtype(o.kv_dtype), o.group_size, o.tp, o.block_size, o.k_quant,
+                          o.kv_residual)
+    gpu_bytes = cap.parse_size(o.gpu_mem, "--gpu-mem") if o.gpu_mem else None
     if gpu_bytes is not None and gpu_bytes <= 0:
-        raise KvbenchError(f"--gpu-mem {gpu_mem} is no memory; give one GPU's, e.g. 80GiB")
+        raise KvbenchError(f"--gpu-mem {o.gpu_mem} is no memory; give one GPU's, e.g. 80GiB")
     weights = None
     if gpu_bytes is not None:
-        if weights_bytes is not None:
-            weights = cap.parse_size(weights_bytes, "--weights-bytes")
+        if o.weights_bytes is not None:
+            weights = cap.parse_size(o.weights_bytes, "--weights-bytes")
         elif spec.params:
-            dt = cap.kv_dtype(weight_dtype, "--weight-dtype", cap.WEIGHT_DTYPE_BYTES)
+            dt = cap.kv_dtype(o.weight_dtype, "--weight-dtype", cap.WEIGHT_DTYPE_BYTES)
             weights = int(spec.params * cap.WEIGHT_DTYPE_BYTES[dt])
         else:
             raise KvbenchError("--gpu-mem needs the weights' size: pass --weights-bytes "
                                "(e.g. 16GB); a --model preset or a dense --from-config "
                                "config.json counts them")
-    path = None if no_csv else csv_target(csv, "capacity")
-    if shared_prefix < 0:
-        raise KvbenchError(f"--shared-prefix must be 0 or more, got {shared_prefix}")
-    result = cap.plan(spec, fmt, lens, gpu_bytes, weights, margin_bytes, utilization,
-                      shared_prefix)
-    if serving_lens is not None:
-        result.serving = cap.serving(spec, fmt, serving_lens, max_len,
+    path = None if o.no_csv else csv_target(o.csv, "capacity")
+    if o.shared_prefix < 0:
+        raise KvbenchError(f"--shared-prefix must be 0 or more, got {o.shared_prefix}")
+    result = cap.plan(spec, fmt, lens, gpu_bytes, weights, margin_bytes, o.utilization,
+                      o.shared_prefix)
+    if serving_at is not None:
+        result.serving = cap.serving(spec, fmt, *serving_at,
                                      result.fit.budget_bytes if result.fit else None)
         result.len_dist = str(dist)
     rows = capacity_rows(result, environment(None))
-    if format != "table":
-        render.machine_output(rows, FILE_KINDS["capacity"][0], format)
-    elif not quiet:
+    if o.format != "table":
+        render.machine_output(rows, FILE_KINDS["capacity"][0], o.format)
+    elif not o.quiet:
         show_capacity(result)
     if path is not None:
         append_csv(path, rows, *FILE_KINDS["capacity"])
-        if not quiet:
+        if not o.quiet:
             render.note(f"1 row appended to {path}")
-    if require_fit and not result.fit.fits:
+    if o.require_fit and not result.fit.fits:
         print(f"kvbench: {result.model.name} does not fit: short by "
               f"{render.human_bytes(-result.fit.headroom_bytes)} (--require-fit)",
               file=sys.stderr)
         raise typer.Exit(1)
+
+
+# the options --engine alone reads (kvbench.experiments.engines)
+ENGINE_ONLY = ("gpu", "gpu_memory_utilization", "mem_fraction_static", "max_model_len",
+               "max_num_seqs", "max_running_requests", "max_num_batched_tokens",
+               "chunked_prefill_size", "page_size", "kv_cache_dtype", "pp", "kv_memory",
+               "num_gpu_blocks_override", "activation", "non_torch", "cuda_graphs",
+               "target_concurrency")
 
 
 SERVING_DRAWS = 10_000  # lengths drawn for the serving comparison's means
