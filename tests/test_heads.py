@@ -264,3 +264,87 @@ def test_what_snapkv_paged_drops_reads_and_reports_by_hand():
     with torch.no_grad():
         cache.prefill(make_inputs(config)[:, :40])
     assert cache.stats() == {"blocks": int((cache.table >= 0).sum())}
+
+
+def test_snapkv_pageds_decisions_and_counts_by_hand():
+    from dataclasses import replace
+
+    cls = IMPLEMENTATIONS["snapkv-paged"]
+    decode = RunConfig(replace(SHAPE, kv_compress="decode"))
+    assert cls.inapplicable(decode) == "compresses the prompt once: add --kv-compress prefill"
+    assert cls.inapplicable(RunConfig(replace(SHAPE, kv_recent=1))) is None
+    assert "leaves it none" in cls.inapplicable(RunConfig(replace(SHAPE, kv_recent=0)))
+    # duo at the prompt's end: 2 of 4 heads whole (40), 2 of 16; nothing decoded yet
+    assert cls.head_lens(_shape("duo"), 40) == [40, 40, 16, 16]
+    assert cls.head_lens(_shape("duo"), 43) == [43, 43, 19, 19]
+    # ada's bound at a budget of the whole prompt: the split's blocks, (4 x 52 + 4 x 3) // 4
+    # = 55, are more than every head holding all 52 positions, 4 x 13: 52 a sequence
+    whole = RunConfig(replace(_shape("ada"), kv_budget=40))
+    assert cls.blocks(whole, ImplOptions(block_size=4)) == 2 * 4 * 13
+    free = RunConfig(replace(SHAPE, kv_budget=None, kv_compress="decode"))
+    assert cls.expected_cache_len(free) == 52
+
+
+def _paged(shape, options=ImplOptions(block_size=4)):
+    from kvbench.layers.attention import AttentionLayer, make_inputs
+
+    config = RunConfig(shape, rope=True)
+    cache = IMPLEMENTATIONS["snapkv-paged"].build(AttentionLayer.from_config(config), config,
+                                                  options)
+    return cache, make_inputs(config)
+
+
+def test_snapkv_paged_takes_its_window_from_the_options_or_the_reference():
+    from dataclasses import replace
+
+    assert _paged(replace(SHAPE, kv_recent=3))[0].recent == 3
+    assert _paged(SHAPE)[0].recent == 8  # half the budget of 16 (at most 64)
+    assert _paged(replace(SHAPE, kv_reference="kvpress"))[0].recent == 16  # SnapKVPress's 64
+
+
+def test_snapkv_pageds_own_check_by_hand():
+    # 2 x 40 + 12, budget 16, blocks of 4: each head 16 kept + 12 decoded = 7 blocks
+    quiet, x = _paged(SHAPE)
+    with torch.no_grad():
+        quiet.prefill(x[:, :40])
+    quiet.table[0, 1, 6] = -1
+    assert quiet.consistency() is None  # not recording: nothing to check
+    cache, x = _paged(SHAPE)
+    cache.record = True
+    with torch.no_grad():
+        cache.prefill(x[:, :40])
+        for t in range(40, 52):
+            cache.step(x[:, t:t + 1])
+    assert cache.consistency() is None
+    # head 1 of sequence 0 loses its last block from its table: the pool is the same size,
+    # the head's count is not
+    cache.table[0, 1, 6] = -1
+    assert cache.consistency() == (
+        "sequence 0, KV head 1 holds 6 blocks for 16 kept and 12 decoded positions, where 7 "
+        "hold them (the pool: 56 blocks for 56)")
+
+
+def test_the_ada_replay_is_the_references(monkeypatch):
+    # the cache's own check replays the split as its reference (kvpress's safeguard spent on
+    # the window first), with snapkv's pool
+    from dataclasses import replace
+
+    from kvbench.caches.eviction import replay
+
+    seen = {}
+    real = replay.replay_heads
+
+    def spy(*args):
+        seen["args"] = args
+        return real(*args)
+
+    monkeypatch.setattr(replay, "replay_heads", spy)
+    shape = replace(SHAPE, head_budgets="ada", kv_recent=2, kv_reference="kvpress", batch=1,
+                    decode_len=1)
+    cache, x = _paged(shape)
+    cache.record = True
+    with torch.no_grad():
+        cache.prefill(x[:, :40])
+    assert cache.consistency() is None
+    policy, fraction, *_, pool, reference = seen["args"]
+    assert (policy, pool, reference) == ("ada", 5, "kvpress")

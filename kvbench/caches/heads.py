@@ -196,7 +196,7 @@ class SnapKVPagedCache(CachedAttention):
         self.table = torch.zeros(batch, s.kv_heads, 0, dtype=torch.long, device=dev)
         self.lens = torch.zeros(batch, s.kv_heads, dtype=torch.long, device=dev)
         self.prompt_len = 0
-        self.seen: list[tuple] = []
+        self.seen: list[tuple] = []  # recorded: the prompt's (q, k, v), all the replay reads
         self.prompt_kept = None
 
     # -- the prompt: scores, the heads' budgets, the blocks -----------------------------------
@@ -308,8 +308,6 @@ class SnapKVPagedCache(CachedAttention):
 
     def write(self, k, v):
         t = self.length
-        if self.record:
-            self.seen.append((None, k, v))
         bs, D = self.block_size, k.shape[-1]
         block = self.table.gather(2, (self.lens // bs)[..., None])[..., 0]  # [B, H_kv]
         at = (block * bs + self.lens % bs).flatten()
@@ -331,7 +329,6 @@ class SnapKVPagedCache(CachedAttention):
         out = (torch.softmax(scores, dim=-1) @ values).reshape(B, Hq, 1, D)
         if self.record:
             self.kept.append(positions.clone())
-            self.seen.append((q, None, None))
         return self.layer.output(out)
 
     def kv(self):
