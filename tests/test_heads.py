@@ -285,12 +285,12 @@ def test_snapkv_pageds_decisions_and_counts_by_hand():
     assert cls.expected_cache_len(free) == 52
 
 
-def _paged(shape, options=ImplOptions(block_size=4)):
+def _paged(shape):
     from kvbench.layers.attention import AttentionLayer, make_inputs
 
     config = RunConfig(shape, rope=True)
     cache = IMPLEMENTATIONS["snapkv-paged"].build(AttentionLayer.from_config(config), config,
-                                                  options)
+                                                  ImplOptions(block_size=4))
     return cache, make_inputs(config)
 
 
