@@ -462,8 +462,8 @@ def test_seeds_run_each_reserve_on_its_own_trace_and_show_intervals(tmp_path):
 
 
 def test_a_shared_prompt_goes_before_a_seeded_share_of_the_prompts():
-    from kvbench.experiments.servesim import shared_prefix
     from kvbench.serving.scheduler import Request
+    from kvbench.serving.workloads import shared_prefix
 
     reqs = [Request(i, 0.0, 10, 5) for i in range(400)]
     out = shared_prefix(reqs, 20, 0.25, 3, 100)

@@ -31,12 +31,12 @@ from kvbench.errors import KvbenchError
 from kvbench.report.render import new_table, out
 from kvbench.serving.scheduler import (
     PREEMPT,
-    Request,
     Scheduler,
     check_limits,
     refuse_unfit,
     trace,
 )
+from kvbench.serving.workloads import read_trace, shared_prefix
 from kvbench.sizing.config import DTYPE_BYTES, canonical_dtype, flag
 from kvbench.sizing.lengths import parse_len_dist
 
@@ -373,68 +373,6 @@ def requests(o: SimOptions):
                      parse_len_dist(o.output_dist), o.rate, o.max_len, o.burstiness)
     return shared_prefix(reqs, o.shared_prefix_len, o.shared_prefix_frac, o.seed, o.max_len)
 
-
-def shared_prefix(reqs, length: int, frac: float, seed: int, max_len: int) -> list[Request]:
-    """A system prompt of `length` positions before the prompts of a seeded `frac` of the
-    requests (all of them at 1): their prompts grow by it, their own part cut where prompt
-    + output would pass max_len (at least one position of their own is kept, then the
-    output is cut)."""
-    import random
-
-    if not length:
-        return list(reqs)
-    rng, out = random.Random(seed + 2), []
-    for r in reqs:
-        if rng.random() >= frac:
-            out.append(r)
-            continue
-        own = max(1, min(r.prompt_len, max_len - length - r.output_len))
-        output = max(1, min(r.output_len, max_len - length - own))
-        out.append(Request(r.id, r.arrival, length + own, output, prefix=length))
-    return out
-
-
-TRACE_COLUMNS = ("arrival_s", "prompt_len", "output_len")
-
-
-def read_trace(path: Path, max_len: int) -> tuple[Request, ...]:
-    """A trace file: a CSV with arrival_s (seconds from the start, non-decreasing),
-    prompt_len and output_len (positive integers, together at most --max-len). Refused in one
-    line naming the file and line of the first thing wrong."""
-    import csv
-
-    path = Path(path)
-    if not path.is_file():
-        raise KvbenchError(f"--trace {path}: no such file")
-    with path.open(newline="") as f:
-        reader = csv.DictReader(f)
-        missing = [c for c in TRACE_COLUMNS if c not in (reader.fieldnames or [])]
-        if missing:
-            raise KvbenchError(f"--trace {path}: no column {', '.join(missing)}; a trace has "
-                               f"{', '.join(TRACE_COLUMNS)}")
-        out, last = [], 0.0
-        for i, row in enumerate(reader):
-            where = f"--trace {path}, line {reader.line_num}"
-            try:
-                arrival = float(row["arrival_s"])
-                prompt, output = int(row["prompt_len"]), int(row["output_len"])
-            except (TypeError, ValueError):
-                raise KvbenchError(f"{where}: arrival_s is seconds and prompt_len, output_len "
-                                   "whole numbers") from None
-            if prompt < 1 or output < 1:
-                raise KvbenchError(f"{where}: lengths must be positive, got {prompt} and "
-                                   f"{output}")
-            if not math.isfinite(arrival) or arrival < last:
-                raise KvbenchError(f"{where}: arrival {arrival:g} s comes before the line "
-                                   f"above's {last:g} s; sort the trace by arrival_s")
-            if prompt + output > max_len:
-                raise KvbenchError(f"{where}: {prompt} + {output} positions exceed --max-len "
-                                   f"{max_len}; raise --max-len")
-            out.append(Request(i, arrival, prompt, output))
-            last = arrival
-    if not out:
-        raise KvbenchError(f"--trace {path} has no requests")
-    return tuple(out)
 
 
 @dataclass

@@ -14,9 +14,11 @@ spreads are kvbench's choice, named below). Arrivals come at --rate, Poisson or 
 
 from __future__ import annotations
 
+import csv
 import math
 import random
 from dataclasses import dataclass
+from pathlib import Path
 
 from kvbench.errors import KvbenchError
 from kvbench.serving.scheduler import Request, gaps
@@ -70,3 +72,65 @@ def workload_trace(name: str, n: int, seed: int, rate: float, max_len: int,
     pairs = lengths(WORKLOADS[name], n, seed, max_len)
     return [Request(i, t, p, o) for i, (t, (p, o)) in
             enumerate(zip(gaps(n, seed, rate, burstiness), pairs))]
+
+
+# ---------------------------------------------------- a trace file, a shared system prompt
+
+
+def shared_prefix(reqs, length: int, frac: float, seed: int, max_len: int) -> list[Request]:
+    """A system prompt of `length` positions before the prompts of a seeded `frac` of the
+    requests (all of them at 1): their prompts grow by it, their own part cut where prompt
+    + output would pass max_len (at least one position of their own is kept, then the
+    output is cut)."""
+    if not length:
+        return list(reqs)
+    rng, out = random.Random(seed + 2), []
+    for r in reqs:
+        if rng.random() >= frac:
+            out.append(r)
+            continue
+        own = max(1, min(r.prompt_len, max_len - length - r.output_len))
+        output = max(1, min(r.output_len, max_len - length - own))
+        out.append(Request(r.id, r.arrival, length + own, output, prefix=length))
+    return out
+
+
+TRACE_COLUMNS = ("arrival_s", "prompt_len", "output_len")
+
+
+def read_trace(path: Path, max_len: int) -> tuple[Request, ...]:
+    """A trace file: a CSV with arrival_s (seconds from the start, non-decreasing),
+    prompt_len and output_len (positive integers, together at most --max-len). Refused in one
+    line naming the file and line of the first thing wrong."""
+    path = Path(path)
+    if not path.is_file():
+        raise KvbenchError(f"--trace {path}: no such file")
+    with path.open(newline="") as f:
+        reader = csv.DictReader(f)
+        missing = [c for c in TRACE_COLUMNS if c not in (reader.fieldnames or [])]
+        if missing:
+            raise KvbenchError(f"--trace {path}: no column {', '.join(missing)}; a trace has "
+                               f"{', '.join(TRACE_COLUMNS)}")
+        out, last = [], 0.0
+        for i, row in enumerate(reader):
+            where = f"--trace {path}, line {reader.line_num}"
+            try:
+                arrival = float(row["arrival_s"])
+                prompt, output = int(row["prompt_len"]), int(row["output_len"])
+            except (TypeError, ValueError):
+                raise KvbenchError(f"{where}: arrival_s is seconds and prompt_len, output_len "
+                                   "whole numbers") from None
+            if prompt < 1 or output < 1:
+                raise KvbenchError(f"{where}: lengths must be positive, got {prompt} and "
+                                   f"{output}")
+            if not math.isfinite(arrival) or arrival < last:
+                raise KvbenchError(f"{where}: arrival {arrival:g} s comes before the line "
+                                   f"above's {last:g} s; sort the trace by arrival_s")
+            if prompt + output > max_len:
+                raise KvbenchError(f"{where}: {prompt} + {output} positions exceed --max-len "
+                                   f"{max_len}; raise --max-len")
+            out.append(Request(i, arrival, prompt, output))
+            last = arrival
+    if not out:
+        raise KvbenchError(f"--trace {path} has no requests")
+    return tuple(out)
