@@ -13,7 +13,7 @@ from typer.core import TyperCommand, TyperGroup
 
 from kvbench import __version__
 from kvbench.errors import KvbenchError
-from kvbench.options import CsvPath, capacity_signature, serve_sim_signature
+from kvbench.options import CsvPath, capacity_signature, serve_sim_signature, settle
 
 # The usage-error class of whichever click typer runs on (its vendored copy in recent
 # releases, click itself before): typer.BadParameter's direct base.
@@ -193,7 +193,7 @@ def capacity(**values):
     """Plan the KV cache of a real model on a real GPU; --allocate checks it on CUDA."""
     from kvbench.experiments import capacity as planner
 
-    planner.capacity(planner.CapacityOptions(**values))
+    planner.capacity(planner.CapacityOptions(**settle(planner.CapacityOptions, values)))
 
 
 capacity.__signature__ = capacity_signature()  # declared in kvbench.options
@@ -203,7 +203,7 @@ command(capacity)
 def serve_sim(**values):
     from kvbench.experiments import servesim
 
-    servesim.run(servesim.SimOptions.from_cli(values))
+    servesim.run(servesim.SimOptions.from_cli(settle(servesim.SimOptions, values)))
 
 
 serve_sim.__signature__ = serve_sim_signature()  # declared in kvbench.options

@@ -372,7 +372,29 @@ def declared_signature(cls) -> inspect.Signature:
                            rich_help_panel=meta["panel"])
         params.append(inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY,
                                         default=default, annotation=Annotated[kind, opt]))
+        if meta["renamed"]:  # the old name, hidden: taken, with a note (settle)
+            old = typer.Option(meta["renamed"], hidden=True, show_default=False)
+            params.append(inspect.Parameter(f"{f.name}__renamed",
+                                            inspect.Parameter.KEYWORD_ONLY, default=None,
+                                            annotation=Annotated[kind | None, old]))
     return inspect.Signature(params)
+
+
+def settle(cls, values: dict) -> dict:
+    """The command's values with each renamed option's old spelling, where given, taken as
+    the new one (and said on stderr, in one line)."""
+    import sys
+
+    values = dict(values)
+    for f in fields(cls):
+        old = values.pop(f"{f.name}__renamed", None)
+        if old is None:
+            continue
+        new = f.metadata["flags"][0] if f.metadata["flags"] else "--" + f.name.replace("_", "-")
+        print(f"kvbench: {f.metadata['renamed']} is now {new} (one name across commands; the "
+              "old name still works, for now)", file=sys.stderr)
+        values[f.name] = old
+    return values
 
 
 def serve_sim_signature() -> inspect.Signature:

@@ -598,8 +598,8 @@ def test_a_preset_reads_its_architecture_and_names_itself_by_its_file(tmp_path):
     ({"layers": 0, "kv_heads": 1, "head_dim": 4}, "--layers must be a positive integer, got 0"),
     ({"layers": 0, "mla_latent": 8, "mla_rope": 4}, "--layers must be a positive integer, got 0"),
     ({"layers": 1, "mla_latent": 0, "mla_rope": 4},
-     "--mla-latent must be a positive integer, got 0"),
-    ({"layers": 1, "mla_latent": 8}, "--mla-rope must be a positive integer, got None"),
+     "--kv-lora-rank must be a positive integer, got 0"),
+    ({"layers": 1, "mla_latent": 8}, "--qk-rope-dim must be a positive integer, got None"),
     ({"layers": 1, "kv_heads": 0, "head_dim": 4}, "--kv-heads must be a positive integer, got 0"),
     ({"layers": 1, "kv_heads": 1, "head_dim": 0}, "--head-dim must be a positive integer, got 0"),
     ({"layers": 2, "kv_heads": 1, "head_dim": 4, "layer_types": ("sliding", "full")},
@@ -756,7 +756,8 @@ def test_explicit_dimensions_merge_by_hand():
     with pytest.raises(KvbenchError) as err:
         cap.merge_dimensions(None, {"kv_heads": 1})
     assert str(err.value) == ("say which model: --model NAME, --from-config PATH, or --layers "
-                              "with --kv-heads and --head-dim (or --mla-latent and --mla-rope)")
+                              "with --kv-heads and --head-dim (or --kv-lora-rank and "
+                              "--qk-rope-dim)")
     llama = cap.preset("llama-3-8b")
     with pytest.raises(KvbenchError) as err:
         cap.merge_dimensions(llama, {"kv_heads": 4, "head_dim": 64})

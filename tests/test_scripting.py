@@ -427,3 +427,36 @@ def test_a_bad_trace_is_one_line(tmp_path, text, message):
 ])
 def test_bad_burstiness_is_one_line(args, message):
     assert message in one_error_line(runner.invoke(app, [*SIM, *args, "--no-csv"]))
+
+
+@pytest.mark.parametrize("command, new, old, value", [
+    (["capacity", "--layers", "2", "--no-csv", "-q"], "--kv-lora-rank", "--mla-latent", "64"),
+    (["capacity", "--layers", "2", "--kv-lora-rank", "8", "--no-csv", "-q"], "--qk-rope-dim",
+     "--mla-rope", "4"),
+])
+def test_a_renamed_option_works_under_both_names_and_says_so(command, new, old, value):
+    # one name across commands (verify's --kv-lora-rank); the old spelling still taken
+    extra = [] if new == "--qk-rope-dim" else ["--qk-rope-dim", "4"]
+    fresh = runner.invoke(app, [*command, new, value, *extra, "--format", "json"])
+    renamed = runner.invoke(app, [*command, old, value, *extra, "--format", "json"])
+    assert fresh.exit_code == renamed.exit_code == 0, renamed.output
+    assert json.loads(fresh.stdout)[0]["payload_bytes"] == json.loads(
+        renamed.stdout)[0]["payload_bytes"]
+    assert fresh.stderr == ""
+    assert renamed.stderr.strip() == (f"kvbench: {old} is now {new} (one name across commands; "
+                                      "the old name still works, for now)")
+
+
+def test_serve_sims_shared_prefix_takes_its_old_name_with_a_note():
+    base = ["serve-sim", "--requests", "4", "--len-dist", "uniform:8:8", "--output-dist",
+            "uniform:2:2", "--max-len", "64", "--kv-blocks", "32", "--block-size", "4",
+            "--hidden", "32", "--q-heads", "2", "--kv-heads", "1", "--head-dim", "16",
+            "--reserve", "paged", "--device", "cpu", "--no-csv", "--format", "json"]
+    fresh = runner.invoke(app, [*base, "--shared-prefix", "8"])
+    old = runner.invoke(app, [*base, "--shared-prefix-len", "8"])
+    assert fresh.exit_code == old.exit_code == 0, old.output
+    rows = [json.loads(r.stdout)[0] for r in (fresh, old)]
+    assert rows[0]["shared_prefix_len"] == rows[1]["shared_prefix_len"] == 8
+    assert rows[0]["prompt_tokens"] == rows[1]["prompt_tokens"] == 4 * (8 + 8)
+    assert old.stderr.strip() == ("kvbench: --shared-prefix-len is now --shared-prefix (one name "
+                                  "across commands; the old name still works, for now)")

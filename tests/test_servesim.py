@@ -128,8 +128,8 @@ def test_a_failed_check_exits_1_and_keeps_its_rows(tmp_path, monkeypatch):
     (["--max-batched-tokens", "8", "--block-size", "16"], "below one block of 16 positions"),
     (["--prefix-caching", "--reserve", "paged,prealloc"], "use --reserve paged and"),
     (["--prefix-caching", "--preempt", "swap"], "--preempt recompute"),
-    (["--shared-prefix-len", "2047"], "--shared-prefix-len 2047: a shared prompt of 0 to"),
-    (["--shared-prefix-len", "8", "--shared-prefix-frac", "0"], "--shared-prefix-frac is"),
+    (["--shared-prefix", "2047"], "--shared-prefix 2047: a shared prompt of 0 to"),
+    (["--shared-prefix", "8", "--shared-prefix-frac", "0"], "--shared-prefix-frac is"),
 ])
 def test_bad_input_is_one_line(refused, args, message):
     code, lines, written = refused(args, command="serve-sim")
@@ -482,7 +482,7 @@ def test_a_shared_prompt_goes_before_a_seeded_share_of_the_prompts():
 @pytest.mark.slow
 def test_prefix_caching_serves_every_request_verified_and_counts_what_it_saved(tmp_path):
     out = tmp_path / "s.csv"
-    shared = ["--reserve", "paged", "--max-len", "300", "--shared-prefix-len", "64", "-q"]
+    shared = ["--reserve", "paged", "--max-len", "300", "--shared-prefix", "64", "-q"]
     for name, extra in (("on", ["--prefix-caching"]), ("off", [])):
         result = runner.invoke(app, ["serve-sim", *SMALL, *shared, *extra, "--csv",
                                      str(tmp_path / f"{name}.csv")])

@@ -29,8 +29,10 @@ class CapacityOptions:
     kv_heads: int | None = flag(None, "KV heads H_kv.")
     head_dim: int | None = flag(None, "Head dim D.")
     q_heads: int | None = flag(None, "Query heads (for context).")
-    mla_latent: int | None = flag(None, "MLA latent width d_c.")
-    mla_rope: int | None = flag(None, "MLA decoupled RoPE key width.")
+    mla_latent: int | None = flag(None, "MLA latent width d_c.", "--kv-lora-rank",
+                                  renamed="--mla-latent")
+    mla_rope: int | None = flag(None, "MLA decoupled RoPE key width.", "--qk-rope-dim",
+                                renamed="--mla-rope")
     batch: int = flag(1, "Sequences, each --seq-len long.")
     seq_len: int | None = flag(None, "Tokens per sequence. \\[default: 4096]")
     seq_lens: str | None = flag(None, "A variable-length batch: 512,4096,...")

@@ -131,7 +131,8 @@ class SimOptions:
         "requests, kept after they are freed until needed (paged, recompute).",
         "--prefix-caching")
     shared_prefix_len: int = flag(0, "A shared system prompt of this many positions before the "
-                                  "prompts of --shared-prefix-frac of the requests.")
+                                  "prompts of --shared-prefix-frac of the requests.",
+                                  "--shared-prefix", renamed="--shared-prefix-len")
     shared_prefix_frac: float = flag(1.0, "The share of requests that start with the shared "
                                      "prompt.")
     write_profile: Path | None = flag(  # noqa: RUF009
@@ -240,7 +241,7 @@ class SimOptions:
         check_limits(self.prefill_chunk, self.max_seqs, self.max_batched_tokens, self.watermark,
                      self.policy, self.block_size)
         if self.shared_prefix_len < 0 or self.shared_prefix_len > self.max_len - 2:
-            raise KvbenchError(f"--shared-prefix-len {self.shared_prefix_len}: a shared prompt "
+            raise KvbenchError(f"--shared-prefix {self.shared_prefix_len}: a shared prompt "
                                f"of 0 to --max-len - 2 = {self.max_len - 2} positions, leaving "
                                "each request a position of its own and a token")
         if not 0 < self.shared_prefix_frac <= 1:
@@ -360,7 +361,7 @@ class SimOptions:
 
 def requests(o: SimOptions):
     """The trace: --trace's requests, a --workload's, or lengths drawn from --len-dist
-    (prompts) and --output-dist with arrivals at --rate; then --shared-prefix-len's system
+    (prompts) and --output-dist with arrivals at --rate; then --shared-prefix's system
     prompt put before the prompts of --shared-prefix-frac of them."""
     if o.trace is not None:
         reqs = list(o.traced)

@@ -82,7 +82,7 @@ class ModelSpec:
     def __post_init__(self) -> None:
         checks = {"layers": self.layers}
         if self.is_mla:
-            checks |= {"mla-latent": self.mla_latent, "mla-rope": self.mla_rope}
+            checks |= {"kv-lora-rank": self.mla_latent, "qk-rope-dim": self.mla_rope}
         else:
             checks |= {"kv-heads": self.kv_heads, "head-dim": self.head_dim}
         for flag, value in checks.items():
@@ -624,8 +624,8 @@ def merge_dimensions(model: ModelSpec | None, explicit: dict[str, int | None]) -
     if model is None:
         if "layers" not in given:
             raise KvbenchError("say which model: --model NAME, --from-config PATH, or "
-                               "--layers with --kv-heads and --head-dim (or --mla-latent and "
-                               "--mla-rope)")
+                               "--layers with --kv-heads and --head-dim (or --kv-lora-rank and "
+                               "--qk-rope-dim)")
         return ModelSpec(name="custom", **given)
     if "layers" in given and given["layers"] != model.layers:  # its first N layers, as bench
         n = given.pop("layers")

@@ -182,14 +182,16 @@ class Technique:
 
 
 def flag(default, help: str, *flags: str, cli: Any = None, cli_default: Any = MISSING,
-         show_default: bool = True, panel: str | None = None) -> Any:
+         show_default: bool = True, panel: str | None = None, renamed: str | None = None) -> Any:
     """A field of a command's options that is a command-line option: its help and flags
     (default --field-name), and the option's type and default where they differ from the
-    field's (cli, cli_default; the command converts the value); panel: its --help panel.
-    kvbench.options builds the command's Typer signature from these declarations."""
+    field's (cli, cli_default; the command converts the value); panel: its --help panel;
+    renamed: the option's old name, still taken with a one-line note. kvbench.options builds
+    the command's Typer signature from these declarations."""
     return field(default=default, metadata={"help": help, "flags": flags, "cli": cli,
                                             "cli_default": cli_default,
-                                            "show_default": show_default, "panel": panel})
+                                            "show_default": show_default, "panel": panel,
+                                            "renamed": renamed})
 
 
 def technique(default, help: str, **kw) -> Any:
