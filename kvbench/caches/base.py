@@ -15,10 +15,15 @@ from typing import TYPE_CHECKING, ClassVar
 import torch
 import torch.nn.functional as F
 
+# the interface's parts, each a module of its own: what a cache can do (and the registry),
+# what it costs, how its step is captured; this module holds its runtime
+from kvbench.caches.capabilities import IMPLEMENTATIONS as IMPLEMENTATIONS
+from kvbench.caches.capabilities import register as register
+from kvbench.caches.capture import Capture
+from kvbench.caches.cost import CostModel, _planned
+from kvbench.caches.cost import storage_bytes as storage_bytes
 from kvbench.errors import KvbenchError
 from kvbench.formats.kvformat import KvFormat
-from kvbench.measure import footprint as fp
-from kvbench.sizing import capacity
 from kvbench.sizing.capacity import QUANTIZED
 from kvbench.sizing.config import RunConfig
 
@@ -77,24 +82,6 @@ class ImplOptions:
             return self
         return replace(self, kv_dtype=config.kv_dtype, group_size=config.group_size,
                        k_quant=config.k_quant, kv_residual=config.kv_residual)
-
-
-IMPLEMENTATIONS: dict[str, type[CachedAttention]] = {}
-
-# Techniques that only some implementations apply: name -> (whether a shape asks for it, what
-# an implementation without it does instead).
-TECHNIQUES = {
-    "window": (lambda s: s.window is not None, "keeps every position"),
-    "shared_prefix": (lambda s: s.shared_prefix > 0, "stores every sequence's prefix"),
-    "head_budgets": (lambda s: s.head_budgets is not None,
-                     "holds one budget for every KV head"),
-    "kv_reference": (lambda s: s.kv_reference is not None, "has no reference variant to run"),
-}
-
-
-def register(cls: type[CachedAttention]) -> type[CachedAttention]:
-    IMPLEMENTATIONS[cls.name] = cls
-    return cls
 
 
 def select_impls(spec: str, config: RunConfig, options: ImplOptions | None = None,
@@ -162,45 +149,12 @@ def backend_declined(err: RuntimeError) -> bool:
     return any(m in str(err) for m in ("No available kernel", "No viable backend"))
 
 
-class CachedAttention(ABC):
+class CachedAttention(CostModel, Capture, ABC):
     """A KV cache and the attention that reads it, for one layer and one batch."""
 
-    name: ClassVar[str]
-    description: ClassVar[str]
-    attention: ClassVar[str] = "gqa"  # the layer it caches: "gqa", or "mla" (kvbench.layers.mla)
-    # verify checks that the cache holds exactly the bytes kvbench capacity plans for its
-    # layout (MLA's caches: their point is their bytes)
-    exact_bytes: ClassVar[bool] = False
-    compiles: ClassVar[bool] = False  # its first step compiles (reported as compile_ms)
-    kv_dtypes: ClassVar[frozenset[str]] = frozenset()  # the quantized formats it can store
-    kivi: ClassVar[bool] = False  # whether it takes KIVI's layout (K per channel, a residual)
-    blocked: ClassVar[bool] = False  # stores whole blocks of --block-size positions
-    # lossy: attends to fewer positions than path A (h2o); verify then checks it exactly
-    # against attention over the positions it kept, and reports its error against path A
-    lossy: ClassVar[bool] = False
-    # What it holds for K/V: "prealloc", alloc_len positions per sequence; "padded", the
-    # batch's longest sequence for every one; "blocks", the blocks its sequences take.
-    reserves: ClassVar[str] = "prealloc"
-    # the techniques of TECHNIQUES it applies; a point asking for another skips it
-    techniques: ClassVar[frozenset[str]] = frozenset()
-    # whether it takes many new positions in one call (`extend`): a chunked prefill
-    # (--prefill-chunk), a block of draft tokens verified at once (--draft-len)
-    extends: ClassVar[bool] = False
-    # whether its rows can be reordered between steps (`reorder`: beam search's forks)
-    forks: ClassVar[bool] = False
     copied_bytes = 0  # bytes beam reorders copied so far (rows, or blocks copied on write)
     reorders = 0
-    # whether its decode step can be captured in a CUDA graph (`graph_step`): everything
-    # that changes between steps lives on the device at fixed addresses
-    graph_safe: ClassVar[bool] = False
-    # the option a point must give for it to run at all (window: --window; h2o: --kv-budget):
-    # it changes what attention sees, so it is no full-attention cache without it
-    requires: ClassVar[str | None] = None
-    # Recording, for a lossy cache's gate (verify, the model's per-layer gate): with `record`
-    # set, a cache that `records_kept` appends to `kept` the positions [B, H_kv, n] each
-    # decode step attended to; one that prunes K's channels says which (`kept_channels`) and
-    # up to which position (`pruned_until`); `consistency` checks its own choice.
-    records_kept: ClassVar[bool] = False
+    # Recording (see Capabilities.records_kept): set by verify on a lossy cache
     record: bool = False
     pruned_until: int | None = None
 
@@ -280,165 +234,6 @@ class CachedAttention(ABC):
         if self.deficit_dev is None:
             return None
         return self.positions_dev[:n][None, :] < (n - self.deficit_dev)[:, None]
-
-    @classmethod
-    def unavailable(cls, config: RunConfig, options: ImplOptions) -> str | None:
-        """Why this implementation cannot run this configuration here, or None."""
-        return None
-
-    @classmethod
-    def inapplicable(cls, config: RunConfig) -> str | None:
-        """Why it cannot apply a technique the point asks for (`TECHNIQUES`), or why it does not
-        run without the option it requires; or None."""
-        if config.beams and not cls.forks:
-            able = [n for n, c in IMPLEMENTATIONS.items() if c.forks]
-            return f"cannot reorder its rows (--beams runs on {', '.join(able)})"
-        if (config.prefill_chunk or config.draft_len) and not cls.extends:
-            able = [n for n, c in IMPLEMENTATIONS.items() if c.extends]
-            return ("takes one position per call (--prefill-chunk and --draft-len run on "
-                    f"{', '.join(able)})")
-        if cls.requires is not None and getattr(config.shape, cls.requires) is None:
-            flag = "--" + cls.requires.replace("_", "-")
-            return f"it changes what attention sees: needs {flag} N"
-        for technique, (used, lacks) in TECHNIQUES.items():
-            if used(config.shape) and technique not in cls.techniques:
-                able = [n for n, c in IMPLEMENTATIONS.items() if technique in c.techniques]
-                return f"{lacks} (--{technique.replace('_', '-')} runs on {', '.join(able)})"
-        return None
-
-    @classmethod
-    def expected_cache_len(cls, config: RunConfig) -> int:
-        """The positions its finished cache holds per sequence (verify checks them)."""
-        return config.shape.total_len
-
-    @classmethod
-    def cache_shape(cls, config: RunConfig) -> tuple[int, ...]:
-        """The shape of K as its finished cache holds it (verify checks it)."""
-        s = config.shape
-        return (s.batch, s.kv_heads, cls.expected_cache_len(config), s.head_dim)
-
-    @classmethod
-    def cache_model(cls, config: RunConfig) -> capacity.ModelSpec:
-        """The layer as `kvbench capacity` plans its cache (one layer of this layout): by
-        default the point's layer (`layer_model`)."""
-        return layer_model(config.shape)
-
-    @classmethod
-    def position_bytes(cls, config: RunConfig, options: ImplOptions) -> int:
-        """Bytes one position of one sequence takes in its cache (K and V of every KV head
-        in the stored format), the unit of a block pool's fragmentation."""
-        return capacity.token_bytes_per_layer(cls.cache_model(config),
-                                              _layout(config, options, False), False)
-
-    @classmethod
-    def min_bytes_per_step(cls, config: RunConfig, options: ImplOptions) -> float:
-        """The least a decode step of this cache must move, averaged over the G steps
-        (bench's %copy divides it by the time): weights, the cache it reads, the new
-        position, activations."""
-        from kvbench.measure import costs
-
-        s, fmt = config.shape, options.kv_format
-        vector = fmt.vector_bytes(s.head_dim) if fmt.quantized else None
-        return costs.decode_min_bytes_per_step(
-            s, config.dtype_bytes, vector, lambda t: cls.step_reads(config, options, t))
-
-    @classmethod
-    def flops_per_step(cls, config: RunConfig) -> float | None:
-        """Its decode step's FLOPs, where they differ from the point's
-        (costs.decode_flops_per_step); None: the point's."""
-        return None
-
-    @classmethod
-    def unstorable(cls, options: ImplOptions) -> str | None:
-        """Why it cannot store K/V in options.kv_dtype, or None."""
-        if options.kv_dtype is not None and options.kv_format.buffered and not cls.kivi:
-            able = [n for n, c in IMPLEMENTATIONS.items() if c.kivi]
-            return (f"K per token, no residual (--k-quant per-channel and --kv-residual run "
-                    f"on {', '.join(able)})")
-        if options.kv_dtype is None or options.kv_dtype in cls.kv_dtypes:
-            return None
-        able = [n for n, c in IMPLEMENTATIONS.items() if options.kv_dtype in c.kv_dtypes]
-        return (f"K/V stored in the activation dtype only (--kv-dtype {options.kv_dtype} "
-                f"runs on {', '.join(able) or 'none'})")
-
-    @classmethod
-    def unmeasured(cls, config: RunConfig, command: str) -> str | None:
-        """Why `command` (bench or memory) cannot measure it here, though it runs: its figures
-        would describe something else (an interpreter) or miss what it holds. None if it can."""
-        return None
-
-    @classmethod
-    def footprint(cls, config: RunConfig, options: ImplOptions) -> fp.ImplFootprint:
-        """Estimated peak bytes at this point, before anything is allocated (the preflight's
-        input). The default: storage for T_p + G positions, a fused prefill and grouped steps."""
-        s, b = config.shape, config.dtype_bytes
-        fused = fp.sdpa_is_fused(config.device, config.dtype, s.head_dim)
-        if options.kv_dtype is not None:  # a quantized store, read back dequantized each step
-            return fp.preallocated(
-                s, config.rope, b, cls.planned_bytes(config, options),
-                lambda t: fp.grouped_step(s, config.rope, t) * b + fp.dequantized_read(s, t, b),
-                fused)
-        return cls.grouped_footprint(config, fp.Sizes(s).kv(options.alloc_len(s)) * b)
-
-    @classmethod
-    def grouped_footprint(cls, config: RunConfig, storage: int) -> fp.ImplFootprint:
-        """`storage` bytes allocated up front, filled by SDPA's causal prefill, then grouped
-        matmul steps."""
-        s, b = config.shape, config.dtype_bytes
-        return fp.preallocated(s, config.rope, b, storage,
-                               lambda t: fp.grouped_step(s, config.rope, t) * b,
-                               fp.sdpa_is_fused(config.device, config.dtype, s.head_dim))
-
-    @classmethod
-    def reserved_lens(cls, config: RunConfig, options: ImplOptions) -> tuple[int, ...]:
-        """The positions it holds for each sequence once decoded (before block rounding)."""
-        s = config.shape
-        if cls.reserves == "prealloc":
-            return (options.alloc_len(s),) * s.batch
-        if cls.reserves == "padded":
-            return (s.total_len,) * s.batch
-        return s.row_lens
-
-    @classmethod
-    def planned_bytes(cls, config: RunConfig, options: ImplOptions) -> int:
-        """`kvbench capacity`'s bytes for this cache: one layer, the positions it reserves
-        per sequence in the stored format, rounded up to whole blocks if it stores blocks."""
-        return _planned(config, options, cls.reserved_lens(config, options), cls.blocked,
-                        model=cls.cache_model(config))
-
-    @classmethod
-    def step_reads(cls, config: RunConfig, options: ImplOptions, length: int) -> int:
-        """Cached positions one decode step reads over the batch when the longest sequence
-        holds `length`: by default every sequence up to the longest, padding included (bench's
-        min_bytes_per_step counts them)."""
-        return config.shape.batch * length
-
-    @staticmethod
-    def payload_bytes(config: RunConfig, options: ImplOptions) -> int:
-        """The bytes of distinct token states: Σ (T_i + G) positions in the stored format, a
-        shared prefix counted once. An MLA layer's token state is its latent entry."""
-        return _planned(config, options, config.shape.row_lens, False)
-
-    @classmethod
-    def drops(cls, config: RunConfig) -> bool:
-        """Whether it drops a position at this point (a lossy cache whose eviction budget is
-        below a sequence's length); one that keeps every position is exact."""
-        return False
-
-    @classmethod
-    def held_payload_bytes(cls, config: RunConfig, options: ImplOptions) -> int:
-        """The token states it is meant to hold: every position (payload_bytes), or for a cache
-        that keeps fewer by design (a window, eviction) the positions it keeps. Its share of
-        the reserved bytes is then between 0 and 100% by construction. (An MLA cache that
-        decompresses holds every position in its own, larger layout.)"""
-        return _planned(config, options, config.shape.row_lens, False,
-                        model=cls.cache_model(config))
-
-    @classmethod
-    def unshared_bytes(cls, config: RunConfig, options: ImplOptions) -> int:
-        """planned_bytes with every sequence's prefix its own (what sharing saves from)."""
-        return _planned(config, options, cls.reserved_lens(config, options), cls.blocked,
-                        shared=False, model=cls.cache_model(config))
 
     @abstractmethod
     def write(self, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -555,50 +350,6 @@ class CachedAttention(ABC):
         """Back to a checkpoint taken at `length`, if it keeps one (FixedSlots do)."""
         return False
 
-    @classmethod
-    def uncapturable(cls, config: RunConfig, options: ImplOptions) -> str | None:
-        """Why its decode step cannot be captured in a graph at this point, or None."""
-        if not cls.graph_safe:
-            return "its decode step depends on the host"
-        if config.beams or config.shape.shared_prefix:
-            return "beams and shared prefixes decide copies on the host every step"
-        if config.prefill_chunk or config.draft_len:
-            return "--graph captures one decode step; --prefill-chunk and --draft-len extend"
-        return None
-
-    def graph_step(self, x_t: torch.Tensor) -> torch.Tensor:
-        """The decode step as a graph captures it: x_t [B, 1, H] -> [B, 1, H] at each
-        sequence's position read from the device, the device's counters advanced in place,
-        nothing read on the host. The host's `length` is the caller's (graphs.Captured)."""
-        raise NotImplementedError(f"{self.name} has no graph-safe step")
-
-    def enter_graph(self) -> None:
-        """Before the first captured step: the device state a graph reads, made once."""
-        self.at = torch.tensor(self.row_lengths(), device=self.layer.device)  # [B]
-        self.everyone = torch.arange(self.batch, device=self.layer.device)
-        self.positions_all = torch.arange(self.max_len, device=self.layer.device)
-
-    def before_graph_step(self) -> None:
-        """Host work the next captured step needs done outside the graph (a block taken)."""
-
-    def graph_state(self) -> list[torch.Tensor]:
-        """The device tensors a captured step advances (restored after its capture ran)."""
-        return [t for t in (self.at, self.lens_dev) if t is not None]
-
-    def graph_visible(self) -> torch.Tensor:
-        """[B, T_max] True at each sequence's cached positions and the one being written."""
-        return self.positions_all[None, :] <= self.at[:, None]
-
-    def step_captured(self, x_t: torch.Tensor) -> torch.Tensor:
-        """`step` through the captured graph (captured at the first call): the output is the
-        graph's buffer, valid until the next step."""
-        if self.captured is None:
-            from kvbench.kernels.graphs import Captured
-
-            self.enter_graph()
-            self.captured = Captured(self.graph_step, [self], self.layer.device)
-        return self.captured.step(x_t)
-
     def decode(self, x: torch.Tensor, keep: bool = True,
                graph: bool = False) -> list[torch.Tensor]:
         """Step through every position of x [B, T, H] after the cached ones.
@@ -682,37 +433,6 @@ class FixedSlots(CachedAttention):
         for name, copy in zip(self.state, saved[1]):
             getattr(self, name).copy_(copy)
         return True
-
-
-def _layout(config: RunConfig, options: ImplOptions, blocked: bool) -> capacity.CacheFormat:
-    fmt = options.kv_format
-    return capacity.CacheFormat(fmt.name or capacity.kv_dtype(config.dtype), fmt.group_size,
-                                block_size=options.block_size if blocked else None,
-                                k_quant=fmt.k_quant, residual=fmt.residual,
-                                residual_bytes=config.dtype_bytes)
-
-
-def layer_model(s) -> capacity.ModelSpec:
-    """One layer of shape s as `kvbench capacity` plans it: H_kv heads of K and V of D, or
-    for an MLA layer its latent and RoPE key."""
-    return capacity.ModelSpec(name="layer", layers=1, **s.kind.cached(s))
-
-
-def _planned(config: RunConfig, options: ImplOptions, lens, blocked: bool,
-             shared: bool = True, model: capacity.ModelSpec | None = None) -> int:
-    """capacity's bytes for one layer of `model` (default: the point's, `layer_model`)
-    holding `lens` positions per sequence."""
-    s = config.shape
-    model = model or layer_model(s)
-    prefix = s.shared_prefix if shared else 0
-    return capacity.plan(model, _layout(config, options, blocked), lens,
-                         shared_prefix=prefix).per_rank_bytes
-
-
-def storage_bytes(tensors) -> int:
-    """Bytes of the distinct storages behind `tensors` (views counted once)."""
-    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
-    return sum(storages.values())
 
 
 def causal_prefill(layer: AttentionLayer, q, k, v) -> torch.Tensor:

@@ -145,6 +145,7 @@ class PagedCache(CachedAttention):
     def graph_write(self, k, v) -> torch.Tensor:
         """k, v [B, H_kv, 1, D] at each sequence's position on the device; -> the positions."""
         at = self.at
+        assert at is not None, "enter_graph first"
         bs = self.options.block_size
         blocks = self.table[self.everyone, at // bs]  # [B]
         for pool, values in self.parts(k, v, None):

@@ -1,0 +1,130 @@
+"""What a cache can do, declared on its class and asked before anything runs: the layer kind,
+formats, techniques and operations it takes, whether its step can be captured, whether it
+drops positions, and why a point is one it cannot run (a note, never an error inside the
+run). The registry of implementations lives here too. No torch here.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, ClassVar
+
+if TYPE_CHECKING:
+    from kvbench.caches.base import CachedAttention, ImplOptions
+    from kvbench.sizing.config import RunConfig
+
+IMPLEMENTATIONS: dict[str, type[CachedAttention]] = {}
+
+# Techniques that only some implementations apply: name -> (whether a shape asks for it, what
+# an implementation without it does instead).
+TECHNIQUES = {
+    "window": (lambda s: s.window is not None, "keeps every position"),
+    "shared_prefix": (lambda s: s.shared_prefix > 0, "stores every sequence's prefix"),
+    "head_budgets": (lambda s: s.head_budgets is not None,
+                     "holds one budget for every KV head"),
+    "kv_reference": (lambda s: s.kv_reference is not None, "has no reference variant to run"),
+}
+
+
+def register(cls: type[CachedAttention]) -> type[CachedAttention]:
+    IMPLEMENTATIONS[cls.name] = cls
+    return cls
+
+
+class Capabilities:
+    """A cache's capabilities: class attributes and the checks that read them."""
+
+    name: ClassVar[str]
+    description: ClassVar[str]
+    attention: ClassVar[str] = "gqa"  # the layer it caches: "gqa", or "mla" (kvbench.layers.mla)
+    # verify checks that the cache holds exactly the bytes kvbench capacity plans for its
+    # layout (MLA's caches: their point is their bytes)
+    exact_bytes: ClassVar[bool] = False
+    compiles: ClassVar[bool] = False  # its first step compiles (reported as compile_ms)
+    kv_dtypes: ClassVar[frozenset[str]] = frozenset()  # the quantized formats it can store
+    kivi: ClassVar[bool] = False  # whether it takes KIVI's layout (K per channel, a residual)
+    blocked: ClassVar[bool] = False  # stores whole blocks of --block-size positions
+    # lossy: attends to fewer positions than path A (h2o); verify then checks it exactly
+    # against attention over the positions it kept, and reports its error against path A
+    lossy: ClassVar[bool] = False
+    # What it holds for K/V: "prealloc", alloc_len positions per sequence; "padded", the
+    # batch's longest sequence for every one; "blocks", the blocks its sequences take.
+    reserves: ClassVar[str] = "prealloc"
+    # the techniques of TECHNIQUES it applies; a point asking for another skips it
+    techniques: ClassVar[frozenset[str]] = frozenset()
+    # whether it takes many new positions in one call (`extend`): a chunked prefill
+    # (--prefill-chunk), a block of draft tokens verified at once (--draft-len)
+    extends: ClassVar[bool] = False
+    # whether its rows can be reordered between steps (`reorder`: beam search's forks)
+    forks: ClassVar[bool] = False
+    # whether its decode step can be captured in a CUDA graph (`graph_step`): everything
+    # that changes between steps lives on the device at fixed addresses
+    graph_safe: ClassVar[bool] = False
+    # the option a point must give for it to run at all (window: --window; h2o: --kv-budget):
+    # it changes what attention sees, so it is no full-attention cache without it
+    requires: ClassVar[str | None] = None
+    # Recording, for a lossy cache's gate (verify, the model's per-layer gate): with `record`
+    # set, a cache that `records_kept` appends to `kept` the positions [B, H_kv, n] each
+    # decode step attended to; one that prunes K's channels says which (`kept_channels`) and
+    # up to which position (`pruned_until`); `consistency` checks its own choice.
+    records_kept: ClassVar[bool] = False
+
+    @classmethod
+    def unavailable(cls, config: RunConfig, options: ImplOptions) -> str | None:
+        """Why this implementation cannot run this configuration here, or None."""
+        return None
+
+    @classmethod
+    def inapplicable(cls, config: RunConfig) -> str | None:
+        """Why it cannot apply a technique the point asks for (`TECHNIQUES`), or why it does not
+        run without the option it requires; or None."""
+        if config.beams and not cls.forks:
+            able = [n for n, c in IMPLEMENTATIONS.items() if c.forks]
+            return f"cannot reorder its rows (--beams runs on {', '.join(able)})"
+        if (config.prefill_chunk or config.draft_len) and not cls.extends:
+            able = [n for n, c in IMPLEMENTATIONS.items() if c.extends]
+            return ("takes one position per call (--prefill-chunk and --draft-len run on "
+                    f"{', '.join(able)})")
+        if cls.requires is not None and getattr(config.shape, cls.requires) is None:
+            flag = "--" + cls.requires.replace("_", "-")
+            return f"it changes what attention sees: needs {flag} N"
+        for technique, (used, lacks) in TECHNIQUES.items():
+            if used(config.shape) and technique not in cls.techniques:
+                able = [n for n, c in IMPLEMENTATIONS.items() if technique in c.techniques]
+                return f"{lacks} (--{technique.replace('_', '-')} runs on {', '.join(able)})"
+        return None
+
+    @classmethod
+    def unstorable(cls, options: ImplOptions) -> str | None:
+        """Why it cannot store K/V in options.kv_dtype, or None."""
+        if options.kv_dtype is not None and options.kv_format.buffered and not cls.kivi:
+            able = [n for n, c in IMPLEMENTATIONS.items() if c.kivi]
+            return (f"K per token, no residual (--k-quant per-channel and --kv-residual run "
+                    f"on {', '.join(able)})")
+        if options.kv_dtype is None or options.kv_dtype in cls.kv_dtypes:
+            return None
+        able = [n for n, c in IMPLEMENTATIONS.items() if options.kv_dtype in c.kv_dtypes]
+        return (f"K/V stored in the activation dtype only (--kv-dtype {options.kv_dtype} "
+                f"runs on {', '.join(able) or 'none'})")
+
+    @classmethod
+    def unmeasured(cls, config: RunConfig, command: str) -> str | None:
+        """Why `command` (bench or memory) cannot measure it here, though it runs: its figures
+        would describe something else (an interpreter) or miss what it holds. None if it can."""
+        return None
+
+    @classmethod
+    def drops(cls, config: RunConfig) -> bool:
+        """Whether it drops a position at this point (a lossy cache whose eviction budget is
+        below a sequence's length); one that keeps every position is exact."""
+        return False
+
+    @classmethod
+    def uncapturable(cls, config: RunConfig, options: ImplOptions) -> str | None:
+        """Why its decode step cannot be captured in a graph at this point, or None."""
+        if not cls.graph_safe:
+            return "its decode step depends on the host"
+        if config.beams or config.shape.shared_prefix:
+            return "beams and shared prefixes decide copies on the host every step"
+        if config.prefill_chunk or config.draft_len:
+            return "--graph captures one decode step; --prefill-chunk and --draft-len extend"
+        return None
