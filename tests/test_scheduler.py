@@ -82,15 +82,14 @@ def test_the_pool_refuses_a_block_freed_by_another():
     pool = BlockPool(2)
     block = pool.take(7)
     with pytest.raises(AssertionError, match="does not hold"):
-        pool.release(block, 8)
+        pool.release_all([block], 8)
 
 
 def test_a_scheduler_that_leaks_a_finished_sequences_blocks_is_caught():
     class Leaky(Checked):
-        def _finish_if_done(self, seq):
-            if seq.generated >= seq.request.output_len:
-                seq.blocks = []  # forgotten, never returned to the pool
-            super()._finish_if_done(seq)
+        def _finish(self, seq):
+            seq.blocks = []  # forgotten, never returned to the pool
+            super()._finish(seq)
 
     with pytest.raises((AssertionError, KvbenchError)):
         Leaky(TRACE, n_blocks=600, block_size=16).run(max_steps=20_000)
@@ -350,22 +349,23 @@ def test_first_fit_takes_the_lowest_run_and_none_when_the_free_blocks_are_scatte
     pool = BlockPool(8)
     held = {b: pool.take(1) for b in range(8)}  # blocks 0..7, all held by request 1
     for b in (1, 2, 4, 5, 6):
-        pool.release(held[b], 1)  # free: 1 2 | 4 5 6
+        pool.release_all([held[b]], 1)  # free: 1 2 | 4 5 6
     assert pool.take_run(9, 3) == [4, 5, 6]  # the only run of 3
     assert pool.take_run(9, 3) is None  # 2 free blocks: no run of 3
     assert pool.take_run(9, 1) == [1]  # the lowest run that fits
     assert sorted(pool.free) == [2] and all(pool.owner[b] == 9 for b in (1, 4, 5, 6))
     for b in (4, 6):
-        pool.release(b, 9)  # free: 2 | 4 | 6: three blocks, no two consecutive
+        pool.release_all([b], 9)  # free: 2 | 4 | 6: three blocks, no two consecutive
     assert pool.take_run(7, 2) is None and len(pool.free) == 3
 
 
 def _scattered(contiguous):
     # block size 1, 21 blocks; each reservation is the request's own prompt + output.
     # Admitted in order at step 0: L1 [0-4], S1 [5-7], L2 [8-12], S2 [13-15], L3 [16-20].
-    # The Ss make their tokens at steps 0 and 1 and leave 3 + 3 blocks free, apart; the Ls
+    # The Ss make their tokens at steps 0 and 1 and leave 3 + 3 blocks free, apart, from
+    # step 2 (a finished request's blocks are free from the next step); the Ls make theirs
     # at steps 0..3. F (4 positions) arrives at 1.5: the scattered blocks take it at step 2,
-    # one run of 4 only once the Ls finish at step 3.
+    # one run of 4 only once the Ls have finished at step 3: at step 4.
     L, S = (1, 4), (1, 2)  # (prompt, output): 5 and 3 positions
     lens = [L, S, L, S, L]
     reqs = [Request(i, 0.0, p, o) for i, (p, o) in enumerate(lens)] + [Request(5, 1.5, 3, 1)]
@@ -375,7 +375,7 @@ def _scattered(contiguous):
 
 def test_a_contiguous_reservation_waits_for_a_run_that_scattered_blocks_would_give():
     assert _scattered(contiguous=False)[5].first_token == 2
-    assert _scattered(contiguous=True)[5].first_token == 3
+    assert _scattered(contiguous=True)[5].first_token == 4
 
 
 def test_pow2_reserves_the_reach_rounded_up_to_a_power_of_two_at_most_max_len():
@@ -393,8 +393,9 @@ def test_pow2_reserves_the_reach_rounded_up_to_a_power_of_two_at_most_max_len():
 
 def test_static_batching_admits_the_next_batch_only_when_this_one_has_finished():
     # 4 blocks of 2, each request reserving 4 positions (2 blocks): A and B make the batch;
-    # B's one token comes with its prefill and frees its blocks at step 0, but C waits for A
-    # (tokens at steps 0, 1, 2). Continuous batching takes C at once.
+    # B's one token comes with its prefill at step 0 and its blocks are free from step 1, but
+    # C waits for A (tokens at steps 0, 1, 2; free from step 3). Continuous batching takes C
+    # as soon as B's blocks are free.
     reqs = [Request(0, 0, 1, 3), Request(1, 0, 1, 1), Request(2, 0, 1, 1)]
 
     def first(static):
@@ -402,7 +403,7 @@ def test_static_batching_admits_the_next_batch_only_when_this_one_has_finished()
                       contiguous=True, static=static)
         return s.run()[2].first_token
 
-    assert first(static=True) == 2 and first(static=False) == 0
+    assert first(static=True) == 3 and first(static=False) == 1
 
 
 def test_paged_cannot_be_contiguous_or_static():
@@ -433,14 +434,15 @@ def test_the_built_in_workloads_have_the_papers_means_after_the_filters():
 
 
 def test_v1_allocates_a_prefill_chunk_by_chunk_and_preempts_the_newest_for_a_chunk():
-    # 4 blocks of 4, chunks of 4. A (prompt 4) decodes 9 tokens, holding 1, 2, then 3 blocks;
-    # B's prompt of 12 (3 blocks) is admitted at step 1 with its first chunk's block only,
-    # takes its second at step 2 and at step 3 finds the pool full: B, the newest, is
+    # 4 blocks of 4, chunks of 4, admission on the first chunk's blocks alone (vLLM with
+    # scheduler_reserve_full_isl off). A (prompt 4) decodes 9 tokens, holding 1, 2, then 3
+    # blocks; B's prompt of 12 (3 blocks) is admitted at step 1 with its first chunk's block
+    # only, takes its second at step 2 and at step 3 finds the pool full: B, the newest, is
     # preempted (and again each time it comes back, until A finishes). Allocating the whole
-    # prompt at admission (v0), B waits until A finishes at step 8 and is never preempted.
+    # prompt at admission (v0), B waits until A has finished at step 8 and is never preempted.
     def run(per_chunk):
         s = Scheduler([Request(0, 0.0, 4, 9), Request(1, 0.0, 12, 2)], n_blocks=4,
-                      block_size=4, chunk=4)
+                      block_size=4, chunk=4, reserve_full_prompt=False)
         s.per_chunk = per_chunk
         held = []
         while not s.done:
@@ -453,9 +455,23 @@ def test_v1_allocates_a_prefill_chunk_by_chunk_and_preempts_the_newest_for_a_chu
     assert s.records[1].preempted == 3 and s.records[0].preempted == 0
     assert s.recomputed_tokens == 8 + 4 + 4  # B's chunks thrown away: 8, then 4 twice
     s, held = run(per_chunk=False)
-    assert all(1 not in h for h in held[:8]) and held[8] == {1: 3}
-    assert s.records[1].preempted == 0 and s.records[1].first_token == 10
+    assert all(1 not in h for h in held[:9]) and held[9] == {1: 3}
+    assert s.records[1].preempted == 0 and s.records[1].first_token == 11
     assert Scheduler([Request(0, 0, 4, 1)], 4, 4, policy="vllm-v0").per_chunk is False
+
+
+def test_v1_admits_a_prompt_only_when_the_whole_of_it_fits():
+    # vLLM 0.33's admission gate (scheduler_reserve_full_isl, its default): the same trace as
+    # above. B's prompt needs 3 blocks; from step 1 A holds 2 of the 4 (then 3), so B waits,
+    # allocates nothing and is never preempted, until A has finished at step 8: admitted at
+    # step 9, its 3 chunks at steps 9, 10, 11 (the token with the last), its decode at 12.
+    # Gating on the first chunk alone admits B at step 1 and preempts it 3 times.
+    s = Scheduler([Request(0, 0.0, 4, 9), Request(1, 0.0, 12, 2)], n_blocks=4, block_size=4,
+                  chunk=4)
+    s.run()
+    assert (s.records[1].preempted, s.records[1].first_token, s.records[1].finished) == (
+        0, 11, 12)
+    assert s.preemptions == 0 and s.recomputed_tokens == 0
 
 
 # Prefix caching (vLLM v1's automatic prefix caching), worked out by hand.

@@ -327,14 +327,14 @@ def test_inter_token_latencies_are_every_gap_by_hand():
 
 def test_the_scheduler_records_the_step_of_every_token():
     # one request at a time (a pool of one sequence's reservation): a token a step, the first
-    # by the prefill; the second request is admitted, and prefilled, in the step the first
-    # finishes (its blocks are freed before admission)
+    # by the prefill; the second request is admitted, and prefilled, in the step after the
+    # first finishes (its blocks are free from the next step, as vLLM frees them)
     from kvbench.serving.scheduler import Request, Scheduler
 
     reqs = [Request(0, 0.0, 4, 3), Request(1, 0.0, 4, 2)]
     sched = Scheduler(reqs, n_blocks=2, block_size=4, reserve="prealloc", reserve_len=8)
     sched.run()
-    assert [sched.records[i].tokens for i in (0, 1)] == [[0, 1, 2], [2, 3]]
+    assert [sched.records[i].tokens for i in (0, 1)] == [[0, 1, 2], [3, 4]]
 
 
 def test_goodput_counts_the_requests_within_both_objectives_by_hand():

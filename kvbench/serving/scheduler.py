@@ -164,37 +164,45 @@ class BlockPool:
                 return run
         return None
 
-    def release(self, block: int, request: int) -> None:
-        if self.owner.get(block) != request:
-            raise AssertionError(f"request {request} frees block {block} it does not hold")
-        del self.owner[block]
-        self.free.append(block)
+    def release_all(self, blocks: list[int], request: int) -> None:
+        """`request`'s blocks back to the back of the free queue, in the order given."""
+        for block in blocks:
+            if self.owner.get(block) != request:
+                raise AssertionError(f"request {request} frees block {block} it does not hold")
+            del self.owner[block]
+            self.free.append(block)
 
 
 class CachingPool(BlockPool):
     """Blocks shared by content (vLLM's automatic prefix caching): a full block is kept under
     its key (Request.block_key) and any request whose content has that key at that place
-    holds the same block, counted once per holder. A block no one holds goes to the back of
-    the free queue still keyed, so a later request (or its own request, readmitted after a
-    preemption) can find it again; blocks are handed out from the front, the least recently
-    freed first, and lose their key when they are."""
+    holds the same block, counted once per holder. Blocks are handed out from the front of
+    the free queue and lose their key when they are. A block no one holds any more goes back
+    as vLLM's free_blocks() puts it: one that holds cached content to the back, still keyed
+    (a later request, or its own request readmitted after a preemption, can find it again;
+    the least recently freed is evicted first), one that holds none (a partial last block)
+    to the front, reused first. Two blocks may hold the same content (two requests computed
+    it in the same step): both stay keyed, and a lookup finds the first keyed."""
 
     def __init__(self, n_blocks: int):
         super().__init__(n_blocks)
         self.owner: dict[int, set[int]] = {}  # block -> the requests holding it
-        self.block_of: dict[tuple, int] = {}  # key -> the block holding that content
+        self.block_of: dict[tuple, dict[int, None]] = {}  # key -> blocks holding it, in order
         self.key_of: dict[int, tuple] = {}
 
     def _hand_out(self, block: int, request: int) -> None:
-        if (key := self.key_of.pop(block, None)) is not None:
-            del self.block_of[key]  # evicted: its content is about to be overwritten
+        if (key := self.key_of.pop(block, None)) is not None:  # evicted: about to be written
+            del self.block_of[key][block]
+            if not self.block_of[key]:
+                del self.block_of[key]
         self.owner[block] = {request}
 
     def take_run(self, request: int, n: int) -> list[int] | None:
         raise AssertionError("prefix caching shares blocks; it reserves no runs")
 
     def cached(self, key: tuple) -> int | None:
-        return self.block_of.get(key)
+        blocks = self.block_of.get(key)
+        return next(iter(blocks)) if blocks else None
 
     def share(self, block: int, request: int) -> None:
         """`request` holds `block` too (a hit): out of the free queue if no one held it."""
@@ -204,18 +212,25 @@ class CachingPool(BlockPool):
         self.owner[block].add(request)
 
     def register(self, block: int, key: tuple) -> None:
-        """`block` is full and holds `key`'s content (the first block to, if two do)."""
-        if key not in self.block_of and block not in self.key_of:
-            self.block_of[key], self.key_of[block] = block, key
+        """`block` is full and holds `key`'s content."""
+        if block not in self.key_of:
+            self.block_of.setdefault(key, {})[block] = None
+            self.key_of[block] = key
 
-    def release(self, block: int, request: int) -> None:
-        holders = self.owner.get(block, set())
-        if request not in holders:
-            raise AssertionError(f"request {request} frees block {block} it does not hold")
-        holders.remove(request)
-        if not holders:
-            del self.owner[block]
-            self.free.append(block)  # keyed still: the most recently freed, evicted last
+    def release_all(self, blocks: list[int], request: int) -> None:
+        """`request`'s blocks, in the order given (the eviction order: vLLM frees a
+        request's last block first); those no one holds any more back to the free queue."""
+        first, last = [], []
+        for block in blocks:
+            holders = self.owner.get(block, set())
+            if request not in holders:
+                raise AssertionError(f"request {request} frees block {block} it does not hold")
+            holders.remove(request)
+            if not holders:
+                del self.owner[block]
+                (last if block in self.key_of else first).append(block)
+        self.free.extendleft(reversed(first))  # the first given at the very front
+        self.free.extend(last)
 
 
 @dataclass
@@ -240,6 +255,16 @@ class Running:
         if self.prefilled is not None:
             return self.prefilled
         return self.request.prompt_len + max(self.generated - 1, 0)
+
+
+@dataclass(frozen=True)
+class Step:
+    """One step's decisions, as a user can diff them against another scheduler's."""
+
+    scheduled: tuple[tuple[int, int], ...]  # (request id, tokens), in the order scheduled
+    preempted: tuple[int, ...]
+    finished: tuple[int, ...]
+    blocks_in_use: int
 
 
 @dataclass
@@ -289,7 +314,9 @@ class Scheduler:
                  reserve_len: int | None = None, engine=None, chunk: int | None = None,
                  max_seqs: int | None = None, max_batched_tokens: int | None = None,
                  watermark: float = 0.0, policy: str = "vllm", contiguous: bool = False,
-                 static: bool = False, prefix_caching: bool = False):
+                 static: bool = False, prefix_caching: bool = False,
+                 long_prefill: int | None = None, reserve_full_prompt: bool = True,
+                 decisions: bool = False):
         if reserve not in RESERVE:
             raise KvbenchError(f"unknown --reserve {reserve!r}; use {', '.join(RESERVE)}")
         if (contiguous or static) and reserve == "paged":
@@ -312,9 +339,13 @@ class Scheduler:
         # v1 allocates a prefill's blocks chunk by chunk, as each is scheduled; v0 (and any
         # reservation made at admission) the whole prompt's at once
         self.per_chunk = policy == "vllm" and reserve == "paged"
-        self.watermark_blocks = int(watermark * n_blocks)  # vLLM v0: int(0.01 · blocks)
-        refuse_unfit(requests, n_blocks - self.watermark_blocks, block_size, reserve,
-                     reserve_len)
+        # v1 counts its watermark on its pool, null block included (kvbench's n_blocks + 1)
+        self.watermark_blocks = int(watermark * (n_blocks + (policy == "vllm")))
+        # (v1 admits into the whole pool while nothing runs: the watermark never refuses)
+        refuse_unfit(requests, n_blocks - (0 if policy == "vllm" else self.watermark_blocks),
+                     block_size, reserve, reserve_len)
+        self.long_prefill = long_prefill  # vLLM's long_prefill_token_threshold
+        self.reserve_full_prompt = reserve_full_prompt  # vLLM's scheduler_reserve_full_isl
         self.prefix_caching = prefix_caching
         self.pool = CachingPool(n_blocks) if prefix_caching else BlockPool(n_blocks)
         self.hit_positions = 0  # prompt positions found in the prefix cache, not prefilled
@@ -337,6 +368,12 @@ class Scheduler:
         self.prefill_sizes: list[list[int]] = []  # each prefill call's positions, per step
         self._step_context = 0
         self._step_sizes: list[int] = []
+        self._plan: list[tuple[Running, int | None, int]] = []
+        self._preempted: list[int] = []
+        self._finished: list[int] = []
+        # each step's decisions (with `decisions`): who was scheduled with how many tokens,
+        # who was preempted, who finished, the blocks in use after it
+        self.decisions: list[Step] | None = [] if decisions else None
 
     @property
     def prefill_positions(self) -> list[int]:
@@ -371,50 +408,103 @@ class Scheduler:
         return self.records
 
     def step(self, clock: float | None = None) -> None:
-        """One step; requests arrived by `clock` (default: the step count) join the queue."""
+        """One step; requests arrived by `clock` (default: the step count) join the queue.
+
+        As vLLM's engine steps: the step is scheduled whole first (the running sequences in
+        the order admitted, each its next token or its prompt's next chunk, preempting the
+        newest when no block is free; then, if nothing was preempted, waiting requests), then
+        run, and only then do finished requests free their blocks and seats: usable from the
+        next step, as vLLM frees them in update_from_output()."""
         clock = self.now if clock is None else clock
         while self.pending and self.pending[0].arrival <= clock:
             self.waiting.append(Running(self.pending.popleft()))
+        self._plan: list[tuple[Running, int | None, int]] = []  # (seq, chunk start|None, end)
         before = self.preemptions
+        budget = self.max_batched_tokens or math.inf  # every scheduled token counts
+        prompt = self.chunk or math.inf  # kvbench's cap on prompt positions, all sequences
         # v0: a step of prefills alone, if a waiting request fits
         if self.policy == "vllm-v0" and self.waiting and self._may_admit():
             admitted = len(self.running)
-            tokens = self._admit(self.chunk or math.inf)
+            self._admit(prompt)
             if len(self.running) > admitted:
-                self._end_step(tokens, 0)
-                return
-        decoding = []
-        cap = self.max_batched_tokens or math.inf  # every decode takes a token of the budget
-        for seq in list(self.running):
-            if seq not in self.running or seq.prefilled is not None:
-                continue  # preempted by an older sequence's growth this step; or prefilling
-            if len(decoding) >= cap:
-                break  # past the step's token budget: it decodes next step
-            if self._grow(seq, seq.length):
-                decoding.append(seq)
-        decoding = [seq for seq in decoding if seq in self.running]
-        self._step_context = sum(seq.length for seq in decoding)
-        if decoding and self.engine is not None:
-            self.engine.decode(decoding)
-        for seq in decoding:
-            seq.generated += 1
-            self.records[seq.request.id].tokens.append(self.now)
-            self._register(seq)
-            self._finish_if_done(seq)
-        tokens = len(decoding)
-        budget = min(self.chunk or math.inf, cap - len(decoding))
-        for seq in [seq for seq in self.running if seq.prefilled is not None]:
+                return self._run_step()
+        for seq in list(self.running):  # oldest first; decodes and prefill chunks mixed (v1)
+            if budget <= 0:
+                break
             if seq not in self.running:
-                continue  # preempted for an older prefill's chunk this step
-            budget, made = self._prefill(seq, budget)  # prefills begun in earlier steps
-            tokens += made
+                continue  # preempted for an older sequence's blocks this step
+            if seq.prefilled is None:  # its next token
+                if not self._grow(seq, seq.length):
+                    break  # preempted itself: nothing newer is left to schedule
+                self._plan.append((seq, None, seq.length))
+                self._register(seq, seq.length)
+                budget -= 1
+                continue
+            n = int(min(seq.length - seq.prefilled, budget, prompt, self._long_prefill()))
+            if n <= 0:
+                continue
+            if self.per_chunk and not self._grow(seq, seq.prefilled + n):
+                break
+            self._chunk(seq, n)
+            budget, prompt = budget - n, prompt - n
         if self.preemptions == before and self.policy == "vllm" and self._may_admit():
-            tokens += self._admit(budget)
-        self._end_step(tokens, len(decoding))
+            self._admit(min(budget, prompt))
+        self._run_step()
+
+    def _long_prefill(self) -> float:
+        """vLLM's long_prefill_token_threshold: the most prompt positions one request's chunk
+        may take in a step, unless it is the only request running or waiting."""
+        if not self.long_prefill or len(self.running) + len(self.waiting) <= 1:
+            return math.inf
+        return self.long_prefill
 
     def _may_admit(self) -> bool:
         """Static batching admits the next batch only once the running one has finished."""
         return not (self.static and self.running)
+
+    def _watermark(self) -> int:
+        """Blocks an admission must leave free: v1 keeps its watermark only while something
+        runs (an idle engine admits into the whole pool); v0 at every admission."""
+        if self.policy == "vllm" and not self.running:
+            return 0
+        return self.watermark_blocks
+
+    def _chunk(self, seq: Running, n: int) -> None:
+        """The next n positions of seq's prefill, scheduled this step."""
+        self._plan.append((seq, seq.prefilled, seq.prefilled + n))
+        self._step_sizes.append(n)
+        seq.prefilled += n
+        self._register(seq, seq.prefilled)
+
+    def _run_step(self) -> None:
+        """What the step scheduled, run: the decodes in one batch, each prefill chunk; the
+        tokens made; then the finished requests freed, in the order scheduled."""
+        self._plan = plan = [item for item in self._plan if item[0] in self.running]
+        decoding = [seq for seq, start, _ in plan if start is None]
+        self._step_context = sum(seq.length for seq in decoding)
+        if self.engine is not None:
+            if decoding:
+                self.engine.decode(decoding)
+            for seq, start, end in plan:
+                if start is not None:
+                    self.engine.prefill(seq, start, end)
+        tokens, done = 0, []
+        for seq, start, end in plan:
+            if start is not None and end < seq.length:
+                continue  # a chunk short of the prompt's end makes no token
+            record = self.records[seq.request.id]
+            if start is not None:
+                seq.prefilled = None
+                if record.first_token is None:
+                    record.first_token = self.now
+            record.tokens.append(self.now)  # (a recomputed prefill makes the next token too)
+            seq.generated += 1
+            tokens += 1
+            if seq.generated >= seq.request.output_len:
+                done.append(seq)
+        for seq in done:
+            self._finish(seq)
+        self._end_step(tokens, len(decoding))
 
     def _end_step(self, tokens: int, batch: int) -> None:
         self.blocks_in_use.append(len(self.pool.owner))
@@ -422,35 +512,43 @@ class Scheduler:
         self.batch.append(batch)
         self.context.append(self._step_context if batch else 0)
         self.prefill_sizes.append(self._step_sizes)
+        if self.decisions is not None:
+            self.decisions.append(Step(
+                tuple((seq.request.id, 1 if start is None else end - start)
+                      for seq, start, end in self._plan),
+                tuple(self._preempted), tuple(self._finished), self.blocks_in_use[-1]))
+        self._preempted, self._finished = [], []
         self._step_context = 0
         self._step_sizes = []
         self.now += 1
 
-    def _admit(self, budget: float) -> int:
-        """Waiting sequences admitted while blocks last, their prefills begun within the
-        step's budget of prompt positions; tokens made."""
-        tokens, finished = 0, self.finished
+    def _admit(self, budget: float) -> None:
+        """Waiting sequences admitted first come first served while blocks last, each
+        prefill's first chunk scheduled within the step's `budget` of prompt positions."""
         while self.waiting:
             if self.max_seqs is not None and len(self.running) >= self.max_seqs:
                 break  # vLLM's max_num_seqs
-            if self.static and self.finished > finished:
-                break  # a static batch is formed once: what its requests free waits for it
             seq = self.waiting[0]
             if not seq.swapped and budget <= 0:
                 break  # no prompt positions left to prefill this step
             # prefix caching: the leading full blocks of its content already in the pool
             hits = self._hits(seq) if self.prefix_caching and not seq.swapped else []
             start = len(hits) * self.block_size
+            n = int(min(seq.length - start, budget, self._long_prefill()))
             if self.reserve != "paged":
                 need = self.blocks_for(self._reserved(seq.request))
             elif seq.swapped and (seq.prefilled is None or self.per_chunk):
                 need = self.blocks_for(seq.cached)  # its cache, back from the host
             elif self.per_chunk:  # what this step's chunk of its prefill writes
-                need = self.blocks_for(min(seq.length, start + budget)) - len(hits)
+                need = self.blocks_for(start + n) - len(hits)
             else:  # what its whole prefill writes
                 need = self.blocks_for(seq.length) - len(hits)
             idle = sum(1 for b in hits if b not in self.pool.owner)  # hits no one holds
-            if need + idle > len(self.pool.free) - self.watermark_blocks:
+            free = len(self.pool.free) - self._watermark()
+            if (self.per_chunk and self.reserve_full_prompt and not seq.swapped
+                    and self.blocks_for(seq.length) - len(hits) + idle > free):
+                break  # vLLM's scheduler_reserve_full_isl: the whole prompt must fit
+            if need + idle > free:
                 break
             if self.contiguous:  # one run of consecutive blocks, or it waits
                 run = self.pool.take_run(seq.request.id, need)
@@ -475,9 +573,8 @@ class Scheduler:
             if self.prefix_caching:
                 self.hit_positions += start
                 self.query_positions += seq.length
-            budget, made = self._prefill(seq, budget)
-            tokens += made
-        return tokens
+            self._chunk(seq, n)
+            budget -= n
 
     def _hits(self, seq: Running) -> list[int]:
         """The blocks holding seq's leading full blocks of content, as far as the prefix
@@ -490,39 +587,16 @@ class Scheduler:
             found.append(block)
         return found
 
-    def _register(self, seq: Running) -> None:
-        """seq's blocks filled since the last call, keyed in the prefix cache."""
+    def _register(self, seq: Running, positions: int) -> None:
+        """seq's blocks filled up to `positions`, keyed in the prefix cache as they are
+        scheduled (vLLM caches a block's hash when it allocates the tokens that fill it, so a
+        request admitted later in the same step finds it)."""
         if not self.prefix_caching:
             return
-        full = seq.cached // self.block_size
+        full = positions // self.block_size
         for j in range(seq.registered, full):
             self.pool.register(seq.blocks[j], seq.request.block_key(j, self.block_size))
         seq.registered = max(seq.registered, full)
-
-    def _prefill(self, seq: Running, budget: float) -> tuple[float, int]:
-        """The next chunk of seq's prefill, at most `budget` positions: the budget left and
-        the tokens made (1 when the prefill completes)."""
-        n = int(min(budget, seq.length - seq.prefilled))
-        if n <= 0:
-            return budget, 0
-        if self.per_chunk and not self._grow(seq, seq.prefilled + n):
-            return budget, 0  # preempted itself: no block for its chunk
-        if self.engine is not None:
-            self.engine.prefill(seq, seq.prefilled, seq.prefilled + n)
-        self._step_sizes.append(n)
-        seq.prefilled += n
-        if seq.prefilled < seq.length:
-            self._register(seq)
-            return budget - n, 0
-        seq.prefilled = None
-        record = self.records[seq.request.id]
-        if record.first_token is None:
-            record.first_token = self.now
-        record.tokens.append(self.now)  # (a recomputed prefill makes the next token too)
-        seq.generated += 1
-        self._register(seq)
-        self._finish_if_done(seq)
-        return budget - n, 1
 
     def _grow(self, seq: Running, positions: int) -> bool:
         """Blocks for `positions`; preempting the newest sequences while none is free.
@@ -552,21 +626,20 @@ class Scheduler:
         seq.registered, seq.hit = 0, 0
         self.records[seq.request.id].preempted += 1
         self.preemptions += 1
+        self._preempted.append(seq.request.id)
         self.waiting.appendleft(seq)
 
     def _free(self, seq: Running) -> None:
-        """seq's blocks back to the pool; with prefix caching its last block first (vLLM's
-        order), so that a prefix's leading blocks are the last evicted."""
-        for block in (reversed(seq.blocks) if self.prefix_caching else seq.blocks):
-            self.pool.release(block, seq.request.id)
+        """seq's blocks back to the pool, its last block first (vLLM's order: with prefix
+        caching a prefix's leading blocks are the last evicted)."""
+        self.pool.release_all(seq.blocks[::-1], seq.request.id)
         seq.blocks = []
 
-    def _finish_if_done(self, seq: Running) -> None:
-        if seq.generated < seq.request.output_len:
-            return
+    def _finish(self, seq: Running) -> None:
         self.running.remove(seq)
         self._free(seq)
         self.records[seq.request.id].finished = self.now
         self.finished += 1
+        self._finished.append(seq.request.id)
         if self.engine is not None:
             self.engine.finish(seq)
