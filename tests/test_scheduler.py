@@ -8,7 +8,7 @@ import itertools
 import pytest
 
 from kvbench.errors import KvbenchError
-from kvbench.serving.scheduler import BlockPool, Request, Scheduler, gaps, trace
+from kvbench.serving.scheduler import BlockPool, CachingPool, Request, Scheduler, gaps, trace
 from kvbench.sizing.lengths import parse_len_dist
 
 TRACE = trace(1000, seed=0, prompt=parse_len_dist("lognormal:200:1.0"),
@@ -586,3 +586,108 @@ def test_a_token_budget_of_two_decodes_at_most_two_a_step():
     free = Scheduler(reqs, n_blocks=64, block_size=2, policy="vllm-v0")
     free.run()
     assert max(free.batch) >= 3  # the same trace without the budget decodes more at once
+
+
+# vLLM 0.33's rules (issue 49), each worked out by hand; each test fails when its rule is
+# reversed. scripts/peer-vllm.sh runs vLLM's own Scheduler beside this one, step for step.
+
+def test_a_finished_request_frees_its_blocks_and_seat_only_after_its_step():
+    # blocks of 4. A (prompt 4, 1 token) finishes with its prefill at step 0; its block is
+    # free from step 1, as vLLM frees it in update_from_output(). B (prompt 8: 2 blocks, of a
+    # pool of 2) waits for it: admitted at step 1, not 0.
+    s = Scheduler([Request(0, 0.0, 4, 1), Request(1, 0.0, 8, 1)], n_blocks=2, block_size=4)
+    s.run()
+    assert [s.records[i].first_token for i in (0, 1)] == [0, 1]
+    # its seat too: one sequence at a time, B admitted the step after A's last token
+    s = Scheduler([Request(0, 0.0, 4, 1), Request(1, 0.0, 4, 1)], n_blocks=8, block_size=4,
+                  max_seqs=1)
+    s.run()
+    assert [s.records[i].first_token for i in (0, 1)] == [0, 1]
+
+
+def test_the_watermark_counts_the_null_block_and_holds_only_while_something_runs():
+    # 9 blocks of 4 (vLLM's pool of 10 with its null block), watermark 0.2: int(0.2 * 10) = 2
+    # blocks kept free, not int(0.2 * 9) = 1. A (prompt 3, 2 tokens) holds 1 block through
+    # step 1; B (prompt 28: 7 blocks) arrives for step 1: 7 + 2 > 8 free, so it waits, and
+    # is admitted at step 2 into the idle pool (no watermark while nothing runs): 7 <= 9.
+    reqs = [Request(0, 0.0, 3, 2), Request(1, 0.5, 28, 1)]
+    s = Scheduler(reqs, n_blocks=9, block_size=4, watermark=0.2)
+    assert s.watermark_blocks == 2
+    s.run()
+    assert s.records[1].first_token == 2
+    # a request that needs the whole pool runs (vLLM never holds the watermark against it)
+    alone = Scheduler([Request(0, 0.0, 36, 1)], n_blocks=9, block_size=4, watermark=0.2)
+    assert alone.run()[0].first_token == 0
+    # v0 kept its watermark at every admission, of its own pool
+    with pytest.raises(KvbenchError, match="can never run"):
+        Scheduler([Request(0, 0.0, 36, 1)], n_blocks=9, block_size=4, watermark=0.2,
+                  policy="vllm-v0")
+
+
+def test_freed_blocks_with_no_cached_content_are_reused_first_and_cached_ones_last():
+    # vLLM's free_blocks(): a request's blocks freed last block first; those holding cached
+    # content (full, keyed) to the back in that order, the rest (its partial last block) to
+    # the front. Pool of 5: the request holds 0, 1, 2 (0 and 1 full and keyed), free 3, 4.
+    pool = CachingPool(5)
+    held = [pool.take(7) for _ in range(3)]
+    pool.register(held[0], ("own", 7, 0))
+    pool.register(held[1], ("own", 7, 1))
+    pool.release_all(held[::-1], 7)
+    assert list(pool.free) == [2, 3, 4, 1, 0]  # block 2 reused first; block 0 evicted last
+    assert pool.take(8) == 2 and pool.cached(("own", 7, 0)) == 0
+
+
+def test_two_blocks_may_hold_one_prefix_and_a_lookup_finds_the_first_keyed():
+    pool = CachingPool(4)
+    a, b = pool.take(1), pool.take(2)
+    key = ("shared", 0, 0)
+    pool.register(a, key)
+    pool.register(b, key)  # computed twice, in the same step: both stay keyed
+    assert pool.cached(key) == a
+    pool.release_all([a], 1)
+    pool.release_all([b], 2)
+    assert list(pool.free) == [2, 3, a, b]
+    pool.take(3), pool.take(3)  # blocks 2, 3
+    assert pool.take(3) == a and pool.cached(key) == b  # a evicted: b still holds it
+
+
+def test_priority_scheduling_preempts_the_lowest_priority_even_when_already_scheduled():
+    # 3 blocks of 4. A (priority 1) is admitted at step 0 and holds 2 blocks from step 1;
+    # B (priority 0, higher) arrives for step 1 and takes the last block. At step 2 A's
+    # decode is scheduled first (it has its blocks), then B's needs a block: vLLM's priority
+    # policy preempts the lowest priority, A, undoing A's scheduled token, and B decodes.
+    # First come first served preempts the newest, B itself, and A decodes.
+    reqs = [Request(0, 0.0, 4, 6, priority=1), Request(1, 0.5, 4, 6, priority=0)]
+    steps = {}
+    for scheduling in ("priority", "fcfs"):
+        s = Scheduler(reqs, n_blocks=3, block_size=4, scheduling=scheduling, decisions=True)
+        for _ in range(3):
+            s.step()
+        steps[scheduling] = s.decisions[2]
+    assert (steps["priority"].scheduled, steps["priority"].preempted) == (((1, 1),), (0,))
+    assert (steps["fcfs"].scheduled, steps["fcfs"].preempted) == (((0, 1),), (1,))
+
+
+def test_priority_scheduling_admits_by_priority_then_arrival():
+    # one sequence at a time; C (priority 0) arrives last but runs second, after A
+    reqs = [Request(0, 0.0, 4, 1, priority=2), Request(1, 0.0, 4, 1, priority=1),
+            Request(2, 0.5, 4, 1, priority=0)]
+    s = Scheduler(reqs, n_blocks=8, block_size=4, max_seqs=1, scheduling="priority")
+    s.run()
+    assert [s.records[i].first_token for i in (0, 1, 2)] == [2, 0, 1]
+    with pytest.raises(KvbenchError, match="--scheduling"):
+        Scheduler(reqs, n_blocks=8, block_size=4, scheduling="lottery")
+
+
+def test_a_long_prefill_is_capped_per_request_unless_it_runs_alone():
+    # vLLM's long_prefill_token_threshold: 8 positions a step for each prompt while another
+    # request is running or waiting; alone, the rest of the budget.
+    s = Scheduler([Request(0, 0.0, 20, 1), Request(1, 0.0, 20, 1)], n_blocks=16,
+                  block_size=4, long_prefill=8, decisions=True)
+    s.run()
+    assert [d.scheduled for d in s.decisions] == [((0, 8), (1, 8)), ((0, 8), (1, 8)),
+                                                  ((0, 4), (1, 4))]
+    alone = Scheduler([Request(0, 0.0, 20, 1)], n_blocks=16, block_size=4, long_prefill=8,
+                      decisions=True)
+    alone.run()
+    assert alone.decisions[0].scheduled == ((0, 20),)

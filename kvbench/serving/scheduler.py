@@ -25,6 +25,7 @@ prompt and its g tokens (positions 0..P+g-1) and so yields token g+1.
 
 from __future__ import annotations
 
+import bisect
 import math
 import random
 from collections import deque
@@ -34,6 +35,7 @@ from kvbench.errors import KvbenchError
 from kvbench.sizing.lengths import LenDist, draw
 
 POLICIES = ("vllm", "vllm-v0")  # v1's mixed steps, or v0's prompt-only steps
+SCHEDULING = ("fcfs", "priority")  # vLLM's --scheduling-policy
 PREEMPT = ("recompute", "swap")
 RESERVE = ("paged", "prealloc", "pow2")
 
@@ -46,6 +48,12 @@ class Request:
     output_len: int  # tokens it generates, the first with its prefill
     prefix: int = 0  # its first `prefix` positions are shared prompt `group`'s (a system prompt)
     group: int = 0
+    priority: int = 0  # under --scheduling priority: lower runs first (vLLM's convention)
+
+    @property
+    def rank(self) -> tuple:
+        """Its place under priority scheduling: priority, then arrival, then id."""
+        return (self.priority, self.arrival, self.id)
 
     def block_key(self, j: int, block_size: int) -> tuple:
         """What block j of this request holds, as prefix caching hashes it (its tokens and
@@ -316,7 +324,7 @@ class Scheduler:
                  watermark: float = 0.0, policy: str = "vllm", contiguous: bool = False,
                  static: bool = False, prefix_caching: bool = False,
                  long_prefill: int | None = None, reserve_full_prompt: bool = True,
-                 decisions: bool = False):
+                 decisions: bool = False, scheduling: str = "fcfs"):
         if reserve not in RESERVE:
             raise KvbenchError(f"unknown --reserve {reserve!r}; use {', '.join(RESERVE)}")
         if (contiguous or static) and reserve == "paged":
@@ -326,6 +334,11 @@ class Scheduler:
             raise KvbenchError("--prefix-caching shares paged blocks and preempts by "
                                "recompute (as vLLM v1 does); use --reserve paged and "
                                "--preempt recompute")
+        if scheduling not in SCHEDULING:
+            raise KvbenchError(f"unknown --scheduling {scheduling!r}; use fcfs or priority")
+        if scheduling == "priority" and policy != "vllm":
+            raise KvbenchError("--scheduling priority is vLLM v1's; use --policy vllm")
+        self.scheduling = scheduling
         if preempt not in PREEMPT:
             raise KvbenchError(f"unknown --preempt {preempt!r}; use recompute or swap")
         self.block_size, self.reserve, self.preempt = block_size, reserve, preempt
@@ -417,39 +430,75 @@ class Scheduler:
         next step, as vLLM frees them in update_from_output()."""
         clock = self.now if clock is None else clock
         while self.pending and self.pending[0].arrival <= clock:
-            self.waiting.append(Running(self.pending.popleft()))
+            self._enqueue(Running(self.pending.popleft()))
         self._plan: list[tuple[Running, int | None, int]] = []  # (seq, chunk start|None, end)
         before = self.preemptions
-        budget = self.max_batched_tokens or math.inf  # every scheduled token counts
-        prompt = self.chunk or math.inf  # kvbench's cap on prompt positions, all sequences
+        self._budget = self.max_batched_tokens or math.inf  # every scheduled token counts
+        self._prompt = self.chunk or math.inf  # kvbench's cap on prompt positions, all seqs
         # v0: a step of prefills alone, if a waiting request fits
         if self.policy == "vllm-v0" and self.waiting and self._may_admit():
             admitted = len(self.running)
-            self._admit(prompt)
+            self._admit()
             if len(self.running) > admitted:
                 return self._run_step()
         for seq in list(self.running):  # oldest first; decodes and prefill chunks mixed (v1)
-            if budget <= 0:
+            if self._budget <= 0:
                 break
             if seq not in self.running:
                 continue  # preempted for an older sequence's blocks this step
             if seq.prefilled is None:  # its next token
                 if not self._grow(seq, seq.length):
+                    if self.scheduling == "priority":
+                        continue  # it was the lowest: higher ones after it may fit now
                     break  # preempted itself: nothing newer is left to schedule
                 self._plan.append((seq, None, seq.length))
                 self._register(seq, seq.length)
-                budget -= 1
+                self._budget -= 1
                 continue
-            n = int(min(seq.length - seq.prefilled, budget, prompt, self._long_prefill()))
+            n = int(min(seq.length - seq.prefilled, self._budget, self._prompt,
+                        self._long_prefill()))
             if n <= 0:
                 continue
             if self.per_chunk and not self._grow(seq, seq.prefilled + n):
+                if self.scheduling == "priority":
+                    continue
                 break
             self._chunk(seq, n)
-            budget, prompt = budget - n, prompt - n
         if self.preemptions == before and self.policy == "vllm" and self._may_admit():
-            self._admit(min(budget, prompt))
+            self._admit()
         self._run_step()
+
+    def _enqueue(self, seq: Running, front: bool = False) -> None:
+        """Into the waiting queue: at the back (an arrival) or the front (preempted, first
+        to resume); under priority scheduling in priority order (vLLM's heap)."""
+        if self.scheduling == "priority":
+            keys = [q.request.rank for q in self.waiting]
+            self.waiting.insert(bisect.bisect(keys, seq.request.rank), seq)
+        elif front:
+            self.waiting.appendleft(seq)
+        else:
+            self.waiting.append(seq)
+
+    def _victim(self) -> Running:
+        """Whom to preempt: the newest admitted; under priority scheduling the lowest
+        priority, the latest arrival of those (the first such in admission order)."""
+        if self.scheduling == "priority":
+            return max(self.running, key=lambda q: (q.request.priority, q.request.arrival))
+        return self.running[-1]
+
+    def _unschedule(self, seq: Running) -> None:
+        """seq's work this step undone, its tokens back in the budget (a priority victim
+        already scheduled; vLLM restores the budget the same way)."""
+        for i, (q, start, end) in enumerate(self._plan):
+            if q is seq:
+                del self._plan[i]
+                n = 1 if start is None else end - start
+                self._budget += n
+                if start is not None:
+                    self._prompt += n
+                    self._step_sizes.remove(n)
+                    seq.prefilled = start
+                return
 
     def _long_prefill(self) -> float:
         """vLLM's long_prefill_token_threshold: the most prompt positions one request's chunk
@@ -473,6 +522,7 @@ class Scheduler:
         """The next n positions of seq's prefill, scheduled this step."""
         self._plan.append((seq, seq.prefilled, seq.prefilled + n))
         self._step_sizes.append(n)
+        self._budget, self._prompt = self._budget - n, self._prompt - n
         seq.prefilled += n
         self._register(seq, seq.prefilled)
 
@@ -522,10 +572,11 @@ class Scheduler:
         self._step_sizes = []
         self.now += 1
 
-    def _admit(self, budget: float) -> None:
-        """Waiting sequences admitted first come first served while blocks last, each
-        prefill's first chunk scheduled within the step's `budget` of prompt positions."""
+    def _admit(self) -> None:
+        """Waiting sequences admitted in queue order while blocks last, each prefill's first
+        chunk scheduled within what is left of the step's budgets."""
         while self.waiting:
+            budget = min(self._budget, self._prompt)
             if self.max_seqs is not None and len(self.running) >= self.max_seqs:
                 break  # vLLM's max_num_seqs
             seq = self.waiting[0]
@@ -574,7 +625,6 @@ class Scheduler:
                 self.hit_positions += start
                 self.query_positions += seq.length
             self._chunk(seq, n)
-            budget -= n
 
     def _hits(self, seq: Running) -> list[int]:
         """The blocks holding seq's leading full blocks of content, as far as the prefix
@@ -606,7 +656,8 @@ class Scheduler:
             if block is not None:
                 seq.blocks.append(block)
                 continue
-            victim = self.running[-1]  # the most recently admitted
+            victim = self._victim()
+            self._unschedule(victim)
             self._preempt(victim)
             if victim is seq:
                 return False
@@ -627,7 +678,7 @@ class Scheduler:
         self.records[seq.request.id].preempted += 1
         self.preemptions += 1
         self._preempted.append(seq.request.id)
-        self.waiting.appendleft(seq)
+        self._enqueue(seq, front=True)
 
     def _free(self, seq: Running) -> None:
         """seq's blocks back to the pool, its last block first (vLLM's order: with prefix

@@ -100,8 +100,9 @@ TRACE_COLUMNS = ("arrival_s", "prompt_len", "output_len")
 
 def read_trace(path: Path, max_len: int) -> tuple[Request, ...]:
     """A trace file: a CSV with arrival_s (seconds from the start, non-decreasing),
-    prompt_len and output_len (positive integers, together at most --max-len). Refused in one
-    line naming the file and line of the first thing wrong."""
+    prompt_len and output_len (positive integers, together at most --max-len), and optionally
+    priority (an integer; lower runs first under --scheduling priority, as in vLLM). Refused
+    in one line naming the file and line of the first thing wrong."""
     path = Path(path)
     if not path.is_file():
         raise KvbenchError(f"--trace {path}: no such file")
@@ -117,9 +118,10 @@ def read_trace(path: Path, max_len: int) -> tuple[Request, ...]:
             try:
                 arrival = float(row["arrival_s"])
                 prompt, output = int(row["prompt_len"]), int(row["output_len"])
+                priority = int(row.get("priority") or 0)
             except (TypeError, ValueError):
                 raise KvbenchError(f"{where}: arrival_s is seconds and prompt_len, output_len "
-                                   "whole numbers") from None
+                                   "(and priority) whole numbers") from None
             if prompt < 1 or output < 1:
                 raise KvbenchError(f"{where}: lengths must be positive, got {prompt} and "
                                    f"{output}")
@@ -129,7 +131,7 @@ def read_trace(path: Path, max_len: int) -> tuple[Request, ...]:
             if prompt + output > max_len:
                 raise KvbenchError(f"{where}: {prompt} + {output} positions exceed --max-len "
                                    f"{max_len}; raise --max-len")
-            out.append(Request(i, arrival, prompt, output))
+            out.append(Request(i, arrival, prompt, output, priority=priority))
             last = arrival
     if not out:
         raise KvbenchError(f"--trace {path} has no requests")
