@@ -250,6 +250,7 @@ class Running:
     prefilled: int | None = None  # positions its prefill has written so far; None: decoding
     hit: int = 0  # positions found in the prefix cache when it was (last) admitted
     registered: int = 0  # its leading full blocks already keyed in the prefix cache
+    active: bool = False  # in the scheduler's running list (a set's test, not a list's)
 
     @property
     def length(self) -> int:
@@ -441,18 +442,21 @@ class Scheduler:
             self._admit()
             if len(self.running) > admitted:
                 return self._run_step()
+        bs, caching = self.block_size, self.prefix_caching
         for seq in list(self.running):  # oldest first; decodes and prefill chunks mixed (v1)
             if self._budget <= 0:
                 break
-            if seq not in self.running:
+            if not seq.active:
                 continue  # preempted for an older sequence's blocks this step
-            if seq.prefilled is None:  # its next token
-                if not self._grow(seq, seq.length):
+            if seq.prefilled is None:  # its next token (the loop a long trace spends in)
+                length = seq.request.prompt_len + seq.generated
+                if len(seq.blocks) * bs < length and not self._grow(seq, length):
                     if self.scheduling == "priority":
                         continue  # it was the lowest: higher ones after it may fit now
                     break  # preempted itself: nothing newer is left to schedule
-                self._plan.append((seq, None, seq.length))
-                self._register(seq, seq.length)
+                self._plan.append((seq, None, length))
+                if caching and length // bs > seq.registered:
+                    self._register(seq, length)
                 self._budget -= 1
                 continue
             n = int(min(seq.length - seq.prefilled, self._budget, self._prompt,
@@ -529,9 +533,9 @@ class Scheduler:
     def _run_step(self) -> None:
         """What the step scheduled, run: the decodes in one batch, each prefill chunk; the
         tokens made; then the finished requests freed, in the order scheduled."""
-        self._plan = plan = [item for item in self._plan if item[0] in self.running]
+        plan = self._plan  # (a victim's work was taken out when it was preempted)
         decoding = [seq for seq, start, _ in plan if start is None]
-        self._step_context = sum(seq.length for seq in decoding)
+        self._step_context = sum(end for _, start, end in plan if start is None)
         if self.engine is not None:
             if decoding:
                 self.engine.decode(decoding)
@@ -613,6 +617,7 @@ class Scheduler:
                     self.pool.share(block, seq.request.id)
                 seq.blocks = hits + [self.pool.take(seq.request.id) for _ in range(need)]
             self.running.append(seq)
+            seq.active = True
             if seq.swapped:  # back from the host; it goes on from the next step
                 self.swapped_blocks += self.blocks_for(seq.cached)
                 if self.engine is not None:
@@ -665,6 +670,7 @@ class Scheduler:
 
     def _preempt(self, seq: Running) -> None:
         self.running.remove(seq)
+        seq.active = False
         if self.preempt == "swap":
             self.swapped_blocks += self.blocks_for(seq.cached)  # to the host
             if self.engine is not None:
@@ -688,6 +694,7 @@ class Scheduler:
 
     def _finish(self, seq: Running) -> None:
         self.running.remove(seq)
+        seq.active = False
         self._free(seq)
         self.records[seq.request.id].finished = self.now
         self.finished += 1
