@@ -217,7 +217,7 @@ def test_serve_sim_expected_steps_and_host_bytes_by_hand():
     # prealloc holds --max-len 64: 80 / 64 = 1.25
     assert expected_steps(o, "paged") == math.ceil(10 * 6 / (80 / 26)) + 10 == 30
     assert expected_steps(o, "prealloc") == math.ceil(10 * 6 / 1.25) + 10 == 58
-    assert host_bytes(o) == 10 * 1024 + (30 + 58) * 256
+    assert host_bytes(o) == 10 * 1024 + (30 + 58) * 4096
 
 
 def test_a_trace_too_big_for_the_host_is_refused_before_it_is_drawn(monkeypatch):

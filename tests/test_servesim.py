@@ -2,6 +2,7 @@
 against path A, on a trace small enough for the CPU; engines with a cache bug are caught."""
 
 import math
+from dataclasses import replace
 
 import broken
 import numpy as np
@@ -300,6 +301,10 @@ def test_serve_rows_by_hand():
              r["kv_bytes_in_use"]) for r in steps] == [
         (0, 100.0, 0, 20, 7, 400), (1, 300.0, 9, 0, 7, 600), (2, 200.0, 12, 4, 7, 600),
         (3, 400.0, 3, 0, 7, 200)]
+    # paged under vLLM's policy: prefix caching on by default, as vLLM v1 (none found here)
+    assert row["prefix_caching"] is True and row["prefill_positions_saved"] == 0
+    assert row["prefix_hit_rate"] is None  # no admission asked (a hand-made run)
+    (row,) = serve_rows(replace(OPTIONS, prefix_caching=False), "cpu", [served], "t", {})
     assert row["prefix_hit_rate"] is None and row["prefill_positions_saved"] is None
     served.hit_positions, served.query_positions = 30, 120
     caching = SimOptions(**{**OPTIONS.__dict__, "reserve": ("paged",), "prefix_caching": True,
@@ -483,7 +488,7 @@ def test_a_shared_prompt_goes_before_a_seeded_share_of_the_prompts():
 def test_prefix_caching_serves_every_request_verified_and_counts_what_it_saved(tmp_path):
     out = tmp_path / "s.csv"
     shared = ["--reserve", "paged", "--max-len", "300", "--shared-prefix", "64", "-q"]
-    for name, extra in (("on", ["--prefix-caching"]), ("off", [])):
+    for name, extra in (("on", []), ("off", ["--no-prefix-caching"])):  # on: the default
         result = runner.invoke(app, ["serve-sim", *SMALL, *shared, *extra, "--csv",
                                      str(tmp_path / f"{name}.csv")])
         assert result.exit_code == 0, result.output
@@ -537,9 +542,9 @@ def test_the_time_estimate_and_host_bytes_by_hand():
                    max_len=100, kv_blocks=8, block_size=16,
                    reserve=("paged", "prealloc", "orca-max"))
     assert [expected_steps(o, r) for r in o.reserve] == [34, 89, 89]
-    assert host_bytes(o) == 10 * 1024 + (34 + 89 + 89) * 256
+    assert host_bytes(o) == 10 * 1024 + (34 + 89 + 89) * 4096
     assert host_bytes(SimOptions(**{**o.__dict__, "seeds": 2, "traced": ()})) == (
-        10 * 1024 + 2 * (34 + 89 + 89) * 256)
+        10 * 1024 + 2 * (34 + 89 + 89) * 4096)
     # paged's 34 steps took 68 s: 2 s a step, so 356 s for the two others; one step of 5 s
     first = Served("paged", 0, 68.0, 34, [], [], [], [], [], [], [], [])
     assert _estimate(o, first) == ("paged took 68 s; about 6 min for prealloc, orca-max at its "
@@ -628,3 +633,68 @@ def test_what_serve_sim_prints_under_its_table_by_hand(capsys):
             "not prefilled)") in text
     assert "paged serves 1.00× prealloc's (1.00× the batch) requests per second" in text
     assert "cpu" in text  # the table's title names the device
+
+
+# --steps-only and the step log's decisions (issue 49), worked out by hand.
+
+def _two_request_trace(tmp_path):
+    # A (prompt 4, 1 token) and B (prompt 8: 2 blocks of a pool of 2), both at 0: A prefills
+    # and finishes at step 0; its block is free from step 1, when B is admitted and finishes
+    path = tmp_path / "t.csv"
+    path.write_text("arrival_s,prompt_len,output_len\n0,4,1\n0,8,1\n")
+    return ["--trace", str(path), "--kv-blocks", "2", "--block-size", "4", "--max-len", "16",
+            "--reserve", "paged"]
+
+
+def test_steps_only_writes_each_steps_decisions_and_counts_in_steps(tmp_path):
+    out = tmp_path / "s.csv"
+    result = runner.invoke(app, ["serve-sim", "--steps-only", *_two_request_trace(tmp_path),
+                                 "--csv", str(out), "-q"])
+    assert result.exit_code == 0, result.output
+    (row,) = read_results(out)[1].to_dict("records")
+    assert row["steps_only"] and row["steps"] == 2 and pd.isna(row["duration_s"])
+    # TTFT counts the steps from arrival to the end of the one that made the token: 1 and 2
+    assert (row["ttft_p50_steps"], row["ttft_p99_steps"]) == (1.5, pytest.approx(1.99))
+    assert pd.isna(row["ttft_p50_ms"]) and pd.isna(row["requests_per_s"])
+    assert (row["max_seqs"], row["max_batched_tokens"], row["scheduling"]) == (256, 2048,
+                                                                               "fcfs")
+    steps = read_results(tmp_path / "s-steps.csv")[1]
+    assert steps["scheduled"].tolist() == ["0:4", "1:8"] and steps["preempted"].isna().all()
+    assert steps["finished"].tolist() == [0, 1] and steps["blocks_in_use"].tolist() == [0, 0]
+    assert steps["time_s"].isna().all() and steps["step_ms"].isna().all()
+
+
+def test_the_step_log_of_a_timed_run_carries_the_same_decisions(tmp_path):
+    out = tmp_path / "s.csv"
+    result = runner.invoke(app, ["serve-sim", *_two_request_trace(tmp_path), "--csv", str(out),
+                                 "-q"])
+    assert result.exit_code == 0, result.output
+    steps = read_results(tmp_path / "s-steps.csv")[1]
+    assert steps["scheduled"].tolist() == ["0:4", "1:8"] and steps["finished"].tolist() == [0, 1]
+    assert (steps["step_ms"] > 0).all()
+
+
+def test_decision_cells_by_hand():
+    from kvbench.experiments.servesim import decision_cells
+    from kvbench.serving.scheduler import Step
+
+    assert decision_cells(Step(((3, 1), (5, 1), (8, 276)), (9, 4), (), 95)) == {
+        "scheduled": "3:1 5:1 8:276", "preempted": "9 4", "finished": ""}
+
+
+def test_the_header_shows_vllms_defaults_and_steps_only_refuses_what_it_cannot_use(tmp_path):
+    result = runner.invoke(app, ["serve-sim", "--steps-only", *_two_request_trace(tmp_path),
+                                 "--no-csv"])
+    assert result.exit_code == 0, result.output
+    text = " ".join(result.output.split())
+    assert ("scheduler: vLLM 0.33 v1 fcfs, max_num_seqs 256, max_num_batched_tokens 2048, "
+            "prefix caching paged") in text
+    for extra, word in ((["--cost-profile", "p.csv"], "--cost-profile"),
+                        (["--slo-ttft", "100"], "--slo-ttft"), (["--device", "cpu"], "--device"),
+                        (["--scheduling", "lottery"], "--scheduling"),
+                        (["--long-prefill", "0"], "--long-prefill"),
+                        (["--scheduling", "priority", "--policy", "vllm-v0"], "--policy vllm")):
+        result = runner.invoke(app, ["serve-sim", "--steps-only",
+                                     *_two_request_trace(tmp_path), "--no-csv", *extra])
+        assert result.exit_code == 2 and word in result.output, (extra, result.output)
+        assert "Traceback" not in result.output

@@ -31,6 +31,7 @@ from kvbench.errors import KvbenchError
 from kvbench.report.render import new_table, out
 from kvbench.serving.scheduler import (
     PREEMPT,
+    SCHEDULING,
     Scheduler,
     check_limits,
     refuse_unfit,
@@ -87,13 +88,24 @@ class SimOptions:
     prefill_chunk: int | None = flag(
         None, "Chunked prefill: at most this many prompt positions prefilled per step, between "
         "the others' decode steps. \\[default: each prompt whole]")
-    max_seqs: int | None = flag(None, "vLLM's max_num_seqs: at most this many sequences running "
-                                "at once. \\[default: no cap]")
-    max_batched_tokens: int | None = flag(
-        None, "vLLM's max_num_batched_tokens: the tokens a step schedules, decodes and prefill "
-        "positions alike (a longer prompt is prefilled in chunks). \\[default: no cap]")
-    watermark: float = flag(0.0, "vLLM v0's watermark: this fraction of the pool's blocks kept "
-                            "free at admission (v0 keeps 0.01).")
+    max_seqs: int = flag(256, "vLLM's max_num_seqs: at most this many sequences running at "
+                         "once (vLLM's default for its server on a GPU under 70 GiB).")
+    max_batched_tokens: int = flag(
+        2048, "vLLM's max_num_batched_tokens: the tokens a step schedules, decodes and prefill "
+        "positions alike (a longer prompt is prefilled in chunks; vLLM's default for its "
+        "server on a GPU under 70 GiB).")
+    scheduling: str = flag("fcfs", "vLLM's --scheduling-policy: fcfs, or priority (a trace's "
+                           "priority column, lower first; the lowest priority preempted).")
+    long_prefill: int | None = flag(
+        None, "vLLM's long_prefill_token_threshold: at most this many prompt positions of one "
+        "request a step, while others run or wait. \\[default: no cap]")
+    admit_on_first_chunk: bool = flag(
+        False, "Admit a request when its first chunk's blocks are free (vLLM with "
+        "--no-scheduler-reserve-full-isl); by default, as vLLM 0.33, only when blocks for its "
+        "whole prompt, less prefix-cache hits, are free.", "--admit-on-first-chunk")
+    watermark: float = flag(0.0, "vLLM's watermark: this fraction of the pool's blocks (counting "
+                            "vLLM's null block) kept free when a request is admitted while others "
+                            "run (v0: at every admission).")
     policy: str = flag("vllm", "vllm: v1's steps, decodes and prefills mixed; vllm-v0: a step "
                        "of prefills alone whenever a waiting request fits, decodes in the "
                        "others.")
@@ -126,10 +138,16 @@ class SimOptions:
         "auto", "How a decode step attends over the blocks: torch (block-wise attention in "
         "PyTorch ops), triton (kvbench's paged decode kernel; on CPU tensors Triton's "
         "interpreter, slow), or auto: triton on CUDA, torch elsewhere.")
-    prefix_caching: bool = flag(
-        False, "vLLM v1's automatic prefix caching: full blocks shared by content across "
-        "requests, kept after they are freed until needed (paged, recompute).",
-        "--prefix-caching")
+    prefix_caching: bool | None = flag(
+        None, "vLLM v1's automatic prefix caching: full blocks shared by content across "
+        "requests, kept after they are freed until needed (paged, recompute). \\[default: on "
+        "for paged under --policy vllm and --preempt recompute, as vLLM v1; off otherwise]",
+        "--prefix-caching/--no-prefix-caching", show_default=False)
+    steps_only: bool = flag(
+        False, "The scheduler alone, no engine and no timing, the step index as the clock "
+        "(--rate in requests per step; a trace's arrival_s read as a step): each step's "
+        "decisions for comparing with another scheduler, or planning at scales the engine "
+        "cannot run.", "--steps-only")
     shared_prefix_len: int = flag(0, "A shared system prompt of this many positions before the "
                                   "prompts of --shared-prefix-frac of the requests.",
                                   "--shared-prefix", renamed="--shared-prefix-len")
@@ -248,6 +266,13 @@ class SimOptions:
             raise KvbenchError(f"--shared-prefix-frac is the share of requests that start with "
                                f"the shared prompt, above 0 and at most 1; got "
                                f"{self.shared_prefix_frac}")
+        if self.scheduling not in SCHEDULING:
+            raise KvbenchError(f"unknown --scheduling {self.scheduling!r}; use fcfs or priority")
+        if self.scheduling == "priority" and self.policy != "vllm":
+            raise KvbenchError("--scheduling priority is vLLM v1's; use --policy vllm")
+        if self.long_prefill is not None and self.long_prefill < 1:
+            raise KvbenchError(f"--long-prefill must be a positive integer, got "
+                               f"{self.long_prefill}; omit it for no cap")
         if self.prefix_caching and (self.preempt != "recompute" or any(
                 r != "paged" for r in self.reserve)):
             raise KvbenchError("--prefix-caching shares paged blocks and preempts by recompute "
@@ -256,6 +281,17 @@ class SimOptions:
             if value is not None and not value > 0:
                 raise KvbenchError(f"{name} is a latency in ms above 0, got {value}")
 
+        if self.steps_only:
+            given = [name for name, on in (
+                ("--cost-profile", self.cost_profile is not None),
+                ("--write-profile", self.write_profile is not None),
+                ("--slo-ttft", self.slo_ttft is not None),
+                ("--slo-tpot", self.slo_tpot is not None),
+                ("--device", self.device != "auto"),
+                ("--decode-kernel", self.decode_kernel != "auto")) if on]
+            if given:
+                raise KvbenchError(f"--steps-only runs the scheduler alone, with no engine and "
+                                   f"the step as its clock; drop {given[0]}")
         if self.write_profile is not None and self.cost_profile is not None:
             raise KvbenchError("--write-profile measures a profile and --cost-profile replays "
                                "one; give one of them")
@@ -349,13 +385,22 @@ class SimOptions:
         return {"reserve": kind, "reserve_len": self.max_len if max_len else None,
                 "contiguous": contiguous, "static": static}
 
+    def caching(self, reserve: str) -> bool:
+        """Whether a reserve runs with prefix caching: --prefix-caching or
+        --no-prefix-caching, or by default as vLLM v1 (paged, its policy, recompute)."""
+        if self.prefix_caching is not None:
+            return self.prefix_caching
+        return reserve == "paged" and self.policy == "vllm" and self.preempt == "recompute"
+
     def scheduler(self, reserve: str, requests, engine=None) -> Scheduler:
         """The scheduler of one way of reserving."""
         return Scheduler(requests, self.kv_blocks, self.block_size, preempt=self.preempt,
                          engine=engine, chunk=self.prefill_chunk, max_seqs=self.max_seqs,
-                         prefix_caching=self.prefix_caching,
+                         prefix_caching=self.caching(reserve),
                          max_batched_tokens=self.max_batched_tokens,
                          watermark=self.watermark, policy=self.policy,
+                         scheduling=self.scheduling, long_prefill=self.long_prefill,
+                         reserve_full_prompt=not self.admit_on_first_chunk, decisions=True,
                          **self.reservation(reserve))
 
 
@@ -413,6 +458,8 @@ class Served:
     host_s: list[float] = field(default_factory=list, repr=False)
     context: list[int] = field(default_factory=list, repr=False)
     prefill_positions: list[int] = field(default_factory=list, repr=False)
+    decisions: list = field(default_factory=list, repr=False)  # the scheduler's Steps
+    clock: str = "s"  # "steps": --steps-only, every time above counted in steps
 
     @property
     def hit_rate(self) -> float | None:
@@ -559,7 +606,8 @@ def _served(o: SimOptions, reserve: str, reqs, sched, ends: list[float], took: l
                   failures=failures, itl_s=itl, good=good, hit_positions=sched.hit_positions,
                   query_positions=sched.query_positions, verified=verified,
                   host_s=host_s or [], context=sched.context,
-                  prefill_positions=sched.prefill_positions)
+                  prefill_positions=sched.prefill_positions, decisions=sched.decisions or [],
+                  clock="steps" if o.steps_only else "s")
 
 
 def replay(o: SimOptions, reserve: str, reqs, profile, served_one=lambda n: None) -> Served:
@@ -587,11 +635,33 @@ def replay(o: SimOptions, reserve: str, reqs, profile, served_one=lambda n: None
     return _served(o, reserve, reqs, sched, ends, took, [], 0.0, verified=False)
 
 
+def count(o: SimOptions, reserve: str, reqs, served_one=lambda n: None) -> Served:
+    """--steps-only: the trace scheduled with no engine and no timing, the step index as the
+    clock (a request arriving at a joins the queue at step ceil(a)); step i ends at i + 1, so
+    a request's time to first token counts the steps from its arrival to the end of the one
+    that made its token."""
+    import gc
+
+    sched = o.scheduler(reserve, reqs)
+    done = 0
+    gc.disable()  # millions of small acyclic objects: the collector's passes cost a third
+    try:
+        while not sched.done:  # (idle steps too, until the next arrival: the clock is the step)
+            sched.step()
+            if (finished := sched.finished) > done:
+                served_one(finished - done)
+                done = finished
+    finally:
+        gc.enable()
+    ends = [float(i + 1) for i in range(sched.now)]
+    return _served(o, reserve, reqs, sched, ends, [1.0] * sched.now, [], 0.0, verified=False)
+
+
 # Host bytes the run holds per request (the request, its record, its latencies) and per step
-# of each reserve (the step log's entries): measured at about 0.7 KiB and 0.2 KiB in CPython
-# 3.11, rounded up.
+# of each reserve (the step log's entries, the scheduler's decisions and the step's CSV row):
+# 100,000 requests --steps-only, 663,645 steps, peaked at 3.2 GB with the log written.
 REQUEST_BYTES = 1024
-STEP_BYTES = 256
+STEP_BYTES = 4096
 
 
 def expected_steps(o: SimOptions, reserve: str) -> int:
@@ -679,8 +749,8 @@ def run(o: SimOptions) -> list[Served]:
 
     from kvbench.measure.device import resolve_device
 
-    device = resolve_device(o.device)
-    if profile is None:
+    device = "cpu" if o.steps_only else resolve_device(o.device)  # (no tensors to place)
+    if profile is None and not o.steps_only:
         prepare_kernel(o, device)
         preflight(o, device)  # the pool, on the device; then the trace, on the host
     trace_preflight(o, device)
@@ -719,11 +789,14 @@ def run(o: SimOptions) -> list[Served]:
                     for run in runs:
                         bar.describe(f"serve-sim {reserve}"
                                      + (f" seed {run.seed}" if o.seeds > 1 else ""))
-                        s = (replay(run, reserve, traces[run.seed], profile, bar.advance)
+                        s = (count(run, reserve, traces[run.seed], bar.advance)
+                             if o.steps_only else
+                             replay(run, reserve, traces[run.seed], profile, bar.advance)
                              if profile is not None else
                              serve(run, reserve, traces[run.seed], _subject(run, device),
                                    device, bar.advance))
-                        if not served and len(o.reserve) * o.seeds > 1 and not o.quiet:
+                        if (not served and len(o.reserve) * o.seeds > 1 and not o.quiet
+                                and not o.steps_only):
                             render.note(_estimate(o, s))
                         finished(s, env)
     except KeyboardInterrupt as stopped:
@@ -764,6 +837,8 @@ def _on_cluster(o: SimOptions, device: str, finished, profile=None) -> None:
         import torch
 
         run = o.with_seed(names[1])
+        if o.steps_only:
+            return count(run, names[0], requests(run)), env
         if profile is not None:  # read on the driver: the file need not be on the worker
             return replay(run, names[0], requests(run), profile), env
         with torch.inference_mode():
@@ -930,7 +1005,7 @@ def serve_table(o, device: str, served) -> Table:
     t = new_table(f"serve-sim  {o.requests} requests arriving {rate}; prompts {o.len_dist}, "
                f"outputs {o.output_dist}{seeds}\n{o.label}: {o.kv_blocks} blocks of "
                f"{o.block_size}  H={o.hidden} H_q={o.q_heads} H_kv={o.kv_heads} "
-               f"D={o.head_dim}  {o.dtype}  {device}")
+               f"D={o.head_dim}  {o.dtype}  {device}\n{scheduler_line(o)}")
     for name in ("reserve", *(f[0] for f in SEED_FIGURES), "path A"):
         t.add_column(name, justify="left" if name in ("reserve", "path A") else "right",
                      no_wrap=name in ("reserve", "path A"))
@@ -945,6 +1020,58 @@ def serve_table(o, device: str, served) -> Table:
                   "PASS" if all(s.passed for s in runs) else "[red]FAIL[/]")
     t.caption = (f"batch: sequences decoding, held: blocks held (of {o.kv_blocks}), the mean "
                  "per step; TTFT from arrival to the first token, TPOT per later token")
+    return t
+
+
+def scheduler_line(o) -> str:
+    """The scheduler's settings, vLLM's names and defaults where they are vLLM's."""
+    caching = [r for r in o.reserve if o.caching(r)]
+    parts = [f"scheduler: vLLM 0.33 {'v1' if o.policy == 'vllm' else 'v0'} {o.scheduling}",
+             f"max_num_seqs {o.max_seqs}", f"max_num_batched_tokens {o.max_batched_tokens}",
+             "prefix caching " + (", ".join(caching) if caching else "off")]
+    if o.watermark:
+        parts.append(f"watermark {o.watermark:g}")
+    if o.long_prefill:
+        parts.append(f"long prefill {o.long_prefill}")
+    if o.prefill_chunk:
+        parts.append(f"prefill chunk {o.prefill_chunk}")
+    if o.admit_on_first_chunk:
+        parts.append("admission on the first chunk")
+    return ", ".join(parts)
+
+
+STEP_FIGURES = (  # --steps-only's table: figures counted in steps
+    ("steps", lambda s: s.steps, "{:,.0f}"),
+    ("TTFT p50\nsteps", lambda s: _pct(s.ttft_s, 50), "{:,.0f}"),
+    ("TTFT p99\nsteps", lambda s: _pct(s.ttft_s, 99), "{:,.0f}"),
+    ("TPOT p50\nsteps", lambda s: _pct(s.tpot_s, 50), "{:,.2f}"),
+    ("batch", lambda s: s.mean_batch, "{:,.1f}"),
+    ("max\nbatch", lambda s: max(s.batch), "{:,.0f}"),
+    ("held", lambda s: s.mean_blocks_in_use, "{:,.0f}"),
+    ("pre-\nempt", lambda s: s.preemptions, "{:,.0f}"),
+    ("recomputed", lambda s: s.recomputed_tokens, "{:,.0f}"),
+)
+
+
+def steps_table(o, served) -> Table:
+    """--steps-only: each reserve's figures in steps (the mean over seeds)."""
+    rate = ("as traced (arrival_s as steps)" if o.trace is not None else "all at once"
+            if math.isinf(o.rate) else f"{o.rate:g} per step")
+    t = new_table(f"serve-sim --steps-only  {o.requests:,} requests arriving {rate}; prompts "
+                  f"{o.len_dist}, outputs {o.output_dist}\n{o.kv_blocks} blocks of "
+                  f"{o.block_size}; {scheduler_line(o)}")
+    for name, _, _ in (("reserve", 0, 0), *STEP_FIGURES):
+        t.add_column(name, justify="left" if name == "reserve" else "right",
+                     no_wrap=name == "reserve")
+    for reserve, runs in by_reserve(served).items():
+        cells = []
+        for _, figure, fmt in STEP_FIGURES:
+            values = [figure(s) for s in runs]  # (None: no request has that figure)
+            cells.append("n/a" if None in values else fmt.format(sum(values) / len(values)))
+        t.add_row(reserve, *cells)
+    t.caption = ("the clock is the step: TTFT counts the steps from arrival to the end of the "
+                 "one that made the first token; batch: sequences decoding, held: blocks held, "
+                 "the mean per step")
     return t
 
 
@@ -974,13 +1101,21 @@ def ratio_line(served) -> str | None:
 def show_serve(o, device: str, served) -> None:
     from kvbench.measure.timing import percentile
 
+    if o.steps_only:
+        out.print(steps_table(o, served))
+        if any(o.caching(s.reserve) for s in served):
+            hits = sum(s.hit_positions for s in served)
+            asked = sum(s.query_positions for s in served)
+            out.print(f"prefix cache: {hits / max(asked, 1):.1%} of the prompt positions "
+                      f"admitted were found cached ({hits:,} of {asked:,})")
+        return
     out.print(serve_table(o, device, served))
     itl = {r: [g for s in v for g in s.itl_s] for r, v in by_reserve(served).items()}
     gaps = [(r, percentile(g, 50), percentile(g, 99)) for r, g in itl.items() if g]
     if gaps:  # TPOT is a mean per request; every gap shows a decode stalled by a prefill
         out.print("ITL p50 / p99, every gap between two tokens of a request: "
                   + ", ".join(f"{r} {1e3 * a:.2f} / {1e3 * b:.2f} ms" for r, a, b in gaps))
-    if o.prefix_caching:
+    if any(o.caching(s.reserve) for s in served):
         hits = sum(s.hit_positions for s in served)
         asked = sum(s.query_positions for s in served)
         out.print(f"prefix cache: {hits / max(asked, 1):.1%} of the prompt positions admitted "
@@ -1005,11 +1140,11 @@ def serve_rows(o, device: str, served, stamp: str,
                "policy": o.policy, "burstiness": o.burstiness, "slo_ttft_ms": o.slo_ttft,
                "slo_tpot_ms": o.slo_tpot,
                "goodput_per_s": None if s.good is None else s.good / s.duration_s,
-               "workload": o.workload, "prefix_caching": o.prefix_caching,
+               "workload": o.workload, "prefix_caching": o.caching(s.reserve),
                "shared_prefix_len": o.shared_prefix_len or None,
                "shared_prefix_frac": o.shared_prefix_frac if o.shared_prefix_len else None,
-               "prefix_hit_rate": s.hit_rate if o.prefix_caching else None,
-               "prefill_positions_saved": s.hit_positions if o.prefix_caching else None,
+               "prefix_hit_rate": s.hit_rate if o.caching(s.reserve) else None,
+               "prefill_positions_saved": s.hit_positions if o.caching(s.reserve) else None,
                "cost_profile": str(o.cost_profile) if o.cost_profile else None,
                "kv_pool_bytes": o.pool_bytes, "hidden": o.hidden,
                "model": None if o.ref is None else o.ref.label,
@@ -1029,6 +1164,18 @@ def serve_rows(o, device: str, served, stamp: str,
                "mean_kv_bytes_in_use": o.block_bytes * s.mean_blocks_in_use,
                "preemptions": s.preemptions, "recomputed_tokens": s.recomputed_tokens,
                "swapped_blocks": s.swapped_blocks, **env}
+        row.update({"scheduling": o.scheduling, "long_prefill": o.long_prefill,
+                    "admit_on_first_chunk": o.admit_on_first_chunk,
+                    "steps_only": s.clock == "steps"})
+        if s.clock == "steps":  # no time was measured: the figures in steps, in their columns
+            for name, values in (("ttft", s.ttft_s), ("tpot", s.tpot_s)):
+                for q in (50, 99):
+                    row[f"{name}_p{q}_steps"] = percentile(values, q)
+            for name in ("duration_s", "requests_per_s", "output_tokens_per_s",
+                         "latency_per_token_mean_ms", "max_abs_err"):
+                row[name] = None
+            rows.append(row)
+            continue
         row["step_p50_ms"] = 1e3 * percentile(s.step_s, 50)
         row["step_max_ms"] = 1e3 * max(s.step_s)
         row["step_host_p50_ms"] = 1e3 * percentile(s.host_s, 50) if s.host_s else None
@@ -1040,14 +1187,24 @@ def serve_rows(o, device: str, served, stamp: str,
     return rows
 
 
+def decision_cells(step) -> dict[str, str]:
+    """One step's decisions as text a diff or a spreadsheet reads: the scheduled requests as
+    id:tokens in the order scheduled, the preempted and finished ids, space-separated."""
+    return {"scheduled": " ".join(f"{rid}:{n}" for rid, n in step.scheduled),
+            "preempted": " ".join(map(str, step.preempted)),
+            "finished": " ".join(map(str, step.finished))}
+
+
 def serve_step_rows(served, stamp: str, block_bytes: int,
                     env: dict[str, object]) -> list[dict[str, object]]:
+    timed = {s.reserve: s.clock == "s" for s in served}
     return [{"timestamp": stamp, "command": "serve-sim", "reserve": s.reserve, "step": i,
-             "time_s": s.step_end_s[i], "step_ms": 1e3 * s.step_s[i], "batch": s.batch[i],
+             "time_s": s.step_end_s[i] if timed[s.reserve] else None,
+             "step_ms": 1e3 * s.step_s[i] if timed[s.reserve] else None, "batch": s.batch[i],
              "tokens": s.tokens[i], "blocks_in_use": s.blocks_in_use[i],
              "kv_bytes_in_use": block_bytes * s.blocks_in_use[i],
              "host_ms": 1e3 * s.host_s[i] if s.host_s else None, "seed": s.seed,
              "context": s.context[i] if s.context else None,
              "prefill_positions": s.prefill_positions[i] if s.prefill_positions else None,
-             **env}
+             **(decision_cells(s.decisions[i]) if s.decisions else {}), **env}
             for s in served for i in range(s.steps)]

@@ -137,8 +137,9 @@ def append_csv(path: Path, rows: list[dict[str, object]], columns: list[str],
     of the headers; otherwise the old bytes are kept as they are and the rows added.
     """
     check_csv(path, columns, first, rows=False)  # (its rows were read before the run)
+    known = set(columns)
     for row in rows:
-        unknown = set(row) - set(columns)
+        unknown = row.keys() - known
         if unknown:
             raise ValueError(f"row has columns outside the header: {sorted(unknown)}")
     existing = path.read_bytes() if path.exists() else b""
@@ -158,7 +159,8 @@ def append_csv(path: Path, rows: list[dict[str, object]], columns: list[str],
             writer.writeheader()
         elif not existing.endswith(b"\n"):
             existing += b"\n"
-    writer.writerows({c: _cell(row.get(c)) for c in fields} for row in rows)
+    cells = csv.writer(buf, lineterminator="\n")  # (a list per row: a long step log's pace)
+    cells.writerows([_cell(row.get(c)) for c in fields] for row in rows)
     tmp = None
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -400,7 +402,10 @@ SERVE_COLUMNS = SERVE_FIRST + ["itl_p50_ms", "itl_p90_ms", "itl_p99_ms", "max_se
                                "prefix_caching", "shared_prefix_len", "shared_prefix_frac",
                                "prefix_hit_rate", "prefill_positions_saved",
                                "cost_profile", "step_host_p50_ms", "model",
-                               "layers", "decode_kernel"] + PROVENANCE_COLUMNS
+                               "layers", "decode_kernel", "scheduling", "long_prefill",
+                               "admit_on_first_chunk", "steps_only", "ttft_p50_steps",
+                               "ttft_p99_steps", "tpot_p50_steps", "tpot_p99_steps"
+                               ] + PROVENANCE_COLUMNS
 # kvbench tune: one row per configuration and case
 TUNE_FIRST = [
     "timestamp", "command", "case", "batch", "seq_lens", "q_heads", "kv_heads", "head_dim",
@@ -413,7 +418,8 @@ TUNE_COLUMNS = TUNE_FIRST + PROVENANCE_COLUMNS
 # time, sequences decoded, tokens made, blocks held
 SERVE_STEP_FIRST = ["timestamp", "command", "reserve", "step", "time_s", "step_ms", "batch",
                     "tokens", "blocks_in_use", "kv_bytes_in_use"] + ENV_COLUMNS
-SERVE_STEP_COLUMNS = SERVE_STEP_FIRST + ["host_ms", "seed", "context", "prefill_positions"
+SERVE_STEP_COLUMNS = SERVE_STEP_FIRST + ["host_ms", "seed", "context", "prefill_positions",
+                                         "scheduled", "preempted", "finished"
                                          ] + PROVENANCE_COLUMNS
 
 
