@@ -4,11 +4,13 @@
 # with no model and no GPU, in a virtual environment of its own (built once, in $VLLM_ENV,
 # default .vllm-env: the CPU build of torch 2.13.0, vllm 0.33.0 without its dependencies and
 # the pure-Python packages its import chain needs; about 3 GB, a few minutes).
-# Usage: scripts/peer-vllm.sh [OUT.csv] [--trace FILE ...] [--reverse RULE]
+# Usage: scripts/peer-vllm.sh [OUT.csv] [--trace FILE ... [--blocks N] [--priority]]
+#        [--reverse RULE]  (default: the committed trace results/sample/peer-vllm-trace.csv)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 out=${1:-results/sample/peer-vllm.csv}
 shift || true
+[ $# -gt 0 ] || set -- --trace results/sample/peer-vllm-trace.csv --blocks 400 --priority
 env_dir=${VLLM_ENV:-.vllm-env}
 if [ ! -x "$env_dir/bin/python" ] || ! "$env_dir/bin/python" -c "import vllm" 2>/dev/null; then
   python3 -m venv "$env_dir"

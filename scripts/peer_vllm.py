@@ -289,7 +289,9 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--trace", type=Path, action="append", default=[],
                     help="a serve-sim trace CSV (arrival_s read as the step index)")
-    ap.add_argument("--blocks", type=int, default=200)
+    ap.add_argument("--blocks", type=int, default=200, help="--trace: vLLM's pool")
+    ap.add_argument("--priority", action="store_true",
+                    help="--trace: priority scheduling (its priority column)")
     ap.add_argument("--out", type=Path, default=None, help="write the lines to this CSV")
     ap.add_argument("--only", default=None, help="run the configurations whose name has this")
     ap.add_argument("--reverse", choices=REVERSALS, default=None,
@@ -299,7 +301,9 @@ def main() -> int:
     todo = [c for c in cases() if args.only is None or args.only in c.name]
     for path in args.trace:
         reqs = read_trace(path, 1 << 16)
-        todo.append(Case(f"trace {path.name}", tuple(reqs), args.blocks, 256, 2048, True))
+        for priority in sorted({False, args.priority}):  # vLLM's defaults otherwise
+            todo.append(Case(f"trace {path.name}" + (", priority" if priority else ""),
+                             tuple(reqs), args.blocks, 256, 2048, True, priority=priority))
     rows = []
     writer = csv.DictWriter(sys.stdout, FIELDS)
     writer.writeheader()

@@ -237,3 +237,89 @@ def test_cells_headers_and_damaged_rows_by_hand(tmp_path):
     assert kv_cells(KvFormat()) == {}
     assert kv_cells(KvFormat("int8", group_size=32)) == {
         "kv_dtype": "int8", "group_size": 32, "k_quant": "per-token", "kv_residual": 0}
+
+
+# report/load.py's decisions and messages at their edges (issue 47's mutation run): each case
+# worked out by hand, each failing when its comparison is shifted by one.
+
+def _damaged(path, lines, bad):
+    """The capacity file's lines with the data rows at the given line numbers cut to 3
+    fields."""
+    path.write_text("\n".join(",".join(l.split(",")[:3]) if i + 1 in bad else l
+                              for i, l in enumerate(lines)) + "\n")
+
+
+def test_damaged_row_counts_and_line_lists_at_their_edges(tmp_path, monkeypatch):
+    from kvbench.report import load, render
+
+    path = tmp_path / "cap.csv"
+    _capacity_rows(path, 8)  # header (line 1) and rows at lines 2-9, seq_len 1..8
+    lines = path.read_text().splitlines()
+    warned = []
+    monkeypatch.setattr(render, "warn", warned.append)
+    _damaged(path, lines, {2, 5})  # two: "(and 1 more)"; the first data row among them
+    with pytest.raises(KvbenchError, match=r"line 2: 3 of \d+ fields, a cut or damaged row "
+                                           r"\(and 1 more\)"):
+        load.read_results(path)
+    kind, df = load.read_results(path, skip_bad_rows=True)  # the header kept, line 2 left out
+    assert kind == "capacity" and df["seq_len"].tolist() == [2, 3, 5, 6, 7, 8]
+    for bad, listed in (({3, 4, 5, 6, 7}, "3, 4, 5, 6, 7)"), ({3, 4, 5, 6, 7, 8},
+                                                                "3, 4, 5, 6, 7 …)")):
+        _damaged(path, lines, bad)  # five lines listed whole; six: the first five, then …
+        warned.clear()
+        kept = load.read_results(path, skip_bad_rows=True)[1]["seq_len"].tolist()
+        assert warned[0].endswith(listed), warned
+        assert kept == sorted(set(range(1, 9)) - {b - 1 for b in bad})
+
+
+def test_a_file_of_another_kind_or_of_none_is_named_by_what_it_lacks(tmp_path):
+    from kvbench.report.load import read_results
+    from kvbench.report.results import BENCH_FIRST
+
+    def refused(columns):
+        path = tmp_path / "x.csv"
+        path.write_text(",".join(columns) + "\n" + ",".join("1" for _ in columns) + "\n")
+        with pytest.raises(KvbenchError) as err:
+            read_results(path)
+        return str(err.value).replace(str(path), "P")
+
+    half = len(BENCH_FIRST) // 2
+    # missing exactly half of bench's first columns: still bench's, named by what it lacks
+    lacking = BENCH_FIRST[-half:]
+    assert refused(BENCH_FIRST[:-half]) == (
+        "P looks like kvbench bench results but lacks columns "
+        + ", ".join(lacking[:8]) + " …")
+    assert refused(BENCH_FIRST[:-8]) == ("P looks like kvbench bench results but lacks "
+                                         "columns " + ", ".join(BENCH_FIRST[-8:]))
+    assert refused(BENCH_FIRST[:-9]).endswith(", ".join(BENCH_FIRST[-9:-1]) + " …")
+    assert refused(["a", "b"]).startswith("P is not a kvbench results file (no timestamp, "
+                                          "command, ")
+    assert refused(["a", "b"]).endswith(" …)")
+
+
+def test_run_last_picks_the_last_row_with_a_run_and_the_message_lists_three(tmp_path):
+    from kvbench.report.load import latest, select
+
+    path = tmp_path / "r.csv"
+    df = pd.DataFrame({"impl": ["a", "b", "c", "d", "e"],
+                       "run_id": ["r1", "r2", "r3", "r4", None], "x": [1, 2, 3, 4, 5]})
+    assert select(df, path, run="last")["impl"].tolist() == ["d"]  # the last row has none
+    assert select(df, path, run="r2")["impl"].tolist() == ["b"]
+    with pytest.raises(KvbenchError) as err:
+        select(df, path, run="r9")
+    assert str(err.value) == (f"{path} has no run 'r9'; its latest runs: r4, r3, r2 "
+                              "(or --run last)")
+    with pytest.raises(KvbenchError, match="no run ids"):
+        select(df.drop(columns="run_id"), path, run="last")
+    with pytest.raises(KvbenchError) as err:
+        select(df.iloc[:0], path)
+    assert str(err.value) == f"no row of {path} matches; check the values"
+    # text and numbers in one column: the numbers still compare as numbers
+    mixed = pd.DataFrame({"impl": ["a", "b", "c"], "v": ["abc", 64.0, ""]})
+    assert select(mixed, path, where="v=64")["impl"].tolist() == ["b"]
+    assert select(mixed, path, where="v=")["impl"].tolist() == ["c"]  # an empty text cell
+    # latest: the last row of each key, numbered afresh, no column added
+    rows = pd.DataFrame({"k": [1, 2, 1], "v": [10, 20, 30]})
+    kept = latest(rows, ["k"])
+    assert list(kept.columns) == ["k", "v"] and kept.index.tolist() == [0, 1]
+    assert kept["v"].tolist() == [20, 30]

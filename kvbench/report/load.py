@@ -20,6 +20,8 @@ OPTION_KEYS = ["kv_dtype", "group_size", "k_quant", "kv_residual", "block_size",
                "len_dist", "max_len", "prealloc", "tp", *TECHNIQUES, "model", "layers"]
 
 
+# serve-sim's steps log: each step's decisions, lists of ids read as text ("4 7", "3:1 5:1")
+DECISION_COLUMNS = {"scheduled": str, "preempted": str, "finished": str}
 TEXT_KEYS = ["kv_dtype", "k_quant", "seq_lens", "len_dist", "prealloc",
              *(name for name, t in TECHNIQUES.items() if t.text), "model"]
 
@@ -62,9 +64,10 @@ def read_results(path: Path, skip_bad_rows: bool = False) -> tuple[str, pd.DataF
                         f"{'row' if len(bad) == 1 else 'rows'} (line "
                         f"{', '.join(str(line) for line, _ in bad[:5])}"
                         f"{' …' if len(bad) > 5 else ''})")
-            df = pd.read_csv(io.StringIO(_good_rows(path, {line for line, _ in bad})))
+            df = pd.read_csv(io.StringIO(_good_rows(path, {line for line, _ in bad})),
+                             dtype=DECISION_COLUMNS)
         else:
-            df = pd.read_csv(path)
+            df = pd.read_csv(path, dtype=DECISION_COLUMNS)
     except (pd.errors.ParserError, UnicodeDecodeError, pd.errors.EmptyDataError) as err:
         raise KvbenchError(f"{path} is not a readable CSV: {str(err).splitlines()[0]}") from None
     columns = list(df.columns)
