@@ -327,8 +327,12 @@ def merge(files: Annotated[list[Path], typer.Argument(help="Results CSVs of one 
     from kvbench.report import render
     from kvbench.report.results import merge as merge_files
 
-    n = merge_files(files, output)
-    render.note(f"{n} rows from {len(files)} files appended to {output}")
+    n, repeated, runs = merge_files(files, output)
+    again = f"; {repeated} already there, left as they were" if repeated else ""
+    joined = (f" ({len(runs)} runs: {', '.join(runs[:4])}{' …' if len(runs) > 4 else ''}; "
+              "plot and compare read them together, --run ID picks one)" if len(runs) > 1
+              else "")
+    render.note(f"{n} rows from {len(files)} files appended to {output}{again}{joined}")
 
 
 def main() -> None:

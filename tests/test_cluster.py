@@ -130,6 +130,20 @@ def test_shards_merged_equal_the_whole_sweep(tmp_path):
     merged = pd.read_csv(tmp_path / "all.csv").sort_values(["prompt_len", "impl"])
     for col in ("prompt_len", "impl", "kv_cache_bytes", "theoretical_kv_bytes"):
         assert merged[col].tolist() == whole[col].tolist()
+    assert "(2 runs: " in " ".join(result.stderr.split())  # what it joined, said
+    # merged again (and a shard given twice): nothing written twice, the file byte for byte
+    before = (tmp_path / "all.csv").read_bytes()
+    again = runner.invoke(app, ["merge", str(tmp_path / "s0.csv"), str(tmp_path / "s1.csv"),
+                                str(tmp_path / "s1.csv"), "-o", str(tmp_path / "all.csv")])
+    assert again.exit_code == 0, again.output
+    assert (tmp_path / "all.csv").read_bytes() == before
+    twice = len(whole) + len(pd.read_csv(tmp_path / "s1.csv"))  # every row of the 3 inputs
+    assert f"0 rows from 3 files appended to {tmp_path / 'all.csv'}; {twice} already " \
+        "there" in " ".join(again.stderr.split())
+    # a folder as the output: named by merge's own option, not --csv
+    line = one_error_line(runner.invoke(app, ["merge", str(tmp_path / "s0.csv"), "-o",
+                                              str(tmp_path)]))
+    assert line.startswith("kvbench: error: -o ") and "--csv" not in line
 
 
 def one_error_line(result):
@@ -141,7 +155,8 @@ def one_error_line(result):
 
 @pytest.mark.parametrize("args, message", [
     (["--ray", "127.0.0.1:1"], "no Ray cluster answers there"),
-    (["--shard", "2/2"], "I runs from 0 to N-1"),
+    (["--shard", "2/2"], "I runs from 0 to N-1 (0/2 … 1/2)"),
+    (["--shard", "0/0"], "N is the number of shards, 1 or more"),
     (["--shard", "x"], "give I/N"),
     (["--shard", "0/2", "--ray"], "give one"),
 ])

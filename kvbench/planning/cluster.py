@@ -29,9 +29,11 @@ def parse_shard(text: str) -> tuple[int, int]:
     except ValueError:
         raise KvbenchError(f"--shard {text!r}: give I/N, e.g. 0/4 for the first of 4 "
                            "shards") from None
-    if n < 1 or not 0 <= i < n:
-        raise KvbenchError(f"--shard {text}: I runs from 0 to N-1 (0/{max(n, 1)} … "
-                           f"{max(n, 1) - 1}/{max(n, 1)})")
+    if n < 1:
+        raise KvbenchError(f"--shard {text}: N is the number of shards, 1 or more (e.g. 0/4 "
+                           "for the first of 4)")
+    if not 0 <= i < n:
+        raise KvbenchError(f"--shard {text}: I runs from 0 to N-1 (0/{n} … {n - 1}/{n})")
     return i, n
 
 

@@ -7,6 +7,7 @@ Options given on the command line win over the file. No torch here.
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 from kvbench.errors import KvbenchError
@@ -20,6 +21,9 @@ LIST_OPTIONS = (set(SHAPE_FIELDS) | {"dtype", "kv_dtype", "seq_lens", "len_dist"
 def load_sweep(path: Path, command: str, allowed: set[str]) -> dict[str, object]:
     """Read a sweep file into option values, as the command line would give them."""
     data = read_toml(path, "sweep file")
+    if not data:
+        raise KvbenchError(f"sweep file {path} sets nothing; give option = value lines (see "
+                           "configs/README.md)")
     intended = data.pop("command", command)
     if intended != command:
         raise KvbenchError(f"sweep file {path} is for `kvbench {intended}`, not `{command}`")
@@ -41,6 +45,10 @@ def _values(path: Path, data: dict, command: str, allowed: set[str]) -> dict[str
         raise KvbenchError(f"sweep file {path}: unknown keys {', '.join(unknown)}; "
                            f"`kvbench {command}` takes {', '.join(sorted(allowed))}")
     for key, value in values.items():
+        if any(isinstance(v, float) and not math.isfinite(v)
+               for v in (value if isinstance(value, list) else [value])):
+            raise KvbenchError(f"sweep file {path}: {key} = {value!r} is not a number kvbench "
+                               "takes")
         if isinstance(value, list):
             if key not in LIST_OPTIONS:
                 raise KvbenchError(f"sweep file {path}: {key} takes one value, not a list")

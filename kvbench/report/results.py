@@ -35,14 +35,15 @@ def timestamp() -> str:
     return datetime.now(timezone.utc).isoformat(timespec="seconds")
 
 
-def _read_header(path: Path) -> list[str] | None:
+def _read_header(path: Path, flag: str = "--csv") -> list[str] | None:
     try:
         with path.open(newline="") as f:
             return next(csv.reader(f), None)
     except OSError as err:
-        raise KvbenchError(f"cannot read {path}: {err.strerror}; pass another --csv path") from None
+        raise KvbenchError(f"cannot read {path}: {err.strerror}; pass another {flag} "
+                           "path") from None
     except (UnicodeDecodeError, csv.Error):
-        raise KvbenchError(f"{path} is not a CSV file; pass another --csv path") from None
+        raise KvbenchError(f"{path} is not a CSV file; pass another {flag} path") from None
 
 
 def damaged_rows(path: Path) -> tuple[int, list[tuple[int, int]]]:
@@ -82,7 +83,7 @@ def header_accepted(header: list[str], columns: list[str], first: list[str] | No
 
 
 def check_csv(path: Path, columns: list[str], first: list[str] | None = None,
-              rows: bool = True) -> None:
+              rows: bool = True, flag: str = "--csv") -> None:
     """Refuse early, before any work, a path that cannot take these rows.
 
     `first`: the columns of the first release of this kind of file; None accepts only a file
@@ -91,33 +92,33 @@ def check_csv(path: Path, columns: list[str], first: list[str] | None = None,
     """
     if path.exists():
         if path.is_dir():
-            raise KvbenchError(f"--csv {path} is a directory; give a file path")
+            raise KvbenchError(f"{flag} {path} is a directory; give a file path")
         if not path.is_file():
-            raise KvbenchError(f"--csv {path} is not a regular file; give a file path "
-                               "(or --no-csv to write none)")
-        header = _read_header(path)
+            raise KvbenchError(f"{flag} {path} is not a regular file; give a file path"
+                               + (" (or --no-csv to write none)" if flag == "--csv" else ""))
+        header = _read_header(path, flag)
         if header is not None and not header_accepted(header, columns, first):
             missing = [c for c in (first or columns) if c not in header]
             extra = [c for c in header if c not in columns]
             detail = f" (missing {', '.join(missing[:4])})" if missing else (
                 f" (unexpected {', '.join(extra[:4])})" if extra else " (order differs)")
             raise KvbenchError(f"{path} has a different header{detail}; "
-                               "write to a new file with --csv PATH")
+                               f"write to a new file with {flag} PATH")
         if header is not None and rows:
             fields, bad = damaged_rows(path)
             if bad:
                 line, n = bad[0]
                 raise KvbenchError(
                     f"{path}, line {line}: {n} of {fields} fields, a cut or damaged row; "
-                    f"delete it (sed -i '{line}d' {path}) or write to a new file with --csv "
+                    f"delete it (sed -i '{line}d' {path}) or write to a new file with {flag} "
                     "PATH")
         if not os.access(path, os.W_OK):
-            raise KvbenchError(f"cannot write {path}: permission denied; pass another --csv path")
+            raise KvbenchError(f"cannot write {path}: permission denied; pass another {flag} path")
         try:  # rows are appended by replacing the file with a new one beside it
             tempfile.TemporaryFile(dir=path.parent).close()
         except OSError:
             raise KvbenchError(f"cannot write {path}: its folder takes no new file; pass "
-                               "another --csv path") from None
+                               f"another {flag} path") from None
         return
     parent = path.parent
     while not parent.exists():
@@ -126,17 +127,17 @@ def check_csv(path: Path, columns: list[str], first: list[str] | None = None,
         tempfile.TemporaryFile(dir=parent).close()
     except OSError:
         raise KvbenchError(f"cannot create {path}: {parent} is not a writable directory; "
-                           "pass another --csv path") from None
+                           f"pass another {flag} path") from None
 
 
 def append_csv(path: Path, rows: list[dict[str, object]], columns: list[str],
-               first: list[str] | None = None) -> None:
+               first: list[str] | None = None, flag: str = "--csv") -> None:
     """Append rows (keys ⊆ columns) to path, creating it and its folders as needed.
 
     A file written by an earlier release (see check_csv's `first`) is rewritten with the union
     of the headers; otherwise the old bytes are kept as they are and the rows added.
     """
-    check_csv(path, columns, first, rows=False)  # (its rows were read before the run)
+    check_csv(path, columns, first, rows=False, flag=flag)  # (rows read before the run)
     known = set(columns)
     for row in rows:
         unknown = row.keys() - known
@@ -173,7 +174,7 @@ def append_csv(path: Path, rows: list[dict[str, object]], columns: list[str],
         os.chmod(tmp, mode)
         os.replace(tmp, path)
     except OSError as err:
-        raise KvbenchError(f"cannot write {path}: {err.strerror}; pass another --csv "
+        raise KvbenchError(f"cannot write {path}: {err.strerror}; pass another {flag} "
                            "path") from None
     finally:
         if tmp and os.path.exists(tmp):
@@ -437,15 +438,20 @@ FILE_KINDS = {
 }
 
 
-def merge(inputs: list[Path], output: Path) -> int:
+def merge(inputs: list[Path], output: Path) -> tuple[int, int, list[str]]:
     """Append the rows of results files of one kind (a sweep's shards, say) to `output`, as
-    each command appends (the header rules of append_csv). Returns the rows written; refuses,
-    before writing, files of different kinds or with damaged rows."""
+    each command appends (the header rules of append_csv), each row once: a row already in
+    `output`, or in an earlier input, is not written again (a row is itself: the same cells),
+    so merging twice changes nothing. Returns (rows written, rows already there, the run ids
+    of the rows written, in order); refuses, before writing, files of different kinds or
+    with damaged rows."""
     kinds = []
     for path in inputs:
+        if Path(path).is_dir():
+            raise KvbenchError(f"{path} is a folder; give results CSVs")
         if not Path(path).is_file():
             raise KvbenchError(f"{path}: no such file")
-        header = _read_header(Path(path)) or []
+        header = _read_header(Path(path), "input") or []
         kind = next((k for k, (columns, first) in FILE_KINDS.items()
                      if header_accepted(header, columns, first)), None)
         if kind is None:
@@ -459,10 +465,26 @@ def merge(inputs: list[Path], output: Path) -> int:
         raise KvbenchError(f"these files hold different kinds of results "
                            f"({', '.join(sorted(set(kinds)))}); merge one kind at a time")
     columns, first = FILE_KINDS[kinds[0]]
-    check_csv(output, columns, first)
-    rows = []
+    check_csv(output, columns, first, flag="-o")
+
+    def identity(row: dict) -> frozenset:
+        return frozenset((k, v) for k, v in row.items() if v not in ("", None))
+
+    seen = set()
+    if output.is_file() and output.stat().st_size:
+        with output.open(newline="") as f:
+            seen = {identity(row) for row in csv.DictReader(f)}
+    rows, repeated = [], 0
     for path in inputs:
         with Path(path).open(newline="") as f:
-            rows += [{k: v for k, v in row.items() if v != ""} for row in csv.DictReader(f)]
-    append_csv(output, rows, columns, first)
-    return len(rows)
+            for row in csv.DictReader(f):
+                key = identity(row)
+                if key in seen:
+                    repeated += 1
+                    continue
+                seen.add(key)
+                rows.append({k: v for k, v in row.items() if v != ""})
+    if rows:
+        append_csv(output, rows, columns, first, flag="-o")
+    runs = list(dict.fromkeys(r["run_id"] for r in rows if r.get("run_id")))
+    return len(rows), repeated, runs

@@ -139,15 +139,34 @@ class Profile:
 def read(path: Path) -> Profile:
     """A profile CSV written by --write-profile; refused in one line if it is not one."""
     path = Path(path)
+    if path.is_dir():
+        raise KvbenchError(f"--cost-profile {path} is a folder; give a profile CSV")
     if not path.is_file():
         raise KvbenchError(f"--cost-profile {path}: no such file")
-    with path.open(newline="") as f:
-        rows = list(csv.DictReader(f))
+    try:
+        with path.open(newline="", encoding="utf-8") as f:
+            rows = list(csv.DictReader(f))
+    except (UnicodeDecodeError, csv.Error) as err:
+        raise KvbenchError(f"--cost-profile {path} is not a readable CSV "
+                           f"({str(err).splitlines()[0]}); give a profile written by kvbench "
+                           "serve-sim --write-profile") from None
     if not rows or any(c not in rows[0] for c in PROFILE_COLUMNS if c not in OPTIONAL) or any(
             r["command"] != "serve-sim-profile" for r in rows):
         raise KvbenchError(f"--cost-profile {path} is not a profile written by kvbench "
                            "serve-sim --write-profile")
     shape = {k: rows[0].get(k, OPTIONAL.get(k)) for k in SHAPE_COLUMNS}
+    for line, r in enumerate(rows, start=2):  # (line 1: the header)
+        for name, kind in (("batch", int), ("context", int), ("prefill", int),
+                           ("step_ms", float)):
+            try:
+                value = kind(r[name])
+            except (TypeError, ValueError):
+                value = None
+            if value is None or not math.isfinite(value) or value < 0:
+                what = "a time in ms" if kind is float else "a count"
+                raise KvbenchError(f"--cost-profile {path}, line {line}: {name} {r[name]!r} "
+                                   f"is not {what}; write the profile again with "
+                                   "--write-profile")
     ms = {(int(r["batch"]), int(r["context"]), int(r["prefill"])): float(r["step_ms"])
           for r in rows if r["calls"] == "1"}
     two = [float(r["step_ms"]) for r in rows if r["calls"] == "2"]

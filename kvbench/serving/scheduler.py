@@ -1,10 +1,11 @@
 """Continuous batching's bookkeeping: a seeded request trace, a pool of KV blocks and a
 scheduler that decodes every running sequence each step, preempts when the pool runs dry,
-admits waiting requests while blocks last and frees a sequence's blocks when it finishes
-(vLLM's policy: the most recently admitted sequence is preempted first, by recompute or by
-swap, and nothing new is admitted in a step that preempted). No torch: this is the
-accounting a serving engine does on the host. An `engine` (kvbench.serving.engine) may carry out
-each decision on a real cache as it is made; without one the scheduler only counts.
+admits waiting requests while blocks last and frees a sequence's blocks after the step it
+finishes in (vLLM 0.33's v1 policy: the most recently admitted sequence is preempted first,
+by recompute or by swap, and nothing new is admitted in a step that preempted). No torch:
+this is the accounting a serving engine does on the host. An `engine`
+(kvbench.serving.engine) may carry out each step's decisions on a real cache as the step
+runs; without one the scheduler only counts.
 
 Three ways to reserve, on the same trace and pool: `paged` takes a block whenever a
 sequence's next position needs one; `prealloc` reserves, when it admits a request, the blocks
@@ -288,34 +289,36 @@ class Record:
 
 
 class Scheduler:
-    """Decodes, preempts, finishes and admits on a BlockPool, one step at a time.
+    """Decodes, preempts, admits and finishes on a BlockPool, one step at a time, as vLLM
+    0.33's v1 Scheduler does (scripts/peer-vllm.sh runs vLLM's own beside it, step for step).
 
-    A step: requests whose arrival is due join the queue. Every running sequence decodes one
-    token, oldest first, taking a block when its next position starts one; when none is free
-    the most recently admitted sequence is preempted (recompute: its blocks freed, it waits
-    at the head of the queue and prefills its prompt and tokens again when readmitted; swap:
-    its blocks' contents go to host memory and come back on readmission, into whatever
-    blocks are free then). A finished sequence frees its blocks. Then, if nothing was
+    A step: requests whose arrival is due join the queue. The step is scheduled whole, then
+    run. The running sequences, in the order admitted, each get their next token or their
+    prompt's next chunk (decodes and chunks mixed), taking a block when a position starts
+    one; when none is free the most recently admitted sequence is preempted (recompute: its
+    blocks freed, it waits at the head of the queue and prefills its prompt and tokens again
+    when readmitted; swap, kvbench's own: its blocks' contents go to host memory and come
+    back on readmission, into whatever blocks are free then). Then, if nothing was
     preempted, waiting requests are admitted first come first served while their blocks can
-    be taken (paged: what their prefill writes; prealloc: every block the request may reach);
-    an admitted request's prefill yields its next token, a swapped one's cache is copied
-    back and it decodes from the next step. With `chunk`, a step prefills at most that many
-    prompt positions, all sequences together, oldest prefill first: a long prompt is spread
-    over several steps, the running sequences decoding in each, and yields its token when its
-    last chunk is written. Under v1's policy ("vllm", paged) a prefill takes the blocks of
-    each chunk as the chunk is scheduled (admission needs only the first chunk's), preempting
-    the newest sequence when none is free, as decodes do; otherwise it takes the whole
-    prompt's at admission.
+    be taken: paged, only if blocks for the whole prompt (less prefix-cache hits) are free
+    (vLLM's scheduler_reserve_full_isl; `reserve_full_prompt=False`: the first chunk's), the
+    first chunk's allocated; prealloc, every block the request may reach. A swapped request's
+    cache is copied back and it decodes from the next step. Then the step runs, and the
+    requests that made their last token free their blocks and seats: usable from the next
+    step, as vLLM frees them in update_from_output().
 
     vLLM's limits (its SchedulerConfig): `max_seqs` (max_num_seqs) caps the sequences running
-    at once, so admission stops there; `max_batched_tokens` (max_num_batched_tokens) caps the
-    tokens a step schedules, every one counted: the running sequences' decodes first, oldest
-    first (those past the budget wait a step), then prefill positions in what is left, so a
-    prompt longer than that is prefilled in chunks over several steps. `watermark` (v0's
-    watermark, a fraction of the pool) keeps that many blocks free at admission. `policy`
-    "vllm" mixes decodes and prefills in one step (v1); "vllm-v0" runs a step of prefills
-    alone whenever a waiting request can be admitted, and decodes only in the others (v0's
-    default scheduler without chunked prefill).
+    at once; `max_batched_tokens` (max_num_batched_tokens) caps the tokens a step schedules,
+    every one counted, so a prompt longer than what is left is prefilled in chunks over
+    several steps; `long_prefill` (long_prefill_token_threshold) caps one request's chunk
+    while another runs or waits; `chunk` (kvbench's) caps the prompt positions of a step,
+    all requests together. `watermark` keeps int(watermark × (n_blocks + 1)) blocks free
+    (vLLM's pool counts its null block) when a request is admitted while others run.
+    `scheduling` "priority" orders the queue by (priority, arrival, id) and preempts the
+    lowest priority, undoing its work of the step if it was scheduled. `policy` "vllm-v0"
+    runs a step of prefills alone whenever a waiting request can be admitted, and decodes
+    only in the others (v0's default scheduler without chunked prefill; its watermark held
+    at every admission, of n_blocks). `decisions` records each step's Step.
     """
 
     def __init__(self, requests: list[Request], n_blocks: int, block_size: int,

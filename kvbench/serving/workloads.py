@@ -104,9 +104,19 @@ def read_trace(path: Path, max_len: int) -> tuple[Request, ...]:
     priority (an integer; lower runs first under --scheduling priority, as in vLLM). Refused
     in one line naming the file and line of the first thing wrong."""
     path = Path(path)
+    if path.is_dir():
+        raise KvbenchError(f"--trace {path} is a folder; give a trace CSV")
     if not path.is_file():
         raise KvbenchError(f"--trace {path}: no such file")
-    with path.open(newline="") as f:
+    try:
+        return _read_trace(path, max_len)
+    except (UnicodeDecodeError, csv.Error) as err:
+        raise KvbenchError(f"--trace {path} is not a readable CSV ({str(err).splitlines()[0]}); "
+                           f"a trace has {', '.join(TRACE_COLUMNS)}") from None
+
+
+def _read_trace(path: Path, max_len: int) -> tuple[Request, ...]:
+    with path.open(newline="", encoding="utf-8") as f:
         reader = csv.DictReader(f)
         missing = [c for c in TRACE_COLUMNS if c not in (reader.fieldnames or [])]
         if missing:
@@ -125,7 +135,10 @@ def read_trace(path: Path, max_len: int) -> tuple[Request, ...]:
             if prompt < 1 or output < 1:
                 raise KvbenchError(f"{where}: lengths must be positive, got {prompt} and "
                                    f"{output}")
-            if not math.isfinite(arrival) or arrival < last:
+            if not math.isfinite(arrival) or arrival < 0:
+                raise KvbenchError(f"{where}: arrival_s {row['arrival_s']!r} is not a time; give "
+                                   "seconds from the start, 0 or more")
+            if arrival < last:
                 raise KvbenchError(f"{where}: arrival {arrival:g} s comes before the line "
                                    f"above's {last:g} s; sort the trace by arrival_s")
             if prompt + output > max_len:

@@ -231,6 +231,8 @@ def from_hf_config(path: Path) -> ModelSpec:
         raise KvbenchError(f"cannot read {path}: {err.strerror}") from None
     except json.JSONDecodeError as err:
         raise KvbenchError(f"{path} is not valid JSON (line {err.lineno}): {err.msg}") from None
+    except UnicodeDecodeError:
+        raise KvbenchError(f"{path} is not a text file; give a Hugging Face config.json") from None
     if not isinstance(cfg, dict):
         raise KvbenchError(f"{path}: expected a JSON object")
     cfg = cfg.get("text_config", cfg) if "num_hidden_layers" not in cfg else cfg

@@ -146,6 +146,8 @@ def resolve(model: str) -> ModelRef:
             cfg = json.loads(config.read_text())
         except (OSError, json.JSONDecodeError) as err:
             raise KvbenchError(f"--model {model}: cannot read config.json ({err})") from None
+        except UnicodeDecodeError:
+            raise KvbenchError(f"--model {model}: config.json is not a text file") from None
         arch = architecture(cfg, str(path))
         return ModelRef(replace(arch, name=path.name), path)
     if path.is_file():
