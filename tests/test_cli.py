@@ -334,3 +334,11 @@ def test_memory_of_an_eviction_budget_by_hand(tmp_path):
     assert df[("decode", "h2o")] == 768 + 144
     assert df[("decode", "snapkv")] == 768 + 144 + 144
     assert df[("prefill", "h2o")] == df[("prefill", "snapkv")] == 1280 + 240
+
+
+def test_no_line_of_a_table_ends_in_spaces():
+    # a table pads each row to its width; pasted into an issue or a diff that is noise
+    result = runner.invoke(app, ["capacity", "--model", "llama-3-8b", "--no-csv"])
+    assert result.exit_code == 0, result.output
+    lines = result.output.splitlines()
+    assert len(lines) > 5 and not [line for line in lines if line.endswith(" ")]

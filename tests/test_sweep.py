@@ -207,6 +207,7 @@ def test_every_technique_declared_once_reaches_the_cli_sweeps_results_and_plots(
                  "--format", "json", "--no-csv", "-q")
     assert result.exit_code == 0, result.output
     rows = json.loads(result.stdout)
-    assert sorted((r["impl"], r["kv_budget"], r["k_channels"]) for r in rows) == [
-        ("h2o", 8, 16), ("h2o", 8, 32), ("h2o", 12, 16), ("h2o", 12, 32),
-        ("think", 8, 16), ("think", 8, 32), ("think", 12, 16), ("think", 12, 32)]
+    # each implementation at the points as it reads them: h2o reads the budget, not the
+    # channels, think the channels (its rows leave empty what it did not read; run once)
+    assert sorted((r["impl"], r["kv_budget"] or 0, r["k_channels"] or 0) for r in rows) == [
+        ("h2o", 8, 0), ("h2o", 12, 0), ("think", 0, 16), ("think", 0, 32)]

@@ -25,6 +25,36 @@ TECHNIQUES = {
 }
 
 
+# Technique options a cache reads without them deciding whether it runs (a point that gives
+# one runs on any cache): name -> whether a shape gives it. A row records one only where its
+# cache read it; a run none of whose caches reads a given one is refused (`unread`).
+OPTIONS_READ = {
+    "kv_budget": lambda s: s.kv_budget is not None,
+    "kv_recent": lambda s: s.kv_recent is not None,
+    "kv_compress": lambda s: s.kv_compress != "decode",
+    "k_channels": lambda s: s.k_channels is not None,
+}
+
+
+def readers(option: str) -> list[str]:
+    """The implementations that read a technique option of OPTIONS_READ."""
+    return [n for n, c in IMPLEMENTATIONS.items() if option in c.reads]
+
+
+def unread(names, shapes) -> str | None:
+    """The line that refuses a run whose implementations read none of a technique option the
+    points give (bench --impl static --kv-budget 16 would run a full cache and record a
+    budget); None if each given option is read by one of them."""
+    for option, given in OPTIONS_READ.items():
+        if any(given(s) for s in shapes) and not any(option in IMPLEMENTATIONS[n].reads
+                                                     for n in names):
+            flag = "--" + option.replace("_", "-")
+            return (f"{flag} is read by none of {', '.join(names) or 'the implementations'} "
+                    f"(it runs on {', '.join(readers(option))}); drop it or add one of those "
+                    "to --impl")
+    return None
+
+
 def register(cls: type[CachedAttention]) -> type[CachedAttention]:
     IMPLEMENTATIONS[cls.name] = cls
     return cls
@@ -51,6 +81,9 @@ class Capabilities:
     reserves: ClassVar[str] = "prealloc"
     # the techniques of TECHNIQUES it applies; a point asking for another skips it
     techniques: ClassVar[frozenset[str]] = frozenset()
+    # the technique options of OPTIONS_READ it reads (the others it runs without: its rows
+    # leave them empty)
+    reads: ClassVar[frozenset[str]] = frozenset()
     # whether it takes many new positions in one call (`extend`): a chunked prefill
     # (--prefill-chunk), a block of draft tokens verified at once (--draft-len)
     extends: ClassVar[bool] = False

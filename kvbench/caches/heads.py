@@ -55,6 +55,7 @@ class SnapKVPagedCache(CachedAttention):
     records_kept = True
     blocked = True
     techniques = frozenset({"head_budgets", "kv_reference"})
+    reads = frozenset({"kv_budget", "kv_recent", "kv_compress"})
     # its prefill reads the heads' kept counts on the host to size their blocks (as a
     # server's block manager takes blocks); its decode steps read nothing back
     sizes_on_host = True

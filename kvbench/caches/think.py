@@ -38,6 +38,7 @@ class ThinKCache(CachedAttention):
 
     unavailable = FixedSlots.unavailable  # one length for every sequence: no ragged batch
     techniques = frozenset({"kv_reference"})
+    reads = frozenset({"k_channels"})
 
     @staticmethod
     def stored_channels(s) -> int:

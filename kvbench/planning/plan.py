@@ -143,6 +143,7 @@ def _points_of(o: RunOptions, reference_cases: bool = False,
     # A group larger than a head vector is one group of the whole vector, here as in
     # `kvbench capacity` (groups per vector: ceil(D / group size)).
     points, notes, refused, ran = [], [], {}, set()
+    planned: set = set()  # (implementation, its point less the options it does not read)
     spec = o.impl.strip().lower()
     explicit = spec not in ("all", "default")
     named = [n.strip() for n in spec.split(",") if n.strip()]
@@ -170,6 +171,9 @@ def _points_of(o: RunOptions, reference_cases: bool = False,
                            accept=o.accept, beams=o.beams, graph=graph)
         names, skipped = select_impls(spec, config, options, strict=False,
                                       measure=measure)
+        # a point that differs from one already planned only in options an implementation
+        # does not read is that point again, for it: run once (its row records neither)
+        names = tuple(n for n in names if _once(n, config, planned))
         if graph:
             _uncaptured(names, config, options, explicit and o.graph, notes)
         ran.update(names)
@@ -203,7 +207,29 @@ def _points_of(o: RunOptions, reference_cases: bool = False,
     for name, reason in refused.items():
         if explicit and name not in ran:
             raise KvbenchError(f"--impl {name} cannot run here: {reason}")
+    # A technique option none of the implementations that run reads: refused, not recorded.
+    from kvbench.caches.capabilities import IMPLEMENTATIONS, unread
+
+    if line := unread([n for n in IMPLEMENTATIONS if n in ran], shapes):
+        raise KvbenchError(line)
     return points, options, notes
+
+
+def _once(name: str, config, planned: set) -> bool:
+    """Whether `name` has not yet been planned at `config` as it reads it (the technique
+    options it does not read set to their defaults); records it."""
+    from dataclasses import fields
+
+    from kvbench.caches.capabilities import IMPLEMENTATIONS, OPTIONS_READ
+    from kvbench.sizing.config import LayerShape
+
+    defaults = {f.name: f.default for f in fields(LayerShape) if f.name in OPTIONS_READ}
+    unread = {k: v for k, v in defaults.items() if k not in IMPLEMENTATIONS[name].reads}
+    key = (name, replace(config, shape=replace(config.shape, **unread)))
+    if key in planned:
+        return False
+    planned.add(key)
+    return True
 
 
 def _ragged(o: RunOptions, shapes, lists: dict[str, list[int]]):

@@ -10,6 +10,7 @@ import csv
 import io
 import json
 import math
+import re
 from contextlib import contextmanager
 
 from rich import box
@@ -24,8 +25,19 @@ from rich.progress import (
 )
 from rich.table import Table
 
-out = Console(highlight=False)
-err = Console(stderr=True, highlight=False)
+
+class _Console(Console):
+    """Rich's console with no spaces at the ends of lines (a table pads every row to its
+    width; pasted into an issue or a diff, those spaces are noise)."""
+
+    _TRAILING = re.compile(r" +((?:\x1b\[[0-9;]*m)*)$", re.MULTILINE)
+
+    def _render_buffer(self, buffer) -> str:
+        return self._TRAILING.sub(r"\1", super()._render_buffer(buffer))
+
+
+out = _Console(highlight=False)
+err = _Console(stderr=True, highlight=False)
 
 MIB = 2**20
 GIB = 2**30

@@ -290,6 +290,18 @@ def serving_cells(config) -> dict[str, object]:
             "beams": config.beams}
 
 
+def read_cells(impl: str, cells: dict[str, object]) -> dict[str, object]:
+    """A row's technique cells with those its implementation does not read left empty (a
+    static cache's row under --impl all --kv-budget 16 records no budget)."""
+    from kvbench.caches.capabilities import IMPLEMENTATIONS, OPTIONS_READ
+
+    cls = IMPLEMENTATIONS.get(impl)
+    if cls is None:  # (a peer's row, transformers': it reads what the shape says)
+        return cells
+    return {k: (None if k in OPTIONS_READ and k not in cls.reads else v)
+            for k, v in cells.items()}
+
+
 def config_cells(command: str, impl: str, config) -> dict[str, object]:
     s = config.shape
     return {"timestamp": timestamp(), "command": command, "impl": impl, "batch": s.batch,
@@ -299,7 +311,7 @@ def config_cells(command: str, impl: str, config) -> dict[str, object]:
             "seed": config.seed,
             "seq_lens": ",".join(map(str, s.seq_lens)) if s.seq_lens else None,
             "len_dist": s.len_dist, "max_len": s.max_len, "tp": config.tp,
-            "world_size": config.tp, **technique_cells(s),
+            "world_size": config.tp, **read_cells(impl, technique_cells(s)),
             "attention": s.attention,
             **s.kind.cells()}
 

@@ -49,6 +49,7 @@ class EvictionCache(FixedSlots):
     records_kept = True
     state: ClassVar[tuple[str, ...]] = ("k_cache", "v_cache", "pos", "score")
     techniques = frozenset({"kv_reference"})
+    reads = frozenset({"kv_budget", "kv_recent", "kv_compress"})
 
     # --kv-recent's default: half the budget (H2O's split), or 1 where `newest_only` (the
     # position being written); under --kv-reference kvpress, `kvpress_recent` (no window)
