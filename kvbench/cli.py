@@ -20,17 +20,21 @@ from kvbench.options import CsvPath, capacity_signature, serve_sim_signature, se
 _UsageError = typer.BadParameter.__mro__[1]
 
 
-class _Command(TyperCommand):
-    """A command whose --help shows no <bool> placeholder (a flag takes no value)."""
+class _PlainHelp:
+    """--help shows no <bool> placeholder (a flag takes no value)."""
 
     def get_help_option(self, ctx):
-        option = super().get_help_option(ctx)
+        option = super().get_help_option(ctx)  # type: ignore[misc]
         if option is not None:
             option.metavar = ""
         return option
 
 
-class _Group(TyperGroup):
+class _Command(_PlainHelp, TyperCommand):
+    """A command (its --help plain)."""
+
+
+class _Group(_PlainHelp, TyperGroup):
     """Turns every usage error into one line on stderr and exit 2; Ctrl-C into exit 130,
     SIGTERM into exit 143."""
 

@@ -368,7 +368,7 @@ def declared_signature(cls) -> inspect.Signature:
         kind = meta["cli"] if meta["cli"] is not None else hints[f.name]
         default = f.default if meta["cli_default"] is MISSING else meta["cli_default"]
         opt = typer.Option(*meta["flags"], help=meta["help"], show_default=meta["show_default"],
-                           metavar="" if kind is bool else None,
+                           metavar="" if kind is bool or kind == (bool | None) else None,
                            rich_help_panel=meta["panel"])
         params.append(inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY,
                                         default=default, annotation=Annotated[kind, opt]))

@@ -342,3 +342,24 @@ def test_no_line_of_a_table_ends_in_spaces():
     assert result.exit_code == 0, result.output
     lines = result.output.splitlines()
     assert len(lines) > 5 and not [line for line in lines if line.endswith(" ")]
+
+
+def test_a_tables_header_names_every_technique_option_that_shaped_the_point():
+    from dataclasses import replace
+
+    from kvbench.report.render import describe
+    from kvbench.sizing.config import LayerShape, RunConfig
+
+    s = replace(LayerShape(), kv_budget=16, kv_compress="prefill", kv_recent=4,
+                head_budgets="ada", k_channels=8, kv_reference="kvpress")
+    text = describe(RunConfig(s))
+    for words in ("kv-budget=16", "(prefill)", "kv-recent=4", "head-budgets=ada",
+                  "k-channels=8", "kv-reference=kvpress"):
+        assert words in text, (words, text)
+    assert "kv-recent" not in describe(RunConfig(LayerShape()))
+
+
+def test_no_help_shows_a_bool_placeholder_for_help_itself():
+    for args in (["--help"], ["verify", "--help"], ["serve-sim", "--help"]):
+        result = runner.invoke(app, args)
+        assert result.exit_code == 0 and "<bool>" not in result.output, args

@@ -234,3 +234,9 @@ def test_tokens_per_second_counts_every_sequence_of_the_batch():
     result = ModelBenchResult(config, None, 1, None, 0, 1.0, [timing])
     assert result.ms_per_token(timing) == 0.5
     assert result.tokens_per_s(timing) == 16_000
+
+
+def test_model_text_in_a_caption_shows_line_breaks_not_escapes():
+    from kvbench.experiments.model.view import shown
+
+    assert shown("the end.\nNext") == '"the end. ⏎ Next"' and "\\n" not in shown("a\nb")

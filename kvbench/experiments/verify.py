@@ -334,21 +334,24 @@ def verify_table(report) -> Table:
     # room the others need
     notes = any(c.message or c.lossy for c in report.checks)
     for col in ("impl", "result", "max|A−B|", "mean|A−B|", "prefill", "max|B−f64|",
-                "cache", *(["failure"] if notes else [])):
-        t.add_column(col, justify="left" if col in ("impl", "result", "failure") else "right",
-                     no_wrap=col != "failure")
+                "cache", *(["note"] if notes else [])):
+        t.add_column(col, justify="left" if col in ("impl", "result", "note") else "right",
+                     no_wrap=col != "note")
     for c in report.checks:
-        note = c.message or (f"lossy: cos(A,B) {c.cosine:.5f}" if c.lossy else "—")
-        t.add_row(c.impl, _result(c), sci(c.max_abs_err), sci(c.mean_abs_err),
+        # a lossy row: what passed (exact over what it kept) apart from how far it is from
+        # the full cache (A), on one line
+        note = c.message or (f"cos {c.cosine:.3f}" if c.lossy else "—")
+        t.add_row(c.impl, _result(c, kept=c.lossy), sci(c.max_abs_err), sci(c.mean_abs_err),
                   sci(c.prefill_max_abs_err), sci(c.fp64_max_abs_err), _cache(c),
                   *([note] if notes else []))
     lossy = any(c.lossy for c in report.checks)
     t.caption = (f"A = recompute, B = cached; prefill = max |A−B| of the prompt outputs; "
                  f"tolerance rtol={report.rtol:g} atol={report.atol:g}; "
                  f"max |A−f64| = {sci(report.recompute_fp64_max_abs_err)}"
-                 + ("; lossy (an eviction): PASS means exact against float64 attention over "
-                    "the positions it kept (max|B−f64|), the ones its policy chooses; its "
-                    "|A−B| is what eviction costs"
+                 + ("; a lossy row (an eviction): PASS kept means exact against float64 "
+                    "attention over the positions it kept (max|B−f64|), the ones its policy "
+                    "chooses; its |A−B| and cos (the lowest cosine of a step's outputs, B "
+                    "against A) are what eviction costs"
                     if lossy else ""))
     return t
 
@@ -382,8 +385,10 @@ def show_verify(report, stderr: bool = False) -> None:
                                        f"{where}: {', '.join(captured)}")
 
 
-def _result(c) -> str:
-    return "[green]PASS[/]" if c.passed else "[red bold]FAIL[/]"
+def _result(c, kept: bool = False) -> str:
+    """PASS or FAIL; `kept`: a lossy cache's check, exact over the positions it kept."""
+    word = "[green]PASS[/]" if c.passed else "[red bold]FAIL[/]"
+    return f"{word} kept" if kept else word
 
 
 def _cache(c) -> str:

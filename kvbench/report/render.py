@@ -128,7 +128,19 @@ def describe(config) -> str:
             + (f" prefill-chunk={config.prefill_chunk}" if config.prefill_chunk else "")
             + (f" draft-len={config.draft_len}" if config.draft_len else "")
             + (f" {kv_label(config.kv_format)}"
-               if config.kv_dtype else ""))
+               if config.kv_dtype else "")
+            + _other_techniques(s))
+
+
+def _other_techniques(s) -> str:
+    """The technique options set on the shape that the line above does not name yet, each
+    as its flag (every technique declared on LayerShape shows, the next one too)."""
+    from kvbench.sizing.config import technique_cells
+
+    named = {"window", "sinks", "shared_prefix", "kv_budget", "kv_compress"}
+    return "".join(f" {name.replace('_', '-')}={value}"
+                   for name, value in technique_cells(s).items()
+                   if name not in named and value not in (None, 0, ""))
 
 
 def kv_label(fmt) -> str:

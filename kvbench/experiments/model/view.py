@@ -10,6 +10,10 @@ from kvbench.report.render import human_bytes, kv_label, mib, ms_text, new_table
 from kvbench.report.results import TECHNIQUE_COLUMNS, config_cells, kv_cells, stats_cells
 
 
+def shown(text: str) -> str:
+    """Model text quoted for a table's caption: a line break shown as ⏎, not as \\n."""
+    return '"' + " ⏎ ".join(text.split("\n")) + '"'
+
 def _title(command: str, result) -> str:
     s = result.config.shape
     return (f"{command}  {result.ref.label}, {result.layers} layers: B={s.batch} "
@@ -50,8 +54,8 @@ def verify_table(report) -> Table:
                  f"step, tolerance rtol={report.rtol:g} atol={report.atol:g}, and the same "
                  "most likely token"
                  + (f"; path A perplexity {ref.ppl:.3f} over the {report.config.shape.decode_len}"
-                    f" decoded tokens; …{report.context!r} → path A's next tokens "
-                    f"{report.greedy!r}; lossy rows (quantized, evicting, windowed) are "
+                    f" decoded tokens; …{shown(report.context)} → path A's next tokens "
+                    f"{shown(report.greedy)}; lossy rows (quantized, evicting, windowed) are "
                     "reported against A, not gated by it" if trained else
                     "; random weights: path A is kvbench's own cacheless forward")
                  + "; an evicting or channel-pruning cache's every layer is gated against "
