@@ -323,3 +323,46 @@ def test_run_last_picks_the_last_row_with_a_run_and_the_message_lists_three(tmp_
     kept = latest(rows, ["k"])
     assert list(kept.columns) == ["k", "v"] and kept.index.tolist() == [0, 1]
     assert kept["v"].tolist() == [20, 30]
+
+
+def test_the_not_a_results_file_message_names_five_columns_then_an_ellipsis(tmp_path):
+    from kvbench.report.load import read_results
+    from kvbench.report.results import FILE_KINDS
+
+    path = tmp_path / "x.csv"
+    path.write_text("a,b\n1,2\n")
+    with pytest.raises(KvbenchError) as err:
+        read_results(path)
+    # the kind with the most columns in common (none here: the first of them), its first five
+    best = next(iter(FILE_KINDS))
+    assert str(err.value) == (f"{path} is not a kvbench results file (no "
+                              f"{', '.join(FILE_KINDS[best][1][:5])} …)")
+
+
+def test_a_steps_logs_decisions_read_as_text_whole_or_with_rows_left_out(tmp_path):
+    from kvbench.report.load import read_results
+    from kvbench.report.results import SERVE_STEP_COLUMNS
+
+    path = tmp_path / "s-steps.csv"
+    base = {c: "" for c in SERVE_STEP_COLUMNS}
+    rows = [{**base, "timestamp": "t", "command": "serve-sim", "reserve": "paged", "step": i,
+             "batch": 1, "tokens": 1, "blocks_in_use": 2, "kv_bytes_in_use": 8,
+             "scheduled": s, "preempted": p, "finished": f}
+            for i, (s, p, f) in enumerate((("0:4", "", "0"), ("1:1 2:8", "4", ""),
+                                           ("2:1", "7", "1")))]  # (every cell one id)
+    import csv
+
+    with path.open("w", newline="") as f:
+        w = csv.DictWriter(f, SERVE_STEP_COLUMNS)
+        w.writeheader()
+        w.writerows(rows)
+    for skip in (False, True):
+        if skip:  # a cut row: the other path of the reader
+            with path.open("a") as f:
+                f.write("t,serve-sim,paged\n")
+        kind, df = read_results(path, skip_bad_rows=skip)
+        assert kind == "serve-sim-steps"
+        # text, as a step with two ("4 7") would be: not the numbers 4.0 and 7.0
+        assert df["preempted"].tolist()[1:] == ["4", "7"]
+        assert df["finished"].tolist()[::2] == ["0", "1"]
+        assert df["scheduled"].tolist()[1] == "1:1 2:8"
