@@ -50,14 +50,22 @@ def plot_bench(df: pd.DataFrame, plt):
         panels.append(("speedup", "speedup: recompute / cached", True))
     panels.append(("bandwidth_fraction", "achieved / copy bandwidth", False))
     fig, axes = plt.subplots(1, len(panels), figsize=(6 * len(panels), 4.8), squeeze=False)
+    flagged = False
     for ax, (col, label, loglog) in zip(axes[0], panels):
         for name, g in _series(df, x):
-            ax.plot(g[x], g[col], marker="o", label=name)
+            (line,) = ax.plot(g[x], g[col], marker="o", label=name)
+            # the points the table flags (noisy spread, bandwidth past the copy's): hollow
+            doubt = _doubtful(g)
+            if doubt.any():
+                flagged = True
+                ax.plot(g[x][doubt], g[col][doubt], ls="none", marker="o", ms=9, mfc="white",
+                        mec=line.get_color(), zorder=3)
         if col == "cached_ms_per_step" and df["recompute_ms_per_step"].notna().any():
-            rec = df.dropna(subset=["recompute_ms_per_step"]).drop_duplicates(
-                subset=[c for c in key_columns(df) if c != "impl"]).sort_values(x)
-            ax.plot(rec[x], rec["recompute_ms_per_step"], "k--", marker="x",
-                    label="recompute (path A)")
+            # path A per configuration (one dashed line each: never one through two shapes)
+            rec = df.dropna(subset=["recompute_ms_per_step"])
+            for name, g in _series(rec.assign(impl="recompute (path A)"), x):
+                g = g.drop_duplicates(subset=[x])
+                ax.plot(g[x], g["recompute_ms_per_step"], "k--", marker="x", label=name)
         ax.set_xscale("log", base=2)
         if loglog:
             ax.set_yscale("log")
@@ -69,8 +77,22 @@ def plot_bench(df: pd.DataFrame, plt):
         ax.set_ylabel(label)
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=8)
+    if flagged:
+        axes[0][0].plot([], [], ls="none", marker="o", mfc="white", mec="k",
+                        label="hollow: noisy or suspect (the table's ! and ?)")
+        axes[0][0].legend(fontsize=8)
     fig.suptitle(_title(df, "bench"))
     return fig
+
+
+def _doubtful(g: pd.DataFrame) -> pd.Series:
+    """The rows a bench table flags: a noisy spread, or a suspect figure (bandwidth past the
+    copy bandwidth)."""
+    out = pd.Series(False, index=g.index)
+    for col in ("noisy", "suspect"):
+        if col in g:
+            out |= g[col].astype(str).str.lower().isin(("true", "1", "1.0"))
+    return out
 
 
 def plot_memory(df: pd.DataFrame, plt):
@@ -493,6 +515,31 @@ def plot(kind: str, df: pd.DataFrame, output: Path) -> list[Path]:
     return _plot_kind(kind, df, output)
 
 
+def layout(fig):
+    """A figure made to fit: each legend moved out of its axes to their right (it never
+    covers the data), the title wrapped to the figure's width, and the layout solved with
+    both in it (matplotlib's constrained layout)."""
+    import textwrap
+
+    for ax in fig.axes:
+        legend = ax.get_legend()
+        if legend is None:
+            continue
+        if legend._bbox_to_anchor is not None:
+            continue  # placed already, outside its axes
+        handles, labels = legend.legend_handles, [t.get_text() for t in legend.get_texts()]
+        legend.remove()
+        ax.legend(handles, labels, fontsize=7, loc="upper left", bbox_to_anchor=(1.02, 1),
+                  borderaxespad=0)
+    title = fig._suptitle
+    if title is not None:
+        size = title.get_fontsize()
+        width = int(fig.get_figwidth() * 72 / (0.6 * size))  # characters that fit
+        title.set_text("\n".join(textwrap.wrap(title.get_text(), max(width, 20))))
+    fig.set_layout_engine("constrained")
+    return fig
+
+
 def _plot_kind(kind: str, df: pd.DataFrame, output: Path) -> list[Path]:
     if kind == "memory" and df["seq_lens"].notna().any() and df["seq_lens"].isna().any():
         square = output.with_name(f"{output.stem}-square{output.suffix}")
@@ -519,8 +566,7 @@ def _plot_one(kind: str, df: pd.DataFrame, output: Path) -> list[Path]:
         raise KvbenchError(f"nothing to plot in {kind} results; plot takes bench, memory, "
                            "capacity, verify or serve-sim results")
     plt = _pyplot()
-    fig = drawers[kind](df, plt)
-    fig.tight_layout()
+    fig = layout(drawers[kind](df, plt))
     try:
         output.parent.mkdir(parents=True, exist_ok=True)  # as --csv does
         fig.savefig(output, dpi=120)

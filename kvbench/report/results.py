@@ -362,7 +362,7 @@ MEMORY_COLUMNS = MEMORY_FIRST[:-len(ENV_COLUMNS)] + [
 TECHNIQUE_COLUMNS = tuple(TECHNIQUES)
 
 
-CAPACITY_FIRST = [
+_CAPACITY = [
     "timestamp", "command", "model", "attention", "layers", "q_heads", "kv_heads", "head_dim",
     "mla_latent", "mla_rope", "sliding_window", "kv_dtype", "group_size", "k_quant",
     "kv_residual", "tp", "block_size",
@@ -370,9 +370,11 @@ CAPACITY_FIRST = [
     "per_rank_bytes", "wasted_bytes", "gpu_bytes", "utilization", "margin_bytes",
     "weights_bytes", "budget_bytes", "fits", "headroom_bytes", "max_batch", "max_seq_len",
     "max_tokens",
-] + ENV_COLUMNS
+]
+# (KIVI's k_quant and kv_residual came in a later release: files written before lack them)
+CAPACITY_FIRST = [c for c in _CAPACITY if c not in ("k_quant", "kv_residual")] + ENV_COLUMNS
 # --len-dist: sequences at once when each is preallocated to max_len, against paged blocks
-CAPACITY_COLUMNS = CAPACITY_FIRST[:-len(ENV_COLUMNS)] + [
+CAPACITY_COLUMNS = _CAPACITY + [
     "len_dist", "max_len", "mean_len", "prealloc_bytes_per_sequence",
     "paged_bytes_per_sequence", "concurrent_prealloc", "concurrent_paged",
     "share_layers",  # cross-layer sharing: adjacent layers per shared K/V
