@@ -4,6 +4,7 @@ and
 both ways of reserving blocks."""
 
 import itertools
+import math
 
 import pytest
 
@@ -691,3 +692,205 @@ def test_a_long_prefill_is_capped_per_request_unless_it_runs_alone():
                       decisions=True)
     alone.run()
     assert alone.decisions[0].scheduled == ((0, 20),)
+
+
+# The scheduler's figures and decisions at their edges (issue 47's mutation run at HEAD): each
+# worked out by hand, each failing when its comparison, count or order is shifted.
+
+def _steps(s, n=None):
+    """Run s (n steps, or to the end) and return its decisions' scheduled tuples."""
+    if n is None:
+        s.run()
+    else:
+        for _ in range(n):
+            s.step()
+    return [d.scheduled for d in s.decisions]
+
+
+def test_two_prefills_share_one_token_budget_in_the_order_admitted():
+    # budget 8: A's prompt of 6 takes 6, B's chunk the 2 left; next step B's other 4 and A's
+    # decode (A first: admitted first): 1 + 4. Tokens made: 1 (A's prefill), then 2.
+    s = Scheduler([Request(0, 0.0, 6, 2), Request(1, 0.0, 6, 1)], n_blocks=16, block_size=4,
+                  max_batched_tokens=8, decisions=True)
+    assert _steps(s) == [((0, 6), (1, 2)), ((0, 1), (1, 4))]
+    assert s.decoded == [1, 2] and s.batch == [0, 1]  # tokens made; sequences decoding
+    assert [d.blocks_in_use for d in s.decisions] == [3, 0]  # 2 + 1, then both finished
+    assert s.finished == 2 and s.prefill_positions == [8, 4] and s.prefill_calls == [2, 1]
+
+
+def test_a_budget_of_one_token_still_admits_a_one_token_chunk():
+    # budget 2 (blocks of 2): A decodes (1), B is admitted with the 1 left: 1 of its 3
+    s = Scheduler([Request(0, 0.0, 2, 3), Request(1, 0.5, 3, 1)], n_blocks=16, block_size=2,
+                  max_batched_tokens=2, decisions=True)
+    assert _steps(s, 2) == [((0, 2),), ((0, 1), (1, 1))]
+
+
+def test_a_zero_token_chunk_is_never_scheduled():
+    # --prefill-chunk 4 spent by A's chunk: B (older? no: newer, mid-prefill) gets none this
+    # step, and no (B, 0) entry appears
+    s = Scheduler([Request(0, 0.0, 8, 1), Request(1, 0.0, 8, 1)], n_blocks=16, block_size=4,
+                  chunk=4, decisions=True)
+    assert _steps(s) == [((0, 4),), ((0, 4),), ((1, 4),), ((1, 4),)]
+
+
+def test_a_partial_chunk_before_a_decode_does_not_stop_the_decodes_after_it():
+    # long prefill 4: B (prompt 20, admitted first) chunks 4 a step; C (prompt 4) is done in
+    # step 0 and decodes from step 1, after B's partial chunk in the order admitted
+    s = Scheduler([Request(0, 0.0, 20, 1), Request(1, 0.0, 4, 3)], n_blocks=16, block_size=4,
+                  long_prefill=4, decisions=True)
+    assert _steps(s, 3) == [((0, 4), (1, 4)), ((0, 4), (1, 1)), ((0, 4), (1, 1))]
+    assert s.records[1].tokens == [0, 1, 2] and s.decoded == [1, 1, 1]
+
+
+def test_a_chunk_that_opens_two_blocks_takes_both():
+    # blocks of 4; A's 12-position prompt in chunks of 8: its second step takes 4 more
+    # positions; a first chunk of 8 needs 2 blocks at once
+    s = Scheduler([Request(0, 0.0, 12, 1)], n_blocks=8, block_size=4, chunk=8, decisions=True)
+    s.step()
+    assert len(s.running[0].blocks) == 2 and s.decisions[0].blocks_in_use == 2
+    s.step()
+    assert s.finished == 1 and s.records[0].first_token == 1
+
+
+def test_a_preempted_request_resumes_before_the_requests_waiting_behind_it():
+    # 3 blocks of 4, two sequences at most. A and B (prompts 4) run; C arrives for step 1 and
+    # waits (two running). At step 1 A takes the free block for its 5th position, B finds
+    # none and, the newest, is preempted. A finishes at step 5; at step 6 B, at the head of
+    # the queue, is admitted (its 4 + 1 positions recomputed) before C.
+    reqs = [Request(0, 0.0, 4, 6), Request(1, 0.0, 4, 6), Request(2, 0.5, 4, 1)]
+    s = Scheduler(reqs, n_blocks=3, block_size=4, decisions=True, max_seqs=2)
+    s.run()
+    assert s.decisions[1].preempted == (1,) and s.decisions[5].finished == (0,)
+    assert s.decisions[6].scheduled == ((1, 5), (2, 4))
+
+
+def test_priority_skips_a_lowest_priority_that_preempted_itself_and_goes_on():
+    # blocks of 2, 5 of them. Step 0: D (priority 0) and L (priority 1) are admitted, D first;
+    # step 1: both decode (D takes a 2nd block) and A (priority 0, prompt 4: 2 blocks) is
+    # admitted: no block is left. Step 2: L's 3rd position needs a block; the lowest priority
+    # is L itself: preempted, and A after it still decodes, in L's freed block (FCFS, or a
+    # loop that stopped there, would leave A out).
+    reqs = [Request(0, 0.5, 4, 4, priority=0), Request(1, 0.0, 1, 4, priority=1),
+            Request(2, 1.5, 4, 1, priority=2), Request(3, 0.0, 2, 4, priority=0)]
+    s = Scheduler(reqs, n_blocks=5, block_size=2, scheduling="priority", decisions=True)
+    assert _steps(s, 3) == [((3, 2), (1, 1)), ((3, 1), (1, 1), (0, 4)), ((3, 1), (0, 1))]
+    assert s.decisions[2].preempted == (1,)
+
+
+def test_priority_goes_on_past_a_victim_in_the_middle_of_the_running():
+    # blocks of 2, 3 of them. Admitted by priority: C (priority 0), then A and B (priority 1,
+    # the same arrival: by id); a block each. Step 1: C's 3rd position needs a block; the
+    # lowest priority, latest arrival is a tie of A and B: the first of them in the running,
+    # A, in the middle, is preempted, and B after it decodes.
+    reqs = [Request(0, 0.0, 1, 2, priority=1), Request(1, 0.0, 1, 3, priority=1),
+            Request(2, 0.0, 2, 2, priority=0), Request(3, 1.5, 2, 4, priority=1)]
+    s = Scheduler(reqs, n_blocks=3, block_size=2, scheduling="priority", decisions=True)
+    assert _steps(s, 2) == [((2, 2), (0, 1), (1, 1)), ((2, 1), (1, 1))]
+    assert s.decisions[1].preempted == (0,)
+
+
+def test_a_priority_victim_already_scheduled_gives_its_tokens_back_to_the_budget():
+    # blocks of 2, 4 of them, a budget of 3, admission on the first chunk. V (priority 2)
+    # runs from step 1, B (priority 1) from step 2; A (priority 1, prompt 6) is admitted at
+    # step 3 with the 1 token left. Step 4: V's decode is scheduled (V has its blocks), then
+    # B's needs a block: the lowest priority, V, is preempted and its token returned, so
+    # B's decode and A's next chunk take 1 + 2 of the 3 (without the return: A's chunk 1).
+    reqs = [Request(0, 2.5, 6, 2, priority=1), Request(1, 0.5, 1, 4, priority=2),
+            Request(2, 1.5, 1, 6, priority=1)]
+    s = Scheduler(reqs, n_blocks=4, block_size=2, max_batched_tokens=3,
+                  scheduling="priority", reserve_full_prompt=False, decisions=True)
+    assert _steps(s, 5) == [(), ((1, 1),), ((1, 1), (2, 1)), ((1, 1), (2, 1), (0, 1)),
+                            ((2, 1), (0, 2))]
+    assert s.decisions[4].preempted == (1,)
+
+
+def test_run_stops_at_max_steps_exactly():
+    reqs = [Request(0, 0.0, 4, 3)]  # 3 steps: the prefill's token, then 2 decodes
+    Scheduler(reqs, n_blocks=4, block_size=4).run(max_steps=3)
+    with pytest.raises(KvbenchError, match="did not finish in 2 steps"):
+        Scheduler(reqs, n_blocks=4, block_size=4).run(max_steps=2)
+
+
+def test_a_steps_clock_admits_what_has_arrived_by_it():
+    s = Scheduler([Request(0, 3.0, 4, 1)], n_blocks=4, block_size=4)
+    s.step(5.0)  # the clock says 5: the request of 3.0 has arrived, though the step is 0
+    assert s.records[0].first_token == 0
+
+
+def test_v0_decodes_when_the_waiting_request_does_not_fit():
+    # v0: a step of prefills whenever a waiting request fits; B (prompt 16: 4 blocks) does
+    # not fit beside A, so A's decode steps go on (not an empty prefill step)
+    reqs = [Request(0, 0.0, 4, 4), Request(1, 0.5, 16, 1)]
+    s = Scheduler(reqs, n_blocks=4, block_size=4, policy="vllm-v0", decisions=True)
+    assert _steps(s, 3) == [((0, 4),), ((0, 1),), ((0, 1),)]
+
+
+def test_block_keys_share_only_whole_blocks_of_the_prefix():
+    r = Request(7, 0.0, 40, 1, prefix=20, group=3)
+    assert [r.block_key(j, 8) for j in range(3)] == [("shared", 3, 0), ("shared", 3, 1),
+                                                     ("own", 7, 2)]  # 16..23 passes 20
+
+
+def test_poisson_gaps_are_exponential_draws_of_the_seed():
+    import random
+
+    rng, now, want = random.Random(5), 0.0, []
+    for _ in range(3):
+        now += rng.expovariate(2.0)
+        want.append(now)
+    assert gaps(3, 5, 2.0) == want and gaps(2, 5, math.inf) == [0.0, 0.0]
+
+
+def test_an_output_is_capped_at_the_positions_its_prompt_leaves():
+    # --max-len 10 and a prompt of 1: outputs drawn at 50 are cut to 9
+    reqs = trace(3, 0, parse_len_dist("uniform:1:1"), parse_len_dist("uniform:50:50"),
+                 math.inf, 10)
+    assert [r.output_len for r in reqs] == [9, 9, 9]
+
+
+def test_the_limits_are_refused_by_name_and_at_their_edges():
+    from kvbench.serving.scheduler import check_limits
+
+    with pytest.raises(KvbenchError, match=r"^--max-seqs must be a positive integer, got 0$"):
+        Scheduler([Request(0, 0.0, 4, 1)], 4, 4, max_seqs=0)
+    with pytest.raises(KvbenchError, match=r"^--max-batched-tokens must be a positive"):
+        check_limits(None, None, 0, 0.0, "vllm")
+    with pytest.raises(KvbenchError, match="below one block of 4 positions"):
+        Scheduler([Request(0, 0.0, 4, 1)], 4, 4, max_batched_tokens=2)
+    check_limits(32, None, 32, 0.0, "vllm")  # a budget of exactly one chunk is enough
+    with pytest.raises(KvbenchError, match=r"^unknown --policy 'v2'; use vllm or vllm-v0$"):
+        check_limits(None, None, None, 0.0, "v2")
+    with pytest.raises(KvbenchError, match="^contiguous and static reservations reserve"):
+        Scheduler([Request(0, 0.0, 4, 1)], 4, 4, static=True)
+    with pytest.raises(KvbenchError, match="^--prefix-caching shares paged blocks"):
+        Scheduler([Request(0, 0.0, 4, 1)], 4, 4, prefix_caching=True, preempt="swap")
+
+
+def test_a_request_is_refused_by_what_its_reservation_needs():
+    # paged caches prompt + output − 1 positions: 4 + 5 → 8 → 2 blocks of 4 fit; 4 + 6 → 9
+    # does not. prealloc reserves --max-len: 16 → 4 blocks, more than 2.
+    Scheduler([Request(0, 0.0, 4, 5)], n_blocks=2, block_size=4)
+    with pytest.raises(KvbenchError, match="needs 3 blocks of 4 but the budget is 2"):
+        Scheduler([Request(0, 0.0, 4, 6)], n_blocks=2, block_size=4)
+    with pytest.raises(KvbenchError, match="needs 4 blocks of 4 but the budget is 2"):
+        Scheduler([Request(0, 0.0, 4, 1)], n_blocks=2, block_size=4, reserve="prealloc",
+                  reserve_len=16)
+
+
+def test_defaults_of_a_bare_scheduler():
+    s = Scheduler([Request(0, 0.0, 4, 1)], 4, 4)
+    assert s.decisions is None and s.per_chunk and s.finished == 0  # no log unless asked
+    assert not Scheduler([Request(0, 0.0, 4, 1)], 4, 4, reserve="prealloc").per_chunk
+    with pytest.raises(AssertionError, match="does not hold"):
+        CachingPool(2).release_all([1], 9)  # a block no one holds
+
+
+def test_idle_prefix_hits_count_once_at_admission():
+    # blocks of 4, a shared prompt of 8 (2 blocks). A (prompt 9) computes and frees them; B
+    # (prompt 9, same prefix) arrives when only those 2 cached blocks and 1 more are free:
+    # it needs 3 blocks of which 2 are idle hits: 3 − 2 + 2 = 3 <= 3 free: admitted at once.
+    reqs = [Request(0, 0.0, 9, 1, prefix=8), Request(1, 1.5, 9, 1, prefix=8),
+            Request(2, 0.0, 4, 9)]
+    s = Scheduler(reqs, n_blocks=6, block_size=4, prefix_caching=True, decisions=True)
+    s.run()
+    assert s.hit_positions == 8 and s.records[1].first_token == 2
