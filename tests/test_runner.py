@@ -115,15 +115,30 @@ def test_the_sweep_estimate_scales_the_first_points_time_by_each_points_work():
     assert point_work(small, 4) > point_work(small, 2)  # more implementations, more work
     assert point_work(small, 2, runs=12) == 12 * point_work(small, 2)
     assert point_work(small, 2, recompute=False) < point_work(small, 2)
-    assert _estimate(10.0, [1.0, 2.0, 3.0]).startswith("about 50 s for the 2 points left")
-    assert _estimate(60.0, [1.0, 9.0]).startswith("about 9 min for the 1 point left")
+    # one point done: its pace (10 s a unit of work) for the rest: 2 + 3 units, 50 s
+    assert _estimate([10.0], [1.0, 2.0, 3.0]).startswith("about 50 s for the 2 points left")
+    assert _estimate([60.0], [1.0, 9.0]).startswith("about 9 min for the 1 point left")
+
+
+def test_two_points_fit_a_cost_per_point_and_a_pace():
+    from kvbench.planning.runner import _estimate
+
+    # 12 s for 1 unit, 30 s for 4: 6 s a point and 6 s a unit; 2 more of 10 units each:
+    # 2 × 6 + 6 × 20 = 132 s (one point's pace alone would say 12 × 20 = 240 s)
+    line = _estimate([12.0, 30.0], [1.0, 4.0, 10.0, 10.0])
+    assert line == ("about 2 min for the 2 points left (the first points took 12 s and 30 s; "
+                    "a cost per point and a pace fitted to the first two)")
+    # work too alike to fit (float32 then float16, the same arithmetic): the last pace
+    assert _estimate([10.0, 40.0], [1.0, 1.0, 1.0]).startswith("about 40 s for the 1 point")
+    # a fit with no sense (the larger point faster): the last pace too
+    assert "the last point's pace" in _estimate([30.0, 20.0], [1.0, 4.0, 4.0])
 
 
 def test_the_estimate_leaves_the_first_points_compiling_out():
     from kvbench.planning.runner import _estimate
 
     # 30 s, 20 of them compiling: the next point of equal work takes the other 10
-    line = _estimate(30.0, [1.0, 1.0], compile_s=20.0)
-    assert line.startswith("about 10 s for the 1 point left (the first took 30 s, 20 s of it "
-                           "compiling, left out")
-    assert "compiling" not in _estimate(30.0, [1.0, 1.0])
+    line = _estimate([30.0], [1.0, 1.0], compile_s=20.0)
+    assert line.startswith("about 10 s for the 1 point left (the first point took 30 s, 20 s "
+                           "of it compiling, left out")
+    assert "compiling" not in _estimate([30.0], [1.0, 1.0])

@@ -101,9 +101,13 @@ def absorbed_step_flops(s: LayerShape, length: int) -> int:
             + 2 * s.q_heads * real_positions(s, length) * (2 * m.kv_lora_rank + m.qk_rope_dim))
 
 
-# A decode step's fixed cost (Python and kernel dispatch), in FLOP-equivalents at a CPU's
-# pace: it dominates small shapes, so the sweep's time estimate counts it beside the FLOPs.
-STEP_OVERHEAD_FLOPS = 2e6
+# A call's fixed cost (a prefill's or a decode step's: Python, kernel dispatch, the timing
+# around it), in FLOP-equivalents at a CPU's pace: it dominates small shapes, so the sweep's
+# time estimate counts it beside the FLOPs. Measured (scripts/estimate-check.py): bench's
+# context-length-recompute sweep on a 2-core CPU spends ~15 s on its T=8 point, ~750 calls
+# (6 implementations x 12 runs x 9 calls, and path A's 96): ~20 ms a call, about 1e8 FLOPs
+# at the pace its large points run. (2e6 made the first point's pace predict 6x too much.)
+STEP_OVERHEAD_FLOPS = 1e8
 
 
 def point_work(s: LayerShape, impls: int, runs: int = 1, recompute: bool = True) -> float:
@@ -115,5 +119,6 @@ def point_work(s: LayerShape, impls: int, runs: int = 1, recompute: bool = True)
     prefix = sum(2 * s.batch * t * weight_elements(s) + 2 * s.q_heads * s.head_dim * s.batch
                  * t * t for t in steps) if recompute else 0
     prefill = 2 * s.batch * T * weight_elements(s) + 2 * s.q_heads * s.head_dim * s.batch * T * T
+    prefill += STEP_OVERHEAD_FLOPS
     decode = sum(step_flops(s, t) for t in steps) + G * STEP_OVERHEAD_FLOPS
     return runs * (prefix + G * STEP_OVERHEAD_FLOPS * recompute + impls * (prefill + decode))

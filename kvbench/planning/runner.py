@@ -102,7 +102,7 @@ def sweep(o: RunOptions, command: str, points, run_point, impl_options, notes,
     from kvbench.caches.compiled import compile_seconds
 
     compiled_before = compile_seconds()
-    started = time.perf_counter()
+    took: list[float] = []  # each point's seconds, as they finish
     def finished(i: int, outcome) -> None:
         """Point i ended: (result, rows), or the DeviceError it raised."""
         nonlocal rows
@@ -126,9 +126,11 @@ def sweep(o: RunOptions, command: str, points, run_point, impl_options, notes,
             if o.ray is not None:
                 _on_cluster(o, points, run_point, finished, planned)
             for i, (config, names) in enumerate(points if o.ray is None else []):
-                if i == 1 and not o.quiet:  # the first point's pace, applied to the rest
-                    render.note(_estimate(time.perf_counter() - started, work,
-                                          compile_seconds() - compiled_before))
+                # the time left, once: after the second point (a per-point cost and a pace
+                # fitted to the two), or after the first of two
+                if i == min(2, len(points) - 1) and i and not o.quiet:
+                    render.note(_estimate(took, work, compile_seconds() - compiled_before))
+                begun = time.perf_counter()
                 bar.point(render.describe(config))
                 try:
                     try:
@@ -143,6 +145,7 @@ def sweep(o: RunOptions, command: str, points, run_point, impl_options, notes,
                         distributed.end_group(3)
                     _release(config.device)
                     outcome = err
+                took.append(time.perf_counter() - begun)
                 finished(i, outcome)
         except KeyboardInterrupt as err:
             stopped = err
@@ -221,17 +224,30 @@ def _work(command: str, config, names, bench_options) -> float:
     return point_work(config.shape, len(names), 2 if command == "memory" else 1)
 
 
-def _estimate(first_s: float, work: list[float], compile_s: float = 0.0) -> str:
-    """One line after the first point: the time the others should take at its pace, its
-    compiling left out (each shape compiles once) and said on its own."""
-    timed = max(first_s - compile_s, 1e-3)
-    left = timed * sum(work[1:]) / work[0]
-    n = len(work) - 1
+def _estimate(took: list[float], work: list[float], compile_s: float = 0.0) -> str:
+    """One line once a point or two are done: the time the rest should take. A point costs a
+    fixed part (its set-up, the caches built, their warm-up) and a part that grows with its
+    work (kvbench.measure.costs.point_work); with two points of different work both are
+    fitted to them, else the latest point's pace (time per unit of work) is applied. The
+    compiling of the first points is left out (each shape compiles once) and said apart."""
+    done = len(took)
+    t = [max(took[0] - compile_s, 1e-3), *took[1:]]
+    rest = work[done:]
+    fixed, pace = 0.0, t[-1] / work[done - 1]
+    how = "the last point's pace, scaled by arithmetic and steps"
+    if done >= 2 and max(work[:2]) > 1.5 * min(work[:2]):
+        slope = (t[1] - t[0]) / (work[1] - work[0])
+        base = t[0] - slope * work[0]
+        if slope > 0 and base >= 0:
+            fixed, pace = base, slope
+            how = "a cost per point and a pace fitted to the first two"
+    left = len(rest) * fixed + pace * sum(rest)
+    n = len(rest)
     compiling = (f", {duration_text(compile_s)} of it compiling, left out"
                  if compile_s >= 0.5 else "")
-    return (f"about {duration_text(left)} for the {n} {_plural(n, 'point')} left (the first took "
-            f"{duration_text(first_s)}{compiling}; the others scaled by their arithmetic and "
-            "steps)")
+    first = " and ".join(duration_text(x) for x in took)
+    return (f"about {duration_text(left)} for the {n} {_plural(n, 'point')} left (the first "
+            f"{_plural(done, 'point')} took {first}{compiling}; {how})")
 
 
 def duration_text(seconds: float) -> str:
