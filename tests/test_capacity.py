@@ -767,3 +767,15 @@ def test_explicit_dimensions_merge_by_hand():
     assert cap.merge_dimensions(llama, {"kv_heads": 8, "layers": 32}) == llama
     mistral = cap.merge_dimensions(cap.preset("mistral-7b"), {"sliding_window": 1024})
     assert mistral.sliding_window == 1024
+
+
+def test_an_unbounded_length_names_what_caps_every_layer():
+    from typer.testing import CliRunner
+
+    from kvbench.cli import app
+
+    out = CliRunner().invoke(app, ["capacity", "--model", "llama-3-8b", "--kv-budget", "512",
+                                   "--gpu-mem", "80GiB", "--no-csv"]).output
+    text = " ".join(out.split())
+    assert "unbounded (the eviction budget caps every layer)" in text and "windows" not in \
+        text.split("longest T")[1]

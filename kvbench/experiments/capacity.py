@@ -429,6 +429,13 @@ def _allocate(case: str, device: str, margin_bytes: int, csv: Path | None):
 # ------------------------------------------------------------- its rows and tables
 
 
+def _capped_by(m) -> str:
+    """What caps every layer's cache when the longest sequence is unbounded."""
+    if m.kv_budget is not None or m.layer_budgets:
+        return "the eviction budget caps"
+    return "windows cap"
+
+
 def capacity_table(p) -> Table:
     m, fmt = p.model, p.fmt
     quant = f", groups of {fmt.group_size}" if fmt.kv_dtype in ("int8", "int4", "int2") else ""
@@ -465,7 +472,7 @@ def capacity_table(p) -> Table:
         t.add_row("= budget for the cache", human_bytes(f.budget_bytes))
         t.add_row(f"largest batch at T={max(lens)}", f"{f.max_batch:,}")
         t.add_row(f"longest T at batch {p.batch}",
-                  "unbounded (windows cap every layer)" if f.max_seq_len is None
+                  f"unbounded ({_capped_by(m)} every layer)" if f.max_seq_len is None
                   else f"{f.max_seq_len:,}")
         t.add_row("tokens of full cache that fit", f"{f.max_tokens:,}")
     v = p.serving
