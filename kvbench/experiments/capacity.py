@@ -432,7 +432,7 @@ def _allocate(case: str, device: str, margin_bytes: int, csv: Path | None):
 def _capped_by(m) -> str:
     """What caps every layer's cache when the longest sequence is unbounded."""
     if m.kv_budget is not None or m.layer_budgets:
-        return "the eviction budget caps"
+        return "budgets cap"
     return "windows cap"
 
 
@@ -472,7 +472,7 @@ def capacity_table(p) -> Table:
         t.add_row("= budget for the cache", human_bytes(f.budget_bytes))
         t.add_row(f"largest batch at T={max(lens)}", f"{f.max_batch:,}")
         t.add_row(f"longest T at batch {p.batch}",
-                  f"unbounded ({_capped_by(m)} every layer)" if f.max_seq_len is None
+                  f"unbounded ({_capped_by(m)} it)" if f.max_seq_len is None
                   else f"{f.max_seq_len:,}")
         t.add_row("tokens of full cache that fit", f"{f.max_tokens:,}")
     v = p.serving
