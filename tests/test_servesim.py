@@ -11,6 +11,7 @@ import pytest
 from typer.testing import CliRunner
 
 from kvbench.cli import app
+from kvbench.errors import KvbenchError
 from kvbench.experiments.servesim import SimOptions, requests, serve
 from kvbench.measure.timing import percentile
 from kvbench.report.load import read_results
@@ -699,3 +700,79 @@ def test_the_header_shows_vllms_defaults_and_steps_only_refuses_what_it_cannot_u
                                      *_two_request_trace(tmp_path), "--no-csv", *extra])
         assert result.exit_code == 2 and word in result.output, (extra, result.output)
         assert "Traceback" not in result.output
+
+
+# serve-sim's options reach its scheduler, its trace and its figures (issue 47's mutation
+# run): each checked by value.
+
+def test_every_scheduler_option_reaches_the_scheduler():
+    from kvbench.serving.scheduler import Request
+
+    o = SimOptions(requests=4, prefill_chunk=32, max_seqs=7, max_batched_tokens=64,
+                   watermark=0.05, scheduling="priority", long_prefill=16,
+                   admit_on_first_chunk=True, kv_blocks=40, block_size=8, max_len=64)
+    reqs = [Request(0, 0.0, 4, 2)]
+    s = o.scheduler("paged", reqs, engine="E")
+    assert (s.chunk, s.max_seqs, s.max_batched_tokens, s.scheduling, s.long_prefill) == (
+        32, 7, 64, "priority", 16)
+    assert (s.watermark_blocks, s.policy, s.preempt, s.engine) == (2, "vllm", "recompute", "E")
+    assert (s.reserve_full_prompt, s.prefix_caching, s.block_size) == (False, True, 8)
+    assert s.decisions == []  # each step's decisions logged, for the steps file
+    p = o.scheduler("orca-max", reqs)
+    assert (p.reserve, p.reserve_len, p.contiguous, p.prefix_caching) == (
+        "prealloc", o.max_len, True, False)
+    assert o.reservation("oracle")["reserve_len"] is None
+    assert SimOptions(requests=4).scheduler("paged", reqs).reserve_full_prompt is True
+
+
+def test_prefix_caching_by_default_only_where_vllm_v1_has_it():
+    o = SimOptions(requests=4)
+    assert o.caching("paged") and not o.caching("prealloc") and not o.caching("static")
+    assert not SimOptions(requests=4, preempt="swap").caching("paged")
+    assert not SimOptions(requests=4, policy="vllm-v0").caching("paged")
+    assert not SimOptions(requests=4, prefix_caching=False).caching("paged")
+
+
+def test_the_trace_takes_the_seed_rate_burstiness_and_shared_prompt():
+    from kvbench.serving.workloads import shared_prefix, workload_trace
+
+    o = SimOptions(requests=30, workload="sharegpt", seed=3, rate=4.0, burstiness=0.5,
+                   max_len=1024, shared_prefix_len=16, shared_prefix_frac=0.5)
+    want = shared_prefix(workload_trace("sharegpt", 30, 3, 4.0, 1024, 0.5), 16, 0.5, 3, 1024)
+    assert requests(o) == want and 0 < sum(r.prefix == 16 for r in want) < 30
+    d = SimOptions(requests=20, len_dist="uniform:10:2000", output_dist="uniform:10:2000",
+                   max_len=300, rate=2.0, burstiness=0.5, seed=1)
+    assert all(r.reach <= 300 for r in requests(d))  # --max-len caps the draws
+    from kvbench.serving.scheduler import gaps
+    assert [r.arrival for r in requests(d)] == gaps(20, 1, 2.0, 0.5)
+
+
+def test_serve_sims_options_are_checked_as_the_scheduler_checks_them(tmp_path):
+    for kw, words in (({"max_seqs": 0}, "--max-seqs must be a positive"),
+                      ({"max_batched_tokens": 8, "block_size": 16}, "below one block of 16"),
+                      ({"prefill_chunk": 64, "max_batched_tokens": 32}, "below one "
+                                                                         "--prefill-chunk"),
+                      ({"shared_prefix_len": 63, "max_len": 64}, "--shared-prefix 63")):
+        with pytest.raises(KvbenchError, match=words):
+            SimOptions(requests=4, **kw)
+    SimOptions(requests=4, shared_prefix_len=62, max_len=64)  # max_len - 2: the most allowed
+    path = tmp_path / "t.csv"
+    path.write_text("arrival_s,prompt_len,output_len\n0,4,4\n")
+    o = SimOptions(trace=path)
+    assert (o.len_dist, o.output_dist, o.requests) == ("trace:t.csv", "trace:t.csv", 1)
+
+
+def test_one_layers_tolerance_is_verifys_and_goodput_is_counted():
+    from kvbench.experiments.servesim import _served, tolerance
+    from kvbench.experiments.verify import TOLERANCES
+    from kvbench.serving.scheduler import Request
+
+    assert tolerance(SimOptions(requests=4)) == TOLERANCES["float32"]
+    # two requests, one step each (their prefills' tokens, both at step 0, which ends at
+    # 0.5 s): TTFT 0.5 s and 0.2 s (the second arrived at 0.3): a 300 ms objective keeps one
+    reqs = [Request(0, 0.0, 4, 1), Request(1, 0.3, 4, 1)]
+    o = SimOptions(requests=2, slo_ttft=300.0)
+    s = o.scheduler("paged", reqs)
+    s.step(0.3)
+    s = _served(o, "paged", reqs, s, [0.5], [0.5], [], 0.0)
+    assert s.good == 1 and s.verified and s.steps == 1
