@@ -776,3 +776,80 @@ def test_one_layers_tolerance_is_verifys_and_goodput_is_counted():
     s.step(0.3)
     s = _served(o, "paged", reqs, s, [0.5], [0.5], [], 0.0)
     assert s.good == 1 and s.verified and s.steps == 1
+
+
+def _two_requests_run(o=None, reserve="paged"):
+    """_served of a hand-worked run: A (prompt 4, 3 tokens) and B (prompt 8, 1 token) at 0,
+    3 blocks of 4, one step a second (step i ends at i + 1 s). Step 0: both prefill (A 1
+    block, B 2); A decodes at steps 1 and 2. Tokens: A at 0, 1, 2; B at 0."""
+    from kvbench.experiments.servesim import _served
+    from kvbench.serving.scheduler import Request
+
+    o = o or SimOptions(requests=2, kv_blocks=3, block_size=4, max_len=16)
+    reqs = [Request(0, 0.0, 4, 3), Request(1, 0.0, 8, 1)]
+    sched = o.scheduler(reserve, reqs)
+    sched.run()
+    ends = [1.0, 2.0, 3.0]
+    return _served(o, reserve, reqs, sched, ends, [1.0, 1.0, 1.0], [], 0.0), sched
+
+
+def test_served_carries_the_schedulers_figures_by_hand():
+    s, sched = _two_requests_run()
+    assert (s.reserve, s.seed, s.duration_s, s.steps) == ("paged", 0, 3.0, 3)
+    assert (s.batch, s.tokens, s.blocks_in_use) == ([0, 1, 1], [2, 1, 1], [1, 2, 0])
+    assert s.ttft_s == [1.0, 1.0]  # both first tokens at the end of step 0
+    assert s.tpot_s == [1.0] and s.latency_per_token_s == [1.0, 1.0]  # A: (3 - 1) / 2
+    assert s.itl_s == [1.0, 1.0]  # A's gaps
+    assert (s.output_tokens, s.prompt_tokens) == (4, 12)
+    assert (s.preemptions, s.recomputed_tokens, s.swapped_blocks) == (0, 0, 0)
+    assert s.failures == [] and s.max_abs_err == 0.0 and s.good is None and s.verified
+    assert (s.hit_positions, s.query_positions) == (0, 12) and s.host_s == []
+    assert s.context == [0, 5, 6] and s.prefill_positions == [12, 0, 0]
+    assert [d.scheduled for d in s.decisions] == [((0, 4), (1, 8)), ((0, 1),), ((0, 1),)]
+    assert (s.mean_batch, s.requests_per_s, s.tokens_per_s) == (2 / 3, 2 / 3, 4 / 3)
+
+
+def test_a_row_of_the_hand_worked_run():
+    from kvbench.experiments.servesim import serve_rows
+
+    o = SimOptions(requests=2, kv_blocks=3, block_size=4, max_len=16, watermark=0.0,
+                   slo_ttft=1500.0)
+    s, _ = _two_requests_run(o)
+    (row,) = serve_rows(o, "cpu", [s], "t", {})
+    assert (row["command"], row["rate_per_s"], row["watermark"]) == ("serve-sim", None, None)
+    assert row["goodput_per_s"] == pytest.approx(2 / 3)  # both within 1.5 s, over 3 s
+    assert row["shared_prefix_len"] is None and row["shared_prefix_frac"] is None
+    assert (row["prefix_caching"], row["prefix_hit_rate"], row["prefill_positions_saved"]) == (
+        True, 0.0, 0)
+    assert (row["scheduling"], row["long_prefill"], row["steps_only"]) == ("fcfs", None, False)
+    (rated,) = serve_rows(SimOptions(requests=2, rate=4.0, watermark=0.01,
+                                     shared_prefix_len=4, shared_prefix_frac=0.5),
+                          "cpu", [s], "t", {})
+    assert (rated["rate_per_s"], rated["watermark"], rated["shared_prefix_frac"]) == (
+        4.0, 0.01, 0.5)
+
+
+def test_steps_only_counts_and_its_table_by_hand(tmp_path):
+    from kvbench.experiments.servesim import count, steps_table
+    from kvbench.serving.scheduler import Request
+
+    o = SimOptions(requests=2, kv_blocks=3, block_size=4, max_len=16, steps_only=True)
+    reqs = [Request(0, 0.0, 4, 3), Request(1, 0.0, 8, 1)]
+    told = []
+    s = count(o, "paged", reqs, told.append)
+    assert told == [1, 1] and s.step_s == [1.0, 1.0, 1.0] and not s.verified
+    assert s.clock == "steps" and s.step_end_s == [1.0, 2.0, 3.0] and s.failures == []
+    cells = _table_cells(steps_table(o, [s]), 0)
+    assert cells == {"reserve": "paged", "steps": "3", "TTFT p50 steps": "1",
+                     "TTFT p99 steps": "1", "TPOT p50 steps": "1.00", "batch": "0.7",
+                     "max batch": "1", "held": "1", "pre- empt": "0", "recomputed": "0"}
+    from kvbench.experiments.servesim import scheduler_line
+
+    assert scheduler_line(o) == ("scheduler: vLLM 0.33 v1 fcfs, max_num_seqs 256, "
+                                 "max_num_batched_tokens 2048, prefix caching paged")
+    assert scheduler_line(SimOptions(requests=2, policy="vllm-v0", watermark=0.01,
+                                     long_prefill=8, prefill_chunk=64,
+                                     admit_on_first_chunk=True, reserve=("prealloc",))) == (
+        "scheduler: vLLM 0.33 v0 fcfs, max_num_seqs 256, max_num_batched_tokens 2048, "
+        "prefix caching off, watermark 0.01, long prefill 8, prefill chunk 64, admission on "
+        "the first chunk")
