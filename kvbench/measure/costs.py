@@ -107,7 +107,7 @@ def absorbed_step_flops(s: LayerShape, length: int) -> int:
 # context-length-recompute sweep on a 2-core CPU spends ~15 s on its T=8 point, ~750 calls
 # (6 implementations x 12 runs x 9 calls, and path A's 96): ~20 ms a call, about 1e8 FLOPs
 # at the pace its large points run. (2e6 made the first point's pace predict 6x too much.)
-STEP_OVERHEAD_FLOPS = 1e8
+STEP_OVERHEAD_FLOPS = 100_000_000
 
 
 def point_work(s: LayerShape, impls: int, runs: int = 1, recompute: bool = True) -> float:

@@ -142,7 +142,10 @@ def _points_of(o: RunOptions, reference_cases: bool = False,
         shapes = [SMALL_CASE if mla is None else SMALL_CASE.with_mla(mla)] + shapes
     # A group larger than a head vector is one group of the whole vector, here as in
     # `kvbench capacity` (groups per vector: ceil(D / group size)).
-    points, notes, refused, ran = [], [], {}, set()
+    points: list = []
+    notes: list[str] = []
+    refused: dict[str, str] = {}
+    ran: set[str] = set()
     planned: set = set()  # (implementation, its point less the options it does not read)
     spec = o.impl.strip().lower()
     explicit = spec not in ("all", "default")
@@ -210,8 +213,8 @@ def _points_of(o: RunOptions, reference_cases: bool = False,
     # A technique option none of the implementations that run reads: refused, not recorded.
     from kvbench.caches.capabilities import IMPLEMENTATIONS, unread
 
-    if line := unread([n for n in IMPLEMENTATIONS if n in ran], shapes):
-        raise KvbenchError(line)
+    if refusal := unread([n for n in IMPLEMENTATIONS if n in ran], shapes):
+        raise KvbenchError(refusal)
     return points, options, notes
 
 

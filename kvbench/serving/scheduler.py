@@ -229,7 +229,8 @@ class CachingPool(BlockPool):
     def release_all(self, blocks: list[int], request: int) -> None:
         """`request`'s blocks, in the order given (the eviction order: vLLM frees a
         request's last block first); those no one holds any more back to the free queue."""
-        first, last = [], []
+        first: list[int] = []
+        last: list[int] = []
         for block in blocks:
             holders = self.owner.get(block, set())
             if request not in holders:
@@ -435,7 +436,7 @@ class Scheduler:
         clock = self.now if clock is None else clock
         while self.pending and self.pending[0].arrival <= clock:
             self._enqueue(Running(self.pending.popleft()))
-        self._plan: list[tuple[Running, int | None, int]] = []  # (seq, chunk start|None, end)
+        self._plan = []  # (seq, chunk start or None for a decode, end), as scheduled
         before = self.preemptions
         self._budget = self.max_batched_tokens or math.inf  # every scheduled token counts
         self._prompt = self.chunk or math.inf  # kvbench's cap on prompt positions, all seqs
