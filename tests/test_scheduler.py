@@ -894,3 +894,55 @@ def test_idle_prefix_hits_count_once_at_admission():
     s = Scheduler(reqs, n_blocks=6, block_size=4, prefix_caching=True, decisions=True)
     s.run()
     assert s.hit_positions == 8 and s.records[1].first_token == 2
+
+
+def _decisions(spec, **kw):
+    reqs = [Request(*a, prefix=p, group=0) for a, p in spec]
+    s = Scheduler(reqs, decisions=True, **kw)
+    s.run(300)
+    return s
+
+
+def test_the_whole_prompt_gate_counts_idle_prefix_hits_as_blocks_to_take():
+    # (found by a search of small traces against the gate with idle hits subtracted.) At
+    # step 5, request 2 (prompt 8, its first 4 positions a cached prefix no one holds) waits:
+    # its 4 blocks less 2 hits, plus the 2 idle hits it takes out of the free queue, exceed
+    # the 3 free blocks; subtracting them instead would admit it.
+    s = _decisions([((0, 0.5, 3, 4), 4), ((1, 1.5, 8, 2), 0), ((2, 1.5, 8, 5), 4)],
+                   n_blocks=8, block_size=2, max_batched_tokens=6, long_prefill=2, chunk=4,
+                   prefix_caching=True)
+    assert s.decisions[4].preempted == (2,) and s.decisions[5].scheduled == ((1, 2),)
+
+
+def test_a_swapped_request_back_from_the_host_lets_the_next_waiting_one_in():
+    # (found by a search against `break` after a swap-in.) At step 5 request 1, swapped out
+    # at step 4, cannot come back yet, but the loop must go on past a swapped one brought
+    # back: request 2 is admitted with a chunk of 3 beside request 0's decode.
+    s = _decisions([((0, 0.0, 1, 6), 8), ((1, 0.5, 1, 6), 8), ((2, 1.5, 6, 5), 8),
+                    ((3, 0.0, 3, 5), 8)], n_blocks=8, block_size=2, max_batched_tokens=4,
+                   chunk=4, preempt="swap")
+    assert s.decisions[4].preempted == (1,) and s.decisions[5].scheduled == ((0, 1), (2, 3))
+    assert s.swapped_blocks == 4
+
+
+def test_v0_admits_on_its_whole_prompt_less_its_prefix_hits():
+    # (found by a search against hits added instead of subtracted.) v0 with prefix caching:
+    # at step 8 request 1 (prompt 3) is admitted beside request 2's chunk: its blocks are its
+    # whole prompt's less the blocks found cached.
+    s = _decisions([((0, 1.5, 9, 3), 8), ((1, 2.5, 3, 3), 0), ((2, 1.5, 2, 5), 8)],
+                   n_blocks=8, block_size=2, chunk=3, prefix_caching=True, policy="vllm-v0")
+    assert s.decisions[8].scheduled == ((2, 2), (1, 1))
+
+
+def test_a_running_chunk_that_opens_two_blocks_takes_both():
+    # blocks of 4, chunks of 8: step 0 admits 8 positions (2 blocks); step 1's chunk of 8
+    # more takes 2 blocks in _grow, not 1
+    s = Scheduler([Request(0, 0.0, 20, 1)], n_blocks=8, block_size=4, chunk=8)
+    s.step()
+    s.step()
+    assert len(s.running[0].blocks) == 4
+
+
+def test_priority_scheduling_is_refused_under_v0():
+    with pytest.raises(KvbenchError, match="--scheduling priority is vLLM v1's"):
+        Scheduler([Request(0, 0.0, 4, 1)], 4, 4, scheduling="priority", policy="vllm-v0")
