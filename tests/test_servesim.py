@@ -853,3 +853,28 @@ def test_steps_only_counts_and_its_table_by_hand(tmp_path):
         "scheduler: vLLM 0.33 v0 fcfs, max_num_seqs 256, max_num_batched_tokens 2048, "
         "prefix caching off, watermark 0.01, long prefill 8, prefill chunk 64, admission on "
         "the first chunk")
+
+
+def test_the_steps_only_title_says_how_requests_arrive_and_served_counts_preemptions(tmp_path):
+    from kvbench.experiments.servesim import count, steps_table
+    from kvbench.serving.scheduler import Request
+
+    def title(o):
+        return " ".join(str(steps_table(o, []).title).split())
+
+    assert "40 requests arriving all at once;" in title(SimOptions(requests=40))
+    assert "arriving 2 per step;" in title(SimOptions(requests=40, rate=2.0))
+    path = tmp_path / "t.csv"
+    path.write_text("arrival_s,prompt_len,output_len\n0,4,4\n")
+    assert "arriving as traced (arrival_s as steps);" in title(SimOptions(trace=path))
+    # 3 blocks of 4: A and B (prompts 4) run; at step 1 B, the newest, finds no block for its
+    # 5th position and is preempted. Recompute: its 4 cached positions thrown away, and it
+    # waits (its 5 positions need 2 blocks, 1 is free) until A finishes. Swap: its 1 block
+    # out; back at step 2 into the free block, out again at step 3, in at 4, out at 5: 3
+    # preemptions, 6 block copies.
+    reqs = [Request(0, 0.0, 4, 6), Request(1, 0.0, 4, 6)]
+    for preempt, figures in (("recompute", (1, 4, 0)), ("swap", (3, 0, 6))):
+        o = SimOptions(requests=2, kv_blocks=3, block_size=4, max_len=16, preempt=preempt,
+                       steps_only=True, prefix_caching=False)
+        s = count(o, "paged", reqs)
+        assert (s.preemptions, s.recomputed_tokens, s.swapped_blocks) == figures, preempt
