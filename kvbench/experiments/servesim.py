@@ -747,15 +747,18 @@ def run(o: SimOptions) -> list[Served]:
         results.check_csv(csv, results.SERVE_COLUMNS, results.SERVE_FIRST)
         results.check_csv(steps_csv, results.SERVE_STEP_COLUMNS, results.SERVE_STEP_FIRST)
 
-    from kvbench.measure.device import resolve_device
+    if o.steps_only:
+        device = "cpu"  # (no tensors to place)
+    else:
+        from kvbench.measure.device import resolve_device
 
-    device = "cpu" if o.steps_only else resolve_device(o.device)  # (no tensors to place)
+        device = resolve_device(o.device)
     if profile is None and not o.steps_only:
         prepare_kernel(o, device)
         preflight(o, device)  # the pool, on the device; then the trace, on the host
     trace_preflight(o, device)
 
-    import torch
+    import contextlib
 
     from kvbench.measure.env import environment
 
@@ -765,7 +768,8 @@ def run(o: SimOptions) -> list[Served]:
         way = o.reservation(reserve)
         for reqs in traces.values():
             refuse_unfit(reqs, o.kv_blocks, o.block_size, way["reserve"], way["reserve_len"])
-    env, stamp = environment(device), results.timestamp()
+    # --steps-only touches no tensor: torch is not imported (its environment is device-less)
+    env, stamp = environment(None if o.steps_only else device), results.timestamp()
     served, rows = [], []
     total = sum(map(len, traces.values())) * len(o.reserve)
 
@@ -783,8 +787,13 @@ def run(o: SimOptions) -> list[Served]:
         if o.ray is not None:  # each reserve a Ray task, on the same trace
             _on_cluster(o, device, finished, profile)
         else:
-            with torch.inference_mode(), render.counter(total, "requests",
-                                                        enabled=not o.quiet) as bar:
+            if o.steps_only:
+                no_grad = contextlib.nullcontext()
+            else:
+                import torch
+
+                no_grad = torch.inference_mode()
+            with no_grad, render.counter(total, "requests", enabled=not o.quiet) as bar:
                 for reserve in o.reserve:
                     for run in runs:
                         bar.describe(f"serve-sim {reserve}"

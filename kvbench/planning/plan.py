@@ -6,6 +6,7 @@ expanded here.
 
 from __future__ import annotations
 
+import functools
 import itertools
 from dataclasses import fields, replace
 from typing import TYPE_CHECKING
@@ -221,18 +222,26 @@ def _points_of(o: RunOptions, reference_cases: bool = False,
 def _once(name: str, config, planned: set) -> bool:
     """Whether `name` has not yet been planned at `config` as it reads it (the technique
     options it does not read set to their defaults); records it."""
-    from dataclasses import fields
+    from kvbench.caches.capabilities import IMPLEMENTATIONS
 
-    from kvbench.caches.capabilities import IMPLEMENTATIONS, OPTIONS_READ
-    from kvbench.sizing.config import LayerShape
-
-    defaults = {f.name: f.default for f in fields(LayerShape) if f.name in OPTIONS_READ}
-    unread = {k: v for k, v in defaults.items() if k not in IMPLEMENTATIONS[name].reads}
+    unread = {k: v for k, v in _read_defaults().items()
+              if k not in IMPLEMENTATIONS[name].reads}
     key = (name, replace(config, shape=replace(config.shape, **unread)))
     if key in planned:
         return False
     planned.add(key)
     return True
+
+
+@functools.cache
+def _read_defaults() -> dict[str, object]:
+    """LayerShape's defaults of the technique options caches read (OPTIONS_READ), once."""
+    from dataclasses import fields
+
+    from kvbench.caches.capabilities import OPTIONS_READ
+    from kvbench.sizing.config import LayerShape
+
+    return {f.name: f.default for f in fields(LayerShape) if f.name in OPTIONS_READ}
 
 
 def _ragged(o: RunOptions, shapes, lists: dict[str, list[int]]):
