@@ -787,6 +787,7 @@ def run(o: SimOptions) -> list[Served]:
         if o.ray is not None:  # each reserve a Ray task, on the same trace
             _on_cluster(o, device, finished, profile)
         else:
+            no_grad: contextlib.AbstractContextManager[object]
             if o.steps_only:
                 no_grad = contextlib.nullcontext()
             else:
