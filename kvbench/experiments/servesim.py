@@ -593,7 +593,8 @@ def _served(o: SimOptions, reserve: str, reqs, sched, ends: list[float], took: l
             host_s: list[float] | None = None) -> Served:
     """The figures of a finished run: its scheduler, each step's end on the clock and time."""
     if leaked := o.kv_blocks - len(sched.pool.free):
-        failures.append(f"{leaked} blocks were never returned to the pool")
+        failures.append(f"{leaked} {'block was' if leaked == 1 else 'blocks were'} never "
+                        "returned to the pool")
     ttft, tpot, per_token, itl = latencies(sched.records.values(), ends)
     good = (None if o.slo_ttft is None and o.slo_tpot is None else
             met_slo(sched.records.values(), ends, o.slo_ttft, o.slo_tpot))
