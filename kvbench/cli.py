@@ -279,7 +279,8 @@ def tune(
 
 
 RunId = Annotated[str | None, typer.Option(
-    "--run", help="Only the rows of this run: its run_id, or last (the file's latest run).")]
+    "--run", help="Only the rows of this run: its run_id, its sweep_id (every shard of a "
+    "sweep), or last (the file's latest sweep).")]
 Where = Annotated[str | None, typer.Option(
     help="Only the rows where every column=value holds, e.g. impl=paged,dtype=float16 "
          "(model= picks the rows without one).")]
@@ -331,11 +332,16 @@ def merge(files: Annotated[list[Path], typer.Argument(help="Results CSVs of one 
     from kvbench.report import render
     from kvbench.report.results import merge as merge_files
 
-    n, repeated, runs = merge_files(files, output)
+    n, repeated, runs, sweeps = merge_files(files, output)
     again = f"; {repeated} already there, left as they were" if repeated else ""
-    joined = (f" ({len(runs)} runs: {', '.join(runs[:4])}{' …' if len(runs) > 4 else ''}; "
-              "plot and compare read them together, --run ID picks one)" if len(runs) > 1
-              else "")
+    if len(runs) > 1 and len(sweeps) == 1:  # the shards of one sweep
+        joined = f" ({len(runs)} shards of sweep {sweeps[0]}: --run last draws them all)"
+    elif len(runs) > 1:
+        joined = (f" ({len(runs)} runs of {len(sweeps)} sweeps: "
+                  f"{', '.join(sweeps[:4])}{' …' if len(sweeps) > 4 else ''}; plot and "
+                  "compare read them together, --run ID picks one, --run last the last)")
+    else:
+        joined = ""
     render.note(f"{n} rows from {len(files)} files appended to {output}{again}{joined}")
 
 

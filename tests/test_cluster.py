@@ -12,6 +12,7 @@ import pytest
 from typer.testing import CliRunner
 
 from kvbench.cli import app
+from kvbench.report.load import read_results, select
 
 ray = pytest.importorskip("ray")
 # one xdist worker runs the module (pyproject's --dist loadgroup): one local Ray cluster on
@@ -130,7 +131,14 @@ def test_shards_merged_equal_the_whole_sweep(tmp_path):
     merged = pd.read_csv(tmp_path / "all.csv").sort_values(["prompt_len", "impl"])
     for col in ("prompt_len", "impl", "kv_cache_bytes", "theoretical_kv_bytes"):
         assert merged[col].tolist() == whole[col].tolist()
-    assert "(2runs:" in "".join(result.stderr.split())  # what it joined, said
+    said = "".join(result.stderr.split())  # what it joined, said (a long path wraps)
+    sweep_id = pd.read_csv(tmp_path / "s0.csv")["sweep_id"].iloc[0]
+    assert f"(2shardsofsweep{sweep_id}:--runlastdrawsthemall)" in said
+    # the merged shards read as one sweep: --run last is every point, --run a shard's id one
+    kind, df = read_results(tmp_path / "all.csv")
+    assert len(select(df, tmp_path / "all.csv", "last")) == len(whole)
+    shard = pd.read_csv(tmp_path / "s1.csv")["run_id"].iloc[0]
+    assert len(select(df, tmp_path / "all.csv", shard)) == len(pd.read_csv(tmp_path / "s1.csv"))
     # merged again (and a shard given twice): nothing written twice, the file byte for byte
     before = (tmp_path / "all.csv").read_bytes()
     again = runner.invoke(app, ["merge", str(tmp_path / "s0.csv"), str(tmp_path / "s1.csv"),

@@ -111,6 +111,34 @@ def test_run_last_and_where_pick_rows(two_runs):
     assert len(select(df, two_runs, where="model=")) == 3  # empty: rows without a model
 
 
+def test_the_shards_of_one_sweep_share_a_sweep_id_and_nothing_else_does():
+    from kvbench.measure.env import sweep_id
+
+    one = ["bench", "--prompt-len", "4,8", "--shard", "0/2", "--csv", "s0.csv"]
+    two = ["bench", "--prompt-len", "4,8", "--shard=1/2", "--csv=s1.csv"]
+    assert sweep_id(one, "r1") == sweep_id(two, "r2") != "r1"
+    assert sweep_id(one, "r1").startswith("sweep-")
+    other = ["bench", "--prompt-len", "4,16", "--shard", "0/2", "--csv", "s0.csv"]
+    assert sweep_id(other, "r1") != sweep_id(one, "r1")  # another sweep
+    assert sweep_id(["bench", "--prompt-len", "4"], "r1") == "r1"  # a whole run: its own
+
+
+def test_run_last_draws_every_shard_of_the_last_sweep(tmp_path):
+    from kvbench.report.load import read_results, select
+
+    path = tmp_path / "all.csv"
+    runner.invoke(app, ["bench", *TINY, "--csv", str(path)])  # an earlier run, not a shard
+    for i in (0, 1):
+        result = runner.invoke(app, ["bench", *TINY[:4], "--prompt-len", "4,8", *TINY[6:],
+                                     "--shard", f"{i}/2", "--csv", str(path)])
+        assert result.exit_code == 0, result.output
+    _, df = read_results(path)
+    last = select(df, path, "last")
+    assert sorted(last["prompt_len"]) == [4, 8] and last["run_id"].nunique() == 2
+    assert len(select(df, path, last["sweep_id"].iloc[0])) == 2  # by the sweep's id too
+    assert len(select(df, path, df["run_id"].iloc[0])) == 1
+
+
 @pytest.mark.parametrize("args, message", [
     (["--run", "nosuch"], "has no run 'nosuch'"),
     (["--where", "nosuch=1"], "has no column 'nosuch'"),

@@ -12,6 +12,7 @@ them.
 from __future__ import annotations
 
 import os
+import hashlib
 import platform
 import secrets
 import shlex
@@ -27,7 +28,7 @@ from kvbench.measure.hostmem import cpu_model
 
 ENV_COLUMNS = ["kvbench_version", "python_version", "torch_version", "device_name",
                "cuda_version", "torch_threads"]
-PROVENANCE_COLUMNS = ["run_id", "kvbench_commit", "command_line", "host", "cpu_model",
+PROVENANCE_COLUMNS = ["run_id", "sweep_id", "kvbench_commit", "command_line", "host", "cpu_model",
                       "numba_version", "triton_version", "transformers_version",
                       "device_index"]
 LIBRARIES = ("numba", "triton", "transformers")
@@ -42,7 +43,29 @@ def start_run(argv: list[str] | None = None) -> str:
     _run["run_id"] = (datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")
                       + "-" + secrets.token_hex(2))
     _run["command_line"] = shlex.join(["kvbench", *map(str, args)])
+    _run["sweep_id"] = sweep_id(list(map(str, args)), _run["run_id"])
     return _run["run_id"]
+
+
+# what differs between the shards of one sweep: which part each runs and the file it writes
+PER_SHARD = ("--shard", "--csv", "--steps-csv", "-o", "--output")
+
+
+def sweep_id(args: list[str], run: str) -> str:
+    """The id every shard of one sweep shares (`--shard I/N`, each run on its own): its
+    command line less --shard and the files it writes, hashed; a run that is not a shard is
+    a whole sweep, its run id. Merged shards read as one sweep by it (`--run last`)."""
+    if not any(a.split("=", 1)[0] == "--shard" for a in args):
+        return run
+    kept, skip = [], False
+    for a in args:
+        if skip:
+            skip = False
+        elif a.split("=", 1)[0] in PER_SHARD:
+            skip = "=" not in a
+        else:
+            kept.append(a)
+    return "sweep-" + hashlib.sha1(shlex.join(kept).encode()).hexdigest()[:10]
 
 
 def run_id() -> str:
@@ -75,7 +98,7 @@ def _version(package: str) -> str:
 
 def provenance() -> dict[str, object]:
     run_id()
-    return {"run_id": _run["run_id"], "kvbench_commit": commit(), "device_index": "",
+    return {"run_id": _run["run_id"], "sweep_id": _run["sweep_id"], "kvbench_commit": commit(), "device_index": "",
             "command_line": _run["command_line"], "host": platform.node(),
             "cpu_model": cpu_model(),
             **{f"{name}_version": _version(name) for name in LIBRARIES}}

@@ -155,7 +155,8 @@ class Cluster:
         that one point: --shard I/N of the whole sweep, `indices` its points' places in it)."""
         from kvbench.measure import env
 
-        run = {"run_id": env.run_id(), "command_line": env.provenance()["command_line"]}
+        shown = env.provenance()
+        run = {k: shown[k] for k in ("run_id", "sweep_id", "command_line")}
         task, ranks = self.ray.remote(_point_task), self.ray.remote(_ranks_task)
         for i, (config, names) in enumerate(points):
             options = {"max_retries": self.retries, "retry_exceptions": False,

@@ -111,22 +111,36 @@ def _good_rows(path: Path, bad: set[int]) -> str:
     return out.getvalue()
 
 
+def _of_run(df: pd.DataFrame, path: Path, run: str) -> pd.Series:
+    """Which rows belong to --run: a run id, a sweep id (every shard of a sweep, merged), or
+    last: the sweep of the file's last row (its run, where it was not a shard)."""
+    ids = df["run_id"].astype(str).where(df["run_id"].notna()) if "run_id" in df else None
+    if ids is None or ids.dropna().empty:
+        raise KvbenchError(f"{path} has no run ids (written before kvbench recorded "
+                           "them); use --where to pick rows")
+    sweeps = (df["sweep_id"].astype(str).where(df["sweep_id"].notna()) if "sweep_id" in df
+              else pd.Series(None, index=df.index, dtype=object))
+    if run == "last":
+        last = ids.last_valid_index()
+        if isinstance(sweeps[last], str) and sweeps[last]:
+            return sweeps == sweeps[last]
+        return ids == ids[last]
+    chosen = (ids == run) | (sweeps == run)
+    if not chosen.any():
+        recent = list(dict.fromkeys(reversed(ids.dropna().tolist())))[:3]
+        raise KvbenchError(f"{path} has no run {run!r}; its latest runs: "
+                           f"{', '.join(recent)} (or --run last)")
+    return chosen
+
+
 def select(df: pd.DataFrame, path: Path, run: str | None = None,
            where: str | None = None) -> pd.DataFrame:
-    """The rows of one run (--run ID, or `last`: the run of the file's last row) that match
+    """The rows of one run (--run ID, a sweep's id, or `last`: the sweep of the file's last
+    row, every shard of it where shards were merged) that match
     every `column=value` of --where (an empty value matches empty cells; numbers compare as
     numbers). Refuses, in one line, a filter that matches nothing."""
     if run is not None:
-        ids = df["run_id"].dropna().astype(str) if "run_id" in df else pd.Series(dtype=str)
-        if ids.empty:
-            raise KvbenchError(f"{path} has no run ids (written before kvbench recorded "
-                               "them); use --where to pick rows")
-        wanted = ids.iloc[-1] if run == "last" else run
-        if wanted not in set(ids):
-            recent = list(dict.fromkeys(reversed(ids.tolist())))[:3]
-            raise KvbenchError(f"{path} has no run {wanted!r}; its latest runs: "
-                               f"{', '.join(recent)} (or --run last)")
-        df = df[df["run_id"].astype(str) == wanted]
+        df = df[_of_run(df, path, run)]
     for column, value in parse_where(where or ""):
         if column not in df.columns:
             raise KvbenchError(f"--where {column}=…: {path} has no column {column!r}")

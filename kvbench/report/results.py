@@ -452,12 +452,12 @@ FILE_KINDS = {
 }
 
 
-def merge(inputs: list[Path], output: Path) -> tuple[int, int, list[str]]:
+def merge(inputs: list[Path], output: Path) -> tuple[int, int, list[str], list[str]]:
     """Append the rows of results files of one kind (a sweep's shards, say) to `output`, as
     each command appends (the header rules of append_csv), each row once: a row already in
     `output`, or in an earlier input, is not written again (a row is itself: the same cells),
     so merging twice changes nothing. Returns (rows written, rows already there, the run ids
-    of the rows written, in order); refuses, before writing, files of different kinds or
+    and the sweep ids of the rows written, each in order); refuses, before writing, files of different kinds or
     with damaged rows."""
     kinds = []
     for path in inputs:
@@ -501,4 +501,6 @@ def merge(inputs: list[Path], output: Path) -> tuple[int, int, list[str]]:
     if rows:
         append_csv(output, rows, columns, first, flag="-o")
     runs = list(dict.fromkeys(r["run_id"] for r in rows if r.get("run_id")))
-    return len(rows), repeated, runs
+    sweeps = list(dict.fromkeys(r.get("sweep_id") or r["run_id"] for r in rows
+                                if r.get("run_id")))
+    return len(rows), repeated, runs, sweeps
