@@ -11,8 +11,8 @@ them.
 
 from __future__ import annotations
 
-import os
 import hashlib
+import os
 import platform
 import secrets
 import shlex
@@ -98,7 +98,8 @@ def _version(package: str) -> str:
 
 def provenance() -> dict[str, object]:
     run_id()
-    return {"run_id": _run["run_id"], "sweep_id": _run["sweep_id"], "kvbench_commit": commit(), "device_index": "",
+    return {"run_id": _run["run_id"], "sweep_id": _run["sweep_id"], "kvbench_commit": commit(),
+            "device_index": "",
             "command_line": _run["command_line"], "host": platform.node(),
             "cpu_model": cpu_model(),
             **{f"{name}_version": _version(name) for name in LIBRARIES}}

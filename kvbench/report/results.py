@@ -457,8 +457,8 @@ def merge(inputs: list[Path], output: Path) -> tuple[int, int, list[str], list[s
     each command appends (the header rules of append_csv), each row once: a row already in
     `output`, or in an earlier input, is not written again (a row is itself: the same cells),
     so merging twice changes nothing. Returns (rows written, rows already there, the run ids
-    and the sweep ids of the rows written, each in order); refuses, before writing, files of different kinds or
-    with damaged rows."""
+    and the sweep ids of the rows written, each in order); refuses, before writing, files of
+    different kinds or with damaged rows."""
     kinds = []
     for path in inputs:
         if Path(path).is_dir():
