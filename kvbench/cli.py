@@ -5,6 +5,7 @@ from __future__ import annotations
 import inspect
 import os
 import sys
+from dataclasses import replace
 from pathlib import Path
 from typing import Annotated
 
@@ -223,6 +224,119 @@ app.command("serve-sim", cls=_Command, epilog=EXIT_CODES, help=_unwrap("""
     preemptions; every request's outputs are checked against path A, the request
     recomputed alone (exit 1 if any differ).
     """))(serve_sim)
+
+
+@command
+def needle(
+    model: Annotated[str, typer.Option(help="A trained model: smollm2-135m, or a checkpoint "
+                                       "folder or .gguf with its tokenizer.")] = "smollm2-135m",
+    task: Annotated[str, typer.Option(help="passkey (one key in the haystack, asked at the "
+                                      "end), multikey (--keys keys, one asked) or copy (a "
+                                      "random token sequence shown twice: the second copy "
+                                      "predicted).")] = "passkey",
+    context: Annotated[str, typer.Option(help="Prompt lengths in tokens, a comma list (each "
+                                         "a column of the heatmap).")] = "512,1024",
+    depth: Annotated[str, typer.Option(help="Where the needle sits, fractions of the filler: "
+                                       "0 right after the instruction, 1 just before the "
+                                       "question; a comma list.")] = "0,0.25,0.5,0.75,1",
+    trials: Annotated[int, typer.Option(help="Prompts per cell, each with its own seeded "
+                                        "key and filler placement.")] = 2,
+    keys: Annotated[int, typer.Option(help="--task multikey: how many keys the haystack "
+                                      "holds.")] = 4,
+    haystack: Annotated[Path | None, typer.Option(
+        help="A plain-text file as the filler. [default: RULER's pass-key filler sentences]",
+        show_default=False)] = None,
+    needle_key: Annotated[str | None, typer.Option(
+        "--needle", help="The key, digits (default: a seeded 5-digit number per trial).",
+        show_default=False)] = None,
+    question_after_compression: Annotated[bool, typer.Option(
+        metavar="", help="Query-agnostic: prefill the haystack and needle, compress, then "
+        "feed the question (a cache reused for any question). Default: query-aware, the "
+        "question in the prompt the cache compresses.")] = False,
+    impl: Annotated[str, typer.Option(help="Cached implementations, a comma list (as verify "
+                                      "takes them).")] = "static",
+    kv_budget: Annotated[str | None, typer.Option(help="Eviction caches: positions kept per "
+                                                  "KV head.", show_default=False)] = None,
+    kv_recent: Annotated[int | None, typer.Option(help="Eviction caches: how many of them "
+                                                  "are the most recent.",
+                                                  show_default=False)] = None,
+    kv_compress: Annotated[str | None, typer.Option(help="decode (evict at every step) or "
+                                                    "prefill (compress the prompt once).",
+                                                    show_default=False)] = None,
+    window: Annotated[int | None, typer.Option(help="window: the last W positions.",
+                                               show_default=False)] = None,
+    sinks: Annotated[int | None, typer.Option(help="With --window: the first S positions.",
+                                              show_default=False)] = None,
+    head_budgets: Annotated[str | None, typer.Option(help="snapkv-paged: ada or duo.",
+                                                     show_default=False)] = None,
+    layer_budgets: Annotated[str | None, typer.Option(help="Each layer's budget, a list or "
+                                                      "pyramid.", show_default=False)] = None,
+    k_channels: Annotated[str | None, typer.Option(help="think: K channels kept per head.",
+                                                   show_default=False)] = None,
+    kv_reference: Annotated[str | None, typer.Option(help="kvpress: each scorer as kvpress's "
+                                                     "press keeps.", show_default=False)] = None,
+    kv_dtype: Annotated[str | None, typer.Option(help="fp8, int8, int4 or int2 K/V.",
+                                                 show_default=False)] = None,
+    group_size: Annotated[int, typer.Option(help="int8/int4/int2: elements per scale.")] = 64,
+    k_quant: Annotated[str, typer.Option(help="per-token or per-channel (KIVI).")] = "per-token",
+    kv_residual: Annotated[int, typer.Option(help="KIVI's residual of unquantized "
+                                             "positions.")] = 0,
+    layers: Annotated[int | None, typer.Option(help="Run the model's first N layers.",
+                                               show_default=False)] = None,
+    dtype: Annotated[str, typer.Option(help="float32, float16 or bfloat16.")] = "float32",
+    device: Annotated[str, typer.Option(help="auto, cpu, cuda or cuda:N.")] = "auto",
+    seed: Annotated[int, typer.Option(help="Seed of the keys, their places and copy's "
+                                      "tokens.")] = 0,
+    csv: Annotated[Path | None, typer.Option(help="Append rows to this CSV. [default: "
+                                             "results/needle.csv]", show_default=False)] = None,
+    no_csv: Annotated[bool, typer.Option(metavar="", help="Write no results file.")] = False,
+    quiet: Annotated[bool, typer.Option("--quiet", "-q", metavar="",
+                                        help="No table, notes or progress.")] = False,
+    shard: Annotated[str | None, typer.Option(help="Run only shard I of N (I/N): the cells "
+                                              "whose index is I modulo N; kvbench merge "
+                                              "joins the CSVs.", show_default=False)] = None):
+    """Retrieval through every cache: a key hidden in filler at each depth and context,
+    asked at the end; accuracy beside path A's, and whether each layer kept the key.
+
+    Exit status 1 when a cache fails its check (an exact cache answering unlike path A, a
+    lossy one attending to other than what it kept).
+    """
+    from kvbench.experiments import needle as needles
+    from kvbench.measure.device import resolve_device
+
+    techniques = {"kv_budget": kv_budget, "kv_recent": kv_recent, "kv_compress": kv_compress,
+                  "window": window, "sinks": sinks, "head_budgets": head_budgets,
+                  "layer_budgets": layer_budgets, "k_channels": k_channels,
+                  "kv_reference": kv_reference, "kv_dtype": kv_dtype}
+    formats = {"group_size": group_size, "k_quant": k_quant, "kv_residual": kv_residual}
+    o = needles.NeedleOptions(
+        model=model, task=task, context=context, depth=depth, trials=trials, keys=keys,
+        haystack=haystack, needle=needle_key,
+        question_after_compression=question_after_compression, impl=impl, layers=layers,
+        dtype=dtype, device=device, seed=seed, csv=csv, no_csv=no_csv, quiet=quiet,
+        shard=shard, techniques={**techniques, **formats})
+    o = replace(o, device=resolve_device(o.device))
+    needles.run(o, _needle_points(o))
+
+
+def _needle_points(o):
+    """kvbench needle's plan, `o` its NeedleOptions: (ref, points, implementation options,
+    notes), the model's points at each context as verify plans them (every technique option
+    checked as verify checks it), each point's answer ANSWER_TOKENS long."""
+    from kvbench.errors import KvbenchError
+    from kvbench.experiments.needle import ANSWER_TOKENS
+    from kvbench.options import RunOptions
+    from kvbench.subjects.model import expand
+
+    given = {k: v for k, v in o.techniques.items() if v is not None}
+    run = RunOptions.of({"model": o.model, "prompt_len": o.context, "batch": "1",
+                         "decode_len": str(ANSWER_TOKENS), "impl": o.impl, "dtype": o.dtype,
+                         "device": o.device, "seed": o.seed, "layers": o.layers, **given})
+    ref, found, options, notes = expand(run, "verify")
+    if not ref.trained:
+        raise KvbenchError(f"--model {o.model} has random weights: retrieval needs a trained "
+                           "checkpoint and its tokenizer (smollm2-135m, or a checkpoint folder)")
+    return ref, found, options, notes
 
 
 @command

@@ -408,6 +408,71 @@ def plot_serve_steps(df: pd.DataFrame, plt):
     return fig
 
 
+def needle_label(row) -> str:
+    """A needle row's configuration: its technique, and query-agnostic where it was."""
+    return technique(row) + (" (question after)" if row.get("query") == "agnostic" else "")
+
+
+def plot_needle(df: pd.DataFrame, plt):
+    """kvbench needle: a heatmap per configuration (context across, depth down, accuracy as
+    colour and number), then accuracy (mean over the cells) against the K/V bytes held at
+    the longest context, with the frontier: the configurations no other beats on both."""
+    import numpy as np
+
+    df = df.copy()
+    df["label"] = [needle_label(r) for _, r in df.iterrows()]
+    df = df.drop_duplicates(subset=["label", "task", "context", "depth"], keep="last")
+    labels = list(dict.fromkeys(df["label"]))
+    cols = min(4, len(labels))
+    rows = -(-len(labels) // cols) + 1
+    fig = plt.figure(figsize=(3.2 * cols + 1, 2.6 * rows + 0.6))
+    grid = fig.add_gridspec(rows, cols)
+    image = None
+    for i, label in enumerate(labels):
+        ax = fig.add_subplot(grid[i // cols, i % cols])
+        g = df[df["label"] == label]
+        contexts = sorted(g["context"].unique())
+        depths = sorted(g["depth"].fillna(0).unique())
+        acc = np.full((len(depths), len(contexts)), np.nan)
+        for _, r in g.iterrows():
+            acc[depths.index(0 if pd.isna(r["depth"]) else r["depth"]),
+                contexts.index(r["context"])] = r["accuracy"]
+        image = ax.imshow(acc, vmin=0, vmax=1, cmap="RdYlGn", aspect="auto")
+        for (y, x), v in np.ndenumerate(acc):
+            if not np.isnan(v):
+                ax.text(x, y, f"{v:.0%}", ha="center", va="center", fontsize=7)
+        ax.set_xticks(range(len(contexts)), [f"{c:,}" for c in contexts], fontsize=7)
+        ax.set_yticks(range(len(depths)), [f"{d:g}" for d in depths], fontsize=7)
+        ax.set_title(label, fontsize=8)
+        if i % cols == 0:
+            ax.set_ylabel("needle depth", fontsize=8)
+        if i // cols == rows - 2 or i + cols >= len(labels):
+            ax.set_xlabel("context, tokens", fontsize=8)
+    if image is not None:
+        fig.colorbar(image, ax=fig.axes, shrink=0.6, label="accuracy")
+    ax = fig.add_subplot(grid[rows - 1, :])
+    longest = df[df["context"] == df["context"].max()]
+    points = longest.groupby("label", sort=False).agg(bytes=("kv_bytes", "max"),
+                                                      accuracy=("accuracy", "mean"))
+    for i, (label, r) in enumerate(points.iterrows()):
+        ax.scatter(r["bytes"] / MIB, r["accuracy"], color=f"C{i % 10}", label=label)
+    front = points.sort_values("bytes")
+    best, keep = -1.0, []
+    for label, r in front.iterrows():
+        if r["accuracy"] > best:
+            best, keep = r["accuracy"], [*keep, label]
+    ax.plot(front.loc[keep, "bytes"] / MIB, front.loc[keep, "accuracy"], "k--", lw=0.8,
+            label="frontier")
+    ax.set_xlabel(f"K/V bytes held at {int(df['context'].max()):,} tokens, MiB", fontsize=8)
+    ax.set_ylabel("accuracy (mean over depths)", fontsize=8)
+    ax.set_ylim(-0.05, 1.05)
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=7)
+    task = ", ".join(sorted(set(df["task"].astype(str))))
+    fig.suptitle(_title(df, f"needle ({task}): retrieval by depth and context"), fontsize=10)
+    return fig
+
+
 SERVE_KEYS = ["reserve", "preempt", "prefill_chunk", "requests", "len_dist", "output_dist",
               "max_len", "rate_per_s", "kv_blocks", "block_size", "hidden", "q_heads",
               "kv_heads", "head_dim", "dtype", "device"]
@@ -551,7 +616,7 @@ def _plot_kind(kind: str, df: pd.DataFrame, output: Path) -> list[Path]:
 def _plot_one(kind: str, df: pd.DataFrame, output: Path) -> list[Path]:
     drawers = {"bench": plot_bench, "memory": plot_memory, "capacity": plot_capacity,
                "verify": plot_verify, "serve-sim": plot_serve,
-               "serve-sim-steps": plot_serve_steps}
+               "serve-sim-steps": plot_serve_steps, "needle": plot_needle}
     if kind in ("bench", "verify") and df["kv_dtype"].nunique(dropna=False) > 1:
         drawers[kind] = lambda df, plt: plot_frontier(kind, df, plt)
     if kind == "memory" and df["seq_lens"].notna().any() and df["kv_waste"].notna().any():
@@ -564,7 +629,7 @@ def _plot_one(kind: str, df: pd.DataFrame, output: Path) -> list[Path]:
         drawers[kind] = plot_model_quality
     if kind not in drawers:
         raise KvbenchError(f"nothing to plot in {kind} results; plot takes bench, memory, "
-                           "capacity, verify or serve-sim results")
+                           "capacity, verify, serve-sim or needle results")
     plt = _pyplot()
     fig = layout(drawers[kind](df, plt))
     try:

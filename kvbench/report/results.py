@@ -438,6 +438,14 @@ SERVE_STEP_COLUMNS = SERVE_STEP_FIRST + ["host_ms", "seed", "context", "prefill_
                                          ] + PROVENANCE_COLUMNS
 
 
+# kvbench needle: one row per implementation, context and depth (kvbench.experiments.needle)
+NEEDLE_FIRST = ["timestamp", "command", "task", "model", "impl", "context", "depth", "trials",
+                "query", "accuracy", "full_accuracy", "needle_kept", "needle_kept_min_layer",
+                "kv_bytes", "passed", "gate", *TECHNIQUES, "kv_dtype", "layers", "dtype",
+                "device", "seed", "haystack", "answers"] + ENV_COLUMNS
+NEEDLE_COLUMNS = NEEDLE_FIRST + PROVENANCE_COLUMNS
+
+
 # kind -> (the columns this release writes, the columns of the first release). Later releases
 # add columns, never remove one, so every file of a kind has its first release's columns.
 FILE_KINDS = {
@@ -449,6 +457,7 @@ FILE_KINDS = {
     "serve-sim": (SERVE_COLUMNS, SERVE_FIRST),
     "tune": (TUNE_COLUMNS, TUNE_FIRST),
     "serve-sim-steps": (SERVE_STEP_COLUMNS, SERVE_STEP_FIRST),
+    "needle": (NEEDLE_COLUMNS, NEEDLE_FIRST),
 }
 
 

