@@ -452,8 +452,8 @@ def run(o: NeedleOptions, planned) -> list[Cell]:
                         results.append_csv(csv, rows(o, ref, config, [cell], stamp, env),
                                            results.NEEDLE_COLUMNS, results.NEEDLE_FIRST)
     except KeyboardInterrupt:
-        kept = f"; {len(cells)} rows kept in {csv}" if cells and csv is not None else ""
-        print(f"kvbench: interrupted after {len(cells)} cells{kept}", file=sys.stderr)
+        saved = f"; {len(cells)} rows kept in {csv}" if cells and csv is not None else ""
+        print(f"kvbench: interrupted after {len(cells)} cells{saved}", file=sys.stderr)
         raise SystemExit(130) from None
     if not o.quiet:
         show(o, ref, cells)

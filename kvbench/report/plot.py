@@ -457,7 +457,8 @@ def plot_needle(df: pd.DataFrame, plt):
     for i, (label, r) in enumerate(points.iterrows()):
         ax.scatter(r["bytes"] / MIB, r["accuracy"], color=f"C{i % 10}", label=label)
     front = points.sort_values("bytes")
-    best, keep = -1.0, []
+    best = -1.0
+    keep: list[str] = []
     for label, r in front.iterrows():
         if r["accuracy"] > best:
             best, keep = r["accuracy"], [*keep, label]
