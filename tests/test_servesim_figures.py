@@ -381,3 +381,19 @@ def test_a_run_reports_its_prefix_cache_hits_and_a_leaked_block():
     leaked = _served(o, "paged", requests(o), sched, [1.0] * sched.now, [1.0] * sched.now,
                      [], 0.0)
     assert leaked.failures == ["1 block was never returned to the pool"]
+
+
+def test_the_time_before_the_run_is_a_sequence_step_per_output_token_and_prefill():
+    reqs = [replace(r, output_len=n) for r, n in zip(requests(options(requests=2)), (3, 5))]
+    # (3 + 1) + (5 + 1) sequence steps a reserve, two reserves, 0.5 s each
+    assert servesim.expected_time({0: reqs}, 2, 0.5) == 10.0
+
+
+@pytest.mark.parametrize("seconds, said", [(30.5, True), (29.5, False)])
+def test_a_run_over_a_minute_says_so_before_it_starts(capsys, seconds, said):
+    o = options(requests=2, reserve=("paged", "prealloc"))
+    reqs = [replace(r, output_len=n) for r, n in zip(requests(o), (3, 5))]
+    # the warm-up: 10 sequence steps in `seconds`; the run, 2 reserves of 10: 2 x seconds
+    servesim._before(o, {0: reqs}, seconds, 10)
+    err = " ".join(capsys.readouterr().err.split())
+    assert ("for the run, before it starts" in err) == said

@@ -513,10 +513,11 @@ def preflight(o: SimOptions, device: str) -> None:
 
 
 def serve(o: SimOptions, reserve: str, reqs, subject, device: str,
-          served_one=lambda n: None) -> Served:
+          served_one=lambda n: None, warmed=lambda seconds, sequence_steps: None) -> Served:
     """The trace served by one way of reserving, every step timed on `subject` (one layer,
     or a whole model: _subject). served_one(n): n more requests finished (the progress
-    bar)."""
+    bar); warmed(seconds, sequence steps): the warm-up's time and its sequences' steps (a
+    sequence decoded or prefilled in a step), before the timed run."""
     from kvbench.measure.device import synchronize
     from kvbench.serving.engine import Engine
 
@@ -524,7 +525,10 @@ def serve(o: SimOptions, reserve: str, reqs, subject, device: str,
     engine = Engine(subject, o.kv_blocks, o.block_size, o.seed, decode_kernel(o, device))
     # warm-up: the first steps' one-time costs (allocator, kernels) before the clock starts
     warm = o.scheduler(reserve, sorted(reqs, key=lambda r: r.reach)[:WARMUP_REQUESTS], engine)
+    start = time.perf_counter()
     warm.run()
+    synchronize(device)
+    warmed(time.perf_counter() - start, sum(warm.batch) + len(warm.records))
     engine.check(rtol, atol)
     sched = o.scheduler(reserve, reqs, engine)
     clock, ends, took, host, failures, max_err = 0.0, [], [], [], [], 0.0
@@ -805,7 +809,9 @@ def run(o: SimOptions) -> list[Served]:
                              replay(run, reserve, traces[run.seed], profile, bar.advance)
                              if profile is not None else
                              serve(run, reserve, traces[run.seed], _subject(run, device),
-                                   device, bar.advance))
+                                   device, bar.advance,
+                                   lambda t, n: _before(o, traces, t, n) if not served
+                                   and not o.quiet else None))
                         if (not served and len(o.reserve) * o.seeds > 1 and not o.quiet
                                 and not o.steps_only):
                             render.note(_estimate(o, s))
@@ -956,6 +962,32 @@ def trace_preflight(o: SimOptions, device: str) -> None:
             f"--requests {o.requests:,} holds about {human_bytes(need)} on the host (each "
             f"request and each of about {sum(expected_steps(o, r) for r in o.reserve):,} "
             f"steps logged) but {human_bytes(have)} is available; lower --requests")
+
+
+LONG_RUN_S = 60  # a run expected to take longer says so before it starts
+
+
+def _before(o: SimOptions, traces, seconds: float, sequence_steps: int) -> None:
+    """Before the first timed run: the whole run's time at the warm-up's pace, said when it
+    is over a minute. A step's cost grows with the sequences in it, so the pace is per
+    sequence step, and the run has one per output token and one prefill per request."""
+    from kvbench.planning.runner import duration_text
+    from kvbench.report import render
+
+    total = expected_time(traces, len(o.reserve), seconds / max(sequence_steps, 1))
+    if total > LONG_RUN_S:
+        render.note(f"about {duration_text(total)} for the run, before it starts (each "
+                    f"sequence's step at the warm-up's {1e3 * seconds / max(sequence_steps, 1):.1f}"
+                    f" ms, over {len(o.reserve)} {'reserve' if len(o.reserve) == 1 else 'reserves'}"
+                    "); Ctrl-C keeps the reserves finished")
+
+
+def expected_time(traces, reserves: int, per_sequence_step: float) -> float:
+    """Seconds for every reserve of every trace: a sequence step per output token and per
+    request's prefill, at `per_sequence_step` each (a preempted request's recompute, and a
+    prefill's cost growing with its prompt, left out: a lower estimate)."""
+    steps = sum(r.output_len + 1 for reqs in traces.values() for r in reqs)
+    return reserves * steps * per_sequence_step
 
 
 def _estimate(o: SimOptions, first: Served) -> str:
