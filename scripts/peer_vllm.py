@@ -47,8 +47,8 @@ from vllm.v1.outputs import ModelRunnerOutput
 from vllm.v1.request import Request as VllmRequest
 from vllm.v1.structured_output import StructuredOutputManager
 
-from kvbench.serving.scheduler import CachingPool, Request, Scheduler, trace
-from kvbench.serving.workloads import read_trace, shared_prefix
+from kvbench.serving.scheduler import CachingPool, Request, Scheduler
+from kvbench.serving.workloads import read_trace, shared_prefix, trace
 from kvbench.sizing.lengths import LenDist
 
 logging.disable(logging.WARNING)

@@ -9,7 +9,8 @@ import math
 import pytest
 
 from kvbench.errors import KvbenchError
-from kvbench.serving.scheduler import BlockPool, CachingPool, Request, Scheduler, gaps, trace
+from kvbench.serving.scheduler import BlockPool, CachingPool, Request, Scheduler
+from kvbench.serving.workloads import gaps, trace
 from kvbench.sizing.lengths import parse_len_dist
 
 TRACE = trace(1000, seed=0, prompt=parse_len_dist("lognormal:200:1.0"),
@@ -319,7 +320,7 @@ def test_burstiness_sets_the_gaps_coefficient_of_variation(burstiness):
     # 4,000 seeded arrivals at 10 per second
     import statistics
 
-    from kvbench.serving.scheduler import trace
+    from kvbench.serving.workloads import trace
     from kvbench.sizing.lengths import LenDist
 
     lens = LenDist("uniform", 4, 8)
@@ -333,7 +334,7 @@ def test_burstiness_sets_the_gaps_coefficient_of_variation(burstiness):
 def test_poisson_arrivals_are_the_draws_they_always_were():
     import random
 
-    from kvbench.serving.scheduler import trace
+    from kvbench.serving.workloads import trace
     from kvbench.sizing.lengths import LenDist
 
     lens = LenDist("uniform", 4, 8)

@@ -743,7 +743,7 @@ def test_the_trace_takes_the_seed_rate_burstiness_and_shared_prompt():
     d = SimOptions(requests=20, len_dist="uniform:10:2000", output_dist="uniform:10:2000",
                    max_len=300, rate=2.0, burstiness=0.5, seed=1)
     assert all(r.reach <= 300 for r in requests(d))  # --max-len caps the draws
-    from kvbench.serving.scheduler import gaps
+    from kvbench.serving.workloads import gaps
     assert [r.arrival for r in requests(d)] == gaps(20, 1, 2.0, 0.5)
 
 

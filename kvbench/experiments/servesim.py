@@ -35,9 +35,8 @@ from kvbench.serving.scheduler import (
     Scheduler,
     check_limits,
     refuse_unfit,
-    trace,
 )
-from kvbench.serving.workloads import read_trace, shared_prefix
+from kvbench.serving.workloads import read_trace, shared_prefix, trace
 from kvbench.sizing.config import DTYPE_BYTES, canonical_dtype, flag
 from kvbench.sizing.lengths import parse_len_dist
 

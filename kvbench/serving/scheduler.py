@@ -28,12 +28,10 @@ from __future__ import annotations
 
 import bisect
 import math
-import random
 from collections import deque
 from dataclasses import dataclass, field
 
 from kvbench.errors import KvbenchError
-from kvbench.sizing.lengths import LenDist, draw
 
 POLICIES = ("vllm", "vllm-v0")  # v1's mixed steps, or v0's prompt-only steps
 SCHEDULING = ("fcfs", "priority")  # vLLM's --scheduling-policy
@@ -68,32 +66,6 @@ class Request:
     def reach(self) -> int:
         """Prompt + output: the positions a server reserving per request must allow for."""
         return self.prompt_len + self.output_len
-
-
-def gaps(n: int, seed: int, rate: float, burstiness: float = 1.0) -> list[float]:
-    """n arrival times at `rate` requests per unit of the clock (math.inf: all at 0). The
-    gaps between them are gamma-distributed as vLLM's benchmark draws them: shape
-    `burstiness`, mean 1 / rate, so their coefficient of variation is 1 / sqrt(burstiness):
-    1 is a Poisson process, below 1 burstier, above 1 more even."""
-    rng = random.Random(seed)
-    now, times = 0.0, []
-    for _ in range(n):
-        if not math.isinf(rate):
-            now += (rng.expovariate(rate) if burstiness == 1.0 else  # (the same draws as before)
-                    rng.gammavariate(burstiness, 1.0 / (rate * burstiness)))
-        times.append(now)
-    return times
-
-
-def trace(n: int, seed: int, prompt: LenDist, output: LenDist, rate: float,
-          max_len: int, burstiness: float = 1.0) -> list[Request]:
-    """n requests arriving at `rate` (see `gaps`), their prompt and output lengths drawn from
-    the distributions (seeded), prompt + output capped at max_len."""
-    prompts = draw(prompt, n, seed, max_len - 1)
-    outputs = draw(output, n, seed + 1, max_len - 1)
-    return [Request(i, t, p, max(1, min(o, max_len - p)))
-            for i, (t, p, o) in enumerate(zip(gaps(n, seed, rate, burstiness), prompts,
-                                              outputs))]
 
 
 def check_limits(chunk: int | None, max_seqs: int | None, max_batched_tokens: int | None,
