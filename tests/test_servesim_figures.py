@@ -52,7 +52,7 @@ def options(**changes) -> SimOptions:
 ])
 def test_each_option_refuses_just_past_its_limit(taken, refused):
     options(**taken)
-    with pytest.raises(KvbenchError):
+    with pytest.raises(KvbenchError, match="--"):  # a line that names the option
         options(**refused)
 
 
@@ -315,11 +315,11 @@ def test_the_steps_only_report_counts_the_prefix_cache_hits(capsys):
 def test_the_subject_is_the_layer_the_options_shape():
     import torch
 
-    o = options(hidden=48, q_heads=6, kv_heads=2, head_dim=8, dtype="bfloat16")
+    o = options(hidden=48, q_heads=6, kv_heads=3, head_dim=8, dtype="bfloat16")
     layer = servesim._subject(o, "cpu")
     assert (layer.shape.hidden, layer.shape.q_heads, layer.shape.kv_heads,
-            layer.shape.head_dim) == (48, 6, 2, 8)
-    assert layer.dtype == torch.bfloat16 and layer.rope is not None
+            layer.shape.head_dim) == (48, 6, 3, 8)
+    assert layer.dtype == torch.bfloat16 and layer.rope is True
 
 
 def test_the_decode_kernel_is_triton_on_cuda_only_where_asked_or_auto():
@@ -338,8 +338,8 @@ def test_the_scheduler_gets_the_options_preemption_and_policy():
 
 
 def test_serve_keeps_the_clock_step_by_step_and_idles_to_the_next_arrival():
-    # arrivals 1 s apart on average: steps of milliseconds leave the engine idle between them
-    o = options(rate=1.0, requests=4, dtype="float32")
+    # arrivals 0.2 s apart on average: steps of milliseconds leave the engine idle between them
+    o = options(rate=5.0, requests=4, dtype="float32")
     reqs = requests(o)
     done = []
     s = servesim.serve(o, "paged", reqs, servesim._subject(o, "cpu"), "cpu", done.append)
@@ -352,8 +352,10 @@ def test_serve_keeps_the_clock_step_by_step_and_idles_to_the_next_arrival():
         # a step starts where the last ended, or, idle, at the next arrival after it
         assert start == pytest.approx(clock) or start == min(a for a in arrivals if a > clock)
         clock = end
-    assert s.duration_s == s.step_end_s[-1] and s.steps == len(s.step_s)
-    assert min(s.ttft_s) < 0.5  # a request served at its arrival, not at the next one's
+    assert s.duration_s == s.step_end_s[-1] and s.steps == len(s.step_s) == len(s.host_s)
+    assert s.step_end_s[0] - s.step_s[0] == pytest.approx(arrivals[0])  # idle until then
+    assert 0 < min(s.ttft_s) < 0.1  # a request served at its arrival, not at the next one's
+    assert s.reserve == "paged" and s.failures == []
 
 
 @pytest.mark.parametrize("preempt", ["recompute", "swap"])
@@ -397,3 +399,138 @@ def test_a_run_over_a_minute_says_so_before_it_starts(capsys, seconds, said):
     servesim._before(o, {0: reqs}, seconds, 10)
     err = " ".join(capsys.readouterr().err.split())
     assert ("for the run, before it starts" in err) == said
+
+
+def test_the_preflight_of_a_preset_counts_its_weights_once(monkeypatch):
+    import kvbench.planning.preflight
+
+    # random weights at the preset's shape: no second copy, as a checkpoint loads
+    o = SimOptions(model="llama-3-8b", layers=1, requests=4, max_len=64, kv_blocks=8,
+                   block_size=16, dtype="float16")
+    arch = o.ref.arch.first(1)
+    need = (o.pool_bytes + 2 * o.pool_bytes * 4 // 2 + 64 * 2**20 + arch.weight_count() * 2
+            + 64 * (4 * arch.hidden + 2 * arch.intermediate) * 2 * 2)
+    monkeypatch.setattr(kvbench.planning.preflight, "available_memory",
+                        lambda device, host_mem=None: {"host": need, "device": 0})
+    preflight(o, "cpu")
+    monkeypatch.setattr(kvbench.planning.preflight, "available_memory",
+                        lambda device, host_mem=None: {"host": need - 1, "device": 0})
+    with pytest.raises(KvbenchError, match="of weights"):
+        preflight(o, "cpu")
+
+
+def test_a_pool_alone_is_named_without_weights(monkeypatch):
+    import kvbench.planning.preflight
+
+    monkeypatch.setattr(kvbench.planning.preflight, "available_memory",
+                        lambda device, host_mem=None: {"host": 1, "device": 0})
+    with pytest.raises(KvbenchError) as refused:
+        preflight(options(), "cpu")
+    assert "(4 KiB of pool)" in str(refused.value) and "weights" not in str(refused.value)
+
+
+def test_the_trace_preflight_asks_the_host_for_the_requests_and_step_logs(monkeypatch):
+    import kvbench.planning.preflight
+
+    o = options(host_mem="2GiB")
+    need = servesim.host_bytes(o)
+    asked = []
+
+    def fake(device, host_mem=None):
+        asked.append(host_mem)
+        return {"host": have}
+
+    monkeypatch.setattr(kvbench.planning.preflight, "available_memory", fake)
+    have = need
+    servesim.trace_preflight(o, "cpu")
+    assert asked == ["2GiB"]
+    have = need - 1
+    with pytest.raises(KvbenchError, match="lower --requests"):
+        servesim.trace_preflight(o, "cpu")
+
+
+def test_the_steps_expected_of_a_trace_read_its_prompts_mean(tmp_path):
+    trace = tmp_path / "t.csv"
+    trace.write_text("arrival_s,prompt_len,output_len\n0,4,2\n0,8,6\n")
+    # prompts of 6 and outputs of 4: 10 held a request, 5 blocks of 4 hold 2 at once
+    o = options(trace=trace, kv_blocks=5, block_size=4)
+    assert expected_steps(o, "paged") == 4 * 2 // 2 + 2
+
+
+def test_goodput_counts_the_requests_within_both_objectives():
+    # every first token within a day; no later token within a nanosecond: only requests of
+    # one output token (no TPOT) meet both
+    o = options(output_dist="uniform:1:3", slo_ttft=86_400_000.0, slo_tpot=1e-6)
+    s = served_by_hand(o)
+    assert s.good == sum(r.output_len == 1 for r in requests(o)) > 0
+
+
+def test_a_row_names_its_cost_profile_and_every_run_has_its_row(tmp_path):
+    o = options(cost_profile=tmp_path / "p.json")
+    (row,) = serve_rows(o, "cpu", [served_by_hand(o)], "t", {})
+    assert row["cost_profile"] == str(tmp_path / "p.json")
+    steps = options(steps_only=True)
+    runs = [count(steps, "paged", requests(steps)), count(steps, "prealloc", requests(steps))]
+    assert [r["reserve"] for r in serve_rows(steps, "cpu", runs, "t", {})] == ["paged",
+                                                                               "prealloc"]
+
+
+def test_triton_is_made_ready_only_for_its_kernel(monkeypatch):
+    import kvbench.caches.triton
+
+    calls = []
+    monkeypatch.setattr(kvbench.caches.triton, "prepare",
+                        lambda kind: calls.append(kind) or "no Triton here")
+    servesim.prepare_kernel(options(), "cpu")  # torch's kernel: nothing to prepare
+    assert calls == []
+    with pytest.raises(KvbenchError, match="--decode-kernel triton: no Triton here"):
+        servesim.prepare_kernel(options(decode_kernel="triton"), "cpu")
+    assert calls == ["cpu"]
+
+
+TIMED = ["serve-sim", "--requests", "6", "--len-dist", "uniform:4:12", "--output-dist",
+         "uniform:2:6", "--max-len", "32", "--kv-blocks", "8", "--block-size", "4", "--hidden",
+         "32", "--q-heads", "2", "--kv-heads", "1", "--head-dim", "16", "--device", "cpu"]
+
+
+def test_a_timed_run_writes_checked_rows_and_says_the_time_of_the_rest(tmp_path):
+    out = tmp_path / "s.csv"
+    result = runner.invoke(app, [*TIMED, "--reserve", "paged,prealloc", "--csv", str(out)])
+    assert result.exit_code == 0, result.output
+    df = pd.read_csv(out)
+    assert df["passed"].all() and not df["steps_only"].any()
+    assert (df["decode_kernel"] == "torch").all() and (df["step_p50_ms"] > 0).all()
+    said = " ".join(result.stderr.split())
+    assert "paged took" in said and "for prealloc at its pace per step" in said
+    shown = " ".join(result.stdout.split())
+    assert "cpu" in shown and "prefix cache:" in shown  # paged caches prefixes by default
+    quiet = runner.invoke(app, [*TIMED, "--reserve", "paged,prealloc", "-q", "--no-csv"])
+    assert quiet.exit_code == 0 and quiet.stderr == "" and quiet.stdout == ""
+
+
+def test_a_timed_run_that_fails_its_check_exits_1(monkeypatch):
+    import broken
+
+    import kvbench.serving.engine
+
+    monkeypatch.setattr(kvbench.serving.engine, "Engine", broken.DecodeReadsPastTheEnd)
+    result = runner.invoke(app, [*TIMED, "--reserve", "paged", "--no-csv", "-q"])
+    assert result.exit_code == 1 and "differs from path A" in result.stderr
+
+
+def test_rows_as_json_on_stdout():
+    import json
+
+    result = runner.invoke(app, [*STEPS, "--reserve", "paged,prealloc", "--format", "json",
+                                 "--no-csv"])
+    assert [r["reserve"] for r in json.loads(result.stdout)] == ["paged", "prealloc"]
+
+
+def test_a_results_file_of_an_earlier_release_takes_the_new_rows(tmp_path):
+    from kvbench.report import results
+
+    out = tmp_path / "s.csv"
+    out.write_text(",".join(results.SERVE_FIRST) + "\n")  # the first release's header
+    result = runner.invoke(app, [*STEPS, "--reserve", "paged", "--csv", str(out)])
+    assert result.exit_code == 0, result.output
+    assert list(pd.read_csv(out)["reserve"]) == ["paged"]
