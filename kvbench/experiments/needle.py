@@ -19,9 +19,10 @@ compression's observation window sees the question. --question-after-compression
 (query-agnostic, a cache compressed once and reused for any question): the haystack and
 needle are prefilled, the cache compresses, then the question is fed token by token.
 
-A lossy cache that records what it kept is gated exactly as verify gates it: every layer's
-attention at every step against float64 attention over the positions it kept, so a wrong
-answer is the method's, not a bug. An exact cache must give path A's answer token for token.
+A lossy cache that records what it kept is gated as verify gates it: every layer's attention
+at every step against float64 attention over the positions it kept, so a wrong answer is the
+method's, not a bug (a cell's first prompt; the replay of the policy's choice, pure Python
+and minutes at these lengths, is verify's). An exact cache must give path A's answer token for token.
 """
 
 from __future__ import annotations
@@ -324,7 +325,7 @@ def run_prompt(m, cls, config, options, prompt: Prompt, task: str, agnostic: boo
     wrong = ""
     if tapped is not None:
         rtol, atol = TOLERANCES[config.dtype]
-        bad, _ = _gate_layers(cm, tapped, P, rtol, atol)
+        bad, _ = _gate_layers(cm, tapped, P, rtol, atol, replay_limit=0)  # (verify's)
         wrong = bad or ""
     elif not lossy(cls, config) and got != reference:
         wrong = (f"an exact cache's answer {answer!r} differs from path A's "
@@ -470,7 +471,7 @@ def run(o: NeedleOptions, planned) -> list[Cell]:
 
 def _gate(cls, config) -> str:
     if cls.lossy and cls.records_kept:
-        return "exact over what it kept (the first trial gated)"
+        return "attention exact over what it kept (the first trial gated)"
     if lossy(cls, config):
         return "not gated (a window or a format: lossy by design)"
     return "exact: path A's answer"

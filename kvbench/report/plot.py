@@ -408,70 +408,84 @@ def plot_serve_steps(df: pd.DataFrame, plt):
     return fig
 
 
-def needle_label(row) -> str:
-    """A needle row's configuration: its technique, and query-agnostic where it was."""
-    return technique(row) + (" (question after)" if row.get("query") == "agnostic" else "")
-
-
 def plot_needle(df: pd.DataFrame, plt):
-    """kvbench needle: a heatmap per configuration (context across, depth down, accuracy as
-    colour and number), then accuracy (mean over the cells) against the K/V bytes held at
-    the longest context, with the frontier: the configurations no other beats on both."""
-    import numpy as np
-
+    """kvbench needle: accuracy as colour and number by depth, for each configuration: at one
+    context, a matrix a query mode (configurations down, depths across); at several, a
+    heatmap a configuration (depths down, contexts across). Below, accuracy (the mean over the
+    cells) against the K/V bytes held at the longest context, with the frontier: the
+    configurations no other beats on both."""
     df = df.copy()
-    df["label"] = [needle_label(r) for _, r in df.iterrows()]
-    df = df.drop_duplicates(subset=["label", "task", "context", "depth"], keep="last")
-    labels = list(dict.fromkeys(df["label"]))
-    cols = min(4, len(labels))
-    rows = -(-len(labels) // cols) + 1
-    fig = plt.figure(figsize=(3.2 * cols + 1, 2.6 * rows + 0.6))
-    grid = fig.add_gridspec(rows, cols)
+    df["label"] = [technique(r) for _, r in df.iterrows()]
+    df["mode"] = df["query"].map({"agnostic": "question after compression"}).fillna(
+        "question in the prompt")
+    df["depth"] = df["depth"].fillna(0.0)
+    df = df.drop_duplicates(subset=["label", "mode", "task", "context", "depth"], keep="last")
+    if df["context"].nunique() == 1:
+        panels = [(mode, g, "label", "depth") for mode, g in df.groupby("mode", sort=False)]
+    else:
+        panels = [(f"{label} ({mode})" if df["mode"].nunique() > 1 else label, g, "depth",
+                   "context") for (label, mode), g in df.groupby(["label", "mode"], sort=False)]
+    cols = min(len(panels), 2 if df["context"].nunique() == 1 else 4)
+    rows = -(-len(panels) // cols)
+    height = max(2.6, 0.28 * df["label"].nunique()) if df["context"].nunique() == 1 else 2.6
+    fig = plt.figure(figsize=(4.8 * cols + 1.5, height * rows + 3.4))
+    grid = fig.add_gridspec(rows + 1, cols, height_ratios=[height] * rows + [3.0])
     image = None
-    for i, label in enumerate(labels):
+    for i, (title, g, down, across) in enumerate(panels):
         ax = fig.add_subplot(grid[i // cols, i % cols])
-        g = df[df["label"] == label]
-        contexts = sorted(g["context"].unique())
-        depths = sorted(g["depth"].fillna(0).unique())
-        acc = np.full((len(depths), len(contexts)), np.nan)
-        for _, r in g.iterrows():
-            acc[depths.index(0 if pd.isna(r["depth"]) else r["depth"]),
-                contexts.index(r["context"])] = r["accuracy"]
-        image = ax.imshow(acc, vmin=0, vmax=1, cmap="RdYlGn", aspect="auto")
-        for (y, x), v in np.ndenumerate(acc):
-            if not np.isnan(v):
-                ax.text(x, y, f"{v:.0%}", ha="center", va="center", fontsize=7)
-        ax.set_xticks(range(len(contexts)), [f"{c:,}" for c in contexts], fontsize=7)
-        ax.set_yticks(range(len(depths)), [f"{d:g}" for d in depths], fontsize=7)
-        ax.set_title(label, fontsize=8)
-        if i % cols == 0:
-            ax.set_ylabel("needle depth", fontsize=8)
-        if i // cols == rows - 2 or i + cols >= len(labels):
-            ax.set_xlabel("context, tokens", fontsize=8)
+        image = _accuracy_matrix(ax, g, down, across)
+        ax.set_title(title, fontsize=8)
     if image is not None:
         fig.colorbar(image, ax=fig.axes, shrink=0.6, label="accuracy")
-    ax = fig.add_subplot(grid[rows - 1, :])
-    longest = df[df["context"] == df["context"].max()]
-    points = longest.groupby("label", sort=False).agg(bytes=("kv_bytes", "max"),
-                                                      accuracy=("accuracy", "mean"))
-    for i, (label, r) in enumerate(points.iterrows()):
-        ax.scatter(r["bytes"] / MIB, r["accuracy"], color=f"C{i % 10}", label=label)
-    front = points.sort_values("bytes")
+    _needle_frontier(fig.add_subplot(grid[rows, :]), df)
+    task = ", ".join(sorted(set(df["task"].astype(str))))
+    fig.suptitle(_title(df, f"needle ({task}): retrieval through each cache"), fontsize=10)
+    return fig
+
+
+def _accuracy_matrix(ax, g: pd.DataFrame, down: str, across: str):
+    import numpy as np
+
+    ys = list(dict.fromkeys(g[down])) if down == "label" else sorted(g[down].unique())
+    xs = sorted(g[across].unique())
+    acc = np.full((len(ys), len(xs)), np.nan)
+    for _, r in g.iterrows():
+        acc[ys.index(r[down]), xs.index(r[across])] = r["accuracy"]
+    image = ax.imshow(acc, vmin=0, vmax=1, cmap="RdYlGn", aspect="auto")
+    for (y, x), v in np.ndenumerate(acc):
+        if not np.isnan(v):
+            ax.text(x, y, f"{v:.0%}", ha="center", va="center", fontsize=6)
+    words = {"depth": "needle depth", "context": "context, tokens", "label": ""}
+    ax.set_xticks(range(len(xs)), [f"{x:,}" if across == "context" else f"{x:g}" for x in xs],
+                  fontsize=7)
+    ax.set_yticks(range(len(ys)), [y if down == "label" else f"{y:g}" for y in ys], fontsize=6)
+    ax.set_xlabel(words[across], fontsize=8)
+    ax.set_ylabel(words[down], fontsize=8)
+    return image
+
+
+def _needle_frontier(ax, df: pd.DataFrame) -> None:
+    longest = df[df["context"] == df["context"].max()].copy()
+    longest["who"] = longest["label"] + longest["mode"].map(
+        {"question after compression": " (question after)"}).fillna("")
+    points = longest.groupby("who", sort=False).agg(bytes=("kv_bytes", "max"),
+                                                    accuracy=("accuracy", "mean"))
+    for i, (who, r) in enumerate(points.iterrows()):
+        ax.scatter(r["bytes"] / MIB, r["accuracy"], color=f"C{i % 10}",
+                   marker="o" if "(question after)" not in who else "x", label=who)
+    front = points.sort_values(["bytes", "accuracy"], ascending=[True, False])
     best = -1.0
     keep: list[str] = []
-    for label, r in front.iterrows():
+    for who, r in front.iterrows():
         if r["accuracy"] > best:
-            best, keep = r["accuracy"], [*keep, label]
+            best, keep = r["accuracy"], [*keep, who]
     ax.plot(front.loc[keep, "bytes"] / MIB, front.loc[keep, "accuracy"], "k--", lw=0.8,
             label="frontier")
     ax.set_xlabel(f"K/V bytes held at {int(df['context'].max()):,} tokens, MiB", fontsize=8)
-    ax.set_ylabel("accuracy (mean over depths)", fontsize=8)
+    ax.set_ylabel("accuracy, mean over depths", fontsize=8)
     ax.set_ylim(-0.05, 1.05)
     ax.grid(True, alpha=0.3)
-    ax.legend(fontsize=7)
-    task = ", ".join(sorted(set(df["task"].astype(str))))
-    fig.suptitle(_title(df, f"needle ({task}): retrieval by depth and context"), fontsize=10)
-    return fig
+    ax.legend(fontsize=6, ncol=2)
 
 
 SERVE_KEYS = ["reserve", "preempt", "prefill_chunk", "requests", "len_dist", "output_dist",

@@ -293,18 +293,18 @@ REPLAY_LIMIT = 100_000  # the policy replay (pure Python) runs up to this many k
 # positions over the steps, per layer: beyond it a model run is gated over what it kept only
 
 
-def _gate_layers(cm: CachedModel, tapped, T: int, rtol: float,
-                 atol: float) -> tuple[str | None, str]:
+def _gate_layers(cm: CachedModel, tapped, T: int, rtol: float, atol: float,
+                 replay_limit: int = REPLAY_LIMIT) -> tuple[str | None, str]:
     """Each layer's lossy gate inside the model, as on one layer: its attention at every step
     against float64 attention over the positions (and channels) its cache kept, from the
     inputs the layer received; then the cache's own check (the policy's replay) where the
-    run is within REPLAY_LIMIT. (What is wrong, the layer and step, or None; a note.)"""
+    run is within `replay_limit`. (What is wrong, the layer and step, or None; a note.)"""
     from kvbench.experiments.verify import restricted_reference
 
     size = sum(k.shape[-1] for k in cm.caches[0].kept)
-    replay = size <= REPLAY_LIMIT
+    replay = size <= replay_limit
     note = ("" if replay else f"the policy's replay left out ({size:,} kept positions over "
-            f"the steps a layer, above {REPLAY_LIMIT:,}); every layer gated over what it kept")
+            f"the steps a layer, above {replay_limit:,}); every layer gated over what it kept")
     for i, (cache, record) in enumerate(zip(cm.caches, tapped)):
         x = torch.cat([xi for xi, _ in record], dim=1)  # [B, T + G, H]: the layer's inputs
         channels = cache.kept_channels()
