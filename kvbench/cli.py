@@ -226,75 +226,81 @@ app.command("serve-sim", cls=_Command, epilog=EXIT_CODES, help=_unwrap("""
     """))(serve_sim)
 
 
+def _task(help: str, *flags: str, **kw):
+    return typer.Option(*flags, help=help, rich_help_panel="Task", **kw)
+
+
+def _cache(help: str, *flags: str, **kw):
+    return typer.Option(*flags, help=help, rich_help_panel="Caches and techniques",
+                        show_default=kw.pop("show_default", False), **kw)
+
+
+def _run(help: str, *flags: str, **kw):
+    return typer.Option(*flags, help=help, rich_help_panel="Run and output", **kw)
+
+
 @command
 def needle(
-    model: Annotated[str, typer.Option(help="A trained model: smollm2-135m, or a checkpoint "
-                                       "folder or .gguf with its tokenizer.")] = "smollm2-135m",
-    task: Annotated[str, typer.Option(help="passkey (one key in the haystack, asked at the "
-                                      "end), multikey (--keys keys, one asked) or copy (a "
-                                      "random token sequence shown twice: the second copy "
-                                      "predicted).")] = "passkey",
-    context: Annotated[str, typer.Option(help="Prompt lengths in tokens, a comma list (each "
-                                         "a column of the heatmap).")] = "512,1024",
-    depth: Annotated[str, typer.Option(help="Where the needle sits, fractions of the filler: "
-                                       "0 right after the instruction, 1 just before the "
-                                       "question; a comma list.")] = "0,0.25,0.5,0.75,1",
-    trials: Annotated[int, typer.Option(help="Prompts per cell, each with its own seeded "
-                                        "key and filler placement.")] = 2,
-    keys: Annotated[int, typer.Option(help="--task multikey: how many keys the haystack "
-                                      "holds.")] = 4,
-    haystack: Annotated[Path | None, typer.Option(
-        help="A plain-text file as the filler. [default: RULER's pass-key filler sentences]",
+    model: Annotated[str, _task("A trained model: smollm2-135m, or a checkpoint folder or "
+                                ".gguf with its tokenizer.")] = "smollm2-135m",
+    task: Annotated[str, _task("passkey (one key in the haystack, asked at the end), multikey "
+                               "(--keys keys, one asked) or copy (a random token sequence "
+                               "shown twice: the second copy predicted).")] = "passkey",
+    context: Annotated[str, _task("Prompt lengths in tokens, a comma list (each a column of "
+                                  "the heatmap).")] = "512,1024",
+    depth: Annotated[str, _task("Where the needle sits, fractions of the filler: 0 right after "
+                                "the instruction, 1 just before the question; a comma "
+                                "list.")] = "0,0.25,0.5,0.75,1",
+    trials: Annotated[int, _task("Prompts per cell, each with its own seeded key and filler "
+                                 "placement.")] = 2,
+    keys: Annotated[int, _task("--task multikey: how many keys the haystack holds.")] = 4,
+    haystack: Annotated[Path | None, _task(
+        "A plain-text file as the filler. \\[default: RULER's pass-key filler sentences]",
         show_default=False)] = None,
-    needle_key: Annotated[str | None, typer.Option(
-        "--needle", help="The key, digits (default: a seeded 5-digit number per trial).",
+    needle_key: Annotated[str | None, _task(
+        "The key, digits (default: a seeded 5-digit number per trial).", "--needle",
         show_default=False)] = None,
-    question_after_compression: Annotated[bool, typer.Option(
-        metavar="", help="Query-agnostic: prefill the haystack and needle, compress, then "
-        "feed the question (a cache reused for any question). Default: query-aware, the "
-        "question in the prompt the cache compresses.")] = False,
-    impl: Annotated[str, typer.Option(help="Cached implementations, a comma list (as verify "
-                                      "takes them).")] = "static",
-    kv_budget: Annotated[str | None, typer.Option(help="Eviction caches: positions kept per "
-                                                  "KV head.", show_default=False)] = None,
-    kv_recent: Annotated[int | None, typer.Option(help="Eviction caches: how many of them "
-                                                  "are the most recent.",
-                                                  show_default=False)] = None,
-    kv_compress: Annotated[str | None, typer.Option(help="decode (evict at every step) or "
-                                                    "prefill (compress the prompt once).",
-                                                    show_default=False)] = None,
-    window: Annotated[int | None, typer.Option(help="window: the last W positions.",
-                                               show_default=False)] = None,
-    sinks: Annotated[int | None, typer.Option(help="With --window: the first S positions.",
-                                              show_default=False)] = None,
-    head_budgets: Annotated[str | None, typer.Option(help="snapkv-paged: ada or duo.",
-                                                     show_default=False)] = None,
-    layer_budgets: Annotated[str | None, typer.Option(help="Each layer's budget, a list or "
-                                                      "pyramid.", show_default=False)] = None,
-    k_channels: Annotated[str | None, typer.Option(help="think: K channels kept per head.",
-                                                   show_default=False)] = None,
-    kv_reference: Annotated[str | None, typer.Option(help="kvpress: each scorer as kvpress's "
-                                                     "press keeps.", show_default=False)] = None,
-    kv_dtype: Annotated[str | None, typer.Option(help="fp8, int8, int4 or int2 K/V.",
-                                                 show_default=False)] = None,
-    group_size: Annotated[int, typer.Option(help="int8/int4/int2: elements per scale.")] = 64,
-    k_quant: Annotated[str, typer.Option(help="per-token or per-channel (KIVI).")] = "per-token",
-    kv_residual: Annotated[int, typer.Option(help="KIVI's residual of unquantized "
-                                             "positions.")] = 0,
-    layers: Annotated[int | None, typer.Option(help="Run the model's first N layers.",
-                                               show_default=False)] = None,
-    dtype: Annotated[str, typer.Option(help="float32, float16 or bfloat16.")] = "float32",
-    device: Annotated[str, typer.Option(help="auto, cpu, cuda or cuda:N.")] = "auto",
-    seed: Annotated[int, typer.Option(help="Seed of the keys, their places and copy's "
-                                      "tokens.")] = 0,
-    csv: Annotated[Path | None, typer.Option(help="Append rows to this CSV. [default: "
-                                             "results/needle.csv]", show_default=False)] = None,
-    no_csv: Annotated[bool, typer.Option(metavar="", help="Write no results file.")] = False,
-    quiet: Annotated[bool, typer.Option("--quiet", "-q", metavar="",
-                                        help="No table, notes or progress.")] = False,
-    shard: Annotated[str | None, typer.Option(help="Run only shard I of N (I/N): the cells "
-                                              "whose index is I modulo N; kvbench merge "
-                                              "joins the CSVs.", show_default=False)] = None):
+    question_after_compression: Annotated[bool, _task(
+        "Query-agnostic: prefill the haystack and needle, compress, then feed the question (a "
+        "cache reused for any question). Default: query-aware, the question in the prompt the "
+        "cache compresses.", "--question-after-compression", metavar="")] = False,
+    impl: Annotated[str, _cache("Cached implementations, a comma list (as verify takes them).",
+                                show_default=True)] = "static",
+    kv_budget: Annotated[str | None, _cache("Eviction caches: positions kept per KV "
+                                            "head.")] = None,
+    kv_recent: Annotated[int | None, _cache("Eviction caches: how many of them are the most "
+                                            "recent.")] = None,
+    kv_compress: Annotated[str | None, _cache("decode (evict at every step) or prefill "
+                                              "(compress the prompt once).")] = None,
+    window: Annotated[int | None, _cache("window: the last W positions.")] = None,
+    sinks: Annotated[int | None, _cache("With --window: the first S positions.")] = None,
+    head_budgets: Annotated[str | None, _cache("snapkv-paged: ada or duo.")] = None,
+    layer_budgets: Annotated[str | None, _cache("Each layer's budget, a list or "
+                                                "pyramid.")] = None,
+    k_channels: Annotated[str | None, _cache("think: K channels kept per head.")] = None,
+    kv_reference: Annotated[str | None, _cache("kvpress: each scorer as kvpress's press "
+                                               "keeps.")] = None,
+    kv_dtype: Annotated[str | None, _cache("fp8, int8, int4 or int2 K/V; a comma list, none "
+                                           "for unquantized.")] = None,
+    group_size: Annotated[int, _cache("int8/int4/int2: elements per scale.",
+                                      show_default=True)] = 64,
+    k_quant: Annotated[str, _cache("per-token or per-channel (KIVI).",
+                                   show_default=True)] = "per-token",
+    kv_residual: Annotated[int, _cache("KIVI's residual of unquantized positions.",
+                                       show_default=True)] = 0,
+    layers: Annotated[int | None, _run("Run the model's first N layers.",
+                                       show_default=False)] = None,
+    dtype: Annotated[str, _run("float32, float16 or bfloat16.")] = "float32",
+    device: Annotated[str, _run("auto, cpu, cuda or cuda:N.")] = "auto",
+    seed: Annotated[int, _run("Seed of the keys, their places and copy's tokens.")] = 0,
+    csv: Annotated[Path | None, _run("Append rows to this CSV. \\[default: results/needle.csv]",
+                                     show_default=False)] = None,
+    no_csv: Annotated[bool, _run("Write no results file.", "--no-csv", metavar="")] = False,
+    quiet: Annotated[bool, _run("No table, notes or progress.", "--quiet", "-q",
+                                metavar="")] = False,
+    shard: Annotated[str | None, _run("Run only shard I of N (I/N): the cells whose index is I "
+                                      "modulo N; kvbench merge joins the CSVs.",
+                                      show_default=False)] = None):
     """Retrieval through every cache: a key hidden in filler at each depth and context,
     asked at the end; accuracy beside path A's, and whether each layer kept the key.
 
