@@ -534,3 +534,93 @@ def test_a_results_file_of_an_earlier_release_takes_the_new_rows(tmp_path):
     result = runner.invoke(app, [*STEPS, "--reserve", "paged", "--csv", str(out)])
     assert result.exit_code == 0, result.output
     assert list(pd.read_csv(out)["reserve"]) == ["paged"]
+
+
+def test_a_model_with_a_sliding_window_takes_a_max_len_up_to_it():
+    from kvbench.layers.model.spec import resolve
+
+    window = resolve("mistral-7b").arch.sliding_window
+    SimOptions(model="mistral-7b", layers=1, max_len=window, requests=2)
+    with pytest.raises(KvbenchError, match=f"give --max-len {window} or less"):
+        SimOptions(model="mistral-7b", layers=1, max_len=window + 1, requests=2)
+
+
+def test_without_csv_the_rows_go_to_results_and_no_csv_writes_nothing(tmp_path,
+                                                                      monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert runner.invoke(app, [*STEPS, "--reserve", "paged", "--no-csv"]).exit_code == 0
+    assert not (tmp_path / "results").exists()
+    assert runner.invoke(app, [*STEPS, "--reserve", "paged", "-q"]).exit_code == 0
+    assert len(pd.read_csv(tmp_path / "results" / "serve-sim.csv")) == 1
+    assert len(pd.read_csv(tmp_path / "results" / "serve-sim-steps.csv")) > 1
+
+
+def test_a_step_log_of_an_earlier_release_takes_the_new_rows(tmp_path):
+    from kvbench.report import results
+
+    out = tmp_path / "s.csv"
+    (tmp_path / "s-steps.csv").write_text(",".join(results.SERVE_STEP_FIRST) + "\n")
+    result = runner.invoke(app, [*STEPS, "--reserve", "paged", "--csv", str(out)])
+    assert result.exit_code == 0, result.output
+    steps = pd.read_csv(tmp_path / "s-steps.csv")
+    assert (steps["reserve"] == "paged").all() and steps["timestamp"].notna().all()
+
+
+def test_the_run_refuses_only_the_reservation_that_cannot_seat_a_request():
+    # requests reach at most 12 + 4 = 16 positions; 8 blocks of 2 hold 16: paged seats
+    # each, prealloc's --max-len 32 cannot
+    short = ["serve-sim", "--steps-only", "--requests", "6", "--len-dist", "uniform:4:12",
+             "--output-dist", "uniform:2:4", "--max-len", "32", "--kv-blocks", "8",
+             "--block-size", "2", "--no-csv", "-q"]
+    assert runner.invoke(app, [*short, "--reserve", "paged"]).exit_code == 0
+    refused = runner.invoke(app, [*short, "--reserve", "paged,prealloc"])
+    assert refused.exit_code == 2 and "Traceback" not in refused.output
+
+
+def test_a_timed_row_says_where_and_when_it_ran(tmp_path):
+    out = tmp_path / "s.csv"
+    assert runner.invoke(app, [*TIMED, "--reserve", "paged", "-q", "--csv",
+                               str(out)]).exit_code == 0
+    row = pd.read_csv(out).iloc[0]
+    assert row["device"] == "cpu" and isinstance(row["timestamp"], str)
+    assert isinstance(row["torch_version"], str)  # the device's environment, not none
+
+
+@pytest.mark.parametrize("extra, said", [(["--reserve", "paged"], False),
+                                         (["--reserve", "paged", "--seeds", "2"], True),
+                                         (["--reserve", "paged,prealloc"], True)])
+def test_the_time_of_the_rest_is_said_after_the_first_of_several_runs(extra, said):
+    result = runner.invoke(app, [*TIMED, *extra, "--no-csv"])
+    assert result.exit_code == 0
+    assert ("at its pace per step" in " ".join(result.stderr.split())) == said
+
+
+def test_the_time_before_the_run_is_said_once_from_the_warm_up(monkeypatch):
+    import re
+
+    monkeypatch.setattr(servesim, "LONG_RUN_S", 0)  # every run "long"
+    result = runner.invoke(app, [*TIMED, "--reserve", "paged,prealloc", "--no-csv"])
+    said = " ".join(result.stderr.split())
+    assert said.count("before it starts") == 1
+    seconds = re.search(r"about (\d+) s for the run, before it starts", said)
+    assert seconds is not None and int(seconds.group(1)) < 60  # a tiny layer: seconds
+    quiet = runner.invoke(app, [*TIMED, "--reserve", "paged,prealloc", "--no-csv", "-q"])
+    assert quiet.stderr == ""
+
+
+def test_a_run_of_exactly_a_minute_is_not_long(capsys):
+    o = options(requests=2, reserve=("paged", "prealloc"))
+    reqs = [replace(r, output_len=n) for r, n in zip(requests(o), (3, 5))]
+    servesim._before(o, {0: reqs}, 30.0, 10)  # 2 reserves x 10 steps x 3 s: 60 s
+    assert capsys.readouterr().err == ""
+
+
+def test_a_failed_run_names_at_most_three_failures_a_reserve(monkeypatch):
+    import broken
+
+    import kvbench.serving.engine
+
+    monkeypatch.setattr(kvbench.serving.engine, "Engine", broken.DecodeReadsPastTheEnd)
+    result = runner.invoke(app, [*TIMED, "--reserve", "paged", "--no-csv", "-q"])
+    lines = [line for line in result.stderr.splitlines() if line.startswith("paged: ")]
+    assert result.exit_code == 1 and len(lines) == 3
