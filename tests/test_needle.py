@@ -270,3 +270,29 @@ def test_a_cache_that_attends_to_what_it_did_not_keep_fails_its_row(tmp_path, mo
     assert result.exit_code == 1 and "attention over the positions its cache kept" in said, \
         result.output
     assert not pd.read_csv(out)["passed"].any()  # the row kept, marked
+
+
+@smollm2
+def test_shards_split_the_cells_and_an_interrupt_keeps_the_finished_rows(tmp_path,
+                                                                        monkeypatch):
+    args = ["needle", "--context", "160", "--depth", "0,0.5,1", "--trials", "1", "-q"]
+    for i, depths in ((0, [0.0, 1.0]), (1, [0.5])):
+        out = tmp_path / f"s{i}.csv"
+        result = runner.invoke(app, [*args, "--shard", f"{i}/2", "--csv", str(out)])
+        assert result.exit_code == 0, result.output
+        assert pd.read_csv(out)["depth"].tolist() == depths  # cell i runs where i % 2 = I
+    calls = []
+    original = needle.run_prompt
+
+    def stops_on_the_second_cell(*a, **kw):
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return original(*a, **kw)
+
+    monkeypatch.setattr(needle, "run_prompt", stops_on_the_second_cell)
+    out = tmp_path / "n.csv"
+    result = runner.invoke(app, [*args, "--csv", str(out)])
+    assert result.exit_code == 130
+    assert "interrupted after 1 of 3 cells; 1 row kept" in " ".join(result.stderr.split())
+    assert pd.read_csv(out)["depth"].tolist() == [0.0]

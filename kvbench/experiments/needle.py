@@ -22,7 +22,8 @@ needle are prefilled, the cache compresses, then the question is fed token by to
 A lossy cache that records what it kept is gated as verify gates it: every layer's attention
 at every step against float64 attention over the positions it kept, so a wrong answer is the
 method's, not a bug (a cell's first prompt; the replay of the policy's choice, pure Python
-and minutes at these lengths, is verify's). An exact cache must give path A's answer token for token.
+and minutes at these lengths, is verify's). An exact cache must give path A's answer token
+for token.
 """
 
 from __future__ import annotations
@@ -452,10 +453,15 @@ def run(o: NeedleOptions, planned) -> list[Cell]:
                     if csv is not None:
                         results.append_csv(csv, rows(o, ref, config, [cell], stamp, env),
                                            results.NEEDLE_COLUMNS, results.NEEDLE_FIRST)
-    except KeyboardInterrupt:
-        saved = f"; {len(cells)} rows kept in {csv}" if cells and csv is not None else ""
-        print(f"kvbench: interrupted after {len(cells)} cells{saved}", file=sys.stderr)
-        raise SystemExit(130) from None
+    except KeyboardInterrupt as stopped:
+        from kvbench.planning.signals import terminated
+
+        what = "terminated" if terminated(stopped) else "interrupted"
+        rows_kept = f"{len(cells)} {'row' if len(cells) == 1 else 'rows'}"
+        saved = f"; {rows_kept} kept in {csv}" if cells and csv is not None else ""
+        print(f"kvbench: {what} after {len(cells)} of {len(work)} cells{saved}",
+              file=sys.stderr)
+        raise SystemExit(143 if terminated(stopped) else 130) from None
     if not o.quiet:
         show(o, ref, cells)
         if csv is not None:
