@@ -12,7 +12,7 @@ SAMPLES = Path(__file__).parents[1] / "results" / "sample"
 FILES = ["bench-context-cpu.csv", "memory-cpu.csv", "capacity-80gib.csv",
          "cache-techniques.csv", "h2o-smollm2.csv", "kivi-smollm2.csv", "serve-sim.csv",
          "serve-sim-rates.csv", "serve-sim-smollm2-steps.csv", "model-techniques-verify.csv",
-         "mla-bench.csv", "needle-smollm2-full.csv"]
+         "mla-bench.csv", "needle-smollm2-full.csv", "needle-smollm2.csv"]
 
 
 def _drawn(name, monkeypatch):

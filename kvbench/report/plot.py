@@ -427,8 +427,8 @@ def plot_needle(df: pd.DataFrame, plt):
                    "context") for (label, mode), g in df.groupby(["label", "mode"], sort=False)]
     cols = min(len(panels), 2 if df["context"].nunique() == 1 else 4)
     rows = -(-len(panels) // cols)
-    height = max(2.6, 0.28 * df["label"].nunique()) if df["context"].nunique() == 1 else 2.6
-    fig = plt.figure(figsize=(4.8 * cols + 1.5, height * rows + 3.4))
+    height = max(2.6, 0.22 * df["label"].nunique()) if df["context"].nunique() == 1 else 2.6
+    fig = plt.figure(figsize=(5.2 * cols + 1.5, height * rows + 3.4))
     grid = fig.add_gridspec(rows + 1, cols, height_ratios=[height] * rows + [3.0])
     image = None
     for i, (title, g, down, across) in enumerate(panels):
@@ -465,14 +465,20 @@ def _accuracy_matrix(ax, g: pd.DataFrame, down: str, across: str):
 
 
 def _needle_frontier(ax, df: pd.DataFrame) -> None:
+    """Accuracy against bytes, one point a configuration (o: the question in the prompt, x:
+    after compression); the frontier's points named beside them."""
     longest = df[df["context"] == df["context"].max()].copy()
-    longest["who"] = longest["label"] + longest["mode"].map(
-        {"question after compression": " (question after)"}).fillna("")
+    after = longest["mode"] == "question after compression"
+    longest["who"] = longest["label"] + after.map({True: " (question after)", False: ""})
     points = longest.groupby("who", sort=False).agg(bytes=("kv_bytes", "max"),
                                                     accuracy=("accuracy", "mean"))
-    for i, (who, r) in enumerate(points.iterrows()):
-        ax.scatter(r["bytes"] / MIB, r["accuracy"], color=f"C{i % 10}",
-                   marker="o" if "(question after)" not in who else "x", label=who)
+    for marker, mine in (("o", ~points.index.str.endswith("(question after)")),
+                         ("x", points.index.str.endswith("(question after)"))):
+        if mine.any():
+            ax.scatter(points.loc[mine, "bytes"] / MIB, points.loc[mine, "accuracy"],
+                       marker=marker, color="C0" if marker == "o" else "C3",
+                       label="question in the prompt" if marker == "o" else
+                       "question after compression")
     front = points.sort_values(["bytes", "accuracy"], ascending=[True, False])
     best = -1.0
     keep: list[str] = []
@@ -481,11 +487,14 @@ def _needle_frontier(ax, df: pd.DataFrame) -> None:
             best, keep = r["accuracy"], [*keep, who]
     ax.plot(front.loc[keep, "bytes"] / MIB, front.loc[keep, "accuracy"], "k--", lw=0.8,
             label="frontier")
+    for who in keep:
+        ax.annotate(who, (front.loc[who, "bytes"] / MIB, front.loc[who, "accuracy"]),
+                    textcoords="offset points", xytext=(4, -10), fontsize=6)
     ax.set_xlabel(f"K/V bytes held at {int(df['context'].max()):,} tokens, MiB", fontsize=8)
     ax.set_ylabel("accuracy, mean over depths", fontsize=8)
-    ax.set_ylim(-0.05, 1.05)
+    ax.set_ylim(-0.05, 1.1)
     ax.grid(True, alpha=0.3)
-    ax.legend(fontsize=6, ncol=2)
+    ax.legend(fontsize=7)
 
 
 SERVE_KEYS = ["reserve", "preempt", "prefill_chunk", "requests", "len_dist", "output_dist",
