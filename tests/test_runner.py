@@ -142,3 +142,38 @@ def test_the_estimate_leaves_the_first_points_compiling_out():
     assert line.startswith("about 10 s for the 1 point left (the first point took 30 s, 20 s "
                            "of it compiling, left out")
     assert "compiling" not in _estimate([30.0], [1.0, 1.0])
+
+
+def test_the_time_before_a_sweep_is_its_work_at_the_probed_pace(monkeypatch, capsys):
+    from kvbench.measure import costs
+    from kvbench.planning import runner
+
+    # a machine twice as slow as the reference on the probe: 4e11 units at twice the pace
+    monkeypatch.setattr(costs, "probe", lambda device: 2 * costs.REFERENCE_PROBE_S)
+    seconds = 4e11 * costs.REFERENCE_PACE_S * 2
+    assert costs.seconds_before([1e11, 3e11], 2 * costs.REFERENCE_PROBE_S) == seconds
+    line, total = runner._before_text("cpu", [1e11, 3e11])
+    assert total == seconds and line.startswith(
+        f"about {runner.duration_text(seconds)} for the 2 points, before they start")
+    # said only past a minute: just over, then just under
+    for scale, said in ((1.01, True), (0.99, False)):
+        work = [scale * runner.LONG_SWEEP_S / (costs.REFERENCE_PACE_S * 2)]
+        runner._say_before("cpu", work)
+        assert ("before it starts" in " ".join(capsys.readouterr().err.split())) == said
+
+
+def test_the_probe_times_a_step_on_the_device():
+    from kvbench.measure.costs import probe
+
+    assert 0 < probe("cpu", calls=2) < 1.0
+
+
+def test_a_dry_run_says_the_time_the_sweep_should_take():
+    from typer.testing import CliRunner
+
+    from kvbench.cli import app
+
+    result = CliRunner().invoke(app, ["bench", "--device", "cpu", "--prompt-len", "8,16",
+                                      "--impl", "static", "--dry-run", "--no-csv"])
+    said = " ".join(result.stderr.split())
+    assert result.exit_code == 0 and "for the 2 points, before they start" in said

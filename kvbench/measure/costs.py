@@ -110,6 +110,48 @@ def absorbed_step_flops(s: LayerShape, length: int) -> int:
 STEP_OVERHEAD_FLOPS = 100_000_000
 
 
+# The sweep's time before it starts: point_work's units at a pace scaled from the reference
+# machine (the 2-core AMD EPYC these were fitted on: scripts/estimate-check.py --fit) by how
+# long `probe` takes here against there. A step-shaped probe (a projection and attention over
+# a short cache, a few ms) is launch- and Python-bound as small points are.
+REFERENCE_PACE_S = 2.0e-10  # seconds per unit of point_work, on the reference machine
+REFERENCE_PROBE_S = 1.0e-3  # probe() there, seconds per call
+
+
+def probe(device: str, calls: int = 20) -> float:
+    """Seconds per call of a decode-step-shaped piece of work on `device`: a [2, 512] by
+    [512, 1536] projection and attention of 8 heads over 256 cached positions."""
+    import time
+
+    import torch
+
+    from kvbench.measure.device import synchronize
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 512, generator=g).to(device)
+    w = torch.randn(512, 1536, generator=g).to(device)
+    k = torch.randn(2, 8, 256, 64, generator=g).to(device)
+
+    def step():
+        q = (x @ w)[:, :512].reshape(2, 8, 1, 64)
+        return torch.nn.functional.scaled_dot_product_attention(q, k, k)
+
+    for _ in range(3):
+        step()
+    synchronize(device)
+    start = time.perf_counter()
+    for _ in range(calls):
+        step()
+    synchronize(device)
+    return (time.perf_counter() - start) / calls
+
+
+def seconds_before(work: list[float], probed_s: float) -> float:
+    """The sweep's seconds before any point has run: its work at the reference pace, scaled
+    by this machine's probe against the reference's."""
+    return sum(work) * REFERENCE_PACE_S * probed_s / REFERENCE_PROBE_S
+
+
 def point_work(s: LayerShape, impls: int, runs: int = 1, recompute: bool = True) -> float:
     """A point's work relative to another's, for the sweep's time estimate (its remaining time
     from the points done so far): path A's G recomputed prefixes (when run), and for each

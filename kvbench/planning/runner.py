@@ -41,6 +41,8 @@ def _preflight(o: RunOptions, command: str, points, impl_options, bench_options=
         render.show_plans(command, plans)
         for line in notes:
             render.note(line)
+        work = [_work(command, config, names, bench_options) for config, names in points]
+        render.note(_before_text(points[0][0].device, work)[0])
         raise typer.Exit(0)
     too_big = [p for p, f in zip(plans, fits) if not f]
     if o.force:
@@ -99,6 +101,8 @@ def sweep(o: RunOptions, command: str, points, run_point, impl_options, notes,
     results, rows, failed = [], [], []
     stopped = None  # the signal that ended the run early
     work = [_work(command, config, names, bench_options) for config, names in points]
+    if not o.quiet and len(points) > 1:
+        _say_before(points[0][0].device, work)
     from kvbench.caches.compiled import compile_seconds
 
     compiled_before = compile_seconds()
@@ -222,6 +226,30 @@ def _work(command: str, config, names, bench_options) -> float:
         runs = bench_options.warmup + bench_options.rounds
         return point_work(config.shape, len(names), runs, bench_options.recompute)
     return point_work(config.shape, len(names), 2 if command == "memory" else 1)
+
+
+LONG_SWEEP_S = 60  # a sweep expected to take longer says so before it starts
+
+
+def _before_text(device: str, work: list[float]) -> tuple[str, float]:
+    """The sweep's time from its work and a probe of this machine
+    (kvbench.measure.costs.seconds_before): the line, and the seconds."""
+    from kvbench.measure.costs import probe, seconds_before
+
+    total = seconds_before(work, probe(device))
+    n = len(work)
+    return (f"about {duration_text(total)} for the {n} {_plural(n, 'point')}, before "
+            f"{'they start' if n > 1 else 'it starts'} (their arithmetic and calls at this "
+            "machine's probed pace; refined after the first points)"), total
+
+
+def _say_before(device: str, work: list[float]) -> None:
+    """Before the first point: the sweep's time, said when it is over a minute."""
+    from kvbench.report import render
+
+    line, total = _before_text(device, work)
+    if total > LONG_SWEEP_S:
+        render.note(line)
 
 
 def _estimate(took: list[float], work: list[float], compile_s: float = 0.0) -> str:
