@@ -300,7 +300,15 @@ def needle(
                                 metavar="")] = False,
     shard: Annotated[str | None, _run("Run only shard I of N (I/N): the cells whose index is I "
                                       "modulo N; kvbench merge joins the CSVs.",
-                                      show_default=False)] = None):
+                                      show_default=False)] = None,
+    ray: Annotated[str | None, _run("Each context and depth a Ray task, rows written as each "
+                                    "ends: local starts a cluster here, auto joins this "
+                                    "machine's, HOST:PORT another (the cluster extra).",
+                                    show_default=False)] = None,
+    retries: Annotated[int, _run("--ray: times a task whose worker died is run "
+                                 "again.")] = 2,
+    threads: Annotated[int | None, _run("--ray: CPU threads per task. \\[default: 1]",
+                                        show_default=False)] = None):
     """Retrieval through every cache: a key hidden in filler at each depth and context,
     asked at the end; accuracy beside path A's, and whether each layer kept the key.
 
@@ -320,7 +328,8 @@ def needle(
         haystack=haystack, needle=needle_key,
         question_after_compression=question_after_compression, impl=impl, layers=layers,
         dtype=dtype, device=device, seed=seed, csv=csv, no_csv=no_csv, quiet=quiet,
-        shard=shard, techniques={**techniques, **formats})
+        shard=shard, ray=ray, retries=retries, threads=threads,
+        techniques={**techniques, **formats})
     o = replace(o, device=resolve_device(o.device))
     needles.run(o, _needle_points(o))
 

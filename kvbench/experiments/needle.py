@@ -190,6 +190,9 @@ class NeedleOptions:
     no_csv: bool = False
     quiet: bool = False
     shard: str | None = None
+    ray: str | None = None
+    retries: int = 2
+    threads: int | None = None
     techniques: dict = field(default_factory=dict)  # kv_budget etc., as the CLI gives them
 
     def __post_init__(self) -> None:
@@ -388,11 +391,8 @@ def run(o: NeedleOptions, planned) -> list[Cell]:
     """Every cell (implementation, context, depth) of the grid, each one's row written as it
     finishes; exit 1 if a cache fails its check. Ctrl-C keeps the finished rows. planned:
     (the model, its points at each context, the implementation options, notes), as
-    kvbench.cli plans them (through kvbench.subjects.model)."""
-    import torch
-
-    from kvbench.caches import IMPLEMENTATIONS
-    from kvbench.experiments.model import run as model_run
+    kvbench.cli plans them (through kvbench.subjects.model). --ray: each (context, depth)
+    a Ray task, rows written as tasks end."""
     from kvbench.measure.env import environment
     from kvbench.report import render, results
 
@@ -406,61 +406,37 @@ def run(o: NeedleOptions, planned) -> list[Cell]:
     if limit and longest + ANSWER_TOKENS > limit:
         raise KvbenchError(f"--context {longest} and its answer are longer than "
                            f"{ref.arch.name}'s {limit:,} positions; give a shorter --context")
-    config0 = found[0][0]
-    m = model_run.load(ref, config0, o.layers, None)
-    tok = Tokens(m.tokenizer)
-    filler = haystack_ids(tok, o.haystack, longest) if o.task != "copy" else []
     grid = [(config, names, depth) for config, names in found
             for depth in (o.depths if o.task != "copy" else [0.0])]
+    mine = [g for i, g in enumerate(grid) if i % count == index]
     cells: list[Cell] = []
-    env, stamp = environment(o.device), results.timestamp()
     if not o.quiet:
         for line in notes:
             render.note(line)
-    work = [len(names) * o.trials for i, (_, names, _) in enumerate(grid) if i % count == index]
+    total = sum(len(names) for _, names, _ in mine)
+
+    def finished(new: list[Cell], new_rows: list[dict]) -> None:
+        cells.extend(new)
+        if csv is not None:
+            results.append_csv(csv, new_rows, results.NEEDLE_COLUMNS, results.NEEDLE_FIRST)
+
     try:
-        with torch.no_grad(), render.counter(sum(work), "prompts", enabled=not o.quiet) as bar:
-            for i, (config, names, depth) in enumerate(grid):
-                if i % count != index:
-                    continue
-                context = config.shape.prompt_len
-                prompts = [build(o.task, tok, context, depth,
-                                 random.Random(f"{o.seed}:{context}:{depth}:{trial}"),
-                                 filler, o.needle, o.keys, ref.arch.vocab)
-                           for trial in range(o.trials)]
-                _refuse_budget(o, config, prompts)
-                answers = [path_a(m, p, o.task) for p in prompts]
-                for name in names:
-                    cls = IMPLEMENTATIONS[name]
-                    bar.describe(f"needle {name} {context} depth {depth:g}")
-                    cell = Cell(name, context, depth, gate=_gate(cls, config))
-                    for trial, (p, want) in enumerate(zip(prompts, answers)):
-                        value, kept, least, answer, wrong = run_prompt(
-                            m, cls, config, options, p, o.task, o.question_after_compression,
-                            want, gate=trial == 0)
-                        cell.scores.append(value)
-                        cell.reference.append(reference_score(m, p, o.task, want))
-                        cell.kept.append(kept)
-                        cell.kept_min.append(least)
-                        cell.answers.append(answer)
-                        if wrong:
-                            cell.failures.append(wrong)
-                        bar.advance(1)
-                    cell.kv_bytes = model_run.planner_bytes(
-                        cls, replace(config, shape=replace(config.shape, decode_len=ANSWER_TOKENS)),
-                        options.at(config), len(m.model.blocks))
-                    cells.append(cell)
-                    if csv is not None:
-                        results.append_csv(csv, rows(o, ref, config, [cell], stamp, env),
-                                           results.NEEDLE_COLUMNS, results.NEEDLE_FIRST)
+        if o.ray is not None:
+            _on_cluster(o, ref, options, mine, finished)
+        else:
+            env, stamp = environment(o.device), results.timestamp()
+            prompts = sum(len(names) * o.trials for _, names, _ in mine)
+            with render.counter(prompts, "prompts", enabled=not o.quiet) as bar:
+                for config, names, depth in mine:
+                    new = run_cell(o, ref, options, config, names, depth, bar)
+                    finished(new, rows(o, ref, config, new, stamp, env))
     except KeyboardInterrupt as stopped:
         from kvbench.planning.signals import terminated
 
         what = "terminated" if terminated(stopped) else "interrupted"
         rows_kept = f"{len(cells)} {'row' if len(cells) == 1 else 'rows'}"
         saved = f"; {rows_kept} kept in {csv}" if cells and csv is not None else ""
-        print(f"kvbench: {what} after {len(cells)} of {len(work)} cells{saved}",
-              file=sys.stderr)
+        print(f"kvbench: {what} after {len(cells)} of {total} cells{saved}", file=sys.stderr)
         raise SystemExit(143 if terminated(stopped) else 130) from None
     if not o.quiet:
         show(o, ref, cells)
@@ -473,6 +449,78 @@ def run(o: NeedleOptions, planned) -> list[Cell]:
     if failed:
         raise SystemExit(1)
     return cells
+
+
+def run_cell(o: NeedleOptions, ref, options, config, names, depth: float,
+             bar=None) -> list[Cell]:
+    """One context and depth: its prompts through path A, then each implementation (a Cell
+    each). The model loads once per process (kvbench.experiments.model.run.load)."""
+    import torch
+
+    from kvbench.caches import IMPLEMENTATIONS
+    from kvbench.experiments.model import run as model_run
+
+    m = model_run.load(ref, config, o.layers, None)
+    tok = Tokens(m.tokenizer)
+    context = config.shape.prompt_len
+    filler = haystack_ids(tok, o.haystack, context) if o.task != "copy" else []
+    prompts = [build(o.task, tok, context, depth,
+                     random.Random(f"{o.seed}:{context}:{depth}:{trial}"), filler, o.needle,
+                     o.keys, ref.arch.vocab)
+               for trial in range(o.trials)]
+    _refuse_budget(o, config, prompts)
+    out = []
+    with torch.no_grad():
+        answers = [path_a(m, p, o.task) for p in prompts]
+        for name in names:
+            cls = IMPLEMENTATIONS[name]
+            if bar is not None:
+                bar.describe(f"needle {name} {context} depth {depth:g}")
+            cell = Cell(name, context, depth, gate=_gate(cls, config))
+            for trial, (p, want) in enumerate(zip(prompts, answers)):
+                value, kept, least, answer, wrong = run_prompt(
+                    m, cls, config, options, p, o.task, o.question_after_compression, want,
+                    gate=trial == 0)
+                cell.scores.append(value)
+                cell.reference.append(reference_score(m, p, o.task, want))
+                cell.kept.append(kept)
+                cell.kept_min.append(least)
+                cell.answers.append(answer)
+                if wrong:
+                    cell.failures.append(wrong)
+                if bar is not None:
+                    bar.advance(1)
+            planned = replace(config, shape=replace(config.shape, decode_len=ANSWER_TOKENS))
+            cell.kv_bytes = model_run.planner_bytes(cls, planned, options.at(config),
+                                                    len(m.model.blocks))
+            out.append(cell)
+    return out
+
+
+def _on_cluster(o: NeedleOptions, ref, options, grid, finished) -> None:
+    """Each (context, depth) a Ray task (kvbench.planning.cluster): the model loaded once per
+    worker, the rows made there with its environment, handed back as tasks end."""
+    from functools import partial
+
+    from kvbench.planning.cluster import Cluster
+
+    points = [(config, (tuple(names), depth)) for config, names, depth in grid]
+    with Cluster(o.ray, o.retries, o.threads) as cluster:
+        cluster.check(points)
+        cluster.submit(points, partial(_cell_task, o, ref, options))
+        for _, outcome in cluster.completed():
+            if isinstance(outcome, BaseException):
+                raise outcome
+            finished(*outcome)
+
+
+def _cell_task(o: NeedleOptions, ref, options, config, cell, env) -> tuple[list, list]:
+    """A Ray task's cell: its Cells and rows."""
+    from kvbench.report import results
+
+    names, depth = cell
+    new = run_cell(o, ref, options, config, list(names), depth)
+    return new, rows(o, ref, config, new, results.timestamp(), env)
 
 
 def _gate(cls, config) -> str:
