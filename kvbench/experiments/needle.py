@@ -505,6 +505,7 @@ def _on_cluster(o: NeedleOptions, ref, options, grid, finished) -> None:
     from kvbench.planning.cluster import Cluster
 
     points = [(config, (tuple(names), depth)) for config, names, depth in grid]
+    assert o.ray is not None
     with Cluster(o.ray, o.retries, o.threads) as cluster:
         cluster.check(points)
         cluster.submit(points, partial(_cell_task, o, ref, options))
