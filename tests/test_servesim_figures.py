@@ -399,6 +399,8 @@ def test_a_run_over_a_minute_says_so_before_it_starts(capsys, seconds, said):
     servesim._before(o, {0: reqs}, seconds, 10)
     err = " ".join(capsys.readouterr().err.split())
     assert ("for the run, before it starts" in err) == said
+    if said:  # the pace it used: 30.5 s over 10 sequence steps
+        assert "at the warm-up's 3050.0 ms, over 2 reserves" in err
 
 
 def test_the_preflight_of_a_preset_counts_its_weights_once(monkeypatch):
@@ -602,6 +604,7 @@ def test_the_time_before_the_run_is_said_once_from_the_warm_up(monkeypatch):
     result = runner.invoke(app, [*TIMED, "--reserve", "paged,prealloc", "--no-csv"])
     said = " ".join(result.stderr.split())
     assert said.count("before it starts") == 1
+    assert said.index("before it starts") < said.index("paged took")  # before the first
     seconds = re.search(r"about (\d+) s for the run, before it starts", said)
     assert seconds is not None and int(seconds.group(1)) < 60  # a tiny layer: seconds
     quiet = runner.invoke(app, [*TIMED, "--reserve", "paged,prealloc", "--no-csv", "-q"])
@@ -624,3 +627,25 @@ def test_a_failed_run_names_at_most_three_failures_a_reserve(monkeypatch):
     result = runner.invoke(app, [*TIMED, "--reserve", "paged", "--no-csv", "-q"])
     lines = [line for line in result.stderr.splitlines() if line.startswith("paged: ")]
     assert result.exit_code == 1 and len(lines) == 3
+
+
+def test_the_warm_up_counts_a_sequence_step_per_decode_and_per_prefill():
+    o = options(requests=6, dtype="float32")
+    reqs = requests(o)
+    got = []
+    servesim.serve(o, "paged", reqs, servesim._subject(o, "cpu"), "cpu",
+                   warmed=lambda seconds, n: got.append((seconds, n)))
+    warm = o.scheduler("paged", sorted(reqs, key=lambda r: r.reach)[:servesim.WARMUP_REQUESTS])
+    warm.run()
+    assert len(got) == 1 and got[0][0] > 0
+    assert got[0][1] == sum(warm.batch) + servesim.WARMUP_REQUESTS
+
+
+def test_steps_only_allocates_nothing_so_no_pool_is_too_big(tmp_path):
+    # 200,000 blocks of 16 hold 3.3 GB of K/V: more than --host-mem, but nothing is allocated
+    out = tmp_path / "s.csv"
+    result = runner.invoke(app, ["serve-sim", "--steps-only", "--requests", "4",
+                                 "--kv-blocks", "200000", "--host-mem", "1GiB", "--reserve",
+                                 "paged", "-q", "--csv", str(out)])
+    assert result.exit_code == 0, result.output
+    assert pd.read_csv(out)["device"].tolist() == ["cpu"]
