@@ -144,28 +144,48 @@ def test_the_estimate_leaves_the_first_points_compiling_out():
     assert "compiling" not in _estimate([30.0], [1.0, 1.0])
 
 
-def test_the_time_before_a_sweep_is_its_work_at_the_probed_pace(monkeypatch, capsys):
+def test_the_time_before_a_sweep_is_its_calls_and_flops_at_the_probed_pace(monkeypatch,
+                                                                            capsys):
     from kvbench.measure import costs
     from kvbench.planning import runner
 
-    # a machine twice as slow as the reference on the probe: 4e11 units at twice the pace
-    monkeypatch.setattr(costs, "probe", lambda device: 2 * costs.REFERENCE_PROBE_S)
-    seconds = 4e11 * costs.REFERENCE_PACE_S * 2
-    assert costs.seconds_before([1e11, 3e11], 2 * costs.REFERENCE_PROBE_S) == seconds
-    line, total = runner._before_text("cpu", [1e11, 3e11])
-    assert total == seconds and line.startswith(
+    # calls twice as slow as the reference's, FLOPs three times: 100 + 200 calls and 1e12 +
+    # 2e12 FLOPs
+    call, flop = costs.REFERENCE_PROBE_S
+    monkeypatch.setattr(costs, "probe", lambda device: (2 * call, 3 * flop))
+    seconds = 300 * costs.REFERENCE_CALL_S * 2 + 3e12 * costs.REFERENCE_FLOP_S * 3
+    points = [(100, 1e12), (200, 2e12)]
+    assert costs.seconds_before(points, (2 * call, 3 * flop)) == pytest.approx(seconds)
+    line, total = runner._before_text("cpu", points)
+    assert total == pytest.approx(seconds) and line.startswith(
         f"about {runner.duration_text(seconds)} for the 2 points, before they start")
     # said only past a minute: just over, then just under
     for scale, said in ((1.01, True), (0.99, False)):
-        work = [scale * runner.LONG_SWEEP_S / (costs.REFERENCE_PACE_S * 2)]
-        runner._say_before("cpu", work)
+        calls = round(scale * runner.LONG_SWEEP_S / (costs.REFERENCE_CALL_S * 2))
+        runner._say_before("cpu", [(calls, 0.0)])
         assert ("before it starts" in " ".join(capsys.readouterr().err.split())) == said
+
+
+def test_a_points_calls_and_flops_by_hand():
+    from kvbench.measure.costs import STEP_OVERHEAD_FLOPS, point_cost, point_work
+    from kvbench.sizing.config import LayerShape
+
+    s = LayerShape(batch=1, prompt_len=2, decode_len=1, hidden=4, q_heads=1, kv_heads=1,
+                   head_dim=2)
+    # weights 2*4*1*2 + 2*4*1*2 = 32 elements; path A's one prefix of 3: 2*3*32 + 2*1*2*3*3
+    # = 192 + 36; a prefill of 2: 2*2*32 + 2*1*2*2*2 = 128 + 16; a step at length 3:
+    # 2*32 + 4*1*2*3 = 88. Calls: path A's 1, each implementation's prefill and step.
+    calls, flops = point_cost(s, impls=2)
+    assert (calls, flops) == (1 + 2 * 2, 228 + 2 * (144 + 88))
+    assert point_work(s, 2) == flops + calls * STEP_OVERHEAD_FLOPS
+    assert point_cost(s, 2, runs=3) == (3 * calls, 3 * flops)
 
 
 def test_the_probe_times_a_step_on_the_device():
     from kvbench.measure.costs import probe
 
-    assert 0 < probe("cpu", calls=2) < 1.0
+    call, matmul = probe("cpu", calls=2)
+    assert 0 < call < 1.0 and 0 < matmul < 10.0
 
 
 def test_a_dry_run_says_the_time_the_sweep_should_take():

@@ -110,17 +110,22 @@ def absorbed_step_flops(s: LayerShape, length: int) -> int:
 STEP_OVERHEAD_FLOPS = 100_000_000
 
 
-# The sweep's time before it starts: point_work's units at a pace scaled from the reference
-# machine (the 2-core AMD EPYC these were fitted on: scripts/estimate-check.py --fit) by how
-# long `probe` takes here against there. A step-shaped probe (a projection and attention over
-# a short cache, a few ms) is launch- and Python-bound as small points are.
-REFERENCE_PACE_S = 2.0e-10  # seconds per unit of point_work, on the reference machine
-REFERENCE_PROBE_S = 1.0e-3  # probe() there, seconds per call
+# The sweep's time before it starts: each point's calls and FLOPs (point_cost) at the pace
+# fitted on the reference machine (the 2-core AMD EPYC of scripts/estimate-check.py: a call's
+# seconds and a FLOP's, least squares over the quick sweeps' whole runs), each scaled by how
+# long the matching probe takes here against there: a step-shaped call (launch- and
+# Python-bound, as small points are) and a large matmul (FLOP-bound, as large points are).
+# Fitted on the quick sweeps (calls, FLOPs, whole run): context-length-recompute 2,112,
+# 3.5e11, 8 s; dtype 1,296, 7.0e11, 17 s (float16 and bfloat16 calls are slower on a CPU);
+# gqa-ratio 1,728, 2.5e13, 44 s: each within 2x at these two paces (1.8x, 0.56x, 1.15x).
+REFERENCE_CALL_S = 6.5e-3  # seconds a call (bench's timing around it included)
+REFERENCE_FLOP_S = 1.6e-12  # seconds a FLOP
+REFERENCE_PROBE_S = (1.2e-4, 1.05e-2)  # probe() there: (a step's call, the 1024³ matmul)
 
 
-def probe(device: str, calls: int = 20) -> float:
-    """Seconds per call of a decode-step-shaped piece of work on `device`: a [2, 512] by
-    [512, 1536] projection and attention of 8 heads over 256 cached positions."""
+def probe(device: str, calls: int = 20) -> tuple[float, float]:
+    """(seconds per call of a decode-step-shaped piece of work: a [2, 512] by [512, 1536]
+    projection and attention of 8 heads over 256 positions; seconds of a 1024³ matmul)."""
     import time
 
     import torch
@@ -131,36 +136,49 @@ def probe(device: str, calls: int = 20) -> float:
     x = torch.randn(2, 512, generator=g).to(device)
     w = torch.randn(512, 1536, generator=g).to(device)
     k = torch.randn(2, 8, 256, 64, generator=g).to(device)
+    a = torch.randn(1024, 1024, generator=g).to(device)
 
     def step():
         q = (x @ w)[:, :512].reshape(2, 8, 1, 64)
         return torch.nn.functional.scaled_dot_product_attention(q, k, k)
 
-    for _ in range(3):
-        step()
-    synchronize(device)
-    start = time.perf_counter()
-    for _ in range(calls):
-        step()
-    synchronize(device)
-    return (time.perf_counter() - start) / calls
+    def timed(work, n: int) -> float:
+        work()
+        synchronize(device)
+        start = time.perf_counter()
+        for _ in range(n):
+            work()
+        synchronize(device)
+        return (time.perf_counter() - start) / n
+
+    return timed(step, calls), timed(lambda: a @ a, 3)
 
 
-def seconds_before(work: list[float], probed_s: float) -> float:
-    """The sweep's seconds before any point has run: its work at the reference pace, scaled
-    by this machine's probe against the reference's."""
-    return sum(work) * REFERENCE_PACE_S * probed_s / REFERENCE_PROBE_S
+def seconds_before(costs: list[tuple[int, float]], probed: tuple[float, float]) -> float:
+    """The sweep's seconds before any point has run: its calls and FLOPs at the reference
+    pace, each scaled by this machine's probe against the reference's."""
+    calls = sum(c for c, _ in costs)
+    flops = sum(f for _, f in costs)
+    return (calls * REFERENCE_CALL_S * probed[0] / REFERENCE_PROBE_S[0]
+            + flops * REFERENCE_FLOP_S * probed[1] / REFERENCE_PROBE_S[1])
 
 
-def point_work(s: LayerShape, impls: int, runs: int = 1, recompute: bool = True) -> float:
-    """A point's work relative to another's, for the sweep's time estimate (its remaining time
-    from the points done so far): path A's G recomputed prefixes (when run), and for each
+def point_cost(s: LayerShape, impls: int, runs: int = 1,
+               recompute: bool = True) -> tuple[int, float]:
+    """A point's (calls, FLOPs): path A's G recomputed prefixes (when run), and for each
     implementation its prefill and G steps, each `runs` times (bench's warmups and rounds)."""
     T, G = s.prompt_len, s.decode_len
     steps = range(T + 1, T + G + 1)
     prefix = sum(2 * s.batch * t * weight_elements(s) + 2 * s.q_heads * s.head_dim * s.batch
                  * t * t for t in steps) if recompute else 0
     prefill = 2 * s.batch * T * weight_elements(s) + 2 * s.q_heads * s.head_dim * s.batch * T * T
-    prefill += STEP_OVERHEAD_FLOPS
-    decode = sum(step_flops(s, t) for t in steps) + G * STEP_OVERHEAD_FLOPS
-    return runs * (prefix + G * STEP_OVERHEAD_FLOPS * recompute + impls * (prefill + decode))
+    decode = sum(step_flops(s, t) for t in steps)
+    calls = G * recompute + impls * (1 + G)
+    return runs * calls, runs * (prefix + impls * (prefill + decode))
+
+
+def point_work(s: LayerShape, impls: int, runs: int = 1, recompute: bool = True) -> float:
+    """A point's work relative to another's, for the sweep's time estimate (its remaining time
+    from the points done so far): its FLOPs and its calls at STEP_OVERHEAD_FLOPS each."""
+    calls, flops = point_cost(s, impls, runs, recompute)
+    return flops + calls * STEP_OVERHEAD_FLOPS

@@ -41,8 +41,8 @@ def _preflight(o: RunOptions, command: str, points, impl_options, bench_options=
         render.show_plans(command, plans)
         for line in notes:
             render.note(line)
-        work = [_work(command, config, names, bench_options) for config, names in points]
-        render.note(_before_text(points[0][0].device, work)[0])
+        costs = [_cost(command, config, names, bench_options) for config, names in points]
+        render.note(_before_text(points[0][0].device, costs)[0])
         raise typer.Exit(0)
     too_big = [p for p, f in zip(plans, fits) if not f]
     if o.force:
@@ -81,6 +81,7 @@ def sweep(o: RunOptions, command: str, points, run_point, impl_options, notes,
     """
     from kvbench.errors import DeviceError, is_out_of_memory
     from kvbench.measure import distributed
+    from kvbench.measure.costs import STEP_OVERHEAD_FLOPS
     from kvbench.measure.env import environment
     from kvbench.report import render
     from kvbench.report.results import FILE_KINDS, append_csv
@@ -100,9 +101,10 @@ def sweep(o: RunOptions, command: str, points, run_point, impl_options, notes,
     env = environment(points[0][0].device)
     results, rows, failed = [], [], []
     stopped = None  # the signal that ended the run early
-    work = [_work(command, config, names, bench_options) for config, names in points]
+    costs = [_cost(command, config, names, bench_options) for config, names in points]
+    work = [calls * STEP_OVERHEAD_FLOPS + flops for calls, flops in costs]
     if not o.quiet and len(points) > 1:
-        _say_before(points[0][0].device, work)
+        _say_before(points[0][0].device, costs)
     from kvbench.caches.compiled import compile_seconds
 
     compiled_before = compile_seconds()
@@ -218,36 +220,36 @@ def _ranks_outcome(config, rows: list[dict], code: int, said: str):
     return SimpleNamespace(config=config, checks=checks, remote=True), rows
 
 
-def _work(command: str, config, names, bench_options) -> float:
-    """A point's estimated work (kvbench.measure.costs.point_work) for the sweep's time estimate."""
-    from kvbench.measure.costs import point_work
+def _cost(command: str, config, names, bench_options) -> tuple[int, float]:
+    """A point's (calls, FLOPs) (kvbench.measure.costs.point_cost) for the sweep's time."""
+    from kvbench.measure.costs import point_cost
 
     if command == "bench":
         runs = bench_options.warmup + bench_options.rounds
-        return point_work(config.shape, len(names), runs, bench_options.recompute)
-    return point_work(config.shape, len(names), 2 if command == "memory" else 1)
+        return point_cost(config.shape, len(names), runs, bench_options.recompute)
+    return point_cost(config.shape, len(names), 2 if command == "memory" else 1)
 
 
 LONG_SWEEP_S = 60  # a sweep expected to take longer says so before it starts
 
 
-def _before_text(device: str, work: list[float]) -> tuple[str, float]:
-    """The sweep's time from its work and a probe of this machine
+def _before_text(device: str, costs: list[tuple[int, float]]) -> tuple[str, float]:
+    """The sweep's time from its points' calls and FLOPs and a probe of this machine
     (kvbench.measure.costs.seconds_before): the line, and the seconds."""
     from kvbench.measure.costs import probe, seconds_before
 
-    total = seconds_before(work, probe(device))
-    n = len(work)
+    total = seconds_before(costs, probe(device))
+    n = len(costs)
     return (f"about {duration_text(total)} for the {n} {_plural(n, 'point')}, before "
             f"{'they start' if n > 1 else 'it starts'} (their arithmetic and calls at this "
             "machine's probed pace; refined after the first points)"), total
 
 
-def _say_before(device: str, work: list[float]) -> None:
+def _say_before(device: str, costs: list[tuple[int, float]]) -> None:
     """Before the first point: the sweep's time, said when it is over a minute."""
     from kvbench.report import render
 
-    line, total = _before_text(device, work)
+    line, total = _before_text(device, costs)
     if total > LONG_SWEEP_S:
         render.note(line)
 
