@@ -117,10 +117,10 @@ STEP_OVERHEAD_FLOPS = 100_000_000
 # Python-bound, as small points are) and a large matmul (FLOP-bound, as large points are).
 # Fitted on the quick sweeps (calls, FLOPs, whole run): context-length-recompute 2,112,
 # 3.5e11, 8 s; dtype 1,296, 7.0e11, 17 s (float16 and bfloat16 calls are slower on a CPU);
-# gqa-ratio 1,728, 2.5e13, 44 s: each within 2x at these two paces (1.8x, 0.56x, 1.15x).
+# gqa-ratio 1,728, 2.5e13, 44 s: --dry-run says 15 s, 10 s and 48 s (1.9x, 0.59x, 1.09x).
 REFERENCE_CALL_S = 6.5e-3  # seconds a call (bench's timing around it included)
 REFERENCE_FLOP_S = 1.6e-12  # seconds a FLOP
-REFERENCE_PROBE_S = (1.2e-4, 1.05e-2)  # probe() there: (a step's call, the 1024³ matmul)
+REFERENCE_PROBE_S = (1.45e-4, 1.15e-2)  # probe() there: (a step's call, the 1024³ matmul)
 
 
 def probe(device: str, calls: int = 20) -> tuple[float, float]:
@@ -143,15 +143,21 @@ def probe(device: str, calls: int = 20) -> tuple[float, float]:
         return torch.nn.functional.scaled_dot_product_attention(q, k, k)
 
     def timed(work, n: int) -> float:
-        work()
-        synchronize(device)
-        start = time.perf_counter()
-        for _ in range(n):
+        """The fastest of 5 rounds of n calls, per call: a fresh process's first rounds (its
+        thread pool starting) and a neighbour's bursts are left out."""
+        for _ in range(3):
             work()
-        synchronize(device)
-        return (time.perf_counter() - start) / n
+        best = float("inf")
+        for _ in range(5):
+            synchronize(device)
+            start = time.perf_counter()
+            for _ in range(n):
+                work()
+            synchronize(device)
+            best = min(best, (time.perf_counter() - start) / n)
+        return best
 
-    return timed(step, calls), timed(lambda: a @ a, 3)
+    return timed(step, calls), timed(lambda: a @ a, 2)
 
 
 def seconds_before(costs: list[tuple[int, float]], probed: tuple[float, float]) -> float:
