@@ -191,6 +191,7 @@ def test_a_budget_that_keeps_everything_or_cannot_hold_the_key_is_refused():
     (["--model", "llama-3-8b"], "has random weights"),
     (["--depth", "2"], "outside [0, 1]"),
     (["--impl", "window"], "--window"),
+    (["--context", "9000"], "longer than smollm2-135m's 8,192 positions"),
 ])
 def test_bad_input_is_one_line_and_exit_2(tmp_path, args, message):
     out = tmp_path / "n.csv"
