@@ -5,7 +5,6 @@ from __future__ import annotations
 import inspect
 import os
 import sys
-from dataclasses import replace
 from pathlib import Path
 from typing import Annotated
 
@@ -14,7 +13,13 @@ from typer.core import TyperCommand, TyperGroup
 
 from kvbench import __version__
 from kvbench.errors import KvbenchError
-from kvbench.options import CsvPath, capacity_signature, serve_sim_signature, settle
+from kvbench.options import (
+    CsvPath,
+    capacity_signature,
+    needle_signature,
+    serve_sim_signature,
+    settle,
+)
 
 # The usage-error class of whichever click typer runs on (its vendored copy in recent
 # releases, click itself before): typer.BadParameter's direct base.
@@ -226,89 +231,7 @@ app.command("serve-sim", cls=_Command, epilog=EXIT_CODES, help=_unwrap("""
     """))(serve_sim)
 
 
-def _task(help: str, *flags: str, **kw):
-    return typer.Option(*flags, help=help, rich_help_panel="Task", **kw)
-
-
-def _cache(help: str, *flags: str, **kw):
-    return typer.Option(*flags, help=help, rich_help_panel="Caches and techniques",
-                        show_default=kw.pop("show_default", False), **kw)
-
-
-def _run(help: str, *flags: str, **kw):
-    return typer.Option(*flags, help=help, rich_help_panel="Run and output", **kw)
-
-
-@command
-def needle(
-    model: Annotated[str, _task("A trained model: smollm2-135m, or a checkpoint folder or "
-                                ".gguf with its tokenizer.")] = "smollm2-135m",
-    task: Annotated[str, _task("passkey (one key in the haystack, asked at the end), multikey "
-                               "(--keys keys, one asked) or copy (a random token sequence "
-                               "shown twice: the second copy predicted).")] = "passkey",
-    context: Annotated[str, _task("Prompt lengths in tokens, a comma list (each a column of "
-                                  "the heatmap).")] = "512,1024",
-    depth: Annotated[str, _task("Where the needle sits, fractions of the filler: 0 right after "
-                                "the instruction, 1 just before the question; a comma "
-                                "list.")] = "0,0.25,0.5,0.75,1",
-    trials: Annotated[int, _task("Prompts per cell, each with its own seeded key and filler "
-                                 "placement.")] = 2,
-    keys: Annotated[int, _task("--task multikey: how many keys the haystack holds.")] = 4,
-    haystack: Annotated[Path | None, _task(
-        "A plain-text file as the filler. \\[default: RULER's pass-key filler sentences]",
-        show_default=False)] = None,
-    needle_key: Annotated[str | None, _task(
-        "The key, digits (default: a seeded 5-digit number per trial).", "--needle",
-        show_default=False)] = None,
-    question_after_compression: Annotated[bool, _task(
-        "Query-agnostic: prefill the haystack and needle, compress, then feed the question (a "
-        "cache reused for any question). Default: query-aware, the question in the prompt the "
-        "cache compresses.", "--question-after-compression", metavar="")] = False,
-    impl: Annotated[str, _cache("Cached implementations, a comma list (as verify takes them).",
-                                show_default=True)] = "static",
-    kv_budget: Annotated[str | None, _cache("Eviction caches: positions kept per KV "
-                                            "head.")] = None,
-    kv_recent: Annotated[int | None, _cache("Eviction caches: how many of them are the most "
-                                            "recent.")] = None,
-    kv_compress: Annotated[str | None, _cache("decode (evict at every step) or prefill "
-                                              "(compress the prompt once).")] = None,
-    window: Annotated[int | None, _cache("window: the last W positions.")] = None,
-    sinks: Annotated[int | None, _cache("With --window: the first S positions.")] = None,
-    head_budgets: Annotated[str | None, _cache("snapkv-paged: ada or duo.")] = None,
-    layer_budgets: Annotated[str | None, _cache("Each layer's budget, a list or "
-                                                "pyramid.")] = None,
-    k_channels: Annotated[str | None, _cache("think: K channels kept per head.")] = None,
-    kv_reference: Annotated[str | None, _cache("kvpress: each scorer as kvpress's press "
-                                               "keeps.")] = None,
-    kv_dtype: Annotated[str | None, _cache("fp8, int8, int4 or int2 K/V; a comma list, none "
-                                           "for unquantized.")] = None,
-    group_size: Annotated[int, _cache("int8/int4/int2: elements per scale.",
-                                      show_default=True)] = 64,
-    k_quant: Annotated[str, _cache("per-token or per-channel (KIVI).",
-                                   show_default=True)] = "per-token",
-    kv_residual: Annotated[int, _cache("KIVI's residual of unquantized positions.",
-                                       show_default=True)] = 0,
-    layers: Annotated[int | None, _run("Run the model's first N layers.",
-                                       show_default=False)] = None,
-    dtype: Annotated[str, _run("float32, float16 or bfloat16.")] = "float32",
-    device: Annotated[str, _run("auto, cpu, cuda or cuda:N.")] = "auto",
-    seed: Annotated[int, _run("Seed of the keys, their places and copy's tokens.")] = 0,
-    csv: Annotated[Path | None, _run("Append rows to this CSV. \\[default: results/needle.csv]",
-                                     show_default=False)] = None,
-    no_csv: Annotated[bool, _run("Write no results file.", "--no-csv", metavar="")] = False,
-    quiet: Annotated[bool, _run("No table, notes or progress.", "--quiet", "-q",
-                                metavar="")] = False,
-    shard: Annotated[str | None, _run("Run only shard I of N (I/N): the cells whose index is I "
-                                      "modulo N; kvbench merge joins the CSVs.",
-                                      show_default=False)] = None,
-    ray: Annotated[str | None, _run("Each context and depth a Ray task, rows written as each "
-                                    "ends: local starts a cluster here, auto joins this "
-                                    "machine's, HOST:PORT another (the cluster extra).",
-                                    show_default=False)] = None,
-    retries: Annotated[int, _run("--ray: times a task whose worker died is run "
-                                 "again.")] = 2,
-    threads: Annotated[int | None, _run("--ray: CPU threads per task. \\[default: 1]",
-                                        show_default=False)] = None):
+def needle(**values):
     """Retrieval through every cache: a key hidden in filler at each depth and context,
     asked at the end; accuracy beside path A's, and whether each layer kept the key.
 
@@ -316,42 +239,14 @@ def needle(
     lossy one attending to other than what it kept).
     """
     from kvbench.experiments import needle as needles
-    from kvbench.measure.device import resolve_device
+    from kvbench.options import needle_options, needle_plan
 
-    techniques = {"kv_budget": kv_budget, "kv_recent": kv_recent, "kv_compress": kv_compress,
-                  "window": window, "sinks": sinks, "head_budgets": head_budgets,
-                  "layer_budgets": layer_budgets, "k_channels": k_channels,
-                  "kv_reference": kv_reference, "kv_dtype": kv_dtype}
-    formats = {"group_size": group_size, "k_quant": k_quant, "kv_residual": kv_residual}
-    o = needles.NeedleOptions(
-        model=model, task=task, context=context, depth=depth, trials=trials, keys=keys,
-        haystack=haystack, needle=needle_key,
-        question_after_compression=question_after_compression, impl=impl, layers=layers,
-        dtype=dtype, device=device, seed=seed, csv=csv, no_csv=no_csv, quiet=quiet,
-        shard=shard, ray=ray, retries=retries, threads=threads,
-        techniques={**techniques, **formats})
-    o = replace(o, device=resolve_device(o.device))
-    needles.run(o, _needle_points(o))
+    o = needle_options(values)
+    needles.run(o, needle_plan(o))
 
 
-def _needle_points(o):
-    """kvbench needle's plan, `o` its NeedleOptions: (ref, points, implementation options,
-    notes), the model's points at each context as verify plans them (every technique option
-    checked as verify checks it), each point's answer ANSWER_TOKENS long."""
-    from kvbench.errors import KvbenchError
-    from kvbench.experiments.needle import ANSWER_TOKENS
-    from kvbench.options import RunOptions
-    from kvbench.subjects.model import expand
-
-    given = {k: v for k, v in o.techniques.items() if v is not None}
-    run = RunOptions.of({"model": o.model, "prompt_len": o.context, "batch": "1",
-                         "decode_len": str(ANSWER_TOKENS), "impl": o.impl, "dtype": o.dtype,
-                         "device": o.device, "seed": o.seed, "layers": o.layers, **given})
-    ref, found, options, notes = expand(run, "verify")
-    if not ref.trained:
-        raise KvbenchError(f"--model {o.model} has random weights: retrieval needs a trained "
-                           "checkpoint and its tokenizer (smollm2-135m, or a checkpoint folder)")
-    return ref, found, options, notes
+setattr(needle, "__signature__", needle_signature())  # declared in kvbench.options
+command(needle)
 
 
 @command

@@ -401,3 +401,131 @@ def serve_sim_signature() -> inspect.Signature:
     from kvbench.experiments.servesim import SimOptions
 
     return declared_signature(SimOptions)
+
+
+# ------------------------------------------------------------------------ kvbench needle
+
+
+def _task(help: str, *flags: str, **kw):
+    return typer.Option(*flags, help=help, rich_help_panel="Task", **kw)
+
+
+def _cache(help: str, *flags: str, **kw):
+    return typer.Option(*flags, help=help, rich_help_panel="Caches and techniques",
+                        show_default=kw.pop("show_default", False), **kw)
+
+
+def _run(help: str, *flags: str, **kw):
+    return typer.Option(*flags, help=help, rich_help_panel="Run and output", **kw)
+
+
+def _needle_params(
+    model: Annotated[str, _task("A trained model: smollm2-135m, or a checkpoint folder or "
+                                ".gguf with its tokenizer.")] = "smollm2-135m",
+    task: Annotated[str, _task("passkey (one key in the haystack, asked at the end), multikey "
+                               "(--keys keys, one asked) or copy (a random token sequence "
+                               "shown twice: the second copy predicted).")] = "passkey",
+    context: Annotated[str, _task("Prompt lengths in tokens, a comma list (each a column of "
+                                  "the heatmap).")] = "512,1024",
+    depth: Annotated[str, _task("Where the needle sits, fractions of the filler: 0 right after "
+                                "the instruction, 1 just before the question; a comma "
+                                "list.")] = "0,0.25,0.5,0.75,1",
+    trials: Annotated[int, _task("Prompts per cell, each with its own seeded key and filler "
+                                 "placement.")] = 2,
+    keys: Annotated[int, _task("--task multikey: how many keys the haystack holds.")] = 4,
+    haystack: Annotated[Path | None, _task(
+        "A plain-text file as the filler. \\[default: RULER's pass-key filler sentences]",
+        show_default=False)] = None,
+    needle_key: Annotated[str | None, _task(
+        "The key, digits (default: a seeded 5-digit number per trial).", "--needle",
+        show_default=False)] = None,
+    question_after_compression: Annotated[bool, _task(
+        "Query-agnostic: prefill the haystack and needle, compress, then feed the question (a "
+        "cache reused for any question). Default: query-aware, the question in the prompt the "
+        "cache compresses.", "--question-after-compression", metavar="")] = False,
+    impl: Annotated[str, _cache("Cached implementations, a comma list (as verify takes them).",
+                                show_default=True)] = "static",
+    kv_budget: Annotated[str | None, _cache("Eviction caches: positions kept per KV "
+                                            "head.")] = None,
+    kv_recent: Annotated[int | None, _cache("Eviction caches: how many of them are the most "
+                                            "recent.")] = None,
+    kv_compress: Annotated[str | None, _cache("decode (evict at every step) or prefill "
+                                              "(compress the prompt once).")] = None,
+    window: Annotated[int | None, _cache("window: the last W positions.")] = None,
+    sinks: Annotated[int | None, _cache("With --window: the first S positions.")] = None,
+    head_budgets: Annotated[str | None, _cache("snapkv-paged: ada or duo.")] = None,
+    layer_budgets: Annotated[str | None, _cache("Each layer's budget, a list or "
+                                                "pyramid.")] = None,
+    k_channels: Annotated[str | None, _cache("think: K channels kept per head.")] = None,
+    kv_reference: Annotated[str | None, _cache("kvpress: each scorer as kvpress's press "
+                                               "keeps.")] = None,
+    kv_dtype: Annotated[str | None, _cache("fp8, int8, int4 or int2 K/V; a comma list, none "
+                                           "for unquantized.")] = None,
+    group_size: Annotated[int, _cache("int8/int4/int2: elements per scale.",
+                                      show_default=True)] = 64,
+    k_quant: Annotated[str, _cache("per-token or per-channel (KIVI).",
+                                   show_default=True)] = "per-token",
+    kv_residual: Annotated[int, _cache("KIVI's residual of unquantized positions.",
+                                       show_default=True)] = 0,
+    layers: Annotated[int | None, _run("Run the model's first N layers.",
+                                       show_default=False)] = None,
+    dtype: Annotated[str, _run("float32, float16 or bfloat16.")] = "float32",
+    device: Annotated[str, _run("auto, cpu, cuda or cuda:N.")] = "auto",
+    seed: Annotated[int, _run("Seed of the keys, their places and copy's tokens.")] = 0,
+    csv: Annotated[Path | None, _run("Append rows to this CSV. \\[default: results/needle.csv]",
+                                     show_default=False)] = None,
+    no_csv: Annotated[bool, _run("Write no results file.", "--no-csv", metavar="")] = False,
+    quiet: Annotated[bool, _run("No table, notes or progress.", "--quiet", "-q",
+                                metavar="")] = False,
+    shard: Annotated[str | None, _run("Run only shard I of N (I/N): the cells whose index is I "
+                                      "modulo N; kvbench merge joins the CSVs.",
+                                      show_default=False)] = None,
+    ray: Annotated[str | None, _run("Each context and depth a Ray task, rows written as each "
+                                    "ends: local starts a cluster here, auto joins this "
+                                    "machine's, HOST:PORT another (the cluster extra).",
+                                    show_default=False)] = None,
+    retries: Annotated[int, _run("--ray: times a task whose worker died is run "
+                                 "again.")] = 2,
+    threads: Annotated[int | None, _run("--ray: CPU threads per task. \\[default: 1]",
+                                        show_default=False)] = None):
+    """kvbench needle's options (its signature, read by needle_signature)."""
+
+
+def needle_signature() -> inspect.Signature:
+    return inspect.signature(_needle_params, eval_str=True)
+
+
+TECHNIQUE_FLAGS = ("kv_budget", "kv_recent", "kv_compress", "window", "sinks", "head_budgets",
+                   "layer_budgets", "k_channels", "kv_reference", "kv_dtype", "group_size",
+                   "k_quant", "kv_residual")
+
+
+def needle_options(values: dict):
+    """The command line's values as NeedleOptions: the techniques' apart, the device
+    resolved."""
+    from kvbench.experiments.needle import NeedleOptions
+    from kvbench.measure.device import resolve_device
+
+    values = dict(values)
+    techniques = {name: values.pop(name) for name in TECHNIQUE_FLAGS}
+    values["needle"] = values.pop("needle_key")
+    values["device"] = resolve_device(values["device"])
+    return NeedleOptions(**values, techniques=techniques)
+
+
+def needle_plan(o):
+    """kvbench needle's plan, `o` its NeedleOptions: (ref, points, implementation options,
+    notes), the model's points at each context as verify plans them (every technique option
+    checked as verify checks it), each point's answer ANSWER_TOKENS long."""
+    from kvbench.experiments.needle import ANSWER_TOKENS
+    from kvbench.subjects.model import expand
+
+    given = {k: v for k, v in o.techniques.items() if v is not None}
+    run = RunOptions.of({"model": o.model, "prompt_len": o.context, "batch": "1",
+                         "decode_len": str(ANSWER_TOKENS), "impl": o.impl, "dtype": o.dtype,
+                         "device": o.device, "seed": o.seed, "layers": o.layers, **given})
+    ref, found, options, notes = expand(run, "verify")
+    if not ref.trained:
+        raise KvbenchError(f"--model {o.model} has random weights: retrieval needs a trained "
+                           "checkpoint and its tokenizer (smollm2-135m, or a checkpoint folder)")
+    return ref, found, options, notes

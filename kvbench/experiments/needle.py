@@ -219,25 +219,25 @@ class NeedleOptions:
 
     @property
     def contexts(self) -> list[int]:
-        try:
-            values = [int(v) for v in self.context.split(",") if v.strip()]
-        except ValueError:
-            raise KvbenchError(f"--context {self.context!r}: give token counts, e.g. "
-                               "512,1024") from None
-        if not values or min(values) < 16:
+        values = _numbers(self.context, "--context", int, "token counts, e.g. 512,1024")
+        if min(values) < 16:
             raise KvbenchError(f"--context {self.context}: each context is 16 tokens or more")
         return values
 
     @property
     def depths(self) -> list[float]:
-        try:
-            values = [float(v) for v in self.depth.split(",") if v.strip()]
-        except ValueError:
-            raise KvbenchError(f"--depth {self.depth!r}: give fractions of the context, e.g. "
-                               "0,0.5,1") from None
-        if not values or any(math.isnan(v) for v in values):
-            raise KvbenchError(f"--depth {self.depth!r}: give fractions of the context")
-        return values
+        return _numbers(self.depth, "--depth", float, "fractions of the context, e.g. 0,0.5,1")
+
+
+def _numbers(text: str, flag: str, kind, what: str) -> list:
+    """A comma list of numbers, or one line naming the flag and what it takes."""
+    try:
+        values = [kind(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        values = []
+    if not values or any(math.isnan(v) for v in values):
+        raise KvbenchError(f"{flag} {text!r}: give {what}")
+    return values
 
 
 # ------------------------------------------------------------------------------ the run
@@ -371,12 +371,6 @@ def reference_score(m, prompt: Prompt, task: str, got: list[int]) -> float:
         target = prompt.ids[prompt.question:]
         return sum(a == b for a, b in zip(got, target)) / len(target)
     return score(task, prompt, m.text(got))
-
-
-# technique options needle passes on to the model's points, with the formats' options
-PASSED = ("kv_budget", "kv_recent", "kv_compress", "window", "sinks", "head_budgets",
-          "layer_budgets", "k_channels", "kv_reference", "kv_dtype", "group_size", "k_quant",
-          "kv_residual")
 
 
 def shard_of(spec: str | None) -> tuple[int, int]:
