@@ -245,7 +245,7 @@ def needle(**values):
     needles.run(o, needle_plan(o))
 
 
-setattr(needle, "__signature__", needle_signature())  # declared in kvbench.options
+needle.__signature__ = needle_signature()  # declared in kvbench.options
 command(needle)
 
 
