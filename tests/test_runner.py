@@ -197,3 +197,16 @@ def test_a_dry_run_says_the_time_the_sweep_should_take():
                                       "--impl", "static", "--dry-run", "--no-csv"])
     said = " ".join(result.stderr.split())
     assert result.exit_code == 0 and "for the 2 points, before they start" in said
+
+
+def test_a_points_calls_and_flops_by_hand_with_a_batch_and_heads():
+    from kvbench.measure.costs import point_cost, step_flops
+    from kvbench.sizing.config import LayerShape
+
+    s = LayerShape(batch=2, prompt_len=2, decode_len=1, hidden=4, q_heads=2, kv_heads=1,
+                   head_dim=2)
+    # weights 2*4*2*2 + 2*4*1*2 = 48; path A's prefix of 3: 2*2*3*48 + 2*2*2*2*3*3 = 720;
+    # a prefill of 2: 2*2*2*48 + 2*2*2*2*2*2 = 448; the step its own (step_flops)
+    step = step_flops(s, 3)
+    assert point_cost(s, impls=2) == (1 + 2 * 2, 720 + 2 * (448 + step))
+    assert point_cost(s, impls=2, recompute=False) == (2 * 2, 2 * (448 + step))
