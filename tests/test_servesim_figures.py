@@ -218,7 +218,9 @@ def test_the_run_writes_a_row_per_reserve_and_seed_from_the_first_seed(tmp_path)
     steps = pd.read_csv(tmp_path / "s-steps.csv")
     assert sorted(set(zip(steps["reserve"], steps["seed"]))) == list(zip(df["reserve"],
                                                                          df["seed"]))
-    assert f"wrote {out}" in " ".join(result.stderr.split())
+    # each file with the rows this run added (Rich may wrap the line anywhere)
+    said = f"4 rows appended to {out}, {len(steps)} to {tmp_path / 's-steps.csv'}"
+    assert "".join(said.split()) in "".join(result.stderr.split())
 
 
 def test_the_run_prints_every_reserves_row_and_nothing_when_quiet(tmp_path):

@@ -31,7 +31,6 @@ from __future__ import annotations
 import math
 import random
 import re
-import sys
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -388,6 +387,7 @@ def run(o: NeedleOptions, planned) -> list[Cell]:
     kvbench.cli plans them (through kvbench.subjects.model). --ray: each (context, depth)
     a Ray task, rows written as tasks end."""
     from kvbench.measure.env import environment
+    from kvbench.planning.lifecycle import Lifecycle, Output
     from kvbench.report import render, results
 
     index, count = shard_of(o.shard)
@@ -407,14 +407,14 @@ def run(o: NeedleOptions, planned) -> list[Cell]:
     if not o.quiet:
         for line in notes:
             render.note(line)
-    total = sum(len(names) for _, names, _ in mine)
+    lifecycle = Lifecycle(sum(len(names) for _, names, _ in mine), "cells",
+                          [Output(csv, results.NEEDLE_COLUMNS, results.NEEDLE_FIRST)])
 
     def finished(new: list[Cell], new_rows: list[dict]) -> None:
         cells.extend(new)
-        if csv is not None:
-            results.append_csv(csv, new_rows, results.NEEDLE_COLUMNS, results.NEEDLE_FIRST)
+        lifecycle.keep(new_rows, units=len(new))  # on disk as each (context, depth) ends
 
-    try:
+    with lifecycle:
         if o.ray is not None:
             _on_cluster(o, ref, options, mine, finished)
         else:
@@ -424,18 +424,10 @@ def run(o: NeedleOptions, planned) -> list[Cell]:
                 for config, names, depth in mine:
                     new = run_cell(o, ref, options, config, names, depth, bar)
                     finished(new, rows(o, ref, config, new, stamp, env))
-    except KeyboardInterrupt as stopped:
-        from kvbench.planning.signals import terminated
-
-        what = "terminated" if terminated(stopped) else "interrupted"
-        rows_kept = f"{len(cells)} {'row' if len(cells) == 1 else 'rows'}"
-        saved = f"; {rows_kept} kept in {csv}" if cells and csv is not None else ""
-        print(f"kvbench: {what} after {len(cells)} of {total} cells{saved}", file=sys.stderr)
-        raise SystemExit(143 if terminated(stopped) else 130) from None
     if not o.quiet:
         show(o, ref, cells)
-        if csv is not None:
-            render.note(f"wrote {csv}")
+        if lifecycle.written():
+            render.note(str(lifecycle.written()))
     failed = [c for c in cells if c.failures]
     for c in failed:
         render.err.print(f"{c.impl} at {c.context} depth {c.depth:g}: {c.failures[0]}",
@@ -496,17 +488,12 @@ def _on_cluster(o: NeedleOptions, ref, options, grid, finished) -> None:
     worker, the rows made there with its environment, handed back as tasks end."""
     from functools import partial
 
-    from kvbench.planning.cluster import Cluster
+    from kvbench.planning.lifecycle import on_cluster
 
     points = [(config, (tuple(names), depth)) for config, names, depth in grid]
     assert o.ray is not None
-    with Cluster(o.ray, o.retries, o.threads) as cluster:
-        cluster.check(points)
-        cluster.submit(points, partial(_cell_task, o, ref, options))
-        for _, outcome in cluster.completed():
-            if isinstance(outcome, BaseException):
-                raise outcome
-            finished(*outcome)
+    on_cluster(o, points, partial(_cell_task, o, ref, options),
+               lambda i, outcome: finished(*outcome))
 
 
 def _cell_task(o: NeedleOptions, ref, options, config, cell, env) -> tuple[list, list]:

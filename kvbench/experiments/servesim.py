@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import copy
 import math
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -734,6 +733,7 @@ def run(o: SimOptions) -> list[Served]:
     """Every --reserve on the trace, each one's rows written as it finishes; exit 1 if a
     request's outputs differ from path A. Ctrl-C or SIGTERM keeps the finished reserves' rows
     and says so (exit 130 or 143)."""
+    from kvbench.planning.lifecycle import Lifecycle, Output
     from kvbench.report import render, results
 
     if o.write_profile is not None:
@@ -774,20 +774,22 @@ def run(o: SimOptions) -> list[Served]:
             refuse_unfit(reqs, o.kv_blocks, o.block_size, way["reserve"], way["reserve_len"])
     # --steps-only touches no tensor: torch is not imported (its environment is device-less)
     env, stamp = environment(None if o.steps_only else device), results.timestamp()
-    served, rows = [], []
+    served: list[Served] = []
     total = sum(map(len, traces.values())) * len(o.reserve)
+    lifecycle = Lifecycle(len(o.reserve) * o.seeds,
+                          "reserves" if o.seeds == 1 else "runs (reserve and seed)",
+                          [Output(csv, results.SERVE_COLUMNS, results.SERVE_FIRST),
+                           Output(steps_csv, results.SERVE_STEP_COLUMNS,
+                                  results.SERVE_STEP_FIRST)],
+                          o.format, named=True)
 
     def finished(s: Served, env: dict) -> None:
-        nonlocal rows
-        served.append(s)
-        new = serve_rows(o, device, [s], stamp, env)
-        rows += new
-        if csv is not None:  # on disk as each reserve finishes
-            results.append_csv(csv, new, results.SERVE_COLUMNS, results.SERVE_FIRST)
-            results.append_csv(steps_csv, serve_step_rows([s], stamp, o.block_bytes, env),
-                               results.SERVE_STEP_COLUMNS, results.SERVE_STEP_FIRST)
+        served.append(s)  # its rows and its steps on disk as each reserve finishes
+        lifecycle.keep(serve_rows(o, device, [s], stamp, env),
+                       serve_step_rows([s], stamp, o.block_bytes, env) if csv else [],
+                       name=s.reserve + (f" seed {s.seed}" if o.seeds > 1 else ""))
 
-    try:
+    with lifecycle:
         if o.ray is not None:  # each reserve a Ray task, on the same trace
             _on_cluster(o, device, finished, profile)
         else:
@@ -815,24 +817,10 @@ def run(o: SimOptions) -> list[Served]:
                                 and not o.steps_only):
                             render.note(_estimate(o, s))
                         finished(s, env)
-    except KeyboardInterrupt as stopped:
-        from kvbench.planning.signals import terminated
-
-        what = "terminated" if terminated(stopped) else "interrupted"
-        kept = (f"; {len(served)} {'row' if len(served) == 1 else 'rows'} kept in {csv}"
-                if served and csv is not None else "")
-        done = ", ".join(s.reserve + (f" seed {s.seed}" if o.seeds > 1 else "")
-                         for s in served) or "none"
-        unit = "reserves" if o.seeds == 1 else "runs (reserve and seed)"
-        print(f"kvbench: {what} after {len(served)} of {len(o.reserve) * o.seeds} {unit} "
-              f"(finished: {done}){kept}", file=sys.stderr)
-        raise SystemExit(143 if terminated(stopped) else 130) from None
-    if o.format != "table":
-        render.machine_output(rows, results.SERVE_COLUMNS, o.format)
-    elif not o.quiet:
+    if o.format == "table" and not o.quiet:
         show_serve(o, device, served)
-    if csv is not None and not o.quiet:
-        render.note(f"wrote {csv} and {steps_csv}")
+    if not o.quiet and lifecycle.written():
+        render.note(str(lifecycle.written()))
     failed = [s for s in served if not s.passed]
     if failed:
         for s in failed:
@@ -847,7 +835,7 @@ def _on_cluster(o: SimOptions, device: str, finished, profile=None) -> None:
     layer, built on the worker); finished(served, the worker's environment) as each ends."""
     from types import SimpleNamespace
 
-    from kvbench.planning.cluster import Cluster
+    from kvbench.planning.lifecycle import on_cluster
 
     def serve_one(config, names, env):
         import torch
@@ -862,13 +850,7 @@ def _on_cluster(o: SimOptions, device: str, finished, profile=None) -> None:
 
     points = [(SimpleNamespace(device=device, tp=1), (r, seed)) for r in o.reserve
               for seed in range(o.seed, o.seed + o.seeds)]
-    with Cluster(o.ray, o.retries, o.threads) as cluster:
-        cluster.check(points)
-        cluster.submit(points, serve_one)
-        for _, outcome in cluster.completed():
-            if isinstance(outcome, BaseException):
-                raise outcome
-            finished(*outcome)
+    on_cluster(o, points, serve_one, lambda i, outcome: finished(*outcome))
 
 
 def layer_shape(o: SimOptions, device: str | None = None) -> dict[str, object]:

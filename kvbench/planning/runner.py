@@ -1,6 +1,7 @@
 """Running a command's points: the preflight, then each point in turn with a progress bar,
 its rows written as it finishes, device errors and skipped points reported, Ctrl-C and
-SIGTERM handled. The commands hand it their points and a function that runs one.
+SIGTERM handled (the lifecycle serve-sim and needle share: kvbench.planning.lifecycle). The
+commands hand it their points and a function that runs one.
 """
 
 from __future__ import annotations
@@ -13,7 +14,6 @@ from typing import TYPE_CHECKING
 import typer
 
 from kvbench.errors import KvbenchError
-from kvbench.planning.signals import terminated
 
 if TYPE_CHECKING:
     from kvbench.options import RunOptions
@@ -83,8 +83,9 @@ def sweep(o: RunOptions, command: str, points, run_point, impl_options, notes,
     from kvbench.measure import distributed
     from kvbench.measure.costs import STEP_OVERHEAD_FLOPS
     from kvbench.measure.env import environment
+    from kvbench.planning.lifecycle import Lifecycle, Output
     from kvbench.report import render
-    from kvbench.report.results import FILE_KINDS, append_csv
+    from kvbench.report.results import FILE_KINDS
 
     columns, first = FILE_KINDS[command]
     if distributed.rank() != 0:  # rank 0 alone prints and writes
@@ -99,8 +100,7 @@ def sweep(o: RunOptions, command: str, points, run_point, impl_options, notes,
 
         compiled.show_compiling(render.status)
     env = environment(points[0][0].device)
-    results, rows, failed = [], [], []
-    stopped = None  # the signal that ended the run early
+    results, failed = [], []
     costs = [_cost(command, config, names, bench_options) for config, names in points]
     work = [calls * STEP_OVERHEAD_FLOPS + flops for calls, flops in costs]
     if not o.quiet and len(points) > 1:
@@ -109,9 +109,10 @@ def sweep(o: RunOptions, command: str, points, run_point, impl_options, notes,
 
     compiled_before = compile_seconds()
     took: list[float] = []  # each point's seconds, as they finish
+    run = Lifecycle(len(points), "points", [Output(path, columns, first)], o.format)
+
     def finished(i: int, outcome) -> None:
         """Point i ended: (result, rows), or the DeviceError it raised."""
-        nonlocal rows
         config = points[i][0]
         if isinstance(outcome, BaseException):
             failed.append(outcome)
@@ -119,52 +120,39 @@ def sweep(o: RunOptions, command: str, points, run_point, impl_options, notes,
             bar.advance(work[i])
             return
         result, new_rows = outcome
-        if new_rows and path is not None:  # on disk as each point finishes
-            append_csv(path, new_rows, columns, first)
+        run.keep(new_rows)  # on disk as each point finishes
         results.append(result)
-        rows += new_rows
         if o.format == "table" and not o.quiet and not getattr(result, "remote", False):
             show(result)
         bar.advance(work[i])
 
-    with render.progress(work, enabled=not o.quiet) as bar:
-        try:
-            if o.ray is not None:
-                _on_cluster(o, points, run_point, finished, planned)
-            for i, (config, names) in enumerate(points if o.ray is None else []):
-                # the time left, once: after the second point (a per-point cost and a pace
-                # fitted to the two), or after the first of two
-                if i == min(2, len(points) - 1) and i and not o.quiet:
-                    render.note(_estimate(took, work, compile_seconds() - compiled_before))
-                begun = time.perf_counter()
-                bar.point(render.describe(config))
+    with run, render.progress(work, enabled=not o.quiet) as bar:
+        if o.ray is not None:
+            _on_cluster(o, points, run_point, finished, planned)
+        for i, (config, names) in enumerate(points if o.ray is None else []):
+            # the time left, once: after the second point (a per-point cost and a pace
+            # fitted to the two), or after the first of two
+            if i == min(2, len(points) - 1) and i and not o.quiet:
+                render.note(_estimate(took, work, compile_seconds() - compiled_before))
+            begun = time.perf_counter()
+            bar.point(render.describe(config))
+            try:
                 try:
-                    try:
-                        outcome = run_point(config, names, env)
-                    except (RuntimeError, MemoryError) as err:
-                        # out of memory outside a phase's guard (the weights and inputs, say)
-                        if not is_out_of_memory(err):
-                            raise
-                        raise DeviceError("weights and inputs", None, err) from err
-                except DeviceError as err:
-                    if config.tp > 1:  # the other ranks wait in a collective: end the group
-                        distributed.end_group(3)
-                    _release(config.device)
-                    outcome = err
-                took.append(time.perf_counter() - begun)
-                finished(i, outcome)
-        except KeyboardInterrupt as err:
-            stopped = err
-    if o.format != "table":
-        render.machine_output(rows, columns, o.format)
-    where = f" in {path}" if path is not None else ""
-    if stopped is not None:
-        what = "terminated" if terminated(stopped) else "interrupted"
-        print(f"kvbench: {what} after {len(results)} of {len(points)} points; "
-              f"{len(rows)} {_plural(len(rows), 'row')} kept{where}", file=sys.stderr)
-        raise typer.Exit(143 if terminated(stopped) else 130)
-    if not o.quiet and path is not None and rows:
-        render.note(f"{len(rows)} {_plural(len(rows), 'row')} appended to {path}")
+                    outcome = run_point(config, names, env)
+                except (RuntimeError, MemoryError) as err:
+                    # out of memory outside a phase's guard (the weights and inputs, say)
+                    if not is_out_of_memory(err):
+                        raise
+                    raise DeviceError("weights and inputs", None, err) from err
+            except DeviceError as err:
+                if config.tp > 1:  # the other ranks wait in a collective: end the group
+                    distributed.end_group(3)
+                _release(config.device)
+                outcome = err
+            took.append(time.perf_counter() - begun)
+            finished(i, outcome)
+    if not o.quiet and run.written():
+        render.note(str(run.written()))
     total = len(points) + len(skipped)
     if failed:
         if total > 1:  # (one point's error line says it all)
@@ -180,25 +168,25 @@ def sweep(o: RunOptions, command: str, points, run_point, impl_options, notes,
 
 
 def _on_cluster(o: RunOptions, points, run_point, finished, planned=None) -> None:
-    """The points as Ray tasks (kvbench.planning.cluster), each one's end handed to
-    finished(i, outcome) in the order they end. A point's own exception other than a device
-    error (a mismatch, say) ends the sweep as it does locally; the other tasks are
+    """The points as Ray tasks (kvbench.planning.lifecycle.on_cluster), each one's end handed
+    to finished(i, outcome) in the order they end. A point's own exception other than a
+    device error (a mismatch, say) ends the sweep as it does locally; the other tasks are
     cancelled."""
     from kvbench.errors import DeviceError
-    from kvbench.planning.cluster import Cluster, WorkerLost
+    from kvbench.planning.cluster import WorkerLost
+    from kvbench.planning.lifecycle import on_cluster
 
     planned = planned or points  # the sweep before the preflight: a --tp point's place
-    with Cluster(o.ray, o.retries, o.threads) as cluster:
-        cluster.check(points)
-        cluster.submit(points, run_point, [planned.index(p) for p in points], len(planned))
-        for i, outcome in cluster.completed():
-            if isinstance(outcome, WorkerLost):
-                outcome = DeviceError("the point's task", None, outcome)
-            elif isinstance(outcome, BaseException) and not isinstance(outcome, DeviceError):
-                raise outcome
-            elif points[i][0].tp > 1:  # its ranks' rows, exit status and last word
-                outcome = _ranks_outcome(points[i][0], *outcome)
-            finished(i, outcome)
+
+    def ended(i: int, outcome) -> None:
+        if isinstance(outcome, WorkerLost):
+            outcome = DeviceError("the point's task", None, outcome)
+        elif points[i][0].tp > 1 and not isinstance(outcome, BaseException):
+            outcome = _ranks_outcome(points[i][0], *outcome)  # its ranks' rows, exit, word
+        finished(i, outcome)
+
+    on_cluster(o, points, run_point, ended, [planned.index(p) for p in points], len(planned),
+               handled=(DeviceError, WorkerLost))
 
 
 def _ranks_outcome(config, rows: list[dict], code: int, said: str):

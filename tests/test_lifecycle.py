@@ -1,0 +1,142 @@
+"""The lifecycle every run shares (kvbench.planning.lifecycle): rows on disk as each unit
+finishes, the line and exit status of a stopped run, the machine formats, the last note, and
+the Ray tasks' outcomes. By hand, on small runs; the commands' own tests (test_sweep,
+test_scripting, test_needle, test_cluster) stop real runs."""
+
+import json
+
+import pandas as pd
+import pytest
+
+from kvbench.planning import lifecycle as lc
+from kvbench.planning.lifecycle import Lifecycle, Output
+from kvbench.planning.signals import Terminated
+
+COLUMNS = ["name", "value"]
+
+
+def outputs(tmp_path, both=True):
+    first = Output(tmp_path / "a.csv", COLUMNS)
+    return [first, Output(tmp_path / "b.csv", ["step"])] if both else [first]
+
+
+def test_each_units_rows_reach_their_files_as_it_finishes(tmp_path):
+    life = Lifecycle(3, "points", outputs(tmp_path))
+    with life:
+        life.keep([{"name": "x", "value": 1}], [{"step": 0}, {"step": 1}])
+        assert pd.read_csv(tmp_path / "a.csv")["name"].tolist() == ["x"]  # before the next
+        life.keep([{"name": "y", "value": 2}, {"name": "z", "value": 3}], [{"step": 2}],
+                  units=2)
+    assert pd.read_csv(tmp_path / "a.csv")["value"].tolist() == [1, 2, 3]
+    assert pd.read_csv(tmp_path / "b.csv")["step"].tolist() == [0, 1, 2]
+    assert life.finished == 3 and len(life.rows) == 3
+    assert life.written() == f"3 rows appended to {tmp_path / 'a.csv'}, 3 to {tmp_path / 'b.csv'}"
+
+
+def test_nothing_written_is_said_as_nothing(tmp_path):
+    life = Lifecycle(2, "points", [Output(None, COLUMNS)])
+    life.keep([{"name": "x", "value": 1}])
+    assert life.written() is None and not (tmp_path / "a.csv").exists()
+    one = Lifecycle(1, "points", outputs(tmp_path, both=False))
+    one.keep([{"name": "x", "value": 1}])
+    assert one.written() == f"1 row appended to {tmp_path / 'a.csv'}"
+
+
+@pytest.mark.parametrize("signal_, code, word", [(KeyboardInterrupt, 130, "interrupted"),
+                                                  (Terminated, 143, "terminated")])
+def test_a_stopped_run_says_how_far_it_got_and_what_it_kept(tmp_path, capsys, signal_, code,
+                                                            word):
+    life = Lifecycle(4, "reserves", outputs(tmp_path), named=True)
+    with pytest.raises(SystemExit) as stop:
+        with life:
+            life.keep([{"name": "x", "value": 1}], [], name="paged")
+            raise signal_()
+    assert stop.value.code == code
+    err = capsys.readouterr().err
+    assert err == (f"kvbench: {word} after 1 of 4 reserves (finished: paged); 1 row kept in "
+                   f"{tmp_path / 'a.csv'}\n")
+    assert pd.read_csv(tmp_path / "a.csv")["name"].tolist() == ["x"]
+
+
+def test_the_stop_line_names_none_and_keeps_no_path_it_did_not_write(capsys):
+    line = Lifecycle(3, "cells", [Output(None, COLUMNS)], named=True).stopped_line(
+        KeyboardInterrupt())
+    assert line == "kvbench: interrupted after 0 of 3 cells (finished: none)"
+    life = Lifecycle(3, "points", [Output(None, COLUMNS)])
+    life.keep([{"name": "x", "value": 1}, {"name": "y", "value": 2}])
+    assert life.stopped_line(KeyboardInterrupt()) == "kvbench: interrupted after 1 of 3 points"
+
+
+@pytest.mark.parametrize("stop", [False, True])
+def test_machine_formats_print_the_finished_rows_once_even_when_stopped(capsys, stop):
+    life = Lifecycle(2, "points", [Output(None, COLUMNS)], fmt="json")
+    try:
+        with life:
+            life.keep([{"name": "x", "value": 1}])
+            if stop:
+                raise KeyboardInterrupt
+            life.keep([{"name": "y", "value": 2}])
+    except SystemExit as e:
+        assert stop and e.code == 130
+    rows = json.loads(capsys.readouterr().out)
+    assert rows == [{"name": "x", "value": 1}] + ([] if stop else [{"name": "y", "value": 2}])
+
+
+def test_another_error_passes_through_with_nothing_printed(capsys):
+    life = Lifecycle(2, "points", [Output(None, COLUMNS)], fmt="csv")
+    with pytest.raises(ValueError), life:
+        life.keep([{"name": "x", "value": 1}])
+        raise ValueError("a bug")
+    assert capsys.readouterr().out == ""
+
+
+class FakeCluster:
+    """Cluster's interface: the points' outcomes, in the order they end."""
+
+    outcomes: list = []
+    seen: dict = {}
+
+    def __init__(self, address, retries, threads):
+        self.seen.update(address=address, retries=retries, threads=threads)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.seen["closed"] = True
+
+    def check(self, points):
+        self.seen["checked"] = len(points)
+
+    def submit(self, points, task, places=None, total=None):
+        self.seen.update(task=task, places=places, total=total)
+
+    def completed(self):
+        yield from self.outcomes
+
+
+def test_ray_outcomes_reach_finished_in_the_order_they_end(monkeypatch):
+    from types import SimpleNamespace
+
+    from kvbench.planning import cluster
+
+    class Lost(RuntimeError):
+        pass
+
+    monkeypatch.setattr(cluster, "Cluster", FakeCluster)
+    lost = Lost("worker")
+    FakeCluster.outcomes = [(2, "c"), (0, lost), (1, "b")]
+    got = []
+    o = SimpleNamespace(ray="auto", retries=1, threads=2)
+    lc.on_cluster(o, [1, 2, 3], print, lambda i, out: got.append((i, out)), [5, 6, 7], 9,
+                  handled=(Lost,))
+    assert got == [(2, "c"), (0, lost), (1, "b")]
+    assert FakeCluster.seen == {"address": "auto", "retries": 1, "threads": 2, "checked": 3,
+                                "task": print, "places": [5, 6, 7], "total": 9,
+                                "closed": True}
+    FakeCluster.outcomes = [(1, "b"), (0, ValueError("a mismatch")), (2, "c")]
+    got.clear()
+    with pytest.raises(ValueError, match="a mismatch"):
+        lc.on_cluster(o, [1, 2, 3], print, lambda i, out: got.append((i, out)),
+                      handled=(Lost,))
+    assert got == [(1, "b")]  # the run ends at the first unhandled error
