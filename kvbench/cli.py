@@ -324,7 +324,12 @@ def plot(results: Annotated[Path, typer.Argument(help="A CSV that kvbench wrote.
     kinds of run (one layer and a whole model, GQA and MLA) gives one figure per kind."""
     from kvbench.report.plot import command as run_plot
 
-    run_plot(results, output, run, where, skip_bad_rows)
+    def planned(row):  # an older model verify row's cache bytes (torch only then)
+        from kvbench.experiments.model.view import planned_row_bytes
+
+        return planned_row_bytes(row)
+
+    run_plot(results, output, run, where, skip_bad_rows, planned)
 
 
 @command

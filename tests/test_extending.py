@@ -1,7 +1,8 @@
 """The ways kvbench grows, each walked once from a test file alone: a cache implementation
 registered here runs verify, bench and memory (and a broken one fails verify); a command
-declared here as a dataclass of flag() fields gets its options, --help and one-line refusals.
-(A scorer: tests/test_eviction.py; a technique option: tests/test_sweep.py.)"""
+declared here as a dataclass of flag() fields gets its options, --help and one-line refusals;
+a technique option added to a copy of the package as one declaration, with a toy cache that
+reads it, runs every command. (A scorer: tests/test_eviction.py.)"""
 
 from dataclasses import dataclass
 
@@ -125,3 +126,119 @@ def test_a_command_declared_in_a_test_gets_its_options_help_and_refusals(toy_com
     bad = runner.invoke(app, ["echo", "--times", "0"])
     assert bad.exit_code == 2
     assert bad.stderr.strip() == "kvbench: error: --times must be a positive integer, got 0"
+
+
+# --- a technique option: one declaration, and the cache that reads it ----------------------
+# The walk on a copy of the package: the one declaration added to LayerShape, the cache that
+# reads it in a plugin file beside the copy, every command then run on the copy.
+
+SPARE_OPTION = '''    kv_spare: int | None = technique(
+        None, "spare: reserve N positions beyond the longest (a test's toy option).",
+        option=str | None, points=True, show_default=False, read=True)
+'''
+
+SPARE_CACHE = '''
+import json
+import sys
+
+import torch
+from typer.testing import CliRunner
+
+from kvbench.caches import CachedAttention, register
+from kvbench.cli import app
+from kvbench.measure import footprint as fp
+
+
+@register
+class SpareCache(CachedAttention):
+    name = "spare"
+    description = "preallocated with --kv-spare positions to spare (a test's toy)"
+    reads = frozenset({"kv_spare"})
+
+    @classmethod
+    def footprint(cls, config, options):
+        return fp.concat(config.shape, config.rope, config.dtype_bytes)
+
+    def __init__(self, layer, batch, max_len, options=None, lens=None):
+        super().__init__(layer, batch, max_len, options, lens)
+        s = layer.shape
+        size = (batch, s.kv_heads, max_len + (s.kv_spare or 0), s.head_dim)
+        self.k = torch.zeros(size, dtype=layer.dtype, device=layer.device)
+        self.v = torch.zeros_like(self.k)
+
+    def write(self, k, v):
+        n = k.shape[2]
+        self.k[:, :, self.length:self.length + n] = k
+        self.v[:, :, self.length:self.length + n] = v
+        self._advance(n)
+
+    def kv(self):
+        return self.k[:, :, :self.length], self.v[:, :, :self.length]
+
+    def cache_tensors(self):
+        return [self.k, self.v]
+
+    def rewind(self, length):
+        self._rewound(length)
+
+
+said = []
+for args in json.loads(sys.argv[1]):
+    r = CliRunner().invoke(app, args)
+    said.append({"code": r.exit_code, "out": r.stdout, "err": r.stderr})
+print(json.dumps(said))
+'''
+
+
+@pytest.mark.slow
+def test_a_technique_option_is_one_declaration_and_the_cache_that_reads_it(tmp_path):
+    import json
+    import os
+    import shutil
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    source = Path(__file__).resolve().parent.parent / "kvbench"
+    copy = tmp_path / "kvbench"
+    shutil.copytree(source, copy, ignore=shutil.ignore_patterns("__pycache__"))
+    config = copy / "sizing" / "config.py"
+    anchor = "    # --kv-reference kvpress"
+    assert config.read_text().count(anchor) == 1
+    config.write_text(config.read_text().replace(anchor, SPARE_OPTION + anchor))
+    (tmp_path / "spare.py").write_text(SPARE_CACHE)
+    changed = [p.relative_to(copy) for p in sorted(copy.rglob("*.py"))
+               if p.read_text() != (source / p.relative_to(copy)).read_text()]
+    assert changed == [Path("sizing/config.py")]  # the one production file: one declaration
+
+    memory, verify = tmp_path / "memory.csv", tmp_path / "verify.csv"
+    sweep = tmp_path / "s.toml"
+    sweep.write_text('impl = "spare"\nkv_spare = [2, 6]\n')
+    calls = [["verify", "--help"],
+             ["memory", *SHAPE, "--impl", "static,spare", "--kv-spare", "4", "--csv",
+              str(memory)],
+             ["verify", *SHAPE, "--impl", "spare", "--kv-spare", "4,8", "--csv", str(verify)],
+             ["verify", *SHAPE, "--config", str(sweep), "--csv", str(verify)],
+             ["memory", *SHAPE, "--impl", "static", "--kv-spare", "4", "--no-csv"]]
+    done = subprocess.run([sys.executable, str(tmp_path / "spare.py"), json.dumps(calls)],
+                          cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(tmp_path)},
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    helped, measured, verified, swept, refused = json.loads(done.stdout)
+    assert "--kv-spare" in helped["out"] and "a test's toy option" in helped["out"]
+    assert measured["code"] == 0, measured
+    rows = pd.read_csv(memory).set_index("impl")
+    # the results column: the spare cache's value; static does not read it, its cell empty
+    assert rows.loc["spare", "kv_spare"] == 4 and pd.isna(rows.loc["static", "kv_spare"])
+    # K and V of 2 sequences x 2 heads x (15 + 4) positions x 8, float32
+    assert rows.loc["spare", "kv_cache_bytes"] == 2 * 2 * 2 * (15 + 4) * 8 * 4
+    assert rows.loc["static", "kv_cache_bytes"] == 2 * 2 * 2 * 15 * 8 * 4
+    # a comma list runs one point per value; the sweep file's key is the field's name
+    assert verified["code"] == 0 and swept["code"] == 0, (verified, swept)
+    checked = pd.read_csv(verify)
+    assert checked["kv_spare"].tolist() == [4, 8, 2, 6] and checked["passed"].all()
+    # a run none of whose caches reads it: one line, exit 2
+    assert refused["code"] == 2
+    assert refused["err"].strip().splitlines() == [
+        "kvbench: error: --kv-spare is read by none of static (it runs on spare); drop it or "
+        "add one of those to --impl"]

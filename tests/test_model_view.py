@@ -240,3 +240,29 @@ def test_model_text_in_a_caption_shows_line_breaks_not_escapes():
     from kvbench.experiments.model.view import shown
 
     assert shown("the end.\nNext") == '"the end. ⏎ Next"' and "\\n" not in shown("a\nb")
+
+
+def test_an_older_model_row_is_plotted_with_the_bytes_capacity_plans(tmp_path):
+    # rows written before verify recorded kv_cache_bytes: `kvbench plot` fills them with
+    # every layer's planned cache, which is what verify records (the sample's own figures)
+    from pathlib import Path
+
+    import pandas as pd
+    from typer.testing import CliRunner
+
+    from kvbench.cli import app
+    from kvbench.experiments.model.view import planned_row_bytes
+    from kvbench.report.plot import with_planned_bytes
+
+    root = Path(__file__).resolve().parent.parent
+    sample = pd.read_csv(root / "results" / "sample" / "model-techniques-verify.csv")
+    older = sample.assign(kv_cache_bytes=None)
+    older.loc[0, "kv_cache_bytes"] = 1  # a row that has them keeps them
+    filled = with_planned_bytes("verify", older, planned_row_bytes)
+    assert filled["kv_cache_bytes"].tolist() == [1, *sample["kv_cache_bytes"][1:]]
+    assert with_planned_bytes("bench", older, planned_row_bytes) is older
+    path = tmp_path / "older.csv"
+    older.to_csv(path, index=False)
+    result = CliRunner().invoke(app, ["plot", str(path), "-o", str(tmp_path / "q.png")])
+    assert result.exit_code == 0, result.output
+    assert (tmp_path / "q.png").stat().st_size > 0

@@ -8,7 +8,7 @@ import pytest
 from typer.testing import CliRunner
 
 import kvbench.caches  # noqa: F401  (the registry filled)
-from kvbench.caches.capabilities import IMPLEMENTATIONS, OPTIONS_READ, readers, unread
+from kvbench.caches.capabilities import IMPLEMENTATIONS, OPTIONS_READ, readers, reads_of, unread
 from kvbench.cli import app
 from kvbench.report.results import read_cells
 from kvbench.sizing.config import LayerShape
@@ -53,11 +53,13 @@ def test_a_list_is_refused_only_when_none_of_it_reads_the_option():
 def test_a_row_records_an_option_only_where_it_was_read():
     cells = {"kv_budget": 16, "kv_compress": "decode", "k_channels": 8, "window": None,
              "sinks": None}
-    assert read_cells("h2o", cells) == {**cells, "k_channels": None}
-    assert read_cells("think", cells) == {**cells, "kv_budget": None, "kv_compress": None}
-    assert read_cells("static", cells) == {**cells, "kv_budget": None, "kv_compress": None,
-                                           "k_channels": None}
-    assert read_cells("transformers", cells) == cells  # a peer's row: not a kvbench cache
+    def read(impl):
+        return read_cells(reads_of(impl), cells)
+
+    assert read("h2o") == {**cells, "k_channels": None}
+    assert read("think") == {**cells, "kv_budget": None, "kv_compress": None}
+    assert read("static") == {**cells, "kv_budget": None, "kv_compress": None, "k_channels": None}
+    assert read("transformers") == cells  # a peer's row: not a kvbench cache
 
 
 @pytest.mark.parametrize("args, message", [

@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 from kvbench.report.load import read_results
-from kvbench.report.plot import _plot_one, layout
+from kvbench.report.plot import _plot_one, layout, with_planned_bytes
 
 SAMPLES = Path(__file__).parents[1] / "results" / "sample"
 FILES = ["bench-context-cpu.csv", "memory-cpu.csv", "capacity-80gib.csv",
@@ -16,11 +16,15 @@ FILES = ["bench-context-cpu.csv", "memory-cpu.csv", "capacity-80gib.csv",
 
 
 def _drawn(name, monkeypatch):
-    """The figure plot draws for a sample file (kept open, not saved)."""
+    """The figure plot draws for a sample file (kept open, not saved), its older model rows
+    given their planned bytes as `kvbench plot` gives them."""
     import matplotlib
+
+    from kvbench.experiments.model.view import planned_row_bytes
 
     matplotlib.use("Agg")
     kind, df = read_results(SAMPLES / name)
+    df = with_planned_bytes(kind, df, planned_row_bytes)
     figures = []
     monkeypatch.setattr("kvbench.report.plot.layout", lambda fig: figures.append(
         layout(fig)) or fig)

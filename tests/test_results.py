@@ -187,24 +187,26 @@ def test_select_names_the_filter_that_matched_nothing_and_renumbers_rows(tmp_pat
 def test_the_config_cells_by_hand():
     # a ragged, windowed, shared-prefix point; an eviction point with per-layer budgets; a
     # plain one: each technique's cells are written only where the technique is on
+    from kvbench.caches.capabilities import reads_of
     from kvbench.report.results import config_cells
     from kvbench.sizing.config import LayerShape, RunConfig
 
     base = {"decode_len": 2, "hidden": 32, "q_heads": 4, "kv_heads": 2, "head_dim": 8}
     ragged = config_cells("verify", "window", RunConfig(LayerShape(
-        batch=2, prompt_len=5, seq_lens=(3, 5), window=4, sinks=2, shared_prefix=2, **base)))
+        batch=2, prompt_len=5, seq_lens=(3, 5), window=4, sinks=2, shared_prefix=2, **base)),
+        reads_of("window"))
     assert (ragged["seq_lens"], ragged["window"], ragged["sinks"], ragged["shared_prefix"],
             ragged["kv_budget"], ragged["kv_compress"], ragged["layer_budgets"]) == (
         "3,5", 4, 2, 2, None, None, None)
     evicting = config_cells("verify", "h2o", RunConfig(LayerShape(
         batch=1, prompt_len=8, kv_budget=4, kv_compress="prefill", layer_budgets=(6, 2),
-        kv_reference="kvpress", **base)))
+        kv_reference="kvpress", **base)), reads_of("h2o"))
     assert (evicting["seq_lens"], evicting["window"], evicting["sinks"],
             evicting["shared_prefix"], evicting["kv_budget"], evicting["kv_compress"],
             evicting["layer_budgets"], evicting["kv_reference"]) == (
         None, None, None, None, 4, "prefill", "6,2", "kvpress")
     plain = config_cells("bench", "static", RunConfig(LayerShape(batch=1, prompt_len=8,
-                                                                 **base)))
+                                                                 **base)), reads_of("static"))
     assert (plain["kv_compress"], plain["sinks"], plain["seq_lens"], plain["batch"]) == (
         None, None, None, 1)
 

@@ -8,32 +8,24 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, ClassVar
 
+from kvbench.sizing.config import TECHNIQUES as DECLARED
+from kvbench.sizing.config import given
+
 if TYPE_CHECKING:
     from kvbench.caches.base import CachedAttention, ImplOptions
     from kvbench.sizing.config import RunConfig
 
 IMPLEMENTATIONS: dict[str, type[CachedAttention]] = {}
 
-# Techniques that only some implementations apply: name -> (whether a shape asks for it, what
-# an implementation without it does instead).
-TECHNIQUES = {
-    "window": (lambda s: s.window is not None, "keeps every position"),
-    "shared_prefix": (lambda s: s.shared_prefix > 0, "stores every sequence's prefix"),
-    "head_budgets": (lambda s: s.head_budgets is not None,
-                     "holds one budget for every KV head"),
-    "kv_reference": (lambda s: s.kv_reference is not None, "has no reference variant to run"),
-}
+# Techniques that only some implementations apply (declared with `skip`: see
+# kvbench.sizing.config.Technique): name -> (whether a shape asks for it, what an
+# implementation without it does instead).
+TECHNIQUES = {name: (given(name), t.skip) for name, t in DECLARED.items() if t.skip}
 
-
-# Technique options a cache reads without them deciding whether it runs (a point that gives
-# one runs on any cache): name -> whether a shape gives it. A row records one only where its
-# cache read it; a run none of whose caches reads a given one is refused (`unread`).
-OPTIONS_READ = {
-    "kv_budget": lambda s: s.kv_budget is not None,
-    "kv_recent": lambda s: s.kv_recent is not None,
-    "kv_compress": lambda s: s.kv_compress != "decode",
-    "k_channels": lambda s: s.k_channels is not None,
-}
+# Technique options a cache reads without them deciding whether it runs (declared with
+# `read`): name -> whether a shape gives it. A row records one only where its cache read it;
+# a run none of whose caches reads a given one is refused (`unread`).
+OPTIONS_READ = {name: given(name) for name, t in DECLARED.items() if t.read}
 
 
 def readers(option: str) -> list[str]:
@@ -41,12 +33,19 @@ def readers(option: str) -> list[str]:
     return [n for n, c in IMPLEMENTATIONS.items() if option in c.reads]
 
 
+def reads_of(name: str) -> frozenset[str] | None:
+    """The technique options implementation `name` reads (its results row records those);
+    None for a peer's row (transformers'), which reads what the shape says."""
+    cls = IMPLEMENTATIONS.get(name)
+    return None if cls is None else cls.reads
+
+
 def unread(names, shapes) -> str | None:
     """The line that refuses a run whose implementations read none of a technique option the
     points give (bench --impl static --kv-budget 16 would run a full cache and record a
     budget); None if each given option is read by one of them."""
-    for option, given in OPTIONS_READ.items():
-        if any(given(s) for s in shapes) and not any(option in IMPLEMENTATIONS[n].reads
+    for option, gives in OPTIONS_READ.items():
+        if any(gives(s) for s in shapes) and not any(option in IMPLEMENTATIONS[n].reads
                                                      for n in names):
             flag = "--" + option.replace("_", "-")
             return (f"{flag} is read by none of {', '.join(names) or 'the implementations'} "

@@ -8,6 +8,7 @@ import torch
 from rich.table import Table
 
 from kvbench.caches import IMPLEMENTATIONS, ImplOptions
+from kvbench.caches.capabilities import reads_of
 from kvbench.errors import KvbenchError, device_errors
 from kvbench.experiments.verify import VerifyReport, verify
 from kvbench.formats.kvformat import KvFormat
@@ -332,7 +333,8 @@ def bench_rows(result, env: dict[str, object]) -> list[dict[str, object]]:
     for t in result.timings:
         rec = result.recompute
         rows.append({
-            **config_cells("bench", t.impl, result.config), **serving_cells(result.config),
+            **config_cells("bench", t.impl, result.config, reads_of(t.impl)),
+            **serving_cells(result.config),
             "warmup": result.options.warmup, "rounds": result.options.rounds,
             "verified": result.verified,
             **stats_cells("prefill_ms", t.prefill),

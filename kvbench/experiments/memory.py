@@ -24,6 +24,7 @@ from torch.utils._pytree import tree_leaves
 
 from kvbench.caches import IMPLEMENTATIONS, CachedAttention, ImplOptions
 from kvbench.caches.base import storage_bytes
+from kvbench.caches.capabilities import reads_of
 from kvbench.caches.compiled import release_static_buffers
 from kvbench.errors import device_errors
 from kvbench.formats.kvformat import KvFormat
@@ -350,7 +351,7 @@ def memory_rows(result, env: dict[str, object]) -> list[dict[str, object]]:
 def _memory_rows(result, env: dict[str, object]) -> list[dict[str, object]]:
     rec = result.recompute
     return [{
-        **config_cells("memory", m.impl, result.config),
+        **config_cells("memory", m.impl, result.config, reads_of(m.impl)),
         "theoretical_kv_bytes": result.theoretical_kv_bytes, "weight_bytes": result.weight_bytes,
         "recompute_peak_allocated_bytes": rec.peak_allocated_bytes,
         "recompute_peak_reserved_bytes": rec.peak_reserved_bytes,

@@ -22,6 +22,7 @@ from rich.table import Table
 
 from kvbench.caches import IMPLEMENTATIONS, CachedAttention, ImplOptions
 from kvbench.caches.base import storage_bytes
+from kvbench.caches.capabilities import reads_of
 from kvbench.errors import (
     DeviceError,
     device_errors,
@@ -397,7 +398,8 @@ def _cache(c) -> str:
 
 def verify_rows(report, env: dict[str, object]) -> list[dict[str, object]]:
     return [{
-        **config_cells("verify", c.impl, report.config), **serving_cells(report.config),
+        **config_cells("verify", c.impl, report.config, reads_of(c.impl)),
+        **serving_cells(report.config),
         "passed": c.passed, "max_abs_err": c.max_abs_err, "mean_abs_err": c.mean_abs_err,
         "prefill_max_abs_err": c.prefill_max_abs_err, "fp64_max_abs_err": c.fp64_max_abs_err,
         "recompute_fp64_max_abs_err": report.recompute_fp64_max_abs_err,

@@ -317,27 +317,19 @@ def plot_frontier(kind: str, df: pd.DataFrame, plt):
     return fig
 
 
-def _planned_model_bytes(row) -> int:
-    """Every layer's cache as `kvbench capacity` plans it, from a model verify row's point
-    (what verify records as kv_cache_bytes)."""
-    from kvbench.caches import IMPLEMENTATIONS, ImplOptions
-    from kvbench.sizing.config import LayerShape, RunConfig
-
-    def num(col):
-        return int(row[col]) if pd.notna(row.get(col)) else None
-
-    shape = LayerShape(batch=num("batch"), prompt_len=num("prompt_len"),
-                       decode_len=num("decode_len"), hidden=num("hidden"),
-                       q_heads=num("q_heads"), kv_heads=num("kv_heads"),
-                       head_dim=num("head_dim"), window=num("window"),
-                       sinks=num("sinks") or 0, kv_budget=num("kv_budget"),
-                       kv_recent=num("kv_recent"))
-    kv = row["kv_dtype"] if isinstance(row["kv_dtype"], str) else None
-    config = RunConfig(shape, row["dtype"], kv_dtype=kv, group_size=num("group_size") or 64,
-                       k_quant=row["k_quant"] if isinstance(row.get("k_quant"), str)
-                       else "per-token", kv_residual=num("kv_residual") or 0)
-    options = ImplOptions(block_size=num("block_size") or 16).at(config)
-    return num("layers") * IMPLEMENTATIONS[row["impl"]].planned_bytes(config, options)
+def with_planned_bytes(kind: str, df: pd.DataFrame, planned) -> pd.DataFrame:
+    """A whole model's verify rows written before verify recorded kv_cache_bytes, with the
+    bytes `planned(row)` gives (every layer's cache as `kvbench capacity` plans it; the
+    caller's, as report does not know the caches); other rows as they are."""
+    if (kind != "verify" or "model" not in df or "kv_cache_bytes" not in df
+            or "ppl" not in df):
+        return df
+    missing = df["model"].notna() & df["ppl"].notna() & df["kv_cache_bytes"].isna()
+    if not missing.any():
+        return df
+    df = df.copy()
+    df.loc[missing, "kv_cache_bytes"] = [planned(r) for _, r in df[missing].iterrows()]
+    return df
 
 
 def plot_model_quality(df: pd.DataFrame, plt):
@@ -345,10 +337,8 @@ def plot_model_quality(df: pd.DataFrame, plt):
     full cache) against the K/V bytes it holds per token of context, with the frontier: the
     techniques no other beats on both."""
     df = latest(df, key_columns(df)).copy()
-    df = df[df["ppl"].notna() & df["ppl_path_a"].notna()].copy()
-    if not df.empty:  # rows written before verify recorded them: planned from the row
-        df["kv_cache_bytes"] = [r["kv_cache_bytes"] if pd.notna(r["kv_cache_bytes"])
-                                else _planned_model_bytes(r) for _, r in df.iterrows()]
+    df = df[df["ppl"].notna() & df["ppl_path_a"].notna()
+            & df["kv_cache_bytes"].notna()].copy()  # (older rows: with_planned_bytes)
     if df.empty:
         raise KvbenchError("these verify rows have no model quality to plot (ppl, "
                            "kv_cache_bytes): run kvbench verify --model ... first")
@@ -667,13 +657,16 @@ def _plot_one(kind: str, df: pd.DataFrame, output: Path) -> list[Path]:
 
 
 def command(results: Path, output: Path | None, run: str | None, where: str | None,
-            skip_bad_rows: bool) -> None:
-    """`kvbench plot`: the rows picked (--run, --where) drawn, each file written named."""
+            skip_bad_rows: bool, planned=None) -> None:
+    """`kvbench plot`: the rows picked (--run, --where) drawn, each file written named.
+    planned(row): an older model verify row's cache bytes (see with_planned_bytes)."""
     from kvbench.report import render
     from kvbench.report.load import read_results, select
 
     target = output_path(results, output)
     kind, df = read_results(results, skip_bad_rows)
     df = select(df, results, run, where)
+    if planned is not None:
+        df = with_planned_bytes(kind, df, planned)
     for written in plot(kind, df, target):
         render.note(f"wrote {written}")

@@ -290,19 +290,21 @@ def serving_cells(config) -> dict[str, object]:
             "beams": config.beams}
 
 
-def read_cells(impl: str, cells: dict[str, object]) -> dict[str, object]:
-    """A row's technique cells with those its implementation does not read left empty (a
-    static cache's row under --impl all --kv-budget 16 records no budget)."""
-    from kvbench.caches.capabilities import IMPLEMENTATIONS, OPTIONS_READ
-
-    cls = IMPLEMENTATIONS.get(impl)
-    if cls is None:  # (a peer's row, transformers': it reads what the shape says)
+def read_cells(reads: frozenset[str] | None, cells: dict[str, object]) -> dict[str, object]:
+    """A row's technique cells with the options its implementation does not read (`reads`,
+    kvbench.caches.capabilities.reads_of) left empty: a static cache's row under --impl all
+    --kv-budget 16 records no budget. reads None: a peer's row (transformers'), which reads
+    what the shape says."""
+    if reads is None:
         return cells
-    return {k: (None if k in OPTIONS_READ and k not in cls.reads else v)
+    return {k: (None if k in TECHNIQUES and TECHNIQUES[k].read and k not in reads else v)
             for k, v in cells.items()}
 
 
-def config_cells(command: str, impl: str, config) -> dict[str, object]:
+def config_cells(command: str, impl: str, config, reads: frozenset[str] | None
+                 ) -> dict[str, object]:
+    """The point's cells of a row of `impl`, reading the technique options `reads` (see
+    read_cells)."""
     s = config.shape
     return {"timestamp": timestamp(), "command": command, "impl": impl, "batch": s.batch,
             "prompt_len": s.prompt_len, "decode_len": s.decode_len, "hidden": s.hidden,
@@ -311,7 +313,7 @@ def config_cells(command: str, impl: str, config) -> dict[str, object]:
             "seed": config.seed,
             "seq_lens": ",".join(map(str, s.seq_lens)) if s.seq_lens else None,
             "len_dist": s.len_dist, "max_len": s.max_len, "tp": config.tp,
-            "world_size": config.tp, **read_cells(impl, technique_cells(s)),
+            "world_size": config.tp, **read_cells(reads, technique_cells(s)),
             "attention": s.attention,
             **s.kind.cells()}
 

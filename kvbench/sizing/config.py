@@ -169,7 +169,15 @@ class Technique:
     per value; text: results compare it as text; flag: False where the option is another's
     (a whole model's --layer-budgets); cell(shape): its results cell (default: the value);
     label(row): its words in a plot's label of a row (None: none). In help, {scorers} is
-    the eviction scorers' names."""
+    the eviction scorers' names.
+
+    Which caches take it, one of two ways (a shape gives it when it differs from the
+    field's default). skip: it changes what attention sees, so a cache that does not apply
+    it (the technique not in its `techniques`) is skipped at a point that gives it, the note
+    saying what that cache does instead. read: a cache reads it while the others run as they
+    are (a budget, key channels): a cache that does not (not in its `reads`) leaves the
+    column empty, and a run none of whose caches reads it is refused
+    (kvbench.caches.capabilities)."""
 
     help: str
     option: Any = None
@@ -179,6 +187,8 @@ class Technique:
     show_default: bool = True
     cell: Callable[[Any], object] | None = None
     label: Callable[[Mapping], str | None] | None = None
+    skip: str | None = None
+    read: bool = False
 
 
 def flag(default, help: str, *flags: str, cli: Any = None, cli_default: Any = MISSING,
@@ -226,7 +236,7 @@ class LayerShape:
     window: int | None = technique(
         None, "A sliding window: each query sees the last W positions (itself included), "
         "plus the --sinks; path A attends the same way. Runs on window.", option=int | None,
-        show_default=False,
+        show_default=False, skip="keeps every position",
         label=lambda r: (None if _number(r, "window") is None else
                          f"W{_number(r, 'window')}+S{_number(r, 'sinks') or 0}"))
     sinks: int = technique(
@@ -236,7 +246,7 @@ class LayerShape:
     shared_prefix: int = technique(
         0, "The first P prompt tokens are the same in every sequence (a system prompt): paged "
         "and triton store their blocks once, copying a partly filled one on write.", option=int,
-        cell=lambda s: s.shared_prefix or None,
+        cell=lambda s: s.shared_prefix or None, skip="stores every sequence's prefix",
         label=lambda r: (None if not _number(r, "shared_prefix") else
                          f"prefix {_number(r, 'shared_prefix')}"))
     # Token eviction (the scorers of kvbench.caches.eviction): kv_budget positions per KV
@@ -246,7 +256,7 @@ class LayerShape:
     kv_budget: int | None = technique(
         None, "{scorers}, snapkv-paged: keep N positions per KV head (the recent ones and the "
         "highest-scoring), evicting the rest; lossy. A comma list runs each.", option=str | None,
-        points=True, show_default=False,
+        points=True, show_default=False, read=True,
         label=lambda r: (None if _number(r, "kv_budget") is None else
                          f"budget {_number(r, 'kv_budget')}"))
     kv_recent: int | None = technique(
@@ -254,11 +264,11 @@ class LayerShape:
         "(snapkv: also its observation window of queries). Default: each scorer's (its file "
         "says): half the budget for h2o, and for snapkv at most 64; 1 for tova, knorm and "
         "expected. 0 (with --kv-compress prefill, not snapkv): no recent window, as kvpress's "
-        "presses keep.", option=int | None, show_default=False)
+        "presses keep.", option=int | None, show_default=False, read=True)
     kv_compress: str = technique(
         "decode", "With --kv-budget: decode (evict at every step: the cache never holds more "
         "than the budget) or prefill (compress the prompt once to the budget, then keep every "
-        "decoded position).", option=str, text=True,
+        "decoded position).", option=str, text=True, read=True,
         cell=lambda s: s.kv_compress if s.kv_budget is not None else None,
         label=lambda r: "(prompt)" if r.get("kv_compress") == "prefill" else None)
     # A whole model's per-layer budgets (--layer-budgets, kvbench.sizing.budgets): each
@@ -274,13 +284,13 @@ class LayerShape:
         "sequence's H_kv × N positions between its KV heads: ada (AdaKV: by score across "
         "heads) or duo[:F] (a share F of the heads, default 0.5, keep everything, the rest "
         "sinks and recent positions). A comma list runs each.", option=str | None, points=True,
-        text=True, show_default=False,
+        text=True, show_default=False, skip="holds one budget for every KV head",
         label=lambda r: r["head_budgets"] if isinstance(r.get("head_budgets"), str) else None)
     # Key-channel pruning (--k-channels, `think`): channels of K kept per KV head; None: D.
     k_channels: int | None = technique(
         None, "think: keep C of K's D channels per KV head (ThinK's key-channel pruning, "
         "chosen from the prompt); K then takes C/D of its bytes. A comma list runs each.",
-        option=str | None, points=True, show_default=False,
+        option=str | None, points=True, show_default=False, read=True,
         label=lambda r: (None if _number(r, "k_channels") is None else
                          f"{_number(r, 'k_channels')} channels"))
     # --kv-reference kvpress: each scorer (and the pyramid, ada's safeguard, ThinK) as NVIDIA
@@ -292,7 +302,7 @@ class LayerShape:
         "and h2o with no recent window, ada's safeguard spent on the window first, "
         "--layer-budgets pyramid as PyramidKVPress draws it, think zeroing the prompt's "
         "pruned channels only (docs/techniques.md).", option=str | None, text=True,
-        show_default=False)
+        show_default=False, skip="has no reference variant to run")
     # Multi-head latent attention (--attention mla); None: GQA. An MLA shape has kv_heads =
     # q_heads and head_dim = qk_nope + qk_rope: the per-head K that decompression yields.
     mla: MlaDims | None = None
@@ -448,6 +458,12 @@ TECHNIQUES: dict[str, Technique] = {f.name: f.metadata["technique"] for f in fie
 TECHNIQUE_OPTIONS: dict[str, object] = {
     f.name: None if TECHNIQUES[f.name].points else f.default for f in fields(LayerShape)
     if f.name in TECHNIQUES and TECHNIQUES[f.name].flag}
+
+
+def given(name: str) -> Callable[[LayerShape], bool]:
+    """Whether a shape gives technique option `name`: its value differs from the default."""
+    default = next(f.default for f in fields(LayerShape) if f.name == name)
+    return lambda s: getattr(s, name) != default
 
 
 def technique_cells(s: LayerShape) -> dict[str, object]:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from rich.table import Table
 
+from kvbench.caches import IMPLEMENTATIONS, ImplOptions
+from kvbench.caches.capabilities import reads_of
 from kvbench.experiments.model import run
 from kvbench.experiments.verify import _result
 from kvbench.report.render import human_bytes, kv_label, mib, ms_text, new_table, sci, spread_text
@@ -124,8 +126,8 @@ TABLES = {"verify": verify_table, "bench": bench_table, "memory": memory_table}
 
 
 def _model_cells(command: str, impl: str, result) -> dict[str, object]:
-    cells = {**config_cells(command, impl, result.config), "model": result.ref.label,
-             "layers": result.layers}
+    cells = {**config_cells(command, impl, result.config, reads_of(impl)),
+             "model": result.ref.label, "layers": result.layers}
     if impl == "transformers":
         return {**cells, **dict.fromkeys(TECHNIQUE_COLUMNS)}
     return {**cells, **kv_cells(result.kv_format)}
@@ -172,3 +174,27 @@ def model_memory_rows(result, env: dict[str, object]) -> list[dict[str, object]]
         "decode_peak_allocated_bytes": m.decode_peak_bytes, "kv_cache_bytes": m.cache_bytes,
         "kv_planner_bytes": m.planner_bytes, **env,
     } for m in result.impls]
+
+
+def planned_row_bytes(row) -> int:
+    """Every layer's cache as `kvbench capacity` plans it, from a model verify row's point
+    (what verify records as kv_cache_bytes; `kvbench plot` fills older rows with it)."""
+    import pandas as pd
+
+    from kvbench.sizing.config import LayerShape, RunConfig
+
+    def num(col):
+        return int(row[col]) if pd.notna(row.get(col)) else None
+
+    shape = LayerShape(batch=num("batch"), prompt_len=num("prompt_len"),
+                       decode_len=num("decode_len"), hidden=num("hidden"),
+                       q_heads=num("q_heads"), kv_heads=num("kv_heads"),
+                       head_dim=num("head_dim"), window=num("window"),
+                       sinks=num("sinks") or 0, kv_budget=num("kv_budget"),
+                       kv_recent=num("kv_recent"))
+    kv = row["kv_dtype"] if isinstance(row["kv_dtype"], str) else None
+    config = RunConfig(shape, row["dtype"], kv_dtype=kv, group_size=num("group_size") or 64,
+                       k_quant=row["k_quant"] if isinstance(row.get("k_quant"), str)
+                       else "per-token", kv_residual=num("kv_residual") or 0)
+    options = ImplOptions(block_size=num("block_size") or 16).at(config)
+    return num("layers") * IMPLEMENTATIONS[row["impl"]].planned_bytes(config, options)
