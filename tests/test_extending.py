@@ -9,7 +9,6 @@ from dataclasses import dataclass
 import pandas as pd
 import pytest
 import torch
-import typer
 from typer.testing import CliRunner
 
 from kvbench.caches import IMPLEMENTATIONS, CachedAttention, register
@@ -99,10 +98,13 @@ class EchoOptions:
 
 
 def echo(o: EchoOptions) -> None:
+    from kvbench.report import render
+    from kvbench.report.tables import Report
+
     if o.times < 1:
         raise KvbenchError(f"--times must be a positive integer, got {o.times}")
     text = " ".join([o.word] * o.times)
-    typer.echo(text.upper() if o.loud else text)
+    render.show(Report([text.upper() if o.loud else text]))  # what it shows, as data
 
 
 @pytest.fixture

@@ -18,6 +18,7 @@ from kvbench.experiments.model.run import (
 )
 from kvbench.formats.kvformat import KvFormat
 from kvbench.measure.timing import Stats
+from kvbench.report.render import drawn
 from kvbench.sizing.config import LayerShape, RunConfig
 
 # B = 2, 4 decode steps
@@ -28,7 +29,7 @@ REF = SimpleNamespace(label="tiny", trained=True)
 
 def text(table) -> str:
     console = Console(record=True, width=300, color_system=None)
-    console.print(table)
+    console.print(drawn(table))
     return " ".join(console.export_text().split())  # the caption wraps at the table's width
 
 

@@ -9,6 +9,7 @@ import pytest
 from typer.testing import CliRunner
 
 from kvbench.cli import app
+from kvbench.report.render import drawn
 
 runner = CliRunner()
 TINY = ["--device", "cpu", "--batch", "1", "--prompt-len", "4", "--decode-len", "2",
@@ -318,7 +319,7 @@ def test_table_headers_never_break_inside_a_word_at_80_columns():
     result.timings = [replace(result.timings[0], decode=Stats(10.33, 7.0, 19.0, 5.0, 9),
                               prefill=Stats(6.648, 6.0, 7.0, 4.0, 9))]
     console = Console(width=80, record=True)
-    console.print(bench_table(result))
+    console.print(drawn(bench_table(result)))
     text = console.export_text()
     header = next(line for line in text.splitlines() if "impl" in line)
     for word in ("prefill", "recompute", "cached", "speedup", "ms/step", "MB/step", "%copy"):

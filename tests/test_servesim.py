@@ -15,6 +15,7 @@ from kvbench.errors import KvbenchError
 from kvbench.experiments.servesim import SimOptions, requests, serve
 from kvbench.measure.timing import percentile
 from kvbench.report.load import read_results
+from kvbench.report.render import drawn
 
 runner = CliRunner()
 # 40 requests on 40 blocks of 8: tight enough that paged preempts
@@ -593,7 +594,7 @@ def test_the_table_by_hand():
     assert paged["pre- empt"] == "3\n±0"
     assert prealloc["path A"] == "FAIL" and prealloc["req/s"] == "2.5\n±0.0"
     console = Console(record=True, width=200, color_system=None)
-    console.print(t)
+    console.print(drawn(t))
     text = " ".join(console.export_text().split())  # (the title wraps at the table's width)
     assert ("serve-sim 40 requests arriving all at once; prompts lognormal:40:0.8, outputs "
             "lognormal:24:0.8; mean ±95% interval over 2 seeds (5..6)") in text
@@ -603,7 +604,7 @@ def test_the_table_by_hand():
     assert _table_cells(one, 0)["req/s"] == "5.0"  # one run: no interval
     rated = SimOptions(**{**OPTIONS.__dict__, "rate": 2.5, "traced": ()})
     console = Console(record=True, width=200, color_system=None)
-    console.print(serve_table(rated, "cpu", [run("paged", 0, 2.0)]))
+    console.print(drawn(serve_table(rated, "cpu", [run("paged", 0, 2.0)])))
     assert "40 requests arriving 2.5/s;" in " ".join(console.export_text().split())
     no_tpot = run("paged", 0, 2.0)
     no_tpot.tpot_s = []
@@ -616,7 +617,8 @@ def test_the_table_by_hand():
 def test_what_serve_sim_prints_under_its_table_by_hand(capsys):
     # paged: gaps 0.1, 0.2, 0.3, 0.4 s (p50 0.25 s, p99 0.397 s); prealloc none (one token
     # each). Prefix caching: 30 of 120 positions found cached, then 10 of 40: 40 of 160 = 25%
-    from kvbench.experiments.servesim import Served, show_serve
+    from kvbench.experiments.servesim import Served, serve_report
+    from kvbench.report.render import show
 
     def run(reserve, itl, hits, asked):
         return Served(reserve, 0, 2.0, 2, [1.0, 2.0], [1.0, 1.0], [2, 2], [2, 2], [3, 3],
@@ -625,8 +627,8 @@ def test_what_serve_sim_prints_under_its_table_by_hand(capsys):
 
     o = SimOptions(**{**OPTIONS.__dict__, "prefix_caching": True, "reserve": ("paged",),
                       "traced": ()})
-    show_serve(o, "cpu", [run("paged", [0.1, 0.2, 0.3, 0.4], 30, 120),
-                          run("prealloc", [], 10, 40)])
+    show(serve_report(o, "cpu", [run("paged", [0.1, 0.2, 0.3, 0.4], 30, 120),
+                                 run("prealloc", [], 10, 40)]))
     text = " ".join(capsys.readouterr().out.split())
     assert ("ITL p50 / p99, every gap between two tokens of a request: paged 250.00 / 397.00 ms"
             in text) and "prealloc 0" not in text

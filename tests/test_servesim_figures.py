@@ -22,6 +22,7 @@ from kvbench.experiments.servesim import (
     serve_rows,
     serve_step_rows,
 )
+from kvbench.report.render import drawn
 
 runner = CliRunner()
 BASE = dict(requests=6, len_dist="uniform:4:12", output_dist="uniform:2:6", max_len=32,
@@ -260,7 +261,7 @@ def text(table) -> str:
     from rich.console import Console
 
     console = Console(record=True, width=400, file=io.StringIO())
-    console.print(table)
+    console.print(drawn(table))
     return console.export_text()
 
 
@@ -308,8 +309,8 @@ def test_the_ratio_line_marks_overlap_only_where_several_seeds_could_show_it():
 def test_the_steps_only_report_counts_the_prefix_cache_hits(capsys):
     o = options(steps_only=True, shared_prefix_len=8, reserve=("paged",))
     s = count(o, "paged", requests(o))
-    servesim.show_serve(o, "cpu", [s])
-    said = " ".join(capsys.readouterr().out.split())
+    shown = servesim.serve_report(o, "cpu", [s])
+    said = " ".join(" ".join(b for b in shown.blocks if isinstance(b, str)).split())
     assert (f"prefix cache: {s.hit_positions / s.query_positions:.1%} of the prompt positions "
             f"admitted were found cached ({s.hit_positions:,} of {s.query_positions:,})") in said
 

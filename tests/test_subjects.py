@@ -56,8 +56,11 @@ def test_a_new_subject_runs_the_commands_by_registration_alone(monkeypatch, tmp_
         def plans(self, command, o, impl_options, bench_options):
             return None
 
-        def show(self, command, result, stderr=False):
+        def report(self, command, result):
+            from kvbench.report.tables import Report
+
             shown.append(command)
+            return Report()
 
         def failed(self, report, check):
             return f"{check.impl} failed the fake way"

@@ -5,7 +5,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 import torch
-from rich.table import Table
 
 from kvbench.caches import IMPLEMENTATIONS, ImplOptions
 from kvbench.caches.capabilities import reads_of
@@ -23,7 +22,7 @@ from kvbench.measure import bandwidth, costs
 from kvbench.measure.device import free_bytes
 from kvbench.measure.timing import Stats, time_interleaved
 from kvbench.planning.plan import verification_config
-from kvbench.report.render import describe, ms_text, new_table, out, spread_text, warn
+from kvbench.report.render import describe, ms_text, new_table, spread_text
 from kvbench.report.results import (
     BENCH_COLUMNS,
     config_cells,
@@ -31,6 +30,7 @@ from kvbench.report.results import (
     serving_cells,
     stats_cells,
 )
+from kvbench.report.tables import Report, Table
 from kvbench.serving import ops as serving
 from kvbench.sizing.config import RunConfig
 
@@ -280,12 +280,8 @@ def _tp_caption(result) -> str:
                if any(ar > result.ms_per_step(t) for t in result.timings) else ""))
 
 
-def show_bench(result) -> None:
-    out.print(bench_table(result))
-    for line in graph_lines(result):
-        out.print(line)
-    for line in bench_warnings(result):
-        warn(line)
+def bench_report(result) -> Report:
+    return Report([bench_table(result), *graph_lines(result)], bench_warnings(result))
 
 
 def graph_lines(result) -> list[str]:

@@ -8,12 +8,12 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 import typer
-from rich.table import Table
 
 from kvbench.errors import KvbenchError
 from kvbench.formats.kvformat import GROUPED as GROUPED_FORMATS
-from kvbench.report.render import human_bytes, new_table, out
+from kvbench.report.render import human_bytes, new_table
 from kvbench.report.results import timestamp
+from kvbench.report.tables import Report, Table
 from kvbench.sizing.config import flag
 
 
@@ -215,7 +215,7 @@ def capacity(o: CapacityOptions) -> None:
     from kvbench.sizing import capacity as cap
 
     if o.list_models:
-        render.out.print(models_table(cap.presets()))
+        render.show(Report([models_table(cap.presets())]))
         return
     if o.engine is not None:
         from kvbench.experiments import engines
@@ -309,7 +309,7 @@ def capacity(o: CapacityOptions) -> None:
     if o.format != "table":
         render.machine_output(rows, FILE_KINDS["capacity"][0], o.format)
     elif not o.quiet:
-        show_capacity(result)
+        render.show(capacity_report(result))
     if path is not None:
         append_csv(path, rows, *FILE_KINDS["capacity"])
         if not o.quiet:
@@ -414,7 +414,7 @@ def _allocate(case: str, device: str, margin_bytes: int, csv: Path | None):
     path = csv_target(csv, "allocation")
     results = [check_allocation(n, **CASES[n], device=dev, margin_bytes=margin_bytes)
                for n in names]
-    render.out.print(allocation_table(results))
+    render.show(Report([allocation_table(results)]))
     append_csv(path, allocation_rows(results, environment(dev)), *FILE_KINDS["allocation"])
     render.note(f"{len(results)} rows appended to {path}")
     if not all(r.passed for r in results):
@@ -496,14 +496,15 @@ def capacity_table(p) -> Table:
     return t
 
 
-def show_capacity(p) -> None:
-    out.print(capacity_table(p))
+def capacity_report(p) -> Report:
+    shown = Report([capacity_table(p)])
     f = p.fit
     if f:
         verdict = (f"[green]fits[/], {human_bytes(f.headroom_bytes)} to spare" if f.fits else
                    f"[red]does not fit[/], short by {human_bytes(-f.headroom_bytes)}")
-        out.print(f"{p.model.name} at {p.batch} × {max(p.seq_lens)} tokens on "
+        shown.add(f"{p.model.name} at {p.batch} × {max(p.seq_lens)} tokens on "
                   f"{human_bytes(f.gpu_bytes)} per GPU: {verdict}")
+    return shown
 
 
 def models_table(models) -> Table:

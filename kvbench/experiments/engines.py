@@ -8,8 +8,9 @@ import sys
 import typer
 
 from kvbench.errors import KvbenchError
-from kvbench.report.render import human_bytes, new_table, out
+from kvbench.report.render import human_bytes, new_table
 from kvbench.report.results import timestamp
+from kvbench.report.tables import Report
 from kvbench.sizing import capacity as cap
 from kvbench.sizing import engine as eng
 
@@ -108,14 +109,11 @@ def capacity(engine, model, from_config, gpu_mem, tp, block_size, weight_dtype, 
     if format != "table":
         render.machine_output(rows, FILE_KINDS["capacity"][0], format)
     elif not quiet:
-        out.print(ledger_table(spec, o, ledger))
-        for line in ledger.notes:
-            render.note(line)
+        shown = Report([ledger_table(spec, o, ledger)], notes=list(ledger.notes))
         if levers:
-            out.print(f"to reach {target_concurrency:g} concurrent requests of "
-                      f"{o.max_model_len:,} tokens, any one of:")
-            for line in levers:
-                out.print(f"  {line}")
+            shown.add(f"to reach {target_concurrency:g} concurrent requests of "
+                      f"{o.max_model_len:,} tokens, any one of:", *(f"  {x}" for x in levers))
+        render.show(shown)
     if path is not None:
         append_csv(path, rows, *FILE_KINDS["capacity"])
         if not quiet:

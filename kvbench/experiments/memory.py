@@ -18,7 +18,6 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
-from rich.table import Table
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
@@ -38,8 +37,9 @@ from kvbench.layers.attention import (
 from kvbench.measure import footprint
 from kvbench.measure.device import free_bytes, synchronize
 from kvbench.measure.footprint import ImplFootprint
-from kvbench.report.render import describe, human_bytes, mib, new_table, out
+from kvbench.report.render import describe, human_bytes, mib, new_table
 from kvbench.report.results import config_cells, kv_cells
+from kvbench.report.tables import Report, Table
 from kvbench.sizing.config import RunConfig
 
 
@@ -334,13 +334,14 @@ def reservation_table(result) -> Table:
     return t
 
 
-def show_memory(result) -> None:
+def memory_report(result) -> Report:
+    shown = Report()
     for r in result.ranks or [result]:
         if result.ranks:
-            out.print(f"rank {r.rank} of {len(result.ranks)}: its shard's caches and weights; "
+            shown.add(f"rank {r.rank} of {len(result.ranks)}: its shard's caches and weights; "
                       "recompute is the whole layer")
-        out.print(memory_table(r))
-        out.print(reservation_table(r))
+        shown.add(memory_table(r), reservation_table(r))
+    return shown
 
 
 def memory_rows(result, env: dict[str, object]) -> list[dict[str, object]]:

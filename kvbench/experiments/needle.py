@@ -35,6 +35,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from kvbench.errors import KvbenchError
+from kvbench.report.tables import Report
 
 TASKS = ("passkey", "multikey", "copy")
 # RULER's and LongLoRA's pass-key filler (the sentences, not a text anyone owns)
@@ -425,7 +426,7 @@ def run(o: NeedleOptions, planned) -> list[Cell]:
                     new = run_cell(o, ref, options, config, names, depth, bar)
                     finished(new, rows(o, ref, config, new, stamp, env))
     if not o.quiet:
-        show(o, ref, cells)
+        render.show(report(o, ref, cells))
         if lifecycle.written():
             render.note(str(lifecycle.written()))
     failed = [c for c in cells if c.failures]
@@ -551,8 +552,8 @@ def rows(o: NeedleOptions, ref, config, cells: list[Cell], stamp: str,
     return out
 
 
-def show(o: NeedleOptions, ref, cells: list[Cell]) -> None:
-    from kvbench.report.render import new_table, out
+def report(o: NeedleOptions, ref, cells: list[Cell]) -> Report:
+    from kvbench.report.render import new_table
 
     mode = ("query-agnostic: the question after compression" if o.question_after_compression
             else "query-aware: the question in the prompt")
@@ -568,4 +569,4 @@ def show(o: NeedleOptions, ref, cells: list[Cell]) -> None:
                  "tokens predicted); path A: transformers' greedy answer on the same prompts; "
                  "needle kept: the share of KV heads holding every token of the key, mean over "
                  "layers, at the last step")
-    out.print(t)
+    return Report([t])

@@ -24,10 +24,9 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from rich.table import Table
-
 from kvbench.errors import KvbenchError
-from kvbench.report.render import new_table, out
+from kvbench.report.render import new_table
+from kvbench.report.tables import Report, Table
 from kvbench.serving.scheduler import (
     PREEMPT,
     SCHEDULING,
@@ -818,7 +817,7 @@ def run(o: SimOptions) -> list[Served]:
                             render.note(_estimate(o, s))
                         finished(s, env)
     if o.format == "table" and not o.quiet:
-        show_serve(o, device, served)
+        render.show(serve_report(o, device, served))
     if not o.quiet and lifecycle.written():
         render.note(str(lifecycle.written()))
     failed = [s for s in served if not s.passed]
@@ -1122,30 +1121,31 @@ def ratio_line(served) -> str | None:
             "blocks (the vLLM paper: 2–4× the throughput at the same latency, on GPUs)")
 
 
-def show_serve(o, device: str, served) -> None:
+def serve_report(o, device: str, served) -> Report:
     from kvbench.measure.timing import percentile
 
     if o.steps_only:
-        out.print(steps_table(o, served))
+        shown = Report([steps_table(o, served)])
         if any(o.caching(s.reserve) for s in served):
             hits = sum(s.hit_positions for s in served)
             asked = sum(s.query_positions for s in served)
-            out.print(f"prefix cache: {hits / max(asked, 1):.1%} of the prompt positions "
+            shown.add(f"prefix cache: {hits / max(asked, 1):.1%} of the prompt positions "
                       f"admitted were found cached ({hits:,} of {asked:,})")
-        return
-    out.print(serve_table(o, device, served))
+        return shown
+    shown = Report([serve_table(o, device, served)])
     itl = {r: [g for s in v for g in s.itl_s] for r, v in by_reserve(served).items()}
     gaps = [(r, percentile(g, 50), percentile(g, 99)) for r, g in itl.items() if g]
     if gaps:  # TPOT is a mean per request; every gap shows a decode stalled by a prefill
-        out.print("ITL p50 / p99, every gap between two tokens of a request: "
+        shown.add("ITL p50 / p99, every gap between two tokens of a request: "
                   + ", ".join(f"{r} {1e3 * a:.2f} / {1e3 * b:.2f} ms" for r, a, b in gaps))
     if any(o.caching(s.reserve) for s in served):
         hits = sum(s.hit_positions for s in served)
         asked = sum(s.query_positions for s in served)
-        out.print(f"prefix cache: {hits / max(asked, 1):.1%} of the prompt positions admitted "
+        shown.add(f"prefix cache: {hits / max(asked, 1):.1%} of the prompt positions admitted "
                   f"were found cached ({hits:,} of {asked:,}, not prefilled)")
     if line := ratio_line(served):
-        out.print(line)
+        shown.add(line)
+    return shown
 
 
 def serve_rows(o, device: str, served, stamp: str,

@@ -25,11 +25,11 @@ import time
 from dataclasses import dataclass, field, replace
 
 import torch
-from rich.table import Table
 
 from kvbench.errors import KvbenchError
 from kvbench.kernels.config import KernelConfig
-from kvbench.report.render import new_table, note, out, warn
+from kvbench.report.render import new_table, warn
+from kvbench.report.tables import Report, Table
 
 SEARCH = {  # the candidates of each dimension, searched in this order
     "block_n": (32, 64, 128),
@@ -362,7 +362,7 @@ def command(device: str, dtype: str, kv_dtypes: str, block_sizes: str, rehearse:
     if format != "table":
         render.machine_output(rows, results.TUNE_COLUMNS, format)
     elif not quiet:
-        show_tune(result)
+        render.show(tune_report(result))
     if not quiet:
         render.note(f"wrote {csv or 'no results file'} and {len(result.best)} best "
                     f"configurations to {table}")
@@ -400,15 +400,16 @@ def tune_table(result, kv, page) -> Table:
     return t
 
 
-def show_tune(result) -> None:
-    for kv, page in dict.fromkeys((t.kv_dtype, t.page) for t in result.trials):
-        out.print(tune_table(result, kv, page))
+def tune_report(result) -> Report:
+    shown = Report([tune_table(result, kv, page) for kv, page in
+                    dict.fromkeys((t.kv_dtype, t.page) for t in result.trials)])
     if result.rehearse:
-        note("a rehearsal: Triton's interpreter on the CPU, whose times describe the "
-             "interpreter; registers and spills are the GPU's")
+        shown.notes.append("a rehearsal: Triton's interpreter on the CPU, whose times "
+                           "describe the interpreter; registers and spills are the GPU's")
     if result.out_of_time:
-        warn("the budget ran out before every search finished; the best so far was kept "
-             "(raise --budget)")
+        shown.warnings.append("the budget ran out before every search finished; the best "
+                              "so far was kept (raise --budget)")
+    return shown
 
 
 def tune_rows(result, cases, stamp: str, env: dict[str, object]) -> list[dict[str, object]]:
@@ -465,7 +466,7 @@ def inspect_command(format: str, quiet: bool, csv=None) -> list:
     if format != "table":
         render.machine_output([r.row() for r in rows], inspection.COLUMNS, format)
     elif not quiet:
-        out.print(inspect_table(rows))
+        render.show(Report([inspect_table(rows)]))
     if not quiet:
         for line in inspection.shortfalls(rows):
             warn(line)

@@ -18,7 +18,6 @@ import math
 from dataclasses import dataclass, field
 
 import torch
-from rich.table import Table
 
 from kvbench.caches import IMPLEMENTATIONS, CachedAttention, ImplOptions
 from kvbench.caches.base import storage_bytes
@@ -42,8 +41,9 @@ from kvbench.layers.attention import (
 )
 from kvbench.measure.device import free_bytes
 from kvbench.measure.distributed import all_reduce
-from kvbench.report.render import describe, err, new_table, out, sci
+from kvbench.report.render import describe, new_table, sci
 from kvbench.report.results import VERIFY_COLUMNS, config_cells, kv_cells, serving_cells
+from kvbench.report.tables import Report, Table
 from kvbench.serving import ops as serving
 from kvbench.sizing.config import RunConfig
 
@@ -376,14 +376,15 @@ def _quantized_verify_table(report) -> Table:
     return t
 
 
-def show_verify(report, stderr: bool = False) -> None:
-    (err if stderr else out).print(verify_table(report))
+def verify_report(report) -> Report:
+    shown = Report([verify_table(report)])
     captured = [c.impl for c in report.checks if c.stats.get("graph")]
     if captured:
         where = "a CUDA graph" if report.config.device.startswith("cuda") else (
             "the CPU's recorder of a CUDA graph's semantics")
-        (err if stderr else out).print(f"decode steps captured once and replayed through "
-                                       f"{where}: {', '.join(captured)}")
+        shown.add(f"decode steps captured once and replayed through {where}: "
+                  f"{', '.join(captured)}")
+    return shown
 
 
 def _result(c, kept: bool = False) -> str:

@@ -25,6 +25,8 @@ from rich.progress import (
 )
 from rich.table import Table
 
+from kvbench.report import tables
+
 
 class _Console(Console):
     """Rich's console with no spaces at the ends of lines (a table pads every row to its
@@ -55,11 +57,33 @@ class _Table(Table):
         return super().__rich_console__(console, options)
 
 
-def new_table(title: str) -> Table:
-    # No padding: the box's blank divider is the space between columns, so the widest table
-    # (bench, with a noisy IQR marked) fits 80 columns with no header broken inside a word.
-    return _Table(title=title, title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False,
-                  padding=(0, 0, 0, 0), caption_justify="left")
+def new_table(title: str) -> tables.Table:
+    """A table to fill (kvbench.report.tables: data, drawn when printed)."""
+    return tables.Table(title)
+
+
+def drawn(t: tables.Table) -> Table:
+    """A table as Rich draws it. No padding: the box's blank divider is the space between
+    columns, so the widest table (bench, with a noisy IQR marked) fits 80 columns with no
+    header broken inside a word."""
+    rich = _Table(title=t.title, title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False,
+                  padding=(0, 0, 0, 0), caption_justify="left", caption=t.caption)
+    for c in t.columns:
+        rich.add_column(c.header, justify=c.justify, no_wrap=c.no_wrap, overflow=c.overflow)
+    for row in t.rows:
+        rich.add_row(*row)
+    return rich
+
+
+def show(report: tables.Report, stderr: bool = False) -> None:
+    """A command's report on stdout (stderr: beside a failure's message)."""
+    console = err if stderr else out
+    for block in report.blocks:
+        console.print(drawn(block) if isinstance(block, tables.Table) else block)
+    for line in report.notes:
+        note(line)
+    for line in report.warnings:
+        warn(line)
 
 
 def _fit(t: Table) -> Table:
@@ -322,7 +346,7 @@ def show_comparison(c) -> None:
                  + (f"; worse by more than {100 * c.threshold:g}%: a regression where the "
                     "interquartile ranges (median ± IQR/2) separate, too noisy to judge where "
                     "they overlap" if c.threshold is not None else ""))
-    out.print(t)
+    out.print(drawn(t))
 
 
 def _planned_point(plan) -> str:
@@ -368,7 +392,7 @@ def device_error(config, err) -> str:
     return f"{kind}: {describe(config)}: {what}: {detail}"
 
 
-def plan_table(command: str, plan) -> Table:
+def plan_table(command: str, plan) -> tables.Table:
     verdict = "[green]fits[/]" if plan.fits else "[red bold]too big[/]"
     t = new_table(f"{command} --dry-run  {_planned_point(plan)}: {verdict}")
     for col in ("phase", "memory", "estimated peak", "may use", ""):
@@ -386,7 +410,7 @@ def plan_table(command: str, plan) -> Table:
 
 def show_plans(command: str, plans) -> None:
     for plan in plans:
-        out.print(plan_table(command, plan))
+        out.print(drawn(plan_table(command, plan)))
     bad = [p for p in plans if not p.fits]
     out.print(f"{len(plans) - len(bad)} of {len(plans)} points fit"
               + (f"; {len(bad)} would be skipped (--force runs them)" if bad else ""))

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
     from kvbench.options import RunOptions
+    from kvbench.report.tables import Report
 
 COMMANDS = ("verify", "bench", "memory")
 
@@ -43,8 +44,8 @@ class Subject(Protocol):
               bench_options) -> Callable | None:
         """plan_of(config, names) -> a memory plan; None: one layer's (kvbench.planning)."""
 
-    def show(self, command: str, result, stderr: bool = False) -> None:
-        """The result's table."""
+    def report(self, command: str, result) -> Report:
+        """What the terminal shows of a result (kvbench.report.tables; render draws it)."""
 
     def failed(self, report, check) -> str:
         """verify's failure line, after "kvbench: verify failed: "."""
@@ -78,6 +79,7 @@ def run(o: RunOptions, command: str):
     from kvbench.errors import KvbenchError
     from kvbench.experiments.bench import VerificationFailed
     from kvbench.planning.runner import sweep
+    from kvbench.report import render
 
     subject, o = subject_for(o)
     if o.ray is not None and o.shard is not None:
@@ -104,10 +106,10 @@ def run(o: RunOptions, command: str):
                      subject.point(command, o, impl_options, bench_options), impl_options,
                      notes, bench_options,
                      plans=subject.plans(command, o, impl_options, bench_options),
-                     show=lambda result: subject.show(command, result))
+                     show=lambda result: render.show(subject.report(command, result)))
     except VerificationFailed as failed:
         bad = next(c for c in failed.report.checks if not c.passed)
-        subject.show("verify", failed.report, stderr=True)
+        render.show(subject.report("verify", failed.report), stderr=True)
         print(f"kvbench: refusing to time {bad.impl}: {subject.refused(failed.report, bad)}",
               file=sys.stderr)
         raise typer.Exit(1) from None

@@ -9,6 +9,7 @@ from kvbench.errors import KvbenchError
 
 if TYPE_CHECKING:
     from kvbench.options import RunOptions
+    from kvbench.report.tables import Report
 
 
 def attention_model(o: RunOptions) -> RunOptions:
@@ -94,17 +95,13 @@ class Layer:
     def plans(self, command, o, impl_options, bench_options):
         return None  # the preflight's own: one layer's phases
 
-    def show(self, command: str, result, stderr: bool = False) -> None:
-        from kvbench.experiments.bench import show_bench
-        from kvbench.experiments.memory import show_memory
-        from kvbench.experiments.verify import show_verify
+    def report(self, command: str, result) -> Report:
+        from kvbench.experiments.bench import bench_report
+        from kvbench.experiments.memory import memory_report
+        from kvbench.experiments.verify import verify_report
 
-        if command == "verify":
-            show_verify(result, stderr=stderr)
-        elif command == "bench":
-            show_bench(result)
-        else:
-            show_memory(result)
+        return {"verify": verify_report, "bench": bench_report,
+                "memory": memory_report}[command](result)
 
     def failed(self, report, check) -> str:
         from kvbench.report.render import describe

@@ -11,6 +11,7 @@ from kvbench.errors import KvbenchError
 
 if TYPE_CHECKING:
     from kvbench.options import RunOptions
+    from kvbench.report.tables import Report
 
 # A model's default point: one sequence, a prompt of 256 tokens, 32 decode steps.
 DEFAULTS = {"batch": 1, "prompt_len": 256, "decode_len": 32}
@@ -150,11 +151,11 @@ class Model:
         plan_of = preflight(command, self.ref, o.layers, o.host_mem)
         return lambda config, names: plan_of(config, names, impl_options)
 
-    def show(self, command: str, result, stderr: bool = False) -> None:
+    def report(self, command: str, result) -> Report:
         from kvbench.experiments.model.view import TABLES
-        from kvbench.report.render import err, out
+        from kvbench.report.tables import Report
 
-        (err if stderr else out).print(TABLES[command](result))
+        return Report([TABLES[command](result)])
 
     def failed(self, report, check) -> str:
         from kvbench.report.render import describe

@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-from rich.table import Table
-
 from kvbench.caches import IMPLEMENTATIONS, ImplOptions
 from kvbench.caches.capabilities import reads_of
 from kvbench.experiments.model import run
 from kvbench.experiments.verify import _result
 from kvbench.report.render import human_bytes, kv_label, mib, ms_text, new_table, sci, spread_text
 from kvbench.report.results import TECHNIQUE_COLUMNS, config_cells, kv_cells, stats_cells
+from kvbench.report.tables import Table
 
 
 def shown(text: str) -> str:
