@@ -5,16 +5,14 @@ from __future__ import annotations
 import inspect
 import os
 import sys
-from pathlib import Path
 from typing import Annotated
 
 import typer
 from typer.core import TyperCommand, TyperGroup
 
-from kvbench import __version__
+from kvbench import __version__, options
 from kvbench.errors import KvbenchError
 from kvbench.options import (
-    CsvPath,
     capacity_signature,
     needle_signature,
     serve_sim_signature,
@@ -155,8 +153,6 @@ def _root(version: Annotated[bool, typer.Option(
 def experiment(func):
     """An experiment command (verify, bench, memory): its options are RunOptions' fields for
     it, declared once in kvbench.options; func(options) runs it."""
-    from kvbench import options
-
     def run(ctx: typer.Context, **values):
         # the keyword values, not ctx.params: Typer converts them (a Path option's value is
         # a Path), where ctx.params holds click's raw strings on Typer before 0.2x
@@ -249,42 +245,7 @@ needle.__signature__ = needle_signature()  # declared in kvbench.options
 command(needle)
 
 
-@command
-def tune(
-    dtype: Annotated[str, typer.Option(
-        help="float16|fp16, bfloat16|bf16 or float32|fp32.")] = "float16",
-    kv_dtype: Annotated[str, typer.Option(
-        help="K/V formats to tune, in this order: a comma list of none (the activation dtype), "
-             "fp8, int8, int4, int2.")] = "none,fp8,int8,int4",
-    block_size: Annotated[str, typer.Option(
-        help="Page (block) sizes to tune, a comma list.")] = "16",
-    budget: Annotated[float, typer.Option(
-        help="Seconds the search may take; past them the best so far is kept.")] = 150.0,
-    rounds: Annotated[int, typer.Option(help="Timed rounds per configuration (median).")] = 9,
-    rehearse: Annotated[bool, typer.Option(
-        "--rehearse", metavar="", help="Run the plan on the CPU in Triton's interpreter at small "
-                                       "shapes (times describe the interpreter; registers and "
-                                       "spills are sm_90's, compiled here).")] = False,
-    device: Annotated[str, typer.Option(help="auto, cuda or cuda:N.")] = "auto",
-    table: Annotated[Path | None, typer.Option(
-        help="Tuning table to update. \\[default: $KVBENCH_TUNING_TABLE, else the package's; with "
-             "--rehearse results/tune-rehearsal.json]")] = None,
-    csv: CsvPath = None,
-    no_csv: Annotated[bool, typer.Option(
-        "--no-csv", metavar="", help="Write no results file.")] = False,
-    format: Annotated[str, typer.Option(
-        "--format", help="table, csv or json (the rows on stdout).")] = "table",
-    quiet: Annotated[bool, typer.Option(
-        "--quiet", "-q", metavar="", help="Print nothing but errors (and --format's "
-                                          "rows).")] = False,
-    inspect: Annotated[bool, typer.Option(
-        "--inspect", metavar="", help="Compile every decode kernel for sm_90 (H100/H200) at the "
-                                      "long shape in each K/V format's configuration and report "
-                                      "its registers, spills, shared memory, programs per SM, K/V "
-                                      "tiles in flight and load widths; needs no GPU and times "
-                                      "nothing; writes a file only where --csv names "
-                                      "one.")] = False,
-):
+def tune(**values):
     """Search the Triton decode kernel's launch configuration on this GPU.
 
     Times the kernel alone (both stages, CUDA events) at the long shape (B=8, 32k positions,
@@ -295,73 +256,48 @@ def tune(
     """
     from kvbench.experiments import tune as tuner
 
-    if inspect:
-        tuner.inspect_command(format, quiet, csv)
+    o = options.TuneOptions(**values)
+    if o.inspect:
+        tuner.inspect_command(o.format, o.quiet, o.csv)
         return
-    tuner.command(device, dtype, kv_dtype, block_size, rehearse, budget, rounds, table, csv,
-                  no_csv, format, quiet)
+    tuner.command(o.device, o.dtype, o.kv_dtype, o.block_size, o.rehearse, o.budget, o.rounds,
+                  o.table, o.csv, o.no_csv, o.format, o.quiet)
 
 
-RunId = Annotated[str | None, typer.Option(
-    "--run", help="Only the rows of this run: its run_id, its sweep_id (every shard of a "
-    "sweep), or last (the file's latest sweep).")]
-Where = Annotated[str | None, typer.Option(
-    help="Only the rows where every column=value holds, e.g. impl=paged,dtype=float16 "
-         "(model= picks the rows without one).")]
-SkipBad = Annotated[bool, typer.Option(
-    "--skip-bad-rows", metavar="", help="Leave out rows cut or damaged (a killed writer, a "
-    "full disk) with a warning, instead of stopping at the first.")]
-
-
-@command
-def plot(results: Annotated[Path, typer.Argument(help="A CSV that kvbench wrote.")],
-         output: Annotated[Path | None, typer.Option("-o", "--output",
-                           help="Image to write (png, pdf, svg, …), or a folder to write it "
-                                "in. \\[default: RESULTS with .png]")] = None,
-         run: RunId = None, where: Where = None, skip_bad_rows: SkipBad = False):
+def plot(**values):
     """Draw what the results allow: decode time, speedup and bandwidth against context;
     memory bars; the largest batch against context for capacity rows. A file that mixes
     kinds of run (one layer and a whole model, GQA and MLA) gives one figure per kind."""
     from kvbench.report.plot import command as run_plot
+
+    o = options.PlotOptions(**values)
 
     def planned(row):  # an older model verify row's cache bytes (torch only then)
         from kvbench.experiments.model.view import planned_row_bytes
 
         return planned_row_bytes(row)
 
-    run_plot(results, output, run, where, skip_bad_rows, planned)
+    run_plot(o.results, o.output, o.run, o.where, o.skip_bad_rows, planned)
 
 
-@command
-def compare(baseline: Annotated[Path, typer.Argument(help="Baseline results CSV.")],
-            new: Annotated[Path, typer.Argument(help="New results CSV.")],
-            fail_above: Annotated[str | None, typer.Option(
-                help="Exit 1 when a metric is worse by more than this, e.g. 10%: a regression "
-                     "where the runs' interquartile ranges separate, too noisy to judge where "
-                     "they overlap.")] = None,
-            allow_noisy: Annotated[bool, typer.Option(
-                "--allow-noisy", metavar="", help="With --fail-above: exit 0 for changes too noisy "
-                                                  "to "
-                "judge (regressions still fail).")] = False,
-            run: RunId = None, where: Where = None, skip_bad_rows: SkipBad = False):
+def compare(**values):
     """Compare results with a baseline, configuration by configuration. --run and --where
     pick the rows of both files."""
     from kvbench.report.compare import command as run_compare
 
-    run_compare(baseline, new, fail_above, allow_noisy, run, where, skip_bad_rows)
+    o = options.CompareOptions(**values)
+    run_compare(o.baseline, o.new, o.fail_above, o.allow_noisy, o.run, o.where,
+                o.skip_bad_rows)
 
 
-@command
-def merge(files: Annotated[list[Path], typer.Argument(help="Results CSVs of one kind (a sweep's "
-                                                           "--shard outputs).")],
-          output: Annotated[Path, typer.Option(
-              "-o", "--output", help="The file to append them all to (created if missing).")]):
+def merge(**values):
     """Join results files of one kind into one, as a sweep run whole would have written them
     (each --shard I/N of a job array writes its own)."""
     from kvbench.report import render
     from kvbench.report.results import merge as merge_files
 
-    n, repeated, runs, sweeps = merge_files(files, output)
+    o = options.MergeOptions(**values)
+    n, repeated, runs, sweeps = merge_files(list(o.files), o.output)
     again = f"; {repeated} already there, left as they were" if repeated else ""
     if len(runs) > 1 and len(sweeps) == 1:  # the shards of one sweep
         joined = f" ({len(runs)} shards of sweep {sweeps[0]}: --run last draws them all)"
@@ -371,7 +307,13 @@ def merge(files: Annotated[list[Path], typer.Argument(help="Results CSVs of one 
                   "compare read them together, --run ID picks one, --run last the last)")
     else:
         joined = ""
-    render.note(f"{n} rows from {len(files)} files appended to {output}{again}{joined}")
+    render.note(f"{n} rows from {len(o.files)} files appended to {o.output}{again}{joined}")
+
+
+for _func, _declared in ((tune, options.TuneOptions), (plot, options.PlotOptions),
+                         (compare, options.CompareOptions), (merge, options.MergeOptions)):
+    _func.__signature__ = options.declared_signature(_declared)  # type: ignore[attr-defined]
+    command(_func)
 
 
 def main() -> None:

@@ -7,14 +7,14 @@ from __future__ import annotations
 
 import inspect
 import typing
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Annotated
 
 import typer
 
 from kvbench.errors import KvbenchError
-from kvbench.sizing.config import TECHNIQUE_OPTIONS, TECHNIQUES
+from kvbench.sizing.config import TECHNIQUE_OPTIONS, TECHNIQUES, flag
 
 EXPERIMENTS = ("verify", "bench", "memory")
 FORMATS = ("table", "csv", "json")
@@ -81,15 +81,6 @@ PANELS = {
 PANEL_OF = {name: panel for panel, names in PANELS.items() for name in names}
 
 
-def option(default, help: str, *flags: str, commands: tuple[str, ...] = EXPERIMENTS,
-           show_default: bool = True):
-    """A field of RunOptions: its default, help text, flags (default: --field-name) and the
-    commands that take it."""
-    return field(default=default, metadata={"help": help, "flags": flags,
-                                            "commands": commands,
-                                            "show_default": show_default})
-
-
 def _list(what: str, default: str) -> str:
     return f"{what} One value or a comma list (each a point). \\[default: {default}]"
 
@@ -98,157 +89,157 @@ def _list(what: str, default: str) -> str:
 class RunOptions:
     """Every option of verify, bench and memory, as given (shapes as the text typed)."""
 
-    device: str = option("auto", "auto, cpu, cuda or cuda:N (auto picks CUDA when present).")
-    dtype: str = option("float32", "float32|fp32, float16|fp16, bfloat16|bf16; a comma list "
-                        "runs each.")
-    batch: str | None = option(None, _list("Batch size B.", "2"), show_default=False)
-    prompt_len: str | None = option(None, _list("Prompt tokens T_p.", "64 on CPU, 256 on CUDA"),
-                                    show_default=False)
-    decode_len: str | None = option(None, _list("Decode steps G.", "8 on CPU, 32 on CUDA"),
-                                    show_default=False)
-    hidden: str | None = option(None, _list("Hidden size H.", "512"), show_default=False)
-    q_heads: str | None = option(None, _list("Query heads H_q.", "8"), show_default=False)
-    kv_heads: str | None = option(None, _list("KV heads H_kv; H_q must be a multiple.", "2"),
+    device: str = flag("auto", "auto, cpu, cuda or cuda:N (auto picks CUDA when present).")
+    dtype: str = flag("float32", "float32|fp32, float16|fp16, bfloat16|bf16; a comma list "
+                      "runs each.")
+    batch: str | None = flag(None, _list("Batch size B.", "2"), show_default=False)
+    prompt_len: str | None = flag(None, _list("Prompt tokens T_p.", "64 on CPU, 256 on CUDA"),
                                   show_default=False)
-    head_dim: str | None = option(None, _list("Head dim D.", "64"), show_default=False)
-    attention: str = option("gqa", "The layer: gqa (grouped-query attention; --kv-heads, "
-                            "--head-dim) or mla (DeepSeek's multi-head latent attention; "
-                            "--kv-lora-rank and the dims below; RoPE on its decoupled part "
-                            "always).")
-    kv_lora_rank: int | None = option(None, "MLA: the latent's width d_c, cached per token. "
-                                      "\\[default: 256]", show_default=False)
-    qk_rope_dim: int | None = option(None, "MLA: the decoupled RoPE key's width (shared by "
-                                     "every head, cached beside the latent); even. "
-                                     "\\[default: 32]", show_default=False)
-    qk_nope_dim: int | None = option(None, "MLA: each head's query/key width without "
-                                     "position. \\[default: 64]", show_default=False)
-    v_head_dim: int | None = option(None, "MLA: each head's value width. \\[default: 64]",
-                                    show_default=False)
-    q_lora_rank: int | None = option(None, "MLA: the query's latent width; 0 projects the "
-                                     "query directly. \\[default: 0]", show_default=False)
-    seed: int = option(0, "Seed of the weights and inputs.")
-    impl: str = option("default", IMPL_HELP)
-    rope: bool = option(False, "Rotary position embedding on q and k (k rotated before "
-                        "caching).")
-    block_size: int = option(16, "paged: positions per block.")
-    sdpa_backend: str = option("auto", "sdpa: auto, math, flash, efficient or cudnn.")
-    splits: int | None = option(
+    decode_len: str | None = flag(None, _list("Decode steps G.", "8 on CPU, 32 on CUDA"),
+                                  show_default=False)
+    hidden: str | None = flag(None, _list("Hidden size H.", "512"), show_default=False)
+    q_heads: str | None = flag(None, _list("Query heads H_q.", "8"), show_default=False)
+    kv_heads: str | None = flag(None, _list("KV heads H_kv; H_q must be a multiple.", "2"),
+                                show_default=False)
+    head_dim: str | None = flag(None, _list("Head dim D.", "64"), show_default=False)
+    attention: str = flag("gqa", "The layer: gqa (grouped-query attention; --kv-heads, "
+                          "--head-dim) or mla (DeepSeek's multi-head latent attention; "
+                          "--kv-lora-rank and the dims below; RoPE on its decoupled part "
+                          "always).")
+    kv_lora_rank: int | None = flag(None, "MLA: the latent's width d_c, cached per token. "
+                                    "\\[default: 256]", show_default=False)
+    qk_rope_dim: int | None = flag(None, "MLA: the decoupled RoPE key's width (shared by "
+                                   "every head, cached beside the latent); even. "
+                                   "\\[default: 32]", show_default=False)
+    qk_nope_dim: int | None = flag(None, "MLA: each head's query/key width without "
+                                   "position. \\[default: 64]", show_default=False)
+    v_head_dim: int | None = flag(None, "MLA: each head's value width. \\[default: 64]",
+                                  show_default=False)
+    q_lora_rank: int | None = flag(None, "MLA: the query's latent width; 0 projects the "
+                                   "query directly. \\[default: 0]", show_default=False)
+    seed: int = flag(0, "Seed of the weights and inputs.")
+    impl: str = flag("default", IMPL_HELP)
+    rope: bool = flag(False, "Rotary position embedding on q and k (k rotated before "
+                      "caching).")
+    block_size: int = flag(16, "paged: positions per block.")
+    sdpa_backend: str = flag("auto", "sdpa: auto, math, flash, efficient or cudnn.")
+    splits: int | None = flag(
         None, "triton, triton-mla: split every sequence into N parts (at most one per tile). "
         "Default: planned per sequence on the device, so that the batch's tiles fill whole "
         "waves of programs over the SMs (a long sequence takes many splits, a short one one).",
         show_default=False)
-    kv_dtype: str | None = option(
+    kv_dtype: str | None = flag(
         None, "Store K/V quantized: fp8 (e4m3, a float32 scale per KV head), int8, int4 or "
         "int2 (an fp16 scale and zero point per --group-size elements); a comma list runs "
         "each, none for unquantized. Default: the activation --dtype. Runs on the "
         "implementations that can store it.", show_default=False)
-    group_size: int = option(64, "int8/int4/int2: elements of a head vector per scale and "
-                             "zero point (with --k-quant per-channel, K's positions per "
-                             "channel scale).")
-    k_quant: str = option("per-token", "int8/int4/int2: quantize K per token (each vector in "
-                          "groups along D) or per-channel (KIVI: each channel along groups "
-                          "of --group-size positions). V is always per token. Runs on "
-                          "static.")
-    kv_residual: int = option(0, "int8/int4/int2: keep the newest positions in the "
-                              "activation dtype until this many are ready, then quantize them "
-                              "(KIVI's residual; a multiple of --group-size). Runs on static.")
-    seq_lens: str | None = option(
+    group_size: int = flag(64, "int8/int4/int2: elements of a head vector per scale and "
+                           "zero point (with --k-quant per-channel, K's positions per "
+                           "channel scale).")
+    k_quant: str = flag("per-token", "int8/int4/int2: quantize K per token (each vector in "
+                        "groups along D) or per-channel (KIVI: each channel along groups "
+                        "of --group-size positions). V is always per token. Runs on "
+                        "static.")
+    kv_residual: int = flag(0, "int8/int4/int2: keep the newest positions in the "
+                            "activation dtype until this many are ready, then quantize them "
+                            "(KIVI's residual; a multiple of --group-size). Runs on static.")
+    seq_lens: str | None = flag(
         None, "A ragged batch: each sequence's prompt length, e.g. 512,4096,37 (B is their "
         "count). Decode adds --decode-len positions to every sequence.", show_default=False)
-    len_dist: str | None = option(
+    len_dist: str | None = flag(
         None, "A ragged batch of --batch prompt lengths drawn (seeded by --seed) from "
         "uniform:LO:HI or lognormal:MEAN:SIGMA (mean MEAN tokens; capped so that prompt + "
         "decode fits --max-len); a comma list runs each.", show_default=False)
-    max_len: int | None = option(
+    max_len: int | None = flag(
         None, "The longest a request may get (prompt + decode): what preallocating caches "
         "reserve per sequence. Default: the longest sequence's prompt + decode (uniform "
         "--len-dist: HI + decode); lognormal needs it.", show_default=False)
-    prealloc: str = option("max-len", "static, sdpa, splitk, compiled, flex: reserve "
-                           "--max-len per sequence (max-len, as preallocating servers do) or "
-                           "the batch's longest sequence (exact).")
-    tp: int = option(1, "Tensor-parallel ranks: the layer split by head, one process per rank "
-                     "under torchrun (torchrun --nproc-per-node N -m kvbench COMMAND --tp N "
-                     "...); gloo on the CPU, NCCL on CUDA.")
-    layer_budgets: str | None = option(
+    prealloc: str = flag("max-len", "static, sdpa, splitk, compiled, flex: reserve "
+                         "--max-len per sequence (max-len, as preallocating servers do) or "
+                         "the batch's longest sequence (exact).")
+    tp: int = flag(1, "Tensor-parallel ranks: the layer split by head, one process per rank "
+                   "under torchrun (torchrun --nproc-per-node N -m kvbench COMMAND --tp N "
+                   "...); gloo on the CPU, NCCL on CUDA.")
+    layer_budgets: str | None = flag(
         None, "With --model and an eviction cache: each layer's budget, a comma list bottom "
         "first (one per layer), or pyramid (PyramidKV: falling from the bottom layer to the "
         "top, averaging --kv-budget).", show_default=False)
-    prefill_chunk: int | None = option(
+    prefill_chunk: int | None = flag(
         None, "Chunked prefill: the prompt enters the cache C positions at a time, each chunk "
         "attending to the cache so far and causally within itself (bench times it).",
         show_default=False, commands=("verify", "bench"))
-    draft_len: int | None = option(
+    draft_len: int | None = flag(
         None, "Speculative decoding's verify step: each step appends K positions in one call "
         "(the next true position, then K-1 drafts), keeps what --accept accepts and rolls "
         "the rest back (bench: time per accepted token).", show_default=False,
         commands=("verify", "bench"))
-    accept: str | None = option(
+    accept: str | None = flag(
         None, "With --draft-len: positions kept per step, a count 1..K, or a rate 0..1 at "
         "which each draft is accepted (seeded). \\[default: 0.8]", show_default=False,
         commands=("verify", "bench"))
-    beams: int | None = option(
+    beams: int | None = flag(
         None, "Beam search: each of --batch prompts forked into W beams (B·W rows), every "
         "step reordering them by seeded parents: preallocated caches copy rows, paged ones "
         "fork block tables by reference and copy a shared last block on write.",
         show_default=False, commands=("verify", "bench"))
-    graph: bool = option(
+    graph: bool = flag(
         False, "Also run each decode step captured in a graph and replayed (static, sdpa, "
         "paged, triton, triton-mla): verify checks the captured steps (on the CPU through a "
         "recorder with a CUDA graph's semantics); bench on CUDA times each both ways, so a row "
         "says how much of a step is launch overhead (on by default for a ragged batch on CUDA).",
         commands=("verify", "bench"))
-    model: str | None = option(
+    model: str | None = flag(
         None, "Run the whole model: a local Hugging Face checkpoint folder, a .gguf file, or a "
         "preset (random weights at its real shape; see kvbench capacity --list-models). Sets "
         "the layer's shape; default batch 1, prompt 256, decode 32.", show_default=False)
-    layers: int | None = option(None, "With --model: run its first N layers.",
-                                show_default=False)
-    text: Path | None = option(  # noqa: RUF009
+    layers: int | None = flag(None, "With --model: run its first N layers.",
+                              show_default=False)
+    text: Path | None = flag(  # noqa: RUF009
         None, "With --model: a plain-text file, tokenized by the model's own tokenizer and "
         "decoded teacher-forced (prompt + decode + 1 tokens per sequence). \\[default: Python's "
         "reference documentation, kvbench/data/pydoc-topics.txt]", show_default=False)
-    warmup: int = option(3, "Untimed runs before the samples.", commands=("bench",))
-    rounds: int = option(9, "Timed samples; the median is reported.", commands=("bench",))
-    recompute: bool = option(True, "Time path A (quadratic). --no-recompute for long prompts; "
-                             "implementations are then verified on a shorter prompt.",
-                             commands=("bench",))
-    prefill: bool = option(True, "Time the prefill. --no-prefill saves minutes at long "
-                           "prompts.", commands=("bench",))
-    config: Path | None = option(  # noqa: RUF009 (a field's metadata, not a default)
+    warmup: int = flag(3, "Untimed runs before the samples.", commands=("bench",))
+    rounds: int = flag(9, "Timed samples; the median is reported.", commands=("bench",))
+    recompute: bool = flag(True, "Time path A (quadratic). --no-recompute for long prompts; "
+                           "implementations are then verified on a shorter prompt.",
+                           commands=("bench",))
+    prefill: bool = flag(True, "Time the prefill. --no-prefill saves minutes at long "
+                         "prompts.", commands=("bench",))
+    config: Path | None = flag(  # noqa: RUF009 (a field's metadata, not a default)
         None, "A sweep file (TOML) of option values; see configs/sweeps/.", "--config",
         show_default=False)
-    csv: Path | None = option(  # noqa: RUF009
+    csv: Path | None = flag(  # noqa: RUF009
         None, "Append rows to this CSV. \\[default: results/COMMAND.csv]", "--csv",
         show_default=False)
-    no_csv: bool = option(False, "Write no results file.", "--no-csv")
-    format: str = option("table", "stdout: table (Rich), csv or json rows for pipes.",
-                         "--format")
-    quiet: bool = option(False, "No table, notes or progress; errors only.", "--quiet", "-q")
-    dry_run: bool = option(False, "Show every point's phases with their estimated peak "
-                           "memory, what would be skipped and the implementations left out, and "
-                           "why; allocate nothing, exit 0.", "--dry-run")
-    force: bool = option(False, "Run points whose estimated peak memory does not fit in what "
-                         "is available.", "--force")
-    host_mem: str | None = option(
+    no_csv: bool = flag(False, "Write no results file.", "--no-csv")
+    format: str = flag("table", "stdout: table (Rich), csv or json rows for pipes.",
+                       "--format")
+    quiet: bool = flag(False, "No table, notes or progress; errors only.", "--quiet", "-q")
+    dry_run: bool = flag(False, "Show every point's phases with their estimated peak "
+                         "memory, what would be skipped and the implementations left out, and "
+                         "why; allocate nothing, exit 0.", "--dry-run")
+    force: bool = flag(False, "Run points whose estimated peak memory does not fit in what "
+                       "is available.", "--force")
+    host_mem: str | None = flag(
         None, "Host memory the preflight may plan with, in bytes or e.g. 128GiB (also "
         "$KVBENCH_HOST_MEM), where MemAvailable understates it: a machine whose RAM grows on "
         "demand. \\[default: MemAvailable]", "--host-mem", show_default=False)
-    ray: str | None = option(
+    ray: str | None = flag(
         None, "Run each point as a Ray task, rows written as each ends: --ray alone (or local) "
         "starts a cluster on this machine, auto joins the one it belongs to, HOST:PORT "
         "another. Needs the cluster extra.", "--ray", show_default=False)
-    retries: int = option(2, "--ray: times a point whose worker died is run again (a point "
-                          "that fails for its own reasons is not).")
-    threads: int | None = option(
+    retries: int = flag(2, "--ray: times a point whose worker died is run again (a point "
+                        "that fails for its own reasons is not).")
+    threads: int | None = flag(
         None, "CPU threads per point. \\[default: torch's own (every core); with --ray 1, a "
         "point per core]", show_default=False)
-    shard: str | None = option(
+    shard: str | None = flag(
         None, "Run only shard I of N (I/N, from 0/N): the points whose index is I modulo N, "
         "for a job array; kvbench merge joins the shards' CSVs.", show_default=False)
     # a sweep file's [[points]]: each table's options over the file's own (not a flag)
-    points: tuple[dict, ...] | None = field(default=None, metadata={"commands": ()})
+    points: tuple[dict, ...] | None = None
     # the technique options given (TECHNIQUES, declared on LayerShape): (name, value) pairs
-    techniques: tuple[tuple[str, object], ...] = field(default=(), metadata={"commands": ()})
+    techniques: tuple[tuple[str, object], ...] = ()
 
     @classmethod
     def of(cls, values: dict) -> RunOptions:
@@ -275,34 +266,46 @@ class RunOptions:
 def taken(command: str) -> set[str]:
     """The options a command takes, by name (a sweep file's keys): its fields of RunOptions
     and, for verify, bench and memory, the technique options."""
-    names = {f.name for f in fields(RunOptions) if command in f.metadata["commands"]}
+    names = {p.name for p in declared_parameters(RunOptions, command, panels=PANEL_OF)}
     return names | (set(TECHNIQUE_OPTIONS) if command in EXPERIMENTS else set())
 
 
 def signature(command: str) -> inspect.Signature:
     """The Typer signature of an experiment command: ctx, then its fields of RunOptions and
     the technique options (TECHNIQUES), panel by panel."""
-    hints = typing.get_type_hints(RunOptions)
-    declared: list[tuple[str, object, object, typing.Mapping]] = [
-        (f.name, hints[f.name], f.default, f.metadata) for f in fields(RunOptions)
-        if command in f.metadata["commands"]]
+    declared = declared_parameters(RunOptions, command, panels=PANEL_OF)
     if command in EXPERIMENTS:
-        declared += [(name, TECHNIQUES[name].option, default,
-                      {"flags": (), "help": TECHNIQUES[name].help.format(scorers=_SCORERS),
-                       "show_default": TECHNIQUES[name].show_default})
-                     for name, default in TECHNIQUE_OPTIONS.items()]
-    params = [inspect.Parameter("ctx", inspect.Parameter.POSITIONAL_OR_KEYWORD,
-                                annotation=typer.Context)]
+        declared += technique_parameters(TECHNIQUE_OPTIONS)
     order = list(PANEL_OF)  # panel by panel, as PANELS lists them
-    for name, kind, default, meta in sorted(
-            declared, key=lambda d: order.index(d[0]) if d[0] in order else len(order)):
-        flag = kind is bool  # a flag takes no value: no "<bool>" placeholder
+    declared.sort(key=lambda p: order.index(p.name) if p.name in order else len(order))
+    ctx = inspect.Parameter("ctx", inspect.Parameter.POSITIONAL_OR_KEYWORD,
+                            annotation=typer.Context)
+    return inspect.Signature([ctx, *declared])
+
+
+def _parameter(name: str, kind, default, meta: typing.Mapping,
+               panel: str | None) -> inspect.Parameter:
+    """One option (or argument) of a command, from its declaration (kvbench.sizing.config's
+    `flag`); default ... (Ellipsis): a value the command line must give."""
+    bare = kind is bool or kind == (bool | None)  # a flag takes no value: no "<bool>"
+    if meta.get("argument"):
+        opt = typer.Argument(help=meta["help"], show_default=meta["show_default"])
+    else:
         opt = typer.Option(*meta["flags"], help=meta["help"],
-                           show_default=meta["show_default"], metavar="" if flag else None,
-                           rich_help_panel=PANEL_OF[name])
-        params.append(inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=default,
-                                        annotation=Annotated[kind, opt]))
-    return inspect.Signature(params)
+                           show_default=meta["show_default"], metavar="" if bare else None,
+                           rich_help_panel=panel)
+    return inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY,
+                             default=inspect.Parameter.empty if default is ... else default,
+                             annotation=Annotated[kind, opt])
+
+
+def technique_parameters(names, panel: str | None = None) -> list[inspect.Parameter]:
+    """The technique options `names` (declared on LayerShape: TECHNIQUES), each with the
+    value it has when not given (TECHNIQUE_OPTIONS)."""
+    return [_parameter(name, TECHNIQUES[name].option, TECHNIQUE_OPTIONS[name],
+                       {"flags": (), "help": TECHNIQUES[name].help.format(scorers=_SCORERS),
+                        "show_default": TECHNIQUES[name].show_default},
+                       panel or PANEL_OF[name]) for name in names]
 
 
 def from_context(ctx: typer.Context, values: dict | None = None) -> RunOptions:
@@ -344,10 +347,6 @@ def from_context(ctx: typer.Context, values: dict | None = None) -> RunOptions:
     return RunOptions.of(values)
 
 
-CsvPath = Annotated[Path | None, typer.Option("--csv", help="Append rows to this CSV. \\[default: "
-                                                            "results/COMMAND.csv]")]
-
-
 def capacity_signature() -> inspect.Signature:
     from kvbench.experiments.capacity import CapacityOptions
 
@@ -357,27 +356,35 @@ def capacity_signature() -> inspect.Signature:
 def declared_signature(cls) -> inspect.Signature:
     """A command's Typer signature from its options' declarations (kvbench.sizing.config's
     `flag`): each field with help, in the order declared."""
+    return inspect.Signature(declared_parameters(cls))
+
+
+def declared_parameters(cls, command: str | None = None, names=None,
+                        panel: str | None = None, panels=None) -> list[inspect.Parameter]:
+    """The options declared on dataclass `cls` (fields made with `flag`), in their order;
+    command: only those it takes (a field's `commands`, None for all); names: only these;
+    panel: theirs (default: a field's own, or else its in `panels`, name -> panel). A
+    renamed one's old name follows it, hidden."""
     from dataclasses import MISSING
 
     hints = typing.get_type_hints(cls)
     params = []
     for f in fields(cls):
         meta = f.metadata
-        if "help" not in meta:
-            continue  # not an option
+        if "help" not in meta or (names is not None and f.name not in names):
+            continue  # not an option, or not this command's
+        if command is not None and command not in (meta["commands"] or EXPERIMENTS):
+            continue
         kind = meta["cli"] if meta["cli"] is not None else hints[f.name]
         default = f.default if meta["cli_default"] is MISSING else meta["cli_default"]
-        opt = typer.Option(*meta["flags"], help=meta["help"], show_default=meta["show_default"],
-                           metavar="" if kind is bool or kind == (bool | None) else None,
-                           rich_help_panel=meta["panel"])
-        params.append(inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY,
-                                        default=default, annotation=Annotated[kind, opt]))
+        params.append(_parameter(f.name, kind, default, meta,
+                                 panel or meta["panel"] or (panels or {}).get(f.name)))
         if meta["renamed"]:  # the old name, hidden: taken, with a note (settle)
             old = typer.Option(meta["renamed"], hidden=True, show_default=False)
             params.append(inspect.Parameter(f"{f.name}__renamed",
                                             inspect.Parameter.KEYWORD_ONLY, default=None,
                                             annotation=Annotated[kind | None, old]))
-    return inspect.Signature(params)
+    return params
 
 
 def settle(cls, values: dict) -> dict:
@@ -405,99 +412,22 @@ def serve_sim_signature() -> inspect.Signature:
 
 # ------------------------------------------------------------------------ kvbench needle
 
-
-def _task(help: str, *flags: str, **kw):
-    return typer.Option(*flags, help=help, rich_help_panel="Task", **kw)
-
-
-def _cache(help: str, *flags: str, **kw):
-    return typer.Option(*flags, help=help, rich_help_panel="Caches and techniques",
-                        show_default=kw.pop("show_default", False), **kw)
-
-
-def _run(help: str, *flags: str, **kw):
-    return typer.Option(*flags, help=help, rich_help_panel="Run and output", **kw)
-
-
-def _needle_params(
-    model: Annotated[str, _task("A trained model: smollm2-135m, or a checkpoint folder or "
-                                ".gguf with its tokenizer.")] = "smollm2-135m",
-    task: Annotated[str, _task("passkey (one key in the haystack, asked at the end), multikey "
-                               "(--keys keys, one asked) or copy (a random token sequence "
-                               "shown twice: the second copy predicted).")] = "passkey",
-    context: Annotated[str, _task("Prompt lengths in tokens, a comma list (each a column of "
-                                  "the heatmap).")] = "512,1024",
-    depth: Annotated[str, _task("Where the needle sits, fractions of the filler: 0 right after "
-                                "the instruction, 1 just before the question; a comma "
-                                "list.")] = "0,0.25,0.5,0.75,1",
-    trials: Annotated[int, _task("Prompts per cell, each with its own seeded key and filler "
-                                 "placement.")] = 2,
-    keys: Annotated[int, _task("--task multikey: how many keys the haystack holds.")] = 4,
-    haystack: Annotated[Path | None, _task(
-        "A plain-text file as the filler. \\[default: RULER's pass-key filler sentences]",
-        show_default=False)] = None,
-    needle_key: Annotated[str | None, _task(
-        "The key, digits (default: a seeded 5-digit number per trial).", "--needle",
-        show_default=False)] = None,
-    question_after_compression: Annotated[bool, _task(
-        "Query-agnostic: prefill the haystack and needle, compress, then feed the question (a "
-        "cache reused for any question). Default: query-aware, the question in the prompt the "
-        "cache compresses.", "--question-after-compression", metavar="")] = False,
-    impl: Annotated[str, _cache("Cached implementations, a comma list (as verify takes them).",
-                                show_default=True)] = "static",
-    kv_budget: Annotated[str | None, _cache("Eviction caches: positions kept per KV "
-                                            "head.")] = None,
-    kv_recent: Annotated[int | None, _cache("Eviction caches: how many of them are the most "
-                                            "recent.")] = None,
-    kv_compress: Annotated[str | None, _cache("decode (evict at every step) or prefill "
-                                              "(compress the prompt once).")] = None,
-    window: Annotated[int | None, _cache("window: the last W positions.")] = None,
-    sinks: Annotated[int | None, _cache("With --window: the first S positions.")] = None,
-    head_budgets: Annotated[str | None, _cache("snapkv-paged: ada or duo.")] = None,
-    layer_budgets: Annotated[str | None, _cache("Each layer's budget, a list or "
-                                                "pyramid.")] = None,
-    k_channels: Annotated[str | None, _cache("think: K channels kept per head.")] = None,
-    kv_reference: Annotated[str | None, _cache("kvpress: each scorer as kvpress's press "
-                                               "keeps.")] = None,
-    kv_dtype: Annotated[str | None, _cache("fp8, int8, int4 or int2 K/V; a comma list, none "
-                                           "for unquantized.")] = None,
-    group_size: Annotated[int, _cache("int8/int4/int2: elements per scale.",
-                                      show_default=True)] = 64,
-    k_quant: Annotated[str, _cache("per-token or per-channel (KIVI).",
-                                   show_default=True)] = "per-token",
-    kv_residual: Annotated[int, _cache("KIVI's residual of unquantized positions.",
-                                       show_default=True)] = 0,
-    layers: Annotated[int | None, _run("Run the model's first N layers.",
-                                       show_default=False)] = None,
-    dtype: Annotated[str, _run("float32, float16 or bfloat16.")] = "float32",
-    device: Annotated[str, _run("auto, cpu, cuda or cuda:N.")] = "auto",
-    seed: Annotated[int, _run("Seed of the keys, their places and copy's tokens.")] = 0,
-    csv: Annotated[Path | None, _run("Append rows to this CSV. \\[default: results/needle.csv]",
-                                     show_default=False)] = None,
-    no_csv: Annotated[bool, _run("Write no results file.", "--no-csv", metavar="")] = False,
-    quiet: Annotated[bool, _run("No table, notes or progress.", "--quiet", "-q",
-                                metavar="")] = False,
-    shard: Annotated[str | None, _run("Run only shard I of N (I/N): the cells whose index is I "
-                                      "modulo N; kvbench merge joins the CSVs.",
-                                      show_default=False)] = None,
-    ray: Annotated[str | None, _run("Each context and depth a Ray task, rows written as each "
-                                    "ends: local starts a cluster here, auto joins this "
-                                    "machine's, HOST:PORT another (the cluster extra).",
-                                    show_default=False)] = None,
-    retries: Annotated[int, _run("--ray: times a task whose worker died is run "
-                                 "again.")] = 2,
-    threads: Annotated[int | None, _run("--ray: CPU threads per task. \\[default: 1]",
-                                        show_default=False)] = None):
-    """kvbench needle's options (its signature, read by needle_signature)."""
+# needle runs one sequence a prompt: every technique of verify but a prefix shared between
+# sequences; and K/V formats and per-layer budgets as verify takes them
+NEEDLE_TECHNIQUES = tuple(n for n in TECHNIQUE_OPTIONS if n != "shared_prefix")
+NEEDLE_RUN_OPTIONS = ("layer_budgets", *PANELS["K/V formats"])
+CACHES = "Caches and techniques"
 
 
 def needle_signature() -> inspect.Signature:
-    return inspect.signature(_needle_params, eval_str=True)
+    """kvbench needle's options: NeedleOptions' declarations, then verify's technique
+    options, K/V formats and per-layer budgets (declared once, where verify's are)."""
+    from kvbench.experiments.needle import NeedleOptions
 
-
-TECHNIQUE_FLAGS = ("kv_budget", "kv_recent", "kv_compress", "window", "sinks", "head_budgets",
-                   "layer_budgets", "k_channels", "kv_reference", "kv_dtype", "group_size",
-                   "k_quant", "kv_residual")
+    return inspect.Signature([
+        *declared_parameters(NeedleOptions),
+        *technique_parameters(NEEDLE_TECHNIQUES, CACHES),
+        *declared_parameters(RunOptions, "verify", NEEDLE_RUN_OPTIONS, CACHES)])
 
 
 def needle_options(values: dict):
@@ -507,8 +437,7 @@ def needle_options(values: dict):
     from kvbench.measure.device import resolve_device
 
     values = dict(values)
-    techniques = {name: values.pop(name) for name in TECHNIQUE_FLAGS}
-    values["needle"] = values.pop("needle_key")
+    techniques = {name: values.pop(name) for name in (*NEEDLE_TECHNIQUES, *NEEDLE_RUN_OPTIONS)}
     values["device"] = resolve_device(values["device"])
     return NeedleOptions(**values, techniques=techniques)
 
@@ -529,3 +458,82 @@ def needle_plan(o):
         raise KvbenchError(f"--model {o.model} has random weights: retrieval needs a trained "
                            "checkpoint and its tokenizer (smollm2-135m, or a checkpoint folder)")
     return ref, found, options, notes
+
+
+# ---------------------------------------------------------- tune, plot, compare and merge
+
+
+@dataclass(frozen=True)
+class TuneOptions:
+    """kvbench tune's options."""
+
+    dtype: str = flag("float16", "float16|fp16, bfloat16|bf16 or float32|fp32.")
+    kv_dtype: str = flag("none,fp8,int8,int4", "K/V formats to tune, in this order: a comma "
+                         "list of none (the activation dtype), fp8, int8, int4, int2.")
+    block_size: str = flag("16", "Page (block) sizes to tune, a comma list.")
+    budget: float = flag(150.0, "Seconds the search may take; past them the best so far is "
+                         "kept.")
+    rounds: int = flag(9, "Timed rounds per configuration (median).")
+    rehearse: bool = flag(False, "Run the plan on the CPU in Triton's interpreter at small "
+                          "shapes (times describe the interpreter; registers and spills are "
+                          "sm_90's, compiled here).", "--rehearse")
+    device: str = flag("auto", "auto, cuda or cuda:N.")
+    table: Path | None = flag(None, "Tuning table to update. \\[default: "
+                              "$KVBENCH_TUNING_TABLE, else the package's; with --rehearse "
+                              "results/tune-rehearsal.json]")
+    csv: Path | None = flag(None, "Append rows to this CSV. \\[default: "
+                            "results/COMMAND.csv]", "--csv")
+    no_csv: bool = flag(False, "Write no results file.", "--no-csv")
+    format: str = flag("table", "table, csv or json (the rows on stdout).", "--format")
+    quiet: bool = flag(False, "Print nothing but errors (and --format's rows).", "--quiet",
+                       "-q")
+    inspect: bool = flag(False, "Compile every decode kernel for sm_90 (H100/H200) at the "
+                         "long shape in each K/V format's configuration and report its "
+                         "registers, spills, shared memory, programs per SM, K/V tiles in "
+                         "flight and load widths; needs no GPU and times nothing; writes a "
+                         "file only where --csv names one.", "--inspect")
+
+
+@dataclass(frozen=True)
+class Selection:
+    """The rows a command that reads results picks (plot, compare)."""
+
+    run: str | None = flag(None, "Only the rows of this run: its run_id, its sweep_id (every "
+                           "shard of a sweep), or last (the file's latest sweep).", "--run")
+    where: str | None = flag(None, "Only the rows where every column=value holds, e.g. "
+                             "impl=paged,dtype=float16 (model= picks the rows without one).")
+    skip_bad_rows: bool = flag(False, "Leave out rows cut or damaged (a killed writer, a full "
+                               "disk) with a warning, instead of stopping at the first.",
+                               "--skip-bad-rows")
+
+
+@dataclass(frozen=True)
+class PlotOptions(Selection):
+    """kvbench plot's options."""
+
+    results: Path = flag(Path(), "A CSV that kvbench wrote.", argument=True, cli_default=...)
+    output: Path | None = flag(None, "Image to write (png, pdf, svg, …), or a folder to write "
+                               "it in. \\[default: RESULTS with .png]", "-o", "--output")
+
+
+@dataclass(frozen=True)
+class CompareOptions(Selection):
+    """kvbench compare's options."""
+
+    baseline: Path = flag(Path(), "Baseline results CSV.", argument=True, cli_default=...)
+    new: Path = flag(Path(), "New results CSV.", argument=True, cli_default=...)
+    fail_above: str | None = flag(None, "Exit 1 when a metric is worse by more than this, "
+                                  "e.g. 10%: a regression where the runs' interquartile "
+                                  "ranges separate, too noisy to judge where they overlap.")
+    allow_noisy: bool = flag(False, "With --fail-above: exit 0 for changes too noisy to judge "
+                             "(regressions still fail).", "--allow-noisy")
+
+
+@dataclass(frozen=True)
+class MergeOptions:
+    """kvbench merge's options."""
+
+    files: tuple[Path, ...] = flag((), "Results CSVs of one kind (a sweep's --shard "
+                                   "outputs).", argument=True, cli=list[Path], cli_default=...)
+    output: Path = flag(Path(), "The file to append them all to (created if missing).", "-o",
+                        "--output", cli_default=...)

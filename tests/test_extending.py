@@ -221,13 +221,15 @@ def test_a_technique_option_is_one_declaration_and_the_cache_that_reads_it(tmp_p
               str(memory)],
              ["verify", *SHAPE, "--impl", "spare", "--kv-spare", "4,8", "--csv", str(verify)],
              ["verify", *SHAPE, "--config", str(sweep), "--csv", str(verify)],
-             ["memory", *SHAPE, "--impl", "static", "--kv-spare", "4", "--no-csv"]]
+             ["memory", *SHAPE, "--impl", "static", "--kv-spare", "4", "--no-csv"],
+             ["needle", "--help"]]
     done = subprocess.run([sys.executable, str(tmp_path / "spare.py"), json.dumps(calls)],
                           cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(tmp_path)},
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
-    helped, measured, verified, swept, refused = json.loads(done.stdout)
+    helped, measured, verified, swept, refused, needle = json.loads(done.stdout)
     assert "--kv-spare" in helped["out"] and "a test's toy option" in helped["out"]
+    assert "--kv-spare" in needle["out"]  # every command that takes techniques
     assert measured["code"] == 0, measured
     rows = pd.read_csv(memory).set_index("impl")
     # the results column: the spare cache's value; static does not read it, its cell empty

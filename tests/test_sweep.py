@@ -185,7 +185,13 @@ def test_points_tables_run_each_technique_into_one_file(tmp_path):
 def test_every_technique_declared_once_reaches_the_cli_sweeps_results_and_plots():
     # a technique is one field of LayerShape (technique(...)): the option, the sweep file's
     # key, the results column, the compare/plot keys and the label all come from it
-    from kvbench.options import EXPERIMENTS, TECHNIQUE_OPTIONS, signature, taken
+    from kvbench.options import (
+        EXPERIMENTS,
+        TECHNIQUE_OPTIONS,
+        needle_signature,
+        signature,
+        taken,
+    )
     from kvbench.planning.sweep import LIST_OPTIONS
     from kvbench.report.load import OPTION_KEYS, TEXT_KEYS
     from kvbench.report.results import FILE_KINDS
@@ -198,6 +204,8 @@ def test_every_technique_declared_once_reaches_the_cli_sweeps_results_and_plots(
         if t.flag:
             for command in EXPERIMENTS:
                 assert name in taken(command) and name in signature(command).parameters
+            # needle takes each, but a prefix shared between sequences (it runs one)
+            assert (name in needle_signature().parameters) == (name != "shared_prefix")
             assert (name in LIST_OPTIONS) == t.points
         else:
             assert name not in TECHNIQUE_OPTIONS

@@ -36,6 +36,7 @@ from pathlib import Path
 
 from kvbench.errors import KvbenchError
 from kvbench.report.tables import Report
+from kvbench.sizing.config import flag
 
 TASKS = ("passkey", "multikey", "copy")
 # RULER's and LongLoRA's pass-key filler (the sentences, not a text anyone owns)
@@ -170,29 +171,56 @@ def window_share(window: int, sinks: int, length: int, needle: list[int]) -> flo
 # ------------------------------------------------------------------------------ options
 
 
+TASK, RUN = "Task", "Run and output"  # --help's panels (the caches': kvbench.options)
+
+
 @dataclass(frozen=True)
 class NeedleOptions:
-    model: str = "smollm2-135m"
-    task: str = "passkey"
-    context: str = ",".join(map(str, DEFAULT_CONTEXTS))
-    depth: str = ",".join(f"{d:g}" for d in DEFAULT_DEPTHS)
-    trials: int = 2
-    keys: int = 4
-    haystack: Path | None = None
-    needle: str | None = None
-    question_after_compression: bool = False
-    impl: str = "static"
-    layers: int | None = None
-    dtype: str = "float32"
-    device: str = "auto"
-    seed: int = 0
-    csv: Path | None = None
-    no_csv: bool = False
-    quiet: bool = False
-    shard: str | None = None
-    ray: str | None = None
-    retries: int = 2
-    threads: int | None = None
+    """kvbench needle's options, declared once (`flag`); the technique options are verify's
+    (kvbench.options.needle_signature adds them, and they arrive in `techniques`)."""
+
+    model: str = flag("smollm2-135m", "A trained model: smollm2-135m, or a checkpoint folder "
+                      "or .gguf with its tokenizer.", panel=TASK)
+    task: str = flag("passkey", "passkey (one key in the haystack, asked at the end), "
+                     "multikey (--keys keys, one asked) or copy (a random token sequence "
+                     "shown twice: the second copy predicted).", panel=TASK)
+    context: str = flag(",".join(map(str, DEFAULT_CONTEXTS)), "Prompt lengths in tokens, a "
+                        "comma list (each a column of the heatmap).", panel=TASK)
+    depth: str = flag(",".join(f"{d:g}" for d in DEFAULT_DEPTHS), "Where the needle sits, "
+                      "fractions of the filler: 0 right after the instruction, 1 just before "
+                      "the question; a comma list.", panel=TASK)
+    trials: int = flag(2, "Prompts per cell, each with its own seeded key and filler "
+                       "placement.", panel=TASK)
+    keys: int = flag(4, "--task multikey: how many keys the haystack holds.", panel=TASK)
+    haystack: Path | None = flag(None, "A plain-text file as the filler. \\[default: RULER's "
+                                 "pass-key filler sentences]", show_default=False, panel=TASK)
+    needle: str | None = flag(None, "The key, digits (default: a seeded 5-digit number per "
+                              "trial).", show_default=False, panel=TASK)
+    question_after_compression: bool = flag(
+        False, "Query-agnostic: prefill the haystack and needle, compress, then feed the "
+        "question (a cache reused for any question). Default: query-aware, the question in "
+        "the prompt the cache compresses.", "--question-after-compression", panel=TASK)
+    impl: str = flag("static", "Cached implementations, a comma list (as verify takes them).",
+                     panel="Caches and techniques")
+    layers: int | None = flag(None, "Run the model's first N layers.", show_default=False,
+                              panel=RUN)
+    dtype: str = flag("float32", "float32, float16 or bfloat16.", panel=RUN)
+    device: str = flag("auto", "auto, cpu, cuda or cuda:N.", panel=RUN)
+    seed: int = flag(0, "Seed of the keys, their places and copy's tokens.", panel=RUN)
+    csv: Path | None = flag(None, "Append rows to this CSV. \\[default: results/needle.csv]",
+                            show_default=False, panel=RUN)
+    no_csv: bool = flag(False, "Write no results file.", "--no-csv", panel=RUN)
+    quiet: bool = flag(False, "No table, notes or progress.", "--quiet", "-q", panel=RUN)
+    shard: str | None = flag(None, "Run only shard I of N (I/N): the cells whose index is I "
+                             "modulo N; kvbench merge joins the CSVs.", show_default=False,
+                             panel=RUN)
+    ray: str | None = flag(None, "Each context and depth a Ray task, rows written as each "
+                           "ends: local starts a cluster here, auto joins this machine's, "
+                           "HOST:PORT another (the cluster extra).", show_default=False,
+                           panel=RUN)
+    retries: int = flag(2, "--ray: times a task whose worker died is run again.", panel=RUN)
+    threads: int | None = flag(None, "--ray: CPU threads per task. \\[default: 1]",
+                               show_default=False, panel=RUN)
     techniques: dict = field(default_factory=dict)  # kv_budget etc., as the CLI gives them
 
     def __post_init__(self) -> None:

@@ -192,14 +192,19 @@ class Technique:
 
 
 def flag(default, help: str, *flags: str, cli: Any = None, cli_default: Any = MISSING,
-         show_default: bool = True, panel: str | None = None, renamed: str | None = None) -> Any:
+         show_default: bool = True, panel: str | None = None, renamed: str | None = None,
+         commands: tuple[str, ...] | None = None, argument: bool = False) -> Any:
     """A field of a command's options that is a command-line option: its help and flags
     (default --field-name), and the option's type and default where they differ from the
     field's (cli, cli_default; the command converts the value); panel: its --help panel;
-    renamed: the option's old name, still taken with a one-line note. kvbench.options builds
-    the command's Typer signature from these declarations."""
+    renamed: the option's old name, still taken with a one-line note; commands: where one
+    set of options serves several commands (verify, bench and memory's), those that take it
+    (None: all); argument: a positional argument, not an option. cli_default=... (Ellipsis):
+    the command line must give it. kvbench.options builds each command's Typer signature from these
+    declarations, the one way a command declares its options."""
     return field(default=default, metadata={"help": help, "flags": flags, "cli": cli,
-                                            "cli_default": cli_default,
+                                            "cli_default": cli_default, "commands": commands,
+                                            "argument": argument,
                                             "show_default": show_default, "panel": panel,
                                             "renamed": renamed})
 
