@@ -24,18 +24,18 @@ OUTPUT = {"config", "csv", "no_csv", "format", "quiet", "dry_run", "force", "hos
 
 def _scorers() -> tuple[str, str]:
     """The eviction scorers' names and what each scores by, read from their files
-    (kvbench/caches/eviction/NAME.py's SUMMARY) without importing torch."""
+    (kvbench/caches/eviction/NAME.py's SUMMARY: a file with one is a scorer) without
+    importing torch."""
     import ast
 
     folder = Path(__file__).parent / "caches" / "eviction"
     found = []
     for path in sorted(folder.glob("*.py")):
-        if path.stem in ("__init__", "cache", "replay"):
-            continue
         summary = next((str(node.value.value) for node in ast.parse(path.read_text()).body
                         if isinstance(node, ast.Assign) and isinstance(node.value, ast.Constant)
-                        and getattr(node.targets[0], "id", None) == "SUMMARY"), path.stem)
-        found.append((path.stem, summary))
+                        and getattr(node.targets[0], "id", None) == "SUMMARY"), None)
+        if summary is not None:
+            found.append((path.stem, summary))
     names = [n for n, _ in found]
     listed = ", ".join(names[:-1]) + (" and " if len(names) > 1 else "") + names[-1]
     return listed, ", ".join(s for _, s in found)

@@ -89,7 +89,7 @@ def test_each_heads_blocks_follow_its_kept_positions():
                                                   ImplOptions(block_size=4))
     with torch.no_grad():
         cache.prefill(make_inputs(config)[:, :40])
-    kept = cache.lens  # [B, H_kv] prompt positions each head kept
+    kept = cache.held  # [B, H_kv] prompt positions each head kept
     assert (kept.sum(dim=-1) == 4 * 16).all() and len(set(kept.flatten().tolist())) > 1
     blocks = (cache.table >= 0).sum(dim=-1)
     assert torch.equal(blocks, (kept + 12 + 3) // 4)
@@ -346,5 +346,5 @@ def test_the_ada_replay_is_the_references(monkeypatch):
     with torch.no_grad():
         cache.prefill(x[:, :40])
     assert cache.consistency() is None
-    policy, fraction, *_, pool, reference = seen["args"]
-    assert (policy, pool, reference) == ("ada", 5, "kvpress")
+    split, *_, pool, reference = seen["args"]
+    assert (split.name, pool, reference) == ("ada", 5, "kvpress")

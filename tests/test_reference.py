@@ -10,7 +10,7 @@ import torch
 from typer.testing import CliRunner
 
 from kvbench.caches import IMPLEMENTATIONS, ImplOptions
-from kvbench.caches.heads import safeguard
+from kvbench.caches.eviction.splits import safeguard
 from kvbench.cli import app
 from kvbench.experiments.verify import verify
 from kvbench.layers.attention import AttentionLayer
@@ -137,7 +137,11 @@ def test_adas_safeguard_as_kvpress_spends_it():
 def test_the_ada_replay_follows_the_reference():
     # the split of the case above replayed: kvpress's kept sets pass under kvpress and fail
     # under kvbench's safeguard, and the other way round
-    from kvbench.caches.eviction.replay import split as _split
+    from kvbench.caches.eviction.splits import Ada
+
+    def _split(policy, fraction, scored, got, P, N, R, tol, reference=None):
+        assert policy == "ada"
+        return Ada(fraction).replay(scored, got, P, N, R, tol, reference)
 
     raw = [[100.0 + p for p in range(20)], [0.0] * 20]
     raw[1][5], raw[1][11] = 3.0, 2.0

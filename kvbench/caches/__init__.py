@@ -29,7 +29,7 @@ from kvbench.caches.flex import FlexCache
 from kvbench.caches.compiled import CompiledCache
 from kvbench.caches.window import WindowCache
 from kvbench.caches.eviction import EvictionCache
-from kvbench.caches.heads import SnapKVPagedCache
+from kvbench.caches.eviction.paged import SnapKVPagedCache
 from kvbench.caches.think import ThinKCache
 from kvbench.caches.mla import MlaAbsorbedCache, MlaLatentCache, MlaNaiveCache
 from kvbench.caches.triton_mla import TritonMlaCache

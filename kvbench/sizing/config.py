@@ -283,7 +283,7 @@ class LayerShape:
         cell=lambda s: ",".join(map(str, s.layer_budgets)) if s.layer_budgets else None,
         label=lambda r: "per layer" if isinstance(r.get("layer_budgets"), str) else None)
     # How the budget is shared between a sequence's KV heads (--head-budgets, snapkv-paged):
-    # "ada" or "duo[:F]" (kvbench.caches.heads); None: each head keeps kv_budget.
+    # "ada" or "duo[:F]" (kvbench.caches.eviction.splits); None: each head keeps kv_budget.
     head_budgets: str | None = technique(
         None, "With --kv-budget N and --kv-compress prefill, on snapkv-paged: share each "
         "sequence's H_kv × N positions between its KV heads: ada (AdaKV: by score across "

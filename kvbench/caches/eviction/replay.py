@@ -155,26 +155,14 @@ def window_scores(head: Head, R: int, pool: int) -> tuple[dict[int, float], list
     return score, raw
 
 
-# snapkv-paged's constants (kvbench.caches.heads', written out again here)
-SAFEGUARD, DUO_SINKS = 0.2, 4  # ada's share kept per head; duo's sinks
-
-
-def replay_heads(policy: str, fraction: float, seen, prompt_kept: torch.Tensor,
-                 kept: list[torch.Tensor], budget: int, recent: int, scale: float,
-                 dtype, pool: int, reference: str | None = None) -> str | None:
+def replay_heads(split, seen, prompt_kept: torch.Tensor, kept: list[torch.Tensor],
+                 budget: int, recent: int, scale: float, dtype, pool: int,
+                 reference: str | None = None) -> str | None:
     """snapkv-paged's choice replayed: the prompt positions each KV head of each sequence
-    kept (prompt_kept [B, H_kv, n], -1 padded) under --head-budgets `policy` (uniform, ada,
-    duo with `fraction` of the heads whole), then every decoded position appended to every
-    head (kept[j] [B, H_kv, n] at step j). pool: snapkv's. What is wrong, or None.
-
-    - uniform: each head its window (the last R) and the N − R best older positions;
-    - ada: each head its window and its int(SAFEGUARD·N) best older ones (at most N − R;
-      under kvpress the window counts against them: int(SAFEGUARD·N) − R), then the rest of
-      the sequence's H_kv·N positions to the best scores across heads;
-    - duo: the round-half-up share `fraction` of heads whose window gave the most attention
-      to the positions between the first DUO_SINKS and the last N − DUO_SINKS keep all;
-      the others keep those sinks and last positions.
-    """
+    kept (prompt_kept [B, H_kv, n], -1 padded) under its --head-budgets policy `split`
+    (kvbench.caches.eviction.splits: its `replay` judges them from snapkv's float64 window
+    scores), then every decoded position appended to every head (kept[j] [B, H_kv, n] at
+    step j). pool: snapkv's. What is wrong, or None."""
     q0, k0 = seen[0][0].double(), seen[0][1].double()
     B, Hkv, P = k0.shape[:3]
     G = q0.shape[1] // Hkv
@@ -187,7 +175,7 @@ def replay_heads(policy: str, fraction: float, seen, prompt_kept: torch.Tensor,
             q = q0[b, h * G:(h + 1) * G]
             head = Head(q, k0[b, h], k0[b, h], P, budget, recent, scale, None, reference, [])
             scored.append(window_scores(head, R, pool))
-        wrong = split(policy, fraction, scored, got, P, N, R, tol, reference)
+        wrong = split.replay(scored, got, P, N, R, tol, reference)
         if wrong:
             return f"sequence {b}: {wrong}"
         for j, step in enumerate(kept):
@@ -198,62 +186,3 @@ def replay_heads(policy: str, fraction: float, seen, prompt_kept: torch.Tensor,
                             "where it should hold its prompt positions and every decoded one")
     return None
 
-
-def split(policy, fraction, scored, got, P, N, R, tol, reference=None) -> str | None:
-    Hkv = len(scored)
-    window = set(range(P - R, P))
-    if policy == "duo":
-        sinks = min(DUO_SINKS, N)
-        middle = range(sinks, P - (N - sinks))
-        mass = [sum(raw[p] for p in middle) for _, raw in scored]
-        full = int(fraction * Hkv + 0.5)
-        order = sorted(range(Hkv), key=lambda h: -mass[h])
-        want_full = set(order[:full])
-        got_full = {h for h in range(Hkv) if len(got[h]) == P}
-        if got_full != want_full:
-            floor = min((mass[h] for h in want_full), default=0.0)
-            if len(got_full) != full or any(mass[h] < floor - tol for h in got_full):
-                return (f"KV heads {sorted(got_full)} keep every position where the duo "
-                        f"policy keeps {sorted(want_full)} (attention to the middle "
-                        f"{[round(m, 4) for m in mass]})")
-        streaming = set(range(sinks)) | set(range(P - (N - sinks), P))
-        for h in range(Hkv):
-            should = set(range(P)) if h in got_full else streaming
-            if got[h] != should:
-                return (f"KV head {h} kept {sorted(got[h] - should)} beyond what the duo "
-                        f"policy keeps, and not {sorted(should - got[h])}")
-        return None
-    score = {(h, p): s[p] for h, (s, _) in enumerate(scored) for p in range(P)}
-    forced: set[tuple[int, int]] = {(h, p) for h in range(Hkv) for p in window}
-    want: set[tuple[int, int]]
-    if policy == "ada":
-        safe = int(SAFEGUARD * N) - (R if reference == "kvpress" else 0)
-        safe = max(0, min(safe, N - R))
-        for h in range(Hkv):
-            older = sorted(range(P - R), key=lambda p: -score[(h, p)])
-            forced |= {(h, p) for p in older[:safe]}
-        rest = sorted((key for key in score if key not in forced), key=lambda key: -score[key])
-        want = forced | set(rest[: Hkv * N - len(forced)])
-    else:
-        want = set()
-        for h in range(Hkv):
-            older = sorted(range(P - R), key=lambda p: -score[(h, p)])
-            want |= {(h, p) for p in window} | {(h, p) for p in older[: N - R]}
-    kept = {(h, p) for h in range(Hkv) for p in got[h]}
-    if kept == want:
-        return None
-    extra, missing = kept - want, want - kept
-    windows = {(h, p) for h in range(Hkv) for p in window}
-    # a near tie, decided either way: no window position missing, a missing safeguarded one
-    # only for an extra of its own head scored the same, the other missing ones scored no
-    # higher than what was kept instead
-    guarded = (missing & forced) - windows
-    free = missing - forced
-    if (len(kept) == len(want) and not missing & windows
-            and all(any(e[0] == key[0] and abs(score[e] - score[key]) <= tol for e in extra)
-                    for key in guarded)
-            and (not free or max(score[key] for key in free)
-                 <= min(score[key] for key in extra) + tol)):
-        return None
-    return (f"the prefill kept {sorted(extra)[:6]} where the {policy} policy keeps "
-            f"{sorted(missing)[:6]} (KV head, position)")

@@ -4,19 +4,8 @@ sequence has its own block table, so heads may keep different numbers of positio
 
 The prompt is scored as `snapkv` scores it (the attention of the last --kv-recent R queries,
 pooled; the window itself always kept) and compressed once (--kv-compress prefill); every
-decoded position is then appended to every head. How the budget is shared between heads:
-
-- uniform (no --head-budgets): each head keeps --kv-budget N positions, as `snapkv` does;
-- `ada` (AdaKV, Feng et al. 2024): the sequence's H_kv × N positions go to the highest
-  scores across all its heads, after each head has kept its window and its SAFEGUARD × N best
-  older positions (kvpress's alpha_safeguard; kvpress spends the safeguard on the window
-  first, kvbench on the positions beyond it: --kv-reference kvpress spends it as kvpress
-  does, each head then sure of max(R, SAFEGUARD × N) positions);
-- `duo` or `duo:F` (DuoAttention-style, Xiao et al. 2024): a fraction F (default 0.5) of the
-  KV heads keep every position, the rest SINKS sinks and the last N − SINKS. DuoAttention
-  learns which heads retrieve from afar; kvbench picks, per sequence, the heads whose window
-  gave the most attention to what a streaming head would drop (the positions between the
-  sinks and the recent ones).
+decoded position is then appended to every head. How the budget is shared between heads is
+the --head-budgets policy's (kvbench.caches.eviction.splits: uniform, ada, duo).
 
 Blocks are allocated when the prompt's budgets are known: each head ⌈(kept + decoded) /
 block⌉ blocks, K and V of one head per block (`memory` measures them; `planned_bytes` plans
@@ -31,20 +20,9 @@ import torch
 
 from kvbench.caches.base import CachedAttention, FixedSlots, causal_prefill, register
 from kvbench.caches.eviction.snapkv import SnapKVCache, pooled, window_weights
+from kvbench.caches.eviction.splits import split_of
 from kvbench.errors import KvbenchError
 from kvbench.measure import footprint as fp
-from kvbench.sizing.config import full_heads, head_policy
-
-SAFEGUARD = 0.2  # ada: each head keeps at least this share of N beyond its window
-SINKS = 4  # duo: positions a streaming head keeps from the start
-
-
-def safeguard(N: int, R: int, reference: str | None = None) -> int:
-    """ada: the older positions (beyond its window of R) each head keeps whatever the other
-    heads score: int(SAFEGUARD·N), at most N − R; kvpress spends the safeguard on the window
-    first, leaving int(SAFEGUARD·N) − R."""
-    safe = int(SAFEGUARD * N)
-    return max(0, min(safe - R if reference == "kvpress" else safe, N - R))
 
 
 @register
@@ -76,24 +54,14 @@ class SnapKVPagedCache(CachedAttention):
     @classmethod
     def drops(cls, config):
         s = config.shape
-        if s.kv_budget is None:
-            return False
-        policy, fraction = head_policy(s.head_budgets)
-        return s.kv_budget < s.prompt_len and not (
-            policy == "duo" and full_heads(s.kv_heads, fraction) == s.kv_heads)
+        return s.kv_budget is not None and split_of(s.head_budgets).drops(s)
 
     @classmethod
     def head_lens(cls, s, length: int) -> list[int] | None:
         """Positions each KV head of a sequence holds once `length` have been seen (the
         prompt's kept ones, then every decoded one); None where the split follows the
         scores (ada)."""
-        policy, fraction = head_policy(s.head_budgets)
-        decoded = max(0, length - s.prompt_len)
-        kept = min(s.prompt_len, s.kv_budget)
-        if policy == "ada":
-            return None
-        full = full_heads(s.kv_heads, fraction) if policy == "duo" else 0
-        return [s.prompt_len + decoded] * full + [kept + decoded] * (s.kv_heads - full)
+        return split_of(s.head_budgets).lens(s, length)
 
     @classmethod
     def step_reads(cls, config, options, length):
@@ -136,14 +104,10 @@ class SnapKVPagedCache(CachedAttention):
         """The most positions one KV head can hold once `length` are seen: its share under
         uniform and duo; under ada all the sequence's H_kv × N but the window and safeguard
         each other head keeps (at most the prompt), then the decoded ones."""
-        lens = cls.head_lens(s, length)
-        if lens is not None:
-            return max(lens)
-        T, N = s.prompt_len, min(s.prompt_len, s.kv_budget)
-        R = min(T, s.kv_recent if s.kv_recent is not None
-                else SnapKVCache.default_recent(N, s.kv_reference))
-        least = R + safeguard(N, R, s.kv_reference)
-        return min(T, s.kv_heads * N - (s.kv_heads - 1) * least) + max(0, length - T)
+        N = min(s.prompt_len, s.kv_budget)
+        R = (s.kv_recent if s.kv_recent is not None
+             else SnapKVCache.default_recent(N, s.kv_reference))
+        return split_of(s.head_budgets).longest(s, length, R)
 
     @classmethod
     def expected_cache_len(cls, config):
@@ -186,7 +150,7 @@ class SnapKVPagedCache(CachedAttention):
         self.reference = s.kv_reference
         self.recent = (s.kv_recent if s.kv_recent is not None
                        else SnapKVCache.default_recent(self.budget, self.reference))
-        self.policy, self.fraction = head_policy(s.head_budgets)
+        self.split = split_of(s.head_budgets)  # how the heads share the budget
         # K/V gathered for attention are padded to the longest a head can get (ada's split
         # follows the scores): the logical cache's width, as verify expects it
         self.width = (self.longest_head(s, max_len) if s.kv_budget is not None else max_len)
@@ -195,7 +159,7 @@ class SnapKVPagedCache(CachedAttention):
                                                 dtype=layer.dtype, device=dev)
         self.pos_pool = torch.zeros(0, self.block_size, dtype=torch.long, device=dev)
         self.table = torch.zeros(batch, s.kv_heads, 0, dtype=torch.long, device=dev)
-        self.lens = torch.zeros(batch, s.kv_heads, dtype=torch.long, device=dev)
+        self.held = torch.zeros(batch, s.kv_heads, dtype=torch.long, device=dev)  # per head
         self.prompt_len = 0
         self.seen: list[tuple] = []  # recorded: the prompt's (q, k, v), all the replay reads
         self.prompt_kept = None
@@ -204,34 +168,12 @@ class SnapKVPagedCache(CachedAttention):
 
     def keep_mask(self, score: torch.Tensor, raw: torch.Tensor) -> torch.Tensor:
         """The prompt positions each head keeps [B, H_kv, T] (bool), from the pooled scores
-        (the window +inf) and the window's unpooled attention `raw`."""
-        B, Hkv, T = score.shape
+        (the window +inf) and the window's unpooled attention `raw`: the split's choice."""
+        T = score.shape[-1]
         N = min(T, self.budget)
         if N == T:
             return torch.ones_like(score, dtype=torch.bool)
-        if self.policy == "duo":
-            full = full_heads(Hkv, self.fraction)
-            sinks = min(SINKS, N)
-            dropped = raw[..., sinks: T - (N - sinks)].sum(dim=-1)  # [B, H_kv]
-            chosen = dropped.topk(full, dim=-1).indices  # the heads that keep everything
-            keep = torch.zeros_like(score, dtype=torch.bool)
-            keep[..., :sinks] = True
-            keep[..., T - (N - sinks):] = True
-            keep.scatter_(1, chosen[..., None].expand(-1, -1, T), True)
-            return keep
-        if self.policy == "uniform":
-            index = score.topk(N, dim=-1).indices
-            return torch.zeros_like(score, dtype=torch.bool).scatter_(-1, index, True)
-        # ada: each head's window and its safeguard, then the best across heads
-        R = min(self.recent, T)
-        safe = safeguard(N, R, self.reference)
-        score = score.clone()
-        if safe:
-            top = score[..., : T - R].topk(safe, dim=-1).indices
-            score.scatter_(-1, top, float("inf"))
-        flat = score.reshape(B, Hkv * T)
-        index = flat.topk(Hkv * N, dim=-1).indices
-        return torch.zeros_like(flat, dtype=torch.bool).scatter_(-1, index, True).view(B, Hkv, T)
+        return self.split.keep(score, raw, N, min(self.recent, T), self.reference)
 
     def prefill(self, x):
         q, k, v = self.layer.project(x, start=0)
@@ -255,7 +197,7 @@ class SnapKVPagedCache(CachedAttention):
             for h in range(Hkv):
                 kept = positions[keep[b, h]]
                 self._put(b, h, kept, k[b, h, kept], v[b, h, kept])
-        self.lens = keep.sum(dim=-1)
+        self.held = keep.sum(dim=-1)
         if self.record:
             self.prompt_kept = self._gathered()[2]
         self._advance(T)
@@ -293,11 +235,11 @@ class SnapKVPagedCache(CachedAttention):
         """Every head's entries, padded to the longest: K, V [B, H_kv, n, D] and their
         positions [B, H_kv, n] (-1 for padding)."""
         # decoding: the width every head fits in (no host read); the prompt: its longest head
-        n = self.width if self.length > self.prompt_len else int(self.lens.max())
+        n = self.width if self.length > self.prompt_len else int(self.held.max())
         j = torch.arange(n, device=self.table.device)
         column = (j // self.block_size).clamp(max=max(self.table.shape[2] - 1, 0))
         block = self.table.gather(2, column.expand(*self.table.shape[:2], n))
-        valid = j < self.lens[..., None]
+        valid = j < self.held[..., None]
         at = torch.where(valid, block.clamp(min=0) * self.block_size + j % self.block_size, 0)
         D = self.k_pool.shape[-1]
         keys = self.k_pool.view(-1, D)[at]
@@ -310,12 +252,12 @@ class SnapKVPagedCache(CachedAttention):
     def write(self, k, v):
         t = self.length
         bs, D = self.block_size, k.shape[-1]
-        block = self.table.gather(2, (self.lens // bs)[..., None])[..., 0]  # [B, H_kv]
-        at = (block * bs + self.lens % bs).flatten()
+        block = self.table.gather(2, (self.held // bs)[..., None])[..., 0]  # [B, H_kv]
+        at = (block * bs + self.held % bs).flatten()
         self.k_pool.view(-1, D)[at] = k[:, :, 0].reshape(-1, D)
         self.v_pool.view(-1, D)[at] = v[:, :, 0].reshape(-1, D)
         self.pos_pool.view(-1)[at] = t
-        self.lens += 1
+        self.held += 1
         self._advance(1)
 
     def step(self, x_t):
@@ -343,7 +285,7 @@ class SnapKVPagedCache(CachedAttention):
         if length < self.prompt_len and min(self.prompt_len, self.budget) < self.prompt_len:
             raise KvbenchError("snapkv-paged rewinds only to the prompt or later: the prompt's "
                                "evicted positions are gone")
-        self.lens -= self.length - length
+        self.held -= self.length - length
         self.pos_pool.masked_fill_(self.pos_pool >= length, -1)
         self._rewound(length)
 
@@ -369,6 +311,6 @@ class SnapKVPagedCache(CachedAttention):
             return None
         from kvbench.caches.eviction.replay import replay_heads
 
-        return replay_heads(self.policy, self.fraction, self.seen, self.prompt_kept,
+        return replay_heads(self.split, self.seen, self.prompt_kept,
                             self.kept, self.budget, self.recent, self.layer.scale,
                             self.layer.dtype, SnapKVCache.POOL, self.reference)
