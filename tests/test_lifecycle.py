@@ -33,10 +33,15 @@ def test_each_units_rows_reach_their_files_as_it_finishes(tmp_path):
     assert life.written() == f"3 rows appended to {tmp_path / 'a.csv'}, 3 to {tmp_path / 'b.csv'}"
 
 
-def test_nothing_written_is_said_as_nothing(tmp_path):
+def test_nothing_written_is_said_as_nothing(tmp_path, capsys):
     life = Lifecycle(2, "points", [Output(None, COLUMNS)])
-    life.keep([{"name": "x", "value": 1}])
+    with life:
+        life.keep([{"name": "x", "value": 1}])
     assert life.written() is None and not (tmp_path / "a.csv").exists()
+    assert capsys.readouterr().out == ""  # a table run prints no rows on stdout
+    quiet_log = Lifecycle(1, "points", outputs(tmp_path))
+    quiet_log.keep([{"name": "x", "value": 1}], [])  # a file given no rows is not named
+    assert quiet_log.written() == f"1 row appended to {tmp_path / 'a.csv'}"
     one = Lifecycle(1, "points", outputs(tmp_path, both=False))
     one.keep([{"name": "x", "value": 1}])
     assert one.written() == f"1 row appended to {tmp_path / 'a.csv'}"
@@ -56,6 +61,26 @@ def test_a_stopped_run_says_how_far_it_got_and_what_it_kept(tmp_path, capsys, si
     assert err == (f"kvbench: {word} after 1 of 4 reserves (finished: paged); 1 row kept in "
                    f"{tmp_path / 'a.csv'}\n")
     assert pd.read_csv(tmp_path / "a.csv")["name"].tolist() == ["x"]
+
+
+def test_the_stop_line_lists_the_finished_by_name(capsys):
+    life = Lifecycle(3, "runs", [Output(None, COLUMNS)], named=True)
+    life.keep([{"name": "x", "value": 1}], name="paged seed 0")
+    life.keep([{"name": "y", "value": 2}])  # a unit without a name is counted, not named
+    life.keep([{"name": "z", "value": 3}], name="prealloc seed 0")
+    assert life.stopped_line(KeyboardInterrupt()) == (
+        "kvbench: interrupted after 3 of 3 runs (finished: paged seed 0, prealloc seed 0)")
+
+
+def test_a_file_of_an_earlier_release_takes_the_new_columns(tmp_path):
+    # the file kind's first release had two columns: its file is rewritten with the union
+    old = tmp_path / "a.csv"
+    old.write_text("name,value\nw,0\n")
+    life = Lifecycle(1, "points", [Output(old, [*COLUMNS, "added"], COLUMNS)])
+    life.keep([{"name": "x", "value": 1, "added": 7}])
+    rows = pd.read_csv(old)
+    assert list(rows.columns) == ["name", "value", "added"]
+    assert rows["name"].tolist() == ["w", "x"] and rows["added"].tolist()[1] == 7
 
 
 def test_the_stop_line_names_none_and_keeps_no_path_it_did_not_write(capsys):
@@ -109,7 +134,7 @@ class FakeCluster:
         self.seen["checked"] = len(points)
 
     def submit(self, points, task, places=None, total=None):
-        self.seen.update(task=task, places=places, total=total)
+        self.seen.update(points=points, task=task, places=places, total=total)
 
     def completed(self):
         yield from self.outcomes
@@ -132,8 +157,8 @@ def test_ray_outcomes_reach_finished_in_the_order_they_end(monkeypatch):
                   handled=(Lost,))
     assert got == [(2, "c"), (0, lost), (1, "b")]
     assert FakeCluster.seen == {"address": "auto", "retries": 1, "threads": 2, "checked": 3,
-                                "task": print, "places": [5, 6, 7], "total": 9,
-                                "closed": True}
+                                "points": [1, 2, 3], "task": print, "places": [5, 6, 7],
+                                "total": 9, "closed": True}
     FakeCluster.outcomes = [(1, "b"), (0, ValueError("a mismatch")), (2, "c")]
     got.clear()
     with pytest.raises(ValueError, match="a mismatch"):

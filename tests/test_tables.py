@@ -18,6 +18,17 @@ def test_a_table_fills_as_richs_does():
         t.add_row("a", "b", "c")
 
 
+def test_drawn_carries_each_columns_layout():
+    t = Table("t")
+    t.add_column("a")
+    t.add_column("b", justify="center", no_wrap=True, overflow="fold")
+    t.add_row("1", "2")
+    a, b = render.drawn(t).columns
+    assert (a.justify, a.overflow) == ("left", "ellipsis")
+    assert (b.justify, b.no_wrap, b.overflow) == ("center", True, "fold")
+    assert t.columns[1].no_wrap and t.columns[1].overflow == "fold"
+
+
 def test_drawn_keeps_every_number_whole_at_80_columns(monkeypatch):
     from rich.console import Console
 

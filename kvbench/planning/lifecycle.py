@@ -60,7 +60,8 @@ class Lifecycle:
                 self.written_rows[i] += len(new)
         self.rows += rows
         self.finished += units
-        self.done.append(name)
+        if name:
+            self.done.append(name)
 
     def stopped_line(self, stopped: BaseException) -> str:
         """The line a stopped run leaves on stderr: what ended it, how far it got, what it
