@@ -24,7 +24,7 @@ def test_drawn_carries_each_columns_layout():
     t.add_column("b", justify="center", no_wrap=True, overflow="fold")
     t.add_row("1", "2")
     a, b = render.drawn(t).columns
-    assert (a.justify, a.overflow) == ("left", "ellipsis")
+    assert (a.justify, a.no_wrap, a.overflow) == ("left", False, "ellipsis")
     assert (b.justify, b.no_wrap, b.overflow) == ("center", True, "fold")
     assert t.columns[1].no_wrap and t.columns[1].overflow == "fold"
 

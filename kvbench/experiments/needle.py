@@ -365,7 +365,7 @@ def run_prompt(m, cls, config, options, prompt: Prompt, task: str, agnostic: boo
     shares = []
     length = len(prompt.ids) + (ANSWER_TOKENS - 1 if task != "copy" else 0)
     for cache in cm.caches:
-        if getattr(cache, "records_kept", False) and cache.kept:
+        if cache.records_kept and cache.kept:
             shares.append(kept_share(cache.kept[-1][0], prompt.needle))
         elif shape.window is not None:
             shares.append(window_share(shape.window, shape.sinks, length, prompt.needle))
