@@ -25,7 +25,7 @@ class CapacityOptions:
     model: str | None = flag(None, "A preset (see --list-models).")
     list_models: bool = flag(False, "Show the presets and exit.", "--list-models")
     from_config: Path | None = flag(None, "A Hugging Face config.json.")
-    layers: int | None = flag(None, "Layers L.")
+    layers: int | None = flag(None, "Layers L; with --model, its first L layers.")
     kv_heads: int | None = flag(None, "KV heads H_kv.")
     head_dim: int | None = flag(None, "Head dim D.")
     q_heads: int | None = flag(None, "Query heads (for context).")
