@@ -348,3 +348,105 @@ def test_the_ada_replay_is_the_references(monkeypatch):
     assert cache.consistency() is None
     split, *_, pool, reference = seen["args"]
     assert (split.name, pool, reference) == ("ada", 5, "kvpress")
+
+
+# --- the split policies' replays, by hand (kvbench.caches.eviction.splits) ----------------
+
+
+def _scored(scores):
+    """Each head's (pooled, raw) scores by position: here the same numbers."""
+    return [({p: x for p, x in enumerate(h)}, list(h)) for h in scores]
+
+
+def test_the_uniform_replay_wants_each_heads_best_and_takes_ties_either_way():
+    from kvbench.caches.eviction.splits import Uniform
+
+    # 8 positions, the window the last 2 (R = 2), N = 4: each head its window and its 2 best
+    # older positions; head 0's best older are 0 and 3, head 1's 1 and 2
+    heads = [[9.0, 1.0, 2.0, 8.0, 0.0, 0.5, 5.0, 5.0], [0.0, 9.0, 8.0, 1.0, 2.0, 0.5, 5.0, 5.0]]
+    right = [{0, 3, 6, 7}, {1, 2, 6, 7}]
+    u = Uniform(0.0)
+    assert u.replay(_scored(heads), right, 8, 4, 2, 0.5, None) is None
+    worst = [{4, 5, 6, 7}, {0, 5, 6, 7}]  # each head's lowest older positions
+    assert "uniform policy keeps" in u.replay(_scored(heads), worst, 8, 4, 2, 0.5, None)
+    # a tie within tol may go either way: position 2 (2.0) for 3 (2.5: exactly tol above)
+    tie = [[9.0, 1.0, 2.0, 2.5, 0.0, 0.5, 5.0, 5.0], heads[1]]
+    assert u.replay(_scored(tie), [{0, 2, 6, 7}, right[1]], 8, 4, 2, 0.5, None) is None
+    assert u.replay(_scored(tie), [{0, 2, 6, 7}, right[1]], 8, 4, 2, 0.4, None) is not None
+    equal = [[9.0, 1.0, 2.5, 2.5, 0.0, 0.5, 5.0, 5.0], heads[1]]  # an exact tie, tol 0
+    assert u.replay(_scored(equal), [{0, 2, 6, 7}, right[1]], 8, 4, 2, 0.0, None) is None
+
+
+def test_the_ada_replay_keeps_each_heads_safeguard_on_its_own_head():
+    from kvbench.caches.eviction.splits import Ada, safeguard
+
+    # 12 positions, R = 2, N = 7: 14 positions for 2 heads, each its window and a safeguard
+    # of int(0.2·7) = 1 older position; the other 8 to the best across heads. Head 0 scores
+    # 100 + p but position 0 (2.0); head 1 0 but positions 3 (2.5) and 4 (2.0)
+    heads = [[2.0] + [100.0 + p for p in range(1, 12)], [0.0] * 12]
+    heads[1][3], heads[1][4] = 2.5, 2.0
+    a = Ada(0.0)
+    right = [set(range(1, 12)), {3, 10, 11}]
+    assert a.replay(_scored(heads), right, 12, 7, 2, 0.5, None) is None
+    # head 1's safeguard on 4 (2.0), half a point below 3: a tie at tol 0.5, not at 0.4
+    own = [set(range(1, 12)), {4, 10, 11}]
+    assert a.replay(_scored(heads), own, 12, 7, 2, 0.5, None) is None
+    assert "ada policy keeps" in a.replay(_scored(heads), own, 12, 7, 2, 0.4, None)
+    # head 1's safeguard given to head 0's position 0, scored the same as 4: never a tie (a
+    # safeguard is its own head's)
+    other = [set(range(12)), {10, 11}]
+    heads[1][3] = 2.0
+    assert "ada policy keeps" in a.replay(_scored(heads), other, 12, 7, 2, 0.5, None)
+    # the safeguard never takes more than N - R: at R = 9 of N = 10, one older position
+    assert safeguard(10, 9) == 1
+    score = {(h, p): float(p if h == 0 else 12 - p) for h in range(2) for p in range(12)}
+    window = {(h, p) for h in range(2) for p in range(3, 12)}
+    forced, want = a.forced(score, 2, 12, 10, 9, None, window)
+    assert forced == window | {(0, 2), (1, 0)} and len(want) == 20
+
+
+def test_the_duo_replay_wants_the_heads_that_attend_most_to_the_middle():
+    from kvbench.caches.eviction.splits import Duo
+
+    # 3 heads, 12 positions, N = 6: sinks 0..3, the last 2; the middle 4..9. Attention to
+    # the middle: 1, 5 and 3 (one position each): a third of the heads (1) whole: head 1
+    def heads(masses):
+        out = []
+        for m in masses:
+            h = [0.0] * 12
+            h[5] = m
+            out.append(h)
+        return out
+
+    streaming = set(range(4)) | {10, 11}
+    every = set(range(12))
+    d = Duo(1 / 3)
+    assert d.replay(_scored(heads([1, 5, 3])), [streaming, every, streaming], 12, 6, 2, 0.5,
+                    None) is None
+    wrong = d.replay(_scored(heads([1.23456, 5, 3])), [streaming, streaming, every], 12, 6, 2,
+                     0.5, None)
+    assert wrong == ("KV heads [2] keep every position where the duo policy keeps [1] "
+                     "(attention to the middle [1.2346, 5.0, 3.0])")
+    # a tie within tol either way: 4.5 is tol below 5, and two heads at 5
+    assert d.replay(_scored(heads([1, 5, 4.5])), [streaming, streaming, every], 12, 6, 2,
+                    0.5, None) is None
+    assert d.replay(_scored(heads([1, 5, 5])), [streaming, streaming, every], 12, 6, 2, 0.5,
+                    None) is None
+    # the right heads, one too many whole
+    assert "keep every position" in d.replay(_scored(heads([1, 5, 5])),
+                                             [streaming, every, every], 12, 6, 2, 0.5, None)
+    # no head whole (F = 0) but one kept everything: said, not a crash
+    assert "keep every position" in Duo(0.0).replay(_scored(heads([1, 5, 3])),
+                                                    [streaming, every, streaming], 12, 6, 2,
+                                                    0.5, None)
+
+
+def test_a_split_holds_its_share_once_the_prompt_is_seen():
+    from kvbench.caches.eviction.splits import Ada, Duo, Uniform
+
+    s = LayerShape(batch=1, prompt_len=20, decode_len=4, hidden=16, q_heads=4, kv_heads=4,
+                   head_dim=4, kv_budget=6, kv_compress="prefill")
+    assert Uniform(0.0).lens(s, 20) == [6, 6, 6, 6]  # nothing decoded yet
+    assert Uniform(0.0).longest(s, 24, 2) == 10
+    assert Duo(0.5).lens(s, 22) == [22, 22, 8, 8]
+    assert Ada(0.0).lens(s, 24) is None

@@ -41,8 +41,8 @@ class Uniform:
 
     name: ClassVar[str] = "uniform"
 
-    def __init__(self, fraction: float = 0.0):
-        self.fraction = fraction
+    def __init__(self, fraction: float):
+        self.fraction = fraction  # duo's share of whole heads (the others ignore it)
 
     def lens(self, s, length: int) -> list[int] | None:
         """Positions each KV head of a sequence holds once `length` have been seen (the
@@ -54,7 +54,9 @@ class Uniform:
     def longest(self, s, length: int, recent: int) -> int:
         """The most positions one KV head can hold once `length` are seen (recent: the
         window R)."""
-        return max(self.lens(s, length) or [0])
+        lens = self.lens(s, length)
+        assert lens is not None  # (a split that follows the scores says its own: Ada)
+        return max(lens)
 
     def drops(self, s) -> bool:
         """Whether some head keeps less than the prompt."""
