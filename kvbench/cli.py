@@ -12,12 +12,9 @@ from typer.core import TyperCommand, TyperGroup
 
 from kvbench import __version__, options
 from kvbench.errors import KvbenchError
-from kvbench.options import (
-    capacity_signature,
-    needle_signature,
-    serve_sim_signature,
-    settle,
-)
+from kvbench.experiments.capacity import CapacityOptions
+from kvbench.experiments.servesim import SimOptions
+from kvbench.options import declared_signature, needle_signature, settle
 
 # The usage-error class of whichever click typer runs on (its vendored copy in recent
 # releases, click itself before): typer.BadParameter's direct base.
@@ -199,20 +196,20 @@ def capacity(**values):
     """Plan the KV cache of a real model on a real GPU; --allocate checks it on CUDA."""
     from kvbench.experiments import capacity as planner
 
-    planner.capacity(planner.CapacityOptions(**settle(planner.CapacityOptions, values)))
+    planner.capacity(CapacityOptions(**settle(CapacityOptions, values)))
 
 
-capacity.__signature__ = capacity_signature()  # declared in kvbench.options
+capacity.__signature__ = declared_signature(CapacityOptions)
 command(capacity)
 
 
 def serve_sim(**values):
     from kvbench.experiments import servesim
 
-    servesim.run(servesim.SimOptions.from_cli(settle(servesim.SimOptions, values)))
+    servesim.run(SimOptions.from_cli(settle(SimOptions, values)))
 
 
-serve_sim.__signature__ = serve_sim_signature()  # declared in kvbench.options
+serve_sim.__signature__ = declared_signature(SimOptions)
 app.command("serve-sim", cls=_Command, epilog=EXIT_CODES, help=_unwrap("""
     Continuous batching on a seeded request trace: admit while KV blocks last, decode every
     running sequence each step, preempt when blocks run out, free at completion.

@@ -347,12 +347,6 @@ def from_context(ctx: typer.Context, values: dict | None = None) -> RunOptions:
     return RunOptions.of(values)
 
 
-def capacity_signature() -> inspect.Signature:
-    from kvbench.experiments.capacity import CapacityOptions
-
-    return declared_signature(CapacityOptions)
-
-
 def declared_signature(cls) -> inspect.Signature:
     """A command's Typer signature from its options' declarations (kvbench.sizing.config's
     `flag`): each field with help, in the order declared."""
@@ -402,12 +396,6 @@ def settle(cls, values: dict) -> dict:
               "old name still works, for now)", file=sys.stderr)
         values[f.name] = old
     return values
-
-
-def serve_sim_signature() -> inspect.Signature:
-    from kvbench.experiments.servesim import SimOptions
-
-    return declared_signature(SimOptions)
 
 
 # ------------------------------------------------------------------------ kvbench needle

@@ -6,6 +6,7 @@
 # tokens after (scripts/peer_kvpress.py; about 1 h on 2 cores). kvpress pins
 # transformers below 5.3, so it runs in a virtual environment of its own (built once, in
 # $KVPRESS_ENV, default .kvpress-env). Usage: scripts/peer-kvpress.sh [OUT.csv]
+# PEER_METHODS=ada,snapkv runs only those methods (the full cache's perplexity still runs).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 out=${1:-results/sample/peer-kvpress.csv}

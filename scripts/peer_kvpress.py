@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import sys
 from pathlib import Path
 
@@ -41,6 +42,8 @@ METHODS = {
     "pyramid": ("snapkv", {"layer_budgets": "pyramid"}, "PyramidKVPress"),
     "think": ("think", {}, "ThinKPress"),
 }
+if os.environ.get("PEER_METHODS"):  # a subset, e.g. PEER_METHODS=ada,snapkv (a quick rerun)
+    METHODS = {m: METHODS[m] for m in os.environ["PEER_METHODS"].split(",")}
 MODES = ("kvbench", "kvpress")  # kvbench's own variant, or --kv-reference kvpress
 PERPLEXITY = ("knorm", "expected", "snapkv", "tova", "h2o", "pyramid", "think")
 PPL_BUDGET = {"think": 32}  # the one budget perplexity runs at (default 128)

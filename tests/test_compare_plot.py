@@ -468,3 +468,19 @@ def test_a_points_label_names_its_compression():
     window = pd.Series({**base, "impl": "window", "kv_budget": None, "head_budgets": None,
                         "kv_compress": None, "window": 8.0, "sinks": 2.0, "shared_prefix": 16.0})
     assert technique(window) == "window W8+S2 prefix 16"
+
+
+def test_the_frontier_keeps_the_rows_no_other_beats_on_both():
+    import pandas as pd
+
+    from kvbench.report.plot import frontier
+
+    # (bytes, perplexity): a at 1 byte; b at 2 beats it; c at 2 does not beat b; d at 3 is
+    # worse than b; e at 4 the best -> a, b, e in order of bytes
+    df = pd.DataFrame({"bytes": [4, 2, 1, 3, 2], "ppl": [1.0, 3.0, 5.0, 3.5, 4.0]},
+                      index=list("ebadc"))
+    assert frontier(df, "bytes", "ppl") == ["a", "b", "e"]
+    # higher is better (accuracy): a (0.2), then only c (0.9) beats it
+    acc = pd.DataFrame({"bytes": [1, 2, 3], "accuracy": [0.2, 0.1, 0.9]}, index=list("abc"))
+    assert frontier(acc, "bytes", "accuracy", lower=False) == ["a", "c"]
+    assert frontier(acc, "bytes", "accuracy") == ["a", "b"]

@@ -954,12 +954,13 @@ def _before(o: SimOptions, traces, seconds: float, sequence_steps: int) -> None:
     from kvbench.planning.runner import duration_text
     from kvbench.report import render
 
-    total = expected_time(traces, len(o.reserve), seconds / max(sequence_steps, 1))
+    pace = seconds / max(sequence_steps, 1)
+    total = expected_time(traces, len(o.reserve), pace)
     if total > LONG_RUN_S:
         render.note(f"about {duration_text(total)} for the run, before it starts (each "
-                    f"sequence's step at the warm-up's {1e3 * seconds / max(sequence_steps, 1):.1f}"
-                    f" ms, over {len(o.reserve)} {'reserve' if len(o.reserve) == 1 else 'reserves'}"
-                    "); Ctrl-C keeps the reserves finished")
+                    f"sequence's step at the warm-up's {1e3 * pace:.1f} ms, over "
+                    f"{len(o.reserve)} {render.plural(len(o.reserve), 'reserve')}); Ctrl-C "
+                    "keeps the reserves finished")
 
 
 def expected_time(traces, reserves: int, per_sequence_step: float) -> float:
@@ -1124,25 +1125,21 @@ def ratio_line(served) -> str | None:
 def serve_report(o, device: str, served) -> Report:
     from kvbench.measure.timing import percentile
 
+    hits = sum(s.hit_positions for s in served)
+    asked = sum(s.query_positions for s in served)
+    cached = (f"prefix cache: {hits / max(asked, 1):.1%} of the prompt positions admitted "
+              f"were found cached ({hits:,} of {asked:,}"
+              if any(o.caching(s.reserve) for s in served) else None)
     if o.steps_only:
-        shown = Report([steps_table(o, served)])
-        if any(o.caching(s.reserve) for s in served):
-            hits = sum(s.hit_positions for s in served)
-            asked = sum(s.query_positions for s in served)
-            shown.add(f"prefix cache: {hits / max(asked, 1):.1%} of the prompt positions "
-                      f"admitted were found cached ({hits:,} of {asked:,})")
-        return shown
+        return Report([steps_table(o, served), *([cached + ")"] if cached else [])])
     shown = Report([serve_table(o, device, served)])
     itl = {r: [g for s in v for g in s.itl_s] for r, v in by_reserve(served).items()}
     gaps = [(r, percentile(g, 50), percentile(g, 99)) for r, g in itl.items() if g]
     if gaps:  # TPOT is a mean per request; every gap shows a decode stalled by a prefill
         shown.add("ITL p50 / p99, every gap between two tokens of a request: "
                   + ", ".join(f"{r} {1e3 * a:.2f} / {1e3 * b:.2f} ms" for r, a, b in gaps))
-    if any(o.caching(s.reserve) for s in served):
-        hits = sum(s.hit_positions for s in served)
-        asked = sum(s.query_positions for s in served)
-        shown.add(f"prefix cache: {hits / max(asked, 1):.1%} of the prompt positions admitted "
-                  f"were found cached ({hits:,} of {asked:,}, not prefilled)")
+    if cached:
+        shown.add(cached + ", not prefilled)")
     if line := ratio_line(served):
         shown.add(line)
     return shown

@@ -183,8 +183,14 @@ def point_cost(s: LayerShape, impls: int, runs: int = 1,
     return runs * calls, runs * (prefix + impls * (prefill + decode))
 
 
-def point_work(s: LayerShape, impls: int, runs: int = 1, recompute: bool = True) -> float:
+def work(cost: tuple[int, float]) -> float:
     """A point's work relative to another's, for the sweep's time estimate (its remaining time
-    from the points done so far): its FLOPs and its calls at STEP_OVERHEAD_FLOPS each."""
-    calls, flops = point_cost(s, impls, runs, recompute)
+    from the points done so far), from its (calls, FLOPs): the FLOPs and STEP_OVERHEAD_FLOPS a
+    call."""
+    calls, flops = cost
     return flops + calls * STEP_OVERHEAD_FLOPS
+
+
+def point_work(s: LayerShape, impls: int, runs: int = 1, recompute: bool = True) -> float:
+    """work() of point_cost(...)."""
+    return work(point_cost(s, impls, runs, recompute))

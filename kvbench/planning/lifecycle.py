@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvbench.planning.signals import terminated
+from kvbench.report.render import plural
 
 
 @dataclass(frozen=True)
@@ -69,7 +70,7 @@ class Lifecycle:
         what = "terminated" if terminated(stopped) else "interrupted"
         names = f" (finished: {', '.join(self.done) or 'none'})" if self.named else ""
         n = len(self.rows)
-        kept = (f"; {n} {_rows(n)} kept in {self.path}"
+        kept = (f"; {n} {plural(n, 'row')} kept in {self.path}"
                 if n and self.path is not None else "")
         return f"kvbench: {what} after {self.finished} of {self.total} {self.unit}{names}{kept}"
 
@@ -96,12 +97,8 @@ class Lifecycle:
         if not said:
             return None
         (path, n), *rest = said
-        return ", ".join([f"{n} {_rows(n)} appended to {path}",
+        return ", ".join([f"{n} {plural(n, 'row')} appended to {path}",
                           *(f"{m} to {p}" for p, m in rest)])
-
-
-def _rows(n: int) -> str:
-    return "row" if n == 1 else "rows"
 
 
 def on_cluster(o, points: list, task: Callable, finished: Callable, places=None, total=None,

@@ -81,7 +81,7 @@ def sweep(o: RunOptions, command: str, points, run_point, impl_options, notes,
     """
     from kvbench.errors import DeviceError, is_out_of_memory
     from kvbench.measure import distributed
-    from kvbench.measure.costs import STEP_OVERHEAD_FLOPS
+    from kvbench.measure.costs import work as work_of
     from kvbench.measure.env import environment
     from kvbench.planning.lifecycle import Lifecycle, Output
     from kvbench.report import render
@@ -102,7 +102,7 @@ def sweep(o: RunOptions, command: str, points, run_point, impl_options, notes,
     env = environment(points[0][0].device)
     results, failed = [], []
     costs = [_cost(command, config, names, bench_options) for config, names in points]
-    work = [calls * STEP_OVERHEAD_FLOPS + flops for calls, flops in costs]
+    work = [work_of(c) for c in costs]
     if not o.quiet and len(points) > 1:
         _say_before(points[0][0].device, costs)
     from kvbench.caches.compiled import compile_seconds
@@ -225,10 +225,11 @@ def _before_text(device: str, costs: list[tuple[int, float]]) -> tuple[str, floa
     """The sweep's time from its points' calls and FLOPs and a probe of this machine
     (kvbench.measure.costs.seconds_before): the line, and the seconds."""
     from kvbench.measure.costs import probe, seconds_before
+    from kvbench.report.render import plural
 
     total = seconds_before(costs, probe(device))
     n = len(costs)
-    return (f"about {duration_text(total)} for the {n} {_plural(n, 'point')}, before "
+    return (f"about {duration_text(total)} for the {n} {plural(n, 'point')}, before "
             f"{'they start' if n > 1 else 'it starts'} (their arithmetic and calls at this "
             "machine's probed pace; refined after the first points)"), total
 
@@ -245,9 +246,11 @@ def _say_before(device: str, costs: list[tuple[int, float]]) -> None:
 def _estimate(took: list[float], work: list[float], compile_s: float = 0.0) -> str:
     """One line once a point or two are done: the time the rest should take. A point costs a
     fixed part (its set-up, the caches built, their warm-up) and a part that grows with its
-    work (kvbench.measure.costs.point_work); with two points of different work both are
+    work (kvbench.measure.costs.work); with two points of different work both are
     fitted to them, else the latest point's pace (time per unit of work) is applied. The
     compiling of the first points is left out (each shape compiles once) and said apart."""
+    from kvbench.report.render import plural
+
     done = len(took)
     t = [max(took[0] - compile_s, 1e-3), *took[1:]]
     rest = work[done:]
@@ -264,8 +267,8 @@ def _estimate(took: list[float], work: list[float], compile_s: float = 0.0) -> s
     compiling = (f", {duration_text(compile_s)} of it compiling, left out"
                  if compile_s >= 0.5 else "")
     first = " and ".join(duration_text(x) for x in took)
-    return (f"about {duration_text(left)} for the {n} {_plural(n, 'point')} left (the first "
-            f"{_plural(done, 'point')} took {first}{compiling}; {how})")
+    return (f"about {duration_text(left)} for the {n} {plural(n, 'point')} left (the first "
+            f"{plural(done, 'point')} took {first}{compiling}; {how})")
 
 
 def duration_text(seconds: float) -> str:
@@ -274,10 +277,6 @@ def duration_text(seconds: float) -> str:
     if seconds < 5400:
         return f"{seconds / 60:.0f} min"
     return f"{seconds / 3600:.1f} h"
-
-
-def _plural(n: int, word: str) -> str:
-    return word if n == 1 else word + "s"
 
 
 def _release(device: str) -> None:

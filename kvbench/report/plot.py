@@ -317,6 +317,17 @@ def plot_frontier(kind: str, df: pd.DataFrame, plt):
     return fig
 
 
+def frontier(df: pd.DataFrame, x: str, y: str, lower: bool = True) -> list:
+    """The index of the rows no other beats on both (fewer `x`, and `y` lower, or higher
+    with lower=False), in order of `x`: fewer x first, each row kept that improves y."""
+    key = df[y] if lower else -df[y]
+    best, keep = float("inf"), []
+    for i in df.assign(_key=key).sort_values([x, "_key"]).index:
+        if key[i] < best:
+            best, keep = key[i], [*keep, i]
+    return keep
+
+
 def with_planned_bytes(kind: str, df: pd.DataFrame, planned) -> pd.DataFrame:
     """A whole model's verify rows written before verify recorded kv_cache_bytes, with the
     bytes `planned(row)` gives (every layer's cache as `kvbench capacity` plans it; the
@@ -356,15 +367,10 @@ def plot_model_quality(df: pd.DataFrame, plt):
             ax.scatter(r["bytes_per_token"], max(r[col], 1e-9), color=f"C{i % 10}")
             ax.annotate(r["label"], (r["bytes_per_token"], max(r[col], 1e-9)), fontsize=7,
                         textcoords="offset points", xytext=(4, 3))
-        front = df.sort_values(["bytes_per_token", col])
-        best, keep = float("inf"), []
-        for _, r in front.iterrows():  # fewer bytes first: keep each that improves quality
-            if r[col] < best:
-                best = r[col]
-                keep.append(r)
-        if keep:
-            ax.step([r["bytes_per_token"] for r in keep], [max(r[col], 1e-9) for r in keep],
-                    where="post", color="k", lw=1, alpha=0.6, label="frontier")
+        keep = df.loc[frontier(df, "bytes_per_token", col)]
+        if not keep.empty:
+            ax.step(keep["bytes_per_token"], keep[col].clip(lower=1e-9), where="post",
+                    color="k", lw=1, alpha=0.6, label="frontier")
         if col == "ppl_ratio":
             ax.axhline(1, color="r", ls="--", lw=1, label="path A (full cache, transformers)")
         ax.set_xscale("log", base=2)
@@ -469,16 +475,11 @@ def _needle_frontier(ax, df: pd.DataFrame) -> None:
                        marker=marker, color="C0" if marker == "o" else "C3",
                        label="question in the prompt" if marker == "o" else
                        "question after compression")
-    front = points.sort_values(["bytes", "accuracy"], ascending=[True, False])
-    best = -1.0
-    keep: list[str] = []
-    for who, r in front.iterrows():
-        if r["accuracy"] > best:
-            best, keep = r["accuracy"], [*keep, who]
-    ax.plot(front.loc[keep, "bytes"] / MIB, front.loc[keep, "accuracy"], "k--", lw=0.8,
+    keep = frontier(points, "bytes", "accuracy", lower=False)
+    ax.plot(points.loc[keep, "bytes"] / MIB, points.loc[keep, "accuracy"], "k--", lw=0.8,
             label="frontier")
     for who in keep:
-        ax.annotate(who, (front.loc[who, "bytes"] / MIB, front.loc[who, "accuracy"]),
+        ax.annotate(who, (points.loc[who, "bytes"] / MIB, points.loc[who, "accuracy"]),
                     textcoords="offset points", xytext=(4, -10), fontsize=6)
     ax.set_xlabel(f"K/V bytes held at {int(df['context'].max()):,} tokens, MiB", fontsize=8)
     ax.set_ylabel("accuracy, mean over depths", fontsize=8)

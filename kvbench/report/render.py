@@ -110,6 +110,11 @@ def _fit(t: Table) -> Table:
     return t
 
 
+def plural(n: int, word: str) -> str:
+    """word, with an s unless n is 1: "1 row", "3 rows"."""
+    return word if n == 1 else word + "s"
+
+
 def mib(nbytes: float | None) -> str:
     return "n/a" if nbytes is None else f"{nbytes / MIB:,.3f}"
 
