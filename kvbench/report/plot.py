@@ -321,7 +321,7 @@ def frontier(df: pd.DataFrame, x: str, y: str, lower: bool = True) -> list:
     """The index of the rows no other beats on both (fewer `x`, and `y` lower, or higher
     with lower=False), in order of `x`: fewer x first, each row kept that improves y."""
     key = df[y] if lower else -df[y]
-    best, keep = float("inf"), []
+    best, keep = float("inf"), list[object]()
     for i in df.assign(_key=key).sort_values([x, "_key"]).index:
         if key[i] < best:
             best, keep = key[i], [*keep, i]
