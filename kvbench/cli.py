@@ -235,6 +235,7 @@ def needle(**values):
     from kvbench.options import needle_options, needle_plan
 
     o = needle_options(values)
+    needles.check_output(o)  # a file that cannot take the rows, before the model loads
     needles.run(o, needle_plan(o))
 
 

@@ -478,8 +478,8 @@ class TuneOptions:
     inspect: bool = flag(False, "Compile every decode kernel for sm_90 (H100/H200) at the "
                          "long shape in each K/V format's configuration and report its "
                          "registers, spills, shared memory, programs per SM, K/V tiles in "
-                         "flight and load widths; needs no GPU and times nothing; writes a "
-                         "file only where --csv names one.", "--inspect")
+                         "flight and load widths; needs no GPU and times nothing; appends rows "
+                         "only where --csv names a file (of inspection rows, or a new one).", "--inspect")
 
 
 @dataclass(frozen=True)

@@ -409,6 +409,17 @@ def shard_of(spec: str | None) -> tuple[int, int]:
     return parse_shard(spec)
 
 
+def check_output(o: NeedleOptions) -> Path | None:
+    """The results file the rows go to, refused in one line if it cannot take them (checked
+    before the model loads, and again before the first cell)."""
+    from kvbench.report import results
+
+    csv = None if o.no_csv else (o.csv or results.default_csv("needle"))
+    if csv is not None:
+        results.check_csv(csv, results.NEEDLE_COLUMNS, results.NEEDLE_FIRST)
+    return csv
+
+
 def run(o: NeedleOptions, planned) -> list[Cell]:
     """Every cell (implementation, context, depth) of the grid, each one's row written as it
     finishes; exit 1 if a cache fails its check. Ctrl-C keeps the finished rows. planned:
@@ -421,9 +432,7 @@ def run(o: NeedleOptions, planned) -> list[Cell]:
 
     index, count = shard_of(o.shard)
     ref, found, options, notes = planned
-    csv = None if o.no_csv else (o.csv or results.default_csv("needle"))
-    if csv is not None:
-        results.check_csv(csv, results.NEEDLE_COLUMNS, results.NEEDLE_FIRST)
+    csv = check_output(o)
     longest = max(c.shape.prompt_len for c, _ in found)
     limit = ref.arch.config.get("max_position_embeddings")
     if limit and longest + ANSWER_TOKENS > limit:

@@ -873,9 +873,14 @@ def write_profile(o: SimOptions) -> list:
     from kvbench.serving import profile as costs
 
     path = Path(o.write_profile)
+    if path.is_dir():
+        raise KvbenchError(f"--write-profile {path} is a directory; give a file path")
     if path.exists():
-        with path.open(newline="") as f:
-            first = next(csv.DictReader(f), None)
+        try:
+            with path.open(newline="") as f:
+                first = next(csv.DictReader(f), None)
+        except (OSError, UnicodeDecodeError, csv.Error):
+            first = None
         if first is None or first.get("command") != "serve-sim-profile":
             raise KvbenchError(f"--write-profile {path} exists and is not a profile; give "
                                "another path")
@@ -898,11 +903,16 @@ def write_profile(o: SimOptions) -> list:
                              decode_kernel(o, device))
     shape = {**layer_shape(o, device), "device": device, "device_name": device_name(device)}
     path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=costs.PROFILE_COLUMNS)
-        writer.writeheader()
-        for row in rows:
-            writer.writerow({"command": "serve-sim-profile", **shape, **row})
+    tmp = path.with_name(f".{path.name}.tmp")  # written whole, then moved over: never half
+    try:
+        with tmp.open("w", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=costs.PROFILE_COLUMNS)
+            writer.writeheader()
+            for row in rows:
+                writer.writerow({"command": "serve-sim-profile", **shape, **row})
+        tmp.replace(path)
+    finally:
+        tmp.unlink(missing_ok=True)
     if not o.quiet:
         render.note(f"wrote {path}: {len(rows)} points, batch {batches[0]}..{batches[-1]}, "
                     f"context {contexts[0]}..{contexts[-1]}, prefill {prefills[0]}.."

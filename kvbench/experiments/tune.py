@@ -439,30 +439,28 @@ def tune_rows(result, cases, stamp: str, env: dict[str, object]) -> list[dict[st
 
 def inspect_command(format: str, quiet: bool, csv=None) -> list:
     """`kvbench tune --inspect`: every decode kernel compiled for sm_90 here and read; the
-    rows to `csv` (written whole) where given."""
+    rows appended to `csv` where given (a file of inspection rows, or a new one)."""
     from pathlib import Path
 
-    import pandas as pd
-
     from kvbench.kernels import inspection
-    from kvbench.report import render
+    from kvbench.measure.env import environment
+    from kvbench.report import render, results
 
     if format not in ("table", "csv", "json"):
         raise KvbenchError(f"--format {format!r}: use table, csv or json")
-    if csv is not None and not Path(csv).parent.is_dir():
-        raise KvbenchError(f"--csv {csv}: its folder {Path(csv).parent} does not exist; "
-                           "create it or name another file")
+    if csv is not None:
+        csv = Path(csv)
+        results.check_csv(csv, results.INSPECT_COLUMNS, results.INSPECT_FIRST)
     if reason := inspection.unavailable():
         raise KvbenchError(reason)
     with render.status("tune --inspect: compiling the decode kernels for sm_90") if not quiet \
             else contextlib.nullcontext():
         rows = inspection.inspect()
     if csv is not None:
-        path = Path(csv)
-        tmp = path.with_name(path.name + ".tmp")
-        pd.DataFrame([r.row() for r in rows], columns=inspection.COLUMNS).to_csv(tmp,
-                                                                                index=False)
-        tmp.replace(path)
+        stamp, env = results.timestamp(), environment(None)
+        results.append_csv(csv, [{"timestamp": stamp, "command": "tune --inspect", **r.row(),
+                                  **env} for r in rows],
+                           results.INSPECT_COLUMNS, results.INSPECT_FIRST)
     if format != "table":
         render.machine_output([r.row() for r in rows], inspection.COLUMNS, format)
     elif not quiet:
@@ -470,6 +468,8 @@ def inspect_command(format: str, quiet: bool, csv=None) -> list:
     if not quiet:
         for line in inspection.shortfalls(rows):
             warn(line)
+        if csv is not None:
+            render.note(f"{len(rows)} {render.plural(len(rows), 'row')} appended to {csv}")
     return rows
 
 

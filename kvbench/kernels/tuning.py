@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import tempfile
 from dataclasses import asdict
 from pathlib import Path
 
@@ -64,6 +65,9 @@ def load(path: Path | None = None) -> dict:
     path = path or table_path()
     if not path.exists():
         return {"entries": {}}
+    if not path.is_file():
+        raise KvbenchError(f"{path} is a directory, not a tuning table; name a file (--table "
+                           f"PATH or ${TABLE_VAR})")
     stamp = (path, path.stat().st_mtime)
     if stamp in _read:
         return _read[stamp]
@@ -72,9 +76,11 @@ def load(path: Path | None = None) -> dict:
         entries = table["entries"]
         for entry in entries.values():
             KernelConfig(**entry["config"])
-    except (ValueError, KeyError, TypeError) as err:
-        raise KvbenchError(f"{path}: not a tuning table kvbench wrote ({err}); delete it "
-                           "or run kvbench tune again") from None
+    except OSError as err:
+        raise KvbenchError(f"cannot read the tuning table {path}: {err.strerror}") from None
+    except (ValueError, KeyError, TypeError, AttributeError) as err:
+        raise KvbenchError(f"{path}: not a tuning table kvbench wrote ({err}); it is left as "
+                           f"it is: name another table (--table PATH or ${TABLE_VAR})") from None
     _read[stamp] = table
     return table
 
@@ -103,9 +109,19 @@ def save(entries: dict[str, dict], path: Path | None = None) -> None:
     for k, entry in entries.items():
         table["entries"][k] = {**entry, "config": asdict(entry["config"])}
     table["entries"] = dict(sorted(table["entries"].items()))
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(table, indent=1) + "\n")
-    tmp.replace(path)
+    tmp = None
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+        with os.fdopen(fd, "w") as f:
+            f.write(json.dumps(table, indent=1) + "\n")
+        os.replace(tmp, path)
+    except OSError as err:
+        raise KvbenchError(f"cannot write the tuning table {path}: {err.strerror}; name "
+                           "another (--table PATH)") from None
+    finally:
+        if tmp and os.path.exists(tmp):
+            os.unlink(tmp)
 
 
 def untuned_note(device: str, path: Path | None = None) -> str | None:

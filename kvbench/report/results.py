@@ -98,12 +98,8 @@ def check_csv(path: Path, columns: list[str], first: list[str] | None = None,
                                + (" (or --no-csv to write none)" if flag == "--csv" else ""))
         header = _read_header(path, flag)
         if header is not None and not header_accepted(header, columns, first):
-            missing = [c for c in (first or columns) if c not in header]
-            extra = [c for c in header if c not in columns]
-            detail = f" (missing {', '.join(missing[:4])})" if missing else (
-                f" (unexpected {', '.join(extra[:4])})" if extra else " (order differs)")
-            raise KvbenchError(f"{path} has a different header{detail}; "
-                               f"write to a new file with {flag} PATH")
+            raise KvbenchError(f"{path} {_holds(header, columns, first)}; it is left as it "
+                               f"is: write to a new file with {flag} PATH")
         if header is not None and rows:
             fields, bad = damaged_rows(path)
             if bad:
@@ -128,6 +124,19 @@ def check_csv(path: Path, columns: list[str], first: list[str] | None = None,
     except OSError:
         raise KvbenchError(f"cannot create {path}: {parent} is not a writable directory; "
                            f"pass another {flag} path") from None
+
+
+def _holds(header: list[str], columns: list[str], first: list[str] | None) -> str:
+    """What a file that cannot take these rows holds, in words: its kind where it is one."""
+    mine = _kind_of_columns(columns)
+    theirs = kind_of(header)
+    if theirs is not None and theirs != mine:
+        return f"holds {theirs} results, not {mine or 'these'} rows"
+    missing = [c for c in (first or columns) if c not in header]
+    extra = [c for c in header if c not in columns]
+    detail = f" (missing {', '.join(missing[:4])})" if missing else (
+        f" (unexpected {', '.join(extra[:4])})" if extra else " (order differs)")
+    return f"has a different header{detail}"
 
 
 def append_csv(path: Path, rows: list[dict[str, object]], columns: list[str],
@@ -448,6 +457,15 @@ NEEDLE_FIRST = ["timestamp", "command", "task", "model", "impl", "context", "dep
 NEEDLE_COLUMNS = NEEDLE_FIRST + PROVENANCE_COLUMNS
 
 
+# kvbench tune --inspect: one row per compiled kernel and K/V format (the fields of
+# kvbench.kernels.inspection.Inspection, which its first release wrote alone), then when and
+# where it was read
+INSPECT_FIRST = ["kernel", "kv_format", "config", "registers", "spills", "shared_bytes",
+                 "programs_per_sm", "tiles_in_flight", "issued_early", "vector_loads",
+                 "scalar_loads", "byte_loads", "buffer_bytes"]
+INSPECT_COLUMNS = ["timestamp", "command", *INSPECT_FIRST] + ENV_COLUMNS + PROVENANCE_COLUMNS
+
+
 # kind -> (the columns this release writes, the columns of the first release). Later releases
 # add columns, never remove one, so every file of a kind has its first release's columns.
 FILE_KINDS = {
@@ -460,7 +478,18 @@ FILE_KINDS = {
     "tune": (TUNE_COLUMNS, TUNE_FIRST),
     "serve-sim-steps": (SERVE_STEP_COLUMNS, SERVE_STEP_FIRST),
     "needle": (NEEDLE_COLUMNS, NEEDLE_FIRST),
+    "tune --inspect": (INSPECT_COLUMNS, INSPECT_FIRST),
 }
+
+
+def kind_of(header: list[str]) -> str | None:
+    """The kind of results file (a FILE_KINDS key) a header belongs to, or None."""
+    return next((k for k, (columns, first) in FILE_KINDS.items()
+                 if header_accepted(header, columns, first)), None)
+
+
+def _kind_of_columns(columns: list[str]) -> str | None:
+    return next((k for k, (c, _) in FILE_KINDS.items() if c is columns), None)
 
 
 def merge(inputs: list[Path], output: Path) -> tuple[int, int, list[str], list[str]]:
@@ -477,8 +506,7 @@ def merge(inputs: list[Path], output: Path) -> tuple[int, int, list[str], list[s
         if not Path(path).is_file():
             raise KvbenchError(f"{path}: no such file")
         header = _read_header(Path(path), "input") or []
-        kind = next((k for k, (columns, first) in FILE_KINDS.items()
-                     if header_accepted(header, columns, first)), None)
+        kind = kind_of(header)
         if kind is None:
             raise KvbenchError(f"{path} is not a kvbench results file")
         _, bad = damaged_rows(Path(path))
