@@ -479,7 +479,8 @@ class TuneOptions:
                          "long shape in each K/V format's configuration and report its "
                          "registers, spills, shared memory, programs per SM, K/V tiles in "
                          "flight and load widths; needs no GPU and times nothing; appends rows "
-                         "only where --csv names a file (of inspection rows, or a new one).", "--inspect")
+                         "only where --csv names a file (of inspection rows, or a new one).",
+                         "--inspect")
 
 
 @dataclass(frozen=True)
