@@ -1032,3 +1032,42 @@ class ThinKPrunesDecodedUnderKvpress(ThinKCache):
             keep = torch.zeros(k.shape[:2] + k.shape[-1:], dtype=k.dtype, device=k.device)
             k = k * keep.scatter_(-1, self.index, 1.0)[:, :, None]
         super().write(k, v)
+
+
+# Faults of the sliding-window block pool (`paged-window`).
+
+from kvbench.caches.paged_window import PagedWindowCache
+
+
+class ReleasesTooEarly(PagedWindowCache):
+    """Frees a block one block before it leaves the window: a later block takes its place
+    while the window still reads it."""
+
+    name = "releases-too-early"
+
+    @classmethod
+    def first_block(cls, window, length, block_size):
+        return max(0, (length - window) // block_size + 1)
+
+    def pool_blocks(self):
+        return super().pool_blocks() + self.batch  # (the pool does not run dry first)
+
+
+class WindowOneWider(PagedWindowCache):
+    """Attends to the last W + 1 positions: one that has left the window."""
+
+    name = "window-one-wider"
+
+    def pool_blocks(self):
+        return super().pool_blocks() + self.batch
+
+    @classmethod
+    def first_block(cls, window, length, block_size):
+        return max(0, (length - window - 1) // block_size)
+
+    def _gather(self, pool):
+        self.window += 1
+        try:
+            return super()._gather(pool)
+        finally:
+            self.window -= 1

@@ -635,9 +635,11 @@ def test_a_shared_prefix_under_tp_windows_and_blocks_by_hand():
     p = plan(model, CacheFormat("fp32", block_size=16, tp=2), (72,) * 3, shared_prefix=40)
     # payload: 3 × (2·72 + 8)·512 less the prefix's 2 extra copies in the 2 full layers
     assert p.payload_bytes == 3 * (2 * 72 + 8) * 512 - 2 * 40 * 512 * 2 == 151_552
-    # per rank, blocks of 16: 72 -> 80, 8 -> 16; the prefix's 2 whole blocks stored once
-    assert p.per_rank_bytes == 3 * (2 * 80 + 16) * 256 - 2 * 32 * 256 * 2 == 102_400
-    assert p.wasted_bytes == 102_400 - (3 * (2 * 72 + 8) * 256 - 2 * 40 * 256 * 2) == 26_624
+    # per rank, blocks of 16: 72 -> 80; the sliding layer's last 8 positions may straddle
+    # two blocks, ⌈7/16⌉ + 1 = 2 (its blocks freed as they leave the window): 32; the
+    # prefix's 2 whole blocks stored once
+    assert p.per_rank_bytes == 3 * (2 * 80 + 32) * 256 - 2 * 32 * 256 * 2 == 114_688
+    assert p.wasted_bytes == 114_688 - (3 * (2 * 72 + 8) * 256 - 2 * 40 * 256 * 2) == 38_912
     assert p.bytes_per_token == 3 * 512  # every layer, every head: no TP, no window
     assert p.bytes_per_sequence == (2 * 72 + 8) * 512  # exact, every head
     assert all(type(v) is int for v in (p.payload_bytes, p.per_rank_bytes, p.wasted_bytes))

@@ -123,7 +123,8 @@ def _fails(ref, config, impl="static"):
 def test_rope_at_base_10000_instead_of_the_configs_theta_fails(tiny, monkeypatch):
     real = transformer.rope_inv_freq
     monkeypatch.setattr(transformer, "rope_inv_freq",
-                        lambda arch, dtype: real(replace(arch, rope_theta=10000.0), dtype))
+                        lambda arch, dtype, layer=None: real(replace(arch, rope_theta=10000.0),
+                                                             dtype))
     check = _fails(*_config(tiny["qwen2"]))
     assert check.first_bad_step == 0  # the prompt's logits already differ
 
@@ -131,7 +132,7 @@ def test_rope_at_base_10000_instead_of_the_configs_theta_fails(tiny, monkeypatch
 def test_llama3_rope_scaling_ignored_fails(tiny, monkeypatch):
     real = transformer.rope_inv_freq
     monkeypatch.setattr(transformer, "rope_inv_freq",
-                        lambda arch, dtype: real(replace(arch, rope_scaling=()), dtype))
+                        lambda arch, dtype, layer=None: real(replace(arch, rope_scaling=()), dtype))
     check = _fails(*_config(tiny["llama"]))
     assert "differ from path A" in check.message
 

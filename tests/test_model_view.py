@@ -17,6 +17,7 @@ from kvbench.experiments.model.run import (
     Quality,
 )
 from kvbench.formats.kvformat import KvFormat
+from kvbench.layers.model.spec import Architecture
 from kvbench.measure.timing import Stats
 from kvbench.report.render import drawn
 from kvbench.sizing.config import LayerShape, RunConfig
@@ -24,7 +25,9 @@ from kvbench.sizing.config import LayerShape, RunConfig
 # B = 2, 4 decode steps
 CONFIG = RunConfig(LayerShape(batch=2, prompt_len=6, decode_len=4, hidden=32, q_heads=4,
                               kv_heads=2, head_dim=8))
-REF = SimpleNamespace(label="tiny", trained=True)
+ARCH = Architecture("tiny", "llama", layers=3, hidden=32, intermediate=64, vocab=16,
+                    q_heads=4, kv_heads=2, head_dim=8)
+REF = SimpleNamespace(label="tiny", trained=True, arch=ARCH)
 
 
 def text(table) -> str:
@@ -153,7 +156,7 @@ def test_the_verify_table_by_hand():
                            "top-1": "50.0%", "failure": "—"}
     assert "masked A = transformers' forward under the window's mask" in text(t)
     untrained = verify_report()
-    untrained.ref = SimpleNamespace(label="tiny", trained=False)
+    untrained.ref = SimpleNamespace(label="tiny", trained=False, arch=ARCH)
     t = view.verify_table(untrained)
     assert [c.header for c in t.columns] == ["impl", "result", "max|Δlogit|", "failure"]
     assert cells(t, 0)["max|Δlogit|"] == "1.00e-06"

@@ -352,8 +352,9 @@ def test_verify_on_a_random_model_by_hand():
     ref, config = _random(prompt=16, decode=9)
     report = run.verify(ref, config, ("static",), ImplOptions(), None, None)
     m = run.load(ref, config, None, None)
-    logits = m.model.full_forward(m.tokens[:, :25])
-    steps = logits[:, 16:25]
+    # each step the prefix's forward, its last position's logits alone (as path A takes them)
+    steps = torch.cat([m.model.full_forward(m.tokens[:, :16 + j], last=True)
+                       for j in range(1, 10)], dim=1)
     targets = m.tokens[:, 17:26]
     nll = -torch.log_softmax(steps.double(), -1).gather(-1, targets[..., None]).mean()
     assert report.reference.ppl == pytest.approx(float(nll.exp()), rel=1e-9)

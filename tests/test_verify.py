@@ -64,7 +64,7 @@ def test_every_implementation_equals_recompute(shape, rope, dtype, seed):
     # splitk is float32 only; everything else runs every shape here
     expected = ["concat", "static", "sdpa", "paged"] + (
         ["splitk"] if dtype == "float32" and "splitk" in eager(config) else [])
-    expected += ["triton", "window", "expected", "h2o", "knorm", "snapkv", "tova",
+    expected += ["triton", "window", "paged-window", "expected", "h2o", "knorm", "snapkv", "tova",
                  "snapkv-paged", "think"]
     assert [c.impl for c in report.checks] == expected
     for check in report.checks:

@@ -28,6 +28,7 @@ from kvbench.caches.triton import TritonCache
 from kvbench.caches.flex import FlexCache
 from kvbench.caches.compiled import CompiledCache
 from kvbench.caches.window import WindowCache
+from kvbench.caches.paged_window import PagedWindowCache
 from kvbench.caches.eviction import EvictionCache
 from kvbench.caches.eviction.paged import SnapKVPagedCache
 from kvbench.caches.think import ThinKCache
@@ -47,6 +48,7 @@ __all__ = [
     "MlaLatentCache",
     "MlaNaiveCache",
     "PagedCache",
+    "PagedWindowCache",
     "PreallocatedCache",
     "SdpaCache",
     "SnapKVPagedCache",

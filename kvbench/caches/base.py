@@ -24,6 +24,7 @@ from kvbench.caches.cost import CostModel, _planned
 from kvbench.caches.cost import storage_bytes as storage_bytes
 from kvbench.errors import KvbenchError
 from kvbench.formats.kvformat import KvFormat
+from kvbench.kernels.reference import capped, visibility
 from kvbench.sizing.capacity import QUANTIZED
 from kvbench.sizing.config import RunConfig
 
@@ -262,7 +263,7 @@ class CachedAttention(CostModel, Capture, ABC):
     def attend(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
         """q [B, H_q, 1, D] over the whole cache -> [B, H_q, 1, D]."""
         return grouped_decode_attention(q, keys, values, self.layer.scale,
-                                        self.visible(keys.shape[2]))
+                                        self.visible(keys.shape[2]), self.layer.softcap)
 
     @abstractmethod
     def kv(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -435,14 +436,51 @@ class FixedSlots(CachedAttention):
         return True
 
 
-def causal_prefill(layer: AttentionLayer, q, k, v) -> torch.Tensor:
+def causal_prefill(layer: AttentionLayer, q, k, v, window: int | None = None,
+                   sinks: int = 0) -> torch.Tensor:
     """Exact causal attention for the square prefill without a T×T score matrix.
 
     SDPA's causal mask is aligned top-left, which is exactly right when queries and keys are
-    the same T positions. q [B,H_q,T,D], k, v [B,H_kv,T,D] -> [B,H_q,T,D].
+    the same T positions. q [B,H_q,T,D], k, v [B,H_kv,T,D] -> [B,H_q,T,D]. Within a window
+    (a cache that applies one passes it), or with the layer's scores soft-capped (Gemma 2),
+    through `windowed_prefill`.
     """
+    if window is not None or layer.softcap is not None:
+        return windowed_prefill(q, k, v, layer.scale, window, sinks, layer.softcap)
     return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=layer.scale,
                                           enable_gqa=True)
+
+
+def masked_attention(q, k, v, mask, scale: float, softcap: float | None = None):
+    """q [B, H_q, n, D] over k, v [B, H_kv, T, D] where mask [n, T] (or [B, 1, n, T]) is
+    True: SDPA, or with soft-capped scores (which SDPA cannot cap) the scores by hand."""
+    if softcap is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale,
+                                              enable_gqa=True)
+    group = q.shape[1] // k.shape[1]
+    scores = capped((q @ k.repeat_interleave(group, dim=1).transpose(-2, -1)) * scale, softcap)
+    scores = scores.masked_fill(~mask, float("-inf"))  # [B, H_q, n, T]
+    return torch.softmax(scores, dim=-1) @ v.repeat_interleave(group, dim=1)
+
+
+def windowed_prefill(q, k, v, scale: float, window: int | None, sinks: int = 0,
+                     softcap: float | None = None, chunk: int = 512) -> torch.Tensor:
+    """Causal attention over the prompt, each query within its window (the sinks and the
+    last W positions; None: every earlier one), `chunk` queries at a time: each chunk reads
+    only the keys its window reaches, so memory stays O(chunk · (S + W + chunk)) however
+    long the prompt. q [B, H_q, T, D], k, v [B, H_kv, T, D] -> [B, H_q, T, D]."""
+    T = q.shape[2]
+    out = torch.empty_like(q)
+    for a in range(0, T, chunk):
+        b = min(T, a + chunk)
+        lo = 0 if window is None else max(0, a - window + 1)  # the first key it reaches
+        first = min(sinks, lo)  # the sinks before it
+        keys = torch.cat((k[:, :, :first], k[:, :, lo:b]), dim=2)
+        values = torch.cat((v[:, :, :first], v[:, :, lo:b]), dim=2)
+        pos = torch.cat((torch.arange(first), torch.arange(lo, b))).to(q.device)
+        mask = visibility(torch.arange(a, b, device=q.device), pos, window, sinks)
+        out[:, :, a:b] = masked_attention(q[:, :, a:b], keys, values, mask, scale, softcap)
+    return out
 
 
 def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
@@ -457,7 +495,8 @@ def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: fl
 
 
 def grouped_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                             scale: float, visible: torch.Tensor | None = None) -> torch.Tensor:
+                             scale: float, visible: torch.Tensor | None = None,
+                             softcap: float | None = None) -> torch.Tensor:
     """One query per sequence over the valid cache, GQA without copying K/V.
 
     q [B, H_q, 1, D]; k, v [B, H_kv, T, D] -> [B, H_q, 1, D]. Query heads h·G..h·G+G-1 share
@@ -468,7 +507,7 @@ def grouped_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     B, Hq, _, D = q.shape
     Hkv = k.shape[1]
     qg = q.reshape(B, Hkv, Hq // Hkv, D)  # [B, H_kv, G, D]
-    scores = (qg @ k.transpose(-2, -1)) * scale  # [B, H_kv, G, T]
+    scores = capped((qg @ k.transpose(-2, -1)) * scale, softcap)  # [B, H_kv, G, T]
     if visible is not None:
         scores = scores.masked_fill(~visible[:, None, None, :], float("-inf"))
     out = torch.softmax(scores, dim=-1) @ v  # [B, H_kv, G, D_v]

@@ -99,11 +99,22 @@ class Capabilities:
     # decode step attended to; one that prunes K's channels says which (`kept_channels`) and
     # up to which position (`pruned_until`); `consistency` checks its own choice.
     records_kept: ClassVar[bool] = False
+    # A model's own attention variants (kvbench.layers.model): whether it soft-caps scores
+    # (Gemma 2), and which implementation serves the sliding layers of a hybrid model when
+    # it does not apply a window itself (the techniques' "window")
+    softcaps: ClassVar[bool] = False
+    sliding: ClassVar[str] = "window"
 
     @classmethod
     def unavailable(cls, config: RunConfig, options: ImplOptions) -> str | None:
         """Why this implementation cannot run this configuration here, or None."""
         return None
+
+    @classmethod
+    def sliding_server(cls) -> str:
+        """The implementation that serves a hybrid model's sliding layers beside this one's
+        full layers: itself where it applies a window, else the one it names."""
+        return cls.name if "window" in cls.techniques else cls.sliding
 
     @classmethod
     def inapplicable(cls, config: RunConfig) -> str | None:

@@ -39,6 +39,8 @@ class PagedCache(CachedAttention):
     reserves = "blocks"
     techniques = frozenset({"shared_prefix"})  # stores a shared prefix's blocks once
     graph_safe = True
+    softcaps = True
+    sliding = "paged-window"  # a hybrid model's sliding layers: their blocks freed
 
     @classmethod
     def footprint(cls, config, options):
@@ -73,7 +75,7 @@ class PagedCache(CachedAttention):
         # --shared-prefix P: the prefix's blocks are stored once and referenced by every
         # sequence; its full blocks stay shared, a partly filled one is copied on write.
         self.prefix = s.shared_prefix
-        n_blocks = sum(math.ceil(n / bs) for n in self.lens) - (batch - 1) * (self.prefix // bs)
+        n_blocks = self.pool_blocks()
         self.allocate(n_blocks)
         self.free = deque(range(n_blocks))
         self.refs = [0] * n_blocks  # sequences whose table holds each block
@@ -83,6 +85,13 @@ class PagedCache(CachedAttention):
         self.block_table = BlockTable(batch, layer.device, most=self.blocks_per_seq)
         self.n_blocks = n_blocks
         self.limits = self._limits()
+
+    def pool_blocks(self) -> int:
+        """The pool's blocks: each sequence's at its final length, a shared prefix's full
+        blocks once."""
+        bs = self.options.block_size
+        return (sum(math.ceil(n / bs) for n in self.lens)
+                - (self.batch - 1) * (self.prefix // bs))
 
     @property
     def table(self) -> torch.Tensor:
@@ -159,7 +168,8 @@ class PagedCache(CachedAttention):
         self.graph_write(k, v)
         T = self.max_len
         keys, values = (self._gather_all(pool)[:, :, :T] for pool in (self.k_pool, self.v_pool))
-        out = grouped_decode_attention(q, keys, values, self.layer.scale, self.graph_visible())
+        out = grouped_decode_attention(q, keys, values, self.layer.scale, self.graph_visible(),
+                                       self.layer.softcap)
         self._advance_device(1)
         return self.layer.output(out)
 

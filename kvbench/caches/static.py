@@ -99,7 +99,7 @@ class PreallocatedCache(CachedAttention):
     def attend_all(self, q, visible):
         """q [B, H_q, 1, D] over all T_max positions, `visible` [B, T_max] of them."""
         return grouped_decode_attention(q, self.k_cache, self.v_cache, self.layer.scale,
-                                        visible)
+                                        visible, self.layer.softcap)
 
     def kv(self):
         if self.store is not None:
@@ -126,6 +126,7 @@ class StaticCache(PreallocatedCache):
     graph_safe = True
     kv_dtypes = frozenset(QUANTIZED)
     kivi = True
+    softcaps = True
 
     @classmethod
     def unavailable(cls, config, options):

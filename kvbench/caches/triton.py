@@ -79,6 +79,7 @@ class KernelLengths:
 class TritonCache(KernelLengths, PagedCache):
     name = "triton"
     compiles = True  # on CUDA the first launch compiles the kernels
+    softcaps = False  # (its kernel's scores are plain)
     kv_dtypes = frozenset(QUANTIZED)  # decoded in registers as each tile is loaded
     description = ("paged pool read in place by a Triton split-K decode kernel (GQA through "
                    "tl.dot, log-sum-exp merge); CUDA, and CPU through Triton's interpreter "

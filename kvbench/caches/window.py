@@ -17,11 +17,9 @@ Without --window it keeps every position (W = the whole sequence), like `static`
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from kvbench.caches.base import FixedSlots, causal_prefill, register
 from kvbench.errors import KvbenchError
-from kvbench.kernels.reference import visibility
 from kvbench.measure import footprint as fp
 
 
@@ -32,6 +30,7 @@ class WindowCache(FixedSlots):
     description = ("sliding window + attention sinks: a ring buffer of S + W slots that never "
                    "grows (StreamingLLM), keys at their own positions")
     techniques = frozenset({"window"})
+    softcaps = True
 
     @classmethod
     def slots(cls, s, length: int) -> int:
@@ -78,31 +77,9 @@ class WindowCache(FixedSlots):
     def prefill(self, x):
         q, k, v = self.layer.project(x, start=0)
         s = self.layer.shape
-        if s.window is None:
-            attn = causal_prefill(self.layer, q, k, v)
-        else:
-            attn = self._windowed_prefill(q, k, v, s.window, s.sinks)
+        attn = causal_prefill(self.layer, q, k, v, s.window, s.sinks)
         self.write(k, v)
         return self.layer.output(attn)
-
-    def _windowed_prefill(self, q, k, v, W: int, S: int, chunk: int = 512):
-        """Windowed causal attention over the prompt, `chunk` queries at a time: each
-        chunk reads only the sinks and the keys its window reaches, so memory stays
-        O(chunk · (S + W + chunk)) however long the prompt."""
-        T = q.shape[2]
-        out = torch.empty_like(q)
-        for a in range(0, T, chunk):
-            b = min(T, a + chunk)
-            lo = max(0, a - W + 1)  # the first key the chunk's window reaches
-            sinks = min(S, lo)  # the sinks before it
-            keys = torch.cat((k[:, :, :sinks], k[:, :, lo:b]), dim=2)
-            values = torch.cat((v[:, :, :sinks], v[:, :, lo:b]), dim=2)
-            pos = torch.cat((torch.arange(sinks), torch.arange(lo, b))).to(q.device)
-            mask = visibility(torch.arange(a, b, device=q.device), pos, W, S)
-            out[:, :, a:b] = F.scaled_dot_product_attention(
-                q[:, :, a:b], keys, values, attn_mask=mask, scale=self.layer.scale,
-                enable_gqa=True)
-        return out
 
     def write(self, k, v):
         first = self.length

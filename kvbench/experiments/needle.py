@@ -516,7 +516,7 @@ def run_cell(o: NeedleOptions, ref, options, config, names, depth: float,
                     bar.advance(1)
             planned = replace(config, shape=replace(config.shape, decode_len=ANSWER_TOKENS))
             cell.kv_bytes = model_run.planner_bytes(cls, planned, options.at(config),
-                                                    len(m.model.blocks))
+                                                    m.model.arch)
             out.append(cell)
     return out
 

@@ -34,19 +34,25 @@ def apply_rope(x: torch.Tensor, positions: torch.Tensor,
 
 def dense_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                            scale: float, window: int | None = None,
-                           sinks: int = 0) -> torch.Tensor:
+                           sinks: int = 0, softcap: float | None = None) -> torch.Tensor:
     """The reference: q [B,H_q,T,D], k, v [B,H_kv,T,D] -> [B,H_q,T,D].
 
     Materialises the T×T score matrix per head and copies K/V per query group. With a
     window, query t sees only the sinks and the last `window` positions (see `visible`).
+    softcap (Gemma 2): scores → cap · tanh(scores / cap) before the mask, as transformers.
     """
     group = q.shape[1] // k.shape[1]
     k = k.repeat_interleave(group, dim=1)  # [B, H_q, T, D]
     v = v.repeat_interleave(group, dim=1)
     T = q.shape[2]
-    scores = matmul(q, k.transpose(-2, -1)) * scale  # [B, H_q, T, T]
+    scores = capped(matmul(q, k.transpose(-2, -1)) * scale, softcap)  # [B, H_q, T, T]
     scores = scores.masked_fill(~visible(T, q.device, window, sinks), float("-inf"))
     return matmul(torch.softmax(scores, dim=-1), v)
+
+
+def capped(scores: torch.Tensor, softcap: float | None) -> torch.Tensor:
+    """Soft-capped scores (Gemma 2: cap · tanh(scores / cap)); the scores where no cap."""
+    return scores if softcap is None else torch.tanh(scores / softcap) * softcap
 
 
 def visible(T: int, device, window: int | None = None, sinks: int = 0) -> torch.Tensor:

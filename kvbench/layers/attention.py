@@ -28,6 +28,7 @@ class AttentionLayer:
     """Fixed random weights and the per-position work shared by every decode path."""
 
     inv_freq: torch.Tensor | None = None  # RoPE's frequencies (None: base ROPE_BASE, unscaled)
+    softcap: float | None = None  # a model's soft-capped scores (Gemma 2); None: plain
 
     def __init__(self, shape: LayerShape, dtype: torch.dtype, device: str, seed: int,
                  rope: bool):
@@ -87,6 +88,8 @@ class AttentionLayer:
             values = store.read("v", n, torch.float64).repeat_interleave(s.group, dim=1)
             scores = (q.double() @ keys.transpose(-2, -1)) * layer.scale  # [B, H_q, 1, n]
             padding = cols[:, :n] > at[:, None]  # [B, n]
+            if s.window is not None:  # outside the window (and not a sink): unseen too
+                padding |= (cols[:, :n] >= s.sinks) & (cols[:, :n] <= at[:, None] - s.window)
             scores = scores.masked_fill(padding[:, None, None, :], float("-inf"))
             attn = torch.softmax(scores, dim=-1) @ values  # [B, H_q, 1, D]
             outputs.append(attn.transpose(1, 2).reshape(B, 1, -1) @ w_o)

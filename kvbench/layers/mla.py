@@ -48,6 +48,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 class MlaLayer:
     """Fixed random weights of one MLA layer, its projections and absorbed forms."""
 
+    softcap = None  # (no model's MLA soft-caps its scores)
+
     def __init__(self, shape: LayerShape, dtype: torch.dtype, device: str, seed: int):
         self.shape, self.dtype, self.device = shape, dtype, device
         self.rope, self.tp = True, 1

@@ -214,8 +214,10 @@ RAGGED_COLUMNS = ["seq_lens", "len_dist", "max_len"]
 # prefix's sits beside the bytes it saved.
 TP_COLUMNS = ["tp", "world_size", *(t for t in TECHNIQUES if t != "shared_prefix")]
 
-# --model runs: the model (a checkpoint's name, or a preset) and the layers run
-MODEL_COLUMNS = ["model", "layers"]
+# --model runs: the model (a checkpoint's name, or a preset) and the layers run; a hybrid
+# model's (Gemma's sliding layers beside its full ones): the implementation that served its
+# sliding layers (the row's impl served the full ones)
+MODEL_COLUMNS = ["model", "layers", "sliding_impl"]
 # --attention mla: the layer kind and MLA's dims (empty for gqa; kv_heads then equals q_heads
 # and head_dim qk_nope + qk_rope, the decompressed K of each head)
 MLA_COLUMNS = ["attention", *MlaDims.CELLS]
@@ -366,6 +368,9 @@ MEMORY_COLUMNS = MEMORY_FIRST[:-len(ENV_COLUMNS)] + [
     # --model: every layer's cache (kv_cache_bytes, kv_planner_bytes), the weights, the
     # prefill and decode peaks (cached_, decode_peak_allocated_bytes)
     *MODEL_COLUMNS, *MLA_COLUMNS,
+    # a hybrid model: the measured K/V of its full and its sliding layers, and the bytes its
+    # windows freed against the same model with every layer full (the planner's)
+    "kv_full_bytes", "kv_sliding_bytes", "kv_freed_bytes",
 ] + ENV_COLUMNS + PROVENANCE_COLUMNS
 
 

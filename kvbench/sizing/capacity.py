@@ -191,17 +191,17 @@ def preset(name: str) -> ModelSpec:
 
 def dense_params(hidden: int, intermediate: int, vocab: int, layers: int, q_heads: int,
                  kv_heads: int, head_dim: int, tie_embeddings: bool = False,
-                 qkv_bias: bool = False, qk_norm: bool = False) -> int:
-    """Parameters of a dense Llama-family decoder: the embedding, each layer's attention
-    (W_q, W_k, W_v, W_o; a q/k/v bias, q/k norms), SwiGLU MLP (3·H·I) and two RMSNorms, the
-    final norm, and the logits' matrix unless tied to the embedding."""
+                 qkv_bias: bool = False, qk_norm: bool = False, norms: int = 2) -> int:
+    """Parameters of a dense decoder: the embedding, each layer's attention (W_q, W_k, W_v,
+    W_o; a q/k/v bias, q/k norms), gated MLP (3·H·I) and `norms` RMSNorms (Llama 2; Gemma
+    4), the final norm, and the logits' matrix unless tied to the embedding."""
     H, I, D = hidden, intermediate, head_dim
     attn = H * (q_heads + 2 * kv_heads) * D + q_heads * D * H
     if qkv_bias:
         attn += (q_heads + 2 * kv_heads) * D
     if qk_norm:
         attn += 2 * D
-    per_layer = attn + 3 * H * I + 2 * H
+    per_layer = attn + 3 * H * I + norms * H
     head = 0 if tie_embeddings else vocab * H
     return vocab * H + per_layer * layers + H + head
 
@@ -216,11 +216,13 @@ def _config_params(cfg: dict, layers: int, q_heads: int, kv_heads: int,
     sizes = [cfg.get(k) for k in ("hidden_size", "intermediate_size", "vocab_size")]
     if any(cfg.get(k) for k in MOE_KEYS) or not all(type(v) is int and v > 0 for v in sizes):
         return None
+    hidden, inter, vocab = (v for v in sizes if isinstance(v, int))  # (all three, checked)
     kind = cfg.get("model_type")
-    return dense_params(*sizes, layers, q_heads, kv_heads, head_dim,
-                        tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+    gemma = kind in ("gemma2", "gemma3_text")  # four norms a layer, tied by default
+    return dense_params(hidden, inter, vocab, layers, q_heads, kv_heads, head_dim,
+                        tie_embeddings=bool(cfg.get("tie_word_embeddings", gemma)),
                         qkv_bias=bool(cfg.get("attention_bias", kind == "qwen2")),
-                        qk_norm=kind == "qwen3")
+                        qk_norm=kind in ("qwen3", "gemma3_text"), norms=4 if gemma else 2)
 
 
 def from_hf_config(path: Path) -> ModelSpec:
@@ -324,6 +326,9 @@ def _layer_types(cfg: dict, layers: int, window, path) -> tuple[str, ...]:
         return tuple("full" if (i + 1) % every == 0 else "mamba" for i in range(layers))
     if cfg.get("model_type") == "gemma2" and window:
         return _pattern(layers, ["sliding", "full"])
+    if cfg.get("model_type") == "gemma3_text" and window:  # five sliding to each full one
+        every = cfg.get("sliding_window_pattern") or cfg.get("_sliding_window_pattern") or 6
+        return tuple("full" if (i + 1) % every == 0 else "sliding" for i in range(layers))
     return ()
 
 
@@ -431,6 +436,14 @@ def cached_len(model: ModelSpec, layer: int, seq_len: int, whole: bool = False) 
     return min(prompt, budget) + n - prompt
 
 
+def sliding_blocks(window: int, seq_len: int, block_size: int) -> int:
+    """Blocks a sliding layer of `window` holds for a sequence of seq_len positions when the
+    blocks that leave the window go back to the pool (vLLM's sliding-window manager): the
+    blocks the sequence fills, up to those W positions can touch, ⌈(W − 1)/bs⌉ + 1 (its last
+    W positions start anywhere in a block: W=512, bs=16 -> 33)."""
+    return min(math.ceil(seq_len / block_size), math.ceil((window - 1) / block_size) + 1)
+
+
 def sequence_bytes(model: ModelSpec, fmt: CacheFormat, seq_len: int, per_rank: bool,
                    paged: bool = True) -> int:
     """KV bytes of one sequence of seq_len tokens over all layers (block-rounded if paged;
@@ -448,7 +461,11 @@ def sequence_bytes(model: ModelSpec, fmt: CacheFormat, seq_len: int, per_rank: b
             total += (model.whole_heads * full + (heads - model.whole_heads) * n) * (
                 per_token // heads)
             continue
-        if paged and fmt.block_size:
+        window = model.window_of(layer)
+        if paged and fmt.block_size and window and not model.sinks and (
+                model.budget_of(layer) is None):  # its blocks freed as they leave the window
+            n = sliding_blocks(window, seq_len, fmt.block_size) * fmt.block_size
+        elif paged and fmt.block_size:
             n = math.ceil(n / fmt.block_size) * fmt.block_size
         total += n * per_token + kivi_bytes_per_layer(model, fmt, n, per_rank)
     return total

@@ -240,7 +240,8 @@ class LayerShape:
     # positions and the last `window` (itself included). None: every earlier position.
     window: int | None = technique(
         None, "A sliding window: each query sees the last W positions (itself included), "
-        "plus the --sinks; path A attends the same way. Runs on window.", option=int | None,
+        "plus the --sinks; path A attends the same way. Runs on window (and without sinks on "
+        "paged-window).", option=int | None,
         show_default=False, skip="keeps every position",
         label=lambda r: (None if _number(r, "window") is None else
                          f"W{_number(r, 'window')}+S{_number(r, 'sinks') or 0}"))

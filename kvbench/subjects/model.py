@@ -39,6 +39,11 @@ def expand(o: RunOptions, command: str):
     plan.positive("--layers", o.layers)
     ref = resolve(o.model)
     arch = ref.arch.first(o.layers)
+    if arch.sliding_layers and o.technique("window") is not None:
+        raise KvbenchError(
+            f"--window contradicts {arch.name}'s own windows ({arch.sliding_window} positions "
+            f"on {len(arch.sliding_layers)} of its {arch.layers} layers); drop --window: its "
+            "sliding layers keep their window through every cache")
     layer_budgets = budgets.parse(o.layer_budgets, arch.layers)
     if isinstance(layer_budgets, tuple):
         if o.technique("kv_budget") is not None:
@@ -56,13 +61,8 @@ def expand(o: RunOptions, command: str):
         points = [(replace(config, shape=budgets.resolve(config.shape, layer_budgets,
                                                          arch.layers)), names)
                   for config, names in points]
-    for config, _ in points:
-        s = config.shape
-        if arch.sliding_window and s.total_len > arch.sliding_window:
-            raise KvbenchError(
-                f"--model {o.model} attends within a sliding window of {arch.sliding_window} "
-                f"positions; prompt + decode = {s.total_len}: shorten them to at most "
-                f"{arch.sliding_window}")
+    points = served(arch, points, options, o.impl.strip().lower() not in ("all", "default"),
+                    notes)
     if not ref.trained:
         notes.append(f"{arch.name}: random weights at its real shape; quality figures "
                      "(perplexity, KL) describe nothing and are not reported")
@@ -72,10 +72,60 @@ def expand(o: RunOptions, command: str):
     return ref, points, options, notes
 
 
+def unserved(arch, name: str, config, options) -> str | None:
+    """Why implementation `name` cannot run this model's layers at this point: its own
+    attention lacks the model's soft-capping, or the implementation that serves its sliding
+    layers cannot run there; None if it can."""
+    from kvbench.caches import IMPLEMENTATIONS
+
+    cls = IMPLEMENTATIONS[name]
+    options = options.at(config)
+    capping = [n for n, c in IMPLEMENTATIONS.items() if c.softcaps]
+    if arch.attn_softcap is not None and not cls.softcaps:
+        return (f"its attention does not soft-cap scores ({arch.name}'s attention logit "
+                f"soft-capping runs on {', '.join(capping)})")
+    if not arch.sliding_layers:
+        return None
+    other = IMPLEMENTATIONS[cls.sliding_server()]
+    sliding = replace(config, shape=replace(config.shape, window=arch.sliding_window, sinks=0))
+    reason = (other.unstorable(options) or other.inapplicable(sliding)
+              or other.unavailable(sliding, options)
+              or ("does not soft-cap scores" if arch.attn_softcap is not None
+                  and not other.softcaps else None))
+    if reason is None:
+        return None
+    whose = "its own" if other is cls else f"{other.name}, which serves"
+    return f"{whose} sliding layers cannot run here: {reason}"
+
+
+def served(arch, points, options, explicit: bool, notes: list[str]):
+    """The points with the implementations that can run every layer of the model (see
+    `unserved`): one named that cannot is refused in one line; under all, left out with a
+    note."""
+    out = []
+    for config, names in points:
+        kept = []
+        for name in names:
+            reason = unserved(arch, name, config, options)
+            if reason is None:
+                kept.append(name)
+            elif explicit:
+                raise KvbenchError(f"--impl {name} cannot run {arch.name}: {reason}")
+            elif (line := f"{name} left out on {arch.name}: {reason}") not in notes:
+                notes.append(line)
+        if kept:
+            out.append((config, tuple(kept)))
+    if not out:
+        raise KvbenchError(f"no implementation named can run {arch.name}'s layers; see "
+                           "kvbench verify --help")
+    return out
+
+
 def preflight(command: str, ref, layers, host_mem):
     """A point's phases: the weights (transformers' copy beside kvbench's for a checkpoint
     that path A or generate runs), then each implementation with every layer's cache."""
     from kvbench.caches import IMPLEMENTATIONS
+    from kvbench.experiments.model.run import layer_plans
     from kvbench.planning.preflight import DEVICE, HOST, Phase, Plan, available_memory
 
     arch = ref.arch.first(layers)
@@ -97,14 +147,16 @@ def preflight(command: str, ref, layers, host_mem):
             phases.append(Phase("weights (loaded on the host)", weights, HOST, shrink))
         for name in names:
             cls = IMPLEMENTATIONS[name]
-            f = cls.footprint(config, options)
-            transient = max(f.prefill - f.storage, f.decode, 0)
+            # each layer's cache (a sliding layer's: its window's), the worst transient
+            feet = [kind.footprint(layer, options)
+                    for kind, layer in layer_plans(cls, config, arch)]
+            storage = sum(f.storage for f in feet)
+            transient = max(max(f.prefill - f.storage, f.decode, 0) for f in feet)
             # bench --graph: a second set of caches, the whole model's graph over them
             sets = 2 if (config.graph and command == "bench"
                          and cls.uncapturable(config, options) is None) else 1
             phases.append(Phase(f"{name}: {arch.layers} layers' caches", weights
-                                + sets * arch.layers * f.storage + transient + acts, mem,
-                                shrink))
+                                + sets * storage + transient + acts, mem, shrink))
         return Plan(config, tuple(names), tuple(phases),
                     available_memory(config.device, host_mem),
                     model=f"{arch.name} ({arch.layers} of {ref.arch.layers} layers)")

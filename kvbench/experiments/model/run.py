@@ -9,6 +9,7 @@ prefix with no cache, once per step (kvbench's own cacheless forward for random 
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -32,7 +33,7 @@ class Loaded:
 
     ref: ModelRef
     model: Model
-    hf: object | None
+    hf: Any  # transformers' model, or None
     tokenizer: object | None
     tokens: torch.Tensor  # [B, T_p + G + 1]
 
@@ -84,12 +85,17 @@ def load(ref: ModelRef, config: RunConfig, layers: int | None, text,
     return out
 
 
-def path_a(m: Loaded, tokens: torch.Tensor, hidden: list | None = None) -> torch.Tensor:
+def path_a(m: Loaded, tokens: torch.Tensor, hidden: list | None = None,
+           last: bool = False) -> torch.Tensor:
     """Logits [B, T, V] of the whole prefix with no cache: transformers' forward for a
-    checkpoint (kvbench's own cacheless forward for random weights, or for `hidden`)."""
+    checkpoint (kvbench's own cacheless forward for random weights, or for `hidden`). last:
+    the last position's only [B, 1, V] (a step's: at 262,144 words a prefix of 1,000
+    positions' logits are 1 GiB)."""
     if m.hf is not None and hidden is None:
+        if last:
+            return m.hf(tokens, use_cache=False, logits_to_keep=1).logits
         return m.hf(tokens, use_cache=False).logits
-    return m.model.full_forward(tokens, hidden)
+    return m.model.full_forward(tokens, hidden, last=last)
 
 
 # ------------------------------------------------------------------------------- verify
@@ -163,7 +169,8 @@ def _path_a_logits(m: Loaded, tokens: torch.Tensor, T: int, G: int):
         logits = path_a(m, tokens[:, :T + G])
         return logits[:, :T], logits[:, T:T + G]
     prompt = path_a(m, tokens[:, :T])
-    steps = torch.cat([path_a(m, tokens[:, :T + j])[:, -1:] for j in range(1, G + 1)], dim=1)
+    steps = torch.cat([path_a(m, tokens[:, :T + j], last=True) for j in range(1, G + 1)],
+                      dim=1)
     return prompt, steps
 
 
@@ -249,7 +256,7 @@ def verify(ref: ModelRef, config: RunConfig, names, options: ImplOptions, layers
                     check.passed = False
                     check.message = (f"logits differ from transformers' masked forward by up "
                                      f"to {err:.3g} (tolerance atol {atol:g} + rtol {rtol:g})")
-            check.cache_bytes = planner_bytes(cls, config, options.at(config), len(m.model.blocks))
+            check.cache_bytes = planner_bytes(cls, config, options.at(config), m.model.arch)
             report.checks.append(check)
             del cm
     return report
@@ -430,17 +437,29 @@ class ModelBenchResult:
 HF_ROW = "transformers"  # the row of transformers' generate with its static cache
 
 
-def kv_bytes_per_step(cls, config: RunConfig, options: ImplOptions, layers: int) -> float:
-    """Mean over the G steps of the K/V bytes one step reads (the positions `cls` reads at
-    lengths T_p + 1 .. T_p + G) and writes (one position per sequence), every layer, in the
-    stored format."""
+def layer_plans(cls, config: RunConfig, layers) -> list[tuple[Any, RunConfig]]:
+    """(cache class, RunConfig) per layer: `layers` an int (that many layers alike) or the
+    model's Architecture (each layer its kind: a sliding layer its window and server)."""
+    from kvbench.layers.model.transformer import layer_caches
+    from kvbench.sizing.budgets import per_layer
+
+    if isinstance(layers, int):
+        return [(cls, c) for c in per_layer(config, layers)]
+    return layer_caches(layers, cls, config)
+
+
+def kv_bytes_per_step(cls, config: RunConfig, options: ImplOptions, layers) -> float:
+    """Mean over the G steps of the K/V bytes one step reads (the positions each layer's
+    cache reads at lengths T_p + 1 .. T_p + G: a sliding layer its window's) and writes (one
+    position per sequence), every layer, in the stored format (`layers`: see layer_plans)."""
     s = config.shape
     fmt = options.kv_format
     vector = fmt.vector_bytes(s.head_dim) if fmt.quantized else s.head_dim * config.dtype_bytes
     position = 2 * s.kv_heads * vector  # K and V of every KV head
     lengths = range(s.prompt_len + 1, s.total_len + 1)
-    reads = sum(cls.step_reads(config, options, t) for t in lengths) / len(lengths)
-    return layers * (reads + s.batch) * position
+    reads = sum(kind.step_reads(layer, options, t) for kind, layer in
+                layer_plans(cls, config, layers) for t in lengths) / len(lengths)
+    return reads * position + len(layer_plans(cls, config, layers)) * s.batch * position
 
 
 def bench(ref: ModelRef, config: RunConfig, names, options, impl_options: ImplOptions,
@@ -516,14 +535,14 @@ def bench(ref: ModelRef, config: RunConfig, names, options, impl_options: ImplOp
         cls = IMPLEMENTATIONS[name]
         timings.append(ModelTiming(
             name, stats.get(f"prefill:{name}"), stats[f"decode:{name}"],
-            kv_bytes_per_step(cls, config, impl_options.at(config), len(m.model.blocks)),
+            kv_bytes_per_step(cls, config, impl_options.at(config), m.model.arch),
             next(c for c in report.checks if c.impl == name), stats.get(f"graph:{name}")))
     if hf is not None:
         first, whole = stats[f"prefill:{HF_ROW}"], stats[f"decode:{HF_ROW}"]
         steps = after_first_token(first, whole)
         static = IMPLEMENTATIONS["static"]
         timings.append(ModelTiming(HF_ROW, first, steps, kv_bytes_per_step(
-            static, config, ImplOptions(), len(m.model.blocks))))
+            static, config, ImplOptions(), m.model.arch)))
     return ModelBenchResult(config, ref, len(m.model.blocks), options,
                             m.model.step_weight_bytes(),
                             bandwidth.copy_gbps(stats["copy"], copy_bytes), timings,
@@ -569,6 +588,11 @@ class ModelImplMemory:
     planner_bytes: int  # kvbench capacity's figure for the model at this point
     prefill_peak_bytes: int
     decode_peak_bytes: int
+    # a hybrid model: the measured bytes by layer kind, and what the windows freed against
+    # the same model with every layer full (the planner's all-full figure less this one's)
+    kind_bytes: dict[str, int] = field(default_factory=dict)
+    freed_bytes: int | None = None
+    sliding_impl: str | None = None  # what served the sliding layers
 
 
 @dataclass
@@ -581,12 +605,19 @@ class ModelMemoryResult:
     kv_format: object = None
 
 
-def planner_bytes(cls, config: RunConfig, options: ImplOptions, layers: int) -> int:
-    """`kvbench capacity`'s bytes for the whole model: each layer's plan (the positions the
-    implementation reserves, its format, its blocks), summed over the layers."""
-    from kvbench.sizing.budgets import per_layer
+def planner_bytes(cls, config: RunConfig, options: ImplOptions, layers) -> int:
+    """`kvbench capacity`'s bytes for the whole model: each layer's plan (the positions its
+    cache reserves, its format, its blocks), summed over the layers (see layer_plans)."""
+    return sum(kind.planned_bytes(layer, options)
+               for kind, layer in layer_plans(cls, config, layers))
 
-    return sum(cls.planned_bytes(layer, options) for layer in per_layer(config, layers))
+
+def kind_bytes(cls, config: RunConfig, options: ImplOptions, arch) -> dict[str, int]:
+    """planner_bytes by layer kind ("full", "sliding")."""
+    out: dict[str, int] = {}
+    for i, (kind, layer) in enumerate(layer_plans(cls, config, arch)):
+        out[arch.kind(i)] = out.get(arch.kind(i), 0) + kind.planned_bytes(layer, options)
+    return out
 
 
 def memory(ref: ModelRef, config: RunConfig, names, options: ImplOptions, layers: int | None,
@@ -611,8 +642,18 @@ def memory(ref: ModelRef, config: RunConfig, names, options: ImplOptions, layers
                     cm.prefill(m.tokens[:, :T])
             with device_errors("memory: decode", name), measure(config.device) as dec:
                 _steps(cm, m.tokens, T, G)
-            out.append(ModelImplMemory(name, storage_bytes(cm.cache_tensors()),
-                                       planner_bytes(cls, config, options, L),
-                                       pre.peak_allocated_bytes, dec.peak_allocated_bytes))
+            arch = m.model.arch
+            kinds: dict[str, int] = {}
+            for i, c in enumerate(cm.caches):
+                kinds[arch.kind(i)] = kinds.get(arch.kind(i), 0) + storage_bytes(
+                    c.cache_tensors())
+            hybrid = bool(arch.sliding_layers)
+            out.append(ModelImplMemory(
+                name, storage_bytes(cm.cache_tensors()), planner_bytes(cls, config, options,
+                                                                       arch),
+                pre.peak_allocated_bytes, dec.peak_allocated_bytes, kinds if hybrid else {},
+                planner_bytes(cls, config, options, arch.all_full())
+                - planner_bytes(cls, config, options, arch) if hybrid else None,
+                cls.sliding_server() if hybrid else None))
             del cm
     return ModelMemoryResult(config, ref, L, m.model.weight_bytes, out, options.kv_format)

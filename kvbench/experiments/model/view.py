@@ -39,8 +39,8 @@ def verify_table(report) -> Table:
         q = c.quality
         result = "[yellow]lossy[/]" if c.lossy and c.passed else _result(c)
         quality = [f"{q.ppl:.3f}", sci(q.kl_mean), sci(q.kl_max), f"{q.top1:.1%}"]
-        t.add_row(c.impl, result, sci(c.max_abs_err), *(quality if trained else []),
-                  c.message or "—")
+        t.add_row(impl_label(report, c.impl), result, sci(c.max_abs_err),
+                  *(quality if trained else []), c.message or "—")
     ref = report.reference
     if report.masked is not None:
         q = report.masked
@@ -72,7 +72,8 @@ def bench_table(result) -> Table:
         t.add_column(col, justify="left" if col == "impl" else "right", no_wrap=True)
     for timing in result.timings:
         pct = result.bandwidth_fraction(timing)
-        t.add_row(timing.impl, ms_text(timing.prefill.median_ms) if timing.prefill else "skipped",
+        t.add_row(impl_label(result, timing.impl),
+                  ms_text(timing.prefill.median_ms) if timing.prefill else "skipped",
                   ms_text(result.ms_per_token(timing)), spread_text(timing.decode),
                   f"{result.tokens_per_s(timing):,.1f}",
                   f"{result.bytes_per_step(timing) / 1e6:,.2f}",
@@ -104,17 +105,27 @@ def bench_table(result) -> Table:
 
 def memory_table(result) -> Table:
     t = new_table(_title("memory", result))
-    for col in ("impl", "K/V MiB", "planner MiB", "prefill peak", "decode peak"):
+    hybrid = any(m.kind_bytes for m in result.impls)
+    cols = ["impl", "K/V MiB", "planner MiB"] + (
+        ["full layers", "sliding layers", "windows freed"] if hybrid else []) + [
+        "prefill peak", "decode peak"]
+    for col in cols:
         t.add_column(col, justify="left" if col == "impl" else "right", no_wrap=True)
     for m in result.impls:
         same = m.cache_bytes == m.planner_bytes
-        t.add_row(m.impl, mib(m.cache_bytes), mib(m.planner_bytes)
-                  + ("" if same else " [red]≠[/]"), mib(m.prefill_peak_bytes),
+        kinds = [f"{m.kind_bytes.get('full', 0):,} B", f"{m.kind_bytes.get('sliding', 0):,} B",
+                 f"{m.freed_bytes:,} B"] if m.kind_bytes else []
+        t.add_row(impl_label(result, m.impl), mib(m.cache_bytes), mib(m.planner_bytes)
+                  + ("" if same else " [red]≠[/]"), *kinds, mib(m.prefill_peak_bytes),
                   mib(m.decode_peak_bytes))
     t.caption = (f"MiB; K/V: every layer's cache tensors once decoded; planner: kvbench "
                  f"capacity's bytes for the model at this point; weights "
                  f"{human_bytes(result.weight_bytes)} (not in the peaks); peaks above what "
-                 "was held before: building the caches and the prefill, then the decode steps")
+                 "was held before: building the caches and the prefill, then the decode steps"
+                 + ("; full and sliding layers: the K/V measured in each kind (a sliding "
+                    "layer holds its window: Σ min(T, W) positions); windows freed: the "
+                    "planner's bytes for the same model with every layer full, less these; "
+                    "impl + other: other served the sliding layers" if hybrid else ""))
     return t
 
 
@@ -124,9 +135,24 @@ TABLES = {"verify": verify_table, "bench": bench_table, "memory": memory_table}
 # ------------------------------------------------------------- its rows and tables
 
 
+def sliding_impl(result, impl: str) -> str | None:
+    """The implementation that served a hybrid model's sliding layers in impl's run (None
+    for a model without, and for transformers' own row)."""
+    if impl not in IMPLEMENTATIONS or not result.ref.arch.first(result.layers).sliding_layers:
+        return None
+    return IMPLEMENTATIONS[impl].sliding_server()
+
+
+def impl_label(result, impl: str) -> str:
+    """impl, and where another served the sliding layers, "static + window"."""
+    other = sliding_impl(result, impl)
+    return impl if other in (None, impl) else f"{impl} + {other}"
+
+
 def _model_cells(command: str, impl: str, result) -> dict[str, object]:
     cells = {**config_cells(command, impl, result.config, reads_of(impl)),
-             "model": result.ref.label, "layers": result.layers}
+             "model": result.ref.label, "layers": result.layers,
+             "sliding_impl": sliding_impl(result, impl)}
     if impl == "transformers":
         return {**cells, **dict.fromkeys(TECHNIQUE_COLUMNS)}
     return {**cells, **kv_cells(result.kv_format)}
@@ -171,7 +197,10 @@ def model_memory_rows(result, env: dict[str, object]) -> list[dict[str, object]]
         **_model_cells("memory", m.impl, result), "weight_bytes": result.weight_bytes,
         "cached_peak_allocated_bytes": m.prefill_peak_bytes,
         "decode_peak_allocated_bytes": m.decode_peak_bytes, "kv_cache_bytes": m.cache_bytes,
-        "kv_planner_bytes": m.planner_bytes, **env,
+        "kv_planner_bytes": m.planner_bytes,
+        "kv_full_bytes": m.kind_bytes.get("full") if m.kind_bytes else None,
+        "kv_sliding_bytes": m.kind_bytes.get("sliding") if m.kind_bytes else None,
+        "kv_freed_bytes": m.freed_bytes, **env,
     } for m in result.impls]
 
 

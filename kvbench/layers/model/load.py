@@ -87,8 +87,12 @@ def load(ref: ModelRef, dtype: torch.dtype, device: str):
     """The transformers model (eval mode, on the device, in dtype) and its tokenizer."""
     tf = _transformers()
     folder = converted(ref)
+    # a model with sliding layers or soft-capped scores: transformers' eager attention (its
+    # own sliding mask, the scores capped as they are trained), path A as written
+    own = ref.arch.sliding_layers or ref.arch.attn_softcap is not None
+    extra = {"attn_implementation": "eager"} if own else {}
     try:
-        model = tf.AutoModelForCausalLM.from_pretrained(folder, dtype=dtype)
+        model = tf.AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, **extra)
     except (OSError, ValueError) as err:
         raise KvbenchError(f"--model {ref.path}: cannot load the weights "
                            f"({str(err).splitlines()[0][:160]})") from None

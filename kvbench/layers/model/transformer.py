@@ -1,15 +1,21 @@
 """The whole model, decoded through kvbench's caches (in the spirit of gpt-fast's model.py).
 
 embedding -> per layer: RMSNorm, attention through the layer's own cache, residual, RMSNorm,
-SwiGLU MLP, residual -> final RMSNorm -> logits. Each layer's attention is a `ModelAttention`:
+gated MLP, residual -> final RMSNorm -> logits. Each layer's attention is a `ModelAttention`:
 the same interface as the one random layer kvbench times (`AttentionLayer`), so every cache
 implementation runs inside the model unchanged, one instance per layer.
+
+What a family changes is read from its Architecture, never from its name: each layer's kind,
+window and RoPE (a sliding layer's cache holds its window only: `layer_caches`), Gemma's
+norms (1 + weight, in float32; one after attention and one around the MLP besides), its
+embedding scale, GeGLU, attention scale and soft-capping.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -18,16 +24,25 @@ from kvbench.layers.attention import AttentionLayer, apply_rope, dense_causal_at
 from kvbench.layers.model.spec import Architecture
 from kvbench.sizing.config import LayerShape
 
+if TYPE_CHECKING:
+    from kvbench.caches.base import CachedAttention
+    from kvbench.sizing.config import RunConfig
 
-def rope_inv_freq(arch: Architecture, dtype: torch.dtype) -> torch.Tensor:
+
+def rope_inv_freq(arch: Architecture, dtype: torch.dtype, layer: int | None = None
+                  ) -> torch.Tensor:
     """The rotary frequencies of each pair of dimensions, as transformers computes them (in
-    float32, float64 for the exact reference), scaled as the config says: linear divides all
-    by the factor; llama3 divides the low frequencies, keeps the high ones and interpolates
-    the band between."""
+    float32, float64 for the exact reference), for layer `layer`'s RoPE (None: the full
+    layers'), scaled as the config says: linear divides all by the factor; llama3 divides the
+    low frequencies, keeps the high ones and interpolates the band between."""
     compute = torch.float64 if dtype == torch.float64 else torch.float32
     D = arch.head_dim
-    inv = 1.0 / (arch.rope_theta ** (torch.arange(0, D, 2).to(compute) / D))
-    s = arch.scaling
+    if layer is None:
+        theta, s = arch.rope_theta, arch.scaling
+    else:
+        spec = arch.layer(layer)
+        theta, s = spec.rope_theta, spec.scaling
+    inv = 1.0 / (theta ** (torch.arange(0, D, 2).to(compute) / D))
     kind = s.get("rope_type")  # (spec.py names it wherever there is a scaling)
     if kind == "linear":
         return inv / s["factor"]
@@ -43,35 +58,48 @@ def rope_inv_freq(arch: Architecture, dtype: torch.dtype) -> torch.Tensor:
     return inv
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """transformers' LlamaRMSNorm: normalised in float32 (float64 stays), scaled in x's dtype."""
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+             offset: float = 0.0) -> torch.Tensor:
+    """transformers' LlamaRMSNorm: normalised in float32 (float64 stays), scaled in x's
+    dtype. With an offset (Gemma: 1), scaled by offset + weight in float32, then rounded."""
     compute = torch.float64 if x.dtype == torch.float64 else torch.float32
     h = x.to(compute)
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    if offset:
+        return (h * (offset + weight.to(compute))).to(x.dtype)
     return weight * h.to(x.dtype)
+
+
+def softcap(x: torch.Tensor, cap: float | None) -> torch.Tensor:
+    """Gemma 2's soft-capping: cap · tanh(x / cap); x itself when there is no cap."""
+    return x if cap is None else torch.tanh(x / cap) * cap
 
 
 class ModelAttention(AttentionLayer):
     """One layer's attention with a checkpoint's weights: q/k/v projections (with Qwen2's
-    bias), Qwen3's per-head q/k RMSNorm, the model's RoPE, the output projection."""
+    bias), Qwen3's and Gemma 3's per-head q/k RMSNorm, the layer's own RoPE, the output
+    projection; the scores scaled as the model says and soft-capped where it caps them."""
 
     def __init__(self, arch: Architecture, shape: LayerShape, w_qkv: torch.Tensor,
                  w_o: torch.Tensor, b_qkv: torch.Tensor | None = None,
-                 q_norm: torch.Tensor | None = None, k_norm: torch.Tensor | None = None):
-        self.arch, self.shape = arch, shape
+                 q_norm: torch.Tensor | None = None, k_norm: torch.Tensor | None = None,
+                 index: int | None = None):
+        self.arch, self.shape, self.index = arch, shape, index
         self.dtype, self.device = w_qkv.dtype, str(w_qkv.device)
         self.w_qkv, self.w_o, self.b_qkv = w_qkv, w_o, b_qkv  # [H, (H_q+2H_kv)·D], [H_q·D, H]
         self.q_norm, self.k_norm = q_norm, k_norm
-        self.inv_freq = rope_inv_freq(arch, self.dtype).to(w_qkv.device)
+        self.inv_freq = rope_inv_freq(arch, self.dtype, index).to(w_qkv.device)
         self.rope, self.tp = True, 1
-        self.scale = 1.0 / math.sqrt(arch.head_dim)
+        self.scale = arch.scale
+        self.softcap = arch.attn_softcap
 
     def to(self, dtype: torch.dtype) -> ModelAttention:
         def cast(t):
             return None if t is None else t.to(dtype)
 
         return ModelAttention(self.arch, self.shape, cast(self.w_qkv), cast(self.w_o),
-                              cast(self.b_qkv), cast(self.q_norm), cast(self.k_norm))
+                              cast(self.b_qkv), cast(self.q_norm), cast(self.k_norm),
+                              self.index)
 
     def tensors(self) -> list[torch.Tensor]:
         return [t for t in (self.w_qkv, self.w_o, self.b_qkv, self.q_norm, self.k_norm,
@@ -85,9 +113,10 @@ class ModelAttention(AttentionLayer):
             qkv = qkv + self.b_qkv
         qkv = qkv.view(B, T, Hq + 2 * Hkv, D).transpose(1, 2)
         q, k, v = qkv.split((Hq, Hkv, Hkv), dim=1)
-        if self.q_norm is not None:  # Qwen3: RMSNorm over each head's vector, before RoPE
-            q = rms_norm(q, self.q_norm, self.arch.norm_eps)
-            k = rms_norm(k, self.k_norm, self.arch.norm_eps)
+        if self.q_norm is not None:  # Qwen3, Gemma 3: RMSNorm over each head's vector
+            eps, offset = self.arch.norm_eps, self.arch.norm_offset
+            q = rms_norm(q, self.q_norm, eps, offset)
+            k = rms_norm(k, self.k_norm, eps, offset)
         positions = torch.arange(T, device=x.device) + start
         return (apply_rope(q, positions, self.inv_freq), apply_rope(k, positions, self.inv_freq),
                 v)
@@ -100,14 +129,28 @@ class Block:
     mlp_norm: torch.Tensor
     w_gate_up: torch.Tensor  # [H, 2·I]: gate and up in one GEMM
     w_down: torch.Tensor  # [I, H]
+    # Gemma: the attention's and the MLP's outputs normed before the residual adds them
+    post_attn_norm: torch.Tensor | None = None
+    post_mlp_norm: torch.Tensor | None = None
+
+    def norms(self) -> list[torch.Tensor]:
+        return [t for t in (self.attn_norm, self.mlp_norm, self.post_attn_norm,
+                            self.post_mlp_norm) if t is not None]
 
     def tensors(self) -> list[torch.Tensor]:
-        return [*self.attn.tensors(), self.attn_norm, self.mlp_norm, self.w_gate_up,
-                self.w_down]
+        return [*self.attn.tensors(), *self.norms(), self.w_gate_up, self.w_down]
+
+    def to(self, dtype: torch.dtype) -> Block:
+        def cast(t):
+            return None if t is None else t.to(dtype)
+
+        return Block(self.attn.to(dtype), cast(self.attn_norm), cast(self.mlp_norm),
+                     cast(self.w_gate_up), cast(self.w_down), cast(self.post_attn_norm),
+                     cast(self.post_mlp_norm))
 
 
 class Model:
-    """A Llama-family model's weights and its forward, with attention supplied per layer."""
+    """A decoder's weights and its forward, with attention supplied per layer."""
 
     def __init__(self, arch: Architecture, embed: torch.Tensor, blocks: list[Block],
                  norm: torch.Tensor, lm_head: torch.Tensor):
@@ -134,16 +177,27 @@ class Model:
         return sum(t.numel() * t.element_size() for t in tensors)
 
     def to(self, dtype: torch.dtype) -> Model:
-        blocks = [Block(b.attn.to(dtype), *(t.to(dtype) for t in (b.attn_norm, b.mlp_norm,
-                                                                   b.w_gate_up, b.w_down)))
-                  for b in self.blocks]
+        blocks = [b.to(dtype) for b in self.blocks]
         embed = self.embed.to(dtype)
         head = embed.t() if self.arch.tie_embeddings else self.lm_head.to(dtype)
         return Model(self.arch, embed, blocks, self.norm.to(dtype), head)
 
+    def rms(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return rms_norm(x, weight, self.arch.norm_eps, self.arch.norm_offset)
+
     def mlp(self, b: Block, x: torch.Tensor) -> torch.Tensor:
         gate, up = (x @ b.w_gate_up).chunk(2, dim=-1)
-        return (F.silu(gate) * up) @ b.w_down
+        act = (F.gelu(gate, approximate="tanh") if self.arch.activation == "gelu_tanh"
+               else F.silu(gate))
+        return (act * up) @ b.w_down
+
+    def embedding(self, tokens: torch.Tensor) -> torch.Tensor:
+        """The tokens' embeddings [B, T, H]; Gemma's times √hidden, the factor rounded to
+        the weights' dtype first (as transformers' scaled embedding does)."""
+        h = self.embed[tokens]
+        if self.arch.embed_scale:
+            h = h * torch.tensor(self.arch.hidden ** 0.5, dtype=h.dtype)
+        return h
 
     def forward(self, tokens: torch.Tensor, attend, hidden: list | None = None,
                 last: bool = False) -> torch.Tensor:
@@ -151,26 +205,32 @@ class Model:
         a server computes them). attend(i, x) is layer i's attention over its normed input
         x [B, T, H] (through a cache, or over the whole sequence). `hidden` collects each
         layer's output (to find the first layer that differs)."""
-        eps = self.arch.norm_eps
-        h = self.embed[tokens]
+        h = self.embedding(tokens)
         for i, b in enumerate(self.blocks):
-            h = h + attend(i, rms_norm(h, b.attn_norm, eps))
-            h = h + self.mlp(b, rms_norm(h, b.mlp_norm, eps))
+            a = attend(i, self.rms(h, b.attn_norm))
+            h = h + (a if b.post_attn_norm is None else self.rms(a, b.post_attn_norm))
+            m = self.mlp(b, self.rms(h, b.mlp_norm))
+            h = h + (m if b.post_mlp_norm is None else self.rms(m, b.post_mlp_norm))
             if hidden is not None:
                 hidden.append(h)
-        return rms_norm(h[:, -1:] if last else h, self.norm, eps) @ self.lm_head
+        logits = self.rms(h[:, -1:] if last else h, self.norm) @ self.lm_head
+        return softcap(logits, self.arch.final_softcap)
 
-    def full_forward(self, tokens: torch.Tensor, hidden: list | None = None) -> torch.Tensor:
-        """No cache: causal attention over the whole sequence in every layer (path A's
-        shape of work, and the reference where no transformers model is at hand)."""
-        window = self.arch.sliding_window
+    def full_forward(self, tokens: torch.Tensor, hidden: list | None = None,
+                     last: bool = False) -> torch.Tensor:
+        """No cache: causal attention over the whole sequence in every layer, each within its
+        own window (path A's shape of work, and the reference where no transformers model is
+        at hand)."""
+        arch = self.arch
 
         def attend(i, x):
             layer = self.blocks[i].attn
             q, k, v = layer.project(x, start=0)
-            return layer.output(dense_causal_attention(q, k, v, layer.scale, window))
+            return layer.output(dense_causal_attention(q, k, v, layer.scale,
+                                                       arch.layer(i).window,
+                                                       softcap=layer.softcap))
 
-        return self.forward(tokens, attend, hidden)
+        return self.forward(tokens, attend, hidden, last)
 
 
 def layer_shape(arch: Architecture, **sizes) -> LayerShape:
@@ -181,8 +241,10 @@ def layer_shape(arch: Architecture, **sizes) -> LayerShape:
 
 def from_transformers(hf, arch: Architecture, dtype: torch.dtype, device: str,
                       layers: int | None = None) -> Model:
-    """kvbench's layout of a transformers Llama-family model's weights: q, k, v fused into
-    one [H, (H_q + 2·H_kv)·D] matrix, gate and up into one [H, 2·I], all stored input-major."""
+    """kvbench's layout of a transformers model's weights: q, k, v fused into one
+    [H, (H_q + 2·H_kv)·D] matrix, gate and up into one [H, 2·I], all stored input-major.
+    Llama's post_attention_layernorm is the MLP's input norm; Gemma's is the attention
+    output's (its MLP's is pre_feedforward_layernorm)."""
     arch = arch.first(layers)
     inner = hf.model
     shape = layer_shape(arch)
@@ -191,19 +253,26 @@ def from_transformers(hf, arch: Architecture, dtype: torch.dtype, device: str,
         return w.detach().to(device=device, dtype=dtype)
 
     blocks = []
-    for layer in inner.layers[: arch.layers]:
+    for i, layer in enumerate(inner.layers[: arch.layers]):
         a, m = layer.self_attn, layer.mlp
         w_qkv = torch.cat((a.q_proj.weight, a.k_proj.weight, a.v_proj.weight)).t()
         bias = None
         if a.q_proj.bias is not None:
             bias = t(torch.cat((a.q_proj.bias, a.k_proj.bias, a.v_proj.bias)))
-        norms = ((t(a.q_norm.weight), t(a.k_norm.weight)) if arch.qk_norm else (None, None))
+        q_norm, k_norm = ((t(a.q_norm.weight), t(a.k_norm.weight)) if arch.qk_norm
+                          else (None, None))
         attn = ModelAttention(arch, shape, t(w_qkv).contiguous(),
-                              t(a.o_proj.weight.t()).contiguous(), bias, *norms)
+                              t(a.o_proj.weight.t()).contiguous(), bias, q_norm, k_norm, i)
         w_gate_up = torch.cat((m.gate_proj.weight, m.up_proj.weight)).t()
-        blocks.append(Block(attn, t(layer.input_layernorm.weight),
-                            t(layer.post_attention_layernorm.weight),
-                            t(w_gate_up).contiguous(), t(m.down_proj.weight.t()).contiguous()))
+        mlp = (t(w_gate_up).contiguous(), t(m.down_proj.weight.t()).contiguous())
+        if arch.sandwich_norms:
+            blocks.append(Block(attn, t(layer.input_layernorm.weight),
+                                t(layer.pre_feedforward_layernorm.weight), *mlp,
+                                t(layer.post_attention_layernorm.weight),
+                                t(layer.post_feedforward_layernorm.weight)))
+        else:
+            blocks.append(Block(attn, t(layer.input_layernorm.weight),
+                                t(layer.post_attention_layernorm.weight), *mlp))
     embed = t(inner.embed_tokens.weight)
     head = embed.t() if arch.tie_embeddings else t(hf.lm_head.weight.t()).contiguous()
     return Model(arch, embed, blocks, t(inner.norm.weight), head)
@@ -212,7 +281,8 @@ def from_transformers(hf, arch: Architecture, dtype: torch.dtype, device: str,
 def random_model(arch: Architecture, dtype: torch.dtype, device: str, seed: int = 0,
                  layers: int | None = None) -> Model:
     """Random weights at the architecture's shape (scaled like an initialised model), for
-    timing and memory where no checkpoint is at hand. Drawn on the device, in its dtype."""
+    timing and memory where no checkpoint is at hand. Drawn on the device, in its dtype;
+    norms that scale by one (Gemma's by 1 + weight: weight 0)."""
     arch = arch.first(layers)
     g = torch.Generator(device=device).manual_seed(seed)
     H, I, D = arch.hidden, arch.intermediate, arch.head_dim
@@ -223,32 +293,52 @@ def random_model(arch: Architecture, dtype: torch.dtype, device: str, seed: int 
         return torch.randn(*size, generator=g, device=device, dtype=dtype) / math.sqrt(fan_in)
 
     def ones(n):
-        return torch.ones(n, device=device, dtype=dtype)
+        return torch.full((n,), 1.0 - arch.norm_offset, device=device, dtype=dtype)
 
     blocks = []
-    for _ in range(arch.layers):
+    for i in range(arch.layers):
         bias = w((Hq + 2 * Hkv) * D, fan_in=H) if arch.qkv_bias else None
-        norms = (ones(D), ones(D)) if arch.qk_norm else (None, None)
+        q_norm, k_norm = (ones(D), ones(D)) if arch.qk_norm else (None, None)
         attn = ModelAttention(arch, shape, w(H, (Hq + 2 * Hkv) * D, fan_in=H),
-                              w(Hq * D, H, fan_in=Hq * D), bias, *norms)
-        blocks.append(Block(attn, ones(H), ones(H), w(H, 2 * I, fan_in=H), w(I, H, fan_in=I)))
+                              w(Hq * D, H, fan_in=Hq * D), bias, q_norm, k_norm, i)
+        sandwich = (ones(H), ones(H)) if arch.sandwich_norms else (None, None)
+        blocks.append(Block(attn, ones(H), ones(H), w(H, 2 * I, fan_in=H), w(I, H, fan_in=I),
+                            *sandwich))
     embed = w(arch.vocab, H, fan_in=1)
     head = embed.t() if arch.tie_embeddings else w(H, arch.vocab, fan_in=H)
     return Model(arch, embed, blocks, ones(H), head)
+
+
+def layer_caches(arch: Architecture, cls: type[CachedAttention], config: RunConfig
+                 ) -> list[tuple[type[CachedAttention], RunConfig]]:
+    """(the cache class, the RunConfig) of each layer: the point's, with the layer's own
+    --layer-budgets budget; a sliding layer's with its window, served by `cls` where it
+    applies a window, else by the implementation `cls` names for sliding layers (a ring
+    over static storage, `window`; blocks that leave the window freed, `paged-window`)."""
+    from kvbench.caches import IMPLEMENTATIONS
+    from kvbench.sizing.budgets import per_layer
+
+    out = []
+    for i, layer in enumerate(per_layer(config, arch.layers)):
+        window = arch.layer(i).window
+        if window is None:
+            out.append((cls, layer))
+        else:
+            out.append((IMPLEMENTATIONS[cls.sliding_server()],
+                        replace(layer, shape=replace(layer.shape, window=window, sinks=0))))
+    return out
 
 
 class CachedModel:
     """The model decoding through one cache implementation: each layer its own cache."""
 
     def __init__(self, model: Model, cls, config, options):
-        from kvbench.sizing.budgets import per_layer
-
         self.model = model
         self.caches = []
-        for b, layer in zip(model.blocks, per_layer(config, len(model.blocks))):
+        for b, (kind, layer) in zip(model.blocks, layer_caches(model.arch, cls, config)):
             b.attn.shape = layer.shape  # a layer's shape is its point's (a cache reads its
             # window, budget and batch from it, as on one layer), with its own budget
-            self.caches.append(cls.build(b.attn, layer, options))
+            self.caches.append(kind.build(b.attn, layer, options))
         # tap(i, x, out): called with each layer's attention input and output (verify's
         # per-layer gate of a lossy cache); None: nothing recorded
         self.tap = None
