@@ -70,7 +70,7 @@ PANELS = {
     "K/V formats": ("kv_dtype", "group_size", "k_quant", "kv_residual"),
     "MLA (--attention mla)": ("attention", "kv_lora_rank", "qk_rope_dim", "qk_nope_dim",
                               "v_head_dim", "q_lora_rank"),
-    "Whole model": ("model", "layers", "text"),
+    "Whole model": ("model", "layers", "text", "all_full"),
     "Serving batches and operations": ("seq_lens", "len_dist", "max_len", "prefill_chunk",
                                        "draft_len", "accept", "beams"),
     "Techniques": ("tp", *TECHNIQUES),  # (each declared once, on LayerShape)
@@ -195,6 +195,10 @@ class RunOptions:
         "the layer's shape; default batch 1, prompt 256, decode 32.", show_default=False)
     layers: int | None = flag(None, "With --model: run its first N layers.",
                               show_default=False)
+    all_full: bool = flag(
+        False, "With --model of sliding and full layers (Gemma 2/3): the same model with "
+        "every layer attending to every position, each keeping its RoPE, to set against its "
+        "windows; path A is then kvbench's own cacheless forward.", "--all-full")
     text: Path | None = flag(  # noqa: RUF009
         None, "With --model: a plain-text file, tokenized by the model's own tokenizer and "
         "decoded teacher-forced (prompt + decode + 1 tokens per sequence). \\[default: Python's "

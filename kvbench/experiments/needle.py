@@ -365,10 +365,11 @@ def run_prompt(m, cls, config, options, prompt: Prompt, task: str, agnostic: boo
     shares = []
     length = len(prompt.ids) + (ANSWER_TOKENS - 1 if task != "copy" else 0)
     for cache in cm.caches:
+        own = cache.layer.shape  # the layer's: a hybrid model's sliding layer has its window
         if cache.records_kept and cache.kept:
             shares.append(kept_share(cache.kept[-1][0], prompt.needle))
-        elif shape.window is not None:
-            shares.append(window_share(shape.window, shape.sinks, length, prompt.needle))
+        elif own.window is not None:
+            shares.append(window_share(own.window, own.sinks, length, prompt.needle))
         else:
             shares.append(1.0)
     return value, sum(shares) / len(shares), min(shares), answer, wrong

@@ -56,6 +56,9 @@ class Layer:
         if o.layer_budgets is not None:
             raise KvbenchError("--layer-budgets gives each layer of a model its budget; add "
                                "--model (one layer takes --kv-budget)")
+        if o.all_full:
+            raise KvbenchError("--all-full takes a model's sliding layers' windows away; add "
+                               "--model (one layer has a window only with --window)")
 
         if command == "verify":
             return (*plan.expand(o, reference_cases=True), None)

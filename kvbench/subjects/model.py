@@ -38,6 +38,11 @@ def expand(o: RunOptions, command: str):
         raise KvbenchError(f"{flag} runs on one layer; drop it or --model")
     plan.positive("--layers", o.layers)
     ref = resolve(o.model)
+    if o.all_full:
+        if not ref.arch.sliding_layers:
+            raise KvbenchError(f"--all-full: {ref.arch.name} has no sliding layers (every "
+                               "layer is full already); drop --all-full")
+        ref = replace(ref, arch=ref.arch.all_full())
     arch = ref.arch.first(o.layers)
     if arch.sliding_layers and o.technique("window") is not None:
         raise KvbenchError(
@@ -66,6 +71,10 @@ def expand(o: RunOptions, command: str):
     if not ref.trained:
         notes.append(f"{arch.name}: random weights at its real shape; quality figures "
                      "(perplexity, KL) describe nothing and are not reported")
+    if o.all_full:
+        notes.append(f"--all-full: every layer of {arch.name} sees every position; path A is "
+                     "kvbench's own cacheless forward of that model (transformers' keeps its "
+                     "windows)")
     if o.text is not None and not ref.trained:
         raise KvbenchError(f"--text needs a trained model's tokenizer; {arch.name} is a "
                            "preset with random weights: drop --text or pass a checkpoint")
@@ -86,7 +95,7 @@ def unserved(arch, name: str, config, options) -> str | None:
                 f"soft-capping runs on {', '.join(capping)})")
     if not arch.sliding_layers:
         return None
-    other = IMPLEMENTATIONS[cls.sliding_server()]
+    other = IMPLEMENTATIONS[cls.sliding_server(options)]
     sliding = replace(config, shape=replace(config.shape, window=arch.sliding_window, sinks=0))
     reason = (other.unstorable(options) or other.inapplicable(sliding)
               or other.unavailable(sliding, options)
@@ -149,7 +158,7 @@ def preflight(command: str, ref, layers, host_mem):
             cls = IMPLEMENTATIONS[name]
             # each layer's cache (a sliding layer's: its window's), the worst transient
             feet = [kind.footprint(layer, options)
-                    for kind, layer in layer_plans(cls, config, arch)]
+                    for kind, layer in layer_plans(cls, config, arch, options)]
             storage = sum(f.storage for f in feet)
             transient = max(max(f.prefill - f.storage, f.decode, 0) for f in feet)
             # bench --graph: a second set of caches, the whole model's graph over them

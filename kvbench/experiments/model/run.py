@@ -52,8 +52,10 @@ _loaded: dict[tuple, Loaded] = {}
 
 def load(ref: ModelRef, config: RunConfig, layers: int | None, text,
          keep_hf: bool = True) -> Loaded:
-    """The model at this point's dtype and device, and its tokens (loaded once per dtype)."""
+    """The model at this point's dtype and device, and its tokens (loaded once per dtype).
+    With its windows off (--all-full) transformers' model is not kept: it has them."""
     s = config.shape
+    keep_hf = keep_hf and not ref.arch.windows_off
     key = (ref, config.dtype, config.device, layers, str(text), keep_hf)
     weights = next((v for k, v in _loaded.items() if k[:5] == key[:5]), None)
     if weights is None:
@@ -437,7 +439,8 @@ class ModelBenchResult:
 HF_ROW = "transformers"  # the row of transformers' generate with its static cache
 
 
-def layer_plans(cls, config: RunConfig, layers) -> list[tuple[Any, RunConfig]]:
+def layer_plans(cls, config: RunConfig, layers, options: ImplOptions | None = None
+                ) -> list[tuple[Any, RunConfig]]:
     """(cache class, RunConfig) per layer: `layers` an int (that many layers alike) or the
     model's Architecture (each layer its kind: a sliding layer its window and server)."""
     from kvbench.layers.model.transformer import layer_caches
@@ -445,7 +448,7 @@ def layer_plans(cls, config: RunConfig, layers) -> list[tuple[Any, RunConfig]]:
 
     if isinstance(layers, int):
         return [(cls, c) for c in per_layer(config, layers)]
-    return layer_caches(layers, cls, config)
+    return layer_caches(layers, cls, config, options)
 
 
 def kv_bytes_per_step(cls, config: RunConfig, options: ImplOptions, layers) -> float:
@@ -457,9 +460,10 @@ def kv_bytes_per_step(cls, config: RunConfig, options: ImplOptions, layers) -> f
     vector = fmt.vector_bytes(s.head_dim) if fmt.quantized else s.head_dim * config.dtype_bytes
     position = 2 * s.kv_heads * vector  # K and V of every KV head
     lengths = range(s.prompt_len + 1, s.total_len + 1)
-    reads = sum(kind.step_reads(layer, options, t) for kind, layer in
-                layer_plans(cls, config, layers) for t in lengths) / len(lengths)
-    return reads * position + len(layer_plans(cls, config, layers)) * s.batch * position
+    plans = layer_plans(cls, config, layers, options)
+    reads = sum(kind.step_reads(layer, options, t) for kind, layer in plans
+                for t in lengths) / len(lengths)
+    return reads * position + len(plans) * s.batch * position
 
 
 def bench(ref: ModelRef, config: RunConfig, names, options, impl_options: ImplOptions,
@@ -518,7 +522,9 @@ def bench(ref: ModelRef, config: RunConfig, names, options, impl_options: ImplOp
                 tasks[f"graph:{name}"] = (lambda cm: _steps(cm, tokens, T, G, graph=True),
                                           lambda cm=cmg: _rewound(cm, T))
         note, hf = None, m.hf
-        if hf is None:  # a preset: transformers' own model at its shape, random weights
+        if m.model.arch.windows_off:
+            note = "no transformers row: its model keeps the windows --all-full takes away"
+        elif hf is None:  # a preset: transformers' own model at its shape, random weights
             from kvbench.layers.model.load import random_transformers
 
             with device_errors("transformers' model", HF_ROW):
@@ -609,15 +615,7 @@ def planner_bytes(cls, config: RunConfig, options: ImplOptions, layers) -> int:
     """`kvbench capacity`'s bytes for the whole model: each layer's plan (the positions its
     cache reserves, its format, its blocks), summed over the layers (see layer_plans)."""
     return sum(kind.planned_bytes(layer, options)
-               for kind, layer in layer_plans(cls, config, layers))
-
-
-def kind_bytes(cls, config: RunConfig, options: ImplOptions, arch) -> dict[str, int]:
-    """planner_bytes by layer kind ("full", "sliding")."""
-    out: dict[str, int] = {}
-    for i, (kind, layer) in enumerate(layer_plans(cls, config, arch)):
-        out[arch.kind(i)] = out.get(arch.kind(i), 0) + kind.planned_bytes(layer, options)
-    return out
+               for kind, layer in layer_plans(cls, config, layers, options))
 
 
 def memory(ref: ModelRef, config: RunConfig, names, options: ImplOptions, layers: int | None,
@@ -654,6 +652,6 @@ def memory(ref: ModelRef, config: RunConfig, names, options: ImplOptions, layers
                 pre.peak_allocated_bytes, dec.peak_allocated_bytes, kinds if hybrid else {},
                 planner_bytes(cls, config, options, arch.all_full())
                 - planner_bytes(cls, config, options, arch) if hybrid else None,
-                cls.sliding_server() if hybrid else None))
+                cls.sliding_server(options) if hybrid else None))
             del cm
     return ModelMemoryResult(config, ref, L, m.model.weight_bytes, out, options.kv_format)

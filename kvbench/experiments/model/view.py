@@ -107,14 +107,14 @@ def memory_table(result) -> Table:
     t = new_table(_title("memory", result))
     hybrid = any(m.kind_bytes for m in result.impls)
     cols = ["impl", "K/V MiB", "planner MiB"] + (
-        ["full layers", "sliding layers", "windows freed"] if hybrid else []) + [
+        ["full B", "sliding B", "freed B"] if hybrid else []) + [
         "prefill peak", "decode peak"]
     for col in cols:
         t.add_column(col, justify="left" if col == "impl" else "right", no_wrap=True)
     for m in result.impls:
         same = m.cache_bytes == m.planner_bytes
-        kinds = [f"{m.kind_bytes.get('full', 0):,} B", f"{m.kind_bytes.get('sliding', 0):,} B",
-                 f"{m.freed_bytes:,} B"] if m.kind_bytes else []
+        kinds = [f"{m.kind_bytes.get('full', 0):,}", f"{m.kind_bytes.get('sliding', 0):,}",
+                 f"{m.freed_bytes:,}"] if m.kind_bytes else []
         t.add_row(impl_label(result, m.impl), mib(m.cache_bytes), mib(m.planner_bytes)
                   + ("" if same else " [red]≠[/]"), *kinds, mib(m.prefill_peak_bytes),
                   mib(m.decode_peak_bytes))
@@ -122,10 +122,11 @@ def memory_table(result) -> Table:
                  f"capacity's bytes for the model at this point; weights "
                  f"{human_bytes(result.weight_bytes)} (not in the peaks); peaks above what "
                  "was held before: building the caches and the prefill, then the decode steps"
-                 + ("; full and sliding layers: the K/V measured in each kind (a sliding "
-                    "layer holds its window: Σ min(T, W) positions); windows freed: the "
-                    "planner's bytes for the same model with every layer full, less these; "
-                    "impl + other: other served the sliding layers" if hybrid else ""))
+                 + ("; full B and sliding B: the K/V bytes measured in each kind of layer (a "
+                    "sliding layer holds its window: Σ min(T, W) positions); freed B: what the "
+                    "windows freed, the planner's bytes for the same model with every layer "
+                    "full less these; impl + other: other served the sliding layers"
+                    if hybrid else ""))
     return t
 
 
@@ -140,7 +141,7 @@ def sliding_impl(result, impl: str) -> str | None:
     for a model without, and for transformers' own row)."""
     if impl not in IMPLEMENTATIONS or not result.ref.arch.first(result.layers).sliding_layers:
         return None
-    return IMPLEMENTATIONS[impl].sliding_server()
+    return IMPLEMENTATIONS[impl].sliding_server(ImplOptions().at(result.config))
 
 
 def impl_label(result, impl: str) -> str:

@@ -83,25 +83,30 @@ class Architecture:
     query_pre_attn_scalar: float | None = None  # Gemma: scores scaled by its −½ power
     attn_softcap: float | None = None  # Gemma 2: scores → cap · tanh(scores / cap)
     final_softcap: float | None = None  # Gemma 2: the logits the same way
+    windows_off: bool = False  # --all-full: its sliding layers see every position
     config: dict = field(default_factory=dict, compare=False, repr=False)  # as read
 
     @property
     def scaling(self) -> dict[str, object]:
         return dict(self.rope_scaling)
 
-    def kind(self, i: int) -> str:
+    def _declared(self, i: int) -> str:
         if self.layer_types:
             return self.layer_types[i]
         return "sliding" if self.sliding_window else "full"
 
+    def kind(self, i: int) -> str:
+        """Layer i's kind: "sliding" (within its window) or "full"."""
+        return "full" if self.windows_off else self._declared(i)
+
     def layer(self, i: int) -> LayerSpec:
-        """Layer i's attention: kind, window, RoPE."""
+        """Layer i's attention: kind, window, RoPE (a sliding layer's own, with --all-full
+        too: only the window is gone)."""
         kind = self.kind(i)
-        if kind == "sliding" and self.local_rope_theta is not None:
-            return LayerSpec(kind, self.sliding_window, self.local_rope_theta,
-                             self.local_rope_scaling)
-        return LayerSpec(kind, self.sliding_window if kind == "sliding" else None,
-                         self.rope_theta, self.rope_scaling)
+        window = self.sliding_window if kind == "sliding" else None
+        if self._declared(i) == "sliding" and self.local_rope_theta is not None:
+            return LayerSpec(kind, window, self.local_rope_theta, self.local_rope_scaling)
+        return LayerSpec(kind, window, self.rope_theta, self.rope_scaling)
 
     @property
     def sliding_layers(self) -> tuple[int, ...]:
@@ -122,9 +127,9 @@ class Architecture:
         return replace(self, layers=layers, layer_types=self.layer_types[:layers])
 
     def all_full(self) -> Architecture:
-        """The same model with every layer full (--all-full): what its windows save."""
-        return replace(self, layer_types=("full",) * self.layers, local_rope_theta=None,
-                       local_rope_scaling=())
+        """The same model with every layer's window gone (--all-full), each keeping its
+        RoPE: what the windows save."""
+        return replace(self, windows_off=True)
 
     def weight_count(self, layers: int | None = None) -> int:
         """Parameters: embedding, each layer's attention, MLP and norms, final norm, logits."""

@@ -309,8 +309,8 @@ def random_model(arch: Architecture, dtype: torch.dtype, device: str, seed: int 
     return Model(arch, embed, blocks, ones(H), head)
 
 
-def layer_caches(arch: Architecture, cls: type[CachedAttention], config: RunConfig
-                 ) -> list[tuple[type[CachedAttention], RunConfig]]:
+def layer_caches(arch: Architecture, cls: type[CachedAttention], config: RunConfig,
+                 options=None) -> list[tuple[type[CachedAttention], RunConfig]]:
     """(the cache class, the RunConfig) of each layer: the point's, with the layer's own
     --layer-budgets budget; a sliding layer's with its window, served by `cls` where it
     applies a window, else by the implementation `cls` names for sliding layers (a ring
@@ -324,7 +324,7 @@ def layer_caches(arch: Architecture, cls: type[CachedAttention], config: RunConf
         if window is None:
             out.append((cls, layer))
         else:
-            out.append((IMPLEMENTATIONS[cls.sliding_server()],
+            out.append((IMPLEMENTATIONS[cls.sliding_server(options)],
                         replace(layer, shape=replace(layer.shape, window=window, sinks=0))))
     return out
 
@@ -335,7 +335,10 @@ class CachedModel:
     def __init__(self, model: Model, cls, config, options):
         self.model = model
         self.caches = []
-        for b, (kind, layer) in zip(model.blocks, layer_caches(model.arch, cls, config)):
+        from kvbench.caches import ImplOptions
+
+        served = layer_caches(model.arch, cls, config, (options or ImplOptions()).at(config))
+        for b, (kind, layer) in zip(model.blocks, served):
             b.attn.shape = layer.shape  # a layer's shape is its point's (a cache reads its
             # window, budget and batch from it, as on one layer), with its own budget
             self.caches.append(kind.build(b.attn, layer, options))
