@@ -63,9 +63,12 @@ class _Group(_PlainHelp, TyperGroup):
             _fail("interrupted", 130)
         except Exception as e:
             from kvbench.measure import distributed
+            from kvbench.planning.launch import PEER_LOST, peer_lost
 
             if not distributed.multiprocess():
                 raise
+            if peer_lost(e):  # another rank failed first: the launcher names it
+                distributed.end_group(PEER_LOST, quiet=True)
             if os.environ.get("KVBENCH_TRACEBACK"):
                 import traceback
 

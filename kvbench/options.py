@@ -70,7 +70,7 @@ PANELS = {
     "K/V formats": ("kv_dtype", "group_size", "k_quant", "kv_residual"),
     "MLA (--attention mla)": ("attention", "kv_lora_rank", "qk_rope_dim", "qk_nope_dim",
                               "v_head_dim", "q_lora_rank"),
-    "Whole model": ("model", "layers", "text", "all_full"),
+    "Whole model": ("model", "layers", "text", "all_full", "pp", "pp_layers", "nproc"),
     "Serving batches and operations": ("seq_lens", "len_dist", "max_len", "prefill_chunk",
                                        "draft_len", "accept", "beams"),
     "Techniques": ("tp", *TECHNIQUES),  # (each declared once, on LayerShape)
@@ -158,7 +158,8 @@ class RunOptions:
     prealloc: str = flag("max-len", "static, sdpa, splitk, compiled, flex: reserve "
                          "--max-len per sequence (max-len, as preallocating servers do) or "
                          "the batch's longest sequence (exact).")
-    tp: int = flag(1, "Tensor-parallel ranks: the layer split by head, one process per rank "
+    tp: int = flag(1, "Tensor-parallel ranks: the layer (with --model every layer: its heads "
+                   "and MLP) split by rank, one process per rank, started by --nproc N or "
                    "under torchrun (torchrun --nproc-per-node N -m kvbench COMMAND --tp N "
                    "...); gloo on the CPU, NCCL on CUDA.")
     layer_budgets: str | None = flag(
@@ -195,6 +196,17 @@ class RunOptions:
         "the layer's shape; default batch 1, prompt 256, decode 32.", show_default=False)
     layers: int | None = flag(None, "With --model: run its first N layers.",
                               show_default=False)
+    pp: int = flag(
+        1, "With --model: pipeline-parallel stages, contiguous layers each (split as vLLM's "
+        "get_pp_indices), hidden states sent stage to stage; --tp × --pp ranks in all.",
+        "--pp")
+    pp_layers: str | None = flag(
+        None, "With --pp: each stage's layer count, a comma list summing to the model's "
+        "layers (as vLLM's VLLM_PP_LAYER_PARTITION), e.g. 10,9,9.", show_default=False)
+    nproc: int | None = flag(
+        None, "Start this many ranks here (--tp × --pp) through torch's own launcher "
+        "(torchrun): gloo on the CPU, NCCL on CUDA; rank 0 writes the results.",
+        show_default=False)
     all_full: bool = flag(
         False, "With --model of sliding and full layers (Gemma 2/3): the same model with "
         "every layer attending to every position, each keeping its RoPE, to set against its "

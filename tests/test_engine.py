@@ -301,11 +301,13 @@ def test_a_sliding_window_of_w_holds_w_minus_1_plus_the_batched_tokens():
 
 
 def test_pipeline_stages_split_the_layers_and_the_blocks_follow_the_largest():
-    # 5 layers over 2 stages: 2 and 3 (the remainder to the last); one group: a stage's
-    # blocks = available // (page x 3). Two groups of 2 (2 sliding + 2 full) over PP 2:
-    # a stage holds one layer of each group: available // page // 1
-    assert eng.stages(5, 2) == [2, 3] and eng.stages(4, 2) == [2, 2]
-    assert eng.stages(7, 3) == [2, 2, 3]
+    # 5 layers over 2 stages: 3 and 2 (vLLM's get_pp_indices: the remainder to the stages
+    # before the last, from the second-to-last back); one group: a stage's blocks =
+    # available // (page x 3). Two groups of 2 (2 sliding + 2 full) over PP 2: a stage holds
+    # one layer of each group: available // page // 1
+    assert eng.stages(5, 2) == [3, 2] and eng.stages(4, 2) == [2, 2]
+    assert eng.stages(7, 3) == [2, 3, 2] and eng.stages(30, 4) == [7, 8, 8, 7]
+    assert eng.stages(30, 4, (10, 9, 9, 2)) == [10, 9, 9, 2]
     model = cap.ModelSpec(name="p", layers=5, kv_heads=1, head_dim=8)
     assert vllm(model, pp=2, kv_memory=GIB).num_blocks == GIB // (16 * 32 * 3)
     mixed = cap.ModelSpec(name="m", layers=4, kv_heads=1, head_dim=8, sliding_window=64,

@@ -115,13 +115,14 @@ def test_tp_unlike_the_world_size_is_one_line(tmp_path):
     r = torchrun("verify", "--tp", "4", *SMALL, "--kv-heads", "2", tmp_path=tmp_path)
     assert r.returncode != 0
     ours = [line for line in r.stderr.splitlines() if line.startswith("kvbench:")]
-    assert ours == [("kvbench: error: --tp 4 differs from the 2 processes torchrun started; "
-                     "use --tp 2 or torchrun --nproc-per-node 4")]
+    assert ours == [("kvbench: error: --tp 4 needs 4 processes; torchrun started 2: use "
+                     "torchrun --nproc-per-node 4 (or --nproc 4)")]
     assert not (tmp_path / "results").exists()
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--tp", "2"], "runs one process per rank under torchrun: torchrun --nproc-per-node 2"),
+    (["--tp", "2"], "runs one process per rank: add --nproc 2, or start them with torchrun "
+     "--nproc-per-node 2"),
     (["--tp", "3"], "--tp 3 does not divide --q-heads 4"),
     (["--tp", "4", "--q-heads", "8", "--kv-heads", "3"], "not a multiple"),
     (["--tp", "2", "--q-heads", "6", "--kv-heads", "3"], "--tp 2 with --kv-heads 3"),

@@ -9,7 +9,7 @@ import torch
 from kvbench.caches import IMPLEMENTATIONS, ImplOptions
 from kvbench.caches.capabilities import reads_of
 from kvbench.errors import KvbenchError, device_errors
-from kvbench.experiments.verify import VerifyReport, verify
+from kvbench.experiments.verify import verify
 from kvbench.formats.kvformat import KvFormat
 from kvbench.layers.attention import (
     AttentionLayer,
@@ -40,7 +40,7 @@ from kvbench.sizing.config import RunConfig
 class VerificationFailed(Exception):
     """Raised instead of timing a configuration whose cached output disagrees with path A."""
 
-    def __init__(self, report: VerifyReport):
+    def __init__(self, report):  # a VerifyReport, or a model's ModelVerifyReport
         super().__init__("verification failed")
         self.report = report
 

@@ -114,16 +114,10 @@ class AttentionLayer:
         layer's, sliced: the shards compute exactly the unsharded layer.
         """
         s = self.shape
-        Hq, Hkv, D = s.q_heads, s.kv_heads, s.head_dim
-        hq, hkv = Hq // tp, max(1, Hkv // tp)
-        first_q = rank * hq
-        first_kv = first_q // s.group  # the KV head of the rank's first query head
-        q = slice(first_q * D, (first_q + hq) * D)
-        k = slice((Hq + first_kv) * D, (Hq + first_kv + hkv) * D)
-        v = slice((Hq + Hkv + first_kv) * D, (Hq + Hkv + first_kv + hkv) * D)
+        q, k, v = head_columns(s, tp, rank)
         other = object.__new__(type(self))
         other.__dict__.update(self.__dict__)
-        other.shape = replace(s, q_heads=hq, kv_heads=hkv)
+        other.shape = replace(s, q_heads=s.q_heads // tp, kv_heads=max(1, s.kv_heads // tp))
         other.w_qkv = torch.cat((self.w_qkv[:, q], self.w_qkv[:, k], self.w_qkv[:, v]), dim=1)
         other.w_o = self.w_o[q].contiguous()
         other.tp = tp
@@ -164,6 +158,19 @@ class AttentionLayer:
         if self.tp > 1:  # a shard's partial sums: the rows of W_o it holds
             all_reduce(out)
         return out
+
+
+def head_columns(s: LayerShape, tp: int, rank: int) -> tuple[slice, slice, slice]:
+    """The columns of the fused [q | k | v] projection that rank `rank` of `tp` holds: its
+    H_q/N query heads and the KV heads they read (H_kv/N, or the one its query heads share
+    when there are fewer KV heads than ranks)."""
+    Hq, Hkv, D = s.q_heads, s.kv_heads, s.head_dim
+    hq, hkv = Hq // tp, max(1, Hkv // tp)
+    first_q = rank * hq
+    first_kv = first_q // s.group  # the KV head of the rank's first query head
+    return (slice(first_q * D, (first_q + hq) * D),
+            slice((Hq + first_kv) * D, (Hq + first_kv + hkv) * D),
+            slice((Hq + Hkv + first_kv) * D, (Hq + Hkv + first_kv + hkv) * D))
 
 
 def sharded(config: RunConfig, layer: AttentionLayer) -> tuple[AttentionLayer, RunConfig]:

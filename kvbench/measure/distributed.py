@@ -28,9 +28,18 @@ class Group:
     rank: int
     local_rank: int
     backend: str
+    tp: int = 0  # ranks a layer is split over (0: size, the one-layer --tp)
+    pp: int = 1  # pipeline stages (a whole model's --pp)
 
 
 _group: Group | None = None
+_tp_group = None  # this rank's stage's tensor-parallel group (None: the whole world)
+# Every collective and send times out (a rank that died or hangs ends the group, not waits
+# forever): seconds, $KVBENCH_DIST_TIMEOUT, default 600
+TIMEOUT_VAR = "KVBENCH_DIST_TIMEOUT"
+# Bytes this process handed to the network, by kind: "allreduce" (each all-reduce's tensor)
+# and "send" (point-to-point: a pipeline stage's hidden states); reset by whoever counts
+traffic = {"allreduce": 0, "send": 0}
 
 
 def launched() -> bool:
@@ -76,24 +85,28 @@ def check(tp: int, q_heads: int, kv_heads: int) -> None:
                            "use a --tp that divides --kv-heads or a multiple of it")
 
 
-def setup(tp: int, device: str) -> str:
-    """Join the group for --tp `tp` on --device `device`; returns this rank's device.
+def setup(tp: int, device: str, pp: int = 1) -> str:
+    """Join the group for --tp `tp` (and a whole model's --pp `pp`: tp × pp ranks) on
+    --device `device`; returns this rank's device.
 
-    tp = 1 outside torchrun changes nothing. Everything that can be refused is refused here,
-    the same way on every rank, before any collective.
+    One rank outside torchrun changes nothing. Everything that can be refused is refused
+    here, the same way on every rank, before any collective.
     """
-    global _group
+    global _group, _tp_group
     if tp < 1:
         raise KvbenchError(f"--tp must be a positive integer, got {tp}")
+    ranks = tp * pp
+    flags = " ".join(f for f in (f"--tp {tp}" if tp > 1 else "", f"--pp {pp}" if pp > 1
+                                 else "") if f)
     if not launched():
-        if tp > 1:
-            raise KvbenchError(f"--tp {tp} runs one process per rank under torchrun: "
-                               f"{torchrun_command(tp)}")
+        if ranks > 1:
+            raise KvbenchError(f"{flags} runs one process per rank: add --nproc {ranks}, or "
+                               f"start them with {torchrun_command(ranks)}")
         return device
     size = int(os.environ["WORLD_SIZE"])
-    if size != tp:
-        raise KvbenchError(f"--tp {tp} differs from the {size} processes torchrun started; "
-                           f"use --tp {size} or torchrun --nproc-per-node {tp}")
+    if size != ranks:
+        raise KvbenchError(f"{flags} needs {ranks} processes; torchrun started {size}: use "
+                           f"torchrun --nproc-per-node {ranks} (or --nproc {ranks})")
     if size == 1:
         return device
     import torch
@@ -112,20 +125,49 @@ def setup(tp: int, device: str) -> str:
     else:
         raise KvbenchError(f"--tp runs on --device cpu (gloo) or cuda (NCCL), not {device}")
     if not dist.is_initialized():
-        dist.init_process_group(backend)
+        from datetime import timedelta
+
+        dist.init_process_group(backend, timeout=timedelta(
+            seconds=float(os.environ.get(TIMEOUT_VAR, "600"))))
         # Leave the group before the interpreter tears down the threads it runs on: without
         # this, gloo's exit may abort ("terminate called without an active exception").
         # `leave` does it on the way out of a command; this is for any other exit.
         atexit.register(_destroy)
-    _group = Group(size, dist.get_rank(), local, backend)
+    me = dist.get_rank()
+    if pp > 1:  # each stage's ranks their own group (every rank makes every group, in order)
+        for stage in range(pp):
+            group = dist.new_group(list(range(stage * tp, (stage + 1) * tp)))
+            if me // tp == stage:
+                _tp_group = group
+    _group = Group(size, me, local, backend, tp, pp)
     return device
 
 
 def all_reduce(tensor) -> None:
-    """Sum `tensor` over the ranks, in place (traceable by torch.compile)."""
+    """Sum `tensor` over the ranks of this rank's tensor-parallel group, in place (traceable
+    by torch.compile); its bytes counted in `traffic`."""
     import torch.distributed as dist
 
-    dist.all_reduce(tensor)
+    traffic["allreduce"] += tensor.numel() * tensor.element_size()
+    dist.all_reduce(tensor, group=_tp_group)
+
+
+def send(tensor, dst: int) -> None:
+    """`tensor` to global rank `dst` (a stage's hidden states to the next); counted."""
+    import torch.distributed as dist
+
+    traffic["send"] += tensor.numel() * tensor.element_size()
+    dist.send(tensor.contiguous(), dst)
+
+
+def recv(shape, dtype, device, src: int):
+    """A tensor of `shape` from global rank `src`."""
+    import torch
+    import torch.distributed as dist
+
+    out = torch.empty(shape, dtype=dtype, device=device)
+    dist.recv(out, src)
+    return out
 
 
 def barrier(device: str) -> None:

@@ -124,7 +124,7 @@ def _points_of(o: RunOptions, reference_cases: bool = False,
         for shape in shapes:
             distributed.check(o.tp, shape.q_heads, shape.kv_heads)
         if o.ray is None:  # under --ray each point's ranks join their own group
-            dev = distributed.setup(o.tp, dev)
+            dev = distributed.setup(o.tp, dev, o.pp)
     # KIVI's layout is each int point's own (its RunConfig; ImplOptions.at adds it)
     options = ImplOptions(o.block_size, o.sdpa_backend, o.splits,
                           group_size=o.group_size, prealloc=o.prealloc)

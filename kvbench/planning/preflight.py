@@ -199,6 +199,12 @@ def available_memory(device: str, host_mem: str | None = None) -> dict[str, int]
     """Bytes available now: the host's MemAvailable (or --host-mem, `host_mem`), and on CUDA
     the device's free memory plus what this process's caching allocator holds unused."""
     out = {HOST: host_available(host_mem)}
+    import os
+
+    from kvbench.measure import distributed
+
+    if distributed.launched():  # ranks on one host share its memory: each its part
+        out[HOST] //= max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
     if device.startswith("cuda"):
         import torch
 

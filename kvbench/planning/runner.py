@@ -145,7 +145,12 @@ def sweep(o: RunOptions, command: str, points, run_point, impl_options, notes,
                         raise
                     raise DeviceError("weights and inputs", None, err) from err
             except DeviceError as err:
-                if config.tp > 1:  # the other ranks wait in a collective: end the group
+                if config.tp * config.pp > 1:  # the others wait in a collective: end the group
+                    from kvbench.planning.launch import PEER_LOST, peer_lost
+
+                    if peer_lost(err.__cause__ or err):  # (another rank failed first)
+                        distributed.end_group(PEER_LOST, quiet=True)
+                    print(f"kvbench: error: rank {distributed.rank()}: {err}", file=sys.stderr)
                     distributed.end_group(3)
                 _release(config.device)
                 outcome = err

@@ -212,7 +212,10 @@ RAGGED_COLUMNS = ["seq_lens", "len_dist", "max_len"]
 # Token eviction (--kv-budget, --kv-recent, --kv-compress; h2o and the other scorers): empty
 # without a budget. Every technique's column (TECHNIQUES, declared on LayerShape); the shared
 # prefix's sits beside the bytes it saved.
-TP_COLUMNS = ["tp", "world_size", *(t for t in TECHNIQUES if t != "shared_prefix")]
+# A whole model's pipeline stages (--pp) and their layer counts (--pp-layers; empty: vLLM's
+# split); world_size = tp x pp.
+TP_COLUMNS = ["tp", "world_size", "pp", "pp_layers",
+              *(t for t in TECHNIQUES if t != "shared_prefix")]
 
 # --model runs: the model (a checkpoint's name, or a preset) and the layers run; a hybrid
 # model's (Gemma's sliding layers beside its full ones): the implementation that served its
@@ -251,7 +254,10 @@ VERIFY_COLUMNS = VERIFY_FIRST[:-len(ENV_COLUMNS)] + [
     # above is bought with)
     "kv_cache_bytes", *MLA_COLUMNS, *SERVING_COLUMNS,
     # --graph: whether its decode steps ran captured in a graph (CUDA; the CPU's recorder)
-    "graph"] + ENV_COLUMNS + PROVENANCE_COLUMNS
+    "graph",
+    # a model across ranks (--tp, --pp): against the same cache on one rank, the largest
+    # logit difference and whether every step's most likely token is the same
+    "one_rank_max_abs_err", "one_rank_tokens_equal"] + ENV_COLUMNS + PROVENANCE_COLUMNS
 
 
 def _stats_columns(name: str) -> list[str]:
@@ -289,7 +295,10 @@ BENCH_COLUMNS = BENCH_FIRST[:-len(ENV_COLUMNS)] + [
     # rounds; graph_speedup = cached / graph per step (1 - 1/graph_speedup of the eager step
     # was launch and host overhead)
     *_stats_columns("decode_graph_ms"), "graph_ms_per_step", "graph_speedup",
-    "graph_bandwidth_fraction"] + ENV_COLUMNS + PROVENANCE_COLUMNS
+    "graph_bandwidth_fraction",
+    # a model across ranks: the share of a step the ranks wait on one another (the
+    # pipeline's bubble, their mean) and the all-reduces' share of a step
+    "pp_bubble_share", "allreduce_share"] + ENV_COLUMNS + PROVENANCE_COLUMNS
 
 
 def serving_cells(config) -> dict[str, object]:
@@ -324,7 +333,9 @@ def config_cells(command: str, impl: str, config, reads: frozenset[str] | None
             "seed": config.seed,
             "seq_lens": ",".join(map(str, s.seq_lens)) if s.seq_lens else None,
             "len_dist": s.len_dist, "max_len": s.max_len, "tp": config.tp,
-            "world_size": config.tp, **read_cells(reads, technique_cells(s)),
+            "world_size": config.tp * config.pp, "pp": config.pp,
+            "pp_layers": ",".join(map(str, config.pp_layers)) if config.pp_layers else None,
+            **read_cells(reads, technique_cells(s)),
             "attention": s.attention,
             **s.kind.cells()}
 
@@ -371,6 +382,11 @@ MEMORY_COLUMNS = MEMORY_FIRST[:-len(ENV_COLUMNS)] + [
     # a hybrid model: the measured K/V of its full and its sliding layers, and the bytes its
     # windows freed against the same model with every layer full (the planner's)
     "kv_full_bytes", "kv_sliding_bytes", "kv_freed_bytes",
+    # a model across ranks, one row a rank: its stage and layers ([first, last + 1)), the
+    # bytes it handed to all-reduce and sent to the next stage per decoded token (counted),
+    # and SPEC §20's figure for each
+    "stage", "stage_layers", "allreduce_bytes_per_token", "send_bytes_per_token",
+    "formula_allreduce_bytes_per_token", "formula_send_bytes_per_token",
 ] + ENV_COLUMNS + PROVENANCE_COLUMNS
 
 

@@ -501,6 +501,10 @@ class RunConfig:
     beams: int | None = None
     # --graph: the decode steps of implementations that can be captured, through a graph
     graph: bool = False
+    # a whole model's pipeline stages (--pp) and their layers (--pp-layers; None: vLLM's
+    # split); tp x pp ranks in all
+    pp: int = 1
+    pp_layers: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         s = self.shape

@@ -226,10 +226,12 @@ def _groups(kinds: list[str], pages: dict[str, int], blocks: dict[str, int],
     return groups, size
 
 
-def stages(layers: int, pp: int) -> list[int]:
-    """Layers per pipeline stage (vLLM's split: even, the remainder to the last stages)."""
-    base, extra = divmod(layers, pp)
-    return [base + (1 if i >= pp - extra else 0) for i in range(pp)]
+def stages(layers: int, pp: int, given: tuple[int, ...] | None = None) -> list[int]:
+    """Layers per pipeline stage, as vLLM's get_pp_indices splits them (see
+    kvbench.sizing.parallel.pp_partition: the remainder to the stages before the last)."""
+    from kvbench.sizing.parallel import pp_partition
+
+    return pp_partition(layers, pp, given)
 
 
 def vllm(model: ModelSpec, o: EngineOptions) -> Ledger:

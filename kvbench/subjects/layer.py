@@ -59,6 +59,23 @@ class Layer:
         if o.all_full:
             raise KvbenchError("--all-full takes a model's sliding layers' windows away; add "
                                "--model (one layer has a window only with --window)")
+        if o.pp != 1 or o.pp_layers is not None:
+            raise KvbenchError("--pp splits a model's layers into pipeline stages; add --model")
+        if o.nproc is not None:
+            from kvbench.measure import distributed
+
+            if distributed.launched():
+                raise KvbenchError("--nproc starts the ranks itself; under torchrun drop it")
+            if o.nproc != o.tp:
+                raise KvbenchError(f"--nproc {o.nproc}: --tp {o.tp} runs {o.tp} ranks; use "
+                                   f"--nproc {o.tp}")
+            import sys
+
+            import typer
+
+            from kvbench.planning.launch import launch
+
+            raise typer.Exit(launch(o.nproc, sys.argv[1:]))
 
         if command == "verify":
             return (*plan.expand(o, reference_cases=True), None)

@@ -3,6 +3,7 @@ weights, every layer's cache), its runs (kvbench.experiments.model), rows and ta
 
 from __future__ import annotations
 
+import sys
 from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -33,9 +34,8 @@ def expand(o: RunOptions, command: str):
         flag = "--" + given[0].replace("_", "-")
         raise KvbenchError(f"--model {o.model} sets the layer's shape and batch layout; drop "
                            f"{flag}")
-    if o.tp != 1 or o.technique("shared_prefix"):
-        flag = "--tp" if o.tp != 1 else "--shared-prefix"
-        raise KvbenchError(f"{flag} runs on one layer; drop it or --model")
+    if o.technique("shared_prefix"):
+        raise KvbenchError("--shared-prefix runs on one layer; drop it or --model")
     plan.positive("--layers", o.layers)
     ref = resolve(o.model)
     if o.all_full:
@@ -58,6 +58,7 @@ def expand(o: RunOptions, command: str):
     elif layer_budgets == "pyramid" and o.technique("kv_budget") is None:
         raise KvbenchError("--layer-budgets pyramid averages --kv-budget N over the layers; "
                            "give --kv-budget N too")
+    pp_layers = across_ranks(o, arch, command)
     base = LayerShape(hidden=arch.hidden, q_heads=arch.q_heads, kv_heads=arch.kv_heads,
                       head_dim=arch.head_dim, **DEFAULTS)
     points, options, notes = plan.expand(o.but(rope=True), measure=None if command == "verify"
@@ -68,6 +69,9 @@ def expand(o: RunOptions, command: str):
                   for config, names in points]
     points = served(arch, points, options, o.impl.strip().lower() not in ("all", "default"),
                     notes)
+    if o.tp * o.pp > 1:
+        points = [(replace(config, pp=o.pp, pp_layers=pp_layers), names)
+                  for config, names in points]
     if not ref.trained:
         notes.append(f"{arch.name}: random weights at its real shape; quality figures "
                      "(perplexity, KL) describe nothing and are not reported")
@@ -79,6 +83,73 @@ def expand(o: RunOptions, command: str):
         raise KvbenchError(f"--text needs a trained model's tokenizer; {arch.name} is a "
                            "preset with random weights: drop --text or pass a checkpoint")
     return ref, points, options, notes
+
+
+# what a run across ranks leaves out, and why (each one line)
+NOT_ACROSS_RANKS = {"graph": "--graph captures one process's step",
+                    "prefill_chunk": "--prefill-chunk", "draft_len": "--draft-len",
+                    "beams": "--beams", "layer_budgets": "--layer-budgets"}
+
+
+def across_ranks(o: RunOptions, arch, command: str) -> tuple[int, ...] | None:
+    """Check --tp, --pp, --pp-layers and --nproc against the model; with --nproc outside a
+    launcher, start the ranks here and end with their exit status. The stages' layer counts
+    (--pp-layers) or None."""
+    import typer
+
+    from kvbench.measure import distributed
+    from kvbench.sizing.config import parse_int_list
+    from kvbench.sizing.parallel import pp_partition
+
+    given = None
+    if o.pp_layers is not None:
+        given = tuple(parse_int_list("--pp-layers", o.pp_layers))
+    ranks = o.tp * o.pp
+    if ranks == 1 and given is None and o.nproc in (None, 1):
+        return None
+    if given is not None and o.pp == 1:
+        raise KvbenchError("--pp-layers gives each pipeline stage its layers; add --pp N")
+    pp_partition(arch.layers, o.pp, given)  # (one line if it cannot split them)
+    distributed.check(o.tp, arch.q_heads, arch.kv_heads)
+    if arch.intermediate % o.tp:
+        raise KvbenchError(f"--tp {o.tp} does not divide {arch.name}'s MLP width "
+                           f"{arch.intermediate:,}: each rank holds I/N of it; use a --tp that "
+                           f"divides it and the {arch.q_heads} query heads")
+    for name, what in NOT_ACROSS_RANKS.items():
+        if getattr(o, name, None) not in (None, False):
+            raise KvbenchError(f"{what} runs on one rank; drop it, or --tp/--pp")
+    if command not in ("verify", "bench", "memory"):
+        raise KvbenchError("--tp and --pp run verify, bench and memory")
+    if o.nproc is not None:
+        if distributed.launched():
+            raise KvbenchError("--nproc starts the ranks itself; under torchrun drop it")
+        if o.nproc != ranks:
+            raise KvbenchError(f"--nproc {o.nproc}: --tp {o.tp} × --pp {o.pp} needs {ranks} "
+                               f"ranks; use --nproc {ranks}")
+        _fits_ranks(o, arch, ranks)
+        from kvbench.planning.launch import launch
+
+        raise typer.Exit(launch(ranks, sys.argv[1:]))
+    return given
+
+
+def _fits_ranks(o: RunOptions, arch, ranks: int) -> None:
+    """Refuse, before any rank starts, more ranks than this host's memory holds: each loads
+    the model (rank 0 transformers' copy too, for path A)."""
+    from kvbench.measure.device import resolve_device
+    from kvbench.planning.preflight import host_available
+    from kvbench.sizing.config import canonical_dtype
+
+    if not resolve_device(o.device).startswith("cpu"):
+        return
+    b = {"float32": 4}.get(canonical_dtype(o.dtype.split(",")[0]), 2)
+    need = arch.weight_count() * b * 2  # its copy, and the weights it loads them from
+    have = host_available(o.host_mem)
+    if (ranks + 1) * need > 0.8 * have:
+        raise KvbenchError(
+            f"--nproc {ranks}: each rank holds about {need / 2**30:.2f} GiB of {arch.name}'s "
+            f"weights (rank 0 twice), {(ranks + 1) * need / 2**30:.2f} GiB in all, above 80% "
+            f"of the {have / 2**30:.2f} GiB this host has free; use fewer ranks or --layers N")
 
 
 def unserved(arch, name: str, config, options) -> str | None:
@@ -189,10 +260,10 @@ class Model:
         return points, options, notes, bench_options
 
     def point(self, command: str, o: RunOptions, impl_options, bench_options):
-        from kvbench.experiments.model import run as model_run
-        from kvbench.experiments.model import view
+        from kvbench.experiments.model import parallel, run, view
 
         ref, layers, text = self.ref, o.layers, o.text
+        model_run = parallel if o.tp * o.pp > 1 else run  # (the same three calls)
         if command == "verify":
             def run_point(config, names, env):
                 report = model_run.verify(ref, config, names, impl_options, layers, text)

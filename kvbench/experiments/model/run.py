@@ -136,6 +136,11 @@ class ModelCheck:
     cache_bytes: int | None = None  # every layer's cache as `kvbench capacity` plans it
     graph: bool = False  # its steps ran as the whole model's graph (--graph)
     note: str = ""  # what its check left out (shown under the table)
+    # across ranks (--tp, --pp): against the same cache on one rank, the largest logit
+    # difference and whether every step's most likely token is the same; each rank's figures
+    one_rank_max_abs_err: float | None = None
+    one_rank_tokens_equal: bool | None = None
+    ranks: list | None = None  # kvbench.experiments.model.parallel.RankFigures, by rank
 
 
 @dataclass
@@ -392,6 +397,12 @@ class ModelTiming:
     kv_bytes_per_step: float  # K/V read and written by one step of the batch, every layer
     check: ModelCheck | None = None
     graph: object | None = None  # Stats of G steps as the whole model's graph (--graph)
+    # across ranks: each rank's own work a step (ms), the share of a step the ranks wait on
+    # one another (the pipeline's bubble, their mean), and the all-reduces' share
+    rank_busy_ms: list[float] | None = None
+    bubble_share: float | None = None
+    allreduce_ms: float | None = None  # one all-reduce of a step's [B, 1, H], alone
+    allreduce_share: float | None = None
 
 
 @dataclass
@@ -599,6 +610,7 @@ class ModelImplMemory:
     kind_bytes: dict[str, int] = field(default_factory=dict)
     freed_bytes: int | None = None
     sliding_impl: str | None = None  # what served the sliding layers
+    rank: object | None = None  # across ranks: this row's rank (parallel.RankFigures)
 
 
 @dataclass

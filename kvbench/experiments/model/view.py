@@ -15,9 +15,18 @@ def shown(text: str) -> str:
     """Model text quoted for a table's caption: a line break shown as ⏎, not as \\n."""
     return '"' + " ⏎ ".join(text.split("\n")) + '"'
 
+def _ranks(config) -> str:
+    """" TP 3 PP 2" for a run across ranks, else ""."""
+    if config.tp * config.pp == 1:
+        return ""
+    split = f" ({','.join(map(str, config.pp_layers))})" if config.pp_layers else ""
+    return f" TP {config.tp} PP {config.pp}{split}"
+
+
 def _title(command: str, result) -> str:
     s = result.config.shape
-    return (f"{command}  {result.ref.label}, {result.layers} layers: B={s.batch} "
+    return (f"{command}  {result.ref.label}{_ranks(result.config)}, {result.layers} layers: "
+            f"B={s.batch} "
             f"prompt={s.prompt_len} decode={s.decode_len} {result.config.dtype} "
             f"{result.config.device}"
             + (f" window={s.window} sinks={s.sinks}" if s.window is not None else "")
@@ -30,8 +39,9 @@ def _title(command: str, result) -> str:
 def verify_table(report) -> Table:
     t = new_table(_title("verify", report))
     trained = report.ref.trained
-    cols = ["impl", "result", "max|Δlogit|"] + (["ppl", "KL mean", "KL max", "top-1"]
-                                                  if trained else []) + ["failure"]
+    ranks = any(c.ranks for c in report.checks)
+    cols = ["impl", "result", "max|Δlogit|"] + (["vs 1 rank", "tokens"] if ranks else []) + (
+        ["ppl", "KL mean", "KL max", "top-1"] if trained else []) + ["failure"]
     for col in cols:
         t.add_column(col, justify="left" if col in ("impl", "result", "failure") else "right",
                      no_wrap=col != "failure")
@@ -39,7 +49,9 @@ def verify_table(report) -> Table:
         q = c.quality
         result = "[yellow]lossy[/]" if c.lossy and c.passed else _result(c)
         quality = [f"{q.ppl:.3f}", sci(q.kl_mean), sci(q.kl_max), f"{q.top1:.1%}"]
-        t.add_row(impl_label(report, c.impl), result, sci(c.max_abs_err),
+        one = ([sci(c.one_rank_max_abs_err), "same" if c.one_rank_tokens_equal else
+                "[red]differ[/]"] if ranks else [])
+        t.add_row(impl_label(report, c.impl), result, sci(c.max_abs_err), *one,
                   *(quality if trained else []), c.message or "—")
     ref = report.reference
     if report.masked is not None:
@@ -61,24 +73,29 @@ def verify_table(report) -> Table:
                     "; random weights: path A is kvbench's own cacheless forward")
                  + "; an evicting or channel-pruning cache's every layer is gated against "
                  "float64 attention over what it kept, and its choice replayed"
+                 + ("; vs 1 rank: max |Δlogit| against the same cache on one rank, tokens: "
+                    "its greedy tokens at every step against one rank's" if ranks else "")
                  + "".join(f"; {c.impl}: {c.note}" for c in report.checks if c.note))
     return t
 
 
 def bench_table(result) -> Table:
     t = new_table(_title("bench", result))
+    ranks = result.config.tp * result.config.pp > 1
     for col in ("impl", "TTFT ms", "ms/token", "IQR", "tok/s", "MB/token", "KV share",
-                "%copy"):
+                "%copy") + (("all-reduce", "bubble") if ranks else ()):
         t.add_column(col, justify="left" if col == "impl" else "right", no_wrap=True)
     for timing in result.timings:
         pct = result.bandwidth_fraction(timing)
+        shares = [("—" if x is None else f"{x:.0%}")
+                  for x in (timing.allreduce_share, timing.bubble_share)] if ranks else []
         t.add_row(impl_label(result, timing.impl),
                   ms_text(timing.prefill.median_ms) if timing.prefill else "skipped",
                   ms_text(result.ms_per_token(timing)), spread_text(timing.decode),
                   f"{result.tokens_per_s(timing):,.1f}",
                   f"{result.bytes_per_step(timing) / 1e6:,.2f}",
                   f"{result.kv_share(timing):.1%}",
-                  f"{100 * pct:.0f}%" + (" [yellow]?[/]" if pct > 1 else ""))
+                  f"{100 * pct:.0f}%" + (" [yellow]?[/]" if pct > 1 else ""), *shares)
         if timing.graph is not None:
             ms, pct = result.graph_ms_per_token(timing), result.graph_bandwidth_fraction(timing)
             t.add_row(f"{timing.impl} graph", "—", ms_text(ms), spread_text(timing.graph),
@@ -99,11 +116,42 @@ def bench_table(result) -> Table:
                  + ("; graph: the whole model's step (every layer, the final norm, the LM "
                     "head) compiled by torch.compile and, on CUDA, replayed as one CUDA graph"
                     if graphed else "")
+                 + ("; ms/token: the slowest rank's; all-reduce: a step's 2 · layers "
+                    "all-reduces, each timed alone, over the step; bubble: the share of a step "
+                    "a rank waits for the other stages, their mean" if ranks else "")
                  + (f"; {result.note}" if result.note else ""))
     return t
 
 
+def ranks_table(result) -> Table:
+    """memory across ranks: one row a rank and implementation."""
+    t = new_table(_title("memory", result))
+    for col in ("impl", "rank", "stage", "layers", "K/V B", "planner B", "all-reduce B/tok",
+                "send B/tok"):
+        t.add_column(col, justify="left" if col == "impl" else "right", no_wrap=True)
+    for m in result.impls:
+        f = m.rank
+        same = m.cache_bytes == m.planner_bytes
+
+        def counted(got, want):
+            return f"{got:,.0f}" + ("" if got == want else f" [red]≠ {want:,}[/]")
+
+        t.add_row(impl_label(result, m.impl), str(f.rank), str(f.stage),
+                  f"{f.layers[0]}–{f.layers[1] - 1}", f"{m.cache_bytes:,}",
+                  f"{m.planner_bytes:,}" + ("" if same else " [red]≠[/]"),
+                  counted(f.allreduce_bytes_per_token, f.expected["allreduce"]),
+                  counted(f.send_bytes_per_token, f.expected["send"]))
+    t.caption = ("K/V B: the rank's caches (its stage's layers, its KV heads), measured; "
+                 "planner B: kvbench capacity's per-rank figure; all-reduce and send B/tok: "
+                 "the bytes the rank handed to all-reduce and sent to the next stage per "
+                 "decoded token, counted around every collective and send (≠: SPEC §20's "
+                 "2 · layers · B · H · bytes and B · H · bytes differ)")
+    return t
+
+
 def memory_table(result) -> Table:
+    if any(m.rank is not None for m in result.impls):
+        return ranks_table(result)
     t = new_table(_title("memory", result))
     hybrid = any(m.kind_bytes for m in result.impls)
     cols = ["impl", "K/V MiB", "planner MiB"] + (
@@ -167,7 +215,9 @@ def model_verify_rows(report, env: dict[str, object]) -> list[dict[str, object]]
         "lossy": c.lossy or None, "ppl": c.quality.ppl, "ppl_path_a": report.reference.ppl,
         "kl_mean": c.quality.kl_mean, "kl_max": c.quality.kl_max, "top1_agree": c.quality.top1,
         "ppl_masked": report.masked.ppl if report.masked is not None else None,
-        "kv_cache_bytes": c.cache_bytes, "graph": c.graph or None, **env,
+        "kv_cache_bytes": c.cache_bytes, "graph": c.graph or None,
+        "one_rank_max_abs_err": c.one_rank_max_abs_err,
+        "one_rank_tokens_equal": c.one_rank_tokens_equal, **env,
     } for c in report.checks]
 
 
@@ -189,7 +239,9 @@ def model_bench_rows(result, env: dict[str, object]) -> list[dict[str, object]]:
         **stats_cells("decode_graph_ms", t.graph),
         "graph_ms_per_step": result.graph_ms_per_token(t),
         "graph_speedup": result.graph_speedup(t),
-        "graph_bandwidth_fraction": result.graph_bandwidth_fraction(t), **env,
+        "graph_bandwidth_fraction": result.graph_bandwidth_fraction(t),
+        "pp_bubble_share": t.bubble_share, "allreduce_share": t.allreduce_share,
+        "allreduce_ms": t.allreduce_ms, **env,
     } for t in result.timings]
 
 
@@ -201,8 +253,16 @@ def model_memory_rows(result, env: dict[str, object]) -> list[dict[str, object]]
         "kv_planner_bytes": m.planner_bytes,
         "kv_full_bytes": m.kind_bytes.get("full") if m.kind_bytes else None,
         "kv_sliding_bytes": m.kind_bytes.get("sliding") if m.kind_bytes else None,
-        "kv_freed_bytes": m.freed_bytes, **env,
+        "kv_freed_bytes": m.freed_bytes, **(_rank_cells(m.rank) if m.rank else {}), **env,
     } for m in result.impls]
+
+
+def _rank_cells(f) -> dict[str, object]:
+    return {"rank": f.rank, "stage": f.stage, "stage_layers": f"{f.layers[0]}-{f.layers[1] - 1}",
+            "allreduce_bytes_per_token": f.allreduce_bytes_per_token,
+            "send_bytes_per_token": f.send_bytes_per_token,
+            "formula_allreduce_bytes_per_token": f.expected["allreduce"],
+            "formula_send_bytes_per_token": f.expected["send"]}
 
 
 def planned_row_bytes(row) -> int:

@@ -14,6 +14,7 @@ embedding scale, GeGLU, attention scale and soft-capping.
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
@@ -22,6 +23,7 @@ import torch.nn.functional as F
 
 from kvbench.layers.attention import AttentionLayer, apply_rope, dense_causal_attention
 from kvbench.layers.model.spec import Architecture
+from kvbench.measure.distributed import all_reduce
 from kvbench.sizing.config import LayerShape
 
 if TYPE_CHECKING:
@@ -105,6 +107,18 @@ class ModelAttention(AttentionLayer):
         return [t for t in (self.w_qkv, self.w_o, self.b_qkv, self.q_norm, self.k_norm,
                             self.inv_freq) if t is not None]
 
+    def shard(self, tp: int, rank: int) -> ModelAttention:
+        """AttentionLayer.shard, with the bias of the columns the rank holds; the q/k norms
+        act on each head's vector: every rank keeps them whole."""
+        from kvbench.layers.attention import head_columns
+
+        other = super().shard(tp, rank)
+        assert isinstance(other, ModelAttention)
+        if self.b_qkv is not None:
+            q, k, v = head_columns(self.shape, tp, rank)
+            other.b_qkv = torch.cat((self.b_qkv[q], self.b_qkv[k], self.b_qkv[v]))
+        return other
+
     def project(self, x, start, gemm=torch.mm):
         B, T, H = x.shape
         Hq, Hkv, D = self.shape.q_heads, self.shape.kv_heads, self.shape.head_dim
@@ -153,17 +167,24 @@ class Model:
     """A decoder's weights and its forward, with attention supplied per layer."""
 
     def __init__(self, arch: Architecture, embed: torch.Tensor, blocks: list[Block],
-                 norm: torch.Tensor, lm_head: torch.Tensor):
+                 norm: torch.Tensor, lm_head: torch.Tensor, tp: int = 1,
+                 layers: range | None = None):
         self.arch, self.embed, self.blocks, self.norm = arch, embed, blocks, norm
         self.lm_head = lm_head  # [H, V] (a view of the embedding when tied)
         self.dtype, self.device = embed.dtype, str(embed.device)
+        self.tp = tp  # ranks each layer is split over (kvbench.layers.model.parallel)
+        self.layers = range(len(blocks)) if layers is None else layers  # a stage's own
+
+    def held(self) -> list[Block]:
+        """The blocks that are this model's own (a pipeline stage's layers)."""
+        return [self.blocks[i] for i in self.layers]
 
     @property
     def weight_bytes(self) -> int:
         """Bytes of every distinct weight tensor (a tied head counted once)."""
         seen, total = set(), 0
         for t in [self.embed, self.norm, self.lm_head,
-                  *(x for b in self.blocks for x in b.tensors())]:
+                  *(x for b in self.held() for x in b.tensors())]:
             key = t.untyped_storage().data_ptr()
             if key not in seen:
                 seen.add(key)
@@ -173,14 +194,14 @@ class Model:
     def step_weight_bytes(self) -> int:
         """Weight bytes one decode step reads: every layer, the final norm, the logits'
         matrix and one embedding row per token (negligible, left out)."""
-        tensors = [self.norm, self.lm_head, *(x for b in self.blocks for x in b.tensors())]
+        tensors = [self.norm, self.lm_head, *(x for b in self.held() for x in b.tensors())]
         return sum(t.numel() * t.element_size() for t in tensors)
 
     def to(self, dtype: torch.dtype) -> Model:
         blocks = [b.to(dtype) for b in self.blocks]
         embed = self.embed.to(dtype)
         head = embed.t() if self.arch.tie_embeddings else self.lm_head.to(dtype)
-        return Model(self.arch, embed, blocks, self.norm.to(dtype), head)
+        return Model(self.arch, embed, blocks, self.norm.to(dtype), head, self.tp, self.layers)
 
     def rms(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return rms_norm(x, weight, self.arch.norm_eps, self.arch.norm_offset)
@@ -189,7 +210,10 @@ class Model:
         gate, up = (x @ b.w_gate_up).chunk(2, dim=-1)
         act = (F.gelu(gate, approximate="tanh") if self.arch.activation == "gelu_tanh"
                else F.silu(gate))
-        return (act * up) @ b.w_down
+        out = (act * up) @ b.w_down
+        if self.tp > 1:  # a shard's rows of W_down: partial sums, summed over its ranks
+            all_reduce(out)
+        return out
 
     def embedding(self, tokens: torch.Tensor) -> torch.Tensor:
         """The tokens' embeddings [B, T, H]; Gemma's times √hidden, the factor rounded to
@@ -205,14 +229,24 @@ class Model:
         a server computes them). attend(i, x) is layer i's attention over its normed input
         x [B, T, H] (through a cache, or over the whole sequence). `hidden` collects each
         layer's output (to find the first layer that differs)."""
-        h = self.embedding(tokens)
-        for i, b in enumerate(self.blocks):
+        h = self.run_layers(self.embedding(tokens), range(len(self.blocks)), attend, hidden)
+        return self.head(h, last)
+
+    def run_layers(self, h: torch.Tensor, layers: range, attend,
+                   hidden: list | None = None) -> torch.Tensor:
+        """Hidden states [B, T, H] through `layers` (a pipeline stage's, or all)."""
+        for i in layers:
+            b = self.blocks[i]
             a = attend(i, self.rms(h, b.attn_norm))
             h = h + (a if b.post_attn_norm is None else self.rms(a, b.post_attn_norm))
             m = self.mlp(b, self.rms(h, b.mlp_norm))
             h = h + (m if b.post_mlp_norm is None else self.rms(m, b.post_mlp_norm))
             if hidden is not None:
                 hidden.append(h)
+        return h
+
+    def head(self, h: torch.Tensor, last: bool = False) -> torch.Tensor:
+        """The final norm and the logits [B, T, V] ([B, 1, V]: `last`)."""
         logits = self.rms(h[:, -1:] if last else h, self.norm) @ self.lm_head
         return softcap(logits, self.arch.final_softcap)
 
@@ -330,31 +364,59 @@ def layer_caches(arch: Architecture, cls: type[CachedAttention], config: RunConf
 
 
 class CachedModel:
-    """The model decoding through one cache implementation: each layer its own cache."""
+    """The model decoding through one cache implementation: each layer its own cache. A
+    pipeline stage's (`layers`, with the `link` to its neighbours) holds and runs its own
+    layers: the first embeds, the others receive hidden states, the last gives logits (the
+    others None)."""
 
-    def __init__(self, model: Model, cls, config, options):
-        self.model = model
-        self.caches = []
+    def __init__(self, model: Model, cls, config, options, layers: range | None = None,
+                 link=None):
         from kvbench.caches import ImplOptions
 
+        self.model = model
+        self.layers = range(len(model.blocks)) if layers is None else layers
+        self.link = link
         served = layer_caches(model.arch, cls, config, (options or ImplOptions()).at(config))
-        for b, (kind, layer) in zip(model.blocks, served):
+        self.caches = []
+        for i in self.layers:
+            kind, layer = served[i]
+            b = model.blocks[i]
             b.attn.shape = layer.shape  # a layer's shape is its point's (a cache reads its
             # window, budget and batch from it, as on one layer), with its own budget
             self.caches.append(kind.build(b.attn, layer, options))
-        # tap(i, x, out): called with each layer's attention input and output (verify's
-        # per-layer gate of a lossy cache); None: nothing recorded
+        # tap(i, x, out): called with each held layer's attention input and output (verify's
+        # per-layer gate of a lossy cache; i counts the held layers); None: nothing recorded
         self.tap = None
+        self.busy_s = 0.0  # a pipeline stage's own work so far, seconds (bench's bubble)
 
     def _attend(self, i: int, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         if self.tap is not None:
-            self.tap(i, x, out)
+            self.tap(i - self.layers.start, x, out)
+        return out
+
+    def _run(self, tokens: torch.Tensor, call, hidden: list | None = None):
+        """tokens through the held layers, each attending with call(its cache, x)."""
+        def attend(i, x):
+            return self._attend(i, x, call(self.caches[i - self.layers.start], x))
+
+        if self.link is None:
+            return self.model.forward(tokens, attend, hidden)
+        link = self.link
+        h = (self.model.embedding(tokens) if link.first
+             else link.recv((*tokens.shape, self.model.arch.hidden)))
+        start = time.perf_counter()  # this stage's own work, apart from its waits
+        h = self.model.run_layers(h, self.layers, attend, hidden)
+        out = self.model.head(h) if link.last else None
+        if h.is_cuda:
+            torch.cuda.synchronize(h.device)
+        self.busy_s += time.perf_counter() - start
+        if not link.last:
+            link.send(h)
         return out
 
     def prefill(self, tokens: torch.Tensor, hidden: list | None = None) -> torch.Tensor:
         """The prompt [B, T_p] -> its logits [B, T_p, V]; every layer's cache filled."""
-        return self.model.forward(
-            tokens, lambda i, x: self._attend(i, x, self.caches[i].prefill(x)), hidden)
+        return self._run(tokens, lambda c, x: c.prefill(x), hidden)
 
     def fill(self, tokens: torch.Tensor) -> None:
         """The prompt's caches where its outputs are not wanted (a cache may skip the
@@ -363,8 +425,7 @@ class CachedModel:
 
     def step(self, tokens: torch.Tensor, hidden: list | None = None) -> torch.Tensor:
         """One token per sequence [B, 1] -> logits [B, 1, V]; every cache one longer."""
-        return self.model.forward(
-            tokens, lambda i, x: self._attend(i, x, self.caches[i].step(x)), hidden)
+        return self._run(tokens, lambda c, x: c.step(x), hidden)
 
     def graph_step(self, tokens: torch.Tensor) -> torch.Tensor:
         """One token per sequence [B, 1] -> logits [B, 1, V] with every layer's graph-safe
