@@ -310,6 +310,15 @@ def test_pipeline_stages_split_the_layers_and_the_blocks_follow_the_largest():
     assert eng.stages(30, 4, (10, 9, 9, 2)) == [10, 9, 9, 2]
     model = cap.ModelSpec(name="p", layers=5, kv_heads=1, head_dim=8)
     assert vllm(model, pp=2, kv_memory=GIB).num_blocks == GIB // (16 * 32 * 3)
+    # every stage holds those 699,050 blocks: stage 0's 3 layers use all but 1,024 B, stage
+    # 1's 2 layers leave a third idle; as vLLM PR #25164 found a stage locked to a fraction
+    blocks = GIB // (16 * 32 * 3)
+    idle = (GIB - blocks * 512 * 3) + (GIB - blocks * 512 * 2)
+    assert vllm(model, pp=2, kv_memory=GIB).pp_idle_bytes == idle == 357_915_648
+    assert vllm(model, pp=1, kv_memory=GIB).pp_idle_bytes is None
+    uneven = vllm(model, pp=2, kv_memory=GIB, pp_layers=(4, 1))
+    assert uneven.num_blocks == GIB // (512 * 4)
+    assert uneven.pp_idle_bytes == 2 * GIB - uneven.num_blocks * 512 * 5
     mixed = cap.ModelSpec(name="m", layers=4, kv_heads=1, head_dim=8, sliding_window=64,
                           layer_types=("sliding", "full") * 2)
     assert vllm(mixed, pp=2, kv_memory=GIB).num_blocks == GIB // (16 * 32) // 1

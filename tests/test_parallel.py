@@ -229,3 +229,21 @@ def test_more_ranks_than_the_host_holds_is_refused_before_starting(tiny):
     r = CliRunner().invoke(app, ["verify", *short(tiny), "--tp", "4", "--nproc", "4",
                                  "--host-mem", "1MB"])
     assert r.exit_code == 2 and "each rank holds about" in r.stderr, r.output
+
+
+def test_capacity_gives_each_stages_per_rank_bytes_as_memory_measures_them(tmp_path):
+    # SmolLM2 at T = 36, fp32, TP 3 × PP 2: a rank holds 1 KV head of 64 for 15 layers:
+    # 36 × 15 × 2 × 64 × 4 = 276,480 B (memory measures the same per rank)
+    from typer.testing import CliRunner
+
+    from kvbench.cli import app
+
+    out = tmp_path / "c.csv"
+    r = CliRunner().invoke(app, ["capacity", "--model", "smollm2-135m", "--seq-len", "36",
+                                 "--kv-dtype", "fp32", "--tp", "3", "--pp", "2", "--pp-layers",
+                                 "20,10", "--csv", str(out)])
+    assert r.exit_code == 0, r.output
+    row = pd.read_csv(out).iloc[0]
+    assert row.stage_layers == "20,10" and row.pp == 2
+    assert row.stage_bytes == f"{36 * 20 * 512},{36 * 10 * 512}"
+    assert "per rank of stage 1 (layers 20–29)" in r.stdout

@@ -159,7 +159,12 @@ class CapacityOptions:
         panel="Serving engine",
     )
     pp: int = flag(
-        1, "Pipeline-parallel stages (layers split across them).", panel="Serving engine"
+        1, "Pipeline-parallel stages, layers split as vLLM's get_pp_indices: each stage's "
+        "per-rank bytes (with --engine, its block count: the smallest stage's caps them all)."
+    )
+    pp_layers: str | None = flag(
+        None, "With --pp: each stage's layer count, a comma list (vLLM's "
+        "VLLM_PP_LAYER_PARTITION).", show_default=False
     )
     kv_memory: str | None = flag(
         None,
@@ -223,6 +228,7 @@ def capacity(o: CapacityOptions) -> None:
         return engines.capacity(o.engine, o.model, o.from_config, o.gpu_mem, o.tp, o.block_size,
                                 o.weight_dtype, o.weights_bytes, o.require_fit, o.csv, o.no_csv,
                                 o.format, o.quiet,
+                                pp=o.pp, pp_layers=o.pp_layers,
                                 **{name: getattr(o, name) for name in ENGINE_ONLY})
     margin_bytes = cap.parse_size(o.margin, "--margin")
     if o.allocate:
@@ -301,6 +307,12 @@ def capacity(o: CapacityOptions) -> None:
         raise KvbenchError(f"--shared-prefix must be 0 or more, got {o.shared_prefix}")
     result = cap.plan(spec, fmt, lens, gpu_bytes, weights, margin_bytes, o.utilization,
                       o.shared_prefix)
+    if o.pp != 1 or o.pp_layers is not None:
+        if o.pp_layers is not None and o.pp == 1:
+            raise KvbenchError("--pp-layers gives each pipeline stage its layers; add --pp N")
+        given = (tuple(parse_int_list("--pp-layers", o.pp_layers))
+                 if o.pp_layers is not None else None)
+        result.stages = cap.stage_plans(spec, fmt, lens, o.pp, given, o.shared_prefix)
     if serving_at is not None:
         result.serving = cap.serving(spec, fmt, *serving_at,
                                      result.fit.budget_bytes if result.fit else None)
@@ -324,7 +336,7 @@ def capacity(o: CapacityOptions) -> None:
 # the options --engine alone reads (kvbench.experiments.engines)
 ENGINE_ONLY = ("gpu", "gpu_memory_utilization", "mem_fraction_static", "max_model_len",
                "max_num_seqs", "max_running_requests", "max_num_batched_tokens",
-               "chunked_prefill_size", "page_size", "kv_cache_dtype", "pp", "kv_memory",
+               "chunked_prefill_size", "page_size", "kv_cache_dtype", "kv_memory",
                "num_gpu_blocks_override", "activation", "non_torch", "cuda_graphs",
                "target_concurrency")
 
@@ -462,6 +474,9 @@ def capacity_table(p) -> Table:
                   human_bytes(p.per_rank_bytes))
     if fmt.block_size:
         t.add_row("wasted in partly filled blocks (per rank)", human_bytes(p.wasted_bytes))
+    for stage, (layers, held) in enumerate(p.stages):
+        t.add_row(f"per rank of stage {stage} (layers {layers.start}–{layers.stop - 1})",
+                  f"{held:,} B")
     f = p.fit
     if f:
         t.add_row("", "")
@@ -561,6 +576,9 @@ def capacity_rows(p, env: dict[str, object]) -> list[dict[str, object]]:
         "payload_bytes": p.payload_bytes, "per_rank_bytes": p.per_rank_bytes,
         "wasted_bytes": p.wasted_bytes, **env,
     }
+    if p.stages:
+        row |= {"pp": len(p.stages), "stage_layers": ",".join(str(len(r)) for r, _ in p.stages),
+                "stage_bytes": ",".join(str(b) for _, b in p.stages)}
     if f:
         row |= {"gpu_bytes": f.gpu_bytes, "utilization": f.utilization,
                 "margin_bytes": f.margin_bytes, "weights_bytes": f.weights_bytes,

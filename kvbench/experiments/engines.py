@@ -13,6 +13,7 @@ from kvbench.report.results import timestamp
 from kvbench.report.tables import Report
 from kvbench.sizing import capacity as cap
 from kvbench.sizing import engine as eng
+from kvbench.sizing.config import parse_int_list
 
 GIB = eng.GIB
 
@@ -21,7 +22,7 @@ def options(engine, gpu_mem, tp, block_size, weight_dtype, weights_bytes, gpu=No
             gpu_memory_utilization=None, mem_fraction_static=None, max_model_len=None,
             max_num_seqs=None, max_running_requests=None, max_num_batched_tokens=None,
             chunked_prefill_size=None, page_size=None, kv_cache_dtype="auto", pp=1,
-            kv_memory=None, num_gpu_blocks_override=None, activation=None,
+            pp_layers=None, kv_memory=None, num_gpu_blocks_override=None, activation=None,
             non_torch="0.35GiB", cuda_graphs="0GiB", **_) -> eng.EngineOptions:
     """The engine's launch from the flags (each engine's own names; the other's refused)."""
     engine = engine.strip().lower()
@@ -71,7 +72,8 @@ def options(engine, gpu_mem, tp, block_size, weight_dtype, weights_bytes, gpu=No
         weight_bytes=cap.WEIGHT_DTYPE_BYTES[dt], weights=size(weights_bytes, "--weights-bytes"),
         non_torch=size(non_torch, "--non-torch"), activation=size(activation, "--activation"),
         cuda_graphs=size(cuda_graphs, "--cuda-graphs"), kv_memory=size(kv_memory, "--kv-memory"),
-        num_blocks=num_gpu_blocks_override)
+        num_blocks=num_gpu_blocks_override,
+        pp_layers=None if pp_layers is None else tuple(parse_int_list("--pp-layers", pp_layers)))
 
 
 def capacity(engine, model, from_config, gpu_mem, tp, block_size, weight_dtype, weights_bytes,
@@ -188,7 +190,9 @@ def engine_rows(spec, o: eng.EngineOptions, led: eng.Ledger, env: dict) -> list[
         "engine_kv_blocks": led.num_blocks,
         "engine_max_concurrency": round(led.max_concurrency, 4),
         "engine_groups": " ".join(f"{g.kind}:{g.layers}" for g in led.groups),
-        "pp": o.pp, **env,
+        "pp": o.pp, "engine_pp_idle_bytes": led.pp_idle_bytes,
+        "stage_layers": ",".join(map(str, eng.stages(spec.layers, o.pp, o.pp_layers)))
+        if o.pp > 1 else None, **env,
     }
     return [row]
 

@@ -416,6 +416,10 @@ CAPACITY_COLUMNS = _CAPACITY + [
     "engine", "pp", "engine_weights_bytes", "engine_activation_bytes",
     "engine_kv_bytes_available", "engine_kv_tokens", "engine_kv_blocks",
     "engine_max_concurrency", "engine_groups",
+    # --pp: each stage's layer count and its ranks' bytes, comma lists by stage; --engine: the
+    # bytes of the stages that hold fewer layers than the largest left idle (every stage
+    # holds the largest's block count)
+    "stage_layers", "stage_bytes", "engine_pp_idle_bytes",
 ] + ENV_COLUMNS + PROVENANCE_COLUMNS
 
 

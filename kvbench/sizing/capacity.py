@@ -542,10 +542,31 @@ class Plan:
     notes: list[str] = field(default_factory=list)
     serving: Serving | None = None  # --len-dist: preallocation against paging
     len_dist: str | None = None
+    # --pp: each stage's layers and its ranks' bytes (per TP rank, as per_rank_bytes)
+    stages: list[tuple[range, int]] = field(default_factory=list)
 
     @property
     def batch(self) -> int:
         return len(self.seq_lens)
+
+
+def stage_plans(model: ModelSpec, fmt: CacheFormat, seq_lens: tuple[int, ...], pp: int,
+                given: tuple[int, ...] | None = None,
+                shared_prefix: int = 0) -> list[tuple[range, int]]:
+    """Each pipeline stage's layers (vLLM's split, kvbench.sizing.parallel) and what one of
+    its ranks holds: the per-rank bytes of those layers alone."""
+    from kvbench.sizing.parallel import pp_partition, stage_ranges
+
+    if model.share_layers != 1 or model.layer_budgets or model.whole_heads:
+        raise KvbenchError("--pp splits layers of their own: drop --share-layers, "
+                           "--layer-budgets and --head-budgets")
+    out = []
+    for layers in stage_ranges(pp_partition(model.layers, pp, given)):
+        part = replace(model, name=model.name, layers=len(layers),
+                       layer_types=model.layer_types[layers.start:layers.stop])
+        out.append((layers, plan(part, fmt, seq_lens,
+                                 shared_prefix=shared_prefix).per_rank_bytes))
+    return out
 
 
 def plan(model: ModelSpec, fmt: CacheFormat, seq_lens: tuple[int, ...],

@@ -93,6 +93,7 @@ class EngineOptions:
     cuda_graphs: int = 0  # bytes subtracted for CUDA graphs (0: in the headroom)
     kv_memory: int | None = None  # the available KV an engine's log printed, instead
     num_blocks: int | None = None  # vLLM's --num-gpu-blocks-override: the blocks, given
+    pp_layers: tuple[int, ...] | None = None  # --pp-layers (VLLM_PP_LAYER_PARTITION)
 
     def __post_init__(self) -> None:
         if self.engine not in ENGINES:
@@ -150,6 +151,7 @@ class Ledger:
     max_model_len: int
     block_size: int
     notes: list[str] = field(default_factory=list)
+    pp_idle_bytes: int | None = None  # --pp: what the stages with fewer layers leave unused
 
     @property
     def fits(self) -> bool:
@@ -273,9 +275,13 @@ def vllm(model: ModelSpec, o: EngineOptions) -> Ledger:
     else:
         available = requested - weights - activation - o.non_torch - o.cuda_graphs
     page = groups[0].page_bytes
+    idle = None
     if len(groups) == 1:  # every layer in one group: a block holds each layer's page
-        layers_per_stage = max(stages(model.layers, o.pp))
+        split = stages(model.layers, o.pp, o.pp_layers)
+        layers_per_stage = max(split)
         num_blocks = max(0, available // (page * layers_per_stage))
+        if o.pp > 1:  # every stage holds the largest stage's blocks: the others' rest idles
+            idle = sum(available - num_blocks * page * n for n in split)
         per_request_bytes = groups[0].blocks_per_request * page * model.layers
         memory_per_block = page * model.layers
     else:
@@ -303,9 +309,12 @@ def vllm(model: ModelSpec, o: EngineOptions) -> Ledger:
                          "holds nothing")
     if "mamba" in kinds:
         notes.append("Mamba layers: one state page a request (their state, not tokens)")
+    if idle:
+        notes.append(f"--pp {o.pp}: every stage holds the largest stage's block count; the "
+                     f"stages with fewer layers leave {idle:,} B idle in all")
     return Ledger("vllm", o.gpu_bytes, requested, weights, activation, estimated,
                   o.non_torch, o.cuda_graphs, available, per_token, groups, size,
-                  num_blocks, tokens, need, concurrency, L, bs, notes)
+                  num_blocks, tokens, need, concurrency, L, bs, notes, idle)
 
 
 def sglang(model: ModelSpec, o: EngineOptions) -> Ledger:
