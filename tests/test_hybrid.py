@@ -377,3 +377,23 @@ def test_gemma3_270m_finds_the_key_and_only_its_full_layers_keep_it(tmp_path):
     assert list(rows.accuracy) == [1.0, 1.0] and rows.passed.all()
     assert list(rows.needle_kept) == pytest.approx([3 / 18, 1.0])
     assert list(rows.needle_kept_min_layer) == [0.0, 1.0]
+
+
+def test_an_evicting_cache_is_gated_on_the_full_layers_of_a_hybrid_model(tiny, monkeypatch):
+    # h2o serves layers 1 and 3 (full) and the ring layers 0 and 2: its gate checks the two
+    # it serves; a fault at step 2 in them is found and named by the layer's index
+    from kvbench.caches.eviction.h2o import H2OCache
+
+    ref, config = _config(tiny["gemma3"], kv_budget=12)
+    (check,) = run.verify(ref, config, ("h2o",), ImplOptions(), None, None).checks
+    assert check.passed and check.lossy, check.message
+    real = H2OCache.attend
+
+    def off_at_step_two(self, q, keys, values):
+        out = real(self, q, keys, values)
+        return out + 1.0 if self.length == 20 + 2 else out
+
+    monkeypatch.setattr(H2OCache, "attend", off_at_step_two)
+    run._loaded.clear()
+    (check,) = run.verify(ref, config, ("h2o",), ImplOptions(), None, None).checks
+    assert not check.passed and check.message.startswith("layer 1, step 2:"), check.message

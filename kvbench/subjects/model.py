@@ -167,7 +167,9 @@ def unserved(arch, name: str, config, options) -> str | None:
     if not arch.sliding_layers:
         return None
     other = IMPLEMENTATIONS[cls.sliding_server(options)]
-    sliding = replace(config, shape=replace(config.shape, window=arch.sliding_window, sinks=0))
+    from kvbench.layers.model.transformer import sliding_shape
+
+    sliding = replace(config, shape=sliding_shape(config.shape, arch.sliding_window))
     reason = (other.unstorable(options) or other.inapplicable(sliding)
               or other.unavailable(sliding, options)
               or ("does not soft-cap scores" if arch.attn_softcap is not None

@@ -294,11 +294,11 @@ def _record_layers(cm: CachedModel) -> list[list] | None:
     """For caches that record what they kept (eviction, channel pruning): turn recording on
     and tap each layer's attention inputs and outputs. None for others (a window is checked
     against transformers' masked forward, a quantized cache is not gated)."""
-    if not all(c.records_kept for c in cm.caches):
-        return None
+    if not any(c.records_kept for c in cm.caches):
+        return None  # (a hybrid model's sliding layers keep their window: the others record)
     tapped: list[list] = [[] for _ in cm.caches]
     for c in cm.caches:
-        c.record = True
+        c.record = c.records_kept
     cm.tap = lambda i, x, out: tapped[i].append((x, out))
     return tapped
 
@@ -318,11 +318,14 @@ def _gate_layers(cm: CachedModel, tapped, T: int, rtol: float, atol: float,
 
     if replay_limit is None:
         replay_limit = REPLAY_LIMIT  # (read here: a test lowers it)
-    size = sum(k.shape[-1] for k in cm.caches[0].kept)
+    gated = [c for c in cm.caches if c.records_kept]
+    size = sum(k.shape[-1] for k in gated[0].kept)
     replay = size <= replay_limit
     note = ("" if replay else f"the policy's replay left out ({size:,} kept positions over "
             f"the steps a layer, above {replay_limit:,}); every layer gated over what it kept")
     for i, (cache, record) in enumerate(zip(cm.caches, tapped)):
+        if not cache.records_kept:  # a sliding layer's window: exact, checked by path A
+            continue
         x = torch.cat([xi for xi, _ in record], dim=1)  # [B, T + G, H]: the layer's inputs
         channels = cache.kept_channels()
         want = restricted_reference(cache.layer, x, cache.kept, T, channels,

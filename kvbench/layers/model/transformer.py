@@ -359,8 +359,20 @@ def layer_caches(arch: Architecture, cls: type[CachedAttention], config: RunConf
             out.append((cls, layer))
         else:
             out.append((IMPLEMENTATIONS[cls.sliding_server(options)],
-                        replace(layer, shape=replace(layer.shape, window=window, sinks=0))))
+                        replace(layer, shape=sliding_shape(layer.shape, window))))
     return out
+
+
+def sliding_shape(s: LayerShape, window: int) -> LayerShape:
+    """A sliding layer's shape at a point: its window, and none of the point's techniques
+    (a budget, pruned channels: the full layers take them; a sliding layer keeps its window
+    whole). A quantized format is the point's, not the shape's: every layer stores it."""
+    from dataclasses import fields
+
+    from kvbench.sizing.config import TECHNIQUES
+
+    plain = {f.name: f.default for f in fields(LayerShape) if f.name in TECHNIQUES}
+    return replace(s, **{**plain, "window": window})
 
 
 class CachedModel:
