@@ -11,9 +11,17 @@ finishes, and the blocks in use after the step.
 
 One CSV line per configuration: steps, preemptions, max running, prefix-hit positions,
 requests with equal admission and finish steps, the first step that differs and what
-differed. Exit 0 when every configuration agrees on every step, 1 otherwise.
+differed, and each scheduler's loop time a step (its schedule and update calls, imports and
+the trace's making left out). Exit 0 when every configuration agrees on every step and the
+installed release's defaults equal kvbench's table for it, 1 otherwise.
 
-Run it where vLLM imports (scripts/peer-vllm.sh builds that environment):
+The release is the installed vLLM's (0.33 or 0.34: configs/engines/vllm-X.toml); first its
+own defaults, read from its CacheConfig, SchedulerConfig, EngineArgs and the extensible KV
+cache's constants, are compared with kvbench's table field by field (--defaults-out). The
+configurations run at the release's default block size with a pool of the same tokens
+(0.34: blocks of 64, a quarter of the 16-token blocks).
+
+Run it where vLLM imports (scripts/peer-vllm.sh builds that environment, per version):
 
     VLLM_TARGET_DEVICE=cpu /path/to/vllm-env/bin/python scripts/peer_vllm.py [--trace F ...]
 """
@@ -29,6 +37,7 @@ import os
 import random
 import sys
 import tempfile
+import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -37,6 +46,11 @@ os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import vllm  # noqa: F401  (its logging set up before it is silenced)
+import vllm.triton_utils
+
+# 0.34 refuses an x86 CPU without triton-cpu when its config is built; the scheduler uses no
+# kernel, so only that check is skipped
+vllm.triton_utils.HAS_TRITON = True
 from vllm.config import CacheConfig, ModelConfig, SchedulerConfig, VllmConfig
 from vllm.sampling_params import SamplingParams
 from vllm.utils.hashing import sha256
@@ -49,7 +63,10 @@ from vllm.v1.structured_output import StructuredOutputManager
 
 from kvbench.serving.scheduler import CachingPool, Request, Scheduler
 from kvbench.serving.workloads import read_trace, shared_prefix, trace
+from kvbench.sizing import versions
 from kvbench.sizing.lengths import LenDist
+
+RELEASE = versions.release("vllm==" + vllm.__version__)  # kvbench's table of this release
 
 logging.disable(logging.WARNING)
 import torch  # noqa: E402  (vLLM's kv-cache spec takes a torch dtype)
@@ -57,7 +74,8 @@ import torch  # noqa: E402  (vLLM's kv-cache spec takes a torch dtype)
 FIELDS = ("config", "requests", "blocks", "block_size", "max_seqs", "max_batched_tokens",
           "prefix_caching", "shared", "steps_kvbench", "steps_vllm", "preemptions_kvbench",
           "preemptions_vllm", "max_running_kvbench", "max_running_vllm", "hit_positions_kvbench",
-          "hit_positions_vllm", "equal_requests", "first_difference", "what_differed")
+          "hit_positions_vllm", "equal_requests", "first_difference", "what_differed",
+          "vllm_version", "loop_ms_per_step_kvbench", "loop_ms_per_step_vllm")
 
 
 @dataclass(frozen=True)
@@ -72,6 +90,7 @@ class Case:
     watermark: float = 0.0
     long_prefill: int = 0
     priority: bool = False
+    cache_aware: tuple[int, float] = (0, 0.5)  # 0.34's window and threshold
 
 
 def vllm_scheduler(case: Case, folder: Path, max_model_len: int) -> VllmScheduler:
@@ -88,7 +107,10 @@ def vllm_scheduler(case: Case, folder: Path, max_model_len: int) -> VllmSchedule
                             enable_chunked_prefill=True,
                             long_prefill_token_threshold=case.long_prefill,
                             watermark=case.watermark,
-                            policy="priority" if case.priority else "fcfs")
+                            policy="priority" if case.priority else "fcfs",
+                            **({"cache_aware_admission_window": case.cache_aware[0],
+                                "cache_aware_admission_threshold": case.cache_aware[1]}
+                               if case.cache_aware[0] else {}))
     cache = CacheConfig(block_size=case.block_size, enable_prefix_caching=case.prefix_caching)
     config = VllmConfig(model_config=model, cache_config=cache, scheduler_config=sched)
     kv = KVCacheConfig(num_blocks=case.blocks, kv_cache_tensors=[], kv_cache_groups=[
@@ -123,6 +145,7 @@ def run_vllm(case: Case, max_model_len: int) -> tuple[list[tuple], int]:
     s.kv_cache_manager.record_prefix_cache_stats = counted
     pending = sorted(case.requests, key=lambda r: (r.arrival, r.id))
     total, steps, done = len(pending), [], 0
+    start = time.perf_counter()
     while done < total:
         now = len(steps)
         while pending and pending[0].arrival <= now:
@@ -138,8 +161,7 @@ def run_vllm(case: Case, max_model_len: int) -> tuple[list[tuple], int]:
             req = s.requests[rid]
             made = req.num_computed_tokens >= req.num_tokens
             sampled.append([2_000_000_000 + 10_000 * int(rid) + req.num_tokens] if made else [])
-        result = ModelRunnerOutput(req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},
-                                   sampled_token_ids=sampled)
+        result = runner_output(ids, sampled)
         engine_out = s.update_from_output(out, result)
         finished = []
         for eo in engine_out.values():
@@ -151,7 +173,21 @@ def run_vllm(case: Case, max_model_len: int) -> tuple[list[tuple], int]:
                       tuple(sorted(finished)), used, len(s.running)))
         if now > 10**6:
             raise RuntimeError(f"{case.name}: vLLM did not finish")
+    LOOP["vllm"] = (time.perf_counter() - start) * 1e3 / max(1, len(steps))
     return steps, hits[0]
+
+
+LOOP: dict[str, float] = {}  # each scheduler's last run: loop ms a step
+
+
+def runner_output(ids, sampled) -> ModelRunnerOutput:
+    """The fake model's output (0.34's ModelRunnerOutput no longer takes req_id_to_index)."""
+    import inspect
+
+    kw = {"req_ids": ids, "sampled_token_ids": sampled}
+    if "req_id_to_index" in inspect.signature(ModelRunnerOutput).parameters:
+        kw["req_id_to_index"] = {r: i for i, r in enumerate(ids)}
+    return ModelRunnerOutput(**kw)
 
 
 class AppendsEveryFreedBlock(CachingPool):
@@ -176,7 +212,7 @@ class WatermarkAlways(Scheduler):
         return self.watermark_blocks
 
 
-REVERSALS = ("full-prompt", "free-order", "watermark", "priority")
+REVERSALS = ("full-prompt", "free-order", "watermark", "priority", "cache-aware")
 
 
 def run_kvbench(case: Case, reverse: str | None = None) -> tuple[list[tuple], Scheduler]:
@@ -187,13 +223,16 @@ def run_kvbench(case: Case, reverse: str | None = None) -> tuple[list[tuple], Sc
                   prefix_caching=case.prefix_caching, watermark=case.watermark,
                   long_prefill=case.long_prefill or None, decisions=True,
                   reserve_full_prompt=reverse != "full-prompt",
-                  scheduling="priority" if case.priority and reverse != "priority" else "fcfs")
+                  scheduling="priority" if case.priority and reverse != "priority" else "fcfs",
+                  cache_aware=case.cache_aware if reverse != "cache-aware" else (0, 0.5))
     if reverse == "free-order" and case.prefix_caching:
         s.pool = AppendsEveryFreedBlock(case.blocks - 1)
     running = []
+    start = time.perf_counter()
     while not s.done:
         s.step()
         running.append(len(s.running))
+    LOOP["kvbench"] = (time.perf_counter() - start) * 1e3 / max(1, len(running))
     return [(d.scheduled, tuple(sorted(d.preempted)), tuple(sorted(d.finished)),
              d.blocks_in_use, n) for d, n in zip(s.decisions, running)], s
 
@@ -240,10 +279,18 @@ def compare(case: Case, max_model_len: int, reverse: str | None = None) -> dict:
             "hit_positions_kvbench": sched.hit_positions,
             "hit_positions_vllm": hits,
             "equal_requests": equal, "first_difference": "" if first is None else first,
-            "what_differed": what}
+            "what_differed": what, "vllm_version": vllm.__version__,
+            "loop_ms_per_step_kvbench": round(LOOP["kvbench"], 4),
+            "loop_ms_per_step_vllm": round(LOOP["vllm"], 4)}
 
 
-def cases() -> list[Case]:
+def pool(blocks: int, block_size: int) -> int:
+    """A pool of 16-token blocks (`blocks`, vLLM's null block included) as blocks of
+    `block_size` holding the same tokens (and a null block)."""
+    return max(2, (blocks - 1) * 16 // block_size + 1)
+
+
+def cases(block_size: int = 16) -> list[Case]:
     out = []
 
     def make(name, n, seed, prompt, output, rate, blocks, seqs, budget, caching=False,
@@ -255,7 +302,8 @@ def cases() -> list[Case]:
         if kw.get("priority"):  # seeded priorities 0..3 (lower first, as vLLM's)
             rng = random.Random(seed)
             reqs = [replace(r, priority=rng.randrange(4)) for r in reqs]
-        out.append(Case(name, tuple(reqs), blocks, seqs, budget, caching, **kw))
+        out.append(Case(name, tuple(reqs), pool(blocks, block_size), seqs,
+                        max(budget, block_size), caching, block_size=block_size, **kw))
 
     inf = math.inf
     make("at once, 64 blocks", 60, 1, (16, 300), (8, 120), inf, 64, 8, 256)
@@ -282,6 +330,11 @@ def cases() -> list[Case]:
          0.7, 200, priority=True)
     make("long prefill 128, 150 blocks", 80, 12, (100, 1200), (8, 100), 0.5, 150, 16, 512,
          long_prefill=128)
+    if RELEASE.has("cache_aware_admission_window"):  # 0.34: its cache-aware admission
+        make("cache-aware 8 at 0.3, prefix 50%", 100, 16, (16, 400), (8, 150), 2.0, 96, 8,
+             512, True, 0.5, 200, cache_aware=(8, 0.3))
+        make("cache-aware 32 at 0, prefix 70%, at once", 80, 17, (16, 300), (8, 120), inf,
+             96, 16, 256, True, 0.7, 200, cache_aware=(32, 0.0))
     return out
 
 
@@ -297,13 +350,28 @@ def main() -> int:
     ap.add_argument("--reverse", choices=REVERSALS, default=None,
                     help="kvbench with one of vLLM's rules put back as it was (the harness "
                          "must then find a difference)")
+    ap.add_argument("--block-size", type=int, default=RELEASE["block_size"],
+                    help="the blocks' tokens (default: the release's)")
+    ap.add_argument("--defaults-out", type=Path, default=None,
+                    help="write the defaults' comparison to this CSV")
     args = ap.parse_args()
-    todo = [c for c in cases() if args.only is None or args.only in c.name]
+    checked = defaults()
+    dw = csv.DictWriter(sys.stderr, DEFAULT_FIELDS)
+    dw.writeheader()
+    dw.writerows(checked)
+    if args.defaults_out:
+        with open(args.defaults_out, "w", newline="") as f:
+            w = csv.DictWriter(f, DEFAULT_FIELDS)
+            w.writeheader()
+            w.writerows(checked)
+    bs = args.block_size
+    todo = [c for c in cases(bs) if args.only is None or args.only in c.name]
     for path in args.trace:
         reqs = read_trace(path, 1 << 16)
         for priority in sorted({False, args.priority}):  # vLLM's defaults otherwise
             todo.append(Case(f"trace {path.name}" + (", priority" if priority else ""),
-                             tuple(reqs), args.blocks, 256, 2048, True, priority=priority))
+                             tuple(reqs), pool(args.blocks, bs), 256, 2048, True,
+                             block_size=bs, priority=priority))
     rows = []
     writer = csv.DictWriter(sys.stdout, FIELDS)
     writer.writeheader()
@@ -317,7 +385,72 @@ def main() -> int:
             w = csv.DictWriter(f, FIELDS)
             w.writeheader()
             w.writerows(rows)
-    return 0 if all(r["first_difference"] == "" for r in rows) else 1
+    same = all(r["first_difference"] == "" for r in rows) and all(d["equal"] for d in checked)
+    return 0 if same else 1
+
+
+DEFAULT_FIELDS = ("vllm_version", "field", "vllm", "kvbench", "equal", "source")
+
+
+def defaults() -> list[dict]:
+    """The installed release's own defaults against kvbench's table for it, field by field:
+    read from its configs' fields, its EngineArgs' batch defaults (on a faked device of each
+    tier's size) and its extensible KV cache's constants."""
+    import dataclasses
+    from unittest import mock
+
+    from vllm import envs
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.platforms import current_platform
+    from vllm.usage.usage_lib import UsageContext
+
+    def default(cls, name):
+        """A config field's default (a pydantic Field's own default where it is one)."""
+        f = next(f for f in dataclasses.fields(cls) if f.name == name)
+        return getattr(f.default, "default", f.default)
+
+    found = {
+        "block_size": CacheConfig.DEFAULT_BLOCK_SIZE,
+        "enable_prefix_caching": default(CacheConfig, "enable_prefix_caching"),
+        "scheduler_reserve_full_isl": default(SchedulerConfig, "scheduler_reserve_full_isl"),
+        "long_prefill_token_threshold": default(SchedulerConfig,
+                                                "long_prefill_token_threshold"),
+        "policy": default(SchedulerConfig, "policy"),
+        "estimate_cudagraphs": envs.VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS,
+    }
+    util = default(CacheConfig, "gpu_memory_utilization")
+    if hasattr(CacheConfig, "DEFAULT_GPU_MEMORY_UTILIZATION"):  # 0.34: resolved at start
+        found["gpu_memory_utilization_estimated"] = CacheConfig.DEFAULT_GPU_MEMORY_UTILIZATION
+        probe = type("Probe", (), {"gpu_memory_utilization": util,
+                                   "enable_extensible_kv_cache": True,
+                                   "DEFAULT_GPU_MEMORY_UTILIZATION":
+                                       CacheConfig.DEFAULT_GPU_MEMORY_UTILIZATION})()
+        found["gpu_memory_utilization"] = CacheConfig.resolved_gpu_memory_utilization.fget(
+            probe)
+        from vllm.v1.worker import extensible_kv_cache as ext
+
+        found["extensible_kv_cache"] = any(f.name == "enable_extensible_kv_cache"
+                                           for f in dataclasses.fields(CacheConfig))
+        found["kv_margin_floor_bytes"] = ext.KV_CACHE_MARGIN_FLOOR_BYTES
+        found["kv_margin_fraction"] = ext.KV_CACHE_MARGIN_FRACTION
+        for name in ("cache_aware_admission_window", "cache_aware_admission_threshold"):
+            found[name] = default(SchedulerConfig, name)
+    else:
+        found["gpu_memory_utilization"] = util
+        found["extensible_kv_cache"] = False
+    seqs, tokens = [], []
+    for gib, name in ((60, "nvidia h100"), (80, "nvidia h100"), (180, "nvidia b200")):
+        with mock.patch.object(current_platform, "get_device_total_memory",
+                               lambda *a, g=gib: g * 2**30), \
+                mock.patch.object(current_platform, "get_device_name",
+                                  lambda *a, n=name: n), \
+                mock.patch.object(current_platform, "is_cpu", lambda: False), \
+                mock.patch.object(current_platform, "is_tpu", lambda: False):  # (a GPU's)
+            t, n = EngineArgs.get_batch_defaults(world_size=1)
+        tokens.append(t[UsageContext.OPENAI_API_SERVER])
+        seqs.append(n[UsageContext.OPENAI_API_SERVER])
+    found["serve_batched_tokens"], found["serve_max_num_seqs"] = tokens, seqs
+    return versions.check(RELEASE, found)
 
 
 if __name__ == "__main__":

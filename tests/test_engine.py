@@ -2,6 +2,7 @@
 logs reproduced."""
 
 import json
+from dataclasses import replace
 
 import pandas as pd
 import pytest
@@ -11,6 +12,7 @@ from kvbench.cli import app
 from kvbench.errors import KvbenchError
 from kvbench.sizing import capacity as cap
 from kvbench.sizing import engine as eng
+from kvbench.sizing import versions
 
 GIB = 2**30
 runner = CliRunner()
@@ -161,13 +163,16 @@ def test_to_target_names_the_change_that_reaches_it():
 
 def test_capacity_engine_table_json_and_csv_rows(tmp_path):
     out = tmp_path / "cap.csv"
-    args = ["capacity", "--engine", "vllm", "--model", "llama-3-8b", "--gpu", "RTX-3090",
+    # (the log is of a release with 16-token blocks: 0.33's rules)
+    args = ["capacity", "--engine", "vllm==0.33", "--model", "llama-3-8b", "--gpu", "RTX-3090",
             "--max-model-len", "20000", "--kv-memory", "3.8125GiB"]
     result = runner.invoke(app, [*args, "--csv", str(out)])
     assert result.exit_code == 0, result.output
     assert "31,232 tokens" in result.stdout and "1.56x" in result.stdout
+    assert "capacity --engine vllm==0.33" in result.stdout
     row = pd.read_csv(out).iloc[0]
-    assert (row.engine, row.engine_kv_blocks, row.engine_kv_tokens) == ("vllm", 1952, 31232)
+    assert (row.engine, row.engine_kv_blocks, row.engine_kv_tokens) == ("vllm==0.33", 1952,
+                                                                        31232)
     assert row.engine_max_concurrency == pytest.approx(1.5616)
     data = json.loads(runner.invoke(app, [*args, "--format", "json", "--no-csv"]).stdout)
     assert data[0]["engine_kv_tokens"] == 31232 and data[0]["engine_groups"] == "full:32"
@@ -228,6 +233,7 @@ def test_a_config_without_a_mamba_field_is_one_line(tmp_path):
     assert model.mamba_state == 35_072 and model.cached_layers == (1,)
 
 
+V033, V034 = versions.release("vllm==0.33"), versions.release("vllm==0.34")
 SMALL = cap.ModelSpec(name="t", layers=4, kv_heads=2, head_dim=64, q_heads=4,
                       params=1_000_000_000, hidden=256, intermediate=512, vocab=1000)
 
@@ -240,13 +246,14 @@ def test_every_line_of_a_vllm_ledger_by_hand():
     # int(1371.746 x 1000) = 1,371,746 tokens (older versions: 86,420 x 16 = 1,382,720)
     o = eng.EngineOptions("vllm", 10 * GIB, 0.5, max_model_len=1000, max_num_seqs=8,
                           max_num_batched_tokens=64, block_size=16, weight_bytes=2,
-                          non_torch=GIB // 4, activation=GIB // 8, cuda_graphs=GIB // 8)
+                          non_torch=GIB // 4, activation=GIB // 8, cuda_graphs=GIB // 8,
+                          release=V033)
     note = ("KV cache size: 1,371,746 tokens as vLLM 0.33 prints it (concurrency x "
             "max_model_len); 1,382,720 as older versions did (blocks // groups x block size)")
     assert eng.ledger(SMALL, o) == eng.Ledger(
         "vllm", 10 * GIB, 5_368_709_120, 2_000_000_000, GIB // 8, False, GIB // 4, GIB // 8,
         2_831_838_208, {"full": 512}, [eng.Group("full", 4, 8192, 16, 63)], 4, 86_420,
-        1_371_746, 63, 86_420 / 63, 1000, 16, [note])
+        1_371_746, 63, 86_420 / 63, 1000, 16, [note], None, V033, False, 0)
     estimated = eng.ledger(SMALL, eng.EngineOptions("vllm", 10 * GIB, 0.5, max_model_len=1024))
     assert estimated.activation_estimated and estimated.activation == eng.activation_peak(
         SMALL, eng.EngineOptions("vllm", 10 * GIB, 0.5, max_model_len=1024))
@@ -345,13 +352,24 @@ def test_the_notes_say_what_the_engine_changed():
     assert not any("padding" in n for n in vllm(SMALL, kv_memory=GIB).notes)
 
 
-def test_serve_defaults_follow_the_gpu_size():
-    assert eng.serve_defaults("vllm", 70 * GIB) == {
+def test_serve_defaults_follow_the_gpu_size_and_the_version():
+    # 0.33: 16-token blocks, utilization 0.92 (config/cache.py; kvbench's old ledger said
+    # 0.9); 70 GiB or more takes the middle tier unless an A100, 160 GiB the top
+    assert eng.serve_defaults("vllm", 70 * GIB, V033) == {
         "max_num_seqs": 1024, "max_num_batched_tokens": 8192, "block_size": 16,
-        "utilization": 0.9}
-    assert eng.serve_defaults("vllm", 70 * GIB - 1) == {
+        "utilization": 0.92}
+    assert eng.serve_defaults("vllm", 70 * GIB - 1, V033) == {
         "max_num_seqs": 256, "max_num_batched_tokens": 2048, "block_size": 16,
-        "utilization": 0.9}
+        "utilization": 0.92}
+    assert eng.serve_defaults("vllm", 80 * GIB, V033, a100=True)["max_num_batched_tokens"] \
+        == 2048
+    assert eng.serve_defaults("vllm", 160 * GIB, V033)["max_num_batched_tokens"] == 16384
+    # 0.34 (the newest: a bare vllm): 64-token blocks, 1.0 with the extensible KV cache, 0.92
+    # without it
+    assert eng.serve_defaults("vllm", 80 * GIB) == {
+        "max_num_seqs": 1024, "max_num_batched_tokens": 8192, "block_size": 64,
+        "utilization": 1.0}
+    assert eng.serve_defaults("vllm", 80 * GIB, V034, extensible=False)["utilization"] == 0.92
     assert eng.serve_defaults("sglang", 80 * GIB) == {
         "max_num_seqs": 4096, "max_num_batched_tokens": 8192, "block_size": 1,
         "utilization": 0.88}
@@ -448,3 +466,49 @@ def test_the_activation_estimate_where_attention_outweighs_the_mlp():
     assert eng.activation_peak(moe, o1) == (2 * 10 * 16 + 10 * 3 * 2 * 1000) * 2 + 7 * 4 * 10 * 4
     with pytest.raises(KvbenchError, match="lacks hidden, intermediate, vocab"):
         eng.activation_peak(cap.ModelSpec(name="x", layers=1, kv_heads=1, head_dim=8), o1)
+
+
+def test_vllm_034s_extensible_kv_cache_by_hand():
+    # 10 GiB, utilization 1.0 (0.34's default with the extensible cache), weights 2e9,
+    # non-torch 0.25 GiB, CUDA graphs and the transient peak 0.125 GiB each: all the engine
+    # holds 2,402,653,184; margin max(1 GiB, 0.75 x 0.125 GiB) = 1 GiB; KV = min(10 GiB -
+    # held, 10 GiB - held - margin) - peak = 7,126,805,504; pages of 64 tokens x 512 B, a
+    # group of 4: 54,373 blocks
+    o = eng.EngineOptions("vllm", 10 * GIB, 1.0, max_model_len=1000, block_size=64,
+                          weight_bytes=2, non_torch=GIB // 4, activation=GIB // 8,
+                          cuda_graphs=GIB // 8, release=V034)
+    led = eng.ledger(SMALL, o)
+    assert led.extensible and led.margin_bytes == GIB
+    assert led.kv_available == 7_126_805_504 and led.num_blocks == 54_373
+    # a budget below the device's (utilization 0.5): the budget binds, the margin does not
+    half = eng.ledger(SMALL, replace(o, utilization=0.5))
+    assert half.kv_available == 5_368_709_120 - 2_402_653_184 - GIB // 8 == 2_831_838_208
+    # --no-extensible-kv-cache: 0.33's estimate-based sizing, no margin
+    off = eng.ledger(SMALL, replace(o, extensible=False, utilization=0.92))
+    assert not off.extensible and off.margin_bytes == 0
+    assert off.kv_available == int(10 * GIB * 0.92) - 2_402_653_184 - GIB // 8
+
+
+@pytest.mark.parametrize("args, says", [
+    (["--engine", "vllm==0.32"], "kvbench reproduces vllm 0.33.0, 0.34.0; use one of vllm, "
+     "vllm==0.33, vllm==0.34"),
+    (["--engine", "vllm==0.33", "--no-extensible-kv-cache"],
+     "is vLLM's from vllm==0.34"),
+    (["--engine", "tgi"], "use vllm, vllm==0.33, vllm==0.34 or sglang"),
+])
+def test_an_unknown_version_or_an_option_of_another_is_one_line(args, says):
+    result = runner.invoke(app, ["capacity", *args, "--model", "llama-3-8b", "--gpu",
+                                 "H100-80GB", "--no-csv"])
+    assert result.exit_code == 2 and says in result.stderr, result.output
+    assert len(result.stderr.strip().splitlines()) == 1
+
+
+def test_each_version_names_itself_in_the_header_and_the_row(tmp_path):
+    out = tmp_path / "c.csv"
+    for spec in ("vllm", "vllm==0.33"):
+        r = runner.invoke(app, ["capacity", "--engine", spec, "--model", "llama-3-8b", "--gpu",
+                                "H100-80GB", "--csv", str(out)])
+        assert r.exit_code == 0, r.output
+    rows = pd.read_csv(out)
+    assert list(rows.engine) == ["vllm==0.34", "vllm==0.33"]
+    assert list(rows.block_size) == [64, 16] and list(rows.utilization) == [1.0, 0.92]

@@ -947,3 +947,23 @@ def test_a_running_chunk_that_opens_two_blocks_takes_both():
 def test_priority_scheduling_is_refused_under_v0():
     with pytest.raises(KvbenchError, match="--scheduling priority is vLLM v1's"):
         Scheduler([Request(0, 0.0, 4, 1)], 4, 4, scheduling="priority", policy="vllm-v0")
+
+
+def _admitted_first(window: int, threshold: float, prefix_caching: bool = True) -> list[int]:
+    # r0 runs (3 of 8 blocks of 4 at step 1: the pool 0.375 used) and holds its shared
+    # prompt; at step 1 r1 (its own prompt) and r2 (r0's prompt: one whole block cached)
+    # arrive, one seat left (max_seqs 2): who is admitted at step 1
+    reqs = [Request(0, 0, 8, 20, prefix=8), Request(1, 1, 8, 1), Request(2, 1, 8, 1, prefix=8)]
+    s = Scheduler(reqs, n_blocks=8, block_size=4, prefix_caching=prefix_caching, max_seqs=2,
+                  decisions=True, cache_aware=(window, threshold))
+    s.step()
+    s.step()
+    return [i for i, _ in s.decisions[1].scheduled if i != 0]
+
+
+def test_cache_aware_admission_puts_a_cached_prefix_first_above_its_threshold():
+    assert _admitted_first(0, 0.5) == [1]  # off (vLLM's default): arrival order
+    assert _admitted_first(2, 0.5) == [1]  # the pool 0.375 used, below 0.5: no reordering
+    assert _admitted_first(2, 0.3) == [2]  # above 0.3: r2's cached block first
+    assert _admitted_first(1, 0.3) == [1]  # a window of one: nothing to trade places with
+    assert _admitted_first(2, 0.3, prefix_caching=False) == [1]  # no cache: vLLM ignores it

@@ -2,6 +2,7 @@
 against path A, on a trace small enough for the CPU; engines with a cache bug are caught."""
 
 import math
+import re
 from dataclasses import replace
 
 import broken
@@ -187,12 +188,15 @@ def test_serve_sim_catches_a_model_engine_that_mixes_up_its_layers(tiny_model, m
 
 
 def test_a_model_sizes_its_blocks_over_every_layer(tiny_model):
-    # 2 layers x K and V x 2 heads x 16 positions x 32 dims x 4 bytes = 16 KiB
-    o = SimOptions(model=tiny_model, kv_mem="64KiB", max_len=64)
+    # 2 layers x K and V x 2 heads x 16 positions x 32 dims x 4 bytes = 16 KiB (vLLM 0.33's
+    # blocks of 16; 0.34's of 64 hold four times that)
+    assert SimOptions(model=tiny_model, kv_mem="64KiB", max_len=64).block_bytes == 65536
+    o = SimOptions(model=tiny_model, kv_mem="64KiB", max_len=64, block_size=16)
     assert o.block_bytes == 16384 and o.kv_blocks == 4 and o.n_layers == 2
-    one = SimOptions(model=tiny_model, layers=1, kv_mem="64KiB", max_len=64)
+    one = SimOptions(model=tiny_model, layers=1, kv_mem="64KiB", max_len=64, block_size=16)
     assert one.block_bytes == 8192 and one.kv_blocks == 8
-    assert SimOptions(model=tiny_model, kv_mem="64KiB", max_len=64, dtype="bf16").kv_blocks == 8
+    assert SimOptions(model=tiny_model, kv_mem="64KiB", max_len=64, dtype="bf16",
+                      block_size=16).kv_blocks == 8
 
 
 @pytest.mark.parametrize("args, message", [
@@ -237,9 +241,16 @@ def test_the_triton_decode_kernel_serves_as_the_torch_one_and_a_fault_in_it_fail
 
 def test_kv_mem_sizes_the_pool_in_whole_blocks():
     # K and V of 2 heads × 16 positions × 64 dims in float32: 16 KiB a block
-    assert SimOptions(kv_mem="8MiB").kv_blocks == 512
-    assert SimOptions(kv_mem="8MiB", dtype="fp16").kv_blocks == 1024
-    assert SimOptions(kv_mem="20KiB").kv_blocks == 1
+    assert SimOptions(kv_mem="8MiB", block_size=16).kv_blocks == 512
+    assert SimOptions(kv_mem="8MiB", dtype="fp16", block_size=16).kv_blocks == 1024
+    assert SimOptions(kv_mem="20KiB", block_size=16).kv_blocks == 1
+    # the default policy, vLLM 0.34: blocks of 64, 64 KiB each; the default pool 8,192
+    # positions: 128 of them (0.33: 512 of 16)
+    assert SimOptions(kv_mem="8MiB").kv_blocks == 128
+    assert (SimOptions().block_size, SimOptions().kv_blocks) == (64, 128)
+    assert (SimOptions(policy="vllm==0.33").block_size,
+            SimOptions(policy="vllm==0.33").kv_blocks) == (16, 512)
+    assert SimOptions(policy="vllm-v0").block_size == 16
 
 
 def test_percentiles_are_numpys():
@@ -691,7 +702,7 @@ def test_the_header_shows_vllms_defaults_and_steps_only_refuses_what_it_cannot_u
                                  "--no-csv"])
     assert result.exit_code == 0, result.output
     text = " ".join(result.output.split())
-    assert ("scheduler: vLLM 0.33 v1 fcfs, max_num_seqs 256, max_num_batched_tokens 2048, "
+    assert ("scheduler: vLLM 0.34 v1 fcfs, max_num_seqs 256, max_num_batched_tokens 2048, "
             "prefix caching paged") in text
     for extra, word in ((["--cost-profile", "p.csv"], "--cost-profile"),
                         (["--slo-ttft", "100"], "--slo-ttft"), (["--device", "cpu"], "--device"),
@@ -752,8 +763,8 @@ def test_the_trace_takes_the_seed_rate_burstiness_and_shared_prompt():
 def test_serve_sims_options_are_checked_as_the_scheduler_checks_them(tmp_path):
     for kw, words in (({"max_seqs": 0}, "--max-seqs must be a positive"),
                       ({"max_batched_tokens": 8, "block_size": 16}, "below one block of 16"),
-                      ({"prefill_chunk": 64, "max_batched_tokens": 32}, "below one "
-                                                                         "--prefill-chunk"),
+                      ({"prefill_chunk": 64, "max_batched_tokens": 32, "block_size": 16},
+                       "below one --prefill-chunk"),
                       ({"shared_prefix_len": 63, "max_len": 64}, "--shared-prefix 63")):
         with pytest.raises(KvbenchError, match=words):
             SimOptions(requests=4, **kw)
@@ -847,12 +858,12 @@ def test_steps_only_counts_and_its_table_by_hand(tmp_path):
                      "max batch": "1", "held": "1", "pre- empt": "0", "recomputed": "0"}
     from kvbench.experiments.servesim import scheduler_line
 
-    assert scheduler_line(o) == ("scheduler: vLLM 0.33 v1 fcfs, max_num_seqs 256, "
+    assert scheduler_line(o) == ("scheduler: vLLM 0.34 v1 fcfs, max_num_seqs 256, "
                                  "max_num_batched_tokens 2048, prefix caching paged")
     assert scheduler_line(SimOptions(requests=2, policy="vllm-v0", watermark=0.01,
                                      long_prefill=8, prefill_chunk=64,
                                      admit_on_first_chunk=True, reserve=("prealloc",))) == (
-        "scheduler: vLLM 0.33 v0 fcfs, max_num_seqs 256, max_num_batched_tokens 2048, "
+        "scheduler: vLLM v0 fcfs, max_num_seqs 256, max_num_batched_tokens 2048, "
         "prefix caching off, watermark 0.01, long prefill 8, prefill chunk 64, admission on "
         "the first chunk")
 
@@ -880,3 +891,30 @@ def test_the_steps_only_title_says_how_requests_arrive_and_served_counts_preempt
                        steps_only=True, prefix_caching=False)
         s = count(o, "paged", reqs)
         assert (s.preemptions, s.recomputed_tokens, s.swapped_blocks) == figures, preempt
+
+
+@pytest.mark.parametrize("kw, words", [
+    ({"policy": "vllm==0.32"}, "kvbench reproduces vllm 0.33.0, 0.34.0"),
+    ({"policy": "orca"}, "unknown --policy 'orca'; use vllm, vllm==0.33, vllm==0.34 or vllm-v0"),
+    ({"policy": "vllm==0.33", "cache_aware_admission": 8},
+     "--cache-aware-admission is vLLM's from vllm==0.34; --policy vllm==0.33 has no such"),
+    ({"cache_aware_threshold": 0.2}, "give --cache-aware-admission N too"),
+    ({"cache_aware_admission": 8, "scheduling": "priority"}, "reorders an FCFS queue"),
+    ({"cache_aware_admission": 8, "prefix_caching": False}, "reorders an FCFS queue"),
+])
+def test_a_version_and_its_own_options_are_checked(kw, words):
+    with pytest.raises(KvbenchError, match=re.escape(words)):
+        SimOptions(requests=4, **kw)
+
+
+def test_the_policy_names_its_version_in_the_header_and_the_row(tmp_path):
+    out = tmp_path / "s.csv"
+    for policy in ("vllm", "vllm==0.33"):
+        r = runner.invoke(app, ["serve-sim", "--steps-only", "--requests", "6", "--policy",
+                                policy, "--csv", str(out)])
+        assert r.exit_code == 0, r.output
+    rows = pd.read_csv(out)
+    assert list(rows.policy) == ["vllm==0.34"] * 2 + ["vllm==0.33"] * 2
+    assert list(rows.block_size) == [64, 64, 16, 16]
+    assert list(rows.kv_blocks) == [128, 128, 512, 512]
+    assert "scheduler: vLLM 0.33 v1 fcfs" in r.stdout

@@ -108,9 +108,10 @@ class CapacityOptions:
     utilization: float = flag(0.9, "Fraction of GPU memory the runtime may use.")
     engine: str | None = flag(
         None,
-        "vllm or sglang: the ledger of what that engine allocates on one GPU (weights, activation "
-        "peak, KV available), its 'GPU KV cache size' in tokens and blocks, and its maximum "
-        "concurrency at --max-model-len.",
+        "vllm (the newest kvbench follows: vllm==0.34), vllm==0.33, or sglang: the ledger of "
+        "what that engine allocates on one GPU (weights, activation peak, KV available), its "
+        "'GPU KV cache size' in tokens and blocks, and its maximum concurrency at "
+        "--max-model-len.",
         panel="Serving engine",
     )
     gpu: str | None = flag(
@@ -185,8 +186,16 @@ class CapacityOptions:
     )
     cuda_graphs: str = flag(
         "0GiB",
-        "CUDA graph memory the engine subtracts (0: it lives in the 1 - utilization headroom, as "
-        "vLLM counts it by default).",
+        "CUDA graph memory the engine subtracts: its log's (vLLM estimates it at start-up; "
+        "0.34's extensible KV cache measures it after capture).",
+        panel="Serving engine",
+    )
+    extensible_kv_cache: bool | None = flag(
+        None,
+        "vLLM 0.34's extensible KV cache (on by default on CUDA): sized from the memory free "
+        "after warmup and CUDA-graph capture, utilization 1.0; --no-extensible-kv-cache sizes "
+        "it from the profile run's estimate at 0.92, as 0.33 does.",
+        "--extensible-kv-cache/--no-extensible-kv-cache", show_default=False,
         panel="Serving engine",
     )
     target_concurrency: float | None = flag(
@@ -338,6 +347,7 @@ ENGINE_ONLY = ("gpu", "gpu_memory_utilization", "mem_fraction_static", "max_mode
                "max_num_seqs", "max_running_requests", "max_num_batched_tokens",
                "chunked_prefill_size", "page_size", "kv_cache_dtype", "kv_memory",
                "num_gpu_blocks_override", "activation", "non_torch", "cuda_graphs",
+               "extensible_kv_cache",
                "target_concurrency")
 
 

@@ -23,11 +23,24 @@ def options(engine, gpu_mem, tp, block_size, weight_dtype, weights_bytes, gpu=No
             max_num_seqs=None, max_running_requests=None, max_num_batched_tokens=None,
             chunked_prefill_size=None, page_size=None, kv_cache_dtype="auto", pp=1,
             pp_layers=None, kv_memory=None, num_gpu_blocks_override=None, activation=None,
-            non_torch="0.35GiB", cuda_graphs="0GiB", **_) -> eng.EngineOptions:
-    """The engine's launch from the flags (each engine's own names; the other's refused)."""
+            non_torch="0.35GiB", cuda_graphs="0GiB", extensible_kv_cache=None,
+            **_) -> eng.EngineOptions:
+    """The engine's launch from the flags (each engine's own names; the other's refused).
+    vLLM's version: --engine vllm==0.33 (a bare vllm: the newest kvbench has a table of)."""
+    from kvbench.sizing import versions
+
     engine = engine.strip().lower()
-    if engine not in eng.ENGINES:
-        raise KvbenchError(f"--engine {engine!r}: use {' or '.join(eng.ENGINES)}")
+    rel = None
+    if engine.startswith("vllm"):
+        rel, engine = versions.release(engine), "vllm"
+    elif engine not in eng.ENGINES:
+        raise KvbenchError(f"--engine {engine!r}: use {', '.join(versions.choices())} or "
+                           "sglang")
+    if extensible_kv_cache is not None and (rel is None or not rel.has("kv_margin_floor_bytes")):
+        raise KvbenchError(f"--{'no-' if not extensible_kv_cache else ''}extensible-kv-cache "
+                           f"is vLLM's from {', '.join(versions.having('kv_margin_floor_bytes'))}; "
+                           f"--engine {rel.spec if rel else engine} sizes the cache from its "
+                           "profile run's estimate")
     theirs = {"vllm": {"--mem-fraction-static": mem_fraction_static,
                        "--max-running-requests": max_running_requests,
                        "--chunked-prefill-size": chunked_prefill_size,
@@ -53,7 +66,8 @@ def options(engine, gpu_mem, tp, block_size, weight_dtype, weights_bytes, gpu=No
     total = eng.gpu_bytes(gpu) if gpu else cap.parse_size(gpu_mem, "--gpu-mem")
     if total <= 0:
         raise KvbenchError(f"--gpu-mem {gpu_mem} is no memory; give one GPU's, e.g. 80GiB")
-    d = eng.serve_defaults(engine, total)
+    d = eng.serve_defaults(engine, total, rel, a100="A100" in (gpu or "").upper(),
+                           extensible=extensible_kv_cache)
     if engine == "sglang":
         utilization, seqs, tokens, block = (mem_fraction_static, max_running_requests,
                                             chunked_prefill_size, page_size)
@@ -72,7 +86,7 @@ def options(engine, gpu_mem, tp, block_size, weight_dtype, weights_bytes, gpu=No
         weight_bytes=cap.WEIGHT_DTYPE_BYTES[dt], weights=size(weights_bytes, "--weights-bytes"),
         non_torch=size(non_torch, "--non-torch"), activation=size(activation, "--activation"),
         cuda_graphs=size(cuda_graphs, "--cuda-graphs"), kv_memory=size(kv_memory, "--kv-memory"),
-        num_blocks=num_gpu_blocks_override,
+        num_blocks=num_gpu_blocks_override, release=rel, extensible=extensible_kv_cache,
         pp_layers=None if pp_layers is None else tuple(parse_int_list("--pp-layers", pp_layers)))
 
 
@@ -138,13 +152,17 @@ def _gib(n: int | None) -> str:
 
 def ledger_table(spec, o: eng.EngineOptions, led: eng.Ledger):
     util = "mem_fraction_static" if o.engine == "sglang" else "gpu_memory_utilization"
-    t = new_table(f"capacity --engine {o.engine}  {spec.name} on one GPU of "
+    rel = led.release
+    name = rel.spec if rel is not None else o.engine
+    t = new_table(f"capacity --engine {name}  {spec.name} on one GPU of "
                f"{_gib(o.gpu_bytes)} (TP {o.tp}, PP {o.pp})")
     t.add_column("line")
     t.add_column("value", justify="right")
     t.add_column("how", overflow="fold")
     t.add_row("total GPU memory", _gib(led.gpu_bytes), "as torch's total_memory reports it")
-    t.add_row(f"× {util} {o.utilization:g}", _gib(led.requested), "what the engine may use")
+    t.add_row(f"× {util} {o.utilization:g}", _gib(led.requested), "what the engine may use"
+              + (f" ({rel.label}'s default with the extensible KV cache)" if led.extensible
+                 and o.utilization == 1.0 else ""))
     t.add_row("− weights", _gib(led.weights),
               "given" if o.weights is not None else "not needed: KV given"
               if led.weights is None else
@@ -158,7 +176,14 @@ def ledger_table(spec, o: eng.EngineOptions, led: eng.Ledger):
     t.add_row("− non-torch memory", _gib(led.non_torch), "CUDA context, NCCL (editable)")
     if o.engine == "vllm":
         t.add_row("− CUDA graphs", _gib(led.cuda_graphs),
-                  "given" if led.cuda_graphs else "in the 1 − utilization headroom")
+                  "given" if led.cuda_graphs else
+                  "measured after capture (--cuda-graphs SIZE: a log's)" if led.extensible
+                  else "estimated at start-up (--cuda-graphs SIZE: a log's)")
+    if led.extensible and o.kv_memory is None:
+        t.add_row("− margin", _gib(led.margin_bytes),
+                  "extensible KV cache: max(1 GiB, 0.75 × the activation peak); the KV "
+                  "cache is the less of the budget and the device's headroom less it "
+                  "(--no-extensible-kv-cache: the profile's estimate)")
     t.add_row("= KV available", _gib(led.kv_available),
               "given (--kv-memory)" if o.kv_memory is not None else "")
     for kind, b in sorted(led.token_bytes.items()):
@@ -184,7 +209,8 @@ def engine_rows(spec, o: eng.EngineOptions, led: eng.Ledger, env: dict) -> list[
         "kv_dtype": o.kv_cache_dtype, "tp": o.tp, "block_size": led.block_size,
         "gpu_bytes": o.gpu_bytes, "utilization": o.utilization, "weights_bytes": led.weights,
         "max_len": o.max_model_len, "fits": led.fits,
-        "engine": o.engine, "engine_weights_bytes": led.weights,
+        "engine": led.release.spec if led.release is not None else o.engine,
+        "engine_weights_bytes": led.weights,
         "engine_activation_bytes": led.activation,
         "engine_kv_bytes_available": led.kv_available, "engine_kv_tokens": led.tokens,
         "engine_kv_blocks": led.num_blocks,

@@ -50,7 +50,7 @@ RESERVATIONS = {
     "static": ("prealloc", True, True, True),
 }
 RESERVES = tuple(RESERVATIONS)
-DEFAULT_BLOCKS = 512
+DEFAULT_POSITIONS = 8192  # the default pool: 512 blocks of 16 positions, 128 of 64
 ONE_LAYER = (512, 8, 2, 64)  # hidden, q_heads, kv_heads, head_dim without --model
 WARMUP_REQUESTS = 4
 
@@ -69,12 +69,14 @@ class SimOptions:
     # arrivals per second (the command line's no --rate: inf)
     rate: float = flag(math.inf, "Poisson arrivals, requests per second of the measured clock. "
                        "\\[default: all at once]", cli=float | None, cli_default=None)
-    # the pool's blocks; None: DEFAULT_BLOCKS, or from kv_mem
+    # the pool's blocks; None: DEFAULT_POSITIONS of them, or from kv_mem
     kv_blocks: int | None = flag(None, "KV blocks in the pool (the memory budget). \\[default: "
-                                 "512]")
+                                 "8,192 positions' worth: 512 blocks of 16, 128 of 64]")
     kv_mem: str | None = flag(None, "The pool's size instead, e.g. 64MiB: as many blocks as fit "
                               "(K and V of every layer run, in --dtype).")
-    block_size: int = flag(16, "Positions per block.")
+    block_size: int | None = flag(None, "Positions per block. \\[default: the vLLM "
+                                  "version's: 0.34 64, 0.33 16; vllm-v0 16]",
+                                  show_default=False)
     reserve: tuple[str, ...] = flag(
         ("paged", "prealloc"), "Ways of reserving to serve the trace with (comma-separated): "
         "paged, prealloc (--max-len a request), oracle (its own length), the vLLM paper's "
@@ -103,9 +105,17 @@ class SimOptions:
     watermark: float = flag(0.0, "vLLM's watermark: this fraction of the pool's blocks (counting "
                             "vLLM's null block) kept free when a request is admitted while others "
                             "run (v0: at every admission).")
-    policy: str = flag("vllm", "vllm: v1's steps, decodes and prefills mixed; vllm-v0: a step "
-                       "of prefills alone whenever a waiting request fits, decodes in the "
-                       "others.")
+    policy: str = flag("vllm", "vllm (the newest release kvbench follows, vllm==0.34), "
+                       "vllm==0.33 or vllm==0.34: v1's steps, decodes and prefills mixed, with "
+                       "that release's defaults; vllm-v0: a step of prefills alone whenever a "
+                       "waiting request fits, decodes in the others.")
+    cache_aware_admission: int = flag(
+        0, "vLLM 0.34's cache_aware_admission_window: within the first N waiting requests, "
+        "those with a cached prefix admitted first (deepest first), once the pool is "
+        "--cache-aware-threshold used; FCFS with prefix caching only. 0: off, as vLLM.")
+    cache_aware_threshold: float | None = flag(
+        None, "vLLM 0.34's cache_aware_admission_threshold: the pool's used share below which "
+        "cache-aware admission does not reorder. \\[default: 0.5]", show_default=False)
     burstiness: float = flag(1.0, "With --rate: the gamma shape of the gaps between arrivals, as "
                              "vLLM's benchmark draws them (1: Poisson; below 1 burstier).")
     trace: Path | None = flag(  # noqa: RUF009
@@ -183,9 +193,11 @@ class SimOptions:
     traced: tuple = field(default=(), repr=False, compare=False)
     ref: object = field(default=None, repr=False, compare=False)
     n_layers: int = field(default=1, compare=False)
+    release: object = field(default=None, repr=False, compare=False)  # --policy's version
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "dtype", canonical_dtype(self.dtype))
+        self._release()
         self._shape()
         if self.kv_mem is not None:
             if self.kv_blocks is not None:
@@ -199,7 +211,7 @@ class SimOptions:
                                    "positions); give more")
             object.__setattr__(self, "kv_blocks", blocks)
         elif self.kv_blocks is None:
-            object.__setattr__(self, "kv_blocks", DEFAULT_BLOCKS)
+            object.__setattr__(self, "kv_blocks", max(1, DEFAULT_POSITIONS // self.block_size))
         for name in ("requests", "max_len", "kv_blocks", "block_size", "hidden", "q_heads",
                      "kv_heads", "head_dim"):
             if getattr(self, name) < 1:
@@ -254,7 +266,7 @@ class SimOptions:
             parse_len_dist(self.len_dist)
             parse_len_dist(self.output_dist)
         check_limits(self.prefill_chunk, self.max_seqs, self.max_batched_tokens, self.watermark,
-                     self.policy, self.block_size)
+                     "vllm" if self.v1 else "vllm-v0", self.block_size)
         if self.shared_prefix_len < 0 or self.shared_prefix_len > self.max_len - 2:
             raise KvbenchError(f"--shared-prefix {self.shared_prefix_len}: a shared prompt "
                                f"of 0 to --max-len - 2 = {self.max_len - 2} positions, leaving "
@@ -265,8 +277,9 @@ class SimOptions:
                                f"{self.shared_prefix_frac}")
         if self.scheduling not in SCHEDULING:
             raise KvbenchError(f"unknown --scheduling {self.scheduling!r}; use fcfs or priority")
-        if self.scheduling == "priority" and self.policy != "vllm":
+        if self.scheduling == "priority" and not self.v1:
             raise KvbenchError("--scheduling priority is vLLM v1's; use --policy vllm")
+        self._cache_aware()
         if self.long_prefill is not None and self.long_prefill < 1:
             raise KvbenchError(f"--long-prefill must be a positive integer, got "
                                f"{self.long_prefill}; omit it for no cap")
@@ -387,7 +400,64 @@ class SimOptions:
         --no-prefix-caching, or by default as vLLM v1 (paged, its policy, recompute)."""
         if self.prefix_caching is not None:
             return self.prefix_caching
-        return reserve == "paged" and self.policy == "vllm" and self.preempt == "recompute"
+        return reserve == "paged" and self.v1 and self.preempt == "recompute"
+
+    @property
+    def v1(self) -> bool:
+        """vLLM v1's scheduler (any release), not v0's prompt-only steps."""
+        return self.policy != "vllm-v0"
+
+    def _release(self) -> None:
+        """--policy's vLLM release (kvbench.sizing.versions: a bare vllm is the newest), its
+        name kept as the release's ("vllm==0.34"), and its block size by default."""
+        from kvbench.sizing import versions
+
+        if self.policy == "vllm-v0":
+            release = None
+        elif self.policy.strip().lower().startswith("vllm"):
+            release = versions.release(self.policy)
+            object.__setattr__(self, "policy", release.spec)
+        else:
+            raise KvbenchError(f"unknown --policy {self.policy!r}; use "
+                               f"{', '.join(versions.choices())} or vllm-v0")
+        object.__setattr__(self, "release", release)
+        if self.block_size is None:
+            object.__setattr__(self, "block_size", release["block_size"] if release else 16)
+
+    def _cache_aware(self) -> None:
+        """vLLM 0.34's cache-aware admission: a release that has it, and what it needs (vLLM
+        ignores it without prefix caching or under priority; kvbench says so instead)."""
+        from kvbench.sizing import versions
+
+        given = self.cache_aware_admission != 0 or self.cache_aware_threshold is not None
+        if not given:
+            return
+        if self.release is None or not self.release.has("cache_aware_admission_window"):
+            raise KvbenchError(
+                f"--cache-aware-admission is vLLM's from "
+                f"{', '.join(versions.having('cache_aware_admission_window'))}; --policy "
+                f"{self.policy} has no such option")
+        if self.cache_aware_admission < 0:
+            raise KvbenchError(f"--cache-aware-admission is a count of waiting requests, 0 "
+                               f"or more; got {self.cache_aware_admission}")
+        if self.cache_aware_threshold is not None and not 0 <= self.cache_aware_threshold <= 1:
+            raise KvbenchError(f"--cache-aware-threshold is a share of the pool, 0 to 1; got "
+                               f"{self.cache_aware_threshold}")
+        if self.cache_aware_threshold is not None and not self.cache_aware_admission:
+            raise KvbenchError("--cache-aware-threshold sets when --cache-aware-admission N "
+                               "reorders; give --cache-aware-admission N too")
+        if self.scheduling != "fcfs" or not any(self.caching(r) for r in self.reserve):
+            raise KvbenchError("--cache-aware-admission reorders an FCFS queue by its prefix-"
+                               "cache hits (vLLM ignores it otherwise): use --scheduling fcfs "
+                               "with prefix caching (--reserve paged)")
+
+    @property
+    def cache_aware(self) -> tuple[int, float]:
+        """(window, threshold) for the Scheduler."""
+        default = self.release.get("cache_aware_admission_threshold", 0.5) if self.release \
+            else 0.5
+        return self.cache_aware_admission, (default if self.cache_aware_threshold is None
+                                            else self.cache_aware_threshold)
 
     def scheduler(self, reserve: str, requests, engine=None) -> Scheduler:
         """The scheduler of one way of reserving."""
@@ -395,8 +465,9 @@ class SimOptions:
                          engine=engine, chunk=self.prefill_chunk, max_seqs=self.max_seqs,
                          prefix_caching=self.caching(reserve),
                          max_batched_tokens=self.max_batched_tokens,
-                         watermark=self.watermark, policy=self.policy,
+                         watermark=self.watermark, policy="vllm" if self.v1 else "vllm-v0",
                          scheduling=self.scheduling, long_prefill=self.long_prefill,
+                         cache_aware=self.cache_aware,
                          reserve_full_prompt=not self.admit_on_first_chunk, decisions=True,
                          **self.reservation(reserve))
 
@@ -1060,7 +1131,8 @@ def serve_table(o, device: str, served) -> Table:
 def scheduler_line(o) -> str:
     """The scheduler's settings, vLLM's names and defaults where they are vLLM's."""
     caching = [r for r in o.reserve if o.caching(r)]
-    parts = [f"scheduler: vLLM 0.33 {'v1' if o.policy == 'vllm' else 'v0'} {o.scheduling}",
+    version = o.release.label if o.release is not None else "vLLM"
+    parts = [f"scheduler: {version} {'v1' if o.v1 else 'v0'} {o.scheduling}",
              f"max_num_seqs {o.max_seqs}", f"max_num_batched_tokens {o.max_batched_tokens}",
              "prefix caching " + (", ".join(caching) if caching else "off")]
     if o.watermark:
@@ -1071,6 +1143,9 @@ def scheduler_line(o) -> str:
         parts.append(f"prefill chunk {o.prefill_chunk}")
     if o.admit_on_first_chunk:
         parts.append("admission on the first chunk")
+    if o.cache_aware_admission:
+        parts.append(f"cache-aware admission {o.cache_aware[0]} above {o.cache_aware[1]:g} "
+                     "used")
     return ", ".join(parts)
 
 

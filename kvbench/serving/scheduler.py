@@ -27,6 +27,7 @@ prompt and its g tokens (positions 0..P+g-1) and so yields token g+1.
 from __future__ import annotations
 
 import bisect
+import itertools
 import math
 from collections import deque
 from dataclasses import dataclass, field
@@ -301,7 +302,8 @@ class Scheduler:
                  watermark: float = 0.0, policy: str = "vllm", contiguous: bool = False,
                  static: bool = False, prefix_caching: bool = False,
                  long_prefill: int | None = None, reserve_full_prompt: bool = True,
-                 decisions: bool = False, scheduling: str = "fcfs"):
+                 decisions: bool = False, scheduling: str = "fcfs",
+                 cache_aware: tuple[int, float] = (0, 0.5)):
         if reserve not in RESERVE:
             raise KvbenchError(f"unknown --reserve {reserve!r}; use {', '.join(RESERVE)}")
         if (contiguous or static) and reserve == "paged":
@@ -335,6 +337,10 @@ class Scheduler:
         refuse_unfit(requests, n_blocks - (0 if policy == "vllm" else self.watermark_blocks),
                      block_size, reserve, reserve_len)
         self.long_prefill = long_prefill  # vLLM's long_prefill_token_threshold
+        # vLLM 0.34's cache_aware_admission_window and _threshold (FCFS with prefix caching)
+        self.cache_aware, self.cache_aware_threshold = cache_aware
+        if not (prefix_caching and scheduling == "fcfs"):
+            self.cache_aware = 0
         self.reserve_full_prompt = reserve_full_prompt  # vLLM's scheduler_reserve_full_isl
         self.prefix_caching = prefix_caching
         self.pool = CachingPool(n_blocks) if prefix_caching else BlockPool(n_blocks)
@@ -445,8 +451,36 @@ class Scheduler:
                 break
             self._chunk(seq, n)
         if self.preemptions == before and self.policy == "vllm" and self._may_admit():
+            if self.cache_aware:
+                self._reorder_by_cached_prefix()
             self._admit()
         self._run_step()
+
+    def _reorder_by_cached_prefix(self) -> None:
+        """vLLM 0.34's cache-aware admission (Scheduler._reorder_waiting_by_cached_prefix):
+        once the pool is at least the threshold used, the requests among the first
+        `cache_aware` waiting that have never run (not preempted ones) trade places so the
+        deepest cached prefix goes first, arrival order breaking ties; the others keep their
+        places."""
+        if len(self.waiting) < 2:
+            return
+        if 1 - len(self.pool.free) / self.pool.n_blocks < self.cache_aware_threshold:
+            return
+        head = list(itertools.islice(self.waiting, self.cache_aware))
+        slots = [i for i, q in enumerate(head)
+                 if not q.swapped and self.records[q.request.id].preempted == 0]
+        if len(slots) < 2:
+            return
+        cached = {i: len(self._hits(head[i])) * self.block_size for i in slots}
+        order = sorted(slots, key=lambda i: (-cached[i], i))
+        if order == slots:
+            return
+        reordered = list(head)
+        for slot, source in zip(slots, order):
+            reordered[slot] = head[source]
+        for _ in head:
+            self.waiting.popleft()
+        self.waiting.extendleft(reversed(reordered))
 
     def _enqueue(self, seq: Running, front: bool = False) -> None:
         """Into the waiting queue: at the back (an arrival) or the front (preempted, first

@@ -48,15 +48,24 @@ ATTENTION_ALIGNMENT = 16  # the attention kernels' block-size alignment (FlashAt
 DS_MLA_FP8_BYTES = 656  # DeepSeek's fp8 latent: 512 fp8, 4 float32 scales, 64 bf16 RoPE
 
 
-def serve_defaults(engine: str, gpu: int) -> dict[str, int]:
-    """`vllm serve`'s scheduler defaults by GPU memory (0.10 on: at least 70 GiB takes the
-    larger), and SGLang's chunked prefill and running requests (its defaults vary more)."""
+def serve_defaults(engine: str, gpu: int, release=None, a100: bool = False,
+                   extensible: bool | None = None) -> dict[str, object]:
+    """`vllm serve`'s defaults for a release (kvbench.sizing.versions; by GPU memory: 70 GiB
+    or more and not an A100 takes the middle tier, 160 GiB the top), and SGLang's chunked
+    prefill and running requests (its defaults vary more)."""
     big = gpu >= 70 * GIB
     if engine == "sglang":
         return {"max_num_seqs": 4096 if big else 2048, "max_num_batched_tokens": 8192
                 if big else 2048, "block_size": 1, "utilization": 0.88}
-    return {"max_num_seqs": 1024 if big else 256, "max_num_batched_tokens": 8192 if big
-            else 2048, "block_size": 16, "utilization": 0.9}
+    from kvbench.sizing.versions import release as named
+
+    rel = release or named("vllm")
+    seqs, tokens = rel.serve_defaults(gpu, a100)
+    on = rel["extensible_kv_cache"] if extensible is None else extensible
+    util = (rel["gpu_memory_utilization"] if on or not rel.has(
+        "gpu_memory_utilization_estimated") else rel["gpu_memory_utilization_estimated"])
+    return {"max_num_seqs": seqs, "max_num_batched_tokens": tokens,
+            "block_size": rel["block_size"], "utilization": util}
 
 
 def gpu_bytes(name: str) -> int:
@@ -94,6 +103,8 @@ class EngineOptions:
     kv_memory: int | None = None  # the available KV an engine's log printed, instead
     num_blocks: int | None = None  # vLLM's --num-gpu-blocks-override: the blocks, given
     pp_layers: tuple[int, ...] | None = None  # --pp-layers (VLLM_PP_LAYER_PARTITION)
+    release: object = None  # vLLM: the version's table (kvbench.sizing.versions; the newest)
+    extensible: bool | None = None  # vLLM 0.34's extensible KV cache (None: its default)
 
     def __post_init__(self) -> None:
         if self.engine not in ENGINES:
@@ -152,6 +163,9 @@ class Ledger:
     block_size: int
     notes: list[str] = field(default_factory=list)
     pp_idle_bytes: int | None = None  # --pp: what the stages with fewer layers leave unused
+    release: object = None  # vLLM: the version it follows (kvbench.sizing.versions)
+    extensible: bool = False  # vLLM 0.34: sized from the memory measured after capture
+    margin_bytes: int = 0  # its margin: max(1 GiB, 0.75 x the transient peak)
 
     @property
     def fits(self) -> bool:
@@ -236,6 +250,13 @@ def stages(layers: int, pp: int, given: tuple[int, ...] | None = None) -> list[i
     return pp_partition(layers, pp, given)
 
 
+def vllm_release(o: EngineOptions):
+    """The vLLM version the options follow (the newest where they name none)."""
+    from kvbench.sizing.versions import release
+
+    return o.release if o.release is not None else release("vllm")
+
+
 def vllm(model: ModelSpec, o: EngineOptions) -> Ledger:
     """vLLM v1's KV cache: its memory, groups, blocks, tokens and concurrency."""
     kinds = layer_kinds(model)
@@ -269,9 +290,19 @@ def vllm(model: ModelSpec, o: EngineOptions) -> Ledger:
     if activation is None and o.kv_memory is None:
         activation, estimated = activation_peak(model, o), True
     requested = int(o.gpu_bytes * o.utilization)
+    rel = vllm_release(o)
+    extensible = rel.get("extensible_kv_cache", False) if o.extensible is None else o.extensible
+    margin = 0
     if o.kv_memory is not None:
         available = o.kv_memory
         notes.append("KV available as given (--kv-memory), not from the ledger above it")
+    elif extensible:
+        # 0.34: sized from the memory free after warmup and capture (measure_kv_cache_bytes):
+        # the budget less all the engine holds, or the device's headroom less a margin of
+        # max(1 GiB, 0.75 x the transient peak), whichever is less; then the peak kept free
+        used = weights + o.non_torch + o.cuda_graphs
+        margin = max(rel["kv_margin_floor_bytes"], int(rel["kv_margin_fraction"] * activation))
+        available = min(requested - used, o.gpu_bytes - used - margin) - activation
     else:
         available = requested - weights - activation - o.non_torch - o.cuda_graphs
     page = groups[0].page_bytes
@@ -314,7 +345,8 @@ def vllm(model: ModelSpec, o: EngineOptions) -> Ledger:
                      f"stages with fewer layers leave {idle:,} B idle in all")
     return Ledger("vllm", o.gpu_bytes, requested, weights, activation, estimated,
                   o.non_torch, o.cuda_graphs, available, per_token, groups, size,
-                  num_blocks, tokens, need, concurrency, L, bs, notes, idle)
+                  num_blocks, tokens, need, concurrency, L, bs, notes, idle, rel,
+                  extensible, margin)
 
 
 def sglang(model: ModelSpec, o: EngineOptions) -> Ledger:
