@@ -6,10 +6,13 @@ Each case hands it the layer specs kvbench's ledger derives (pages, block size, 
 Mamba states) and the same KV memory, and compares blocks, groups, concurrency and tokens.
 Exit 0 when every case agrees, 1 otherwise.
 
-Run it where vLLM imports (a virtual environment of its own; CPU torch 2.13.0 and
-`pip install --no-deps vllm==0.33.0` with its pure-Python requirements, as issue 49 lists):
+The release is the installed vLLM's (0.33 or 0.34): kvbench's ledger follows its table
+(configs/engines/vllm-X.toml) and each case runs at its default block size (0.34: 64).
 
-    VLLM_TARGET_DEVICE=cpu /path/to/vllm-env/bin/python scripts/peer_vllm_capacity.py
+Run it where vLLM imports (scripts/peer-vllm.sh builds the environment of each version,
+.vllm-env-0.33.0 and .vllm-env-0.34.0):
+
+    VLLM_TARGET_DEVICE=cpu .vllm-env-0.34.0/bin/python scripts/peer_vllm_capacity.py
 """
 
 from __future__ import annotations
@@ -24,6 +27,10 @@ os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
+import vllm
+import vllm.triton_utils
+
+vllm.triton_utils.HAS_TRITON = True  # (0.34's config refuses an x86 CPU without triton-cpu)
 from vllm.config import CacheConfig, ModelConfig, SchedulerConfig, VllmConfig
 from vllm.v1.core import kv_cache_planning as planning
 from vllm.v1.core.kv_cache_utils import get_kv_cache_capacity
@@ -36,6 +43,9 @@ from vllm.v1.kv_cache_interface import (
 
 from kvbench.sizing import capacity as cap
 from kvbench.sizing import engine as eng
+from kvbench.sizing import versions
+
+RELEASE = versions.release("vllm==" + vllm.__version__)
 
 GIB = 2**30
 BF16 = torch.bfloat16
@@ -110,7 +120,8 @@ def cases():
 
     def o(gib, length, **kw):
         return eng.EngineOptions("vllm", 80 * GIB, max_model_len=length,
-                                 kv_memory=int(gib * GIB), **kw)
+                                 kv_memory=int(gib * GIB), release=RELEASE,
+                                 block_size=RELEASE["block_size"], **kw)
 
     yield "llama-3-8b, 3.8125 GiB, 20,000", cap.preset("llama-3-8b"), o(3.8125, 20_000)
     yield "qwen3-0.6b, 69.66 GiB, 4,096", qwen, o(69.66, 4096)
@@ -132,7 +143,8 @@ def main() -> int:
         wrong += not same
         print(f"{'agree' if same else 'DIFFER'}  {label}: kvbench {ours}"
               + ("" if same else f"  vLLM {theirs}"))
-    print(f"{wrong} of the cases differ" if wrong else "every case agrees with vLLM's planner")
+    print(f"vLLM {vllm.__version__}: " + (f"{wrong} of the cases differ" if wrong else
+                                          "every case agrees with its planner"))
     return 1 if wrong else 0
 
 
