@@ -1,6 +1,7 @@
 """kvbench serve-sim: continuous batching timed on real decode steps, every request checked
 against path A, on a trace small enough for the CPU; engines with a cache bug are caught."""
 
+import csv
 import math
 import re
 from dataclasses import replace
@@ -850,8 +851,11 @@ def test_steps_only_counts_and_its_table_by_hand(tmp_path):
     reqs = [Request(0, 0.0, 4, 3), Request(1, 0.0, 8, 1)]
     told = []
     s = count(o, "paged", reqs, told.append)
-    assert told == [1, 1] and s.step_s == [1.0, 1.0, 1.0] and not s.verified
-    assert s.clock == "steps" and s.step_end_s == [1.0, 2.0, 3.0] and s.failures == []
+    assert told == [1, 1] and s.steps == 3 and s.duration_s == 3.0 and not s.verified
+    assert s.clock == "steps" and s.step_end_s == [] and s.failures == []  # (none kept)
+    # both prompts fit the 3 blocks at step 0: each first token at its end (1 step); r0's
+    # 2 more one a step: TPOT (3 - 1) / 2 = 1 step; r1 makes only one token (no TPOT)
+    assert s.ttft_s == [1.0, 1.0] and s.tpot_s == [1.0]
     cells = _table_cells(steps_table(o, [s]), 0)
     assert cells == {"reserve": "paged", "steps": "3", "TTFT p50 steps": "1",
                      "TTFT p99 steps": "1", "TPOT p50 steps": "1.00", "batch": "0.7",
@@ -918,3 +922,49 @@ def test_the_policy_names_its_version_in_the_header_and_the_row(tmp_path):
     assert list(rows.block_size) == [64, 64, 16, 16]
     assert list(rows.kv_blocks) == [128, 128, 512, 512]
     assert "scheduler: vLLM 0.33 v1 fcfs" in r.stdout
+
+
+def test_steps_only_keeps_nothing_a_step_and_gives_the_kept_runs_figures(tmp_path):
+    # the lean count (a fleet's trace: rows spooled, records dropped as requests finish)
+    # against the count that keeps every list, on one trace: every figure and step row alike
+    from kvbench.experiments import servesim as sim
+    from kvbench.report.results import Spool
+
+    o = SimOptions(requests=60, steps_only=True, reserve=("paged",), policy="vllm==0.33")
+    reqs = sim.requests(o)
+    kept = sim.count(o, "paged", reqs, lean=False)
+    lean = sim.count(o, "paged", reqs, steps=tmp_path / "s.csv", stamp="t", env={})
+    assert (lean.steps, lean.preemptions, lean.recomputed_tokens) == (
+        kept.steps, kept.preemptions, kept.recomputed_tokens)
+    for name in ("ttft_s", "tpot_s", "latency_per_token_s"):
+        assert sorted(getattr(lean, name)) == sorted(getattr(kept, name)), name
+    assert (lean.mean_batch, lean.max_batch) == (kept.mean_batch, kept.max_batch)
+    assert (lean.mean_blocks_in_use, lean.max_blocks_in_use) == (
+        kept.mean_blocks_in_use, kept.max_blocks_in_use)
+    assert lean.batch == [] and lean.decisions == [] and isinstance(lean.steps_spool, Spool)
+    lean.steps_spool.close()
+    with lean.steps_spool.path.open(newline="") as f:
+        spooled = list(csv.DictReader(f))
+    rows = sim.serve_step_rows([kept], "t", o.block_bytes, {})
+    assert len(spooled) == len(rows) == kept.steps
+    for got, want in zip(spooled[::7], rows[::7]):
+        for col in ("step", "batch", "tokens", "blocks_in_use", "kv_bytes_in_use",
+                    "context", "prefill_positions", "scheduled", "preempted", "finished"):
+            assert got[col] == ("" if want[col] is None else str(want[col])), col
+    lean.steps_spool.discard()
+
+
+def test_a_spool_appends_to_a_results_file_streamed_under_the_header_rules(tmp_path):
+    from kvbench.report.results import SERVE_STEP_COLUMNS, Spool, append_spool
+
+    target = tmp_path / "steps.csv"
+    for n in (3, 2):
+        spool = Spool(target, SERVE_STEP_COLUMNS)
+        for i in range(n):
+            spool.write({"step": i, "reserve": "paged", "command": "serve-sim"})
+        append_spool(target, spool, SERVE_STEP_COLUMNS)
+        assert not spool.path.exists()
+    with target.open(newline="") as f:
+        read = list(csv.DictReader(f))
+    assert [r["step"] for r in read] == ["0", "1", "2", "0", "1"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["steps.csv"]

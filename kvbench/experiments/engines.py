@@ -161,8 +161,8 @@ def ledger_table(spec, o: eng.EngineOptions, led: eng.Ledger):
     t.add_column("how", overflow="fold")
     t.add_row("total GPU memory", _gib(led.gpu_bytes), "as torch's total_memory reports it")
     t.add_row(f"× {util} {o.utilization:g}", _gib(led.requested), "what the engine may use"
-              + (f" ({rel.label}'s default with the extensible KV cache)" if led.extensible
-                 and o.utilization == 1.0 else ""))
+              + (f" ({rel.label}'s default with the extensible KV cache)" if rel is not None
+                 and led.extensible and o.utilization == 1.0 else ""))
     t.add_row("− weights", _gib(led.weights),
               "given" if o.weights is not None else "not needed: KV given"
               if led.weights is None else

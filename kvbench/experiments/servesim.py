@@ -37,6 +37,7 @@ from kvbench.serving.scheduler import (
 from kvbench.serving.workloads import read_trace, shared_prefix, trace
 from kvbench.sizing.config import DTYPE_BYTES, canonical_dtype, flag
 from kvbench.sizing.lengths import parse_len_dist
+from kvbench.sizing.versions import Release
 
 # reserve -> the Scheduler's reservation: its kind, whether it reserves --max-len, whether one
 # run of consecutive blocks, whether batches run to the end (kvbench.serving.scheduler)
@@ -74,9 +75,10 @@ class SimOptions:
                                  "8,192 positions' worth: 512 blocks of 16, 128 of 64]")
     kv_mem: str | None = flag(None, "The pool's size instead, e.g. 64MiB: as many blocks as fit "
                               "(K and V of every layer run, in --dtype).")
-    block_size: int | None = flag(None, "Positions per block. \\[default: the vLLM "
-                                  "version's: 0.34 64, 0.33 16; vllm-v0 16]",
-                                  show_default=False)
+    # (None until __post_init__ gives it the release's)
+    block_size: int = flag(None, "Positions per block. \\[default: the vLLM "  # type: ignore
+                           "version's: 0.34 64, 0.33 16; vllm-v0 16]", show_default=False,
+                           cli=int | None)
     reserve: tuple[str, ...] = flag(
         ("paged", "prealloc"), "Ways of reserving to serve the trace with (comma-separated): "
         "paged, prealloc (--max-len a request), oracle (its own length), the vLLM paper's "
@@ -193,7 +195,7 @@ class SimOptions:
     traced: tuple = field(default=(), repr=False, compare=False)
     ref: object = field(default=None, repr=False, compare=False)
     n_layers: int = field(default=1, compare=False)
-    release: object = field(default=None, repr=False, compare=False)  # --policy's version
+    release: Release | None = field(default=None, repr=False, compare=False)  # --policy's
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "dtype", canonical_dtype(self.dtype))
@@ -459,8 +461,9 @@ class SimOptions:
         return self.cache_aware_admission, (default if self.cache_aware_threshold is None
                                             else self.cache_aware_threshold)
 
-    def scheduler(self, reserve: str, requests, engine=None) -> Scheduler:
-        """The scheduler of one way of reserving."""
+    def scheduler(self, reserve: str, requests, engine=None, **lean) -> Scheduler:
+        """The scheduler of one way of reserving (`lean`: its lean, on_step and on_finish,
+        for --steps-only)."""
         return Scheduler(requests, self.kv_blocks, self.block_size, preempt=self.preempt,
                          engine=engine, chunk=self.prefill_chunk, max_seqs=self.max_seqs,
                          prefix_caching=self.caching(reserve),
@@ -469,7 +472,7 @@ class SimOptions:
                          scheduling=self.scheduling, long_prefill=self.long_prefill,
                          cache_aware=self.cache_aware,
                          reserve_full_prompt=not self.admit_on_first_chunk, decisions=True,
-                         **self.reservation(reserve))
+                         **self.reservation(reserve), **lean)
 
 
 def requests(o: SimOptions):
@@ -528,6 +531,10 @@ class Served:
     prefill_positions: list[int] = field(default_factory=list, repr=False)
     decisions: list = field(default_factory=list, repr=False)  # the scheduler's Steps
     clock: str = "s"  # "steps": --steps-only, every time above counted in steps
+    # --steps-only keeps no list per step: the sums and maxima of the batch and the blocks
+    # held instead, and its steps log already on disk (kvbench.report.results.Spool)
+    sums: dict[str, int] | None = field(default=None, repr=False)
+    steps_spool: object = field(default=None, repr=False)
 
     @property
     def hit_rate(self) -> float | None:
@@ -539,11 +546,21 @@ class Served:
 
     @property
     def mean_batch(self) -> float:
-        return sum(self.batch) / self.steps
+        total = self.sums["batch"] if self.sums else sum(self.batch)
+        return total / self.steps
+
+    @property
+    def max_batch(self) -> int:
+        return self.sums["batch_max"] if self.sums else max(self.batch)
 
     @property
     def mean_blocks_in_use(self) -> float:
-        return sum(self.blocks_in_use) / self.steps
+        total = self.sums["blocks"] if self.sums else sum(self.blocks_in_use)
+        return total / self.steps
+
+    @property
+    def max_blocks_in_use(self) -> int:
+        return self.sums["blocks_max"] if self.sums else max(self.blocks_in_use)
 
     @property
     def requests_per_s(self) -> float:
@@ -708,14 +725,58 @@ def replay(o: SimOptions, reserve: str, reqs, profile, served_one=lambda n: None
     return _served(o, reserve, reqs, sched, ends, took, [], 0.0, verified=False)
 
 
-def count(o: SimOptions, reserve: str, reqs, served_one=lambda n: None) -> Served:
+def count(o: SimOptions, reserve: str, reqs, served_one=lambda n: None,
+          steps: Path | None = None, stamp: str = "", env: dict | None = None,
+          lean: bool = True) -> Served:
     """--steps-only: the trace scheduled with no engine and no timing, the step index as the
     clock (a request arriving at a joins the queue at step ceil(a)); step i ends at i + 1, so
     a request's time to first token counts the steps from its arrival to the end of the one
-    that made its token."""
+    that made its token. Lean, for a fleet's trace: each step's row goes to a spool beside
+    `steps` (the steps log) as it is made, and each request's figures are taken as it
+    finishes and its record dropped, so memory follows the requests in flight."""
     import gc
+    from array import array
 
-    sched = o.scheduler(reserve, reqs)
+    from kvbench.report.results import SERVE_STEP_COLUMNS, Spool
+
+    if not lean:  # (a Ray task's: its steps go back to the driver in the Served)
+        sched = o.scheduler(reserve, reqs)
+        gc.disable()
+        try:
+            while not sched.done:
+                sched.step()
+        finally:
+            gc.enable()
+        ends = [float(i + 1) for i in range(sched.now)]
+        return _served(o, reserve, reqs, sched, ends, [1.0] * sched.now, [], 0.0,
+                       verified=False)
+    ttft, tpot, per_token = array("d"), array("d"), array("d")
+    spool = Spool(steps, SERVE_STEP_COLUMNS) if steps is not None else None
+    base = {"timestamp": stamp, "command": "serve-sim", "reserve": reserve, "seed": o.seed,
+            **(env or {})}
+
+    def finish(rec) -> None:  # as latencies() counts them, the end of step i at i + 1
+        r = rec.request
+        first, done = rec.first_token + 1, rec.finished + 1
+        ttft.append(first - r.arrival)
+        if r.output_len > 1:
+            tpot.append((done - first) / (r.output_len - 1))
+        per_token.append((done - r.arrival) / r.output_len)
+
+    write = spool.writer(base, ["step", "batch", "tokens", "blocks_in_use", "kv_bytes_in_use",
+                                "context", "prefill_positions", "scheduled", "preempted",
+                                "finished"]) if spool is not None else None
+    block_bytes = o.block_bytes
+
+    def step(i, decided, tokens, batch, context, prefill) -> None:  # (decision_cells' text)
+        assert write is not None
+        held = decided.blocks_in_use
+        write((i, batch, tokens, held, block_bytes * held, context, prefill,
+               " ".join(f"{rid}:{n}" for rid, n in decided.scheduled),
+               " ".join(map(str, decided.preempted)), " ".join(map(str, decided.finished))))
+
+    sched = o.scheduler(reserve, reqs, lean=True, on_finish=finish,
+                        on_step=step if spool is not None else None)
     done = 0
     gc.disable()  # millions of small acyclic objects: the collector's passes cost a third
     try:
@@ -724,10 +785,27 @@ def count(o: SimOptions, reserve: str, reqs, served_one=lambda n: None) -> Serve
             if (finished := sched.finished) > done:
                 served_one(finished - done)
                 done = finished
+    except BaseException:
+        if spool is not None:
+            spool.discard()
+        raise
     finally:
         gc.enable()
-    ends = [float(i + 1) for i in range(sched.now)]
-    return _served(o, reserve, reqs, sched, ends, [1.0] * sched.now, [], 0.0, verified=False)
+    failures = []
+    if leaked := (o.kv_blocks or 0) - len(sched.pool.free):
+        failures.append(f"{leaked} {'block was' if leaked == 1 else 'blocks were'} never "
+                        "returned to the pool")
+    return Served(reserve, o.seed, float(sched.now), sched.now, [], [], [], [], [],
+                  list(ttft), list(tpot), list(per_token),
+                  output_tokens=sum(r.output_len for r in reqs),
+                  prompt_tokens=sum(r.prompt_len for r in reqs),
+                  preemptions=sched.preemptions, recomputed_tokens=sched.recomputed_tokens,
+                  swapped_blocks=sched.swapped_blocks, failures=failures,
+                  hit_positions=sched.hit_positions, query_positions=sched.query_positions,
+                  verified=False, clock="steps",
+                  sums={"batch": sched.batch_sum, "batch_max": sched.batch_max,
+                        "blocks": sched.blocks_sum, "blocks_max": sched.blocks_max},
+                  steps_spool=spool)
 
 
 # Host bytes the run holds per request (the request, its record, its latencies) and per step
@@ -759,7 +837,10 @@ def expected_steps(o: SimOptions, reserve: str) -> int:
 
 
 def host_bytes(o: SimOptions) -> int:
-    """The host memory the trace and every reserve's step log take (the pool is apart)."""
+    """The host memory the trace and every reserve's step log take (the pool is apart);
+    --steps-only keeps no step in memory (its log streams to disk)."""
+    if o.steps_only:
+        return o.requests * REQUEST_BYTES
     return (o.requests * REQUEST_BYTES
             + o.seeds * sum(expected_steps(o, r) for r in o.reserve) * STEP_BYTES)
 
@@ -855,8 +936,10 @@ def run(o: SimOptions) -> list[Served]:
 
     def finished(s: Served, env: dict) -> None:
         served.append(s)  # its rows and its steps on disk as each reserve finishes
-        lifecycle.keep(serve_rows(o, device, [s], stamp, env),
-                       serve_step_rows([s], stamp, o.block_bytes, env) if csv else [],
+        steps = s.steps_spool if s.steps_spool is not None else (
+            serve_step_rows([s], stamp, o.block_bytes, env) if csv else [])
+        s.steps_spool = None  # (appended, then gone)
+        lifecycle.keep(serve_rows(o, device, [s], stamp, env), steps,
                        name=s.reserve + (f" seed {s.seed}" if o.seeds > 1 else ""))
 
     with lifecycle:
@@ -875,7 +958,8 @@ def run(o: SimOptions) -> list[Served]:
                     for run in runs:
                         bar.describe(f"serve-sim {reserve}"
                                      + (f" seed {run.seed}" if o.seeds > 1 else ""))
-                        s = (count(run, reserve, traces[run.seed], bar.advance)
+                        s = (count(run, reserve, traces[run.seed], bar.advance, steps_csv,
+                                   stamp, env)
                              if o.steps_only else
                              replay(run, reserve, traces[run.seed], profile, bar.advance)
                              if profile is not None else
@@ -912,7 +996,7 @@ def _on_cluster(o: SimOptions, device: str, finished, profile=None) -> None:
 
         run = o.with_seed(names[1])
         if o.steps_only:
-            return count(run, names[0], requests(run)), env
+            return count(run, names[0], requests(run), lean=False), env
         if profile is not None:  # read on the driver: the file need not be on the worker
             return replay(run, names[0], requests(run), profile), env
         with torch.inference_mode():
@@ -1155,7 +1239,7 @@ STEP_FIGURES = (  # --steps-only's table: figures counted in steps
     ("TTFT p99\nsteps", lambda s: _pct(s.ttft_s, 99), "{:,.0f}"),
     ("TPOT p50\nsteps", lambda s: _pct(s.tpot_s, 50), "{:,.2f}"),
     ("batch", lambda s: s.mean_batch, "{:,.1f}"),
-    ("max\nbatch", lambda s: max(s.batch), "{:,.0f}"),
+    ("max\nbatch", lambda s: s.max_batch, "{:,.0f}"),
     ("held", lambda s: s.mean_blocks_in_use, "{:,.0f}"),
     ("pre-\nempt", lambda s: s.preemptions, "{:,.0f}"),
     ("recomputed", lambda s: s.recomputed_tokens, "{:,.0f}"),
@@ -1263,10 +1347,10 @@ def serve_rows(o, device: str, served, stamp: str,
                "requests_per_s": s.requests_per_s, "output_tokens_per_s": s.tokens_per_s,
                "prompt_tokens": s.prompt_tokens, "output_tokens": s.output_tokens,
                "latency_per_token_mean_ms": 1e3 * sum(s.latency_per_token_s)
-               / len(s.latency_per_token_s),
-               "mean_batch": s.mean_batch, "max_batch": max(s.batch),
+               / max(1, len(s.latency_per_token_s)),
+               "mean_batch": s.mean_batch, "max_batch": s.max_batch,
                "mean_blocks_in_use": s.mean_blocks_in_use,
-               "max_blocks_in_use": max(s.blocks_in_use),
+               "max_blocks_in_use": s.max_blocks_in_use,
                "mean_kv_bytes_in_use": o.block_bytes * s.mean_blocks_in_use,
                "preemptions": s.preemptions, "recomputed_tokens": s.recomputed_tokens,
                "swapped_blocks": s.swapped_blocks, **env}
@@ -1303,6 +1387,8 @@ def decision_cells(step) -> dict[str, str]:
 
 def serve_step_rows(served, stamp: str, block_bytes: int,
                     env: dict[str, object]) -> list[dict[str, object]]:
+    """Each step's row (a --steps-only run's are on disk already: its Spool)."""
+    served = [s for s in served if s.steps_spool is None]
     timed = {s.reserve: s.clock == "s" for s in served}
     return [{"timestamp": stamp, "command": "serve-sim", "reserve": s.reserve, "step": i,
              "time_s": s.step_end_s[i] if timed[s.reserve] else None,

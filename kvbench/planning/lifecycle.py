@@ -50,13 +50,20 @@ class Lifecycle:
     def path(self) -> Path | None:
         return self.outputs[0].path
 
-    def keep(self, rows: list[dict], *more: list[dict], name: str = "", units: int = 1) -> None:
+    def keep(self, rows: list[dict], *more, name: str = "", units: int = 1) -> None:
         """`units` finished (one by default): their rows on disk before anything else runs,
         `rows` to the first file, each of `more` to the next."""
-        from kvbench.report.results import append_csv
+        from kvbench.report.results import Spool, append_csv, append_spool
 
         for i, (out, new) in enumerate(zip(self.outputs, (rows, *more))):
-            if new and out.path is not None:
+            if isinstance(new, Spool):  # rows already on disk beside the file: streamed
+                count = new.rows
+                if out.path is not None and count:
+                    append_spool(out.path, new, out.columns, out.first)
+                    self.written_rows[i] += count
+                else:
+                    new.discard()
+            elif new and out.path is not None:
                 append_csv(out.path, new, out.columns, out.first)
                 self.written_rows[i] += len(new)
         self.rows += rows

@@ -190,6 +190,93 @@ def append_csv(path: Path, rows: list[dict[str, object]], columns: list[str],
             os.unlink(tmp)
 
 
+class Spool:
+    """Rows of a results file written as they come to a CSV of their own beside it (a fleet's
+    steps log: millions of rows, none kept in memory), then appended to the file whole by
+    `append_spool`, streamed: the same header rules and atomic replace as append_csv."""
+
+    def __init__(self, path: Path, columns: list[str]):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".spool")
+        self.path, self.columns, self.rows = Path(name), columns, 0
+        self._file = os.fdopen(fd, "w", newline="")
+        self._writer = csv.writer(self._file, lineterminator="\n")
+        self._writer.writerow(columns)
+
+    def write(self, row: dict[str, object]) -> None:
+        self._writer.writerow([_cell(row.get(c)) for c in self.columns])
+        self.rows += 1
+
+    def writer(self, fixed: dict[str, object], varying: list[str]):
+        """A fast writer of rows whose cells are `fixed` but for the columns `varying`:
+        write(values) takes those in that order (a fleet's steps log: millions of rows)."""
+        base = [_cell(fixed.get(c)) for c in self.columns]
+        at = [self.columns.index(c) for c in varying]
+        writerow = self._writer.writerow
+
+        def write(values) -> None:
+            row = base[:]
+            for i, v in zip(at, values):
+                row[i] = "" if v is None else v
+            writerow(row)
+            self.rows += 1
+
+        return write
+
+    def close(self) -> None:
+        if not self._file.closed:
+            self._file.close()
+
+    def discard(self) -> None:
+        self.close()
+        self.path.unlink(missing_ok=True)
+
+
+def append_spool(path: Path, spool: Spool, columns: list[str], first: list[str] | None = None,
+                 flag: str = "--csv") -> None:
+    """Append a Spool's rows to `path` (append_csv's rules), reading and writing line by
+    line; the spool is removed."""
+    import shutil
+
+    spool.close()
+    check_csv(path, columns, first, rows=False, flag=flag)
+    header = _read_header(path) if path.exists() and path.stat().st_size else None
+    tmp = None
+    try:
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+        with os.fdopen(fd, "w", newline="") as out, spool.path.open(newline="") as new:
+            if header is None:  # a new file: the spool as it is, header and all
+                shutil.copyfileobj(new, out)
+            elif header == columns:  # the old bytes, then the spool's rows
+                with path.open(newline="") as old:
+                    shutil.copyfileobj(old, out)
+                with path.open("rb") as old:
+                    old.seek(-1, os.SEEK_END)
+                    if old.read(1) != b"\n":
+                        out.write("\n")
+                next(new)
+                shutil.copyfileobj(new, out)
+            else:  # an earlier release's file: every row under the union of the headers
+                fields = merged_header(header, columns)
+                writer = csv.DictWriter(out, fieldnames=fields, lineterminator="\n")
+                writer.writeheader()
+                with path.open(newline="") as old:
+                    writer.writerows(csv.DictReader(old))
+                writer.writerows(csv.DictReader(new))
+            out.flush()
+            os.fsync(out.fileno())
+        mode = path.stat().st_mode & 0o777 if path.exists() else 0o666 & ~_umask()
+        os.chmod(tmp, mode)
+        os.replace(tmp, path)
+    except OSError as err:
+        raise KvbenchError(f"cannot write {path}: {err.strerror}; pass another {flag} "
+                           "path") from None
+    finally:
+        if tmp and os.path.exists(tmp):
+            os.unlink(tmp)
+        spool.discard()
+
+
 def _cell(value: object) -> object:
     if value is None:
         return ""

@@ -40,7 +40,7 @@ PREEMPT = ("recompute", "swap")
 RESERVE = ("paged", "prealloc", "pow2")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Request:
     id: int
     arrival: float  # when it arrives, on the scheduler's clock (steps, or seconds)
@@ -216,7 +216,7 @@ class CachingPool(BlockPool):
         self.free.extend(last)
 
 
-@dataclass
+@dataclass(slots=True)
 class Running:
     request: Request
     blocks: list[int] = field(default_factory=list)
@@ -251,7 +251,7 @@ class Step:
     blocks_in_use: int
 
 
-@dataclass
+@dataclass(slots=True)
 class Record:
     """One request's life, in steps: when it got its first token and finished."""
 
@@ -303,7 +303,8 @@ class Scheduler:
                  static: bool = False, prefix_caching: bool = False,
                  long_prefill: int | None = None, reserve_full_prompt: bool = True,
                  decisions: bool = False, scheduling: str = "fcfs",
-                 cache_aware: tuple[int, float] = (0, 0.5)):
+                 cache_aware: tuple[int, float] = (0, 0.5), lean: bool = False,
+                 on_step=None, on_finish=None):
         if reserve not in RESERVE:
             raise KvbenchError(f"unknown --reserve {reserve!r}; use {', '.join(RESERVE)}")
         if (contiguous or static) and reserve == "paged":
@@ -349,7 +350,13 @@ class Scheduler:
         self.pending = deque(sorted(requests, key=lambda r: (r.arrival, r.id)))
         self.waiting: deque[Running] = deque()
         self.running: list[Running] = []  # in the order admitted
-        self.records = {r.id: Record(r) for r in requests}
+        # lean (a fleet's trace, --steps-only): no per-step lists are kept, each step handed
+        # to on_step(i, Step | None, tokens, batch, context, prefill positions) instead, a
+        # request's record made when it arrives and handed to on_finish(record) and dropped
+        # when it finishes, so memory follows the requests in flight, not the trace's length
+        self.lean, self.on_step, self.on_finish = lean, on_step, on_finish
+        self.records = {} if lean else {r.id: Record(r) for r in requests}
+        self.batch_sum = self.batch_max = self.blocks_sum = self.blocks_max = 0
         self.now = 0  # steps taken
         self.preemptions = 0
         self.finished = 0  # requests finished so far
@@ -413,7 +420,10 @@ class Scheduler:
         next step, as vLLM frees them in update_from_output()."""
         clock = self.now if clock is None else clock
         while self.pending and self.pending[0].arrival <= clock:
-            self._enqueue(Running(self.pending.popleft()))
+            r = self.pending.popleft()
+            if self.lean:
+                self.records[r.id] = Record(r)
+            self._enqueue(Running(r))
         self._plan = []  # (seq, chunk start or None for a decode, end), as scheduled
         before = self.preemptions
         self._budget = self.max_batched_tokens or math.inf  # every scheduled token counts
@@ -571,16 +581,28 @@ class Scheduler:
         self._end_step(tokens, len(decoding))
 
     def _end_step(self, tokens: int, batch: int) -> None:
-        self.blocks_in_use.append(len(self.pool.owner))
-        self.decoded.append(tokens)
-        self.batch.append(batch)
-        self.context.append(self._step_context if batch else 0)
-        self.prefill_sizes.append(self._step_sizes)
+        held = len(self.pool.owner)
+        context = self._step_context if batch else 0
+        self.batch_sum += batch
+        self.batch_max = max(self.batch_max, batch)
+        self.blocks_sum += held
+        self.blocks_max = max(self.blocks_max, held)
+        step = None
         if self.decisions is not None:
-            self.decisions.append(Step(
-                tuple((seq.request.id, 1 if start is None else end - start)
-                      for seq, start, end in self._plan),
-                tuple(self._preempted), tuple(self._finished), self.blocks_in_use[-1]))
+            step = Step(tuple((seq.request.id, 1 if start is None else end - start)
+                              for seq, start, end in self._plan),
+                        tuple(self._preempted), tuple(self._finished), held)
+        if self.lean:
+            if self.on_step is not None:
+                self.on_step(self.now, step, tokens, batch, context, sum(self._step_sizes))
+        else:
+            self.blocks_in_use.append(held)
+            self.decoded.append(tokens)
+            self.batch.append(batch)
+            self.context.append(context)
+            self.prefill_sizes.append(self._step_sizes)
+            if step is not None and self.decisions is not None:
+                self.decisions.append(step)
         self._preempted, self._finished = [], []
         self._step_context = 0
         self._step_sizes = []
@@ -711,3 +733,7 @@ class Scheduler:
         self._finished.append(seq.request.id)
         if self.engine is not None:
             self.engine.finish(seq)
+        if self.lean:  # summarised, then dropped
+            if self.on_finish is not None:
+                self.on_finish(self.records[seq.request.id])
+            del self.records[seq.request.id]

@@ -27,9 +27,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 from kvbench.errors import KvbenchError
 from kvbench.sizing.capacity import ModelSpec, kv_heads_per_rank
+from kvbench.sizing.versions import Release
 
 GIB = 2**30
 ENGINES = ("vllm", "sglang")
@@ -49,7 +51,7 @@ DS_MLA_FP8_BYTES = 656  # DeepSeek's fp8 latent: 512 fp8, 4 float32 scales, 64 b
 
 
 def serve_defaults(engine: str, gpu: int, release=None, a100: bool = False,
-                   extensible: bool | None = None) -> dict[str, object]:
+                   extensible: bool | None = None) -> dict[str, Any]:
     """`vllm serve`'s defaults for a release (kvbench.sizing.versions; by GPU memory: 70 GiB
     or more and not an A100 takes the middle tier, 160 GiB the top), and SGLang's chunked
     prefill and running requests (its defaults vary more)."""
@@ -103,7 +105,7 @@ class EngineOptions:
     kv_memory: int | None = None  # the available KV an engine's log printed, instead
     num_blocks: int | None = None  # vLLM's --num-gpu-blocks-override: the blocks, given
     pp_layers: tuple[int, ...] | None = None  # --pp-layers (VLLM_PP_LAYER_PARTITION)
-    release: object = None  # vLLM: the version's table (kvbench.sizing.versions; the newest)
+    release: Release | None = None  # vLLM: the version's table (the newest where None)
     extensible: bool | None = None  # vLLM 0.34's extensible KV cache (None: its default)
 
     def __post_init__(self) -> None:
@@ -163,7 +165,7 @@ class Ledger:
     block_size: int
     notes: list[str] = field(default_factory=list)
     pp_idle_bytes: int | None = None  # --pp: what the stages with fewer layers leave unused
-    release: object = None  # vLLM: the version it follows (kvbench.sizing.versions)
+    release: Release | None = None  # vLLM: the version it follows
     extensible: bool = False  # vLLM 0.34: sized from the memory measured after capture
     margin_bytes: int = 0  # its margin: max(1 GiB, 0.75 x the transient peak)
 
@@ -300,7 +302,7 @@ def vllm(model: ModelSpec, o: EngineOptions) -> Ledger:
         # 0.34: sized from the memory free after warmup and capture (measure_kv_cache_bytes):
         # the budget less all the engine holds, or the device's headroom less a margin of
         # max(1 GiB, 0.75 x the transient peak), whichever is less; then the peak kept free
-        used = weights + o.non_torch + o.cuda_graphs
+        used = (weights or 0) + o.non_torch + o.cuda_graphs
         margin = max(rel["kv_margin_floor_bytes"], int(rel["kv_margin_fraction"] * activation))
         available = min(requested - used, o.gpu_bytes - used - margin) - activation
     else:

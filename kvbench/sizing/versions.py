@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from kvbench.errors import KvbenchError
 from kvbench.sizing.files import read_toml
@@ -28,13 +29,13 @@ class Release:
     release: str  # "0.34.0", as pip names it
     values: tuple[tuple[str, object, str], ...]
 
-    def __getitem__(self, name: str):
+    def __getitem__(self, name: str) -> Any:
         for key, value, _ in self.values:
             if key == name:
                 return value
         raise KeyError(f"{self.label} has no {name}")
 
-    def get(self, name: str, default=None):
+    def get(self, name: str, default=None) -> Any:
         try:
             return self[name]
         except KeyError:
@@ -68,7 +69,7 @@ def releases(engine: str = "vllm") -> dict[str, Release]:
     """Every version kvbench has a table of, oldest first."""
     found = {}
     for path in sorted(TABLES.glob(f"{engine}-*.toml")):
-        data = read_toml(path, "engine table")
+        data: dict[str, Any] = read_toml(path, "engine table")
         values = tuple((k, v["value"], v["source"]) for k, v in data["values"].items())
         found[data["version"]] = Release(data["engine"], data["version"], data["release"],
                                          values)
@@ -109,7 +110,7 @@ def check(rel: Release, found: dict[str, object]) -> list[dict[str, object]]:
     rows = []
     for name, value in found.items():
         ours = rel.get(name)
-        if isinstance(ours, list) and not isinstance(value, list):
+        if isinstance(ours, list) and isinstance(value, tuple):
             value = list(value)  # (a tuple read back)
         rows.append({"vllm_version": rel.release, "field": name, "vllm": value,
                      "kvbench": ours, "equal": value == ours,

@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -371,7 +371,8 @@ def sliding_shape(s: LayerShape, window: int) -> LayerShape:
 
     from kvbench.sizing.config import TECHNIQUES
 
-    plain = {f.name: f.default for f in fields(LayerShape) if f.name in TECHNIQUES}
+    plain: dict[str, Any] = {f.name: f.default for f in fields(LayerShape)
+                             if f.name in TECHNIQUES}
     return replace(s, **{**plain, "window": window})
 
 
