@@ -56,7 +56,7 @@ TESTS = _map()
 # whole runs end to end): a surviving mutant would otherwise take minutes. --all-tests runs
 # them too: a second pass over the survivors (--only) tells which only the slow tests kill.
 FAST_ONLY = ("kvbench/layers/model/", "kvbench/experiments/model/",
-             "kvbench/experiments/servesim.py", "kvbench/serving/scheduler.py")
+             "kvbench/experiments/servesim/", "kvbench/serving/scheduler.py")
 
 
 def tests_for(module: str) -> list[str]:

@@ -39,4 +39,5 @@ def test_the_model_modules_run_their_mutants_without_the_slow_tests(tmp_path):
     assert '"-m", "not cuda and not compiles and not trained and not slow"]' in model
     assert '"tests/test_transformer.py"' in model
     assert '"-m", "not cuda"]' in section("kvbench/sizing/capacity.py")
-    assert '"-m", "not cuda"]' in section("kvbench/experiments/servesim.py", all_tests=True)
+    assert '"-m", "not cuda"]' in section("kvbench/experiments/servesim/runs.py", all_tests=True)
+    assert "not slow" in section("kvbench/experiments/servesim/loop.py")

@@ -107,7 +107,7 @@ def test_a_replay_at_a_constant_step_time_takes_that_time_a_step(tmp_path, monke
 
     from kvbench.experiments import servesim
 
-    monkeypatch.setattr(servesim.time, "perf_counter", lambda: 0.0)
+    monkeypatch.setattr(servesim.runs.time, "perf_counter", lambda: 0.0)
     prof = write(tmp_path / "p.csv", ms=lambda b, c, p: 2.0, axes=([0, 1, 64], [16, 300],
                                                                     [0, 320]))
     out = tmp_path / "s.csv"
@@ -128,7 +128,7 @@ def test_a_replay_at_a_constant_step_time_takes_that_time_a_step(tmp_path, monke
     assert "not run" in result.stdout
     # a scheduler that takes 1 ms a step (a clock that advances 1 ms a reading): 3 ms a step
     ticks = itertools.count()
-    monkeypatch.setattr(servesim.time, "perf_counter", lambda: 1e-3 * next(ticks))
+    monkeypatch.setattr(servesim.runs.time, "perf_counter", lambda: 1e-3 * next(ticks))
     result = runner.invoke(app, ["serve-sim", "--requests", "12", "--len-dist",
                                  "lognormal:20:0.5", "--output-dist", "lognormal:12:0.5",
                                  "--max-len", "300", "--kv-blocks", "40", *LAYER, "-q",

@@ -226,7 +226,7 @@ def test_serve_sim_keeps_each_finished_reserve_when_stopped(monkeypatch, tmp_pat
             raise Terminated() if signal_ == "terminated" else KeyboardInterrupt()
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(servesim, "serve", serve)
+    monkeypatch.setattr(servesim.loop, "serve", serve)
     path = tmp_path / "sim.csv"
     result = runner.invoke(app, [*SIM, "--csv", str(path)])
     assert result.exit_code == code, result.output
@@ -253,7 +253,7 @@ def test_a_trace_too_big_for_the_host_is_refused_before_it_is_drawn(monkeypatch)
     from kvbench.experiments import servesim
 
     drawn = []
-    monkeypatch.setattr(servesim, "requests", lambda o: drawn.append(o) or [])
+    monkeypatch.setattr(servesim.loop, "requests", lambda o: drawn.append(o) or [])
     line = one_error_line(runner.invoke(app, [*SIM, "--requests", "1000000",
                                               "--host-mem", "100MiB", "--no-csv"]))
     assert "--requests 1,000,000 holds about" in line and "lower --requests" in line

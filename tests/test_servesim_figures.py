@@ -208,7 +208,7 @@ def test_a_step_row_holds_its_own_step():
     assert [r["time_s"] for r in rows] == s.step_end_s
     assert [r["context"] for r in rows] == s.context
     assert [r["prefill_positions"] for r in rows] == s.prefill_positions
-    steps = count(replace(o, steps_only=True), "paged", requests(o))
+    steps = count(replace(o, steps_only=True), "paged", requests(o), lean=False)
     rows = serve_step_rows([steps], "t", o.block_bytes, {})
     assert {r["time_s"] for r in rows} == {None} and {r["step_ms"] for r in rows} == {None}
     without = replace(steps, context=[], prefill_positions=[])
@@ -374,7 +374,7 @@ def test_a_run_reports_its_schedulers_own_counts(preempt):
     o = options(kv_blocks=5, preempt=preempt, prefix_caching=False)
     sched = o.scheduler("paged", requests(o))
     sched.run()
-    s = count(replace(o, steps_only=True), "paged", requests(o))
+    s = count(replace(o, steps_only=True), "paged", requests(o), lean=False)
     assert s.preemptions == sched.preemptions > 0
     assert (s.recomputed_tokens, s.swapped_blocks) == (sched.recomputed_tokens,
                                                        sched.swapped_blocks)
@@ -611,7 +611,7 @@ def test_the_time_of_the_rest_is_said_after_the_first_of_several_runs(extra, sai
 def test_the_time_before_the_run_is_said_once_from_the_warm_up(monkeypatch):
     import re
 
-    monkeypatch.setattr(servesim, "LONG_RUN_S", 0)  # every run "long"
+    monkeypatch.setattr(servesim.loop, "LONG_RUN_S", 0)  # every run "long"
     result = runner.invoke(app, [*TIMED, "--reserve", "paged,prealloc", "--no-csv"])
     said = " ".join(result.stderr.split())
     assert said.count("before it starts") == 1
