@@ -2,7 +2,9 @@
 logs reproduced."""
 
 import json
+import sys
 from dataclasses import replace
+from pathlib import Path
 
 import pandas as pd
 import pytest
@@ -16,6 +18,8 @@ from kvbench.sizing import versions
 
 GIB = 2**30
 runner = CliRunner()
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+import ledger_logs  # noqa: E402
 
 
 def vllm(model, **kw):
@@ -143,13 +147,67 @@ def test_sglang_pool_worked_by_hand():
 
 
 def test_the_activation_estimate_worked_by_hand():
-    # 2,048 tokens of llama-3-8b bf16: the residual and its normed copy 2 x 2,048 x 4,096,
-    # plus the MLP's gate/up and product 2,048 x 3 x 14,336 (larger than q,k,v,o), x 2 B;
-    # the sampler 7 x 256 x 128,256 x 4 B
+    # 2,048 tokens of llama-3-8b bf16. The forward: the residual and its normed copy
+    # 2 x 2,048 x 4,096, plus the MLP's gate/up and product 2,048 x 3 x 14,336 (larger than
+    # q,k,v,o), x 2 B = 209,715,200. The sampler over 256 requests: the hidden states
+    # (2,048 + 256) x 4,096 x 2 B, the logits 256 x 128,256 in bf16 (2 B) and one float32
+    # copy (4 B) = 18,874,368 + 197,001,216 = 215,875,584: the larger, so the peak.
     model = cap.preset("llama-3-8b")
     o = eng.EngineOptions("vllm", 80 * GIB, max_num_batched_tokens=2048, max_num_seqs=256)
     forward = (2 * 2048 * 4096 + 2048 * 3 * 14336) * 2
-    assert eng.activation_peak(model, o) == forward + 7 * 256 * 128_256 * 4
+    sampler = (2048 + 256) * 4096 * 2 + 256 * 128_256 * (2 + 4)
+    assert (eng.forward_peak(model, o), eng.sampler_peak(model, o)) == (forward, sampler)
+    assert eng.activation_peak(model, o) == sampler == 215_875_584
+    # at 8,192 tokens the forward (4 x 209,715,200) is the larger: the peak is not the sum
+    o = replace(o, max_num_batched_tokens=8192)
+    assert eng.activation_peak(model, o) == 4 * forward == eng.forward_peak(model, o)
+
+
+def test_the_sampler_follows_the_releases_float32_copies():
+    # the release's table sets the sampler's float32 copies of the logits: two copies add
+    # 256 x 128,256 x 4 B to the sampler's peak
+    model = cap.preset("llama-3-8b")
+    rel = versions.release("vllm==0.33")
+    values = tuple((k, 2 if k == "sampler_fp32_copies" else v, src) for k, v, src in rel.values)
+    two = replace(rel, values=values)
+    o = eng.EngineOptions("vllm", 80 * GIB, max_num_batched_tokens=2048, release=rel)
+    more = eng.sampler_peak(model, replace(o, release=two)) - eng.sampler_peak(model, o)
+    assert more == 256 * 128_256 * 4
+
+
+def test_quantized_weights_keep_the_embedding_in_the_models_dtype():
+    # qwen2.5-7b at 4 bits: the embedding and the untied head, 2 x 152,064 x 3,584 =
+    # 1,090,011,136 parameters, stay bf16; the other 6,525,605,376 take 0.5 B and a 2.5 B
+    # scale-and-zero a group of 128: 6,525,605,376 x 0.51953125 + 1,090,011,136 x 2
+    # = 5,570,308,... B = 5.19 GiB (vLLM's log: "model weights take 5.20GiB")
+    model = cap.preset("qwen2.5-7b")
+    led = vllm(model, weight_bytes=0.5)
+    embedding = 2 * 152_064 * 3_584
+    assert led.weights == int((7_615_616_512 - embedding) * (0.5 + 2.5 / 128) + embedding * 2)
+    assert f"{led.weights / GIB:.2f}" == "5.19"
+    # tied (gemma-3-27b): the embedding once; bf16 weights: every parameter x 2 B
+    gemma = cap.preset("gemma-3-27b")
+    tied = 262_208 * 5_376
+    assert vllm(gemma, weight_bytes=0.5).weights == int(
+        (27_009_346_304 - tied) * (0.5 + 2.5 / 128) + tied * 2)
+    assert vllm(gemma).weights == 27_009_346_304 * 2
+
+
+def test_the_public_logs_table_reproduces_its_figures():
+    # scripts/ledger_logs.py: docs/capacity.md's table. The 3090 log's profile run of 20,000
+    # tokens: the forward (2 x 20,000 x 4,096 + 3 x 20,000 x 14,336) x 2 B = 2,048,000,000 B
+    # = 1.91 GiB (the log: 2.07); KV = 23.58 x 0.9 - 14.96 - 1.91 - 0.35 = 4.01 (the log 3.81)
+    rows = {r["log"]: r for r in (ledger_logs.row(log, V033) for log in ledger_logs.LOGS)}
+    r = rows["Llama-3.1-8B, RTX 3090"]
+    assert (r["activation_kvbench"], r["kv_kvbench"], r["kv_diff"]) == (1.91, 4.01, 0.2)
+    assert r["forward"] == round(2_048_000_000 / GIB, 2)
+    # the 4-bit Qwen log refused to start (KV -1.05 GiB): kvbench also finds nothing left
+    assert rows["Qwen2.5-7B 4-bit, RTX 4060 8 GB"]["kv_kvbench"] < 0
+    # the pair: 2,048 -> 8,192 tokens of Qwen3-8B grow the forward by 6,144 x (2 x 4,096 +
+    # 3 x 12,288) x 2 B = 528 MiB; the pool lost 234 blocks of 16 x 147,456 B = 526.5 MiB
+    p = ledger_logs.pair(V033)
+    assert p["forward_growth_mib"] == 6144 * (2 * 4096 + 3 * 12288) * 2 / 2**20
+    assert p["log_growth_mib"] == (40_464 - 36_720) * 147_456 / 2**20
 
 
 def test_to_target_names_the_change_that_reaches_it():
@@ -455,15 +513,19 @@ def test_more_engine_figures_by_hand():
 def test_the_activation_estimate_where_attention_outweighs_the_mlp():
     # 64 tokens, 16 query heads and 4 KV heads of 64, TP 2: q and o 2 x 16, k and v 2 x
     # max(1, 4 // 2) = 4 -> 64 x 36 x 64 = 147,456 elements; the MLP 64 x 3 x 100 // 2 =
-    # 9,600; plus the residual 2 x 64 x 256; x 2 B; the sampler 7 x 8 x 1,000 x 4 B
+    # 9,600; plus the residual 2 x 64 x 256; x 2 B = 360,448, above the sampler's
+    # (64 + 8) x 256 x 2 B + 8 x 1,000 x (2 + 4) B = 84,864
     model = cap.ModelSpec(name="a", layers=2, kv_heads=4, head_dim=64, q_heads=16, hidden=256,
                           intermediate=100, vocab=1000, moe_top_k=None)
     o = eng.EngineOptions("vllm", GIB, tp=2, max_num_batched_tokens=64, max_num_seqs=8)
-    assert eng.activation_peak(model, o) == (2 * 64 * 256 + 64 * 36 * 64) * 2 + 7 * 8 * 1000 * 4
+    assert eng.activation_peak(model, o) == (2 * 64 * 256 + 64 * 36 * 64) * 2 == 360_448
+    assert eng.sampler_peak(model, o) == 84_864
     moe = cap.ModelSpec(name="e", layers=2, kv_heads=1, head_dim=8, q_heads=1, hidden=16,
                         intermediate=1000, vocab=10, moe_top_k=2)
     o1 = eng.EngineOptions("vllm", GIB, max_num_batched_tokens=10, max_num_seqs=4)
-    assert eng.activation_peak(moe, o1) == (2 * 10 * 16 + 10 * 3 * 2 * 1000) * 2 + 7 * 4 * 10 * 4
+    # the MoE's MLP runs each token through its 2 experts: (2 x 10 x 16 + 10 x 3 x 2 x 1,000)
+    # x 2 B = 120,640, above the sampler's (10 + 4) x 16 x 2 + 4 x 10 x 6 = 688
+    assert eng.activation_peak(moe, o1) == (2 * 10 * 16 + 10 * 3 * 2 * 1000) * 2 == 120_640
     with pytest.raises(KvbenchError, match="lacks hidden, intermediate, vocab"):
         eng.activation_peak(cap.ModelSpec(name="x", layers=1, kv_heads=1, head_dim=8), o1)
 

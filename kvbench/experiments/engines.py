@@ -163,22 +163,32 @@ def ledger_table(spec, o: eng.EngineOptions, led: eng.Ledger):
     t.add_row(f"× {util} {o.utilization:g}", _gib(led.requested), "what the engine may use"
               + (f" ({rel.label}'s default with the extensible KV cache)" if rel is not None
                  and led.extensible and o.utilization == 1.0 else ""))
+    quantized = o.weight_bytes < o.dtype_bytes and spec.vocab and spec.hidden
     t.add_row("− weights", _gib(led.weights),
               "given" if o.weights is not None else "not needed: KV given"
               if led.weights is None else
-              f"{spec.params:,} params × {o.weight_bytes:g} B ÷ {o.tp * o.pp} ranks")
+              f"{spec.params:,} params × {o.weight_bytes:g} B ÷ {o.tp * o.pp} ranks"
+              + (" (the embedding and head at the model's dtype; 4-bit: a scale and zero a "
+                 "group of 128)" if quantized else ""))
     if o.engine == "vllm":
-        how = ("not needed: KV given" if led.activation is None else
-               f"estimate: {o.max_num_batched_tokens:,} tokens' forward + sampler for "
-               f"{min(o.max_num_seqs, o.max_num_batched_tokens)} requests"
-               if led.activation_estimated else "given")
+        how = "not needed: KV given" if led.activation is None else "given"
+        if led.activation_estimated:
+            forward = eng.forward_peak(spec, o) >= eng.sampler_peak(spec, o)
+            how = (f"estimate: the larger of the forward over {o.max_num_batched_tokens:,} "
+                   f"tokens and the sampler over "
+                   f"{min(o.max_num_seqs, o.max_num_batched_tokens)} requests "
+                   f"({'the forward' if forward else 'the sampler'})")
         t.add_row("− activation peak (profile run)", _gib(led.activation), how)
     t.add_row("− non-torch memory", _gib(led.non_torch), "CUDA context, NCCL (editable)")
     if o.engine == "vllm":
         t.add_row("− CUDA graphs", _gib(led.cuda_graphs),
                   "given" if led.cuda_graphs else
-                  "measured after capture (--cuda-graphs SIZE: a log's)" if led.extensible
-                  else "estimated at start-up (--cuda-graphs SIZE: a log's)")
+                  "not counted: the engine sizes the cache after capturing them; "
+                  "--cuda-graphs SIZE from the log's 'Estimated CUDA graph memory'"
+                  if led.extensible
+                  else "not counted: vLLM subtracts its own estimate (0.13-1.62 GiB in "
+                  "public logs); --cuda-graphs SIZE from the log's 'Estimated CUDA graph "
+                  "memory'")
     if led.extensible and o.kv_memory is None:
         t.add_row("− margin", _gib(led.margin_bytes),
                   "extensible KV cache: max(1 GiB, 0.75 × the activation peak); the KV "

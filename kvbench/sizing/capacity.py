@@ -19,6 +19,7 @@ import math
 import re
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Any
 
 from kvbench.errors import KvbenchError
 from kvbench.formats.kvformat import (  # noqa: F401  (the planner's names)
@@ -78,6 +79,7 @@ class ModelSpec:
     vocab: int | None = None
     moe_top_k: int | None = None  # experts a token runs through
     mamba_state: int | None = None
+    tied_embeddings: bool = False  # the logits' matrix is the embedding's (one copy)
 
     def __post_init__(self) -> None:
         checks = {"layers": self.layers}
@@ -159,13 +161,15 @@ def _pattern(layers: int, pattern: list[str]) -> tuple[str, ...]:
 
 
 def load_preset_file(path: Path) -> ModelSpec:
-    data = read_toml(path, "preset")
-    arch = data.pop("architecture", None) or {}  # the whole model's, for --model runs
+    data: dict[str, Any] = read_toml(path, "preset")
+    arch: dict[str, Any] = data.pop("architecture", None) or {}  # the whole model's (--model)
     for key, name in (("hidden_size", "hidden"), ("intermediate_size", "intermediate"),
                       ("vocab_size", "vocab")):
         if key in arch:
             data.setdefault(name, arch[key])
     data.pop("attention", None)  # an MLA model's attention layer, for --model --layers 1
+    gemma = arch.get("family") in ("gemma2", "gemma3_text")  # tied by default
+    data.setdefault("tied_embeddings", bool(arch.get("tie_word_embeddings", gemma)))
     pattern = data.pop("layer_pattern", None)
     if pattern:
         data["layer_types"] = _pattern(data["layers"], pattern)
@@ -252,10 +256,11 @@ def from_hf_config(path: Path) -> ModelSpec:
     layers = field_("num_hidden_layers")
     name = cfg.get("_name_or_path") or cfg.get("model_type") or Path(path).stem
     shapes = _shapes(cfg)
+    tied = bool(cfg.get("tie_word_embeddings", cfg.get("model_type") in ("gemma2", "gemma3_text")))
     if cfg.get("kv_lora_rank") is not None:
         return ModelSpec(name=name, layers=layers, q_heads=optional("num_attention_heads"),
                          mla_latent=field_("kv_lora_rank"), mla_rope=field_("qk_rope_head_dim"),
-                         source=str(path), **shapes)
+                         source=str(path), tied_embeddings=tied, **shapes)
     q_heads = field_("num_attention_heads")
     kv_heads = optional("num_key_value_heads") or q_heads
     if cfg.get("head_dim") is not None:
@@ -278,6 +283,7 @@ def from_hf_config(path: Path) -> ModelSpec:
     return ModelSpec(name=name, layers=layers, kv_heads=kv_heads, head_dim=head_dim,
                      q_heads=q_heads, sliding_window=window,
                      layer_types=layer_types, source=str(path), mamba_state=state,
+                     tied_embeddings=tied,
                      # (a hybrid's Mamba and MLP-only layers are no dense decoder's: the
                      # weights then need --weights-bytes)
                      params=None if "mamba" in layer_types or "none" in layer_types
@@ -660,7 +666,7 @@ def serving(model: ModelSpec, fmt: CacheFormat, lens: tuple[int, ...], max_len: 
 
 def merge_dimensions(model: ModelSpec | None, explicit: dict[str, int | None]) -> ModelSpec:
     """A preset (or config) plus explicit dimensions; explicit ones that disagree are refused."""
-    given = {k: v for k, v in explicit.items() if v is not None}
+    given: dict[str, Any] = {k: v for k, v in explicit.items() if v is not None}
     if model is None:
         if "layers" not in given:
             raise KvbenchError("say which model: --model NAME, --from-config PATH, or "

@@ -45,7 +45,7 @@ GPUS = {
 }
 
 NON_TORCH_BYTES = int(0.35 * GIB)  # CUDA context and NCCL outside torch's allocator (a guess)
-SAMPLER_COPIES = 7  # logits, sorted values, indices (2), probabilities, penalty counts (2)
+QUANT_GROUP, QUANT_GROUP_BYTES = 128, 2.5  # 4-bit weights: a fp16 scale, a 4-bit zero a group
 ATTENTION_ALIGNMENT = 16  # the attention kernels' block-size alignment (FlashAttention)
 DS_MLA_FP8_BYTES = 656  # DeepSeek's fp8 latent: 512 fp8, 4 float32 scales, 64 bf16 RoPE
 
@@ -202,14 +202,23 @@ def state_bytes(model: ModelSpec, o: EngineOptions) -> int:
 
 
 def activation_peak(model: ModelSpec, o: EngineOptions) -> int:
-    """An estimate of the torch activation peak of vLLM's profile run, per rank: one layer's
-    largest live tensors for max_num_batched_tokens tokens (the residual, its normed copy, and
-    the larger of the attention's q/k/v + output and the MLP's gate/up + product), plus the
-    sampler's float32 logits and probabilities for min(max_num_seqs, tokens) requests."""
+    """An estimate of the torch activation peak of vLLM's profile run, per rank: the larger of
+    the forward's and the sampler's (the forward's intermediates are freed before the sampler
+    runs). The forward over max_num_batched_tokens tokens holds, at its widest, the residual,
+    its normed copy and the larger of the attention's q/k/v + output and the MLP's gate/up +
+    product (compiled: gate/up is freed before the down projection). The sampler, over
+    min(max_num_seqs, tokens) requests, holds the forward's hidden states, the logits in the
+    model dtype and the release's float32 copies of them (0.33 and 0.34, the V2 model
+    runner: one; top-k/top-p and the Gumbel draw work in place)."""
     missing = [k for k in ("hidden", "intermediate", "vocab") if not getattr(model, k)]
     if missing:
         raise KvbenchError(f"model {model.name} lacks {', '.join(missing)} for the activation "
                            "estimate: pass --activation GiB (the engine log's activation peak)")
+    return max(forward_peak(model, o), sampler_peak(model, o))
+
+
+def forward_peak(model: ModelSpec, o: EngineOptions) -> int:
+    """The dummy forward's widest point over max_num_batched_tokens tokens, per rank."""
     n, s, tp = o.max_num_batched_tokens, o.dtype_bytes, o.tp
     H, I = model.hidden, model.intermediate
     if model.is_mla:
@@ -218,10 +227,17 @@ def activation_peak(model: ModelSpec, o: EngineOptions) -> int:
         q = model.q_heads or model.kv_heads
         attn = n * (2 * q + 2 * max(1, model.kv_heads // tp)) * model.head_dim
     mlp = n * 3 * (model.moe_top_k or 1) * I // tp
-    forward = (2 * n * H + max(attn, mlp)) * s
+    return (2 * n * H + max(attn, mlp)) * s
+
+
+def sampler_peak(model: ModelSpec, o: EngineOptions) -> int:
+    """The dummy sampler's peak over min(max_num_seqs, tokens) requests: the forward's hidden
+    states and the sampled rows' still held, the logits over the whole vocabulary (gathered on
+    every TP rank) in the model dtype and the release's float32 copies."""
+    n, s = o.max_num_batched_tokens, o.dtype_bytes
     requests = min(o.max_num_seqs, n)
-    sampler = SAMPLER_COPIES * requests * model.vocab * 4
-    return forward + sampler
+    copies = vllm_release(o)["sampler_fp32_copies"]
+    return (n + requests) * model.hidden * s + requests * model.vocab * (s + 4 * copies)
 
 
 def _groups(kinds: list[str], pages: dict[str, int], blocks: dict[str, int],
@@ -332,7 +348,8 @@ def vllm(model: ModelSpec, o: EngineOptions) -> Ledger:
     tokens = int(concurrency * L)
     by_blocks = num_blocks // len(groups) * min(g.block_size for g in groups)
     if by_blocks != tokens:
-        notes.append(f"KV cache size: {tokens:,} tokens as vLLM 0.33 prints it (concurrency "
+        notes.append(f"KV cache size: {tokens:,} tokens as vLLM {rel.version} prints it "
+                     "(concurrency "
                      f"x max_model_len); {by_blocks:,} as older versions did (blocks // "
                      "groups x block size)")
     if size != max(g.layers for g in groups) or any(g.layers < size for g in groups):
@@ -382,7 +399,10 @@ def sglang(model: ModelSpec, o: EngineOptions) -> Ledger:
 
 def _weights(model: ModelSpec, o: EngineOptions) -> int | None:
     """One rank's weights: the parameters x bytes a parameter, split over TP x PP ranks
-    (None where unknown and not needed: --kv-memory given)."""
+    (None where unknown and not needed: --kv-memory given). Quantized weights (fewer bytes
+    than the model's dtype) quantize the linear layers only: the embedding and an untied
+    logits' matrix stay in the model's dtype, and 4-bit ones carry a 16-bit scale and a 4-bit
+    zero for each group of 128 (AWQ's and GPTQ's default)."""
     if o.weights is not None:
         return o.weights
     if not model.params and o.kv_memory is not None:
@@ -390,7 +410,13 @@ def _weights(model: ModelSpec, o: EngineOptions) -> int | None:
     if not model.params:
         raise KvbenchError(f"model {model.name} has no parameter count: pass --weights-bytes "
                            "(the engine log's 'Model loading took ... GiB')")
-    return int(model.params * o.weight_bytes) // (o.tp * o.pp)
+    total = model.params * o.weight_bytes
+    if o.weight_bytes < o.dtype_bytes and model.vocab and model.hidden:
+        embedding = model.vocab * model.hidden * (1 if model.tied_embeddings else 2)
+        linear = model.params - embedding
+        group = QUANT_GROUP_BYTES / QUANT_GROUP if o.weight_bytes < 1 else 0
+        total = linear * (o.weight_bytes + group) + embedding * o.dtype_bytes
+    return int(total) // (o.tp * o.pp)
 
 
 def ledger(model: ModelSpec, o: EngineOptions) -> Ledger:
