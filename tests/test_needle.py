@@ -305,3 +305,19 @@ def test_shards_split_the_cells_and_an_interrupt_keeps_the_finished_rows(tmp_pat
     assert "interrupted after 1 of 3 cells; 1 row kept" in " ".join(result.stderr.split())
     assert pd.read_csv(out)["depth"].tolist() == [0.0]
 
+
+
+@smollm2
+def test_the_full_cache_runs_beside_a_window_in_one_run(tmp_path):
+    # needle --impl static,window --window 128: static's row keeps every position (its window
+    # empty, the whole needle kept), window's row its last 128 (the key at depth 0.5 of 256
+    # left the window: none of it kept)
+    out = tmp_path / "n.csv"
+    result = runner.invoke(app, ["needle", "--context", "256", "--depth", "0.5", "--trials",
+                                 "1", "--impl", "static,window", "--window", "128", "--csv",
+                                 str(out), "-q"])
+    assert result.exit_code == 0, result.output
+    df = pd.read_csv(out).set_index("impl")
+    assert sorted(df.index) == ["static", "window"] and df["passed"].all()
+    assert df.loc["window", "window"] == 128 and pd.isna(df.loc["static", "window"])
+    assert df.loc["static", "needle_kept"] == 1.0 and df.loc["window", "needle_kept"] == 0.0

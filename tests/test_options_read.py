@@ -89,3 +89,31 @@ def test_under_a_list_each_row_records_what_its_implementation_read(tmp_path):
     assert rows["kv_budget"].to_dict() == pytest.approx(
         {"static": float("nan"), "h2o": 16.0, "think": float("nan")}, nan_ok=True)
     assert rows["k_channels"].isna().to_dict() == {"static": True, "h2o": True, "think": False}
+
+
+def test_the_full_cache_runs_beside_a_window_in_one_run(tmp_path):
+    # verify --impl static,window --window 16: static keeps every position, so it runs at the
+    # point without the window (its window and sinks empty), window at --window 16
+    import pandas as pd
+
+    out = tmp_path / "v.csv"
+    result = runner.invoke(app, ["verify", "--impl", "static,window", "--window", "16",
+                                 "--sinks", "2", "--prompt-len", "32", "--csv", str(out), "-q"])
+    assert result.exit_code == 0, result.output
+    rows = pd.read_csv(out).set_index("impl")
+    assert sorted(rows.index) == ["static", "window"] and rows["passed"].all()
+    assert rows.loc["window", "window"] == 16 and rows.loc["window", "sinks"] == 2
+    assert pd.isna(rows.loc["static", "window"]) and pd.isna(rows.loc["static", "sinks"])
+    # the full cache holds every position (32 + 8 decode steps), the window 16 + 2 sinks
+    assert rows.loc["static", "cache_shape"] == "2x2x40x64"
+    assert rows.loc["window", "cache_shape"] == "2x2x18x64"
+
+
+def test_a_window_none_named_applies_is_still_refused(tmp_path):
+    out = tmp_path / "v.csv"
+    out.write_text("keep\n")
+    result = runner.invoke(app, ["verify", "--impl", "static,sdpa", "--window", "16",
+                                 "--csv", str(out)])
+    assert result.exit_code == 2, result.output
+    assert "--impl static cannot run here: keeps every position" in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1 and out.read_text() == "keep\n"

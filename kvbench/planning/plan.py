@@ -97,6 +97,7 @@ def _points_of(o: RunOptions, reference_cases: bool = False,
     "memory") leaves out implementations that command cannot measure here.
     """
     from kvbench.caches import ImplOptions, select_impls
+    from kvbench.caches.capabilities import IMPLEMENTATIONS, unread
     from kvbench.formats.kvformat import KvFormat
     from kvbench.measure.device import resolve_device
     from kvbench.report import render
@@ -148,6 +149,7 @@ def _points_of(o: RunOptions, reference_cases: bool = False,
     refused: dict[str, str] = {}
     ran: set[str] = set()
     planned: set = set()  # (implementation, its point less the options it does not read)
+    beside: list = []  # (point less techniques, implementation, techniques it lacks, why)
     spec = o.impl.strip().lower()
     explicit = spec not in ("all", "default")
     named = [n.strip() for n in spec.split(",") if n.strip()]
@@ -175,6 +177,8 @@ def _points_of(o: RunOptions, reference_cases: bool = False,
                            accept=o.accept, beams=o.beams, graph=graph)
         names, skipped = select_impls(spec, config, options, strict=False,
                                       measure=measure)
+        if explicit:  # one named without a technique the point asks: beside it, without it
+            skipped = _beside(skipped, config, options, measure, beside)
         # a point that differs from one already planned only in options an implementation
         # does not read is that point again, for it: run once (its row records neither)
         names = tuple(n for n in names if _once(n, config, planned))
@@ -196,6 +200,16 @@ def _points_of(o: RunOptions, reference_cases: bool = False,
                 notes.append(line)
         if names:
             points.append((config, names))
+    # Named without a technique the others apply: run at the point less that technique
+    # (verify --impl static,window --window 16: static's row leaves the window empty).
+    applied = {t for n in ran for t in IMPLEMENTATIONS[n].techniques}
+    for config, name, lacking, reason in beside:
+        if not set(lacking) <= applied:  # none named applies it: refused below
+            refused.setdefault(name, reason)
+            continue
+        if _once(name, config, planned):
+            points.append((config, (name,)))
+        ran.add(name)
     skipped_line = "; ".join(f"{', '.join(n for n in names_ if n not in ran)} ({reason})"
                              for reason, names_ in not_run.items()
                              if any(n not in ran for n in names_))
@@ -212,11 +226,44 @@ def _points_of(o: RunOptions, reference_cases: bool = False,
         if explicit and name not in ran:
             raise KvbenchError(f"--impl {name} cannot run here: {reason}")
     # A technique option none of the implementations that run reads: refused, not recorded.
-    from kvbench.caches.capabilities import IMPLEMENTATIONS, unread
 
     if refusal := unread([n for n in IMPLEMENTATIONS if n in ran], shapes):
         raise KvbenchError(refusal)
     return points, options, notes
+
+
+def _beside(skipped, config, options, measure, beside: list):
+    """Of the implementations `skipped` at `config`, those whose only lack is a technique the
+    point asks for (TECHNIQUES) and that run at the point less those techniques: added to
+    `beside` as (that point, name, the techniques, why skipped); the others are returned."""
+    from kvbench.caches import select_impls
+    from kvbench.caches.capabilities import IMPLEMENTATIONS, TECHNIQUES
+
+    left = []
+    for name, reason in skipped:
+        lacking = [t for t, (used, _) in TECHNIQUES.items()
+                   if used(config.shape) and t not in IMPLEMENTATIONS[name].techniques]
+        if lacking:
+            less = without(config, lacking)
+            if select_impls(name, less, options, strict=False, measure=measure)[0]:
+                beside.append((less, name, tuple(lacking), reason))
+                continue
+        left.append((name, reason))
+    return left
+
+
+def without(config, techniques):
+    """`config` with each of `techniques` at LayerShape's default (a window's sinks with
+    it): the point an implementation that lacks them runs beside those that apply them."""
+    from dataclasses import fields
+
+    from kvbench.sizing.config import LayerShape
+
+    defaults = {f.name: f.default for f in fields(LayerShape)}
+    unset = {t: defaults[t] for t in techniques}
+    if "window" in unset:
+        unset["sinks"] = defaults["sinks"]
+    return replace(config, shape=replace(config.shape, **unset))
 
 
 def _once(name: str, config, planned: set) -> bool:
