@@ -397,3 +397,38 @@ def test_an_evicting_cache_is_gated_on_the_full_layers_of_a_hybrid_model(tiny, m
     run._loaded.clear()
     (check,) = run.verify(ref, config, ("h2o",), ImplOptions(), None, None).checks
     assert not check.passed and check.message.startswith("layer 1, step 2:"), check.message
+
+
+# ------------------------------------------------------------ bench at long contexts
+
+
+def test_bench_verifies_on_a_prompt_that_wraps_every_window_with_no_recompute(tiny):
+    ref, config = _config(tiny["gemma3"], prompt=300, decode=32)
+    check, said = run.bench_check(config, ref.arch, recompute=True)
+    assert (check.shape.prompt_len, check.shape.decode_len) == (300, 4)
+    assert said == "against path A at this prompt, the first 4 steps"
+    # 128 is longer than 2 x W = 16; at a window of 100 the check is 2 x 100 = 200
+    check, said = run.bench_check(config, ref.arch, recompute=False)
+    assert (check.shape.prompt_len, check.shape.decode_len) == (128, 4)
+    assert said == "against path A at prompt 128, the first 4 steps (--no-recompute)"
+    wide = replace(ref.arch, sliding_window=100)
+    assert run.bench_check(config, wide, recompute=False)[0].shape.prompt_len == 200
+    short = replace(config, shape=replace(config.shape, prompt_len=50, decode_len=2))
+    assert run.bench_check(short, wide, recompute=False)[0].shape.prompt_len == 50
+
+
+def test_bench_with_no_recompute_times_the_whole_prompt_and_says_where_it_verified(
+        tiny, tmp_path):
+    import pandas as pd
+
+    out = tmp_path / "b.csv"
+    r = runner.invoke(app, ["bench", "--model", str(tiny["gemma3"]), "--prompt-len", "200",
+                            "--decode-len", "4", "--impl", "static,paged", "--rounds", "1",
+                            "--warmup", "0", "--no-recompute", "--csv", str(out)])
+    assert r.exit_code == 0, r.output
+    rows = pd.read_csv(out)
+    assert (rows.prompt_len == 200).all()
+    said = "against path A at prompt 128, the first 4 steps (--no-recompute)"
+    assert list(rows.impl) == ["static", "paged", "transformers"]
+    assert list(rows.verified[:2]) == [said, said] and pd.isna(rows.verified[2])  # (timed)
+    assert "verified against path A at prompt 128" in " ".join(r.stdout.split())

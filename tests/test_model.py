@@ -167,7 +167,7 @@ def test_a_layer_reading_another_layers_cache_fails_at_a_decode_step(tiny, monke
 
 
 def test_a_residual_added_twice_fails(tiny, monkeypatch):
-    def twice(self, tokens, attend, hidden=None):
+    def twice(self, tokens, attend, hidden=None, last=False):
         eps = self.arch.norm_eps
         h = self.embed[tokens]
         for i, b in enumerate(self.blocks):
@@ -176,7 +176,7 @@ def test_a_residual_added_twice_fails(tiny, monkeypatch):
             h = h + self.mlp(b, transformer.rms_norm(h, b.mlp_norm, eps))
             if hidden is not None:
                 hidden.append(h)
-        return transformer.rms_norm(h, self.norm, eps) @ self.lm_head
+        return transformer.rms_norm(h[:, -1:] if last else h, self.norm, eps) @ self.lm_head
 
     monkeypatch.setattr(transformer.Model, "forward", twice)
     check = _fails(*_config(tiny["llama"]))
@@ -262,6 +262,21 @@ def test_bench_on_a_model_has_transformers_row_and_shares_that_hold(tiny, tmp_pa
     assert list(rows.impl) == ["static", "paged", "transformers"]
     assert ((rows.kv_share > 0) & (rows.kv_share < 1)).all()
     assert (rows.tokens_per_s > 0).all() and (rows.weight_bytes_per_step > 0).all()
+
+
+def test_bench_without_the_prefill_has_no_transformers_row_and_says_why(tiny, tmp_path):
+    # transformers' ms/token is generate(G + 1) - generate(1): two prefills a round
+    out = tmp_path / "b.csv"
+    r = runner.invoke(app, ["bench", "--model", str(tiny["llama"]), "--impl", "static",
+                            "--rounds", "1", "--warmup", "0", "--no-prefill", "--csv",
+                            str(out)])
+    assert r.exit_code == 0, r.output
+    import pandas as pd
+
+    rows = pd.read_csv(out)
+    assert list(rows.impl) == ["static"] and rows.prefill_ms.isna().all()
+    assert "no transformers row: its steps are timed net of its prefill (--no-prefill)" in \
+        " ".join(r.stdout.split())
 
 
 def test_a_preset_runs_random_weights_at_its_shape_and_dry_run_shows_the_plan():

@@ -58,7 +58,8 @@ def bench_result(prefill=True, graph=True, decode_ms=8.0, copy_gbps=10.0, note=N
         graph=Stats(2.0, 1.9, 2.4, 0.2, 5) if graph else None)
     return ModelBenchResult(CONFIG, REF, 3, SimpleNamespace(warmup=1, rounds=5),
                             weight_bytes_per_step=6_000_000, copy_gbps=copy_gbps,
-                            timings=[timing], kv_format=KvFormat(), note=note)
+                            timings=[timing], kv_format=KvFormat(), note=note,
+                            verified="against path A at this prompt, the first 4 steps")
 
 
 def test_the_bench_table_by_hand():
@@ -75,7 +76,8 @@ def test_the_bench_table_by_hand():
     assert "weights (5.722 MiB)" in caption and "copy bandwidth 10.0 GB/s" in caption
     assert "median of 5 rounds after 1 warmups" in caption and "(all 4 steps / 4)" in caption
     assert "graph: the whole model's step" in caption and "; why" not in caption
-    assert caption.endswith("replayed as one CUDA graph")  # no note: nothing after
+    assert caption.endswith("replayed as one CUDA graph; verified against path A at this "
+                            "prompt, the first 4 steps")  # no note: nothing after
     assert text(view.bench_table(bench_result(note="why"))).endswith("; why")
 
 
@@ -118,7 +120,8 @@ def test_the_bench_rows_by_hand():
             for c in (4.0, 2.0)] == [False, True]
     checked = bench_result(check=_check("static", lossy=True, err=3e-3))
     (row,) = view.model_bench_rows(checked, {})
-    assert (row["verified"], row["verify_max_abs_err"], row["lossy"]) == (True, 3e-3, True)
+    assert (row["verified"], row["verify_max_abs_err"], row["lossy"]) == (
+        "against path A at this prompt, the first 4 steps", 3e-3, True)
     (row,) = view.model_bench_rows(bench_result(check=_check("static")), {})
     assert row["lossy"] is None
 

@@ -203,11 +203,11 @@ def served(arch, points, options, explicit: bool, notes: list[str]):
     return out
 
 
-def preflight(command: str, ref, layers, host_mem):
+def preflight(command: str, ref, layers, host_mem, recompute: bool = True):
     """A point's phases: the weights (transformers' copy beside kvbench's for a checkpoint
     that path A or generate runs), then each implementation with every layer's cache."""
     from kvbench.caches import IMPLEMENTATIONS
-    from kvbench.experiments.model.run import layer_plans
+    from kvbench.experiments.model.run import bench_check, layer_plans
     from kvbench.planning.preflight import DEVICE, HOST, Phase, Plan, available_memory
 
     arch = ref.arch.first(layers)
@@ -221,8 +221,17 @@ def preflight(command: str, ref, layers, host_mem):
         second = (ref.trained and command != "memory") or command == "bench"
         weights = arch.weight_count() * b * (2 if second else 1)
         tokens = s.batch * (s.total_len + 1)
-        # logits (and their float64 log-softmax for the quality figures), one layer's MLP
-        acts = tokens * (arch.vocab * (b + 16) + (arch.hidden * 4 + 2 * arch.intermediate) * b)
+        # bench verifies on its check (with --no-recompute a shorter prompt), then times
+        # with the last position's logits alone
+        checked = (bench_check(config, arch, recompute)[0].shape if command == "bench"
+                   else s)
+        seen = checked.batch * (checked.total_len + 1)
+        # path A's and the run's logits (and their float64 log-softmax for the quality
+        # figures) where verified, path A's scores of one layer ([B, H_q, T, T], with their
+        # softmax and mask), one layer's MLP over the whole prompt
+        acts = (seen * arch.vocab * (b + 16) + 3 * checked.batch * arch.q_heads
+                * (checked.total_len + 1) ** 2 * b
+                + tokens * (arch.hidden * 4 + 2 * arch.intermediate) * b)
         shrink = "--layers N runs fewer layers; a shorter --prompt-len or --batch"
         phases = [Phase("weights", weights, mem, shrink)]
         if mem == DEVICE and ref.trained:
@@ -257,7 +266,7 @@ class Model:
 
         ref, points, options, notes = expand(o, command)
         self.ref = ref
-        bench_options = (BenchOptions(o.warmup, o.rounds, False, o.prefill)
+        bench_options = (BenchOptions(o.warmup, o.rounds, o.recompute, o.prefill)
                          if command == "bench" else None)
         return points, options, notes, bench_options
 
@@ -282,7 +291,7 @@ class Model:
         return run_point
 
     def plans(self, command, o, impl_options, bench_options):
-        plan_of = preflight(command, self.ref, o.layers, o.host_mem)
+        plan_of = preflight(command, self.ref, o.layers, o.host_mem, o.recompute)
         return lambda config, names: plan_of(config, names, impl_options)
 
     def report(self, command: str, result) -> Report:

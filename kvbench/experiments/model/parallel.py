@@ -219,12 +219,12 @@ def bench(ref: ModelRef, config: RunConfig, names, options, impl_options: ImplOp
 
     s = config.shape
     T, G = s.prompt_len, s.decode_len
-    check_config = replace(config, shape=replace(s, decode_len=min(G, 4)))
+    m = run.load(ref, config, layers, text, keep_hf=False)
+    check_config, verified = run.bench_check(config, m.model.arch, options.recompute)
     report = verify(ref, check_config, names, impl_options, layers, text)
     if not report.passed:
         raise VerificationFailed(report)
     r = world_rank(config)
-    m = run.load(ref, config, layers, text, keep_hf=False)
     tokens = m.tokens
     _, held, model, link = rank_model(m, config)
     dev = config.device
@@ -241,7 +241,7 @@ def bench(ref: ModelRef, config: RunConfig, names, options, impl_options: ImplOp
             cls = IMPLEMENTATIONS[name]
             with device_errors("prefill across ranks", name):
                 cm = CachedModel(model, cls, rank_config(config), impl_options, held, link)
-                cm.prefill(tokens[:, :T])
+                cm.prefill(tokens[:, :T], last=True)
                 cm.checkpoint()
             tasks[f"decode:{name}"] = _decode_task(cm, tokens, T, G, busy.setdefault(name, []))
         stats = time_interleaved(tasks, dev, options.warmup, options.rounds, ranks)
@@ -268,7 +268,7 @@ def bench(ref: ModelRef, config: RunConfig, names, options, impl_options: ImplOp
                                   impl_options.at(config).kv_format,
                                   "across ranks: no transformers row; the weights a step "
                                   "reads are rank 0's part (its layers' share, the "
-                                  "embedding, final norm and head whole on every rank)")
+                                  "embedding, final norm and head whole on every rank)", verified)
     return distributed.broadcast(result if r.rank == 0 else None)
 
 

@@ -419,6 +419,7 @@ class ModelBenchResult:
     timings: list[ModelTiming]
     kv_format: object = None
     note: str | None = None  # why transformers' row is missing
+    verified: str | None = None  # where each implementation was checked before its timing
 
     def ms_per_token(self, t: ModelTiming) -> float:
         return t.decode.median_ms / self.config.shape.decode_len
@@ -491,7 +492,8 @@ def bench(ref: ModelRef, config: RunConfig, names, options, impl_options: ImplOp
     graphed, config = config.graph, replace(config, graph=False)
     s = config.shape
     T, G = s.prompt_len, s.decode_len
-    check_config = replace(config, shape=replace(s, decode_len=min(G, 4)))
+    m = load(ref, config, layers, text)
+    check_config, verified = bench_check(config, m.model.arch, options.recompute)
     report = verify(ref, check_config, names, impl_options, layers, text)
     from kvbench.experiments.bench import VerificationFailed
 
@@ -504,7 +506,6 @@ def bench(ref: ModelRef, config: RunConfig, names, options, impl_options: ImplOp
                               layers, text)
         if not graph_report.passed:
             raise VerificationFailed(graph_report)
-    m = load(ref, config, layers, text)
     tokens = m.tokens
     prompt = tokens[:, :T]
     dev = config.device
@@ -516,13 +517,13 @@ def bench(ref: ModelRef, config: RunConfig, names, options, impl_options: ImplOp
             cls = IMPLEMENTATIONS[name]
             with device_errors("prefill", name):
                 cm = caches[name] = CachedModel(m.model, cls, config, impl_options)
-                cm.prefill(prompt)
+                cm.prefill(prompt, last=True)
                 cm.checkpoint()
                 if cls.compiles:  # its first steps compile: never inside a timed sample
                     _steps(cm, tokens, T, G)
             if options.prefill:  # each timed prefill fills caches of its own, as on one layer
                 tasks[f"prefill:{name}"] = (
-                    lambda fresh: fresh.prefill(prompt),
+                    lambda fresh: fresh.prefill(prompt, last=True),
                     lambda cls=cls: CachedModel(m.model, cls, config, impl_options))
             tasks[f"decode:{name}"] = (lambda cm: _steps(cm, tokens, T, G),
                                        lambda cm=cm: _rewound(cm, T))
@@ -530,7 +531,7 @@ def bench(ref: ModelRef, config: RunConfig, names, options, impl_options: ImplOp
                 with device_errors("graph capture", name):
                     cmg = caches[f"graph:{name}"] = CachedModel(m.model, cls, config,
                                                                 impl_options)
-                    cmg.prefill(prompt)
+                    cmg.prefill(prompt, last=True)
                     cmg.checkpoint()
                     _steps(cmg, tokens, T, G, graph=True)
                 tasks[f"graph:{name}"] = (lambda cm: _steps(cm, tokens, T, G, graph=True),
@@ -538,6 +539,9 @@ def bench(ref: ModelRef, config: RunConfig, names, options, impl_options: ImplOp
         note, hf = None, m.hf
         if m.model.arch.windows_off:
             note = "no transformers row: its model keeps the windows --all-full takes away"
+        elif not options.prefill:  # its ms/token is generate(G + 1) - generate(1): prefills
+            note = "no transformers row: its steps are timed net of its prefill (--no-prefill)"
+            hf = None
         elif hf is None:  # a preset: transformers' own model at its shape, random weights
             from kvbench.layers.model.load import random_transformers
 
@@ -566,7 +570,29 @@ def bench(ref: ModelRef, config: RunConfig, names, options, impl_options: ImplOp
     return ModelBenchResult(config, ref, len(m.model.blocks), options,
                             m.model.step_weight_bytes(),
                             bandwidth.copy_gbps(stats["copy"], copy_bytes), timings,
-                            impl_options.at(config).kv_format, note)
+                            impl_options.at(config).kv_format, note, verified)
+
+
+# bench --no-recompute --model verifies on a prompt this long, or two of the longest window
+# (every sliding layer's ring wrapped at least once), whichever is longer
+NO_RECOMPUTE_PROMPT = 128
+CHECK_STEPS = 4  # bench verifies the first steps of the decode before timing it
+
+
+def bench_check(config: RunConfig, arch, recompute: bool) -> tuple[RunConfig, str]:
+    """The point bench verifies before timing `config`, and the sentence its rows say of it:
+    the first CHECK_STEPS steps at the same prompt; with --no-recompute a prompt of
+    max(NO_RECOMPUTE_PROMPT, 2 x the longest window) at most (path A is quadratic: at 16k
+    positions a forward per step takes minutes on a CPU)."""
+    s = config.shape
+    G = min(s.decode_len, CHECK_STEPS)
+    if recompute:
+        return (replace(config, shape=replace(s, decode_len=G)),
+                f"against path A at this prompt, the first {G} steps")
+    windows = [arch.layer(i).window or 0 for i in range(arch.layers)] + [s.window or 0]
+    T = min(s.prompt_len, max(NO_RECOMPUTE_PROMPT, 2 * max(windows)))
+    check = replace(config, shape=replace(s, prompt_len=T, decode_len=G, max_len=None))
+    return check, f"against path A at prompt {T}, the first {G} steps (--no-recompute)"
 
 
 def after_first_token(first, whole):

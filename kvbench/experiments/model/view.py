@@ -119,6 +119,7 @@ def bench_table(result) -> Table:
                  + ("; ms/token: the slowest rank's; all-reduce: a step's 2 · layers "
                     "all-reduces, each timed alone, over the step; bubble: the share of a step "
                     "a rank waits for the other stages, their mean" if ranks else "")
+                 + (f"; verified {result.verified}" if result.verified else "")
                  + (f"; {result.note}" if result.note else ""))
     return t
 
@@ -224,7 +225,8 @@ def model_verify_rows(report, env: dict[str, object]) -> list[dict[str, object]]
 def model_bench_rows(result, env: dict[str, object]) -> list[dict[str, object]]:
     return [{
         **_model_cells("bench", t.impl, result), "warmup": result.options.warmup,
-        "rounds": result.options.rounds, "verified": t.check is not None or None,
+        "rounds": result.options.rounds,
+        "verified": result.verified if t.check is not None else None,
         **stats_cells("prefill_ms", t.prefill), **stats_cells("decode_cached_ms", t.decode),
         "cached_ms_per_step": result.ms_per_token(t), "tokens_per_s": result.tokens_per_s(t),
         "noisy": t.decode.noisy, "copy_gbps": result.copy_gbps,

@@ -407,19 +407,21 @@ class CachedModel:
             self.tap(i - self.layers.start, x, out)
         return out
 
-    def _run(self, tokens: torch.Tensor, call, hidden: list | None = None):
-        """tokens through the held layers, each attending with call(its cache, x)."""
+    def _run(self, tokens: torch.Tensor, call, hidden: list | None = None,
+             last: bool = False):
+        """tokens through the held layers, each attending with call(its cache, x); last: the
+        last position's logits only."""
         def attend(i, x):
             return self._attend(i, x, call(self.caches[i - self.layers.start], x))
 
         if self.link is None:
-            return self.model.forward(tokens, attend, hidden)
+            return self.model.forward(tokens, attend, hidden, last=last)
         link = self.link
         h = (self.model.embedding(tokens) if link.first
              else link.recv((*tokens.shape, self.model.arch.hidden)))
         start = time.perf_counter()  # this stage's own work, apart from its waits
         h = self.model.run_layers(h, self.layers, attend, hidden)
-        out = self.model.head(h) if link.last else None
+        out = self.model.head(h, last) if link.last else None
         if h.is_cuda:
             torch.cuda.synchronize(h.device)
         self.busy_s += time.perf_counter() - start
@@ -427,14 +429,17 @@ class CachedModel:
             link.send(h)
         return out
 
-    def prefill(self, tokens: torch.Tensor, hidden: list | None = None) -> torch.Tensor:
-        """The prompt [B, T_p] -> its logits [B, T_p, V]; every layer's cache filled."""
-        return self._run(tokens, lambda c, x: c.prefill(x), hidden)
+    def prefill(self, tokens: torch.Tensor, hidden: list | None = None,
+                last: bool = False) -> torch.Tensor:
+        """The prompt [B, T_p] -> its logits [B, T_p, V] ([B, 1, V]: `last`, as a server
+        computes them: 16k positions of 262,144 words are 16 GiB); every layer's cache
+        filled."""
+        return self._run(tokens, lambda c, x: c.prefill(x), hidden, last)
 
     def fill(self, tokens: torch.Tensor) -> None:
         """The prompt's caches where its outputs are not wanted (a cache may skip the
         quadratic prefill; the layers' inputs still need each layer's output)."""
-        self.prefill(tokens)
+        self.prefill(tokens, last=True)
 
     def step(self, tokens: torch.Tensor, hidden: list | None = None) -> torch.Tensor:
         """One token per sequence [B, 1] -> logits [B, 1, V]; every cache one longer."""
