@@ -43,3 +43,17 @@ def plant(fault: str) -> None:
             return memory(*args, **kwargs)
 
         parallel.memory = dies
+    elif fault == "slow":  # every rank stalls at its second point (the launcher is stopped)
+        import time
+
+        from kvbench.experiments.model import parallel
+
+        memory, calls = parallel.memory, []
+
+        def stalls(*args, **kwargs):
+            calls.append(1)
+            if len(calls) == 2:
+                time.sleep(120)
+            return memory(*args, **kwargs)
+
+        parallel.memory = stalls

@@ -201,6 +201,35 @@ def test_a_killed_rank_is_one_line_and_the_finished_rows_are_kept(tiny, tmp_path
                     "stopped"], r.stderr[-3000:]
 
 
+@pytest.mark.slow
+def test_the_launcher_stopped_says_what_rank_0_kept(tiny, tmp_path):
+    # SIGTERM to `kvbench ... --nproc 2` while its ranks stall in the second point: exit
+    # 143, one line, the first point's two rows kept
+    import signal
+    import time
+
+    out = tmp_path / "m.csv"
+    (tmp_path / "sitecustomize.py").write_text(
+        f"import sys\nsys.path.insert(0, {str(FAULT.parent)!r})\n"
+        "import ranks_fault\nranks_fault.plant('slow')\n")
+    env = {**os.environ, "PYTHONWARNINGS": "ignore", "KVBENCH_DIST_TIMEOUT": "60",
+           "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])}
+    p = subprocess.Popen([sys.executable, "-m", "kvbench", "memory", "--model", str(tiny),
+                          "--prompt-len", "8,16", "--decode-len", "2", "--impl", "static",
+                          "--tp", "2", "--nproc", "2", "--csv", str(out)], cwd=tmp_path,
+                         env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + TIMEOUT
+    while not (out.exists() and len(out.read_text().splitlines()) == 3):
+        assert p.poll() is None and time.monotonic() < deadline, p.communicate()
+        time.sleep(0.2)
+    p.send_signal(signal.SIGTERM)
+    _, err = p.communicate(timeout=TIMEOUT)
+    assert p.returncode == 143, err[-2000:]
+    assert err.strip().splitlines()[-1] == (f"kvbench: terminated; the ranks were stopped; 2 "
+                                            f"rows kept in {out}"), err[-2000:]
+    assert len(pd.read_csv(out)) == 2
+
+
 @pytest.mark.parametrize("args, message", [
     (["--tp", "3"], "--tp 3 does not divide --q-heads 8"),
     (["--tp", "4", "--pp", "5"], "--pp 5 is more stages than the model's 4 layers"),

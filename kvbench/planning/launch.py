@@ -8,7 +8,11 @@ the rank could not (a signal, an unexpected exit).
 from __future__ import annotations
 
 import logging
+import signal
 import sys
+from pathlib import Path
+
+from kvbench.report.render import plural
 
 EXPLAINED = (1, 2, 3, 130, 143)  # exit codes a kvbench rank has already said a line about
 LAUNCHED_VAR = "KVBENCH_LAUNCHER"  # set in the ranks it starts
@@ -29,14 +33,19 @@ def argv_without_nproc(argv: list[str]) -> list[str]:
     return out
 
 
-def launch(nproc: int, argv: list[str]) -> int:
-    """Run `kvbench argv` (less --nproc) on `nproc` ranks here; their exit status."""
+def launch(nproc: int, argv: list[str], results: Path | None = None) -> int:
+    """Run `kvbench argv` (less --nproc) on `nproc` ranks here; their exit status. `results`:
+    the file rank 0 appends to (what an interrupt says it kept)."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import get_args_parser, run
 
-    for name in ("torch.distributed.elastic", "torch.distributed.run"):
-        logging.getLogger(name).setLevel(logging.CRITICAL)  # its own banners and warnings
+    for name in list(logging.root.manager.loggerDict):  # its banners and warnings: each of
+        if name.startswith(("torch.distributed.elastic", "torch.distributed.run")):
+            logging.getLogger(name).setLevel(logging.CRITICAL)  # its loggers sets a level
     import os
+
+    before = rows_in(results)
 
     os.environ[LAUNCHED_VAR] = "1"  # (the ranks inherit it)
     args = get_args_parser().parse_args(["--standalone", "--nproc-per-node", str(nproc),
@@ -44,6 +53,14 @@ def launch(nproc: int, argv: list[str]) -> int:
                                          *argv_without_nproc(argv)])
     try:
         run(args)
+    except SignalException as err:
+        # this process was interrupted: torchrun stops the ranks (rank 0 wrote each point's
+        # rows as it finished)
+        how = "interrupted" if err.sigval == signal.SIGINT else "terminated"
+        n = rows_in(results) - before
+        kept = "" if results is None else f"; {n} {plural(n, 'row')} kept in {results}"
+        print(f"kvbench: {how}; the ranks were stopped{kept}", file=sys.stderr)
+        return 130 if err.sigval == signal.SIGINT else 143
     except ChildFailedError as err:
         # the one that failed: an exit status of its own, else a signal other than the
         # SIGTERM torchrun stops the others with; the earliest of those
@@ -57,6 +74,16 @@ def launch(nproc: int, argv: list[str]) -> int:
                   "stopped", file=sys.stderr)
         return code if code > 0 and code != PEER_LOST else 3
     return 0
+
+
+def rows_in(path: Path | None) -> int:
+    """The rows of a results file (0 where there is none)."""
+    import csv
+
+    if path is None or not path.is_file():
+        return 0
+    with path.open(newline="") as f:
+        return max(sum(1 for _ in csv.reader(f)) - 1, 0)
 
 
 def peer_lost(err: BaseException) -> bool:

@@ -128,8 +128,10 @@ def across_ranks(o: RunOptions, arch, command: str) -> tuple[int, ...] | None:
                                f"ranks; use --nproc {ranks}")
         _fits_ranks(o, arch, ranks)
         from kvbench.planning.launch import launch
+        from kvbench.report.results import default_csv
 
-        raise typer.Exit(launch(ranks, sys.argv[1:]))
+        results = None if o.no_csv else (o.csv or default_csv(command))
+        raise typer.Exit(launch(ranks, sys.argv[1:], results))
     return given
 
 
