@@ -481,19 +481,30 @@ def inspect_table(rows) -> Table:
                f"H_q={s['q_heads']} H_kv={s['kv_heads']} D={s['head_dim']}, pages of "
                f"{s['page']}")
     for name in ("kernel", "K/V", "config", "regs", "spill", "smem", "prog/SM", "in flight",
-                 "early", "vector", "scalar", "byte", "buffer"):
+                 "KB/SM", "early", "instr/pos", "bar", "load x", "st B/pos", "b8"):
         t.add_column(name, justify="left" if name in ("kernel", "K/V", "config") else "right",
                      no_wrap=True)
+
+    def cell(value, form: str) -> str:
+        return "—" if value is None else format(value, form)
+
     for r in rows:
         t.add_row(r.kernel, r.kv_format, r.config, str(r.registers), str(r.spills),
                   f"{r.shared_bytes:,}", str(r.programs_per_sm), str(r.tiles_in_flight),
-                  "yes" if r.issued_early else "no", str(r.vector_loads), str(r.scalar_loads),
-                  str(r.byte_loads), f"{r.buffer_bytes:,}")
+                  cell(None if r.flight_bytes_sm is None else r.flight_bytes_sm / 1024, ".0f"),
+                  "yes" if r.issued_early else "no", cell(r.sass_per_position, ".1f"),
+                  cell(r.barriers_per_tile, "d"), cell(r.load_ratio, ".2f"),
+                  cell(r.smem_store_per_position, ",.0f"), cell(r.shared_byte_reads, "d"))
     t.caption = ("config: BLOCK_N/warps/stages/waves (each format's default); regs a thread; "
                  "spill: stack bytes a thread; smem: shared bytes a program; prog/SM: programs "
-                 "an SM holds at those; in flight: K/V tiles a program has on their way while "
-                 "it computes; early: a load issued before the loop's first dot; vector, "
-                 "scalar, byte: global load instructions of >= 8, < 8 and 1 byte a thread; "
-                 "buffer: one stage of the loop's shared K/V buffers, bytes. MLA: "
-                 "DeepSeek-V3's 128 heads, 512 + 64 latent, pages of 64")
+                 "an SM holds at those; in flight: K/V tiles whose copies are on their way "
+                 "during the loop's dot (the wait before it, over the copy groups a tile "
+                 "commits); KB/SM: their bytes an SM (Little's law asks "
+                 f"{inspection.NEEDED_FLIGHT_BYTES / 1024:.0f} KB on an H200); early: a global "
+                 "load issued before the loop's first dot; instr/pos: warp instructions the "
+                 "loop issues a KV position (SASS); bar: barriers a tile; load x: global K/V "
+                 "bytes loaded a position over its payload; st B/pos: bytes stored to shared "
+                 "memory a position (a tile's round trip shows here); b8: one-byte "
+                 "shared-memory reads a tile. MLA: DeepSeek-V3's 128 heads, 512 + 64 latent, "
+                 "pages of 64")
     return t

@@ -144,19 +144,25 @@ def _compile(req: dict, arch: int):
             f.write(compiled.asm["cubin"])
         usage = subprocess.run([tool, "--dump-resource-usage", path], capture_output=True,
                                text=True, timeout=60, check=False).stdout
+        sass = subprocess.run([tool, "-sass", path], capture_output=True, text=True,
+                              timeout=60, check=False).stdout
     regs = re.search(r"REG:(\d+)", usage)
     if regs is None:
         return None
     # spills: ptxas spills to the thread's stack frame (STACK); LOCAL is other local memory
     frame = sum(int(m.group(1)) for m in re.finditer(r"(?:STACK|LOCAL):(\d+)", usage))
+    ptx = compiled.asm["ptx"]
+    if "plant_wait" in req:  # a planted fault: every cp.async wait of the real code at N
+        ptx = _WAIT.sub(f"cp.async.wait_group {req['plant_wait']}", ptx)
     return {"registers": int(regs.group(1)), "spills": frame,
             "shared_bytes": compiled.metadata.shared,
             "num_warps": compiled.metadata.num_warps,
-            **anatomy(compiled.asm["ttgir"], compiled.asm["ptx"])}
+            **anatomy(compiled.asm["ttgir"], ptx, sass,
+                      req["constexprs"].get("BLOCK_N", 1), 32 * compiled.metadata.num_warps)}
 
 
 def _loop(ttgir: str) -> list[str]:
-    """The lines of the first scf.for whose body has a dot: the kernel's tile loop."""
+    """The lines of the first scf.for whose body has a dot: the kernel's tile loop (GPU IR)."""
     lines = ttgir.splitlines()
     for i, line in enumerate(lines):
         if "scf.for" not in line or "=" not in line.split("scf.for")[0]:
@@ -172,6 +178,50 @@ def _loop(ttgir: str) -> list[str]:
     return []
 
 
+_HEADER = re.compile(r"^(\$L__\w+):.*Loop Header")
+
+
+def ptx_loop(ptx: str) -> list[str]:
+    """The PTX lines of the tile loop: from the first loop header whose body (up to the last
+    branch back to it) holds a matrix multiply, to that branch."""
+    lines = ptx.splitlines()
+    for i, line in enumerate(lines):
+        m = _HEADER.match(line.strip())
+        if m is None:
+            continue
+        back = re.compile(rf"\bbra(?:\.uni)?\s+{re.escape(m.group(1))};")
+        ends = [j for j in range(i + 1, len(lines)) if back.search(lines[j])]
+        if ends and any("mma." in b for b in lines[i + 1:ends[-1] + 1]):
+            return lines[i + 1:ends[-1] + 1]
+    return []
+
+
+def _instruction(line: str) -> bool:
+    """A PTX instruction line (not a label, directive, brace or comment)."""
+    text = line.split("//")[0].strip()
+    return text.endswith(";") and not text.startswith(".") and not text.endswith(":")
+
+
+_SASS = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)([^;]*);")
+
+
+def sass_loop(sass: str) -> list[str]:
+    """The SASS opcodes of the tile loop: the longest range from a backward branch's target
+    to the branch that holds a matrix multiply (HMMA/HGMMA)."""
+    code = [(int(m.group(1), 16), m.group(3), m.group(4)) for m in _SASS.finditer(sass)]
+    best: list[str] = []
+    for address, op, rest in code:
+        if op != "BRA":
+            continue
+        target = re.search(r"0x([0-9a-f]+)", rest)
+        if target is None or int(target.group(1), 16) > address:
+            continue
+        body = [o for a, o, _ in code if int(target.group(1), 16) <= a <= address]
+        if any(o.startswith(("HMMA", "HGMMA")) for o in body) and len(body) > len(best):
+            best = body
+    return [o for o in best if o != "NOP"]
+
+
 _BUFFER = re.compile(r"= ttg\.local_alloc\s*:\s*\(\)\s*->\s*!ttg\.memdesc<(\d+)x([0-9x]+)x"
                      r"(f16|bf16|f32|i8|i32|f8E4M3FN)\b[^>]*mutable")
 _TILE_LOAD = re.compile(r"%([\w.]+) = tt\.load .*: tensor<(\d+)x(\d+)x!tt\.ptr")
@@ -179,46 +229,87 @@ _ELEMENT = {"f16": 2, "bf16": 2, "f32": 4, "i8": 1, "i32": 4, "f8E4M3FN": 1}
 _LOAD = re.compile(r"\bld\.global(?:\.[a-z]+)*?(?:\.v(\d))?\.[bfsu](\d+)\b")
 _CP_ASYNC = re.compile(r"\bcp\.async\.c[ag]\.shared\.global\s*\[[^\]]*\],\s*\[[^\]]*\],"
                        r"\s*(0x[0-9a-fA-F]+|\d+)")
+_SHARED = re.compile(r"\b(ld|st)\.shared(?:\.v(\d))?\.[bfsu](\d+)\b")
+_WAIT = re.compile(r"\bcp\.async\.wait_group\s+(\d+)")
+_MMA = ("mma.sync", "wgmma.mma_async")
 
 
-def anatomy(ttgir: str, ptx: str) -> dict:
-    """How the compiled tile loop moves K/V, read from Triton's GPU IR and the PTX.
+def _width(m) -> int:
+    """Bytes a thread moves with a matched ld/st (vector count x element bits / 8)."""
+    return int(m.group(m.lastindex - 1) or 1) * int(m.group(m.lastindex)) // 8
 
-    tiles_in_flight: the K/V tiles one program can have on their way while it computes: the
-    fewest shared-memory stages over the loop's asynchronous copy buffers; a tile stream
-    loaded synchronously in the loop counts 1, or 2 when its load is for the next iteration
-    (its value carried by scf.yield). issued_early: the loop issues a load (or copy) before
-    its first dot. vector_loads, scalar_loads: global load instructions in the PTX (cp.async
-    included) moving at least 8 bytes a thread, and fewer; byte_loads: those of one byte (a
-    code loaded byte by byte). buffer_bytes: the bytes of one
-    stage of every pipelined buffer."""
+
+def _synchronous_tiles(ttgir: str) -> int:
+    """Tiles in flight during the dot where the loop copies nothing asynchronously: 1 when
+    its 2-D tile loads are for the next iteration (their values carried by scf.yield), 0
+    when each tile is loaded in the iteration that multiplies it."""
     body = _loop(ttgir)
-    stages, buffer_bytes = [], 0
-    for m in _BUFFER.finditer(ttgir):
-        dims = [int(d) for d in m.group(2).split("x")]
-        stages.append(int(m.group(1)))
-        buffer_bytes += math.prod(dims) * _ELEMENT[m.group(3)]
-    text = "\n".join(body)
-    copies = "async_copy_global_to_local" in text
-    yielded = next((b for b in body if "scf.yield" in b), "")
-    streams = [min(stages, default=1)] if copies else []
+    yielded = next((b for b in body if "scf.yield" in b), "").split(":")[0]
+    streams = []
     for b in body:  # tile loads (2-D, both dims > 1 except a K/V row of scales) in the loop
         m = _TILE_LOAD.search(b)
         if m and int(m.group(2)) > 1 and int(m.group(3)) > 1:
-            streams.append(2 if f"%{m.group(1)}" in yielded.split(":")[0] else 1)
-    first_dot = next((i for i, b in enumerate(body) if " tt.dot " in b
-                      or "warp_group_dot" in b), len(body))
-    first_load = next((i for i, b in enumerate(body) if "tt.load" in b
-                       or "async_copy_global_to_local" in b), len(body))
+            streams.append(1 if f"%{m.group(1)}" in yielded else 0)
+    return min(streams, default=0)
+
+
+def anatomy(ttgir: str, ptx: str, sass: str = "", positions: int = 1,
+            threads: int = 128) -> dict:
+    """How the compiled tile loop moves K/V, read from its PTX (and SASS, GPU IR).
+
+    tiles_in_flight: the tiles whose copies may still be on their way while the loop's
+    first dot runs: the commit groups the wait before it leaves pending (cp.async.wait_group
+    N; at the loop's end, the next iteration's) over the groups one iteration commits (K's
+    and V's copies of one tile); where nothing is copied asynchronously, 1 if the loop's
+    tile loads are for the next iteration, else 0. A loop that waits for every copy (N = 0)
+    has none. issued_early: a global load or copy before the loop's first matrix multiply
+    (shared-memory reads do not count). ptx_loop, sass_loop: instructions in the loop body
+    (SASS: None where unread); barriers: bar.sync in it; load_bytes: bytes its K/V copies
+    and wide (>= 8 B a thread) global loads move an iteration, over `threads` threads;
+    smem_store_bytes: bytes it stores to shared memory (st.shared, not copies);
+    shared_byte_reads: one-byte shared loads; vector_loads, scalar_loads, byte_loads: global
+    load instructions in the whole kernel of >= 8, < 8 and 1 byte a thread; buffer_bytes:
+    one stage of every pipelined buffer; positions: the KV positions an iteration covers."""
+    body = ptx_loop(ptx)
+    stages, buffer_bytes = [], 0
+    for m in _BUFFER.finditer(ttgir):
+        stages.append(int(m.group(1)))
+        buffer_bytes += math.prod(int(d) for d in m.group(2).split("x")) * _ELEMENT[m.group(3)]
+    first_dot = next((i for i, b in enumerate(body) if any(k in b for k in _MMA)), len(body))
+    globals_ = [i for i, b in enumerate(body) if _LOAD.search(b) or _CP_ASYNC.search(b)]
+    groups = sum("cp.async.commit_group" in b for b in body)
+    waits = [(i, int(m.group(1))) for i, b in enumerate(body) if (m := _WAIT.search(b))]
+    before = [n for i, n in waits if i < first_dot] or [n for _, n in waits[-1:]]
+    if groups:
+        tiles = before[-1] // groups if before else 0
+    else:
+        tiles = _synchronous_tiles(ttgir)
+    load_bytes = smem_stores = byte_reads = 0
+    for b in body:
+        if (m := _CP_ASYNC.search(b)) is not None:
+            load_bytes += int(m.group(1), 0)
+        elif (m := _LOAD.search(b)) is not None and _width(m) >= 8:
+            load_bytes += _width(m)
+        if (m := _SHARED.search(b)) is not None:
+            if m.group(1) == "st":
+                smem_stores += _width(m)
+            elif _width(m) == 1:
+                byte_reads += 1
     vector = scalar = single = 0
     for m in _LOAD.finditer(ptx):
-        width = int(m.group(1) or 1) * int(m.group(2)) // 8
+        width = _width(m)
         vector, scalar = (vector + 1, scalar) if width >= 8 else (vector, scalar + 1)
         single += width == 1
     for m in _CP_ASYNC.finditer(ptx):
         wide = int(m.group(1), 0) >= 8
         vector, scalar = (vector + 1, scalar) if wide else (vector, scalar + 1)
-    return {"tiles_in_flight": min(streams, default=0), "issued_early": first_load < first_dot,
+    sass_body = sass_loop(sass) if sass else []
+    return {"tiles_in_flight": tiles, "issued_early": bool(globals_) and globals_[0] < first_dot,
+            "ptx_loop": sum(_instruction(b) for b in body),
+            "sass_loop": len(sass_body) or None,
+            "barriers": sum(bool(re.search(r"\b(bar|barrier)\.sync\b", b)) for b in body),
+            "load_bytes": load_bytes * threads, "smem_store_bytes": smem_stores * threads,
+            "shared_byte_reads": byte_reads, "positions": positions,
             "vector_loads": vector, "scalar_loads": scalar, "byte_loads": single,
             "buffer_bytes": buffer_bytes}
 

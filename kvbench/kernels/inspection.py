@@ -35,7 +35,8 @@ MLA_LONG = {"batch": 8, "length": 32768, "q_heads": 128, "latent": 512, "rope": 
 
 @dataclass(frozen=True)
 class Inspection:
-    """One compiled kernel: what it costs a multiprocessor and how its loop moves K/V."""
+    """One compiled kernel: what it costs a multiprocessor and how its loop moves K/V.
+    The fields after buffer_bytes read the tile loop (None for stage 2, which has none)."""
 
     kernel: str  # "triton stage1", "triton stage2", "triton-mla stage1"
     kv_format: str
@@ -44,18 +45,58 @@ class Inspection:
     spills: int  # bytes of stack frame a thread (ptxas' spills)
     shared_bytes: int
     programs_per_sm: int
-    tiles_in_flight: int
-    issued_early: bool  # a load issued before the loop's first dot
+    tiles_in_flight: int  # K/V tiles whose copies are on their way during the loop's dot
+    issued_early: bool  # a global load issued before the loop's first dot
     vector_loads: int  # global load instructions of >= 8 bytes a thread (cp.async too)
     scalar_loads: int
     byte_loads: int  # of them, one byte a thread
     buffer_bytes: int  # one stage of the loop's shared-memory K/V buffers
+    flight_bytes_sm: int | None = None  # K/V bytes on their way per SM during the dot
+    sass_per_position: float | None = None  # warp instructions the loop issues a position
+    ptx_per_position: float | None = None  # the same in PTX
+    barriers_per_tile: int | None = None  # bar.sync a loop iteration
+    load_ratio: float | None = None  # global K/V bytes loaded a position over its payload
+    smem_store_per_position: float | None = None  # bytes stored to shared memory a position
+    shared_byte_reads: int | None = None  # one-byte shared-memory loads in the loop
 
     def row(self) -> dict[str, object]:
         return asdict(self)
 
 
 COLUMNS = list(Inspection.__dataclass_fields__)
+
+# Little's law for one SM: bytes that must be on their way to keep it at its share of the
+# bandwidth. H200: 4.8 TB/s over 132 SMs; global-memory latency under load taken as 550 ns
+# (microbenchmarks of Hopper report 500-600 ns): 36.4 GB/s x 550 ns = 20,000 B.
+H200_BANDWIDTH = 4.8e12
+LATENCY_S = 550e-9
+NEEDED_FLIGHT_BYTES = round(H200_BANDWIDTH / SM90["multiprocessors"] * LATENCY_S)
+
+
+def payload(kernel: str, fmt: str) -> float:
+    """The bytes one KV position holds for one program's loop at the long shape: K and V of
+    one KV head (2·D at the format's width), or MLA's one latent entry (d_c + d_rope)."""
+    width = {"fp16": 2, "bf16": 2, "fp8": 1, "int8": 1, "int4": 0.5}[fmt]
+    if kernel.startswith("triton-mla"):
+        return (MLA_LONG["latent"] + MLA_LONG["rope"]) * width
+    return 2 * LONG["head_dim"] * width
+
+
+def loop_figures(kernel: str, fmt: str, a: dict, programs: int) -> dict:
+    """The per-position figures of a compiled tile loop (`aot.anatomy`'s dict), for the
+    Inspection's last fields; all None where the kernel has no tile loop (stage 2)."""
+    positions, warps = a["positions"], a["num_warps"]
+    if not a["ptx_loop"]:
+        return {}
+    per = payload(kernel, fmt)
+    sass = a["sass_loop"]
+    return {"flight_bytes_sm": round(a["tiles_in_flight"] * positions * per * programs),
+            "sass_per_position": None if sass is None else sass * warps / positions,
+            "ptx_per_position": a["ptx_loop"] * warps / positions,
+            "barriers_per_tile": a["barriers"],
+            "load_ratio": a["load_bytes"] / positions / per,
+            "smem_store_per_position": a["smem_store_bytes"] / positions,
+            "shared_byte_reads": a["shared_byte_reads"]}
 
 
 def programs_per_sm(registers: int, shared_bytes: int, num_warps: int) -> int:
@@ -109,7 +150,7 @@ def _gqa_requests(fmt: str, config: KernelConfig, ahead: bool) -> list[dict]:
     return [first, aot.request("gqa", kernel.stage2.arg_names, args, constants, "stage2")]
 
 
-def _mla_request(fmt: str, config: KernelConfig, ahead: bool) -> dict:
+def _mla_request(fmt: str, config: KernelConfig, ahead: bool, once: bool = True) -> dict:
     import torch
 
     from kvbench.kernels import aot, triton_mla
@@ -129,7 +170,7 @@ def _mla_request(fmt: str, config: KernelConfig, ahead: bool) -> dict:
     _, args, constants = triton_mla.stage1_args(q, pool, table, lengths, 0.0721, launch, C,
                                                 scale)
     return aot.request("mla", triton_mla.stage1.arg_names, args,
-                       {**constants, "AHEAD": ahead})
+                       {**constants, "AHEAD": ahead, "ONCE": once})
 
 
 def _launch(kernel, batch, q_heads, width, capacity, units, config):
@@ -155,11 +196,14 @@ def configuration(kernel: str, fmt: str) -> KernelConfig:
 
 
 def inspect(formats=FORMATS, mla_formats=MLA_FORMATS, configs: dict | None = None,
-            ahead: bool = True, timeout_s: float = 900) -> list[Inspection]:
+            ahead: bool = True, timeout_s: float = 900,
+            plant_wait: int | None = None, once: bool = True) -> list[Inspection]:
     """Every kernel of `formats` (and MLA's of `mla_formats`) compiled for sm_90 and read.
     configs: {(kernel, format): KernelConfig} in place of the defaults; ahead=False
     compiles the loops that load each tile's block ids (and scales) in the iteration that
-    uses them. Raises KvbenchError where Triton cannot compile for sm_90 here."""
+    uses them; plant_wait=N reads the code with every cp.async wait set to N; once=False
+    compiles MLA's loop that loads its latent a second time for the keys (planted faults).
+    Raises KvbenchError where Triton cannot compile for sm_90 here."""
     from kvbench.kernels import aot
 
     configs = configs or {}
@@ -172,7 +216,9 @@ def inspect(formats=FORMATS, mla_formats=MLA_FORMATS, configs: dict | None = Non
     for fmt in mla_formats:
         config = configs.get(("triton-mla", fmt)) or configuration("triton-mla", fmt)
         wanted.append(("triton-mla stage1", fmt, config))
-        requests.append(_mla_request(fmt, config, ahead))
+        requests.append(_mla_request(fmt, config, ahead, once))
+    if plant_wait is not None:
+        requests = [{**r, "plant_wait": plant_wait} for r in requests]
     answers = aot.anatomies(requests, timeout_s=timeout_s)
     if not any(answers):
         raise KvbenchError(unavailable() or "Triton could not compile the decode kernels for "
@@ -181,22 +227,22 @@ def inspect(formats=FORMATS, mla_formats=MLA_FORMATS, configs: dict | None = Non
     for (name, fmt, config), a in zip(wanted, answers):
         if a is None:
             raise KvbenchError(f"{name} ({fmt}, {config.label()}) did not compile for sm_90")
+        programs = programs_per_sm(a["registers"], a["shared_bytes"], a["num_warps"])
         rows.append(Inspection(
             name, fmt, config.label(), a["registers"], a["spills"], a["shared_bytes"],
-            programs_per_sm(a["registers"], a["shared_bytes"], a["num_warps"]),
-            a["tiles_in_flight"], a["issued_early"], a["vector_loads"], a["scalar_loads"],
-            a["byte_loads"], a["buffer_bytes"]))
+            programs, a["tiles_in_flight"], a["issued_early"], a["vector_loads"],
+            a["scalar_loads"], a["byte_loads"], a["buffer_bytes"],
+            **loop_figures(name, fmt, a, programs)))
     return rows
-
-
-MAX_INT8_REGISTERS = 168  # 3 programs of 4 warps fit an SM's registers at this many
 
 
 def shortfalls(rows: list[Inspection]) -> list[str]:
     """What keeps a compiled stage 1 from streaming K/V at the bandwidth, one line each:
-    fewer than 2 tiles in flight, spills, int8 above MAX_INT8_REGISTERS, int codes loaded a
-    byte at a time, or fewer programs per SM than its configuration's waves (the split
-    planner would overfill the SMs). Empty when none."""
+    fewer than 2 tiles on their way during the dot, fewer bytes in flight per SM than
+    Little's law asks, spills, int codes loaded a byte at a time, a K/V byte loaded more
+    than once, a tile's round trip through shared memory before its dot, codes read from
+    shared memory a byte at a time, or fewer programs per SM than its configuration's waves
+    (the split planner would overfill the SMs). Empty when none."""
     lines = []
     for r in rows:
         if not r.kernel.endswith("stage1"):
@@ -204,14 +250,25 @@ def shortfalls(rows: list[Inspection]) -> list[str]:
         name = f"{r.kernel} {r.kv_format} ({r.config})"
         waves = int(r.config.rsplit("/x", 1)[1])
         if r.tiles_in_flight < 2:
-            lines.append(f"{name}: {r.tiles_in_flight} K/V tile in flight a program (each "
-                         "tile waits for its own loads); the loop must fetch ahead")
+            lines.append(f"{name}: {r.tiles_in_flight} K/V tile(s) on their way during the "
+                         "dot (the wait before it); the loop must keep 2")
+        if r.flight_bytes_sm is not None and r.flight_bytes_sm < NEEDED_FLIGHT_BYTES:
+            lines.append(f"{name}: {r.flight_bytes_sm:,} B in flight an SM, below the "
+                         f"{NEEDED_FLIGHT_BYTES:,} Little's law asks")
         if r.spills:
             lines.append(f"{name}: spills {r.spills} bytes a thread")
-        if r.kv_format == "int8" and r.registers > MAX_INT8_REGISTERS:
-            lines.append(f"{name}: {r.registers} registers, above {MAX_INT8_REGISTERS}")
         if r.kv_format.startswith("int") and r.byte_loads:
             lines.append(f"{name}: {r.byte_loads} one-byte loads (codes not loaded packed)")
+        if r.load_ratio is not None and r.load_ratio > 1.05:
+            lines.append(f"{name}: loads {r.load_ratio:.2f}x its payload a position (a K/V "
+                         "byte loaded twice)")
+        per = payload(r.kernel, r.kv_format)
+        if r.smem_store_per_position is not None and r.smem_store_per_position > per / 4:
+            lines.append(f"{name}: stores {r.smem_store_per_position:,.0f} B a position to "
+                         "shared memory (a tile's round trip between its load and its dot)")
+        if r.shared_byte_reads:
+            lines.append(f"{name}: {r.shared_byte_reads} one-byte shared-memory reads a tile "
+                         "(codes not read as vectors)")
         if r.programs_per_sm < waves:
             lines.append(f"{name}: an SM holds {r.programs_per_sm} programs, the planner "
                          f"aims at {waves}")

@@ -9,13 +9,11 @@ heads a program follows vLLM's.
 - Stage 1, one program per (sequence, block of BLOCK_H query heads, split). It walks its split
   in tiles of BLOCK_N positions, each position's block from the block table (the next
   tile's fetched ahead, so the pipeliner keeps tiles in flight), and loads each tile's latent
-  [d_c, BLOCK_N] and RoPE key [d_rope, BLOCK_N] from the pool where they lie. Scores are
-  q_c · c + q_r · k_pe; the values are the same latent, loaded again as rows [BLOCK_N, d_c]
-  (bytes the program loaded a moment before, which L2 is expected to serve; no GPU has
-  measured it yet, and bench counts each cached byte once). One load a dot
-  lets Triton stage both through shared memory; one load feeding both dots, the second
-  through tl.trans, it leaves synchronous. An online softmax keeps the running max m,
-  exp-sum l and the weighted latent sum acc [BLOCK_H, d_c].
+  once, as rows [BLOCK_N, d_c], and its RoPE key [d_rope, BLOCK_N] from the pool where they
+  lie. Scores are q_c · cᵀ + q_r · k_pe; the values are the same staged latent c (one load
+  serves both dots: `kvbench tune --inspect` reads 1.00x the entry's bytes a position). An
+  online softmax keeps the running max m, exp-sum l and the weighted latent sum acc
+  [BLOCK_H, d_c].
 - Stage 2 merges the splits by log-sum-exp: kvbench.kernels.triton_decode's, with D = d_c.
 
 Splits are planned per sequence on the device, lengths read from device memory and the grid
@@ -45,7 +43,8 @@ def _stage1(Q, Pool, Table, Lengths, Acc, M, L, Fp8Scale, scale, batch, target, 
             BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
             BLOCK_B: tl.constexpr, PAGE: tl.constexpr, SPLITS: tl.constexpr,
             UNITS: tl.constexpr, DOT_PRECISION: tl.constexpr, WIDEN: tl.constexpr,
-            FP8: tl.constexpr, STATIC_TILES: tl.constexpr, AHEAD: tl.constexpr = True):
+            FP8: tl.constexpr, STATIC_TILES: tl.constexpr, AHEAD: tl.constexpr = True,
+            ONCE: tl.constexpr = True):
     """Q [B, H, C + R] (the absorbed queries); Pool [N_blocks, 1, page, C + R] entries.
     STATIC_TILES: as triton_decode's (interpreters that cannot take a run-time loop bound)."""
     b = tl.program_id(0)
@@ -91,14 +90,34 @@ def _stage1(Q, Pool, Table, Lengths, Acc, M, L, Fp8Scale, scale, batch, target, 
             block, off, valid = _tile(Table, b, t, tl.where(t < end, length, 0), stride_tb,
                                       BLOCK_N, PAGE)
         slot = block * stride_pn + off * stride_pt  # [BLOCK_N]
-        c = tl.load(Pool + slot[None, :] + offs_c[:, None],
-                    mask=valid[None, :] & mask_c[:, None], other=0.0)  # [BLOCK_C, BLOCK_N]
+        # the latent loaded once, as rows [BLOCK_N, BLOCK_C]: the keys' part of the scores
+        # through its transpose, the values as they are (ONCE = False: loaded again for
+        # the keys as columns, the planted fault of a second read)
+        codes = tl.load(Pool + slot[:, None] + offs_c[None, :],
+                        mask=valid[:, None] & mask_c[None, :], other=0.0)
+        # (fp8 codes converted at each use, so both dots read the one staged tile)
+        cv = codes.to(Q.dtype.element_ty) if FP8 else codes
+        if WIDEN:
+            cv = cv.to(tl.float32)
+        if ONCE:
+            c = tl.trans(codes)  # [BLOCK_C, BLOCK_N]
+            if FP8:
+                c = c.to(Q.dtype.element_ty)
+            if WIDEN:
+                c = c.to(tl.float32)
+        else:
+            c = tl.load(Pool + slot[None, :] + offs_c[:, None],
+                        mask=valid[None, :] & mask_c[:, None], other=0.0)
+            if FP8:
+                c = c.to(Q.dtype.element_ty)
+            if WIDEN:
+                c = c.to(tl.float32)
         r = tl.load(Pool + slot[None, :] + C + offs_r[:, None],
                     mask=valid[None, :] & mask_r[:, None], other=0.0)  # [BLOCK_R, BLOCK_N]
         if FP8:
-            c, r = c.to(Q.dtype.element_ty), r.to(Q.dtype.element_ty)
+            r = r.to(Q.dtype.element_ty)
         if WIDEN:
-            c, r = c.to(tl.float32), r.to(tl.float32)
+            r = r.to(tl.float32)
         scores = (tl.dot(q_c, c, input_precision=DOT_PRECISION)
                   + tl.dot(q_r, r, input_precision=DOT_PRECISION)) * qk_scale
         scores = tl.where(valid[None, :], scores, float("-inf"))  # [BLOCK_H, BLOCK_N]
@@ -107,16 +126,6 @@ def _stage1(Q, Pool, Table, Lengths, Acc, M, L, Fp8Scale, scale, batch, target, 
         alpha = tl.exp(m_i - shift)
         p = tl.exp(scores - shift[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        # the values are the latent again, [BLOCK_N, BLOCK_C], loaded as rows: one load a
-        # dot, so Triton's pipeliner can stage both through shared memory (a load feeding
-        # two dots, the second through tl.trans, it leaves synchronous); the second read
-        # of the same bytes is served by L2
-        cv = tl.load(Pool + slot[:, None] + offs_c[None, :],
-                     mask=valid[:, None] & mask_c[None, :], other=0.0)
-        if FP8:
-            cv = cv.to(Q.dtype.element_ty)
-        if WIDEN:
-            cv = cv.to(tl.float32)
         acc = acc * alpha[:, None] + tl.dot(p.to(cv.dtype), cv, input_precision=DOT_PRECISION)
         m_i = m_new
         if AHEAD:
@@ -184,7 +193,7 @@ def stage1_args(q, pool, table, lengths, scale, launch, latent_dim: int, fp8_sca
         "BLOCK_N": cfg.block_n, "BLOCK_B": triton.next_power_of_2(B), "PAGE": pool.shape[2],
         "SPLITS": launch.splits, "UNITS": units(H), "DOT_PRECISION": precision,
         "WIDEN": widen, "FP8": fp8_scale is not None,
-        "STATIC_TILES": static_tiles(longest, launch), "AHEAD": True,
+        "STATIC_TILES": static_tiles(longest, launch), "AHEAD": True, "ONCE": True,
         "num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
     return (B, units(H), launch.splits), args, constants
 

@@ -24,20 +24,23 @@ PACKAGE_TABLE = Path(__file__).with_name("tuned.json")
 TABLE_VAR = "KVBENCH_TUNING_TABLE"  # another table to read and write (gpu-check sets it)
 DEFAULT = KernelConfig()  # the CPU's (Triton's interpreter has no launch to tune)
 
-# The configuration each kernel and K/V format runs on a GPU where the table has none. Each
-# keeps >= 2 K/V tiles in flight per program without spilling, compiled for sm_90, and its
-# waves are the programs an sm_90 multiprocessor holds at its registers and shared memory,
-# so the split planner fills whole waves (tests/test_inspection.py checks both against the
-# compiled code: `kvbench tune --inspect`). fp8 and int8 keep 3 tiles in flight (4 stages)
-# where their registers allow, so a program has about as many bytes on their way as fp16's.
+# The configuration each kernel and K/V format runs on a GPU where the table has none, chosen
+# by reading each candidate's sm_90 code (`kvbench tune --inspect`, tests/test_inspection.py):
+# each keeps 2 K/V tiles' copies on their way during the dot (4 stages) without spilling, and
+# its waves are the programs an sm_90 multiprocessor holds at its registers and shared
+# memory, so the split planner fills whole waves. The GQA kernels run one warp a program:
+# with G = 4 query heads padded to tl.dot's 16 rows a tile's scores span the warps of a
+# bigger program, whose row max, row sum and probabilities then cross warps through shared
+# memory behind a barrier each (7 a tile at 4 warps, 2 at one). MLA's 16 heads a program
+# fill its rows: 4 warps.
 DEFAULTS = {
-    ("gqa", None): KernelConfig(block_n=64, num_warps=4, num_stages=3, waves=3),
-    ("gqa", "fp8"): KernelConfig(block_n=64, num_warps=8, num_stages=4, waves=2),
-    ("gqa", "int8"): KernelConfig(block_n=32, num_warps=4, num_stages=4, waves=3),
-    ("gqa", "int4"): KernelConfig(block_n=64, num_warps=4, num_stages=3, waves=3),
+    ("gqa", None): KernelConfig(block_n=16, num_warps=1, num_stages=4, waves=7),
+    ("gqa", "fp8"): KernelConfig(block_n=16, num_warps=1, num_stages=4, waves=8),
+    ("gqa", "int8"): KernelConfig(block_n=16, num_warps=1, num_stages=4, waves=8),
+    ("gqa", "int4"): KernelConfig(block_n=16, num_warps=1, num_stages=4, waves=12),
     ("gqa", "int2"): KernelConfig(block_n=64, num_warps=4, num_stages=3, waves=3),
-    ("mla", None): KernelConfig(block_n=16, num_warps=4, num_stages=3, waves=2),
-    ("mla", "fp8"): KernelConfig(block_n=16, num_warps=4, num_stages=3, waves=2),
+    ("mla", None): KernelConfig(block_n=16, num_warps=4, num_stages=4, waves=3),
+    ("mla", "fp8"): KernelConfig(block_n=16, num_warps=4, num_stages=4, waves=2),
 }
 
 

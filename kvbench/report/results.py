@@ -575,7 +575,12 @@ NEEDLE_COLUMNS = NEEDLE_FIRST + PROVENANCE_COLUMNS
 INSPECT_FIRST = ["kernel", "kv_format", "config", "registers", "spills", "shared_bytes",
                  "programs_per_sm", "tiles_in_flight", "issued_early", "vector_loads",
                  "scalar_loads", "byte_loads", "buffer_bytes"]
-INSPECT_COLUMNS = ["timestamp", "command", *INSPECT_FIRST] + ENV_COLUMNS + PROVENANCE_COLUMNS
+# the tile loop read per KV position (added in the second release; None for stage 2)
+INSPECT_LOOP = ["flight_bytes_sm", "sass_per_position", "ptx_per_position",
+                "barriers_per_tile", "load_ratio", "smem_store_per_position",
+                "shared_byte_reads"]
+INSPECT_COLUMNS = (["timestamp", "command", *INSPECT_FIRST, *INSPECT_LOOP] + ENV_COLUMNS
+                   + PROVENANCE_COLUMNS)
 
 
 # kind -> (the columns this release writes, the columns of the first release). Later releases
