@@ -259,6 +259,12 @@ def tune(**values):
 
     o = options.TuneOptions(**values)
     if o.inspect:
+        from kvbench.sizing.config import given_unread
+
+        if unread := given_unread(o, {"inspect", "format", "quiet", "csv", "no_csv"}):
+            raise KvbenchError(f"tune --inspect reads no {', '.join(unread)}: it compiles "
+                               "every K/V format at the long shape for sm_90 and times "
+                               f"nothing; drop {'it' if len(unread) == 1 else 'them'}")
         tuner.inspect_command(o.format, o.quiet, o.csv)
         return
     tuner.command(o.device, o.dtype, o.kv_dtype, o.block_size, o.rehearse, o.budget, o.rounds,

@@ -50,7 +50,7 @@ class Log:
 
 LOGS = [
     Log("Llama-3.1-8B, RTX 3090", "kvbench's first ledger check (tests/test_engine.py)",
-        "V0", cap.preset("llama-3-8b"), 23.58, 0.90, 20_000, 256,
+        "V0", cap.preset("llama-3.1-8b"), 23.58, 0.90, 20_000, 256,
         "max_model_len 20,000, chunked prefill off: 20,000 tokens", 14.99, 0.35, 2.07, 3.81),
     Log("Meta-Llama-3-8B, H100", "https://github.com/vllm-project/vllm/pull/10511", "0.6.5",
         cap.preset("llama-3-8b"), 79.22, 0.90, 8192, 256,

@@ -222,7 +222,7 @@ def test_to_target_names_the_change_that_reaches_it():
 def test_capacity_engine_table_json_and_csv_rows(tmp_path):
     out = tmp_path / "cap.csv"
     # (the log is of a release with 16-token blocks: 0.33's rules)
-    args = ["capacity", "--engine", "vllm==0.33", "--model", "llama-3-8b", "--gpu", "RTX-3090",
+    args = ["capacity", "--engine", "vllm==0.33", "--model", "llama-3.1-8b", "--gpu", "RTX-3090",
             "--max-model-len", "20000", "--kv-memory", "3.8125GiB"]
     result = runner.invoke(app, [*args, "--csv", str(out)])
     assert result.exit_code == 0, result.output
@@ -265,12 +265,16 @@ def test_sglang_refuses_a_hybrid_and_a_missing_gpu_is_named():
     assert result.exit_code == 2 and "--gpu" in result.stderr
 
 
-def test_weights_beyond_the_gpu_print_the_ledger_then_fail_under_require_fit():
+def test_weights_beyond_the_gpu_print_the_ledger_then_vllms_refusal(tmp_path):
+    out = tmp_path / "c.csv"
     args = ["capacity", "--engine", "vllm", "--model", "llama-3.1-70b", "--gpu", "RTX-4090",
-            "--no-csv"]
+            "--csv", str(out)]
     result = runner.invoke(app, args)
-    assert result.exit_code == 0 and "KV available" in result.stdout
-    assert "leaves no memory for the KV cache" in result.stderr
+    assert result.exit_code == 2 and "KV available" in result.stdout
+    assert result.stderr.strip().splitlines() == [
+        "kvbench: error: vLLM 0.34 would not start: no available memory for the cache blocks "
+        "(short by 109.51 GiB)"]
+    assert not out.exists()  # the ledger shown, no row for a launch the engine refuses
     result = runner.invoke(app, [*args, "--require-fit"])
     assert result.exit_code == 1 and "--require-fit" in result.stderr
 
@@ -574,3 +578,91 @@ def test_each_version_names_itself_in_the_header_and_the_row(tmp_path):
     rows = pd.read_csv(out)
     assert list(rows.engine) == ["vllm==0.34", "vllm==0.33"]
     assert list(rows.block_size) == [64, 16] and list(rows.utilization) == [1.0, 0.92]
+
+
+# ------------------------------------------------ zero is a value; the engine's refusals
+
+
+@pytest.mark.parametrize("args, said", [
+    (["--engine", "vllm", "--max-model-len", "0"],
+     "--max-model-len must be a positive integer, got 0"),
+    (["--engine", "vllm", "--max-num-seqs", "0"],
+     "--max-num-seqs must be a positive integer, got 0"),
+    (["--engine", "vllm", "--block-size", "0"], "--block-size must be a positive integer, got 0"),
+    (["--engine", "sglang", "--page-size", "0"], "--page-size must be a positive integer, got 0"),
+    (["--engine", "sglang", "--max-running-requests", "0"],
+     "--max-running-requests must be a positive integer, got 0"),
+])
+def test_zero_is_a_value_refused_in_the_engines_own_flag(args, said, tmp_path):
+    out = tmp_path / "c.csv"
+    result = runner.invoke(app, ["capacity", "--model", "llama-3-8b", "--gpu", "H100-80GB",
+                                 *args, "--csv", str(out)])
+    assert result.exit_code == 2, result.output
+    assert result.stderr.strip().splitlines() == [f"kvbench: error: {said}"]
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("args, said", [
+    # llama-3-8b's config.json: max_position_embeddings 8,192
+    (["--max-model-len", "1000000"], "vLLM 0.34 would not start: max_model_len (1,000,000) is "
+     "greater than the derived max_model_len (max_position_embeddings=8,192"),
+    (["--max-num-batched-tokens", "128", "--max-num-seqs", "256"], "vLLM 0.34 would not "
+     "start: max_num_batched_tokens (128) must be greater than or equal to max_num_seqs (256)"),
+    (["--num-gpu-blocks-override", "0"], "vLLM 0.34 would not start: no cache blocks"),
+])
+def test_what_vllm_refuses_at_start_up_is_its_reason_and_no_row(args, said, tmp_path):
+    out = tmp_path / "c.csv"
+    result = runner.invoke(app, ["capacity", "--engine", "vllm", "--model", "llama-3-8b",
+                                 "--gpu", "H100-80GB", *args, "--csv", str(out)])
+    assert result.exit_code == 2, result.output
+    (line,) = result.stderr.strip().splitlines()
+    assert line.startswith(f"kvbench: error: {said}"), line
+    assert not out.exists()
+
+
+def test_no_request_of_max_model_len_fitting_is_vllms_refusal_by_hand():
+    # llama-3.1-70b at TP 2: 4 KV heads a rank, 2 x 4 x 128 x 2 B = 2,048 B a token a layer;
+    # 131,072 tokens = 8,192 blocks of 16 x 80 layers x 32,768 B = 20.00 GiB for one request
+    result = runner.invoke(app, ["capacity", "--engine", "vllm==0.33", "--model",
+                                 "llama-3.1-70b", "--gpu", "H100-80GB", "--tp", "2",
+                                 "--max-model-len", "131072", "--no-csv"])
+    assert result.exit_code == 2, result.output
+    (line,) = result.stderr.strip().splitlines()
+    assert "vLLM 0.33 would not start: to serve at least one request with the model's max " \
+           "seq len (131,072), 20.00 GiB KV cache is needed" in line
+    assert "maximum concurrency at 131,072" in result.stdout  # the ledger still shown
+
+
+@pytest.mark.parametrize("args, said", [
+    (["--kv-memory", "1TB"], "--kv-memory 931.32 GiB is more than the GPU's 79.19 GiB"),
+    (["--kv-cache-dtype", "fp8_ds_mla"], "--kv-cache-dtype fp8_ds_mla is DeepSeek's 656-byte "
+     "MLA latent; llama-3-8b has no MLA layers"),
+])
+def test_a_kv_memory_above_the_gpu_and_an_mla_dtype_without_mla_are_one_line(args, said):
+    result = runner.invoke(app, ["capacity", "--engine", "vllm", "--model", "llama-3-8b",
+                                 "--gpu", "H100-80GB", *args, "--no-csv"])
+    assert result.exit_code == 2 and said in result.stderr, result.output
+
+
+def test_an_fp8_checkpoint_is_sized_in_fp8_by_both_engines(tmp_path):
+    # DeepSeek-V3: 671,026,419,200 parameters, its embedding and untied head (129,280 x
+    # 7,168 each) in bf16, the rest fp8: 669,173,061,120 + 2 x 1,853,358,080 B over 8 ranks
+    weights = (671_026_419_200 - 2 * 129_280 * 7_168 + 2 * 2 * 129_280 * 7_168) // 8
+    assert weights == 84_109_972_160
+    spec = cap.preset("deepseek-v3")
+    assert spec.weight_dtype == "fp8"
+    for engine in ("vllm", "sglang"):
+        from kvbench.experiments import engines
+
+        o = engines.options(engine, None, 8, None, spec.weight_dtype, None, gpu="H200")
+        assert eng.ledger(spec, o).weights == weights, engine
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({"num_hidden_layers": 2, "num_attention_heads": 4,
+                                  "hidden_size": 64, "quantization_config": {
+                                      "quant_method": "fp8", "weight_block_size": [128, 128]}}))
+    assert cap.from_hf_config(config).weight_dtype == "fp8"
+    assert cap.checkpoint_dtype({"quantization_config": {"quant_method": "awq",
+                                                         "bits": 4}}) == "int4"
+    assert cap.checkpoint_dtype({"quantization_config": {"quant_method": "gptq",
+                                                         "bits": 8}}) == "int8"
+    assert cap.checkpoint_dtype({}) is None

@@ -117,3 +117,72 @@ def test_a_window_none_named_applies_is_still_refused(tmp_path):
     assert result.exit_code == 2, result.output
     assert "--impl static cannot run here: keeps every position" in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1 and out.read_text() == "keep\n"
+
+
+# ------------------------------------------- options a mode does not read, never ignored
+
+
+def test_given_unread_names_the_options_given_away_from_their_defaults():
+    from dataclasses import dataclass
+
+    from kvbench.sizing.config import flag, given_unread
+
+    @dataclass(frozen=True)
+    class Toy:
+        alpha: int = flag(1, "a")
+        block_size: str = flag("16", "b")
+        rehearse: bool = flag(False, "c", "--rehearse")
+        kept: int = flag(0, "d")
+
+    assert given_unread(Toy(), {"kept"}) == []
+    assert given_unread(Toy(alpha=1, block_size="0", rehearse=True, kept=3), {"kept"}) == [
+        "--block-size", "--rehearse"]  # alpha at its default is not "given"
+
+
+@pytest.mark.parametrize("args, named", [
+    (["--kv-dtype", "int3"], "--kv-dtype"), (["--block-size", "0"], "--block-size"),
+    (["--block-size", "16,abc"], "--block-size"), (["--dtype", "float8"], "--dtype"),
+    (["--rehearse"], "--rehearse"), (["--rehearse", "--kv-dtype", "int4"],
+                                     "--kv-dtype, --rehearse"),
+])
+def test_tune_inspect_refuses_what_it_does_not_read_before_compiling(args, named,
+                                                                      monkeypatch):
+    from kvbench.kernels import inspection
+
+    monkeypatch.setattr(inspection, "inspect", lambda *a, **k: pytest.fail("compiled"))
+    result = runner.invoke(app, ["tune", "--inspect", *args])
+    assert result.exit_code == 2, result.output
+    (line,) = result.stderr.strip().splitlines()
+    assert line.startswith(f"kvbench: error: tune --inspect reads no {named}: "), line
+
+
+@pytest.mark.parametrize("args, line", [
+    (["--engine", "vllm", "--kv-budget", "64"], "capacity --engine reads no --kv-budget:"),
+    (["--engine", "vllm", "--window", "512", "--kv-dtype", "int4"],
+     "capacity --engine reads no --kv-dtype, --window:"),
+    (["--target-concurrency", "8"], "--target-concurrency goes with --engine"),
+    (["--gpu", "H200", "--max-model-len", "0"], "--gpu, --max-model-len go with --engine"),
+    (["--allocate", "--seq-len", "10"], "capacity --allocate reads no --seq-len"),
+])
+def test_capacity_refuses_what_its_mode_does_not_read(args, line, tmp_path):
+    out = tmp_path / "c.csv"
+    result = runner.invoke(app, ["capacity", "--model", "llama-3-8b", *args, "--csv", str(out)]
+                           if "--allocate" not in args else ["capacity", *args])
+    assert result.exit_code == 2, result.output
+    (said,) = result.stderr.strip().splitlines()
+    assert said.startswith(f"kvbench: error: {line}"), said
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("args, line", [
+    (["--task", "passkey", "--keys", "7"], "--task passkey reads no --keys"),
+    (["--task", "copy", "--keys", "9"], "--task copy reads no --keys"),
+    (["--task", "copy", "--depth", "0.5"], "--task copy reads no --depth"),
+])
+def test_needle_refuses_what_its_task_does_not_read(args, line, tmp_path):
+    out = tmp_path / "n.csv"
+    result = runner.invoke(app, ["needle", *args, "--csv", str(out)])
+    assert result.exit_code == 2, result.output
+    (said,) = result.stderr.strip().splitlines()
+    assert said.startswith(f"kvbench: error: {line}"), said
+    assert not out.exists()

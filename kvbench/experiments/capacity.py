@@ -102,7 +102,9 @@ class CapacityOptions:
         "window).",
     )
     gpu_mem: str | None = flag(None, "Memory of one GPU, e.g. 80GiB or 80GB.")
-    weight_dtype: str = flag("bf16", "dtype of the preset's weights.")
+    weight_dtype: str | None = flag(None, "dtype of the model's weights. \\[default: the "
+                                    "checkpoint's (its quantization_config: fp8, int4, "
+                                    "int8), else bf16]", show_default=False)
     weights_bytes: str | None = flag(None, "Weights size instead, e.g. 16GB.")
     margin: str = flag("4GiB", "Memory kept free for activations and workspaces.")
     utilization: float = flag(0.9, "Fraction of GPU memory the runtime may use.")
@@ -228,6 +230,7 @@ def capacity(o: CapacityOptions) -> None:
     from kvbench.report.results import FILE_KINDS, append_csv
     from kvbench.sizing import capacity as cap
 
+    _refuse_unread(o)
     if o.list_models:
         render.show(Report([models_table(cap.presets())]))
         return
@@ -305,7 +308,8 @@ def capacity(o: CapacityOptions) -> None:
         if o.weights_bytes is not None:
             weights = cap.parse_size(o.weights_bytes, "--weights-bytes")
         elif spec.params:
-            dt = cap.kv_dtype(o.weight_dtype, "--weight-dtype", cap.WEIGHT_DTYPE_BYTES)
+            dt = cap.kv_dtype(o.weight_dtype or spec.weight_dtype or "bf16", "--weight-dtype",
+                              cap.WEIGHT_DTYPE_BYTES)
             weights = int(spec.params * cap.WEIGHT_DTYPE_BYTES[dt])
         else:
             raise KvbenchError("--gpu-mem needs the weights' size: pass --weights-bytes "
@@ -349,6 +353,39 @@ ENGINE_ONLY = ("gpu", "gpu_memory_utilization", "mem_fraction_static", "max_mode
                "num_gpu_blocks_override", "activation", "non_torch", "cuda_graphs",
                "extensible_kv_cache",
                "target_concurrency")
+
+
+# What each mode of capacity reads besides the output options: --engine the engine's ledger,
+# --allocate the allocation check; the planner everything else
+OUTPUT_OPTIONS = {"csv", "no_csv", "format", "quiet"}
+ENGINE_READS = {"engine", "model", "from_config", "gpu_mem", "tp", "block_size",
+                "weight_dtype", "weights_bytes", "require_fit", "pp", "pp_layers",
+                *ENGINE_ONLY, *OUTPUT_OPTIONS}
+ALLOCATE_READS = {"allocate", "case", "device", "margin", "csv"}
+
+
+def _refuse_unread(o: CapacityOptions) -> None:
+    """An option the chosen mode does not read is one line naming it, never ignored."""
+    from kvbench.sizing.config import given_unread
+
+    if o.list_models:
+        read, line = {"list_models"}, "capacity --list-models reads no {}: it lists the presets"
+    elif o.engine is not None:
+        read = ENGINE_READS
+        line = ("capacity --engine reads no {}: the engine's ledger sizes the model as the "
+                "engine serves it (its K/V dtype is --kv-cache-dtype)")
+    elif o.allocate:
+        read = ALLOCATE_READS
+        line = "capacity --allocate reads no {}: it allocates SPEC 3's gqa and mha cases"
+    else:
+        read = set(CapacityOptions.__dataclass_fields__) - set(ENGINE_ONLY)
+        line = "{} go with --engine (an engine's ledger): add --engine vllm or sglang"
+    if unread := given_unread(o, read):
+        them = "it" if len(unread) == 1 else "them"
+        text = line.format(", ".join(unread))
+        if text.startswith("capacity"):
+            raise KvbenchError(f"{text}; drop {them}")
+        raise KvbenchError(text.replace(" go ", " goes ", len(unread) == 1) + f", or drop {them}")
 
 
 SERVING_DRAWS = 10_000  # lengths drawn for the serving comparison's means

@@ -8,7 +8,7 @@ import sys
 import typer
 
 from kvbench.errors import KvbenchError
-from kvbench.report.render import human_bytes, new_table
+from kvbench.report.render import new_table
 from kvbench.report.results import timestamp
 from kvbench.report.tables import Report
 from kvbench.sizing import capacity as cap
@@ -81,8 +81,10 @@ def options(engine, gpu_mem, tp, block_size, weight_dtype, weights_bytes, gpu=No
 
     return eng.EngineOptions(
         engine, total, d["utilization"] if utilization is None else utilization,
-        max_model_len or 8192, seqs or d["max_num_seqs"], tokens or d["max_num_batched_tokens"],
-        block or d["block_size"], kv_cache_dtype.strip().lower(), tp, pp,
+        8192 if max_model_len is None else max_model_len,  # (0 is a value: refused)
+        d["max_num_seqs"] if seqs is None else seqs,
+        d["max_num_batched_tokens"] if tokens is None else tokens,
+        d["block_size"] if block is None else block, kv_cache_dtype.strip().lower(), tp, pp,
         weight_bytes=cap.WEIGHT_DTYPE_BYTES[dt], weights=size(weights_bytes, "--weights-bytes"),
         non_torch=size(non_torch, "--non-torch"), activation=size(activation, "--activation"),
         cuda_graphs=size(cuda_graphs, "--cuda-graphs"), kv_memory=size(kv_memory, "--kv-memory"),
@@ -108,7 +110,8 @@ def capacity(engine, model, from_config, gpu_mem, tp, block_size, weight_dtype, 
         raise KvbenchError(f"--engine {engine} sizes a whole model: give --model NAME (see "
                            "--list-models) or --from-config config.json")
     spec = cap.preset(model) if model else cap.from_hf_config(from_config)
-    o = options(engine, gpu_mem, tp, block_size, weight_dtype, weights_bytes, **serving)
+    o = options(engine, gpu_mem, tp, block_size, weight_dtype or spec.weight_dtype or "bf16",
+                weights_bytes, **serving)
     if not spec.is_mla:
         cap.kv_heads_per_rank(spec, o.tp)  # refuses a TP the KV heads cannot split over
     if spec.q_heads and spec.q_heads % o.tp:
@@ -120,27 +123,30 @@ def capacity(engine, model, from_config, gpu_mem, tp, block_size, weight_dtype, 
         raise KvbenchError(f"--target-concurrency must be above 0, got {target_concurrency}")
     path = None if no_csv else csv_target(csv, "capacity")
     ledger = eng.ledger(spec, o)
-    levers = eng.to_target(spec, o, target_concurrency) if target_concurrency else []
+    refused = eng.refusal(spec, o, ledger)
+    levers = (eng.to_target(spec, o, target_concurrency)
+              if target_concurrency and not refused else [])
     rows = engine_rows(spec, o, ledger, environment(None))
     if format != "table":
-        render.machine_output(rows, FILE_KINDS["capacity"][0], format)
+        if refused is None:
+            render.machine_output(rows, FILE_KINDS["capacity"][0], format)
     elif not quiet:
-        shown = Report([ledger_table(spec, o, ledger)], notes=list(ledger.notes))
+        # (refused: the ledger alone, the refusal the one line on stderr)
+        shown = Report([ledger_table(spec, o, ledger)],
+                       notes=[] if refused else list(ledger.notes))
         if levers:
             shown.add(f"to reach {target_concurrency:g} concurrent requests of "
                       f"{o.max_model_len:,} tokens, any one of:", *(f"  {x}" for x in levers))
         render.show(shown)
+    if refused is not None:  # the engine's own refusal: the ledger shown, no row written
+        print(f"kvbench: error: {refused}" + (" (--require-fit)" if require_fit else ""),
+              file=sys.stderr)
+        raise typer.Exit(1 if require_fit else 2)
     if path is not None:
         append_csv(path, rows, *FILE_KINDS["capacity"])
         if not quiet:
             render.note(f"1 row appended to {path}")
-    if ledger.kv_available <= 0:
-        print(f"kvbench: {spec.name} leaves no memory for the KV cache under {engine}: short "
-              f"by {human_bytes(-ledger.kv_available)}"
-              + (" (--require-fit)" if require_fit else ""), file=sys.stderr)
-        if require_fit:
-            raise typer.Exit(1)
-    elif require_fit and ledger.max_concurrency < 1:
+    if require_fit and ledger.max_concurrency < 1:
         print(f"kvbench: {spec.name} holds {ledger.max_concurrency:.2f} requests of "
               f"{o.max_model_len:,} tokens under {engine} (--require-fit)", file=sys.stderr)
         raise typer.Exit(1)

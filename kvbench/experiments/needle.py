@@ -243,6 +243,17 @@ class NeedleOptions:
         if self.task == "copy" and self.needle is not None:
             raise KvbenchError("--needle is passkey's and multikey's key; drop it for --task "
                                "copy")
+        from kvbench.sizing.config import given_unread
+
+        # what a task does not read, never silently ignored: one key has no count; copy's
+        # one sequence has no depth, filler, or key
+        unread = {"passkey": {"keys"}, "multikey": set(),
+                  "copy": {"keys", "depth", "haystack"}}[self.task]
+        if given := given_unread(self, set(self.__dataclass_fields__) - unread):
+            why = ("one key in the haystack" if self.task == "passkey" else
+                   "a random sequence shown twice, no key, filler or depth")
+            raise KvbenchError(f"--task {self.task} reads no {', '.join(given)} ({why}); "
+                               f"drop {'it' if len(given) == 1 else 'them'}")
         self.contexts  # noqa: B018 (parsed: refused here, before anything loads)
 
     @property

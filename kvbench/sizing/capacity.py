@@ -80,6 +80,8 @@ class ModelSpec:
     moe_top_k: int | None = None  # experts a token runs through
     mamba_state: int | None = None
     tied_embeddings: bool = False  # the logits' matrix is the embedding's (one copy)
+    max_positions: int | None = None  # max_position_embeddings (an engine's longest request)
+    weight_dtype: str | None = None  # the checkpoint's (its quantization_config), e.g. fp8
 
     def __post_init__(self) -> None:
         checks = {"layers": self.layers}
@@ -256,6 +258,8 @@ def from_hf_config(path: Path) -> ModelSpec:
     layers = field_("num_hidden_layers")
     name = cfg.get("_name_or_path") or cfg.get("model_type") or Path(path).stem
     shapes = _shapes(cfg)
+    if (quantized := checkpoint_dtype(cfg)) is not None:
+        shapes["weight_dtype"] = quantized
     tied = bool(cfg.get("tie_word_embeddings", cfg.get("model_type") in ("gemma2", "gemma3_text")))
     if cfg.get("kv_lora_rank") is not None:
         return ModelSpec(name=name, layers=layers, q_heads=optional("num_attention_heads"),
@@ -304,8 +308,24 @@ def _shapes(cfg: dict) -> dict:
     found = {"hidden": cfg.get("hidden_size"),
              "intermediate": inter or cfg.get("intermediate_size"),
              "vocab": cfg.get("vocab_size"),
-             "moe_top_k": cfg.get("num_experts_per_tok") if moe else None}
+             "moe_top_k": cfg.get("num_experts_per_tok") if moe else None,
+             "max_positions": cfg.get("max_position_embeddings")}
     return {k: v for k, v in found.items() if type(v) is int and v > 0}
+
+
+def checkpoint_dtype(cfg: dict) -> str | None:
+    """The weights' dtype a config's quantization_config names, as --weight-dtype spells it:
+    fp8 (DeepSeek-V3's block-scaled fp8), int4 or int8 (AWQ's, GPTQ's bits); None for a
+    float checkpoint or a method not sized here."""
+    q = cfg.get("quantization_config")
+    if not isinstance(q, dict):
+        return None
+    method = str(q.get("quant_method", "")).lower()
+    if method == "fp8":
+        return "fp8"
+    if method in ("awq", "gptq") and q.get("bits") in (4, 8):
+        return f"int{q['bits']}"
+    return None
 
 
 def _layer_types(cfg: dict, layers: int, window, path) -> tuple[str, ...]:

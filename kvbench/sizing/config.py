@@ -209,6 +209,23 @@ def flag(default, help: str, *flags: str, cli: Any = None, cli_default: Any = MI
                                             "renamed": renamed})
 
 
+def option_flag(f) -> str:
+    """A `flag()` field's option as the command line spells it."""
+    flags = f.metadata.get("flags") or ()
+    first = next((x for x in flags if x.startswith("--")), None)
+    return (first.split("/")[0] if first else "--" + f.name.replace("_", "-"))
+
+
+def given_unread(options, read) -> list[str]:
+    """The options of a `flag()` dataclass that were given (not at their defaults) and that
+    the mode that runs does not read (`read`: the fields it reads), as the command line
+    spells them: one rule for every command, so no option is silently ignored."""
+    from dataclasses import fields
+
+    return [option_flag(f) for f in fields(options) if f.name not in read
+            and "flags" in f.metadata and getattr(options, f.name) != f.default]
+
+
 def technique(default, help: str, **kw) -> Any:
     """A LayerShape field that is a technique option (see Technique)."""
     return field(default=default, metadata={"technique": Technique(help, **kw)})

@@ -80,6 +80,12 @@ def gpu_bytes(name: str) -> int:
     return int(found * GIB)
 
 
+# SGLang's names for the launch fields EngineOptions keeps under vLLM's
+SGLANG_FLAGS = {"max_model_len": "--max-model-len", "max_num_seqs": "--max-running-requests",
+                "max_num_batched_tokens": "--chunked-prefill-size",
+                "block_size": "--page-size"}
+
+
 @dataclass(frozen=True)
 class EngineOptions:
     """An engine launch as its own flags name it (SGLang's under vLLM's names: utilization is
@@ -115,12 +121,14 @@ class EngineOptions:
             "--gpu-memory-utilization"
         if not 0 < self.utilization <= 1:
             raise KvbenchError(f"{flag} must be in (0, 1], got {self.utilization}")
+        # each as this engine's flag names it
+        names = SGLANG_FLAGS if self.engine == "sglang" else {}
         for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size",
                      "tp", "pp"):
             value = getattr(self, name)
             if type(value) is not int or value < 1:
-                raise KvbenchError(f"--{name.replace('_', '-')} must be a positive integer, "
-                                   f"got {value}")
+                flag = names.get(name, "--" + name.replace("_", "-"))
+                raise KvbenchError(f"{flag} must be a positive integer, got {value}")
         if self.kv_cache_dtype not in ("auto", "fp8", "fp8_ds_mla"):
             raise KvbenchError(f"--kv-cache-dtype {self.kv_cache_dtype!r}: use auto, fp8 or "
                                "fp8_ds_mla")
@@ -419,7 +427,42 @@ def _weights(model: ModelSpec, o: EngineOptions) -> int | None:
     return int(total) // (o.tp * o.pp)
 
 
+def refusal(model: ModelSpec, o: EngineOptions, led: Ledger) -> str | None:
+    """What the engine says when it refuses to start with this launch (its own words, from
+    vllm/config/model.py, config/scheduler.py and v1/core/kv_cache_planning.py; SGLang's
+    model_runner), or None where it starts."""
+    name = f"vLLM {led.release.version}" if o.engine == "vllm" and led.release else o.engine
+    if o.max_model_len > (model.max_positions or o.max_model_len):
+        return (f"{name} would not start: max_model_len ({o.max_model_len:,}) is greater than "
+                f"the derived max_model_len (max_position_embeddings={model.max_positions:,} "
+                "in the model's config.json); lower --max-model-len")
+    if o.engine == "vllm" and o.max_num_batched_tokens < o.max_num_seqs:
+        return (f"{name} would not start: max_num_batched_tokens "
+                f"({o.max_num_batched_tokens:,}) must be greater than or equal to max_num_seqs "
+                f"({o.max_num_seqs:,})")
+    if led.kv_available <= 0 or led.num_blocks == 0:
+        return (f"{name} would not start: no available memory for the cache blocks (short by "
+                f"{-led.kv_available / GIB:.2f} GiB)" if led.kv_available <= 0 else
+                f"{name} would not start: no cache blocks (--num-gpu-blocks-override 0)")
+    if o.engine == "vllm" and led.max_concurrency < 1:
+        needed = led.blocks_per_request * led.groups[0].page_bytes * led.group_size
+        fits = int(led.max_concurrency * o.max_model_len) // led.block_size * led.block_size
+        return (f"{name} would not start: to serve at least one request with the model's max "
+                f"seq len ({o.max_model_len:,}), {needed / GIB:.2f} GiB KV cache is needed, "
+                f"which is larger than the available KV cache memory "
+                f"({led.num_blocks * led.groups[0].page_bytes * led.group_size / GIB:.2f} "
+                f"GiB); about {fits:,} tokens fit: lower --max-model-len")
+    return None
+
+
 def ledger(model: ModelSpec, o: EngineOptions) -> Ledger:
+    if o.kv_cache_dtype == "fp8_ds_mla" and not model.is_mla:
+        raise KvbenchError(f"--kv-cache-dtype fp8_ds_mla is DeepSeek's 656-byte MLA latent; "
+                           f"{model.name} has no MLA layers: use auto or fp8")
+    if o.kv_memory is not None and o.kv_memory > o.gpu_bytes:
+        raise KvbenchError(f"--kv-memory {o.kv_memory / GIB:.2f} GiB is more than the GPU's "
+                           f"{o.gpu_bytes / GIB:.2f} GiB: give the KV memory the engine's log "
+                           "printed")
     result = (vllm if o.engine == "vllm" else sglang)(model, o)
     if o.kv_memory is not None and result.num_blocks == 0:
         raise KvbenchError(f"--kv-memory {o.kv_memory / GIB:.3g} GiB is below one block of "
