@@ -76,6 +76,12 @@ class _Group(_PlainHelp, TyperGroup):
             first = str(e).strip().splitlines()[0] if str(e).strip() else ""
             _fail(f"{type(e).__name__}: {first} (KVBENCH_TRACEBACK=1 shows where)", 3)
         code = code if isinstance(code, int) else 0
+        if code == 130:  # Typer turns a KeyboardInterrupt (and so SIGTERM's) into Exit(130)
+            from kvbench.planning.signals import terminated
+
+            stopped = KeyboardInterrupt()
+            _fail("terminated" if terminated(stopped) else "interrupted",
+                  143 if terminated(stopped) else 130)
         from kvbench.measure import distributed
 
         if distributed.world() is not None:  # under torchrun: every rank leaves together

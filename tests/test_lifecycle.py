@@ -165,3 +165,73 @@ def test_ray_outcomes_reach_finished_in_the_order_they_end(monkeypatch):
         lc.on_cluster(o, [1, 2, 3], print, lambda i, out: got.append((i, out)),
                       handled=(Lost,))
     assert got == [(1, "b")]  # the run ends at the first unhandled error
+
+
+@pytest.fixture
+def sigterm_handled():
+    """SIGTERM raising Terminated in this (main) thread, as the CLI installs it; restored."""
+    import signal
+
+    from kvbench.planning import signals
+
+    before = signal.getsignal(signal.SIGTERM)
+    signals.terminate_on_sigterm()
+    yield
+    signal.signal(signal.SIGTERM, before)
+    signals._signals.clear()
+
+
+def test_a_signal_while_a_unit_is_written_keeps_the_whole_unit(tmp_path, capsys,
+                                                               sigterm_handled, monkeypatch):
+    # SIGTERM arrives after the unit's row reached the first file and before its steps
+    # reached the second: both files keep the unit, and the line counts it
+    import os
+    import signal
+
+    from kvbench.report import results
+
+    real = results.append_csv
+    calls = []
+
+    def append_then_signal(path, rows, *args):
+        real(path, rows, *args)
+        calls.append(path)
+        if len(calls) == 3:  # the second unit's row: its steps not written yet
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    monkeypatch.setattr(results, "append_csv", append_then_signal)
+    life = Lifecycle(3, "reserves", outputs(tmp_path), named=True)
+    with pytest.raises(SystemExit) as stop:
+        with life:
+            life.keep([{"name": "x", "value": 1}], [{"step": 0}], name="paged")
+            life.keep([{"name": "y", "value": 2}], [{"step": 1}, {"step": 2}],
+                      name="prealloc")
+            life.keep([{"name": "z", "value": 3}], [{"step": 3}], name="oracle")
+    assert stop.value.code == 143
+    assert capsys.readouterr().err == (
+        "kvbench: terminated after 2 of 3 reserves (finished: paged, prealloc); 2 rows kept "
+        f"in {tmp_path / 'a.csv'}\n")
+    assert pd.read_csv(tmp_path / "a.csv")["name"].tolist() == ["x", "y"]
+    assert pd.read_csv(tmp_path / "b.csv")["step"].tolist() == [0, 1, 2]
+
+
+def test_sigterm_in_a_command_without_units_is_143_and_one_line(sigterm_handled,
+                                                                 monkeypatch):
+    # capacity --len-dist drawing: Typer turned the interrupt into a silent exit 130
+    import os
+    import signal
+
+    from typer.testing import CliRunner
+
+    from kvbench.cli import app
+    from kvbench.sizing import lengths
+
+    def draw(*args, **kw):
+        os.kill(os.getpid(), signal.SIGTERM)
+        raise AssertionError("the signal was not delivered")  # (not reached)
+
+    monkeypatch.setattr(lengths, "draw", draw)
+    result = CliRunner().invoke(app, ["capacity", "--model", "llama-3-8b", "--len-dist",
+                                      "lognormal:2000:1", "--max-len", "32768", "--no-csv"])
+    assert result.exit_code == 143, result.output
+    assert result.stderr.strip().splitlines() == ["kvbench: error: terminated"]

@@ -18,7 +18,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvbench.planning.signals import terminated
+from kvbench.planning.signals import held, terminated
 from kvbench.report.render import plural
 
 
@@ -53,6 +53,10 @@ class Lifecycle:
     def keep(self, rows: list[dict], *more, name: str = "", units: int = 1) -> None:
         """`units` finished (one by default): their rows on disk before anything else runs,
         `rows` to the first file, each of `more` to the next."""
+        with held():  # all of the unit's files, or (stopped before) none of them
+            self._keep(rows, more, name, units)
+
+    def _keep(self, rows: list[dict], more, name: str, units: int) -> None:
         from kvbench.report.results import Spool, append_csv, append_spool
 
         for i, (out, new) in enumerate(zip(self.outputs, (rows, *more))):

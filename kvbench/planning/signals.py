@@ -5,6 +5,7 @@ of theirs."""
 
 from __future__ import annotations
 
+import contextlib
 import signal
 import threading
 
@@ -33,3 +34,31 @@ def terminate_on_sigterm() -> None:
         raise Terminated()
 
     signal.signal(signal.SIGTERM, terminate)
+
+
+@contextlib.contextmanager
+def held():
+    """Ctrl-C and SIGTERM held back while a unit's rows go to its files, then acted on as
+    the block ends: a run stopped then keeps the whole unit in every file, never its rows
+    without its steps. (Handlers, not a signal mask: a mask holds one thread, and a signal
+    sent to the process may land on any of torch's threads.)"""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    pending: list[int] = []
+    before = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    for s, handler in before.items():
+        if handler is not None:  # (None: set outside Python, left alone)
+            signal.signal(s, lambda signum, frame: pending.append(signum))
+    try:
+        yield
+    finally:
+        for s, handler in before.items():
+            if handler is not None:
+                signal.signal(s, handler)
+        if pending:  # as if it arrived now
+            handler = before[pending[0]]
+            if callable(handler):
+                handler(pending[0], None)
+            elif handler == signal.SIG_DFL:
+                signal.raise_signal(pending[0])
