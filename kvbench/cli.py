@@ -320,7 +320,8 @@ def merge(**values):
                   "compare read them together, --run ID picks one, --run last the last)")
     else:
         joined = ""
-    render.note(f"{n} rows from {len(o.files)} files appended to {o.output}{again}{joined}")
+    render.note(f"{n} {render.plural(n, 'row')} from {len(o.files)} "
+                f"{render.plural(len(o.files), 'file')} appended to {o.output}{again}{joined}")
 
 
 for _func, _declared in ((tune, options.TuneOptions), (plot, options.PlotOptions),

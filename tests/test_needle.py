@@ -321,3 +321,34 @@ def test_the_full_cache_runs_beside_a_window_in_one_run(tmp_path):
     assert sorted(df.index) == ["static", "window"] and df["passed"].all()
     assert df.loc["window", "window"] == 128 and pd.isna(df.loc["static", "window"])
     assert df.loc["static", "needle_kept"] == 1.0 and df.loc["window", "needle_kept"] == 0.0
+
+
+def test_the_table_says_one_trial_copy_has_no_question_and_full_is_named_once():
+    from types import SimpleNamespace
+
+    from kvbench.report.tables import Report
+
+    cell = needle.Cell("static", 256, 0.0, scores=[1.0], reference=[1.0], kept=[1.0],
+                       kept_min=[1.0], answers=[" 57616."])
+    ref = SimpleNamespace(label="smollm2-135m")
+    report = needle.report(NeedleOptions(task="copy", trials=1), ref, [cell])
+    assert isinstance(report, Report)
+    (t,) = report.tables
+    assert t.title == ("needle  copy on smollm2-135m, 1 trial a cell; the second copy "
+                       "predicted once the first is cached")
+    assert "full" in [c.header for c in t.columns] and "path A" not in [
+        c.header for c in t.columns]
+    assert "full: the full cache's accuracy (full_accuracy)" in t.caption
+    (t,) = needle.report(NeedleOptions(trials=2), ref, [cell]).tables
+    assert t.title.endswith("2 trials a cell; query-aware: the question in the prompt")
+
+
+@smollm2
+def test_copys_answers_are_its_text_as_passkeys_are(tmp_path):
+    out = tmp_path / "n.csv"
+    result = runner.invoke(app, ["needle", "--task", "copy", "--context", "64", "--trials",
+                                 "1", "--csv", str(out), "-q"])
+    assert result.exit_code == 0, result.output
+    row = pd.read_csv(out).iloc[0]
+    assert pd.isna(row.depth) and "of the second copy" not in str(row.answers)
+    assert row.accuracy == row.full_accuracy and str(row.answers).strip()  # (exact: path A)

@@ -23,7 +23,7 @@ def _drawn(name, monkeypatch):
     from kvbench.experiments.model.view import planned_row_bytes
 
     matplotlib.use("Agg")
-    kind, df = read_results(SAMPLES / name)
+    kind, df = read_results(name if isinstance(name, Path) else SAMPLES / name)
     df = with_planned_bytes(kind, df, planned_row_bytes)
     figures = []
     monkeypatch.setattr("kvbench.report.plot.layout", lambda fig: figures.append(
@@ -79,3 +79,25 @@ def test_bench_marks_noisy_points_hollow_and_draws_path_a_per_configuration(monk
     assert len(dashed) == len(list(plot._series(configs.assign(impl="r"), "prompt_len")))
     plt.close(fig)
     assert isinstance(df, pd.DataFrame)
+
+
+def test_needle_rows_of_several_tasks_draw_a_section_a_task_and_copy_without_depth(
+        monkeypatch, tmp_path):
+    import pandas as pd
+
+    kind, df = read_results(SAMPLES / "needle-smollm2-full.csv")
+    copy = df.drop_duplicates("context").assign(task="copy", depth=float("nan"))
+    both = pd.concat([df, copy], ignore_index=True)
+    path = tmp_path / "n.csv"
+    both.to_csv(path, index=False)
+    (fig,) = _drawn(path, monkeypatch)
+    titles = [ax.get_title() for ax in fig.axes]
+    # each task its own matrices and its own frontier; copy's has no depth axis
+    assert any(t.startswith("passkey: ") for t in titles)
+    copy_axes = [ax for ax in fig.axes if ax.get_title().startswith("copy: ")
+                 and ax.get_xlabel() == "context, tokens"]
+    assert copy_axes and all(ax.get_ylabel() != "needle depth" for ax in copy_axes)
+    assert "copy: accuracy against the K/V bytes" in titles
+    assert "passkey: accuracy against the K/V bytes" in titles
+    assert "(copy, passkey)" in fig._suptitle.get_text() or \
+        "(passkey, copy)" in fig._suptitle.get_text()

@@ -475,7 +475,7 @@ def _allocate(case: str, device: str, margin_bytes: int, csv: Path | None):
                for n in names]
     render.show(Report([allocation_table(results)]))
     append_csv(path, allocation_rows(results, environment(dev)), *FILE_KINDS["allocation"])
-    render.note(f"{len(results)} rows appended to {path}")
+    render.note(f"{len(results)} {render.plural(len(results), 'row')} appended to {path}")
     if not all(r.passed for r in results):
         bad = next(r for r in results if not r.passed)
         print(f"kvbench: allocation check failed: case {bad.case}: allocated grew by "

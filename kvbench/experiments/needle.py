@@ -360,7 +360,9 @@ def run_prompt(m, cls, config, options, prompt: Prompt, task: str, agnostic: boo
         got = copy_predictions(cm, ids, P)
         target = prompt.ids[P:]
         value = sum(a == b for a, b in zip(got, target)) / len(target)
-        answer = f"{value:.0%} of the second copy"
+        # its answer as passkey's is: the text itself (the first ANSWER_TOKENS predicted
+        # tokens of the second copy; the score is the share of the whole copy)
+        answer = m.text(got[:ANSWER_TOKENS])
     else:
         got = greedy(cm, ids, P, feed, ANSWER_TOKENS)
         answer = m.text(got)
@@ -602,12 +604,15 @@ def rows(o: NeedleOptions, ref, config, cells: list[Cell], stamp: str,
 
 
 def report(o: NeedleOptions, ref, cells: list[Cell]) -> Report:
-    from kvbench.report.render import new_table
+    from kvbench.report.render import new_table, plural
 
     mode = ("query-agnostic: the question after compression" if o.question_after_compression
             else "query-aware: the question in the prompt")
-    t = new_table(f"needle  {o.task} on {ref.label}, {o.trials} trials a cell; {mode}")
-    for name in ("impl", "context", "depth", "accuracy", "path A", "needle kept", "check"):
+    if o.task == "copy":  # no question: the second copy is fed once the first is cached
+        mode = "the second copy predicted once the first is cached"
+    t = new_table(f"needle  {o.task} on {ref.label}, {o.trials} {plural(o.trials, 'trial')} "
+                  f"a cell; {mode}")
+    for name in ("impl", "context", "depth", "accuracy", "full", "needle kept", "check"):
         t.add_column(name, justify="left" if name in ("impl", "check") else "right")
     for c in cells:
         n = len(c.scores)
@@ -615,7 +620,8 @@ def report(o: NeedleOptions, ref, cells: list[Cell]) -> Report:
                   f"{sum(c.scores) / n:.0%}", f"{sum(c.reference) / n:.0%}",
                   f"{sum(c.kept) / n:.0%}", "PASS" if not c.failures else "[red]FAIL[/]")
     t.caption = ("accuracy: answers whose first number is the key (copy: the second copy's "
-                 "tokens predicted); path A: transformers' greedy answer on the same prompts; "
+                 "tokens predicted); full: the full cache's accuracy (full_accuracy), path A, "
+                 "transformers' greedy answer on the same prompts; "
                  "needle kept: the share of KV heads holding every token of the key, mean over "
                  "layers, at the last step")
     return Report([t])

@@ -407,36 +407,63 @@ def plot_serve_steps(df: pd.DataFrame, plt):
 def plot_needle(df: pd.DataFrame, plt):
     """kvbench needle: accuracy as colour and number by depth, for each configuration: at one
     context, a matrix a query mode (configurations down, depths across); at several, a
-    heatmap a configuration (depths down, contexts across). Below, accuracy (the mean over the
-    cells) against the K/V bytes held at the longest context, with the frontier: the
-    configurations no other beats on both."""
+    heatmap a configuration (depths down, contexts across); copy, which has no depth, a matrix
+    of configurations by context. Below, accuracy (the mean over the cells) against the K/V
+    bytes held at the longest context, with the frontier: the configurations no other beats
+    on both. Each task its own panels and frontier, one under the other."""
     df = df.copy()
     df["label"] = [technique(r) for _, r in df.iterrows()]
     df["mode"] = df["query"].map({"agnostic": "question after compression"}).fillna(
         "question in the prompt")
-    df["depth"] = df["depth"].fillna(0.0)
+    df["task"] = df["task"].astype(str)
     df = df.drop_duplicates(subset=["label", "mode", "task", "context", "depth"], keep="last")
-    if df["context"].nunique() == 1:
-        panels = [(mode, g, "label", "depth") for mode, g in df.groupby("mode", sort=False)]
-    else:
-        panels = [(f"{label} ({mode})" if df["mode"].nunique() > 1 else label, g, "depth",
-                   "context") for (label, mode), g in df.groupby(["label", "mode"], sort=False)]
-    cols = min(len(panels), 2 if df["context"].nunique() == 1 else 4)
-    rows = -(-len(panels) // cols)
-    height = max(2.6, 0.22 * df["label"].nunique()) if df["context"].nunique() == 1 else 2.6
-    fig = plt.figure(figsize=(5.2 * cols + 1.5, height * rows + 3.4))
-    grid = fig.add_gridspec(rows + 1, cols, height_ratios=[height] * rows + [3.0])
-    image = None
-    for i, (title, g, down, across) in enumerate(panels):
-        ax = fig.add_subplot(grid[i // cols, i % cols])
-        image = _accuracy_matrix(ax, g, down, across)
-        ax.set_title(title, fontsize=8)
+    tasks = list(dict.fromkeys(df["task"]))
+    sections = [(task, _needle_panels(df[df["task"] == task], len(tasks) > 1))
+                for task in tasks]
+    cols = max(min(len(panels), 2 if one_context else 4)
+               for _, (panels, one_context, _) in sections)
+    ratios = []
+    for _, (panels, _, height) in sections:
+        ratios += [height] * -(-len(panels) // cols) + [3.0]
+    fig = plt.figure(figsize=(5.2 * cols + 1.5, sum(ratios) + 0.4 * len(tasks)))
+    grid = fig.add_gridspec(len(ratios), cols, height_ratios=ratios)
+    image, row = None, 0
+    for task, (panels, _, _) in sections:
+        g = df[df["task"] == task]
+        for i, (title, cells, down, across) in enumerate(panels):
+            ax = fig.add_subplot(grid[row + i // cols, i % cols])
+            image = _accuracy_matrix(ax, cells, down, across)
+            ax.set_title(title, fontsize=8)
+        row += -(-len(panels) // cols)
+        frontier_ax = fig.add_subplot(grid[row, :])
+        _needle_frontier(frontier_ax, g)
+        if len(tasks) > 1:
+            frontier_ax.set_title(f"{task}: accuracy against the K/V bytes", fontsize=8)
+        row += 1
     if image is not None:
         fig.colorbar(image, ax=fig.axes, shrink=0.6, label="accuracy")
-    _needle_frontier(fig.add_subplot(grid[rows, :]), df)
-    task = ", ".join(sorted(set(df["task"].astype(str))))
-    fig.suptitle(_title(df, f"needle ({task}): retrieval through each cache"), fontsize=10)
+    fig.suptitle(_title(df, f"needle ({', '.join(tasks)}): retrieval through each cache"),
+                 fontsize=10)
     return fig
+
+
+def _needle_panels(df: pd.DataFrame, named: bool) -> tuple[list, bool, float]:
+    """One task's matrices: [(title, its cells, what runs down, what runs across)], whether
+    it is at one context, and a panel's height. named: titles start with the task."""
+    prefix = f"{df['task'].iloc[0]}: " if named else ""
+    one_context = df["context"].nunique() == 1
+    if df["depth"].isna().all():  # copy: no depth, configurations by context
+        panels = [(f"{prefix}{mode}", g, "label", "context")
+                  for mode, g in df.groupby("mode", sort=False)]
+        return panels, True, max(2.6, 0.22 * df["label"].nunique())
+    if one_context:
+        panels = [(f"{prefix}{mode}", g, "label", "depth")
+                  for mode, g in df.groupby("mode", sort=False)]
+        return panels, True, max(2.6, 0.22 * df["label"].nunique())
+    panels = [(prefix + (f"{label} ({mode})" if df["mode"].nunique() > 1 else label), g,
+               "depth", "context")
+              for (label, mode), g in df.groupby(["label", "mode"], sort=False)]
+    return panels, False, 2.6
 
 
 def _accuracy_matrix(ax, g: pd.DataFrame, down: str, across: str):
