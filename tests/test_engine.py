@@ -365,6 +365,11 @@ def test_a_sliding_window_of_w_holds_w_minus_1_plus_the_batched_tokens():
     led = vllm(model, max_model_len=1000, max_num_batched_tokens=16, kv_memory=GIB)
     assert [g.blocks_per_request for g in led.groups] == [11, 63]
     assert eng.layer_kinds(model) == ["sliding", "full"]
+    # W = 129: 128 + 16 = 144 = 9 x 16 exactly -> 9 blocks + 1 = 10 (W + T = 145 would give 11)
+    w129 = cap.ModelSpec(name="s", layers=2, kv_heads=1, head_dim=8, sliding_window=129,
+                         layer_types=("sliding", "full"))
+    led = vllm(w129, max_model_len=1000, max_num_batched_tokens=16, kv_memory=GIB)
+    assert [g.blocks_per_request for g in led.groups] == [10, 63]
     window_only = cap.ModelSpec(name="w", layers=2, kv_heads=1, head_dim=8, sliding_window=64)
     assert eng.layer_kinds(window_only) == ["sliding", "sliding"]
 

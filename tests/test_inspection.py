@@ -288,3 +288,12 @@ def test_without_a_compiler_inspect_is_one_line_and_exit_2(monkeypatch):
 def test_a_format_without_a_default_takes_the_kernels_and_the_table_wins():
     assert tuning.default("gqa", "int2") == tuning.DEFAULTS[("gqa", "int2")]
     assert tuning.default("mla", "int8") == tuning.DEFAULTS[("mla", None)]
+
+
+def test_the_compiled_loops_read_exactly(rows):
+    # fp16's loop waits with 4 copy groups pending, 2 a tile (K's, V's): 2 tiles, not 4; it
+    # opens with that wait and shared-memory reads (ldmatrix) before its dot and loads the
+    # next tile's ids after it: not early. int8 loads the next tile's scales first: early.
+    fp16, int8 = rows[("triton stage1", "fp16")], rows[("triton stage1", "int8")]
+    assert fp16.tiles_in_flight == 2 and fp16.issued_early is False
+    assert int8.issued_early is True

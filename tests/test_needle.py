@@ -63,6 +63,14 @@ def test_the_needle_sits_at_its_depth_of_the_filler(depth):
         assert start + len(NEEDLE) == p.question  # right before the question
 
 
+def test_the_needles_place_is_rounded_not_cut():
+    # room 101 at depth 0.75: round(75.75) = 76 characters of filler before it (int: 75)
+    context = 101 + len(INTRO) + len(NEEDLE) + len(QUESTION)
+    p = passkey(context=context, depth=0.75)
+    start = len(INTRO) + 76
+    assert TOK.decode(p.ids[start:start + len(NEEDLE)]) == NEEDLE
+
+
 def test_multikey_holds_every_key_and_asks_for_the_one_at_the_depth():
     p = build("multikey", TOK, 600, 0.5, random.Random(3), FILL, keys=3)
     text = TOK.decode(p.ids)

@@ -59,6 +59,8 @@ def test_merged_header_keeps_the_old_order():
     assert merged_header(["a", "c"], ["a", "b", "c", "d"]) == ["a", "b", "c", "d"]
     assert merged_header(["c", "a"], ["a", "b", "c"]) == ["c", "a", "b"]
     assert merged_header([], ["x"]) == ["x"]
+    # the new column goes in after its neighbour, not over the column after it (d kept)
+    assert merged_header(["c", "a", "d"], ["a", "b", "c", "d"]) == ["c", "a", "b", "d"]
 
 
 def test_a_file_missing_a_first_release_column_is_refused_untouched(tmp_path):

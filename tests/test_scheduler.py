@@ -967,3 +967,24 @@ def test_cache_aware_admission_puts_a_cached_prefix_first_above_its_threshold():
     assert _admitted_first(2, 0.3) == [2]  # above 0.3: r2's cached block first
     assert _admitted_first(1, 0.3) == [1]  # a window of one: nothing to trade places with
     assert _admitted_first(2, 0.3, prefix_caching=False) == [1]  # no cache: vLLM ignores it
+
+
+def test_among_equal_priorities_the_victim_is_the_latest_arrival():
+    # A and B, both priority 1, hold 2 blocks each of 4; at step 5 both need a fifth: vLLM
+    # preempts max((priority, arrival)) of the running, B (arrived 0.1 s after A), and A
+    # decodes. The earliest arrival would be A.
+    reqs = [Request(0, 0.0, 4, 6, priority=1), Request(1, 0.1, 4, 6, priority=1)]
+    s = Scheduler(reqs, n_blocks=4, block_size=4, scheduling="priority", decisions=True)
+    for _ in range(6):
+        s.step()
+    assert (s.decisions[5].scheduled, s.decisions[5].preempted) == (((0, 1),), (1,))
+
+
+def test_a_request_prefilled_again_after_preemption_keeps_its_first_tokens_step():
+    # A's first token at step 0; preempted at step 2 (B, priority 0, needs its block) and
+    # prefilled again at step 7 with its 2 tokens: its TTFT still counts from step 0
+    reqs = [Request(0, 0.0, 4, 6, priority=1), Request(1, 0.5, 4, 6, priority=0)]
+    s = Scheduler(reqs, n_blocks=3, block_size=4, scheduling="priority", decisions=True)
+    s.run()
+    assert s.decisions[2].preempted == (0,) and s.decisions[7].scheduled == ((0, 6),)
+    assert s.records[0].first_token == 0 and s.records[1].first_token == 1

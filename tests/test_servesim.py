@@ -290,7 +290,7 @@ def test_serve_rows_by_hand():
     from kvbench.experiments.servesim import Served, serve_rows
 
     ttft = [0.1 * i for i in range(1, 11)]
-    served = Served("paged", 7, 2.0, 4, [0.5, 1.0, 1.5, 2.0], [0.5, 0.4, 0.6, 0.5], [2, 3, 3, 1],
+    served = Served("paged", 7, 2.0, 4, [0.5, 1.0, 1.5, 2.0], [0.5, 0.4, 0.6, 2.5], [2, 3, 3, 1],
                     [5, 10, 15, 10], [4, 6, 6, 2], ttft, [0.02, 0.04], [0.1, 0.3],
                     output_tokens=40, prompt_tokens=100)
     (row,) = serve_rows(OPTIONS, "cpu", [served], "t", {})
@@ -301,7 +301,8 @@ def test_serve_rows_by_hand():
     assert row["latency_per_token_mean_ms"] == pytest.approx(200.0)
     assert (row["mean_batch"], row["max_batch"]) == (2.25, 3)
     assert (row["mean_blocks_in_use"], row["max_blocks_in_use"]) == (4.5, 6)
-    assert row["step_p50_ms"] == pytest.approx(500.0) and row["step_max_ms"] == 600.0
+    # steps of 0.4, 0.5, 0.6 and 2.5 s: the median 0.55 (the mean would be 1.0), the max 2.5
+    assert row["step_p50_ms"] == pytest.approx(550.0) and row["step_max_ms"] == 2500.0
     assert row["seed"] == 7  # the run's own seed, not the options' first
     assert row["step_host_p50_ms"] is None  # no host times recorded
     served.host_s = [0.1, 0.3, 0.2, 0.4]  # p50 0.25 s
