@@ -144,28 +144,6 @@ def test_the_estimate_leaves_the_first_points_compiling_out():
     assert "compiling" not in _estimate([30.0], [1.0, 1.0])
 
 
-def test_the_time_before_a_sweep_is_its_calls_and_flops_at_the_probed_pace(monkeypatch,
-                                                                            capsys):
-    from kvbench.measure import costs
-    from kvbench.planning import runner
-
-    # calls twice as slow as the reference's, FLOPs three times: 100 + 200 calls and 1e12 +
-    # 2e12 FLOPs
-    call, flop = costs.REFERENCE_PROBE_S
-    monkeypatch.setattr(costs, "probe", lambda device: (2 * call, 3 * flop))
-    seconds = 300 * costs.REFERENCE_CALL_S * 2 + 3e12 * costs.REFERENCE_FLOP_S * 3
-    points = [(100, 1e12), (200, 2e12)]
-    assert costs.seconds_before(points, (2 * call, 3 * flop)) == pytest.approx(seconds)
-    line, total = runner._before_text("cpu", points)
-    assert total == pytest.approx(seconds) and line.startswith(
-        f"about {runner.duration_text(seconds)} for the 2 points, before they start")
-    # said only past a minute: just over, then just under
-    for scale, said in ((1.01, True), (0.99, False)):
-        calls = round(scale * runner.LONG_SWEEP_S / (costs.REFERENCE_CALL_S * 2))
-        runner._say_before("cpu", [(calls, 0.0)])
-        assert ("before it starts" in " ".join(capsys.readouterr().err.split())) == said
-
-
 def test_a_points_calls_and_flops_by_hand():
     from kvbench.measure.costs import STEP_OVERHEAD_FLOPS, point_cost, point_work
     from kvbench.sizing.config import LayerShape
@@ -181,14 +159,8 @@ def test_a_points_calls_and_flops_by_hand():
     assert point_cost(s, 2, runs=3) == (3 * calls, 3 * flops)
 
 
-def test_the_probe_times_a_step_on_the_device():
-    from kvbench.measure.costs import probe
-
-    call, matmul = probe("cpu", calls=2)
-    assert 0 < call < 1.0 and 0 < matmul < 10.0
-
-
-def test_a_dry_run_says_the_time_the_sweep_should_take():
+def test_no_time_is_said_before_a_sweep_starts():
+    # from arithmetic alone it was 13x and 15x off: a dry run shows the plan, not a time
     from typer.testing import CliRunner
 
     from kvbench.cli import app
@@ -196,7 +168,7 @@ def test_a_dry_run_says_the_time_the_sweep_should_take():
     result = CliRunner().invoke(app, ["bench", "--device", "cpu", "--prompt-len", "8,16",
                                       "--impl", "static", "--dry-run", "--no-csv"])
     said = " ".join(result.stderr.split())
-    assert result.exit_code == 0 and "for the 2 points, before they start" in said
+    assert result.exit_code == 0 and "before they start" not in said and "about" not in said
 
 
 def test_a_points_calls_and_flops_by_hand_with_a_batch_and_heads():

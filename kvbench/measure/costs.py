@@ -110,65 +110,6 @@ def absorbed_step_flops(s: LayerShape, length: int) -> int:
 STEP_OVERHEAD_FLOPS = 100_000_000
 
 
-# The sweep's time before it starts: each point's calls and FLOPs (point_cost) at the pace
-# fitted on the reference machine (the 2-core AMD EPYC of scripts/estimate-check.py: a call's
-# seconds and a FLOP's, least squares over the quick sweeps' whole runs), each scaled by how
-# long the matching probe takes here against there: a step-shaped call (launch- and
-# Python-bound, as small points are) and a large matmul (FLOP-bound, as large points are).
-# Fitted on the quick sweeps (calls, FLOPs, whole run): context-length-recompute 2,112,
-# 3.5e11, 8 s; dtype 1,296, 7.0e11, 17 s (float16 and bfloat16 calls are slower on a CPU);
-# gqa-ratio 1,728, 2.5e13, 44 s: --dry-run says 15 s, 10 s and 48 s (1.9x, 0.59x, 1.09x).
-REFERENCE_CALL_S = 6.5e-3  # seconds a call (bench's timing around it included)
-REFERENCE_FLOP_S = 1.6e-12  # seconds a FLOP
-REFERENCE_PROBE_S = (1.45e-4, 1.15e-2)  # probe() there: (a step's call, the 1024³ matmul)
-
-
-def probe(device: str, calls: int = 20) -> tuple[float, float]:
-    """(seconds per call of a decode-step-shaped piece of work: a [2, 512] by [512, 1536]
-    projection and attention of 8 heads over 256 positions; seconds of a 1024³ matmul)."""
-    import time
-
-    import torch
-
-    from kvbench.measure.device import synchronize
-
-    g = torch.Generator().manual_seed(0)
-    x = torch.randn(2, 512, generator=g).to(device)
-    w = torch.randn(512, 1536, generator=g).to(device)
-    k = torch.randn(2, 8, 256, 64, generator=g).to(device)
-    a = torch.randn(1024, 1024, generator=g).to(device)
-
-    def step():
-        q = (x @ w)[:, :512].reshape(2, 8, 1, 64)
-        return torch.nn.functional.scaled_dot_product_attention(q, k, k)
-
-    def timed(work, n: int) -> float:
-        """The fastest of 5 rounds of n calls, per call: a fresh process's first rounds (its
-        thread pool starting) and a neighbour's bursts are left out."""
-        for _ in range(3):
-            work()
-        best = float("inf")
-        for _ in range(5):
-            synchronize(device)
-            start = time.perf_counter()
-            for _ in range(n):
-                work()
-            synchronize(device)
-            best = min(best, (time.perf_counter() - start) / n)
-        return best
-
-    return timed(step, calls), timed(lambda: a @ a, 2)
-
-
-def seconds_before(costs: list[tuple[int, float]], probed: tuple[float, float]) -> float:
-    """The sweep's seconds before any point has run: its calls and FLOPs at the reference
-    pace, each scaled by this machine's probe against the reference's."""
-    calls = sum(c for c, _ in costs)
-    flops = sum(f for _, f in costs)
-    return (calls * REFERENCE_CALL_S * probed[0] / REFERENCE_PROBE_S[0]
-            + flops * REFERENCE_FLOP_S * probed[1] / REFERENCE_PROBE_S[1])
-
-
 def point_cost(s: LayerShape, impls: int, runs: int = 1,
                recompute: bool = True) -> tuple[int, float]:
     """A point's (calls, FLOPs): path A's G recomputed prefixes (when run), and for each
