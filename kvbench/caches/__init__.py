@@ -25,6 +25,7 @@ from kvbench.caches.sdpa import SdpaCache
 from kvbench.caches.paged import PagedCache
 from kvbench.caches.splitk import SplitKCache
 from kvbench.caches.triton import TritonCache
+from kvbench.caches.flashinfer import FlashInferCache
 from kvbench.caches.flex import FlexCache
 from kvbench.caches.compiled import CompiledCache
 from kvbench.caches.window import WindowCache
@@ -42,6 +43,7 @@ __all__ = [
     "CompiledCache",
     "ConcatCache",
     "EvictionCache",
+    "FlashInferCache",
     "FlexCache",
     "ImplOptions",
     "MlaAbsorbedCache",
