@@ -63,12 +63,13 @@ def test_the_16_bit_kernels_have_no_shortfall(rows):
     assert inspection.shortfalls(sixteen) == []
 
 
-def test_each_default_aims_at_the_programs_an_sm_holds(rows):
-    # the split planner fills waves x SMs programs: the compiled kernel's occupancy
+def test_each_default_aims_at_no_more_programs_than_an_sm_holds(rows):
+    # the split planner fills waves x SMs programs: at most the compiled kernel's occupancy
+    # (equal under Triton 3.6, the lent machine's: tuning.DEFAULTS; 3.9 may hold more)
     for (kernel, fmt), r in rows.items():
         if kernel.endswith("stage1"):
             config = inspection.configuration(kernel.split()[0], fmt)
-            assert config.waves == r.programs_per_sm, (kernel, fmt, r)
+            assert config.waves <= r.programs_per_sm, (kernel, fmt, r)
 
 
 @pytest.mark.slow
