@@ -31,11 +31,12 @@ from kvbench.kernels.config import KernelConfig
 from kvbench.report.render import new_table, warn
 from kvbench.report.tables import Report, Table
 
-SEARCH = {  # the candidates of each dimension, searched in this order
-    "block_n": (32, 64, 128),
-    "num_warps": (4, 8),
+SEARCH = {  # the candidates of each dimension, searched in this order (from the default:
+    # one-warp programs of 16 positions hold 7-8 an SM, `kvbench tune --inspect`)
+    "block_n": (16, 32, 64, 128),
+    "num_warps": (1, 2, 4, 8),
     "num_stages": (2, 3, 4),
-    "waves": (1, 2, 3, 4),
+    "waves": (1, 2, 3, 4, 6, 8),
 }
 REHEARSAL_SEARCH = {"block_n": (16, 32), "num_warps": (4,), "num_stages": (2,), "waves": (1, 2)}
 
