@@ -136,12 +136,12 @@ def test_the_faults_fail_for_their_bug_not_the_shape():
 
 
 @pytest.mark.parametrize("lengths, units, target, fixed, expected", [
-    # B=8 at 32k, H_kv=8 on an H200 (2 programs on each of 132 SMs): 512 tiles of 64 each,
-    # 32,768 tile-programs over 264 -> 125 tiles a split -> 512 // 125 = 4 splits of 128;
-    # 256 programs, one full wave (5 would make 320: a second, mostly idle)
+    # B=8 at 32k, H_kv=8 on an H200 (2 programs on each of 132 SMs): 264 / 8 = 33 slots a
+    # KV head; 512 tiles of 64 each: the least c with 8 x ceil(512 / c) <= 33 is 128 -> 4
+    # splits; 256 programs, one full wave (5 would make 320: a second, mostly idle)
     ([32768] * 8, 8, 264, 0, [4] * 8),
-    # ragged: tiles 32, 2, 2, 469; (505 x 8) / 264 -> 16 a split; 469 // 16 = 29 splits of
-    # ceil(469 / 29) = 17 tiles -> 28 splits cover them; the short ones one each
+    # ragged: tiles 32, 2, 2, 469 over 33 slots: c = 16 makes 2 + 1 + 1 + 30 = 34, c = 17
+    # makes 2 + 1 + 1 + 28 = 32 -> splits of at most 17 tiles
     ([2000, 100, 100, 30000], 8, 264, 0, [2, 1, 1, 28]),
     ([4096] * 64, 8, 264, 0, [1] * 64),  # B·H_kv = 512 programs already fill the waves
     ([100, 1], 8, 264, 7, [2, 1]),  # pinned: 7 splits, but never more than a sequence's tiles
@@ -154,11 +154,25 @@ def test_the_split_plan_worked_by_hand(lengths, units, target, fixed, expected):
     assert triton_decode.grid_splits(100, 8, 264, 64, fixed=7) == 7
 
 
+def test_a_ragged_batchs_programs_are_balanced():
+    # the lognormal batch kvbench tune times (B=32, mean 2,000 positions), 8 KV heads, tiles
+    # of 16 on 7 x 132 programs: the longest program over the mean, 1.15 (1.79 when each
+    # sequence's splits were its tiles over the mean split, rounded down)
+    from kvbench.sizing.lengths import LenDist, draw
+
+    lengths = draw(LenDist("lognormal", 2000, 1.0), 32, 0, 32768)
+    splits = triton_decode.grid_splits(32768, 8, 7 * 132, 16)
+    tiles = triton_decode.program_tiles(lengths, 8, 7 * 132, 16, splits)
+    assert sum(tiles) == 8 * sum(-(-n // 16) for n in lengths)  # every tile once a head
+    assert len(tiles) <= 7 * 132 and max(tiles) / (sum(tiles) / len(tiles)) < 1.16
+
+
 @pytest.mark.slow
 def test_the_kernel_splits_each_sequence_as_the_host_plan_says(tiles_of_16):
     # lengths 150, 3, 64, 77 + 4 decoded: 10, 1, 5, 6 tiles of 16; 2 KV heads, 32 programs
-    # wanted (2 waves of 16): 44 tile-programs / 32 -> 2 tiles a split -> 5, 1, 2, 3 splits
-    # (5 tiles in 2 splits of 3). The kernel's live splits (exp-sums > 0) must be those.
+    # (2 waves of 16): 16 a KV head. The least tiles a program, c, whose splits fit: c = 1
+    # makes 22 > 16, c = 2 makes 5 + 1 + 3 + 3 = 12 -> 5, 1, 3, 3 splits (5 tiles in 3 of 2,
+    # 6 in 3 of 2). The kernel's live splits (exp-sums > 0) must be those.
     config = RunConfig(LayerShape(decode_len=4, hidden=64, q_heads=8, kv_heads=2,
                                   head_dim=32).with_lens((150, 3, 64, 77)))
     from kvbench.layers.attention import AttentionLayer, make_inputs
@@ -169,7 +183,7 @@ def test_the_kernel_splits_each_sequence_as_the_host_plan_says(tiles_of_16):
     cache.decode(x)
     live = (cache.launch.partials[2] > 0).sum(-1)  # [B, H_q]
     plan = cache.launch.plan(cache.row_lengths(), 2)
-    assert cache.launch.splits == 10 and plan == [5, 1, 2, 3]
+    assert cache.launch.splits == 10 and plan == [5, 1, 3, 3]
     assert live.tolist() == [[n] * 8 for n in plan]
 
 

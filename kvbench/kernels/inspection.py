@@ -184,7 +184,8 @@ def _launch(kernel, batch, q_heads, width, capacity, units, config):
     return kernel.Launch(splits, target, 0, config,
                          (torch.empty(batch, q_heads, splits, width, **f32),
                           torch.empty(batch, q_heads, splits, **f32),
-                          torch.empty(batch, q_heads, splits, **f32)))
+                          torch.empty(batch, q_heads, splits, **f32)),
+                         torch.empty(batch, 2, dtype=torch.int32, device="meta"))
 
 
 def configuration(kernel: str, fmt: str) -> KernelConfig:

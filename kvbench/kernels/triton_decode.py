@@ -14,13 +14,15 @@ attention derive from:
 
 What makes it fast (SGLang's and vLLM's decode kernels, FlashInfer's planner):
 
-- **Splits per sequence, from the device's size.** Every program reads each sequence's
-  length from device memory and plans the same way (`_plan`): the batch's work in tiles, over
-  `target` programs (a few per SM: `KernelConfig.waves`), gives the tiles one split takes;
-  a sequence gets as many splits as its tiles fill, rounded down so the programs fit whole
-  waves (flash-attn's `num_splits_heuristic` weighs the same wave efficiency). A long
-  sequence of a ragged batch is spread over many programs, a short one takes one, and the
-  programs a sequence does not need exit at once.
+- **Splits per sequence, planned on the device.** Before stage 1 a one-program kernel
+  (`_plan`) reads every sequence's length from device memory and writes each one's work: the
+  fewest tiles a program takes such that every sequence's splits fit `target` programs (a
+  few per SM: `KernelConfig.waves`), one wave whose longest program is as short as splitting
+  each sequence allows (FlashInfer's planner balances the same way; flash-attn's
+  `num_splits_heuristic` weighs the same wave efficiency). A long sequence of a ragged batch
+  is spread over many programs, a short one takes one, and the programs a sequence does not
+  need exit at once. (On the lognormal batch `kvbench tune` times, the longest program over
+  the mean: 1.15, where rounding each sequence's share down gave 1.79.)
 - **Graph-safe.** Lengths live on the device and the grid is fixed ((B, H_kv, SPLITS), SPLITS
   set when the cache is built), so a decode step that launches these kernels can be captured
   in a CUDA graph and replayed as the cache grows.
@@ -59,38 +61,77 @@ from kvbench.kernels.config import KernelConfig
 MAX_SPLITS = 64
 
 
-def _plan(Lengths, b, s, batch, target, fixed, BLOCK_B: tl.constexpr, TILE: tl.constexpr,
-          UNITS: tl.constexpr, SPLITS: tl.constexpr):
-    """Split s of sequence b: (its length, first tile, end tile, the sequence's splits).
+PLAN_STEPS = tl.constexpr(24)  # the bisection's steps: programs of up to 2^24 tiles
 
-    fixed > 0: every sequence in min(fixed, its tiles) splits. Otherwise the batch's tiles
-    times the UNITS programs each (KV heads) over `target` programs give the tiles a split
-    takes; a sequence's tiles over that, rounded down (so the programs fit the waves), at
-    least 1 and at most SPLITS. Its tiles are then shared out evenly."""
-    length = tl.load(Lengths + b).to(tl.int32)
-    tiles = tl.cdiv(length, TILE)
+
+def _plan(Lengths, Plan, batch, target, fixed, BLOCK_B: tl.constexpr, TILE: tl.constexpr,
+          UNITS: tl.constexpr, SPLITS: tl.constexpr):
+    """Every sequence's work list, planned on the device (one program, before stage 1):
+    Plan [B, 2] int32 its splits and the tiles a split takes.
+
+    fixed > 0: every sequence in min(fixed, its tiles) splits. Otherwise the fewest tiles a
+    program takes, c, such that every sequence split into ceil(its tiles / c) programs (at
+    most SPLITS) fits `target` programs for the UNITS (KV heads) of each: one wave, its
+    longest program as short as a per-sequence split allows (bisected over c). A
+    sequence's tiles are then shared out evenly, none empty."""
     offs = tl.arange(0, BLOCK_B)
     lengths = tl.load(Lengths + offs, mask=offs < batch, other=0).to(tl.int32)
-    total = tl.sum(tl.cdiv(lengths, TILE), 0) * UNITS
-    chunk = tl.maximum(tl.cdiv(total, target), 1)
-    planned = tl.minimum(tl.maximum(tiles // chunk, 1), SPLITS)
-    n = tl.where(fixed > 0, tl.minimum(fixed, tiles), planned)
-    per = tl.maximum(tl.cdiv(tiles, tl.maximum(n, 1)), 1)
-    n = tl.cdiv(tiles, per)  # none empty
-    return length, s * per, tl.minimum((s + 1) * per, tiles), n
+    every = tl.cdiv(lengths, TILE)  # [BLOCK_B], 0 past the batch
+    slots = tl.maximum(target // UNITS, batch)
+    lo = tl.full([], 1, tl.int32)
+    hi = tl.maximum(tl.max(every, 0), 1)
+    for _ in range(PLAN_STEPS):  # the least c whose programs fit the slots
+        c = (lo + hi) // 2
+        fits = tl.sum(tl.minimum(tl.cdiv(every, c), SPLITS), 0) <= slots
+        hi = tl.where(fits, c, hi)
+        lo = tl.where(fits, lo, c + 1)
+    planned = tl.minimum(tl.maximum(tl.cdiv(every, lo), 1), SPLITS)
+    n = tl.where(fixed > 0, tl.minimum(fixed, every), planned)
+    per = tl.maximum(tl.cdiv(every, tl.maximum(n, 1)), 1)
+    tl.store(Plan + offs * 2, tl.cdiv(every, per), mask=offs < batch)
+    tl.store(Plan + offs * 2 + 1, per, mask=offs < batch)
+
+
+def _split(Lengths, Plan, b, s, TILE: tl.constexpr):
+    """Split s of sequence b from the plan: (its length, first tile, end tile, the
+    sequence's splits)."""
+    length = tl.load(Lengths + b).to(tl.int32)
+    n = tl.load(Plan + b * 2)
+    per = tl.load(Plan + b * 2 + 1)
+    return length, s * per, tl.minimum((s + 1) * per, tl.cdiv(length, TILE)), n
 
 
 def plan_splits(lengths: list[int], units: int, target: int, tile: int, splits: int,
                 fixed: int = 0) -> list[int]:
-    """The splits `_plan` gives each sequence (the host's mirror, for reports and tests)."""
+    """The splits `_plan` writes for each sequence (the host's mirror, for reports and
+    tests)."""
     tiles = [math.ceil(n / tile) for n in lengths]
-    chunk = max(math.ceil(sum(tiles) * units / target), 1)
+    slots = max(target // units, len(tiles))
+    lo, hi = 1, max(max(tiles, default=1), 1)
+    for _ in range(PLAN_STEPS.value):  # (as the device bisects: a fixed count of steps)
+        c = (lo + hi) // 2
+        if sum(min(math.ceil(t / c), splits) for t in tiles) <= slots:
+            hi = c
+        else:
+            lo = c + 1
     out = []
     for t in tiles:
-        n = min(fixed, t) if fixed > 0 else min(max(t // chunk, 1), splits)
+        n = min(fixed, t) if fixed > 0 else min(max(math.ceil(t / lo), 1), splits)
         per = max(math.ceil(t / max(n, 1)), 1)
         out.append(math.ceil(t / per))
     return out
+
+
+def program_tiles(lengths: list[int], units: int, target: int, tile: int, splits: int,
+                  fixed: int = 0) -> list[int]:
+    """Every program's tiles under the plan (each sequence's splits, for each unit): their
+    longest over their mean is the plan's balance."""
+    out = []
+    for n, length in zip(plan_splits(lengths, units, target, tile, splits, fixed), lengths):
+        t = math.ceil(length / tile)
+        per = max(math.ceil(t / max(n, 1)), 1)
+        out += [min(per, t - per * i) for i in range(n)]
+    return out * units
 
 
 def grid_splits(capacity: int, units: int, target: int, tile: int, fixed: int = 0) -> int:
@@ -180,13 +221,12 @@ def _int_rows(C, s, z, slot, valid, BITS: tl.constexpr, GROUP: tl.constexpr,
     return c.to(MATH) * s + z
 
 
-def _stage1(Q, K, V, Table, Lengths, Acc, M, L, KS, KZ, VS, VZ, scale, batch, target, fixed,
+def _stage1(Q, K, V, Table, Lengths, Plan, Acc, M, L, KS, KZ, VS, VZ, scale,
             stride_qb, stride_qh, stride_kn, stride_kh, stride_kt, stride_tb,
             stride_ab, stride_ah, stride_as, stride_mb, stride_mh,
             stride_sn, stride_sh, stride_st,
             G: tl.constexpr, D: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
-            BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr, PAGE: tl.constexpr,
-            SPLITS: tl.constexpr, UNITS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+            BLOCK_N: tl.constexpr, PAGE: tl.constexpr, DOT_PRECISION: tl.constexpr,
             WIDEN: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr,
             PACKED: tl.constexpr, FP8: tl.constexpr,
             STATIC_TILES: tl.constexpr, AHEAD: tl.constexpr = True):
@@ -209,8 +249,7 @@ def _stage1(Q, K, V, Table, Lengths, Acc, M, L, KS, KZ, VS, VZ, scale, batch, ta
     mask_d = offs_d < D
     heads = h * G + offs_g  # the query heads that share KV head h
     stat = b * stride_mb + heads * stride_mh + s
-    length, first, end, n = _plan(Lengths, b, s, batch, target, fixed, BLOCK_B, BLOCK_N,
-                                  UNITS, SPLITS)
+    length, first, end, n = _split(Lengths, Plan, b, s, BLOCK_N)
     if s >= n:  # a split this sequence does not need: marked empty for stage 2
         tl.store(L + stat, tl.zeros([BLOCK_G], dtype=tl.float32), mask=mask_g)
         return
@@ -373,15 +412,14 @@ def _interpreter_takes_loaded_bounds() -> bool:
 
 # In the interpreter, loop over a host-given count of tiles (masked) where a run-time bound fails.
 STATIC_LOOP = INTERPRETED and not _interpreter_takes_loaded_bounds()
-_plan = triton.jit(_plan)
+_plan = triton.jit(_plan, do_not_specialize=["batch", "target", "fixed"])
+_split = triton.jit(_split)
 _tile = triton.jit(_tile)
 _codes = triton.jit(_codes)
 _dequantized = triton.jit(_dequantized)
 _int_meta = triton.jit(_int_meta)
 _int_rows = triton.jit(_int_rows)
-# batch, target and fixed are constant for a cache's life; not specializing them keeps one
-# kernel whatever their values
-stage1 = triton.jit(_stage1, do_not_specialize=["batch", "target", "fixed"])
+stage1 = triton.jit(_stage1)
 stage2 = triton.jit(_stage2)
 
 
@@ -408,6 +446,7 @@ class Launch:
     fixed: int
     config: KernelConfig
     partials: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+    work: torch.Tensor | None = None  # [B, 2] int32: each sequence's splits, tiles a split
 
     @classmethod
     def make(cls, batch: int, q_heads: int, width: int, capacity: int, units: int,
@@ -418,7 +457,8 @@ class Launch:
         return cls(splits, target, fixed, config,
                    (torch.empty(batch, q_heads, splits, width, **f32),  # acc
                     torch.empty(batch, q_heads, splits, **f32),  # running max m
-                    torch.empty(batch, q_heads, splits, **f32)))  # exp-sum l
+                    torch.empty(batch, q_heads, splits, **f32)),  # exp-sum l
+                   torch.empty(batch, 2, dtype=torch.int32, device=device))
 
     def plan(self, lengths: list[int], units: int) -> list[int]:
         """Each sequence's splits at these lengths (what the kernels do on the device)."""
@@ -450,7 +490,8 @@ def split_partials(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
         t = store.tensors if store is not None else {}
         bits = store.fmt.bits if store is not None and store.fmt.grouped else 0
         group = store.fmt.group_size if store is not None else 1
-        gqa_stage1(q, k_pool, v_pool, table, lengths, *launch.partials, t.get("k_scale"),
+        gqa_stage1(q, k_pool, v_pool, table, lengths, *launch.partials, launch.work,
+                   t.get("k_scale"),
                    t.get("k_zero"), t.get("v_scale"), t.get("v_zero"), scale,
                    *launch_numbers(launch), bits, group, longest)
         return None
@@ -459,10 +500,20 @@ def split_partials(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
 
 def launch_stage1(q, k_pool, v_pool, table, lengths, scale, launch: Launch, store=None,
                   longest: int = 0):
-    """Stage 1 launched (split_partials' eager path, and the op's body)."""
+    """The plan, then stage 1, launched (split_partials' eager path, and the op's body)."""
+    launch_plan(launch, lengths, k_pool.shape[1])
     grid, args, constants = stage1_args(q, k_pool, v_pool, table, lengths, scale, launch,
                                         store, longest)
     return graphs.launch(stage1[grid], *args, **constants)
+
+
+def launch_plan(launch: Launch, lengths: torch.Tensor, units: int) -> None:
+    """Each sequence's splits into launch.work, on the device from its lengths (one program:
+    graph-safe, no host work a step)."""
+    B = lengths.shape[0]
+    graphs.launch(_plan[(1,)], lengths, launch.work, B, launch.target, launch.fixed,
+                  BLOCK_B=triton.next_power_of_2(B), TILE=launch.config.block_n,
+                  UNITS=units, SPLITS=launch.splits, num_warps=1)
 
 
 def stage1_args(q, k_pool, v_pool, table, lengths, scale, launch: Launch, store=None,
@@ -493,15 +544,13 @@ def stage1_args(q, k_pool, v_pool, table, lengths, scale, launch: Launch, store=
     precision = "ieee" if q.dtype == torch.float32 or widen else "tf32"
     # (D a power of two of at least 16: the tile's width is tl.dot's, unpadded)
     packed = bits > 0 and D == pad(D) and group & (group - 1) == 0 and group <= D
-    args = (q, k_pool, v_pool, table, lengths, acc, m, l, ks, kz, vs, vz, scale, B,
-            launch.target, launch.fixed,
+    args = (q, k_pool, v_pool, table, lengths, launch.work, acc, m, l, ks, kz, vs, vz, scale,
             q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), k_pool.stride(2),
             table.stride(0), acc.stride(0), acc.stride(1), acc.stride(2), m.stride(0),
             m.stride(1), *meta)
     constants = {
         "G": G, "D": D, "BLOCK_G": pad(G), "BLOCK_D": pad(D), "BLOCK_N": cfg.block_n,
-        "BLOCK_B": triton.next_power_of_2(B), "PAGE": page, "SPLITS": launch.splits,
-        "UNITS": Hkv, "DOT_PRECISION": precision, "WIDEN": widen, "BITS": bits,
+        "PAGE": page, "DOT_PRECISION": precision, "WIDEN": widen, "BITS": bits,
         "GROUP": group, "PACKED": packed, "FP8": fp8,
         "STATIC_TILES": static_tiles(longest, launch), "AHEAD": True,
         "num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
@@ -549,31 +598,32 @@ def stage2_args(launch: Launch, lengths: torch.Tensor, out: torch.Tensor, units:
 
 
 def _launch(acc, m, l, target: int, fixed: int, block_n: int, num_warps: int,
-            num_stages: int, waves: int):
+            num_stages: int, waves: int, plan=None):
     return Launch(acc.shape[2], target, fixed,
-                  KernelConfig(block_n, num_warps, num_stages, waves), (acc, m, l))
+                  KernelConfig(block_n, num_warps, num_stages, waves), (acc, m, l), plan)
 
 
-@torch.library.custom_op("kvbench::gqa_stage1", mutates_args=("acc", "m", "l"))
+@torch.library.custom_op("kvbench::gqa_stage1", mutates_args=("acc", "m", "l", "plan"))
 def gqa_stage1(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
                table: torch.Tensor, lengths: torch.Tensor, acc: torch.Tensor, m: torch.Tensor,
-               l: torch.Tensor, k_scale: torch.Tensor | None, k_zero: torch.Tensor | None,
-               v_scale: torch.Tensor | None, v_zero: torch.Tensor | None, scale: float,
-               target: int, fixed: int, block_n: int, num_warps: int, num_stages: int,
-               waves: int, bits: int, group_size: int, longest: int) -> None:
-    """triton_decode's stage 1 into acc, m, l. bits 0 with k_scale: fp8; bits > 0: the int
-    formats (k_zero, v_zero their zero points)."""
+               l: torch.Tensor, plan: torch.Tensor, k_scale: torch.Tensor | None,
+               k_zero: torch.Tensor | None, v_scale: torch.Tensor | None,
+               v_zero: torch.Tensor | None, scale: float, target: int, fixed: int,
+               block_n: int, num_warps: int, num_stages: int, waves: int, bits: int,
+               group_size: int, longest: int) -> None:
+    """triton_decode's plan into `plan` and stage 1 into acc, m, l. bits 0 with k_scale:
+    fp8; bits > 0: the int formats (k_zero, v_zero their zero points)."""
     store = None
     if k_scale is not None:
         tensors = {"k_scale": k_scale, "v_scale": v_scale, "k_zero": k_zero, "v_zero": v_zero}
         store = SimpleNamespace(tensors=tensors, fmt=SimpleNamespace(
             bits=bits, grouped=bits > 0, group_size=group_size))
-    launch = _launch(acc, m, l, target, fixed, block_n, num_warps, num_stages, waves)
+    launch = _launch(acc, m, l, target, fixed, block_n, num_warps, num_stages, waves, plan)
     launch_stage1(q, k_pool, v_pool, table, lengths, scale, launch, store, longest)
 
 
 @gqa_stage1.register_fake
-def _(q, k_pool, v_pool, table, lengths, acc, m, l, k_scale, k_zero, v_scale, v_zero, scale,
+def _(q, k_pool, v_pool, table, lengths, acc, m, l, plan, k_scale, k_zero, v_scale, v_zero, scale,
       target, fixed, block_n, num_warps, num_stages, waves, bits, group_size, longest):
     return None
 

@@ -31,18 +31,25 @@ import triton
 import triton.language as tl
 
 from kvbench.kernels import graphs
-from kvbench.kernels.triton_decode import _launch, _plan, _tile, launch_numbers, pad, static_tiles
+from kvbench.kernels.triton_decode import (
+    _launch,
+    _split,
+    _tile,
+    launch_numbers,
+    launch_plan,
+    pad,
+    static_tiles,
+)
 
 BLOCK_H = 16  # query heads per program
 
 
-def _stage1(Q, Pool, Table, Lengths, Acc, M, L, Fp8Scale, scale, batch, target, fixed,
+def _stage1(Q, Pool, Table, Lengths, Plan, Acc, M, L, Fp8Scale, scale,
             stride_qb, stride_qh, stride_pn, stride_pt, stride_tb,
             stride_ab, stride_ah, stride_as, stride_mb, stride_mh,
             H: tl.constexpr, C: tl.constexpr, R: tl.constexpr, BLOCK_H: tl.constexpr,
             BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
-            BLOCK_B: tl.constexpr, PAGE: tl.constexpr, SPLITS: tl.constexpr,
-            UNITS: tl.constexpr, DOT_PRECISION: tl.constexpr, WIDEN: tl.constexpr,
+            PAGE: tl.constexpr, DOT_PRECISION: tl.constexpr, WIDEN: tl.constexpr,
             FP8: tl.constexpr, STATIC_TILES: tl.constexpr, AHEAD: tl.constexpr = True,
             ONCE: tl.constexpr = True):
     """Q [B, H, C + R] (the absorbed queries); Pool [N_blocks, 1, page, C + R] entries.
@@ -57,8 +64,7 @@ def _stage1(Q, Pool, Table, Lengths, Acc, M, L, Fp8Scale, scale, batch, target, 
     mask_c = offs_c < C
     mask_r = offs_r < R
     stat = b * stride_mb + heads * stride_mh + s
-    length, first, end, n = _plan(Lengths, b, s, batch, target, fixed, BLOCK_B, BLOCK_N,
-                                  UNITS, SPLITS)
+    length, first, end, n = _split(Lengths, Plan, b, s, BLOCK_N)
     if s >= n:  # a split this sequence does not need: marked empty for stage 2
         tl.store(L + stat, tl.zeros([BLOCK_H], dtype=tl.float32), mask=mask_h)
         return
@@ -139,7 +145,7 @@ def _stage1(Q, Pool, Table, Lengths, Acc, M, L, Fp8Scale, scale, batch, target, 
     tl.store(L + stat, l_i, mask=mask_h)
 
 
-stage1 = triton.jit(_stage1, do_not_specialize=["batch", "target", "fixed"])
+stage1 = triton.jit(_stage1)
 
 
 def units(q_heads: int) -> int:
@@ -157,7 +163,7 @@ def split_partials(q: torch.Tensor, pool: torch.Tensor, table: torch.Tensor,
     Returns Triton's compiled kernel (None in the interpreter).
     """
     if torch.compiler.is_compiling():  # the op kvbench::mla_stage1, a node of the graph
-        mla_stage1(q, pool, table, lengths, *launch.partials, fp8_scale, scale,
+        mla_stage1(q, pool, table, lengths, *launch.partials, launch.work, fp8_scale, scale,
                    *launch_numbers(launch), latent_dim, longest)
         return None
     return launch_stage1(q, pool, table, lengths, scale, launch, latent_dim, fp8_scale,
@@ -166,7 +172,8 @@ def split_partials(q: torch.Tensor, pool: torch.Tensor, table: torch.Tensor,
 
 def launch_stage1(q, pool, table, lengths, scale, launch, latent_dim: int, fp8_scale=None,
                   longest: int = 0):
-    """Stage 1 launched (split_partials' eager path, and the op's body)."""
+    """The plan, then stage 1, launched (split_partials' eager path, and the op's body)."""
+    launch_plan(launch, lengths, units(q.shape[1]))
     grid, args, constants = stage1_args(q, pool, table, lengths, scale, launch, latent_dim,
                                         fp8_scale, longest)
     return graphs.launch(stage1[grid], *args, **constants)
@@ -184,14 +191,13 @@ def stage1_args(q, pool, table, lengths, scale, launch, latent_dim: int, fp8_sca
     assert pool.stride(3) == 1 and q.stride(2) == 1 and acc.stride(3) == 1
     widen = INTERPRETED and q.dtype == torch.bfloat16
     precision = "ieee" if q.dtype == torch.float32 or widen else "tf32"
-    args = (q, pool, table, lengths, acc, m, l, fp8_scale if fp8_scale is not None else pool,
-            scale, B, launch.target, launch.fixed,
-            q.stride(0), q.stride(1), pool.stride(0), pool.stride(2), table.stride(0),
-            acc.stride(0), acc.stride(1), acc.stride(2), m.stride(0), m.stride(1))
+    args = (q, pool, table, lengths, launch.work, acc, m, l,
+            fp8_scale if fp8_scale is not None else pool, scale, q.stride(0), q.stride(1),
+            pool.stride(0), pool.stride(2), table.stride(0), acc.stride(0), acc.stride(1),
+            acc.stride(2), m.stride(0), m.stride(1))
     constants = {
         "H": H, "C": C, "R": R, "BLOCK_H": BLOCK_H, "BLOCK_C": pad(C), "BLOCK_R": pad(R),
-        "BLOCK_N": cfg.block_n, "BLOCK_B": triton.next_power_of_2(B), "PAGE": pool.shape[2],
-        "SPLITS": launch.splits, "UNITS": units(H), "DOT_PRECISION": precision,
+        "BLOCK_N": cfg.block_n, "PAGE": pool.shape[2], "DOT_PRECISION": precision,
         "WIDEN": widen, "FP8": fp8_scale is not None,
         "STATIC_TILES": static_tiles(longest, launch), "AHEAD": True, "ONCE": True,
         "num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
@@ -201,18 +207,18 @@ def stage1_args(q, pool, table, lengths, scale, launch, latent_dim: int, fp8_sca
 # stage 1 as a custom op (see triton_decode's): a node of a torch.compile graph
 
 
-@torch.library.custom_op("kvbench::mla_stage1", mutates_args=("acc", "m", "l"))
+@torch.library.custom_op("kvbench::mla_stage1", mutates_args=("acc", "m", "l", "plan"))
 def mla_stage1(q: torch.Tensor, pool: torch.Tensor, table: torch.Tensor,
                lengths: torch.Tensor, acc: torch.Tensor, m: torch.Tensor, l: torch.Tensor,
-               fp8_scale: torch.Tensor | None, scale: float, target: int, fixed: int,
-               block_n: int, num_warps: int, num_stages: int, waves: int, latent_dim: int,
-               longest: int) -> None:
-    """triton_mla's stage 1 into acc, m, l."""
-    launch = _launch(acc, m, l, target, fixed, block_n, num_warps, num_stages, waves)
+               plan: torch.Tensor, fp8_scale: torch.Tensor | None, scale: float, target: int,
+               fixed: int, block_n: int, num_warps: int, num_stages: int, waves: int,
+               latent_dim: int, longest: int) -> None:
+    """triton_mla's plan into `plan` and stage 1 into acc, m, l."""
+    launch = _launch(acc, m, l, target, fixed, block_n, num_warps, num_stages, waves, plan)
     launch_stage1(q, pool, table, lengths, scale, launch, latent_dim, fp8_scale, longest)
 
 
 @mla_stage1.register_fake
-def _(q, pool, table, lengths, acc, m, l, fp8_scale, scale, target, fixed, block_n, num_warps,
-      num_stages, waves, latent_dim, longest):
+def _(q, pool, table, lengths, acc, m, l, plan, fp8_scale, scale, target, fixed, block_n,
+      num_warps, num_stages, waves, latent_dim, longest):
     return None
