@@ -8,7 +8,7 @@
 # Verified on a 1,024-token prompt before each timing (--no-recompute: path A at 16k is a
 # quadratic forward per step); --no-prefill (the prompt is filled once, untimed, and
 # transformers' generate row, which would prefill twice a round, is left out).
-# Needs the gemma3-270m packages (docs/models.md). About 25 minutes on 2 cores.
+# Needs the gemma3-270m packages (docs/models.md). About 10 minutes on a quiet 2-core CPU.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:-results/hybrid-gemma3.csv}
