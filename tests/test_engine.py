@@ -671,3 +671,137 @@ def test_an_fp8_checkpoint_is_sized_in_fp8_by_both_engines(tmp_path):
     assert cap.checkpoint_dtype({"quantization_config": {"quant_method": "gptq",
                                                          "bits": 8}}) == "int8"
     assert cap.checkpoint_dtype({}) is None
+
+
+# ------------------------------------------ the refusals', levers' and peaks' edges by hand
+
+
+def _refused(led, **o):
+    """refusal() of a fake ledger (only what it reads) on a 1-layer model."""
+    from types import SimpleNamespace
+
+    from kvbench.sizing.versions import release
+
+    model = cap.ModelSpec(name="m", layers=1, kv_heads=1, head_dim=64, max_positions=8192)
+    opts = eng.EngineOptions(o.pop("engine", "vllm"), 80 * GIB, **o)
+    fake = SimpleNamespace(**{"kv_available": GIB, "num_blocks": 100, "max_concurrency": 2.0,
+                              "blocks_per_request": 4, "group_size": 1, "block_size": 16,
+                              "groups": [SimpleNamespace(page_bytes=4096)],
+                              "release": release("vllm==0.33"), **led})
+    return eng.refusal(model, opts, fake)
+
+
+def test_vllms_refusals_at_their_edges():
+    assert _refused({}) is None
+    # max_num_batched_tokens equal to max_num_seqs starts; one fewer does not
+    assert _refused({}, max_num_batched_tokens=256, max_num_seqs=256) is None
+    assert _refused({}, max_num_batched_tokens=255, max_num_seqs=256).startswith(
+        "vLLM 0.33 would not start: max_num_batched_tokens (255) must be")
+    # no memory at all, 1 byte that holds no block, and the override's 0 blocks
+    assert _refused({"kv_available": 0}) == ("vLLM 0.33 would not start: no available memory "
+                                             "for the cache blocks (short by 0.00 GiB)")
+    assert _refused({"kv_available": 1, "num_blocks": 0}) == (
+        "vLLM 0.33 would not start: the KV memory left (0.00 GiB) holds no block")
+    assert _refused({"num_blocks": 0}, num_blocks=0) == (
+        "vLLM 0.33 would not start: no cache blocks (--num-gpu-blocks-override 0)")
+    # one request exactly fits; a little less does not: 4 blocks of 4,096 B a request
+    assert _refused({"max_concurrency": 1.0}) is None
+    said = _refused({"max_concurrency": 0.5, "num_blocks": 2}, max_model_len=64)
+    assert said == ("vLLM 0.33 would not start: to serve at least one request with the "
+                    "model's max seq len (64), 0.00 GiB KV cache is needed, which is larger "
+                    "than the available KV cache memory (0.00 GiB); about 32 tokens fit: "
+                    "lower --max-model-len")
+    # SGLang's own name, and no concurrency refusal of its own
+    assert _refused({"kv_available": 0}, engine="sglang").startswith("sglang would not start")
+    assert _refused({"max_concurrency": 0.5}, engine="sglang") is None
+
+
+def test_the_fitting_tokens_in_vllms_words_by_hand():
+    # llama-3.1-70b at TP 2 on an H100, 131,072 tokens: 2,412 blocks of 16 for a request's
+    # 8,192: 0.2944 of one; 0.2944 x 131,072 = 38,592 tokens (a multiple of 16), and the
+    # blocks' 2,412 x 16 x 2,048 B x 80 layers = 5.89 GiB
+    result = runner.invoke(app, ["capacity", "--engine", "vllm==0.33", "--model",
+                                 "llama-3.1-70b", "--gpu", "H100-80GB", "--tp", "2",
+                                 "--max-model-len", "131072", "--no-csv"])
+    line = result.stderr.strip()
+    assert "available KV cache memory (5.89 GiB); about 38,592 tokens fit" in line, line
+
+
+def test_a_kv_memory_equal_to_the_gpu_is_taken():
+    o = eng.EngineOptions("vllm", 10 * GIB, kv_memory=10 * GIB)
+    assert eng.ledger(cap.preset("llama-3-8b"), o).kv_available == 10 * GIB
+
+
+def test_the_levers_pick_the_first_setting_that_reaches_the_target():
+    # one layer of 1 KV head of 64 in bf16: 256 B a token, pages of 4,096 B; 2^20 blocks
+    # given (--kv-memory 4 GiB). At max_model_len 262,144 (16,384 blocks a request) the
+    # concurrency is 64; a length n gives 2^24 / n: each candidate is the first to reach
+    # exactly 2^24 / itself
+    model = cap.ModelSpec(name="m", layers=1, kv_heads=1, head_dim=64, q_heads=1)
+    o = eng.EngineOptions("vllm", 80 * GIB, max_model_len=262_144, kv_memory=4 * GIB,
+                          weights=GIB)
+    assert eng.ledger(model, o).max_concurrency == 64
+    assert eng.to_target(model, o, 64) == ["already 64.00 concurrent requests (target 64)"]
+    for n in (131072, 65536, 32768, 16384, 8192, 4096, 2048, 1024):
+        lines = eng.to_target(model, o, 2 ** 24 / n)
+        assert f"--max-model-len {n}" in lines, (n, lines)
+    # a utilization one step above: 10 GiB, 1 GiB of weights, activation given as 0: at 0.5
+    # 4 GiB, 1,048,576 blocks of 4,096 B at max_model_len 4,096 (256 blocks a request):
+    # 4,096 requests; at 0.51 the budget grows by 0.1 GiB: 1,074,790 blocks, 4,198.4
+    u = eng.EngineOptions("vllm", 10 * GIB, utilization=0.5, max_model_len=4096,
+                          weights=GIB, activation=0, non_torch=0, extensible=False)
+    assert eng.ledger(model, u).max_concurrency == pytest.approx(4096, abs=1e-9)
+    assert "--gpu-memory-utilization 0.51" in eng.to_target(model, u, 4100)
+
+
+def test_the_tp_lever_skips_a_split_the_heads_do_not_take():
+    # 4 KV heads of 64, 4 query heads: TP 2 halves a rank's bytes (2 heads), TP 4 quarters
+    # them. At TP 1: 1,024 B a token, a request of 1,024 tokens 1 MiB; 64 MiB of KV: 64
+    # requests; TP 2: 128; TP 4: 256 (TP 8 too: one head a rank, replicated)
+    model = cap.ModelSpec(name="m", layers=1, kv_heads=4, head_dim=64, q_heads=4)
+    o = eng.EngineOptions("vllm", 80 * GIB, max_model_len=1024, kv_memory=64 * 2 ** 20)
+    assert eng.ledger(model, o).max_concurrency == 64
+    assert "--tp 4" in eng.to_target(model, o, 200)  # (2 gives 128; 5 would not divide)
+
+
+def test_an_mla_forward_peak_by_hand():
+    # MLA: 101 tokens x 3 heads x (7 + 2) x 2 = 5,454 // TP 4 = 1,363 elements (a floor)
+    # against the MLP's 101 x 3 x 1 x 5 // 4 = 378: the residual's 2 x 101 x 4 + 1,363 =
+    # 2,171 x 2 B; without a head count, one: 101 x 9 x 2 // 4 = 454
+    model = cap.ModelSpec(name="m", layers=1, q_heads=3, mla_latent=7, mla_rope=2, hidden=4,
+                          intermediate=5)
+    o = eng.EngineOptions("vllm", 80 * GIB, max_num_batched_tokens=101, tp=4)
+    assert eng.forward_peak(model, o) == (2 * 101 * 4 + 1363) * 2
+    assert eng.forward_peak(replace(model, q_heads=None), o) == (2 * 101 * 4 + 454) * 2
+    # GQA at TP 4 over 6 KV heads: each rank keeps 6 // 4 = 1: 100 x (2 x 12 + 2 x 1) x 16
+    # = 41,600 against the MLP's 100 x 3 x 2 x 9 // 4 = 1,350; over 2 KV heads max(1, 0) = 1
+    gqa = cap.ModelSpec(name="g", layers=1, kv_heads=6, head_dim=16, q_heads=12, hidden=4,
+                        intermediate=9, moe_top_k=2)
+    o = eng.EngineOptions("vllm", 80 * GIB, max_num_batched_tokens=100, tp=4)
+    assert eng.forward_peak(gqa, o) == (2 * 100 * 4 + 41_600) * 2
+    assert eng.forward_peak(replace(gqa, kv_heads=2), o) == (2 * 100 * 4 + 41_600) * 2
+    # the MLP wider: 101 x 3 x 1 x 9,001 // 4 = 681,825 (a floor of 681,825.75)
+    wide = replace(gqa, intermediate=9001, moe_top_k=None)
+    o = eng.EngineOptions("vllm", 80 * GIB, max_num_batched_tokens=101, tp=4)
+    assert eng.forward_peak(wide, o) == (2 * 101 * 4 + 681_825) * 2
+
+
+def test_the_serve_tiers_start_at_70_gib():
+    assert eng.serve_defaults("sglang", 70 * GIB)["max_num_seqs"] == 4096
+    assert eng.serve_defaults("sglang", 70 * GIB - 1)["max_num_seqs"] == 2048
+
+
+def test_sglang_names_the_layers_it_does_not_size_and_skips_mlp_only_layers():
+    with pytest.raises(KvbenchError, match=r"gemma-2-9b has sliding layers \(its hybrid "
+                                           r"pools differ\): use --engine vllm"):
+        eng.ledger(cap.preset("gemma-2-9b"), eng.EngineOptions("sglang", 80 * GIB))
+    mlp_only = cap.ModelSpec(name="n", layers=3, kv_heads=1, head_dim=8,
+                             layer_types=("full", "none", "full"))
+    assert eng.layer_kinds(mlp_only) == ["full", "full"]
+
+
+def test_an_uneven_pipeline_says_what_its_stages_leave_idle():
+    model = cap.ModelSpec(name="s", layers=5, kv_heads=1, head_dim=64)
+    led = vllm(model, pp=2, kv_memory=GIB)
+    assert (f"--pp 2: every stage holds the largest stage's block count; the stages with "
+            f"fewer layers leave {led.pp_idle_bytes:,} B idle in all") in led.notes

@@ -440,10 +440,13 @@ def refusal(model: ModelSpec, o: EngineOptions, led: Ledger) -> str | None:
         return (f"{name} would not start: max_num_batched_tokens "
                 f"({o.max_num_batched_tokens:,}) must be greater than or equal to max_num_seqs "
                 f"({o.max_num_seqs:,})")
-    if led.kv_available <= 0 or led.num_blocks == 0:
+    if led.kv_available <= 0:
         return (f"{name} would not start: no available memory for the cache blocks (short by "
-                f"{-led.kv_available / GIB:.2f} GiB)" if led.kv_available <= 0 else
-                f"{name} would not start: no cache blocks (--num-gpu-blocks-override 0)")
+                f"{-led.kv_available / GIB:.2f} GiB)")
+    if led.num_blocks == 0:
+        return (f"{name} would not start: no cache blocks (--num-gpu-blocks-override 0)"
+                if o.num_blocks == 0 else f"{name} would not start: the KV memory left "
+                f"({led.kv_available / GIB:.2f} GiB) holds no block")
     if o.engine == "vllm" and led.max_concurrency < 1:
         needed = led.blocks_per_request * led.groups[0].page_bytes * led.group_size
         fits = int(led.max_concurrency * o.max_model_len) // led.block_size * led.block_size
