@@ -945,8 +945,9 @@ def test_a_running_chunk_that_opens_two_blocks_takes_both():
 
 
 def test_priority_scheduling_is_refused_under_v0():
-    with pytest.raises(KvbenchError, match="--scheduling priority is vLLM v1's"):
+    with pytest.raises(KvbenchError) as refused:
         Scheduler([Request(0, 0.0, 4, 1)], 4, 4, scheduling="priority", policy="vllm-v0")
+    assert str(refused.value) == "--scheduling priority is vLLM v1's; use --policy vllm"
 
 
 def _admitted_first(window: int, threshold: float, prefix_caching: bool = True) -> list[int]:
@@ -965,6 +966,7 @@ def test_cache_aware_admission_puts_a_cached_prefix_first_above_its_threshold():
     assert _admitted_first(0, 0.5) == [1]  # off (vLLM's default): arrival order
     assert _admitted_first(2, 0.5) == [1]  # the pool 0.375 used, below 0.5: no reordering
     assert _admitted_first(2, 0.3) == [2]  # above 0.3: r2's cached block first
+    assert _admitted_first(2, 0.375) == [2]  # used exactly the threshold: reordered too
     assert _admitted_first(1, 0.3) == [1]  # a window of one: nothing to trade places with
     assert _admitted_first(2, 0.3, prefix_caching=False) == [1]  # no cache: vLLM ignores it
 

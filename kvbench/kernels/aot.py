@@ -272,9 +272,10 @@ def anatomy(ttgir: str, ptx: str, sass: str = "", positions: int = 1,
     one stage of every pipelined buffer; positions: the KV positions an iteration covers."""
     body = ptx_loop(ptx)
     stages, buffer_bytes = [], 0
-    for m in _BUFFER.finditer(ttgir):
-        stages.append(int(m.group(1)))
-        buffer_bytes += math.prod(int(d) for d in m.group(2).split("x")) * _ELEMENT[m.group(3)]
+    for buffer in _BUFFER.finditer(ttgir):
+        stages.append(int(buffer.group(1)))
+        buffer_bytes += (math.prod(int(d) for d in buffer.group(2).split("x"))
+                         * _ELEMENT[buffer.group(3)])
     first_dot = next((i for i, b in enumerate(body) if any(k in b for k in _MMA)), len(body))
     globals_ = [i for i, b in enumerate(body) if _LOAD.search(b) or _CP_ASYNC.search(b)]
     groups = sum("cp.async.commit_group" in b for b in body)

@@ -50,6 +50,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from types import SimpleNamespace
+from typing import Any
 
 import torch
 import triton
@@ -511,7 +512,8 @@ def launch_plan(launch: Launch, lengths: torch.Tensor, units: int) -> None:
     """Each sequence's splits into launch.work, on the device from its lengths (one program:
     graph-safe, no host work a step)."""
     B = lengths.shape[0]
-    graphs.launch(_plan[(1,)], lengths, launch.work, B, launch.target, launch.fixed,
+    kernel: Any = _plan  # (jitted below its definition, after STATIC_LOOP is known)
+    graphs.launch(kernel[(1,)], lengths, launch.work, B, launch.target, launch.fixed,
                   BLOCK_B=triton.next_power_of_2(B), TILE=launch.config.block_n,
                   UNITS=units, SPLITS=launch.splits, num_warps=1)
 

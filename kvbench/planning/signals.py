@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import signal
 import threading
+from collections.abc import Iterator
 
 _signals: list[int] = []  # SIGTERMs received
 
@@ -37,7 +38,7 @@ def terminate_on_sigterm() -> None:
 
 
 @contextlib.contextmanager
-def held():
+def held() -> Iterator[None]:
     """Ctrl-C and SIGTERM held back while a unit's rows go to its files, then acted on as
     the block ends: a run stopped then keeps the whole unit in every file, never its rows
     without its steps. (Handlers, not a signal mask: a mask holds one thread, and a signal
@@ -57,7 +58,7 @@ def held():
             if handler is not None:
                 signal.signal(s, handler)
         if pending:  # as if it arrived now
-            handler = before[pending[0]]
+            handler = before[signal.Signals(pending[0])]
             if callable(handler):
                 handler(pending[0], None)
             elif handler == signal.SIG_DFL:
