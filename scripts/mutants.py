@@ -27,6 +27,7 @@ equivalent rewrite) is listed with the reason in the change's notes.
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import re
 import shutil
@@ -34,6 +35,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -57,6 +59,13 @@ TESTS = _map()
 # them too: a second pass over the survivors (--only) tells which only the slow tests kill.
 FAST_ONLY = ("kvbench/layers/model/", "kvbench/experiments/model/",
              "kvbench/experiments/servesim/", "kvbench/serving/scheduler.py")
+
+
+# modules whose code runs where mutmut cannot see which test ran it: in a child process (the
+# sm_90 compiler runs in one) or under a module-scoped fixture (the compiled kernels, built once
+# and credited to the first test alone). Each of their mutants runs every test of the
+# selection, not only those mutmut saw reach the function.
+WHOLE_SELECTION = ("kvbench/kernels/aot.py", "kvbench/kernels/inspection.py")
 
 
 def tests_for(module: str) -> list[str]:
@@ -101,6 +110,33 @@ def configure(copy: Path, modules: list[str], tests: list[str], all_tests: bool 
     (copy / "pyproject.toml").write_text(text)
 
 
+def whole_selection(copy: Path, env: dict, budget: float) -> None:
+    """mutmut's record of the tests that reach each function, widened to every test it ran:
+    a first `mutmut run` of no mutant generates the mutants and records, then stops."""
+    stats = copy / "mutants" / "mutmut-stats.json"
+    first = subprocess.Popen([sys.executable, "-m", "mutmut", "run", "no.such.mutant*"],
+                             cwd=copy, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                             start_new_session=True, env=env)
+    start = time.monotonic()
+    while first.poll() is None and not stats.exists() and time.monotonic() - start < budget:
+        time.sleep(2)
+    time.sleep(2)  # (the record written whole)
+    if first.poll() is None:
+        os.killpg(first.pid, signal.SIGKILL)
+        first.wait()
+    if not stats.exists():
+        return
+    record = json.loads(stats.read_text())
+    every = sorted(record["duration_by_test"])
+    listed = subprocess.run([sys.executable, "-m", "mutmut", "results", "--all", "true"],
+                            cwd=copy, capture_output=True, text=True, check=False).stdout
+    functions = {line.split(":")[0].strip().rsplit("__mutmut_", 1)[0]
+                 for line in listed.splitlines() if "__mutmut_" in line}
+    for name in functions | set(record["tests_by_mangled_function_name"]):
+        record["tests_by_mangled_function_name"][name] = every
+    stats.write_text(json.dumps(record, indent=4))
+
+
 def main(argv: list[str]) -> int:
     budget, only = DEFAULT_BUDGET_S, []
     all_tests = "--all-tests" in argv
@@ -139,6 +175,8 @@ def main(argv: list[str]) -> int:
     # one thread a worker: mutmut's timeout is CPU time, which torch's threads would run up
     # faster than the clock (a mutant timed out for that is not killed)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+    if any(m in WHOLE_SELECTION for m in modules):
+        whole_selection(copy, env, budget)
     run = subprocess.Popen([sys.executable, "-m", "mutmut", "run", "--max-children", "2", *only],
                            cwd=copy, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                            start_new_session=True, env=env)

@@ -54,6 +54,14 @@ def test_barriers_a_tile_and_the_16_bit_loop_without_a_shared_round_trip(rows):
     assert int4.byte_loads == 0 and int4.vector_loads > 0  # its codes loaded packed
 
 
+def test_the_4_bit_tile_is_dequantized_in_registers(rows):
+    # its even and odd elements kept apart (two dots, two accumulators): no interleave
+    # through shared memory; what it stores there is its scales' and zero points' 16 B a
+    # position (2 groups of 64, fp16, K's and V's), as int8 does (interleaved: 264 B)
+    int4, int8 = rows[("triton stage1", "int4")], rows[("triton stage1", "int8")]
+    assert int4.smem_store_per_position <= int8.smem_store_per_position == 16, int4
+
+
 def test_mla_reads_its_latent_once_and_keeps_two_tiles_in_flight(rows):
     for fmt in inspection.MLA_FORMATS:
         r = rows[("triton-mla stage1", fmt)]

@@ -223,6 +223,20 @@ def test_each_int_format_through_the_packed_rows_passes_the_exact_check(kv_dtype
     assert result.passed, result.message
 
 
+@pytest.mark.parametrize("head_dim, group, dtype", [(64, 32, "float16"), (32, 2, "float32"),
+                                                    (16, 16, "float16")])
+@pytest.mark.slow
+def test_4_bit_codes_as_even_and_odd_halves_pass_the_exact_check(head_dim, group, dtype):
+    # 4-bit codes two a byte: D >= 32 keeps the even and odd elements apart (two dots, two
+    # accumulators, float16 made from the code's bits), groups of 2 a half's group of 1;
+    # D = 16 (halves too narrow for tl.dot) interleaves them as before
+    config = RunConfig(shape("gqa", head_dim), dtype, kv_dtype="int4", group_size=group)
+    report = verify(config, {"triton": TritonCache},
+                    ImplOptions(block_size=16, splits=2, kv_dtype="int4", group_size=group))
+    (result,) = report.checks
+    assert result.passed, result.message
+
+
 @pytest.mark.parametrize("error", ["out-of-resources", "compilation"])
 def test_a_triton_error_of_any_class_is_a_device_error_naming_the_implementation(error):
     # Triton's CompilationError and OutOfResources derive from Exception, not RuntimeError

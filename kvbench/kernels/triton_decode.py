@@ -222,6 +222,33 @@ def _int_rows(C, s, z, slot, valid, BITS: tl.constexpr, GROUP: tl.constexpr,
     return c.to(MATH) * s + z
 
 
+def _from_codes(c, MATH: tl.constexpr):
+    """Integer codes (0-255, uint8) as MATH values. In float16 without a conversion
+    instruction: the code in a half's low mantissa bits under exponent 2^10 is 1024 + c
+    exactly, less 1024 (I2F, the converter, is a quarter-rate instruction, one an element)."""
+    if MATH == tl.float16:
+        return (c.to(tl.uint16) | 0x6400).to(tl.float16, bitcast=True) - 1024.0
+    else:
+        return c.to(MATH)
+
+
+def _int_halves(C, s, z, slot, valid, GROUP: tl.constexpr, D: tl.constexpr,
+                BLOCK_N: tl.constexpr, MATH: tl.constexpr):
+    """A 4-bit tile as two [BLOCK_N, D/2] halves in MATH: the even elements (each byte's low
+    nibble) and the odd ones (its high nibble), each x = c·s + z. Kept apart, the halves
+    meet q's even and odd elements in two dots: interleaving them into [BLOCK_N, D] would
+    take a layout change through shared memory each tile."""
+    W: tl.constexpr = D // 2
+    NG: tl.constexpr = D // GROUP
+    raw = tl.load(C + slot[:, None] + tl.arange(0, W)[None, :], mask=valid[:, None],
+                  other=0)  # [BLOCK_N, W] uint8, element 2w in the low nibble
+    s = tl.reshape(tl.broadcast_to(s.to(MATH)[:, :, None], (BLOCK_N, NG, GROUP // 2)),
+                   (BLOCK_N, W))
+    z = tl.reshape(tl.broadcast_to(z.to(MATH)[:, :, None], (BLOCK_N, NG, GROUP // 2)),
+                   (BLOCK_N, W))
+    return (_from_codes(raw & 15, MATH) * s + z, _from_codes(raw >> 4, MATH) * s + z)
+
+
 def _stage1(Q, K, V, Table, Lengths, Plan, Acc, M, L, KS, KZ, VS, VZ, scale,
             stride_qb, stride_qh, stride_kn, stride_kh, stride_kt, stride_tb,
             stride_ab, stride_ah, stride_as, stride_mb, stride_mh,
@@ -255,10 +282,22 @@ def _stage1(Q, K, V, Table, Lengths, Plan, Acc, M, L, KS, KZ, VS, VZ, scale,
         tl.store(L + stat, tl.zeros([BLOCK_G], dtype=tl.float32), mask=mask_g)
         return
     q_ptrs = Q + b * stride_qb + heads[:, None] * stride_qh
-    q = tl.load(q_ptrs + offs_d[None, :], mask=mask_g[:, None] & mask_d[None, :],
-                other=0.0)  # [BLOCK_G, BLOCK_D]
+    # 4-bit codes packed two a byte: the even and odd elements apart, each with its own dot
+    # and accumulator (`_int_halves`), when each half is wide enough for tl.dot
+    HALVES: tl.constexpr = PACKED and BITS == 4 and D >= 32 and GROUP >= 2
+    W: tl.constexpr = D // 2
+    if HALVES:
+        offs_w = tl.arange(0, W)
+        q = tl.load(q_ptrs + 2 * offs_w[None, :], mask=mask_g[:, None], other=0.0)
+        q_odd = tl.load(q_ptrs + 2 * offs_w[None, :] + 1, mask=mask_g[:, None], other=0.0)
+    else:
+        q = tl.load(q_ptrs + offs_d[None, :], mask=mask_g[:, None] & mask_d[None, :],
+                    other=0.0)  # [BLOCK_G, BLOCK_D]
+        q_odd = q
+        offs_w = offs_d  # (unused)
     if WIDEN:
         q = q.to(tl.float32)
+        q_odd = q_odd.to(tl.float32)
     qk_scale = scale
     if FP8:  # K's scale folded into the softmax scale; V's applied to the output at the end
         qk_scale = scale * tl.load(KS + h)
@@ -269,7 +308,12 @@ def _stage1(Q, K, V, Table, Lengths, Plan, Acc, M, L, KS, KZ, VS, VZ, scale,
 
     m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
+    if HALVES:
+        acc = tl.zeros([BLOCK_G, W], dtype=tl.float32)  # the even elements' sums
+        acc_odd = tl.zeros([BLOCK_G, W], dtype=tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
+        acc_odd = tl.zeros([BLOCK_G, 1], dtype=tl.float32)  # (unused)
     # The first tile's block ids here; each iteration fetches the next tile's before this
     # tile's K/V. Loaded in the same iteration, the ids would put the K/V copies behind an
     # indirect load, which Triton's pipeliner gives (num_stages - 1) / 2 stages of latency:
@@ -311,6 +355,12 @@ def _stage1(Q, K, V, Table, Lengths, Plan, Acc, M, L, KS, KZ, VS, VZ, scale,
             if WIDEN:
                 k = k.to(tl.float32)
             scores = tl.dot(q, k, input_precision=DOT_PRECISION)  # [BLOCK_G, BLOCK_N]
+        elif HALVES:
+            k, k_odd = _int_halves(K, ks, kz, slot, valid, GROUP, D, BLOCK_N, MATH)
+            k = tl.trans(k).to(tl.float32 if WIDEN else dtype)  # [D/2, BLOCK_N]
+            k_odd = tl.trans(k_odd).to(tl.float32 if WIDEN else dtype)
+            scores = tl.dot(q, k, input_precision=DOT_PRECISION)
+            scores = tl.dot(q_odd, k_odd, scores, input_precision=DOT_PRECISION)
         elif PACKED:  # dequantized in registers, then one dot as for the activation dtype
             k = tl.trans(_int_rows(K, ks, kz, slot, valid, BITS, GROUP, D, BLOCK_N, MATH))
             k = k.to(tl.float32 if WIDEN else dtype)  # [D, BLOCK_N]
@@ -328,6 +378,8 @@ def _stage1(Q, K, V, Table, Lengths, Plan, Acc, M, L, KS, KZ, VS, VZ, scale,
         p = tl.exp(scores - shift[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None]
+        if HALVES:
+            acc_odd = acc_odd * alpha[:, None]
         vmask = valid[:, None] & mask_d[None, :]
         if BITS == 0:
             v = tl.load(V + slot[:, None] + offs_d[None, :], mask=vmask, other=0.0)
@@ -336,6 +388,12 @@ def _stage1(Q, K, V, Table, Lengths, Plan, Acc, M, L, KS, KZ, VS, VZ, scale,
             if WIDEN:
                 v = v.to(tl.float32)
             acc += tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        elif HALVES:
+            v, v_odd = _int_halves(V, vs, vz, slot, valid, GROUP, D, BLOCK_N, MATH)
+            v = v.to(tl.float32 if WIDEN else dtype)  # [BLOCK_N, D/2]
+            v_odd = v_odd.to(tl.float32 if WIDEN else dtype)
+            acc += tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+            acc_odd += tl.dot(p.to(v.dtype), v_odd, input_precision=DOT_PRECISION)
         elif PACKED:
             v = _int_rows(V, vs, vz, slot, valid, BITS, GROUP, D, BLOCK_N, MATH)
             v = v.to(tl.float32 if WIDEN else dtype)  # [BLOCK_N, D]
@@ -354,8 +412,12 @@ def _stage1(Q, K, V, Table, Lengths, Plan, Acc, M, L, KS, KZ, VS, VZ, scale,
     if FP8:
         acc = acc * tl.load(VS + h)
 
-    out = b * stride_ab + heads[:, None] * stride_ah + s * stride_as + offs_d[None, :]
-    tl.store(Acc + out, acc, mask=mask_g[:, None] & mask_d[None, :])
+    out = b * stride_ab + heads[:, None] * stride_ah + s * stride_as
+    if HALVES:
+        tl.store(Acc + out + 2 * offs_w[None, :], acc, mask=mask_g[:, None])
+        tl.store(Acc + out + 2 * offs_w[None, :] + 1, acc_odd, mask=mask_g[:, None])
+    else:
+        tl.store(Acc + out + offs_d[None, :], acc, mask=mask_g[:, None] & mask_d[None, :])
     tl.store(M + stat, m_i, mask=mask_g)
     tl.store(L + stat, l_i, mask=mask_g)
 
@@ -420,6 +482,8 @@ _codes = triton.jit(_codes)
 _dequantized = triton.jit(_dequantized)
 _int_meta = triton.jit(_int_meta)
 _int_rows = triton.jit(_int_rows)
+_int_halves = triton.jit(_int_halves)
+_from_codes = triton.jit(_from_codes)
 stage1 = triton.jit(_stage1)
 stage2 = triton.jit(_stage2)
 
