@@ -144,6 +144,14 @@ def test_the_estimate_leaves_the_first_points_compiling_out():
     assert "compiling" not in _estimate([30.0], [1.0, 1.0])
 
 
+def test_a_rest_under_ten_seconds_is_not_said():
+    from kvbench.planning.runner import _estimate
+
+    assert _estimate([0.2], [1.0, 1.0]) is None  # ("about 0 s for the 1 point left")
+    assert _estimate([9.9], [1.0, 1.0]) is None
+    assert _estimate([10.0], [1.0, 1.0]).startswith("about 10 s for the 1 point left")
+
+
 def test_a_points_calls_and_flops_by_hand():
     from kvbench.measure.costs import STEP_OVERHEAD_FLOPS, point_cost, point_work
     from kvbench.sizing.config import LayerShape

@@ -129,7 +129,9 @@ def sweep(o: RunOptions, command: str, points, run_point, impl_options, notes,
             # the time left, once: after the second point (a per-point cost and a pace
             # fitted to the two), or after the first of two
             if i == min(2, len(points) - 1) and i and not o.quiet:
-                render.note(_estimate(took, work, compile_seconds() - compiled_before))
+                line = _estimate(took, work, compile_seconds() - compiled_before)
+                if line is not None:
+                    render.note(line)
             begun = time.perf_counter()
             bar.point(render.describe(config))
             try:
@@ -224,8 +226,12 @@ def _cost(command: str, config, names, bench_options) -> tuple[int, float]:
 # at 4,096 positions, allocation-bound); after the first points their measured pace says it.
 
 
-def _estimate(took: list[float], work: list[float], compile_s: float = 0.0) -> str:
-    """One line once a point or two are done: the time the rest should take. A point costs a
+SAID_FROM_S = 10.0  # a rest shorter than this is over before the line is read: nothing said
+
+
+def _estimate(took: list[float], work: list[float], compile_s: float = 0.0) -> str | None:
+    """One line once a point or two are done: the time the rest should take (None under
+    SAID_FROM_S). A point costs a
     fixed part (its set-up, the caches built, their warm-up) and a part that grows with its
     work (kvbench.measure.costs.work); with two points of different work both are
     fitted to them, else the latest point's pace (time per unit of work) is applied. The
@@ -244,6 +250,8 @@ def _estimate(took: list[float], work: list[float], compile_s: float = 0.0) -> s
             fixed, pace = base, slope
             how = "a cost per point and a pace fitted to the first two"
     left = len(rest) * fixed + pace * sum(rest)
+    if left < SAID_FROM_S:
+        return None
     n = len(rest)
     compiling = (f", {duration_text(compile_s)} of it compiling, left out"
                  if compile_s >= 0.5 else "")
