@@ -351,6 +351,38 @@ def test_the_table_says_one_trial_copy_has_no_question_and_full_is_named_once():
     assert t.title.endswith("2 trials a cell; query-aware: the question in the prompt")
 
 
+def test_the_tables_cells_by_hand():
+    from types import SimpleNamespace
+
+    ref = SimpleNamespace(label="smollm2-135m")
+    # 4 trials: 3 answered (75%), path A all 4, the key kept in half the heads, then none
+    found = needle.Cell("snapkv", 1024, 0.25, scores=[1.0, 0.0, 1.0, 1.0],
+                        reference=[1.0] * 4, kept=[0.5, 0.5, 0.0, 1.0])
+    failed = needle.Cell("static", 2048, 0.75, scores=[1.0] * 4, reference=[1.0] * 4,
+                         kept=[1.0] * 4, failures=["step 3: logits off path A"])
+    (t,) = needle.report(NeedleOptions(trials=4), ref, [found, failed]).tables
+    assert [c.header for c in t.columns] == ["impl", "context", "depth", "accuracy", "full",
+                                             "needle kept", "check"]
+    assert [c.justify for c in t.columns] == ["left"] + ["right"] * 5 + ["left"]
+    assert t.rows == [("snapkv", "1,024", "0.25", "75%", "100%", "50%", "PASS"),
+                        ("static", "2,048", "0.75", "100%", "100%", "100%", "[red]FAIL[/]")]
+    (t,) = needle.report(NeedleOptions(task="copy", trials=4), ref, [found]).tables
+    assert t.rows[0][2] == ""  # copy has no depth
+    (t,) = needle.report(NeedleOptions(question_after_compression=True, trials=4), ref,
+                         [found]).tables
+    assert t.title.endswith("4 trials a cell; query-agnostic: the question after compression")
+    assert t.caption.startswith("accuracy: answers whose first number is the key (copy: the "
+                                "second copy's tokens predicted)")
+
+
+def test_the_filler_covers_the_tokens_asked_for():
+    # the filler sentences repeated past `need`: at least need tokens, at most one more copy
+    one = len(TOK.encode(needle.FILLER))
+    for need in (1, one, 3 * one, 3 * one + 1):
+        ids = needle.haystack_ids(TOK, None, need)
+        assert need <= len(ids) <= need + one and len(ids) % one == 0
+
+
 @smollm2
 def test_copys_answers_are_its_text_as_passkeys_are(tmp_path):
     out = tmp_path / "n.csv"
