@@ -58,7 +58,8 @@ TESTS = _map()
 # whole runs end to end): a surviving mutant would otherwise take minutes. --all-tests runs
 # them too: a second pass over the survivors (--only) tells which only the slow tests kill.
 FAST_ONLY = ("kvbench/layers/model/", "kvbench/experiments/model/",
-             "kvbench/experiments/servesim/", "kvbench/serving/scheduler.py")
+             "kvbench/experiments/servesim/", "kvbench/serving/scheduler.py",
+             "kvbench/experiments/needle.py")
 
 
 # modules whose code runs where mutmut cannot see which test ran it: in a child process (the
