@@ -754,6 +754,27 @@ def test_the_levers_pick_the_first_setting_that_reaches_the_target():
     assert "--gpu-memory-utilization 0.51" in eng.to_target(model, u, 4100)
 
 
+def test_the_batched_tokens_lever_picks_the_first_candidate_that_reaches_the_target():
+    # vLLM sizes its activation peak over max_num_batched_tokens: fewer tokens a step leave
+    # more blocks. llama-3-8b on 23.58 GiB at 16,384 tokens; each candidate's own
+    # concurrency is reached first by that candidate (they grow as the tokens shrink)
+    from dataclasses import replace
+
+    model = cap.preset("llama-3-8b")
+    o = eng.EngineOptions("vllm", int(23.58 * GIB), max_model_len=8192,
+                          max_num_batched_tokens=16384, max_num_seqs=256)
+    reached = [eng.ledger(model, replace(o, max_num_batched_tokens=n)).max_concurrency
+               for n in (16384, 8192, 4096, 2048, 1024, 512)]
+    assert reached == sorted(set(reached))  # (strictly more at each step down)
+    for n, target in zip((8192, 4096, 2048, 1024, 512), reached[1:]):
+        assert eng.to_target(model, o, target)[-1] == f"--max-num-batched-tokens {n}"
+    beyond = eng.to_target(model, o, reached[-1] + 0.001)[-1]
+    assert beyond == "--max-num-batched-tokens: no setting alone reaches it"
+    # a peak the user gave (--activation) is not the tokens': no such lever
+    given = eng.to_target(model, replace(o, activation=GIB), reached[1])
+    assert not any(line.startswith("--max-num-batched-tokens") for line in given)
+
+
 def test_the_tp_lever_skips_a_split_the_heads_do_not_take():
     # 4 KV heads of 64, 4 query heads: TP 2 halves a rank's bytes (2 heads), TP 4 quarters
     # them. At TP 1: 1,024 B a token, a request of 1,024 tokens 1 MiB; 64 MiB of KV: 64
