@@ -189,6 +189,41 @@ def test_the_loops_instructions_barriers_and_bytes_by_hand():
     assert (a["vector_loads"], a["scalar_loads"], a["byte_loads"]) == (4, 2, 0)
 
 
+def test_each_count_adds_every_line_of_its_kind():
+    # the hand loop with more lines before its branch back: a second one-byte and a two-byte
+    # shared read, a second shared store (4 B), a second 8-byte load, an 8-byte copy, two
+    # one-byte and a two-byte global load, a commented instruction and braces
+    more = "\n".join([
+        "\tld.shared.b8 \t%rs2, [%r30];", "\tld.shared.b16 \t%rs3, [%r31];",
+        "\tst.shared.b32 \t[%r32], %r33;", "\t@%p1 ld.global.v2.b32 { %r34, %r35 }, [ %rd7 + 0 ];",
+        "\tcp.async.ca.shared.global [ %r36 + 0 ], [ %rd8 + 0 ], 8, %r37;",
+        "\tld.global.u8 %rs4, [ %rd9 + 0 ];", "\tld.global.u8 %rs5, [ %rd10 + 0 ];",
+        "\tld.global.b16 %rs6, [ %rd11 + 0 ];", "\tmov.u32 %r38, %r39; // a copy", "\t{", "\t}",
+        "\t.reg .b32 %r<40>;", "\t@%p2 bra"])
+    a = aot.anatomy("", PTX.replace("\t@%p2 bra", more, 1), positions=16, threads=32)
+    assert a["ptx_loop"] == 14 + 9  # 8 instructions and the commented one; not { } .reg
+    assert a["shared_byte_reads"] == 2 and a["smem_store_bytes"] == (8 + 4) * 32
+    assert a["load_bytes"] == (40 + 8 + 8) * 32  # wide loads and copies, not 1 or 2 B ones
+    # whole kernel: 4 wide before, a second 8-byte load and the 8-byte copy; the two ids,
+    # two bytes and the two-byte load narrow
+    assert (a["vector_loads"], a["scalar_loads"], a["byte_loads"]) == (6, 5, 2)
+    # 5 groups pending over 2 a tile: 2 tiles (whole ones); no wait at all: none
+    assert aot.anatomy("", PTX.replace("wait_group 	4", "wait_group 	5"))["tiles_in_flight"] == 2
+    assert aot.anatomy("", PTX.replace("cp.async.wait_group", "// wait"))["tiles_in_flight"] == 0
+    # the tile loop is the loop that multiplies, not an earlier one
+    first = "$L__BB0_2:  // =>This Inner Loop Header: Depth=1\n\tadd.s32 %r1, %r1, 1;\n" \
+            "\t@%p3 bra \t$L__BB0_2;\n"
+    assert aot.anatomy("", first + PTX)["ptx_loop"] == 14
+
+
+def test_the_buffers_stages_and_bytes_from_the_gpu_ir():
+    ttgir = ("%0 = ttg.local_alloc : () -> !ttg.memdesc<4x16x128xf16, #shared, #smem, mutable>\n"
+             "%1 = ttg.local_alloc : () -> !ttg.memdesc<4x16x2xi8, #shared1, #smem, mutable>\n")
+    a = aot.anatomy(ttgir, PTX)
+    assert a["buffer_bytes"] == 16 * 128 * 2 + 16 * 2 * 1
+    assert aot.anatomy("", PTX)["buffer_bytes"] == 0
+
+
 def test_issued_early_is_a_global_load_before_the_dot_not_a_shared_read():
     assert aot.anatomy("", PTX)["issued_early"] is False  # a shared read before the dot
     lines = PTX.splitlines()
