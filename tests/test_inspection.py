@@ -279,9 +279,9 @@ def test_the_jit_specialization_marks_aligned_pointers_and_divisible_ints():
         return SimpleNamespace(name=name, do_not_specialize=fixed,
                                do_not_specialize_on_alignment=False)
 
-    names = ["Acc", "M", "stride_a", "stride_b", "stride_c", "batch", "D"]
+    names = ["Acc", "M", "stride_a", "G", "stride_b", "stride_c", "batch", "D"]
     jit = SimpleNamespace(arg_names=names, params=[param(n, n == "batch") for n in names])
-    req = {"constexprs": {"D": 128},
+    req = {"constexprs": {"D": 128, "G": 4},
            "signature": {"Acc": "*fp32", "M": "*fp32", "stride_a": "i32", "stride_b": "i32",
                          "stride_c": "i32", "batch": "i32"},
            "values": {"Acc": True, "M": False, "stride_a": 4096, "stride_b": 1,
@@ -289,9 +289,33 @@ def test_the_jit_specialization_marks_aligned_pointers_and_divisible_ints():
     signature, constexprs, attrs = aot._specialized(jit, req)
     # aligned pointers and ints divisible by 16 (not batch: do_not_specialize); 1 a constant
     assert {names[i] for (i,) in attrs} == {"Acc", "stride_a"}
-    assert signature["stride_b"] == "constexpr" and constexprs[(3,)] == 1
+    assert signature["stride_b"] == "constexpr" and constexprs[(4,)] == 1
     assert signature["stride_c"] == "i32" and signature["batch"] == "i32"
-    assert constexprs[(6,)] == 128
+    # the kernel's own constexprs, in the middle of its parameters as at their end
+    assert signature["G"] == signature["D"] == "constexpr"
+    assert constexprs[(3,)] == 4 and constexprs[(7,)] == 128
+
+
+def test_a_request_types_each_argument_and_takes_the_compiled_constexprs():
+    import torch
+
+    q = torch.zeros(8, dtype=torch.float32)  # 16-byte aligned (torch aligns storages)
+    off = torch.zeros(8, dtype=torch.float32)[1:]  # 4 bytes past it: not aligned
+    codes = torch.zeros(8, dtype=torch.uint8)
+    constants = {"WIDEN": True, "STATIC_TILES": 3, "DOT_PRECISION": "tf32", "BLOCK_N": 16,
+                 "num_warps": 1, "num_stages": 4}
+    req = aot.request("gqa", ["Q", "C", "K", "scale", "n"], (q, codes, off, 0.5, 32), constants)
+    assert req["signature"] == {"Q": "*fp32", "C": "*u8", "K": "*fp32", "scale": "fp32",
+                                "n": "i32"}
+    assert req["values"] == {"Q": True, "C": True, "K": False, "n": 32}
+    # compiled code never widens nor walks the interpreter's fixed loop; float32 dots exact
+    assert req["constexprs"] == {"WIDEN": False, "STATIC_TILES": 0, "DOT_PRECISION": "ieee",
+                                 "BLOCK_N": 16}
+    assert req["options"] == {"num_warps": 1, "num_stages": 4}
+    half = aot.request("gqa", ["Q", "C"], (q.half(), codes), constants)
+    assert half["constexprs"]["DOT_PRECISION"] == "tf32"  # its first argument's dtype
+    plain = aot.request("gqa", ["Q"], (q,), {"BLOCK_N": 16, "DOT_PRECISION": "tf32"})
+    assert plain["constexprs"] == {"BLOCK_N": 16, "DOT_PRECISION": "tf32"}  # no WIDEN: as is
 
 
 @pytest.mark.slow
