@@ -2,6 +2,7 @@
 (kvbench.kernels.inspection, `kvbench tune --inspect`)."""
 
 import json
+import os
 
 import pytest
 from typer.testing import CliRunner
@@ -234,6 +235,7 @@ def test_issued_early_is_a_global_load_before_the_dot_not_a_shared_read():
 
 
 SASS = """
+        /*00f0*/               @P1 BRA 0x170 ;
         /*0100*/                   LDGSTS.E.BYPASS.128 [R12], desc[UR12][R30.64], P5 ;
         /*0110*/                   DEPBAR.LE SB0, 0x2 ;
         /*0120*/                   BAR.SYNC.DEFER_BLOCKING 0x0 ;
@@ -247,7 +249,7 @@ SASS = """
 
 def test_the_sass_loop_runs_from_the_backward_branchs_target_to_it():
     # 0x110 .. 0x150: DEPBAR, BAR, HMMA, BRA (the NOP not counted); the self-loop at 0x160
-    # holds no multiply
+    # holds no multiply, and the forward branch at 0xf0 is no loop
     assert aot.sass_loop(SASS) == ["DEPBAR.LE", "BAR.SYNC.DEFER_BLOCKING", "HMMA.16816.F32",
                                    "BRA"]
     a = aot.anatomy("", PTX, SASS, positions=16, threads=32)
@@ -294,6 +296,19 @@ def test_the_jit_specialization_marks_aligned_pointers_and_divisible_ints():
     # the kernel's own constexprs, in the middle of its parameters as at their end
     assert signature["G"] == signature["D"] == "constexpr"
     assert constexprs[(3,)] == 4 and constexprs[(7,)] == 128
+
+
+def test_the_compiling_child_imports_this_kvbench_uninterpreted(monkeypatch):
+    from pathlib import Path
+
+    import kvbench
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setenv("PYTHONPATH", "/elsewhere")
+    env = aot.child_env()
+    root = str(Path(kvbench.__file__).resolve().parent.parent)
+    assert env["PYTHONPATH"].split(os.pathsep) == [root, "/elsewhere"]
+    assert "TRITON_INTERPRET" not in env
 
 
 def test_a_request_types_each_argument_and_takes_the_compiled_constexprs():

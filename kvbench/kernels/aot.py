@@ -75,13 +75,22 @@ def resources(requests: list[dict], arch: int = 90, timeout_s: float = 600) -> l
             for a in anatomies(requests, arch, timeout_s)]
 
 
+def child_env() -> dict[str, str]:
+    """The compiling child's environment: Triton compiled, not interpreted, and the kvbench
+    this process runs first on its path (a checkout's, not another one installed)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    here = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (here, env.get("PYTHONPATH")) if p)
+    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # (3.9 warns where unset; 1 = its default)
+    return env
+
+
 def anatomies(requests: list[dict], arch: int = 90, timeout_s: float = 600) -> list:
     """What each request's kernel compiles to for sm_`arch` (`anatomy`'s dict), in a child
     process without the interpreter; None for each that could not be compiled."""
     if not requests:
         return []
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # (3.9 warns where unset; 1 = its default)
+    env = child_env()
     try:
         done = subprocess.run([sys.executable, "-m", "kvbench.kernels.aot", str(arch)],
                               input=json.dumps(requests), capture_output=True, text=True,
@@ -214,8 +223,9 @@ def sass_loop(sass: str) -> list[str]:
         if op != "BRA":
             continue
         target = re.search(r"0x([0-9a-f]+)", rest)
-        if target is None or int(target.group(1), 16) > address:
+        if target is None:
             continue
+        # (a forward branch's range is empty: only a backward one can hold the loop)
         body = [o for a, o, _ in code if int(target.group(1), 16) <= a <= address]
         if any(o.startswith(("HMMA", "HGMMA")) for o in body) and len(body) > len(best):
             best = body
