@@ -132,6 +132,16 @@ def test_programs_per_sm_worked_by_hand():
     assert inspection.programs_per_sm(80, 0, 8) == 3
     assert inspection.programs_per_sm(32, 0, 4) == 16  # 64 warp slots // 4
     assert inspection.programs_per_sm(64, 120_000, 4) == 1  # shared: 233,472 // 121,024
+    # each limit alone: the 32 block slots (1 warp of 32 registers: 64 by either other);
+    # the warp slots (24 registers: 768 a warp, 85 warps by registers, 28 programs of 3;
+    # 64 // 3 = 21 by warps); registers unknown (0): the slots; nothing fits: 0, not 1
+    assert inspection.programs_per_sm(32, 0, 1) == 32
+    assert inspection.programs_per_sm(24, 0, 3) == 21
+    assert inspection.programs_per_sm(0, 0, 1) == 32
+    assert inspection.programs_per_sm(64, 240_000, 4) == 0
+    counts = [inspection.programs_per_sm(r, s, w) for r, s, w in
+              ((145, 71680, 4), (24, 0, 3), (0, 0, 1), (255, 16448, 1))]
+    assert all(type(n) is int for n in counts), counts  # (a count, not 3.0)
 
 
 # A tile loop as Triton's PTX writes it: the prologue's copies, then the loop (its header
@@ -271,6 +281,9 @@ def test_the_loop_figures_per_position_by_hand():
     assert inspection.loop_figures("triton-mla stage1", "fp8", mla, 2)["load_ratio"] == \
         pytest.approx(1088 / 576)
     assert inspection.loop_figures("triton stage2", "fp16", {**a, "ptx_loop": 0}, 3) == {}
+    # no SASS read (cuobjdump missing): no SASS figure, the PTX one still
+    f = inspection.loop_figures("triton stage1", "fp16", {**a, "sass_loop": None}, 3)
+    assert f["sass_per_position"] is None and f["ptx_per_position"] == 25.0
     assert inspection.NEEDED_FLIGHT_BYTES == round(4.8e12 / 132 * 550e-9)  # 20,000 B
 
 
