@@ -324,6 +324,19 @@ def test_the_compiling_child_imports_this_kvbench_uninterpreted(monkeypatch):
     assert "TRITON_INTERPRET" not in env
 
 
+def test_the_long_shapes_requests_as_a_cache_launches_them():
+    # 8 sequences of 32,768 positions in pages of 16: a block table row of 2,048 ids; a page
+    # of 8 KV heads x 16 positions x 128 = 16,384 elements (int4: 8,192 bytes of codes, two a
+    # byte); activations fp16 but for bf16
+    expected = {"fp16": ("*fp16", "*fp16", 16384), "bf16": ("*bf16", "*bf16", 16384),
+                "int8": ("*fp16", "*u8", 16384), "int4": ("*fp16", "*u8", 8192)}
+    for fmt, (q, k, page) in expected.items():
+        req = inspection._gqa_requests(fmt, inspection.configuration("triton", fmt), True)[0]
+        sig, values = req["signature"], req["values"]
+        assert (sig["Q"], sig["K"], sig["Table"], sig["Lengths"]) == (q, k, "*i32", "*i32")
+        assert values["stride_tb"] == 2048 and values["stride_kn"] == page, fmt
+
+
 def test_a_request_types_each_argument_and_takes_the_compiled_constexprs():
     import torch
 
