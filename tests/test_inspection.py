@@ -331,10 +331,11 @@ def test_the_long_shapes_requests_as_a_cache_launches_them():
     expected = {"fp16": ("*fp16", "*fp16", 16384), "bf16": ("*bf16", "*bf16", 16384),
                 "int8": ("*fp16", "*u8", 16384), "int4": ("*fp16", "*u8", 8192)}
     for fmt, (q, k, page) in expected.items():
-        req = inspection._gqa_requests(fmt, inspection.configuration("triton", fmt), True)[0]
+        req, merge = inspection._gqa_requests(fmt, inspection.configuration("triton", fmt), True)
         sig, values = req["signature"], req["values"]
         assert (sig["Q"], sig["K"], sig["Table"], sig["Lengths"]) == (q, k, "*i32", "*i32")
         assert values["stride_tb"] == 2048 and values["stride_kn"] == page, fmt
+        assert merge["signature"]["Out"] == q and merge["function"] == "stage2"  # (its output)
 
 
 def test_a_request_types_each_argument_and_takes_the_compiled_constexprs():
