@@ -566,6 +566,8 @@ def test_the_time_estimate_and_host_bytes_by_hand():
                                    "pace per step")
     first = Served("paged", 0, 5.0, 1, [], [], [], [], [], [], [], [])
     assert _estimate(o, first).startswith("paged took 5 s; about 15 min for")  # 178 × 5 s
+    # 34 steps in 1.7 s: the others' 178 take 8.9 s, under 10: nothing said
+    assert _estimate(o, Served("paged", 0, 1.7, 34, [], [], [], [], [], [], [], [])) is None
     # an output longer than the room a prompt leaves is cut to it: 100 − 20 = 80 positions;
     # one block a pool: a batch of at least 1 sequence
     long = SimOptions(requests=10, len_dist="uniform:20:20", output_dist="uniform:90:90",

@@ -178,9 +178,10 @@ def run(o: SimOptions) -> list[Served]:
                                    device, bar.advance,
                                    lambda t, n: _before(o, traces, t, n) if not served
                                    and not o.quiet else None))
-                        if (not served and len(o.reserve) * o.seeds > 1 and not o.quiet
-                                and not o.steps_only):
-                            render.note(_estimate(o, s))
+                        line = (_estimate(o, s) if not served and len(o.reserve) * o.seeds
+                                > 1 and not o.quiet and not o.steps_only else None)
+                        if line is not None:
+                            render.note(line)
                         finished(s, env)
     if o.format == "table" and not o.quiet:
         render.show(serve_report(o, device, served))
@@ -328,11 +329,14 @@ def expected_time(traces, reserves: int, per_sequence_step: float) -> float:
     return reserves * steps * per_sequence_step
 
 
-def _estimate(o: SimOptions, first: Served) -> str:
-    """After the first reserve: the others' time at its pace per step."""
-    from kvbench.planning.runner import duration_text
+def _estimate(o: SimOptions, first: Served) -> str | None:
+    """After the first reserve: the others' time at its pace per step (None under the
+    sweeps' SAID_FROM_S: over before it is read)."""
+    from kvbench.planning.runner import SAID_FROM_S, duration_text
 
     per_step = first.duration_s / max(first.steps, 1)
     left = sum(expected_steps(o, r) for r in o.reserve[1:]) * per_step
+    if left < SAID_FROM_S:
+        return None
     return (f"{first.reserve} took {duration_text(first.duration_s)}; about "
             f"{duration_text(left)} for {', '.join(o.reserve[1:])} at its pace per step")
