@@ -450,3 +450,26 @@ def test_a_split_holds_its_share_once_the_prompt_is_seen():
     assert Uniform(0.0).longest(s, 24, 2) == 10
     assert Duo(0.5).lens(s, 22) == [22, 22, 8, 8]
     assert Ada(0.0).lens(s, 24) is None
+
+
+def test_snapkv_pageds_footprint_by_hand():
+    # B=2, H_kv=2 of D=16 in float32, prompt 32 + 4 decoded, a budget of 12: a head holds at
+    # most 12 + 4 = 16 positions. The decode step: grouped attention over 16 (640 elements,
+    # kvbench.measure.footprint.grouped_step) and the heads' K/V and positions gathered at
+    # 16: 2 x 2 x 2 x 16 x (16 x 4 + 8) B. The prompt's scoring (the window's weights,
+    # 12,288 B) sits on top of the prefill's peak.
+    from dataclasses import replace
+
+    from kvbench.measure import footprint as fp
+
+    cls = IMPLEMENTATIONS["snapkv-paged"]
+    s = LayerShape(batch=2, prompt_len=32, decode_len=4, hidden=64, q_heads=4, kv_heads=2,
+                   head_dim=16, kv_budget=12)
+    f = cls.footprint(RunConfig(s), ImplOptions(block_size=4))
+    assert fp.grouped_step(s, False, 16) == 640
+    assert f.decode == 640 * 4 + 2 * 2 * 2 * 16 * (16 * 4 + 8) == 11_776
+    assert f.prefill == f.storage + fp.fused_prefill(s, False, 4) + 12_288
+    assert f.cached == max(f.prefill - 12_288, f.storage + f.decode) + 12_288
+    # no budget: every position, 36 (960 elements of grouped attention)
+    whole = cls.footprint(RunConfig(replace(s, kv_budget=None)), ImplOptions(block_size=4))
+    assert whole.decode == 960 * 4 + 2 * 2 * 2 * 36 * (16 * 4 + 8) == 24_576
