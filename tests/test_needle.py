@@ -392,3 +392,40 @@ def test_copys_answers_are_its_text_as_passkeys_are(tmp_path):
     row = pd.read_csv(out).iloc[0]
     assert pd.isna(row.depth) and "of the second copy" not in str(row.answers)
     assert row.accuracy == row.full_accuracy and str(row.answers).strip()  # (exact: path A)
+
+
+def test_the_options_edges_one_line_each():
+    from pathlib import Path
+
+    from kvbench.errors import KvbenchError
+
+    def refused(**changes):
+        with pytest.raises(KvbenchError) as e:
+            NeedleOptions(**changes)
+        return str(e.value)
+
+    n = len(needle.NAMES)
+    assert refused(task="needles") == "unknown --task 'needles'; use passkey, multikey, copy"
+    NeedleOptions(task="multikey", keys=2), NeedleOptions(task="multikey", keys=n)
+    assert refused(task="multikey", keys=1) == f"--keys is 2 to {n} needles; got 1"
+    assert refused(task="multikey", keys=n + 1) == f"--keys is 2 to {n} needles; got {n + 1}"
+    NeedleOptions(trials=1)
+    assert refused(trials=0) == "--trials must be a positive integer; got 0"
+    NeedleOptions(needle="123456789012")
+    assert refused(needle="12a").startswith("--needle '12a': give the key as digits")
+    assert refused(task="copy", needle="12345").startswith("--needle is passkey's and")
+    # what a task does not read, named: passkey's one key has no count; copy has no depth,
+    # filler or count
+    assert refused(task="passkey", keys=7).startswith("--task passkey reads no --keys")
+    NeedleOptions(task="multikey", keys=7)
+    assert refused(task="copy", depth="0.5").startswith("--task copy reads no --depth")
+    assert refused(task="copy", haystack=Path("f.txt")).startswith("--task copy reads no "
+                                                                   "--haystack")
+    assert refused(task="copy", keys=9).startswith("--task copy reads no --keys")
+
+
+def test_a_window_holds_the_sinks_before_it_and_its_last_positions():
+    # 20 positions, 2 sinks (0, 1), a window of 4 (16-19): position 2 is in neither
+    assert needle.window_share(4, 2, 20, [1]) == 1.0 and needle.window_share(4, 2, 20, [2]) == 0.0
+    assert needle.window_share(4, 2, 20, [16]) == 1.0 and needle.window_share(4, 2, 20, [15]) == 0.0
+    assert needle.shard_of(None) == (0, 1)  # no --shard: the one shard of one
