@@ -783,6 +783,12 @@ def test_the_tp_lever_skips_a_split_the_heads_do_not_take():
     o = eng.EngineOptions("vllm", 80 * GIB, max_model_len=1024, kv_memory=64 * 2 ** 20)
     assert eng.ledger(model, o).max_concurrency == 64
     assert "--tp 4" in eng.to_target(model, o, 200)  # (2 gives 128; 5 would not divide)
+    # 8 KV heads, 2 KiB a token, 2 MiB a request, 256 MiB: 128 requests; TP 2, 4, 8: 256,
+    # 512, 1,024 (one head a rank): only TP 8 reaches 700
+    eight = cap.ModelSpec(name="m", layers=1, kv_heads=8, head_dim=64, q_heads=8)
+    o8 = eng.EngineOptions("vllm", 80 * GIB, max_model_len=1024, kv_memory=256 * 2 ** 20)
+    assert eng.ledger(eight, o8).max_concurrency == 128
+    assert "--tp 8" in eng.to_target(eight, o8, 700)
 
 
 def test_an_mla_forward_peak_by_hand():

@@ -360,11 +360,9 @@ def vllm(model: ModelSpec, o: EngineOptions) -> Ledger:
                      "(concurrency "
                      f"x max_model_len); {by_blocks:,} as older versions did (blocks // "
                      "groups x block size)")
-    if size != max(g.layers for g in groups) or any(g.layers < size for g in groups):
-        padded = sum(size - g.layers for g in groups)
-        if padded:
-            notes.append(f"{padded} padding layer(s) in the groups: that share of the pool "
-                         "holds nothing")
+    if padded := sum(size - g.layers for g in groups):
+        notes.append(f"{padded} padding layer(s) in the groups: that share of the pool "
+                     "holds nothing")
     if "mamba" in kinds:
         notes.append("Mamba layers: one state page a request (their state, not tokens)")
     if idle:
