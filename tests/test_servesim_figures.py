@@ -506,7 +506,10 @@ TIMED = ["serve-sim", "--requests", "6", "--len-dist", "uniform:4:12", "--output
          "32", "--q-heads", "2", "--kv-heads", "1", "--head-dim", "16", "--device", "cpu"]
 
 
-def test_a_timed_run_writes_checked_rows_and_says_the_time_of_the_rest(tmp_path):
+def test_a_timed_run_writes_checked_rows_and_says_the_time_of_the_rest(tmp_path, monkeypatch):
+    import kvbench.planning.runner
+
+    monkeypatch.setattr(kvbench.planning.runner, "SAID_FROM_S", 0)  # (a second is said too)
     out = tmp_path / "s.csv"
     result = runner.invoke(app, [*TIMED, "--reserve", "paged,prealloc", "--csv", str(out)])
     assert result.exit_code == 0, result.output
@@ -602,7 +605,11 @@ def test_a_timed_row_says_where_and_when_it_ran(tmp_path):
 @pytest.mark.parametrize("extra, said", [(["--reserve", "paged"], False),
                                          (["--reserve", "paged", "--seeds", "2"], True),
                                          (["--reserve", "paged,prealloc"], True)])
-def test_the_time_of_the_rest_is_said_after_the_first_of_several_runs(extra, said):
+def test_the_time_of_the_rest_is_said_after_the_first_of_several_runs(extra, said,
+                                                                      monkeypatch):
+    import kvbench.planning.runner
+
+    monkeypatch.setattr(kvbench.planning.runner, "SAID_FROM_S", 0)  # (a second is said too)
     result = runner.invoke(app, [*TIMED, *extra, "--no-csv"])
     assert result.exit_code == 0
     assert ("at its pace per step" in " ".join(result.stderr.split())) == said
@@ -612,6 +619,9 @@ def test_the_time_before_the_run_is_said_once_from_the_warm_up(monkeypatch):
     import re
 
     monkeypatch.setattr(servesim.loop, "LONG_RUN_S", 0)  # every run "long"
+    import kvbench.planning.runner
+
+    monkeypatch.setattr(kvbench.planning.runner, "SAID_FROM_S", 0)  # (a second is said too)
     result = runner.invoke(app, [*TIMED, "--reserve", "paged,prealloc", "--no-csv"])
     said = " ".join(result.stderr.split())
     assert said.count("before it starts") == 1
