@@ -5,7 +5,7 @@ lent. `kvbench tune --rehearse` reports them beside the interpreter's run.
 Triton compiles without a device when given the target; its wheel brings cuobjdump, which
 reads the registers and the local memory (spills) of the compiled binary. A process that
 imported Triton for its interpreter cannot compile (its kernels are interpreted functions),
-so the compiles run in one child process: `python -m kvbench.kernels.aot` reads the requests
+so the compiles run in one child process: `kvbench.kernels.aot.main()` reads the requests
 as JSON on stdin and prints one answer per line. Where a step is not possible (an older
 Triton's API, no cuobjdump), the answer is None and the report says so.
 """
@@ -92,7 +92,9 @@ def anatomies(requests: list[dict], arch: int = 90, timeout_s: float = 600) -> l
         return []
     env = child_env()
     try:
-        done = subprocess.run([sys.executable, "-m", "kvbench.kernels.aot", str(arch)],
+        # imported, not run as __main__: the child's functions are this module's, by name
+        done = subprocess.run([sys.executable, "-c", "from kvbench.kernels.aot import main; "
+                               "main()", str(arch)],
                               input=json.dumps(requests), capture_output=True, text=True,
                               env=env, timeout=timeout_s, check=False)
     except (OSError, subprocess.SubprocessError):
