@@ -293,11 +293,10 @@ def _stage1(Q, K, V, Table, Lengths, Plan, Acc, M, L, KS, KZ, VS, VZ, scale,
     else:
         q = tl.load(q_ptrs + offs_d[None, :], mask=mask_g[:, None] & mask_d[None, :],
                     other=0.0)  # [BLOCK_G, BLOCK_D]
-        q_odd = q
-        offs_w = offs_d  # (unused)
     if WIDEN:
         q = q.to(tl.float32)
-        q_odd = q_odd.to(tl.float32)
+        if HALVES:
+            q_odd = q_odd.to(tl.float32)
     qk_scale = scale
     if FP8:  # K's scale folded into the softmax scale; V's applied to the output at the end
         qk_scale = scale * tl.load(KS + h)
@@ -313,7 +312,6 @@ def _stage1(Q, K, V, Table, Lengths, Plan, Acc, M, L, KS, KZ, VS, VZ, scale,
         acc_odd = tl.zeros([BLOCK_G, W], dtype=tl.float32)
     else:
         acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
-        acc_odd = tl.zeros([BLOCK_G, 1], dtype=tl.float32)  # (unused)
     # The first tile's block ids here; each iteration fetches the next tile's before this
     # tile's K/V. Loaded in the same iteration, the ids would put the K/V copies behind an
     # indirect load, which Triton's pipeliner gives (num_stages - 1) / 2 stages of latency:

@@ -128,10 +128,9 @@ def sweep(o: RunOptions, command: str, points, run_point, impl_options, notes,
         for i, (config, names) in enumerate(points if o.ray is None else []):
             # the time left, once: after the second point (a per-point cost and a pace
             # fitted to the two), or after the first of two
-            if i == min(2, len(points) - 1) and i and not o.quiet:
-                line = _estimate(took, work, compile_seconds() - compiled_before)
-                if line is not None:
-                    render.note(line)
+            if (i == min(2, len(points) - 1) and i and not o.quiet
+                    and (line := _estimate(took, work, compile_seconds() - compiled_before))):
+                render.note(line)
             begun = time.perf_counter()
             bar.point(render.describe(config))
             try:
@@ -231,11 +230,11 @@ SAID_FROM_S = 10.0  # a rest shorter than this is over before the line is read: 
 
 def _estimate(took: list[float], work: list[float], compile_s: float = 0.0) -> str | None:
     """One line once a point or two are done: the time the rest should take (None under
-    SAID_FROM_S). A point costs a
-    fixed part (its set-up, the caches built, their warm-up) and a part that grows with its
-    work (kvbench.measure.costs.work); with two points of different work both are
-    fitted to them, else the latest point's pace (time per unit of work) is applied. The
-    compiling of the first points is left out (each shape compiles once) and said apart."""
+    SAID_FROM_S). A point costs a fixed part (its set-up, the caches built, their warm-up)
+    and a part that grows with its work (kvbench.measure.costs.work); with two points of
+    different work both are fitted to them, else the latest point's pace (time per unit of
+    work) is applied. The compiling of the first points is left out (each shape compiles
+    once) and said apart."""
     from kvbench.report.render import plural
 
     done = len(took)

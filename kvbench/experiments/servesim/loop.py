@@ -178,9 +178,8 @@ def run(o: SimOptions) -> list[Served]:
                                    device, bar.advance,
                                    lambda t, n: _before(o, traces, t, n) if not served
                                    and not o.quiet else None))
-                        line = (_estimate(o, s) if not served and len(o.reserve) * o.seeds
-                                > 1 and not o.quiet and not o.steps_only else None)
-                        if line is not None:
+                        if (not served and len(o.reserve) * o.seeds > 1 and not o.quiet
+                                and not o.steps_only and (line := _estimate(o, s))):
                             render.note(line)
                         finished(s, env)
     if o.format == "table" and not o.quiet:
