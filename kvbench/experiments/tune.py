@@ -490,14 +490,17 @@ def inspect_table(rows) -> Table:
         return "—" if value is None else format(value, form)
 
     for r in rows:
-        t.add_row(r.kernel, r.kv_format, r.config, str(r.registers), str(r.spills),
+        spill = str(r.spills) if not r.spills or r.loop_spill_ops is None else \
+            f"{r.spills} ({r.loop_spill_ops} in loop)"
+        t.add_row(r.kernel, r.kv_format, r.config, str(r.registers), spill,
                   f"{r.shared_bytes:,}", str(r.programs_per_sm), str(r.tiles_in_flight),
                   cell(None if r.flight_bytes_sm is None else r.flight_bytes_sm / 1024, ".0f"),
                   "yes" if r.issued_early else "no", cell(r.sass_per_position, ".1f"),
                   cell(r.barriers_per_tile, "d"), cell(r.load_ratio, ".2f"),
                   cell(r.smem_store_per_position, ",.0f"), cell(r.shared_byte_reads, "d"))
     t.caption = ("config: BLOCK_N/warps/stages/waves (each format's default); regs a thread; "
-                 "spill: stack bytes a thread; smem: shared bytes a program; prog/SM: programs "
+                 "spill: stack bytes a thread (and its local-memory accesses in the tile loop, "
+                 "each tile); smem: shared bytes a program; prog/SM: programs "
                  "an SM holds at those; in flight: K/V tiles whose copies are on their way "
                  "during the loop's dot (the wait before it, over the copy groups a tile "
                  "commits); KB/SM: their bytes an SM (Little's law asks "

@@ -189,16 +189,26 @@ def _loop(ttgir: str) -> list[str]:
     return []
 
 
-_HEADER = re.compile(r"^(\$L__\w+):.*Loop Header")
+_LABEL = re.compile(r"^(\$L__\w+):(.*)")
 
 
 def ptx_loop(ptx: str) -> list[str]:
-    """The PTX lines of the tile loop: from the first loop header whose body (up to the last
-    branch back to it) holds a matrix multiply, to that branch."""
+    """The PTX lines of the tile loop: from the first innermost loop header (LLVM's comment
+    on the label or the line under it: "Loop Header", no "Child Loop") whose body, up to the
+    last branch back to it, holds a matrix multiply, to that branch. (A loop around it, the
+    pieces of several sequences a program reads, is not the tile loop.)"""
     lines = ptx.splitlines()
     for i, line in enumerate(lines):
-        m = _HEADER.match(line.strip())
+        m = _LABEL.match(line.strip())
         if m is None:
+            continue
+        comments = [m.group(2)]
+        for other in lines[i + 1:]:
+            if not other.strip().startswith("//"):
+                break
+            comments.append(other)
+        comment = " ".join(comments)
+        if "Loop Header" not in comment or "Child Loop" in comment:
             continue
         back = re.compile(rf"\bbra(?:\.uni)?\s+{re.escape(m.group(1))};")
         ends = [j for j in range(i + 1, len(lines)) if back.search(lines[j])]
@@ -217,10 +227,11 @@ _SASS = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)([^
 
 
 def sass_loop(sass: str) -> list[str]:
-    """The SASS opcodes of the tile loop: the longest range from a backward branch's target
-    to the branch that holds a matrix multiply (HMMA/HGMMA)."""
+    """The SASS opcodes of the tile loop: the innermost range from a backward branch's
+    target to the branch that holds a matrix multiply (HMMA/HGMMA): the shortest (a loop
+    around the tile loop holds it too)."""
     code = [(int(m.group(1), 16), m.group(3), m.group(4)) for m in _SASS.finditer(sass)]
-    best: list[str] = []
+    best: list[str] | None = None
     for address, op, rest in code:
         if op != "BRA":
             continue
@@ -229,9 +240,10 @@ def sass_loop(sass: str) -> list[str]:
             continue
         # (a forward branch's range is empty: only a backward one can hold the loop)
         body = [o for a, o, _ in code if int(target.group(1), 16) <= a <= address]
-        if any(o.startswith(("HMMA", "HGMMA")) for o in body) and len(body) > len(best):
+        if (any(o.startswith(("HMMA", "HGMMA")) for o in body)
+                and (best is None or len(body) < len(best))):
             best = body
-    return [o for o in best if o != "NOP"]
+    return [o for o in best or [] if o != "NOP"]
 
 
 _BUFFER = re.compile(r"= ttg\.local_alloc\s*:\s*\(\)\s*->\s*!ttg\.memdesc<(\d+)x([0-9x]+)x"
@@ -276,7 +288,8 @@ def anatomy(ttgir: str, ptx: str, sass: str = "", positions: int = 1,
     tile loads are for the next iteration, else 0. A loop that waits for every copy (N = 0)
     has none. issued_early: a global load or copy before the loop's first matrix multiply
     (shared-memory reads do not count). ptx_loop, sass_loop: instructions in the loop body
-    (SASS: None where unread); barriers: bar.sync in it; load_bytes: bytes its K/V copies
+    (SASS: None where unread); loop_local: its local-memory loads and stores (spilled
+    registers read or written each tile; None where unread); barriers: bar.sync in it; load_bytes: bytes its K/V copies
     and wide (>= 8 B a thread) global loads move an iteration, over `threads` threads;
     smem_store_bytes: bytes it stores to shared memory (st.shared, not copies);
     shared_byte_reads: one-byte shared loads; vector_loads, scalar_loads, byte_loads: global
@@ -320,6 +333,8 @@ def anatomy(ttgir: str, ptx: str, sass: str = "", positions: int = 1,
     return {"tiles_in_flight": tiles, "issued_early": bool(globals_) and globals_[0] < first_dot,
             "ptx_loop": sum(_instruction(b) for b in body),
             "sass_loop": len(sass_body) or None,
+            "loop_local": sum(o.startswith(("LDL", "STL")) for o in sass_body) if sass_body
+            else None,
             "barriers": sum(bool(re.search(r"\b(bar|barrier)\.sync\b", b)) for b in body),
             "load_bytes": load_bytes * threads, "smem_store_bytes": smem_stores * threads,
             "shared_byte_reads": byte_reads, "positions": positions,

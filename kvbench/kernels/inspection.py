@@ -58,6 +58,7 @@ class Inspection:
     load_ratio: float | None = None  # global K/V bytes loaded a position over its payload
     smem_store_per_position: float | None = None  # bytes stored to shared memory a position
     shared_byte_reads: int | None = None  # one-byte shared-memory loads in the loop
+    loop_spill_ops: int | None = None  # local-memory loads and stores in the loop (SASS)
 
     def row(self) -> dict[str, object]:
         return asdict(self)
@@ -96,7 +97,7 @@ def loop_figures(kernel: str, fmt: str, a: dict, programs: int) -> dict:
             "barriers_per_tile": a["barriers"],
             "load_ratio": a["load_bytes"] / positions / per,
             "smem_store_per_position": a["smem_store_bytes"] / positions,
-            "shared_byte_reads": a["shared_byte_reads"]}
+            "shared_byte_reads": a["shared_byte_reads"], "loop_spill_ops": a["loop_local"]}
 
 
 def programs_per_sm(registers: int, shared_bytes: int, num_warps: int) -> int:
@@ -181,11 +182,12 @@ def _launch(kernel, batch, q_heads, width, capacity, units, config):
     target = config.waves * SM90["multiprocessors"]
     splits = kernel.grid_splits(capacity, units, target, config.block_n)
     f32 = {"dtype": torch.float32, "device": "meta"}
+    work = kernel.programs(batch, units, target) + batch
     return kernel.Launch(splits, target, 0, config,
                          (torch.empty(batch, q_heads, splits, width, **f32),
                           torch.empty(batch, q_heads, splits, **f32),
                           torch.empty(batch, q_heads, splits, **f32)),
-                         torch.empty(batch, 2, dtype=torch.int32, device="meta"))
+                         torch.empty(work, 4, dtype=torch.int32, device="meta"))
 
 
 def configuration(kernel: str, fmt: str) -> KernelConfig:
@@ -240,7 +242,9 @@ def inspect(formats=FORMATS, mla_formats=MLA_FORMATS, configs: dict | None = Non
 def shortfalls(rows: list[Inspection]) -> list[str]:
     """What keeps a compiled stage 1 from streaming K/V at the bandwidth, one line each:
     fewer than 2 tiles on their way during the dot, fewer bytes in flight per SM than
-    Little's law asks, spills, int codes loaded a byte at a time, a K/V byte loaded more
+    Little's law asks, spills read or written in the tile loop (or anywhere, where its SASS
+    is unread: a few words kept in local memory outside the loop cost a load a sequence's
+    piece, not a tile), int codes loaded a byte at a time, a K/V byte loaded more
     than once, a tile's round trip through shared memory before its dot, codes read from
     shared memory a byte at a time, or fewer programs per SM than its configuration's waves
     (the split planner would overfill the SMs). Empty when none."""
@@ -256,8 +260,10 @@ def shortfalls(rows: list[Inspection]) -> list[str]:
         if r.flight_bytes_sm is not None and r.flight_bytes_sm < NEEDED_FLIGHT_BYTES:
             lines.append(f"{name}: {r.flight_bytes_sm:,} B in flight an SM, below the "
                          f"{NEEDED_FLIGHT_BYTES:,} Little's law asks")
-        if r.spills:
-            lines.append(f"{name}: spills {r.spills} bytes a thread")
+        if r.spills and r.loop_spill_ops != 0:
+            where = ("" if r.loop_spill_ops is None
+                     else f", {r.loop_spill_ops} local-memory accesses a tile")
+            lines.append(f"{name}: spills {r.spills} bytes a thread{where}")
         if r.kv_format.startswith("int") and r.byte_loads:
             lines.append(f"{name}: {r.byte_loads} one-byte loads (codes not loaded packed)")
         if r.load_ratio is not None and r.load_ratio > 1.05:

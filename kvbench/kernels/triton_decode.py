@@ -3,8 +3,9 @@
 The structure follows lightllm's flash decoding, which vLLM's and SGLang's Triton decode
 attention derive from:
 
-- Stage 1, one program per (sequence, KV head, split). It loads the G = H_q/H_kv query heads
-  that share the KV head once, as a [G, D] tile. It then walks its split of the context in
+- Stage 1, programs per KV head, each over a range of the batch's tiles (its piece of a
+  sequence: a split). For each piece it loads the G = H_q/H_kv query heads that share the KV
+  head once, as a [G, D] tile. It then walks its split of the context in
   tiles of BLOCK_N positions. Each tile's blocks come from the block table, so K and V are
   loaded from the pool where they lie, never gathered into a copy. Each K/V tile serves all G
   queries through `tl.dot` ([G, D] x [D, BLOCK_N]). The split keeps an online softmax: its
@@ -14,15 +15,16 @@ attention derive from:
 
 What makes it fast (SGLang's and vLLM's decode kernels, FlashInfer's planner):
 
-- **Splits per sequence, planned on the device.** Before stage 1 a one-program kernel
-  (`_plan`) reads every sequence's length from device memory and writes each one's work: the
-  fewest tiles a program takes such that every sequence's splits fit `target` programs (a
-  few per SM: `KernelConfig.waves`), one wave whose longest program is as short as splitting
-  each sequence allows (FlashInfer's planner balances the same way; flash-attn's
-  `num_splits_heuristic` weighs the same wave efficiency). A long sequence of a ragged batch
-  is spread over many programs, a short one takes one, and the programs a sequence does not
-  need exit at once. (On the lognormal batch `kvbench tune` times, the longest program over
-  the mean: 1.15, where rounding each sequence's share down gave 1.79.)
+- **A work list, planned on the device.** Before stage 1 a one-program kernel (`_plan`)
+  reads every sequence's length from device memory, lays the sequences' tiles end to end and
+  gives each of stage 1's programs (a few per SM: `KernelConfig.waves`) an equal range of
+  them: a range may end inside a sequence (the next program takes the rest, a split of that
+  sequence) or read the end of one and go on into the next, so every program does the same
+  tiles, within one, however ragged the batch (the stream-K decomposition; FlashInfer's
+  planner and flash-attn's `num_splits_heuristic` weigh the same wave efficiency per
+  sequence). On the lognormal batch `kvbench tune` times the longest program over the mean
+  is 1.00 (1.14-1.18 with a piece of one sequence a program; 1.79 when each sequence's share
+  was rounded down).
 - **Graph-safe.** Lengths live on the device and the grid is fixed ((B, H_kv, SPLITS), SPLITS
   set when the cache is built), so a decode step that launches these kernels can be captured
   in a CUDA graph and replayed as the cache grows.
@@ -47,6 +49,7 @@ in both 3.6 and 3.9 are used.
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass
 from types import SimpleNamespace
@@ -65,80 +68,140 @@ MAX_SPLITS = 64
 PLAN_STEPS = tl.constexpr(24)  # the bisection's steps: programs of up to 2^24 tiles
 
 
-def _plan(Lengths, Plan, batch, target, fixed, BLOCK_B: tl.constexpr, TILE: tl.constexpr,
-          UNITS: tl.constexpr, SPLITS: tl.constexpr):
-    """Every sequence's work list, planned on the device (one program, before stage 1):
-    Plan [B, 2] int32 its splits and the tiles a split takes.
+def _plan(Lengths, Work, batch, programs, fixed, BLOCK_B: tl.constexpr,
+          BLOCK_P: tl.constexpr, TILE: tl.constexpr, SPLITS: tl.constexpr):
+    """The work list, planned on the device (one program, before stage 1). The sequences'
+    tiles are laid end to end, one KV head's stream of T tiles, and each program takes a
+    range of it, crossing from one sequence into the next where a range does (a piece of
+    each, its own split). Work [P + B, 4] int32: program p's row (first tile, end tile, first
+    sequence, 0); sequence b's at P + b (its first tile in the stream, its end, its first
+    program, its splits).
 
-    fixed > 0: every sequence in min(fixed, its tiles) splits. Otherwise the fewest tiles a
-    program takes, c, such that every sequence split into ceil(its tiles / c) programs (at
-    most SPLITS) fits `target` programs for the UNITS (KV heads) of each: one wave, its
-    longest program as short as a per-sequence split allows (bisected over c). A
-    sequence's tiles are then shared out evenly, none empty."""
+    fixed = 0: ranges of C tiles, the fewest that fit the P programs and cut no sequence into
+    more than SPLITS pieces (C >= T / P; C >= its tiles / (SPLITS - 1)): every program's range
+    within one tile of the others', however ragged the batch. fixed > 0: sequence b on
+    programs b·fixed onwards, in min(fixed, its tiles) splits of equal tiles."""
     offs = tl.arange(0, BLOCK_B)
     lengths = tl.load(Lengths + offs, mask=offs < batch, other=0).to(tl.int32)
-    every = tl.cdiv(lengths, TILE)  # [BLOCK_B], 0 past the batch
-    slots = tl.maximum(target // UNITS, batch)
-    lo = tl.full([], 1, tl.int32)
-    hi = tl.maximum(tl.max(every, 0), 1)
-    for _ in range(PLAN_STEPS):  # the least c whose programs fit the slots
-        c = (lo + hi) // 2
-        fits = tl.sum(tl.minimum(tl.cdiv(every, c), SPLITS), 0) <= slots
-        hi = tl.where(fits, c, hi)
-        lo = tl.where(fits, lo, c + 1)
-    planned = tl.minimum(tl.maximum(tl.cdiv(every, lo), 1), SPLITS)
-    n = tl.where(fixed > 0, tl.minimum(fixed, every), planned)
-    per = tl.maximum(tl.cdiv(every, tl.maximum(n, 1)), 1)
-    tl.store(Plan + offs * 2, tl.cdiv(every, per), mask=offs < batch)
-    tl.store(Plan + offs * 2 + 1, per, mask=offs < batch)
+    tiles = tl.cdiv(lengths, TILE)  # [BLOCK_B], 0 past the batch
+    ends = tl.cumsum(tiles, 0)
+    starts = ends - tiles
+    total = tl.sum(tiles, 0)
+    if SPLITS > 1:
+        c = tl.maximum(tl.cdiv(total, programs), tl.cdiv(tl.max(tiles, 0), SPLITS - 1))
+    else:  # one piece a sequence: one program takes every tile
+        c = total
+    c = tl.maximum(c, 1)
+    pieces = tl.minimum(fixed, tiles)
+    per = tl.maximum(tl.cdiv(tiles, tl.maximum(pieces, 1)), 1)
+    first = tl.where(fixed > 0, offs * fixed, starts // c)
+    n = tl.where(fixed > 0, tl.cdiv(tiles, per),
+                 tl.where(tiles > 0, (ends - 1) // c - starts // c + 1, 0))
+    row = Work + (programs + offs) * 4
+    live = offs < batch
+    tl.store(row, starts, mask=live)
+    tl.store(row + 1, ends, mask=live)
+    tl.store(row + 2, first, mask=live)
+    tl.store(row + 3, n, mask=live)
+    tl.debug_barrier()  # (the rows above, read back below)
+    p = tl.arange(0, BLOCK_P)
+    b = p // tl.maximum(fixed, 1)  # fixed: the sequence, and its split
+    k = p % tl.maximum(fixed, 1)
+    b_start = tl.load(Work + (programs + b) * 4, mask=b < batch, other=0)
+    b_end = tl.load(Work + (programs + b) * 4 + 1, mask=b < batch, other=0)
+    b_n = tl.load(Work + (programs + b) * 4 + 3, mask=b < batch, other=0)
+    b_per = tl.maximum(tl.cdiv(b_end - b_start, tl.maximum(b_n, 1)), 1)
+    pinned = b_start + k * b_per
+    start = tl.where(fixed > 0, tl.where(k < b_n, pinned, 0), p * c)
+    end = tl.where(fixed > 0, tl.where(k < b_n, tl.minimum(pinned + b_per, b_end), 0),
+                   tl.minimum(p * c + c, total))
+    # the first sequence each range reads: those ending at or before its start come first
+    seq = tl.zeros([BLOCK_P], dtype=tl.int32)
+    for i in range(BLOCK_B):  # (a constant bound: 3.6's interpreter cannot loop to batch)
+        end_i = tl.load(Work + (programs + i) * 4 + 1, mask=i < batch, other=0)
+        seq += ((end_i <= start) & (i < batch)).to(tl.int32)
+    seq = tl.where(fixed > 0, b, seq)
+    mine = p < programs
+    tl.store(Work + p * 4, start, mask=mine)
+    tl.store(Work + p * 4 + 1, end, mask=mine)
+    tl.store(Work + p * 4 + 2, seq, mask=mine)
+    tl.store(Work + p * 4 + 3, tl.zeros([BLOCK_P], dtype=tl.int32), mask=mine)
 
 
-def _split(Lengths, Plan, b, s, TILE: tl.constexpr):
-    """Split s of sequence b from the plan: (its length, first tile, end tile, the
-    sequence's splits)."""
+def _piece(Lengths, Work, programs, p, b, start, stop, TILE: tl.constexpr):
+    """Program p's piece of sequence b, from stream tile `start` to before `stop`: (the
+    sequence's length, its first and end tile, the split it writes, where the next sequence
+    starts in the stream)."""
+    row = Work + (programs + b) * 4
+    base = tl.load(row)
+    end_b = tl.load(row + 1)
+    split = p - tl.load(row + 2)
     length = tl.load(Lengths + b).to(tl.int32)
-    n = tl.load(Plan + b * 2)
-    per = tl.load(Plan + b * 2 + 1)
-    return length, s * per, tl.minimum((s + 1) * per, tl.cdiv(length, TILE)), n
+    return length, start - base, tl.minimum(stop, end_b) - base, split, end_b
+
+
+def programs(batch: int, units: int, target: int, fixed: int = 0) -> int:
+    """Stage 1's programs for each unit (KV head, or MLA's head block): the planner's target
+    shared among the units (one wave), or `fixed` for each sequence where the splits are
+    pinned."""
+    return batch * fixed if fixed else max(1, target // units)
+
+
+def plan_work(lengths: list[int], programs: int, tile: int, splits: int,
+              fixed: int = 0) -> tuple[list[tuple[int, int, int]], list[tuple[int, int, int, int]]]:
+    """The work list `_plan` writes (the host's mirror, for reports and tests): each
+    program's (first tile, end tile, first sequence) in the stream of every sequence's tiles,
+    and each sequence's (first tile, end tile, first program, splits)."""
+    tiles = [math.ceil(n / tile) for n in lengths]
+    ends = list(itertools.accumulate(tiles))
+    starts = [e - t for e, t in zip(ends, tiles)]
+    total = sum(tiles)
+    if splits > 1:  # the fewest tiles a program that fit and cut no sequence too often
+        c = max(math.ceil(total / programs), math.ceil(max(tiles, default=0) / (splits - 1)))
+    else:  # one piece a sequence: one program takes every tile
+        c = total
+    c = max(c, 1)
+    sequences = []
+    for b, (s, e, t) in enumerate(zip(starts, ends, tiles)):
+        if fixed:
+            per = max(math.ceil(t / max(min(fixed, t), 1)), 1)
+            sequences.append((s, e, b * fixed, math.ceil(t / per)))
+        else:
+            sequences.append((s, e, s // c, (e - 1) // c - s // c + 1 if t else 0))
+    ranges = []
+    for p in range(programs):
+        if fixed:
+            b, k = divmod(p, fixed)
+            s, e, _, n = sequences[b] if b < len(sequences) else (0, 0, 0, 0)
+            per = max(math.ceil((e - s) / max(n, 1)), 1)
+            ranges.append((s + k * per, min(s + k * per + per, e), b) if k < n else (0, 0, b))
+        else:
+            start = p * c
+            ranges.append((start, min(start + c, total), sum(e <= start for e in ends)))
+    return ranges, sequences
 
 
 def plan_splits(lengths: list[int], units: int, target: int, tile: int, splits: int,
                 fixed: int = 0) -> list[int]:
-    """The splits `_plan` writes for each sequence (the host's mirror, for reports and
-    tests)."""
-    tiles = [math.ceil(n / tile) for n in lengths]
-    slots = max(target // units, len(tiles))
-    lo, hi = 1, max(max(tiles, default=1), 1)
-    for _ in range(PLAN_STEPS.value):  # (as the device bisects: a fixed count of steps)
-        c = (lo + hi) // 2
-        if sum(min(math.ceil(t / c), splits) for t in tiles) <= slots:
-            hi = c
-        else:
-            lo = c + 1
-    out = []
-    for t in tiles:
-        n = min(fixed, t) if fixed > 0 else min(max(math.ceil(t / lo), 1), splits)
-        per = max(math.ceil(t / max(n, 1)), 1)
-        out.append(math.ceil(t / per))
-    return out
+    """Each sequence's splits under the plan (`_plan`'s, mirrored on the host)."""
+    _, sequences = plan_work(lengths, programs(len(lengths), units, target, fixed), tile,
+                             splits, fixed)
+    return [n for *_, n in sequences]
 
 
 def program_tiles(lengths: list[int], units: int, target: int, tile: int, splits: int,
                   fixed: int = 0) -> list[int]:
-    """Every program's tiles under the plan (each sequence's splits, for each unit): their
-    longest over their mean is the plan's balance."""
-    out = []
-    for n, length in zip(plan_splits(lengths, units, target, tile, splits, fixed), lengths):
-        t = math.ceil(length / tile)
-        per = max(math.ceil(t / max(n, 1)), 1)
-        out += [min(per, t - per * i) for i in range(n)]
-    return out * units
+    """Every program's tiles under the plan, for each unit (0 for a program with none):
+    their longest over their mean is the plan's balance."""
+    ranges, _ = plan_work(lengths, programs(len(lengths), units, target, fixed), tile,
+                          splits, fixed)
+    return [max(e - s, 0) for s, e, _ in ranges] * units
 
 
 def grid_splits(capacity: int, units: int, target: int, tile: int, fixed: int = 0) -> int:
-    """The grid's split dimension: the most splits `_plan` can give a sequence of up to
-    `capacity` positions (a split takes at least total·units/target tiles, so a sequence
-    gets at most target/units), at most MAX_SPLITS."""
+    """The partials' split dimension: the most pieces the plan cuts a sequence of up to
+    `capacity` positions into (the programs a unit, target / units, at most), at most
+    MAX_SPLITS; `fixed` where pinned."""
     if fixed:
         return fixed
     return max(1, min(MAX_SPLITS, max(1, target // units), math.ceil(capacity / tile)))
@@ -268,35 +331,21 @@ def _stage1(Q, K, V, Table, Lengths, Plan, Acc, M, L, KS, KZ, VS, VZ, scale,
     kernels). STATIC_TILES = N > 0: N tiles from the split's first, those past its end
     masked: for interpreters that cannot take a run-time loop bound (Triton 3.6's with numpy
     >= 2.4 converts it to a Python int and fails)."""
-    b = tl.program_id(0)
+    prog = tl.program_id(0)
     h = tl.program_id(1)
-    s = tl.program_id(2)
+    programs = tl.num_programs(0)
     offs_g = tl.arange(0, BLOCK_G)
     offs_d = tl.arange(0, BLOCK_D)
     mask_g = offs_g < G
     mask_d = offs_d < D
     heads = h * G + offs_g  # the query heads that share KV head h
-    stat = b * stride_mb + heads * stride_mh + s
-    length, first, end, n = _split(Lengths, Plan, b, s, BLOCK_N)
-    if s >= n:  # a split this sequence does not need: marked empty for stage 2
-        tl.store(L + stat, tl.zeros([BLOCK_G], dtype=tl.float32), mask=mask_g)
-        return
-    q_ptrs = Q + b * stride_qb + heads[:, None] * stride_qh
     # 4-bit codes packed two a byte: the even and odd elements apart, each with its own dot
     # and accumulator (`_int_halves`), when each half is wide enough for tl.dot
     HALVES: tl.constexpr = PACKED and BITS == 4 and D >= 32 and GROUP >= 2
     W: tl.constexpr = D // 2
+    NG: tl.constexpr = D // GROUP
     if HALVES:
         offs_w = tl.arange(0, W)
-        q = tl.load(q_ptrs + 2 * offs_w[None, :], mask=mask_g[:, None], other=0.0)
-        q_odd = tl.load(q_ptrs + 2 * offs_w[None, :] + 1, mask=mask_g[:, None], other=0.0)
-    else:
-        q = tl.load(q_ptrs + offs_d[None, :], mask=mask_g[:, None] & mask_d[None, :],
-                    other=0.0)  # [BLOCK_G, BLOCK_D]
-    if WIDEN:
-        q = q.to(tl.float32)
-        if HALVES:
-            q_odd = q_odd.to(tl.float32)
     qk_scale = scale
     if FP8:  # K's scale folded into the softmax scale; V's applied to the output at the end
         qk_scale = scale * tl.load(KS + h)
@@ -304,132 +353,150 @@ def _stage1(Q, K, V, Table, Lengths, Plan, Acc, M, L, KS, KZ, VS, VZ, scale,
     # the int formats' c·s + z in the activation dtype (its registers: half of float32's
     # for a 16-bit dtype), in float32 where the interpreter widens
     MATH: tl.constexpr = tl.float32 if WIDEN else dtype
-
-    m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
-    if HALVES:
-        acc = tl.zeros([BLOCK_G, W], dtype=tl.float32)  # the even elements' sums
-        acc_odd = tl.zeros([BLOCK_G, W], dtype=tl.float32)
-    else:
-        acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
-    # The first tile's block ids here; each iteration fetches the next tile's before this
-    # tile's K/V. Loaded in the same iteration, the ids would put the K/V copies behind an
-    # indirect load, which Triton's pipeliner gives (num_stages - 1) / 2 stages of latency:
-    # one K/V buffer at num_stages 2-4. Loop-carried, the copies get num_stages - 1 buffers.
-    # (the bound written in the range itself: 3.6's interpreter fails on it through a variable)
-    # The int formats' scales and zero points are fetched ahead with the ids (small loads
-    # that would otherwise stall each tile). AHEAD = False loads both in the iteration that
-    # uses them (the kernel before; the inspection's planted fault).
-    NG: tl.constexpr = D // GROUP
-    block, off, valid = _tile(Table, b, first, tl.where(first < end, length, 0), stride_tb,
-                              BLOCK_N, PAGE)
-    if PACKED:
-        slot_m = block * stride_sn + h * stride_sh + off * stride_st
-        ks, kz = _int_meta(KS, KZ, slot_m, valid, NG)  # [BLOCK_N, NG] each
-        vs, vz = _int_meta(VS, VZ, slot_m, valid, NG)
-    for i in range(STATIC_TILES if STATIC_TILES > 0 else end - first):
-        t = first + i
-        if AHEAD:
-            nblock, noff, nvalid = _tile(Table, b, t + 1, tl.where(t + 1 < end, length, 0),
-                                         stride_tb, BLOCK_N, PAGE)
-            if PACKED:
-                nslot_m = nblock * stride_sn + h * stride_sh + noff * stride_st
-                nks, nkz = _int_meta(KS, KZ, nslot_m, nvalid, NG)
-                nvs, nvz = _int_meta(VS, VZ, nslot_m, nvalid, NG)
-        else:
-            block, off, valid = _tile(Table, b, t, tl.where(t < end, length, 0), stride_tb,
-                                      BLOCK_N, PAGE)
-            if PACKED:
-                slot_m = block * stride_sn + h * stride_sh + off * stride_st
-                ks, kz = _int_meta(KS, KZ, slot_m, valid, NG)
-                vs, vz = _int_meta(VS, VZ, slot_m, valid, NG)
-        slot = block * stride_kn + h * stride_kh + off * stride_kt  # [BLOCK_N]
-        slot_m = block * stride_sn + h * stride_sh + off * stride_st  # (element-wise int)
-        kmask = valid[None, :] & mask_d[:, None]
-        if BITS == 0:
-            k = tl.load(K + slot[None, :] + offs_d[:, None], mask=kmask, other=0.0)
-            if FP8:
-                k = k.to(dtype)  # [BLOCK_D, BLOCK_N]
-            if WIDEN:
-                k = k.to(tl.float32)
-            scores = tl.dot(q, k, input_precision=DOT_PRECISION)  # [BLOCK_G, BLOCK_N]
-        elif HALVES:
-            k, k_odd = _int_halves(K, ks, kz, slot, valid, GROUP, D, BLOCK_N, MATH)
-            k = tl.trans(k).to(tl.float32 if WIDEN else dtype)  # [D/2, BLOCK_N]
-            k_odd = tl.trans(k_odd).to(tl.float32 if WIDEN else dtype)
-            scores = tl.dot(q, k, input_precision=DOT_PRECISION)
-            scores = tl.dot(q_odd, k_odd, scores, input_precision=DOT_PRECISION)
-        elif PACKED:  # dequantized in registers, then one dot as for the activation dtype
-            k = tl.trans(_int_rows(K, ks, kz, slot, valid, BITS, GROUP, D, BLOCK_N, MATH))
-            k = k.to(tl.float32 if WIDEN else dtype)  # [D, BLOCK_N]
-            scores = tl.dot(q, k, input_precision=DOT_PRECISION)
-        else:
-            k = _dequantized(K, KS, KZ, slot, slot_m, offs_d, kmask, BITS, GROUP).to(dtype)
-            if WIDEN:
-                k = k.to(tl.float32)
-            scores = tl.dot(q, k, input_precision=DOT_PRECISION)
-        scores = tl.where(valid[None, :], scores * qk_scale, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(scores, 1))
-        # -inf while nothing is valid yet: shift by 0 then, so exp gives 0 rather than NaN
-        shift = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp(m_i - shift)
-        p = tl.exp(scores - shift[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None]
+    start = tl.load(Plan + prog * 4)  # this program's range of the tile stream (`_plan`)
+    stop = tl.load(Plan + prog * 4 + 1)
+    b = tl.load(Plan + prog * 4 + 2)
+    while start < stop:  # a piece of each sequence the range reads: that split's partials
+        length, first, end, s, start = _piece(Lengths, Plan, programs, prog, b, start, stop,
+                                              BLOCK_N)
+        q_ptrs = Q + b * stride_qb + heads[:, None] * stride_qh
         if HALVES:
-            acc_odd = acc_odd * alpha[:, None]
-        vmask = valid[:, None] & mask_d[None, :]
-        if BITS == 0:
-            v = tl.load(V + slot[:, None] + offs_d[None, :], mask=vmask, other=0.0)
-            if FP8:
-                v = v.to(dtype)  # [BLOCK_N, BLOCK_D]
-            if WIDEN:
-                v = v.to(tl.float32)
-            acc += tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-        elif HALVES:
-            v, v_odd = _int_halves(V, vs, vz, slot, valid, GROUP, D, BLOCK_N, MATH)
-            v = v.to(tl.float32 if WIDEN else dtype)  # [BLOCK_N, D/2]
-            v_odd = v_odd.to(tl.float32 if WIDEN else dtype)
-            acc += tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-            acc_odd += tl.dot(p.to(v.dtype), v_odd, input_precision=DOT_PRECISION)
-        elif PACKED:
-            v = _int_rows(V, vs, vz, slot, valid, BITS, GROUP, D, BLOCK_N, MATH)
-            v = v.to(tl.float32 if WIDEN else dtype)  # [BLOCK_N, D]
-            acc += tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+            q = tl.load(q_ptrs + 2 * offs_w[None, :], mask=mask_g[:, None], other=0.0)
+            q_odd = tl.load(q_ptrs + 2 * offs_w[None, :] + 1, mask=mask_g[:, None], other=0.0)
         else:
-            v = tl.trans(_dequantized(V, VS, VZ, slot, slot_m, offs_d,
-                                      valid[None, :] & mask_d[:, None], BITS, GROUP).to(dtype))
-            if WIDEN:
-                v = v.to(tl.float32)
-            acc += tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-        m_i = m_new
-        if AHEAD:
-            block, off, valid = nblock, noff, nvalid
-            if PACKED:
-                ks, kz, vs, vz = nks, nkz, nvs, nvz
-    if FP8:
-        acc = acc * tl.load(VS + h)
+            q = tl.load(q_ptrs + offs_d[None, :], mask=mask_g[:, None] & mask_d[None, :],
+                        other=0.0)  # [BLOCK_G, BLOCK_D]
+        if WIDEN:
+            q = q.to(tl.float32)
+            if HALVES:
+                q_odd = q_odd.to(tl.float32)
+        m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
+        if HALVES:
+            acc = tl.zeros([BLOCK_G, W], dtype=tl.float32)  # the even elements' sums
+            acc_odd = tl.zeros([BLOCK_G, W], dtype=tl.float32)
+        else:
+            acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
+        # The first tile's block ids here; each iteration fetches the next tile's before this
+        # tile's K/V. Loaded in the same iteration, the ids would put the K/V copies behind an
+        # indirect load, which Triton's pipeliner gives (num_stages - 1) / 2 stages of latency:
+        # one K/V buffer at num_stages 2-4. Loop-carried, the copies get num_stages - 1 buffers.
+        # (the bound written in the range itself: 3.6's interpreter fails on it through a variable)
+        # The int formats' scales and zero points are fetched ahead with the ids (small loads
+        # that would otherwise stall each tile). AHEAD = False loads both in the iteration that
+        # uses them (the kernel before; the inspection's planted fault).
+        block, off, valid = _tile(Table, b, first, tl.where(first < end, length, 0), stride_tb,
+                                  BLOCK_N, PAGE)
+        if PACKED:
+            slot_m = block * stride_sn + h * stride_sh + off * stride_st
+            ks, kz = _int_meta(KS, KZ, slot_m, valid, NG)  # [BLOCK_N, NG] each
+            vs, vz = _int_meta(VS, VZ, slot_m, valid, NG)
+        for i in range(STATIC_TILES if STATIC_TILES > 0 else end - first):
+            t = first + i
+            if AHEAD:
+                nblock, noff, nvalid = _tile(Table, b, t + 1, tl.where(t + 1 < end, length, 0),
+                                             stride_tb, BLOCK_N, PAGE)
+                if PACKED:
+                    nslot_m = nblock * stride_sn + h * stride_sh + noff * stride_st
+                    nks, nkz = _int_meta(KS, KZ, nslot_m, nvalid, NG)
+                    nvs, nvz = _int_meta(VS, VZ, nslot_m, nvalid, NG)
+            else:
+                block, off, valid = _tile(Table, b, t, tl.where(t < end, length, 0), stride_tb,
+                                          BLOCK_N, PAGE)
+                if PACKED:
+                    slot_m = block * stride_sn + h * stride_sh + off * stride_st
+                    ks, kz = _int_meta(KS, KZ, slot_m, valid, NG)
+                    vs, vz = _int_meta(VS, VZ, slot_m, valid, NG)
+            slot = block * stride_kn + h * stride_kh + off * stride_kt  # [BLOCK_N]
+            slot_m = block * stride_sn + h * stride_sh + off * stride_st  # (element-wise int)
+            kmask = valid[None, :] & mask_d[:, None]
+            if BITS == 0:
+                k = tl.load(K + slot[None, :] + offs_d[:, None], mask=kmask, other=0.0)
+                if FP8:
+                    k = k.to(dtype)  # [BLOCK_D, BLOCK_N]
+                if WIDEN:
+                    k = k.to(tl.float32)
+                scores = tl.dot(q, k, input_precision=DOT_PRECISION)  # [BLOCK_G, BLOCK_N]
+            elif HALVES:
+                k, k_odd = _int_halves(K, ks, kz, slot, valid, GROUP, D, BLOCK_N, MATH)
+                k = tl.trans(k).to(tl.float32 if WIDEN else dtype)  # [D/2, BLOCK_N]
+                k_odd = tl.trans(k_odd).to(tl.float32 if WIDEN else dtype)
+                scores = tl.dot(q, k, input_precision=DOT_PRECISION)
+                scores = tl.dot(q_odd, k_odd, scores, input_precision=DOT_PRECISION)
+            elif PACKED:  # dequantized in registers, then one dot as for the activation dtype
+                k = tl.trans(_int_rows(K, ks, kz, slot, valid, BITS, GROUP, D, BLOCK_N, MATH))
+                k = k.to(tl.float32 if WIDEN else dtype)  # [D, BLOCK_N]
+                scores = tl.dot(q, k, input_precision=DOT_PRECISION)
+            else:
+                k = _dequantized(K, KS, KZ, slot, slot_m, offs_d, kmask, BITS, GROUP).to(dtype)
+                if WIDEN:
+                    k = k.to(tl.float32)
+                scores = tl.dot(q, k, input_precision=DOT_PRECISION)
+            scores = tl.where(valid[None, :], scores * qk_scale, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(scores, 1))
+            # -inf while nothing is valid yet: shift by 0 then, so exp gives 0 rather than NaN
+            shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp(m_i - shift)
+            p = tl.exp(scores - shift[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            acc = acc * alpha[:, None]
+            if HALVES:
+                acc_odd = acc_odd * alpha[:, None]
+            vmask = valid[:, None] & mask_d[None, :]
+            if BITS == 0:
+                v = tl.load(V + slot[:, None] + offs_d[None, :], mask=vmask, other=0.0)
+                if FP8:
+                    v = v.to(dtype)  # [BLOCK_N, BLOCK_D]
+                if WIDEN:
+                    v = v.to(tl.float32)
+                acc += tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+            elif HALVES:
+                v, v_odd = _int_halves(V, vs, vz, slot, valid, GROUP, D, BLOCK_N, MATH)
+                v = v.to(tl.float32 if WIDEN else dtype)  # [BLOCK_N, D/2]
+                v_odd = v_odd.to(tl.float32 if WIDEN else dtype)
+                acc += tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+                acc_odd += tl.dot(p.to(v.dtype), v_odd, input_precision=DOT_PRECISION)
+            elif PACKED:
+                v = _int_rows(V, vs, vz, slot, valid, BITS, GROUP, D, BLOCK_N, MATH)
+                v = v.to(tl.float32 if WIDEN else dtype)  # [BLOCK_N, D]
+                acc += tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+            else:
+                v = tl.trans(_dequantized(V, VS, VZ, slot, slot_m, offs_d,
+                                          valid[None, :] & mask_d[:, None], BITS, GROUP).to(dtype))
+                if WIDEN:
+                    v = v.to(tl.float32)
+                acc += tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+            m_i = m_new
+            if AHEAD:
+                block, off, valid = nblock, noff, nvalid
+                if PACKED:
+                    ks, kz, vs, vz = nks, nkz, nvs, nvz
+        if FP8:
+            acc = acc * tl.load(VS + h)
 
-    out = b * stride_ab + heads[:, None] * stride_ah + s * stride_as
-    if HALVES:
-        tl.store(Acc + out + 2 * offs_w[None, :], acc, mask=mask_g[:, None])
-        tl.store(Acc + out + 2 * offs_w[None, :] + 1, acc_odd, mask=mask_g[:, None])
-    else:
-        tl.store(Acc + out + offs_d[None, :], acc, mask=mask_g[:, None] & mask_d[None, :])
-    tl.store(M + stat, m_i, mask=mask_g)
-    tl.store(L + stat, l_i, mask=mask_g)
+        out = b * stride_ab + heads[:, None] * stride_ah + s * stride_as
+        if HALVES:
+            tl.store(Acc + out + 2 * offs_w[None, :], acc, mask=mask_g[:, None])
+            tl.store(Acc + out + 2 * offs_w[None, :] + 1, acc_odd, mask=mask_g[:, None])
+        else:
+            tl.store(Acc + out + offs_d[None, :], acc, mask=mask_g[:, None] & mask_d[None, :])
+        stat = b * stride_mb + heads * stride_mh + s
+        tl.store(M + stat, m_i, mask=mask_g)
+        tl.store(L + stat, l_i, mask=mask_g)
+        b += 1
 
 
-def _stage2(Acc, M, L, Out, stride_ab, stride_ah, stride_as, stride_mb, stride_mh,
-            stride_ob, stride_oh, D: tl.constexpr, SPLITS: tl.constexpr,
+def _stage2(Acc, M, L, Out, Plan, programs, stride_ab, stride_ah, stride_as, stride_mb,
+            stride_mh, stride_ob, stride_oh, D: tl.constexpr, SPLITS: tl.constexpr,
             BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
-    """Sequence b's splits merged into query head `head`'s output. Stage 1 wrote an exp-sum
-    of 0 for every split a sequence did not take, so the live ones are those with l > 0."""
+    """Sequence b's splits merged into query head `head`'s output: the plan's splits of b
+    (`_plan`'s work list; the partials past them hold an earlier step's), those whose
+    positions weigh anything (l > 0)."""
     b = tl.program_id(0)
     head = tl.program_id(1)
     offs_s = tl.arange(0, BLOCK_S)
     offs_d = tl.arange(0, BLOCK_D)
-    mask_s = offs_s < SPLITS
+    mask_s = offs_s < tl.minimum(tl.load(Plan + (programs + b) * 4 + 3), SPLITS)
     mask_d = offs_d < D
     stat = b * stride_mb + head * stride_mh + offs_s
     l_s = tl.load(L + stat, mask=mask_s, other=0.0)
@@ -473,8 +540,8 @@ def _interpreter_takes_loaded_bounds() -> bool:
 
 # In the interpreter, loop over a host-given count of tiles (masked) where a run-time bound fails.
 STATIC_LOOP = INTERPRETED and not _interpreter_takes_loaded_bounds()
-_plan = triton.jit(_plan, do_not_specialize=["batch", "target", "fixed"])
-_split = triton.jit(_split)
+_plan = triton.jit(_plan, do_not_specialize=["batch", "programs", "fixed"])
+_piece = triton.jit(_piece)
 _tile = triton.jit(_tile)
 _codes = triton.jit(_codes)
 _dequantized = triton.jit(_dequantized)
@@ -483,7 +550,7 @@ _int_rows = triton.jit(_int_rows)
 _int_halves = triton.jit(_int_halves)
 _from_codes = triton.jit(_from_codes)
 stage1 = triton.jit(_stage1)
-stage2 = triton.jit(_stage2)
+stage2 = triton.jit(_stage2, do_not_specialize=["programs"])
 
 
 def processors(device: torch.device) -> int:
@@ -501,15 +568,22 @@ def pad(n: int) -> int:
 
 @dataclass
 class Launch:
-    """What a cache fixes once for its kernels: the grid's splits, the planner's target, the
-    configuration, and the float32 partials [B, H_q, SPLITS, width], [B, H_q, SPLITS] x 2."""
+    """What a cache fixes once for its kernels: the partials' splits, the planner's target,
+    the configuration, the float32 partials [B, H_q, SPLITS, width], [B, H_q, SPLITS] x 2,
+    and the work list `_plan` writes each step, [P + B, 4] int32 (P: stage 1's programs a
+    unit)."""
 
     splits: int
     target: int
     fixed: int
     config: KernelConfig
     partials: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
-    work: torch.Tensor | None = None  # [B, 2] int32: each sequence's splits, tiles a split
+    work: torch.Tensor
+
+    @property
+    def programs(self) -> int:
+        """Stage 1's programs for each unit (the work list's program rows)."""
+        return self.work.shape[0] - self.partials[1].shape[0]
 
     @classmethod
     def make(cls, batch: int, q_heads: int, width: int, capacity: int, units: int,
@@ -517,16 +591,18 @@ class Launch:
         target = config.waves * processors(torch.device(device))
         splits = grid_splits(capacity, units, target, config.block_n, fixed)
         f32 = {"dtype": torch.float32, "device": device}
+        work = programs(batch, units, target, fixed) + batch
         return cls(splits, target, fixed, config,
                    (torch.empty(batch, q_heads, splits, width, **f32),  # acc
                     torch.empty(batch, q_heads, splits, **f32),  # running max m
                     torch.empty(batch, q_heads, splits, **f32)),  # exp-sum l
-                   torch.empty(batch, 2, dtype=torch.int32, device=device))
+                   torch.empty(work, 4, dtype=torch.int32, device=device))
 
     def plan(self, lengths: list[int], units: int) -> list[int]:
         """Each sequence's splits at these lengths (what the kernels do on the device)."""
-        return plan_splits(lengths, units, self.target, self.config.block_n, self.splits,
-                           self.fixed)
+        _, sequences = plan_work(lengths, self.programs, self.config.block_n, self.splits,
+                                 self.fixed)
+        return [n for *_, n in sequences]
 
 
 def static_tiles(longest: int, launch: Launch) -> int:
@@ -564,20 +640,21 @@ def split_partials(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
 def launch_stage1(q, k_pool, v_pool, table, lengths, scale, launch: Launch, store=None,
                   longest: int = 0):
     """The plan, then stage 1, launched (split_partials' eager path, and the op's body)."""
-    launch_plan(launch, lengths, k_pool.shape[1])
+    launch_plan(launch, lengths)
     grid, args, constants = stage1_args(q, k_pool, v_pool, table, lengths, scale, launch,
                                         store, longest)
     return graphs.launch(stage1[grid], *args, **constants)
 
 
-def launch_plan(launch: Launch, lengths: torch.Tensor, units: int) -> None:
-    """Each sequence's splits into launch.work, on the device from its lengths (one program:
+def launch_plan(launch: Launch, lengths: torch.Tensor) -> None:
+    """The work list into launch.work, on the device from the lengths (one program:
     graph-safe, no host work a step)."""
     B = lengths.shape[0]
     kernel: Any = _plan  # (jitted below its definition, after STATIC_LOOP is known)
-    graphs.launch(kernel[(1,)], lengths, launch.work, B, launch.target, launch.fixed,
-                  BLOCK_B=triton.next_power_of_2(B), TILE=launch.config.block_n,
-                  UNITS=units, SPLITS=launch.splits, num_warps=1)
+    graphs.launch(kernel[(1,)], lengths, launch.work, B, launch.programs, launch.fixed,
+                  BLOCK_B=triton.next_power_of_2(B),
+                  BLOCK_P=triton.next_power_of_2(launch.programs), TILE=launch.config.block_n,
+                  SPLITS=launch.splits, num_warps=1)
 
 
 def stage1_args(q, k_pool, v_pool, table, lengths, scale, launch: Launch, store=None,
@@ -618,7 +695,7 @@ def stage1_args(q, k_pool, v_pool, table, lengths, scale, launch: Launch, store=
         "GROUP": group, "PACKED": packed, "FP8": fp8,
         "STATIC_TILES": static_tiles(longest, launch), "AHEAD": True,
         "num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
-    return (B, Hkv, launch.splits), args, constants
+    return (launch.programs, Hkv), args, constants
 
 
 def merge(launch: Launch, lengths: torch.Tensor, out: torch.Tensor, units: int) -> torch.Tensor:
@@ -626,7 +703,7 @@ def merge(launch: Launch, lengths: torch.Tensor, out: torch.Tensor, units: int) 
     the programs stage 1 ran per (sequence, split) (KV heads, or MLA's head blocks). Under
     torch.compile, the op kvbench::split_merge."""
     if torch.compiler.is_compiling():
-        split_merge(*launch.partials, lengths, out, units)
+        split_merge(*launch.partials, launch.work, lengths, out, units)
         return out
     return launch_merge(launch, lengths, out, units)
 
@@ -645,8 +722,8 @@ def stage2_args(launch: Launch, lengths: torch.Tensor, out: torch.Tensor, units:
     acc, m, l = launch.partials
     B, Hq, D = out.shape
     assert out.stride(2) == 1
-    args = (acc, m, l, out, acc.stride(0), acc.stride(1), acc.stride(2), m.stride(0),
-            m.stride(1), out.stride(0), out.stride(1))
+    args = (acc, m, l, out, launch.work, launch.programs, acc.stride(0), acc.stride(1),
+            acc.stride(2), m.stride(0), m.stride(1), out.stride(0), out.stride(1))
     constants = {"D": D, "SPLITS": launch.splits,
                  "BLOCK_S": triton.next_power_of_2(max(launch.splits, 2)), "BLOCK_D": pad(D)}
     return (B, Hq), args, constants
@@ -662,7 +739,7 @@ def stage2_args(launch: Launch, lengths: torch.Tensor, out: torch.Tensor, units:
 
 
 def _launch(acc, m, l, target: int, fixed: int, block_n: int, num_warps: int,
-            num_stages: int, waves: int, plan=None):
+            num_stages: int, waves: int, plan: torch.Tensor):
     return Launch(acc.shape[2], target, fixed,
                   KernelConfig(block_n, num_warps, num_stages, waves), (acc, m, l), plan)
 
@@ -693,15 +770,15 @@ def _(q, k_pool, v_pool, table, lengths, acc, m, l, plan, k_scale, k_zero, v_sca
 
 
 @torch.library.custom_op("kvbench::split_merge", mutates_args=("out",))
-def split_merge(acc: torch.Tensor, m: torch.Tensor, l: torch.Tensor, lengths: torch.Tensor,
-                out: torch.Tensor, units: int) -> None:
-    """triton_decode's stage 2: the splits in acc, m, l merged into out."""
-    launch = _launch(acc, m, l, 0, 0, 16, 4, 2, 1)  # (stage 2 reads only the partials)
+def split_merge(acc: torch.Tensor, m: torch.Tensor, l: torch.Tensor, plan: torch.Tensor,
+                lengths: torch.Tensor, out: torch.Tensor, units: int) -> None:
+    """triton_decode's stage 2: each sequence's planned splits in acc, m, l merged into out."""
+    launch = _launch(acc, m, l, 0, 0, 16, 4, 2, 1, plan)  # (stage 2 reads the partials)
     launch_merge(launch, lengths, out, units)
 
 
 @split_merge.register_fake
-def _(acc, m, l, lengths, out, units):
+def _(acc, m, l, plan, lengths, out, units):
     return None
 
 

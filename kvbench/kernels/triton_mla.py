@@ -6,8 +6,9 @@ the whole entry [c, k_pe] (d_c + d_rope wide) and whose values are its latent c 
 FlashMLA and vLLM's Triton MLA decode work this way; BLOCK_H = 16 query
 heads a program follows vLLM's.
 
-- Stage 1, one program per (sequence, block of BLOCK_H query heads, split). It walks its split
-  in tiles of BLOCK_N positions, each position's block from the block table (the next
+- Stage 1, programs per block of BLOCK_H query heads over ranges of the batch's tiles, as
+  triton_decode's (its work list: a split is one program's piece of one sequence). It walks
+  each piece in tiles of BLOCK_N positions, each position's block from the block table (the next
   tile's fetched ahead, so the pipeliner keeps tiles in flight), and loads each tile's latent
   once, as rows [BLOCK_N, d_c], and its RoPE key [d_rope, BLOCK_N] from the pool where they
   lie. Scores are q_c · cᵀ + q_r · k_pe; the values are the same staged latent c (one load
@@ -33,7 +34,7 @@ import triton.language as tl
 from kvbench.kernels import graphs
 from kvbench.kernels.triton_decode import (
     _launch,
-    _split,
+    _piece,
     _tile,
     launch_numbers,
     launch_plan,
@@ -54,95 +55,98 @@ def _stage1(Q, Pool, Table, Lengths, Plan, Acc, M, L, Fp8Scale, scale,
             ONCE: tl.constexpr = True):
     """Q [B, H, C + R] (the absorbed queries); Pool [N_blocks, 1, page, C + R] entries.
     STATIC_TILES: as triton_decode's (interpreters that cannot take a run-time loop bound)."""
-    b = tl.program_id(0)
+    prog = tl.program_id(0)
     hb = tl.program_id(1)
-    s = tl.program_id(2)
+    programs = tl.num_programs(0)
     heads = hb * BLOCK_H + tl.arange(0, BLOCK_H)
     offs_c = tl.arange(0, BLOCK_C)
     offs_r = tl.arange(0, BLOCK_R)
     mask_h = heads < H
     mask_c = offs_c < C
     mask_r = offs_r < R
-    stat = b * stride_mb + heads * stride_mh + s
-    length, first, end, n = _split(Lengths, Plan, b, s, BLOCK_N)
-    if s >= n:  # a split this sequence does not need: marked empty for stage 2
-        tl.store(L + stat, tl.zeros([BLOCK_H], dtype=tl.float32), mask=mask_h)
-        return
-    q_rows = Q + b * stride_qb + heads[:, None] * stride_qh
-    q_c = tl.load(q_rows + offs_c[None, :], mask=mask_h[:, None] & mask_c[None, :], other=0.0)
-    q_r = tl.load(q_rows + C + offs_r[None, :], mask=mask_h[:, None] & mask_r[None, :],
-                  other=0.0)
-    if WIDEN:
-        q_c, q_r = q_c.to(tl.float32), q_r.to(tl.float32)
     qk_scale = scale
     if FP8:  # the layer's one scale: folded into the softmax scale and the output
         qk_scale = scale * tl.load(Fp8Scale)
-
-    m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_H, BLOCK_C], dtype=tl.float32)
-    # each iteration fetches the next tile's block ids before this tile's loads, so those
-    # depend on a loop-carried id and Triton's pipeliner keeps tiles in flight (as
-    # triton_decode's stage 1)
-    # (AHEAD = False: the ids loaded in the iteration that uses them, the planted fault)
-    block, off, valid = _tile(Table, b, first, tl.where(first < end, length, 0), stride_tb,
-                              BLOCK_N, PAGE)
-    for i in range(STATIC_TILES if STATIC_TILES > 0 else end - first):
-        t = first + i
-        if AHEAD:
-            nblock, noff, nvalid = _tile(Table, b, t + 1, tl.where(t + 1 < end, length, 0),
-                                         stride_tb, BLOCK_N, PAGE)
-        else:
-            block, off, valid = _tile(Table, b, t, tl.where(t < end, length, 0), stride_tb,
-                                      BLOCK_N, PAGE)
-        slot = block * stride_pn + off * stride_pt  # [BLOCK_N]
-        # the latent loaded once, as rows [BLOCK_N, BLOCK_C]: the keys' part of the scores
-        # through its transpose, the values as they are (ONCE = False: loaded again for
-        # the keys as columns, the planted fault of a second read)
-        codes = tl.load(Pool + slot[:, None] + offs_c[None, :],
-                        mask=valid[:, None] & mask_c[None, :], other=0.0)
-        # (fp8 codes converted at each use, so both dots read the one staged tile)
-        cv = codes.to(Q.dtype.element_ty) if FP8 else codes
+    start = tl.load(Plan + prog * 4)  # this program's range of the tile stream (`_plan`)
+    stop = tl.load(Plan + prog * 4 + 1)
+    b = tl.load(Plan + prog * 4 + 2)
+    while start < stop:  # a piece of each sequence the range reads: that split's partials
+        length, first, end, s, start = _piece(Lengths, Plan, programs, prog, b, start, stop,
+                                              BLOCK_N)
+        q_rows = Q + b * stride_qb + heads[:, None] * stride_qh
+        q_c = tl.load(q_rows + offs_c[None, :], mask=mask_h[:, None] & mask_c[None, :], other=0.0)
+        q_r = tl.load(q_rows + C + offs_r[None, :], mask=mask_h[:, None] & mask_r[None, :],
+                      other=0.0)
         if WIDEN:
-            cv = cv.to(tl.float32)
-        if ONCE:
-            c = tl.trans(codes)  # [BLOCK_C, BLOCK_N]
-            if FP8:
-                c = c.to(Q.dtype.element_ty)
+            q_c, q_r = q_c.to(tl.float32), q_r.to(tl.float32)
+
+        m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_H, BLOCK_C], dtype=tl.float32)
+        # each iteration fetches the next tile's block ids before this tile's loads, so those
+        # depend on a loop-carried id and Triton's pipeliner keeps tiles in flight (as
+        # triton_decode's stage 1)
+        # (AHEAD = False: the ids loaded in the iteration that uses them, the planted fault)
+        block, off, valid = _tile(Table, b, first, tl.where(first < end, length, 0), stride_tb,
+                                  BLOCK_N, PAGE)
+        for i in range(STATIC_TILES if STATIC_TILES > 0 else end - first):
+            t = first + i
+            if AHEAD:
+                nblock, noff, nvalid = _tile(Table, b, t + 1, tl.where(t + 1 < end, length, 0),
+                                             stride_tb, BLOCK_N, PAGE)
+            else:
+                block, off, valid = _tile(Table, b, t, tl.where(t < end, length, 0), stride_tb,
+                                          BLOCK_N, PAGE)
+            slot = block * stride_pn + off * stride_pt  # [BLOCK_N]
+            # the latent loaded once, as rows [BLOCK_N, BLOCK_C]: the keys' part of the scores
+            # through its transpose, the values as they are (ONCE = False: loaded again for
+            # the keys as columns, the planted fault of a second read)
+            codes = tl.load(Pool + slot[:, None] + offs_c[None, :],
+                            mask=valid[:, None] & mask_c[None, :], other=0.0)
+            # (fp8 codes converted at each use, so both dots read the one staged tile)
+            cv = codes.to(Q.dtype.element_ty) if FP8 else codes
             if WIDEN:
-                c = c.to(tl.float32)
-        else:
-            c = tl.load(Pool + slot[None, :] + offs_c[:, None],
-                        mask=valid[None, :] & mask_c[:, None], other=0.0)
+                cv = cv.to(tl.float32)
+            if ONCE:
+                c = tl.trans(codes)  # [BLOCK_C, BLOCK_N]
+                if FP8:
+                    c = c.to(Q.dtype.element_ty)
+                if WIDEN:
+                    c = c.to(tl.float32)
+            else:
+                c = tl.load(Pool + slot[None, :] + offs_c[:, None],
+                            mask=valid[None, :] & mask_c[:, None], other=0.0)
+                if FP8:
+                    c = c.to(Q.dtype.element_ty)
+                if WIDEN:
+                    c = c.to(tl.float32)
+            r = tl.load(Pool + slot[None, :] + C + offs_r[:, None],
+                        mask=valid[None, :] & mask_r[:, None], other=0.0)  # [BLOCK_R, BLOCK_N]
             if FP8:
-                c = c.to(Q.dtype.element_ty)
+                r = r.to(Q.dtype.element_ty)
             if WIDEN:
-                c = c.to(tl.float32)
-        r = tl.load(Pool + slot[None, :] + C + offs_r[:, None],
-                    mask=valid[None, :] & mask_r[:, None], other=0.0)  # [BLOCK_R, BLOCK_N]
+                r = r.to(tl.float32)
+            scores = (tl.dot(q_c, c, input_precision=DOT_PRECISION)
+                      + tl.dot(q_r, r, input_precision=DOT_PRECISION)) * qk_scale
+            scores = tl.where(valid[None, :], scores, float("-inf"))  # [BLOCK_H, BLOCK_N]
+            m_new = tl.maximum(m_i, tl.max(scores, 1))
+            shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp(m_i - shift)
+            p = tl.exp(scores - shift[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            acc = acc * alpha[:, None] + tl.dot(p.to(cv.dtype), cv, input_precision=DOT_PRECISION)
+            m_i = m_new
+            if AHEAD:
+                block, off, valid = nblock, noff, nvalid
         if FP8:
-            r = r.to(Q.dtype.element_ty)
-        if WIDEN:
-            r = r.to(tl.float32)
-        scores = (tl.dot(q_c, c, input_precision=DOT_PRECISION)
-                  + tl.dot(q_r, r, input_precision=DOT_PRECISION)) * qk_scale
-        scores = tl.where(valid[None, :], scores, float("-inf"))  # [BLOCK_H, BLOCK_N]
-        m_new = tl.maximum(m_i, tl.max(scores, 1))
-        shift = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp(m_i - shift)
-        p = tl.exp(scores - shift[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(cv.dtype), cv, input_precision=DOT_PRECISION)
-        m_i = m_new
-        if AHEAD:
-            block, off, valid = nblock, noff, nvalid
-    if FP8:
-        acc = acc * tl.load(Fp8Scale)
+            acc = acc * tl.load(Fp8Scale)
 
-    out = b * stride_ab + heads[:, None] * stride_ah + s * stride_as + offs_c[None, :]
-    tl.store(Acc + out, acc, mask=mask_h[:, None] & mask_c[None, :])
-    tl.store(M + stat, m_i, mask=mask_h)
-    tl.store(L + stat, l_i, mask=mask_h)
+        out = b * stride_ab + heads[:, None] * stride_ah + s * stride_as + offs_c[None, :]
+        tl.store(Acc + out, acc, mask=mask_h[:, None] & mask_c[None, :])
+        stat = b * stride_mb + heads * stride_mh + s
+        tl.store(M + stat, m_i, mask=mask_h)
+        tl.store(L + stat, l_i, mask=mask_h)
+        b += 1
 
 
 stage1 = triton.jit(_stage1)
@@ -173,7 +177,7 @@ def split_partials(q: torch.Tensor, pool: torch.Tensor, table: torch.Tensor,
 def launch_stage1(q, pool, table, lengths, scale, launch, latent_dim: int, fp8_scale=None,
                   longest: int = 0):
     """The plan, then stage 1, launched (split_partials' eager path, and the op's body)."""
-    launch_plan(launch, lengths, units(q.shape[1]))
+    launch_plan(launch, lengths)
     grid, args, constants = stage1_args(q, pool, table, lengths, scale, launch, latent_dim,
                                         fp8_scale, longest)
     return graphs.launch(stage1[grid], *args, **constants)
@@ -201,7 +205,7 @@ def stage1_args(q, pool, table, lengths, scale, launch, latent_dim: int, fp8_sca
         "WIDEN": widen, "FP8": fp8_scale is not None,
         "STATIC_TILES": static_tiles(longest, launch), "AHEAD": True, "ONCE": True,
         "num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
-    return (B, units(H), launch.splits), args, constants
+    return (launch.programs, units(H)), args, constants
 
 
 # stage 1 as a custom op (see triton_decode's): a node of a torch.compile graph

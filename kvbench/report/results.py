@@ -578,7 +578,7 @@ INSPECT_FIRST = ["kernel", "kv_format", "config", "registers", "spills", "shared
 # the tile loop read per KV position (added in the second release; None for stage 2)
 INSPECT_LOOP = ["flight_bytes_sm", "sass_per_position", "ptx_per_position",
                 "barriers_per_tile", "load_ratio", "smem_store_per_position",
-                "shared_byte_reads"]
+                "shared_byte_reads", "loop_spill_ops"]
 INSPECT_COLUMNS = (["timestamp", "command", *INSPECT_FIRST, *INSPECT_LOOP] + ENV_COLUMNS
                    + PROVENANCE_COLUMNS)
 
