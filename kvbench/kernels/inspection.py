@@ -247,7 +247,7 @@ def shortfalls(rows: list[Inspection]) -> list[str]:
     piece, not a tile), int codes loaded a byte at a time, a K/V byte loaded more
     than once, a tile's round trip through shared memory before its dot, codes read from
     shared memory a byte at a time, or fewer programs per SM than its configuration's waves
-    (the split planner would overfill the SMs). Empty when none."""
+    (the work list would overfill the SMs). Empty when none."""
     lines = []
     for r in rows:
         if not r.kernel.endswith("stage1"):
