@@ -132,3 +132,143 @@ def test_the_help_names_every_scorer_and_what_it_scores_by():
     assert "expected, h2o, knorm, snapkv and tova (token eviction under --kv-budget by" in IMPL_HELP
     for name in SCORERS:
         assert importlib.import_module(f"kvbench.caches.eviction.{name}").SUMMARY in IMPL_HELP
+
+
+def test_each_scorers_prompt_bytes_by_hand():
+    # what the preflight adds at the prefill for each scorer's float32 work (B=2, H_q=8,
+    # H_kv=2, T=100, D=16, a budget of 40)
+    from kvbench.caches.eviction.expected import ExpectedAttentionCache
+    from kvbench.caches.eviction.h2o import H2OCache
+    from kvbench.caches.eviction.knorm import KnormCache
+    from kvbench.caches.eviction.snapkv import SnapKVCache
+    from kvbench.caches.eviction.tova import TOVACache
+
+    s = LayerShape(batch=2, prompt_len=100, q_heads=8, kv_heads=2, head_dim=16, kv_budget=40)
+    assert KnormCache.prompt_scoring(s) == 2 * 2 * 100 * 16 * 4 == 25_600  # K in float32
+    assert TOVACache.prompt_scoring(s) == 2 * 2 * 8 * 100 * 4 == 12_800  # last query's
+    assert ExpectedAttentionCache.prompt_scoring(s) == 2 * 2 * 8 * 100 * 16 * 4 == 204_800
+    # h2o: chunks of min(T, 2^23 // (B·H_q·T)) = 100 queries: scores and weights
+    assert H2OCache.prompt_scoring(s) == 2 * 2 * 8 * 100 * 100 * 4 == 1_280_000
+    # a longer prompt, T = 2,048: 2^23 // (2·8·2048) = 256 queries a chunk
+    assert H2OCache.prompt_scoring(replace(s, prompt_len=2048)) == 2 * 2 * 8 * 256 * 2048 * 4
+    # so long that one query's scores pass 2^23 elements: one query a chunk
+    wide = replace(s, batch=64, q_heads=64, kv_heads=8, prompt_len=4096)
+    assert H2OCache.prompt_scoring(wide) == 2 * 64 * 64 * 1 * 4096 * 4
+    # snapkv: the window's scores and weights; R = the budget's half, 20
+    assert SnapKVCache.prompt_scoring(s) == 2 * 2 * 8 * 20 * 100 * 4 == 256_000
+    assert SnapKVCache.prompt_scoring(replace(s, kv_recent=7)) == 2 * 2 * 8 * 7 * 100 * 4
+    # kvpress's window: 64, the budget's 40 if smaller; no budget: half the prompt's, 50
+    kvpress = replace(s, kv_reference="kvpress", kv_compress="prefill")
+    assert SnapKVCache.prompt_scoring(kvpress) == 2 * 2 * 8 * 40 * 100 * 4
+    assert SnapKVCache.prompt_scoring(replace(s, kv_budget=None)) == 2 * 2 * 8 * 50 * 100 * 4
+    # a window past the prompt (it reaches into the decoded positions): the prompt's 100
+    long = replace(s, kv_budget=106, kv_recent=104)
+    assert SnapKVCache.prompt_scoring(long) == 2 * 2 * 8 * 100 * 100 * 4
+
+
+def test_snapkvs_decode_scratch_by_hand():
+    # at --kv-compress decode, once the cache is full: the last R queries' weights on each of
+    # n slots, float32 (B=2, H_kv=2, budget 40 so R = 20; n = 40 slots)
+    from kvbench.caches.eviction.snapkv import SnapKVCache
+
+    s = LayerShape(batch=2, prompt_len=100, q_heads=8, kv_heads=2, head_dim=16, kv_budget=40)
+    assert SnapKVCache.scratch(s, 40, 108) == 2 * 2 * 20 * 40 * 4 == 12_800
+    assert SnapKVCache.scratch(replace(s, kv_recent=3), 40, 108) == 2 * 2 * 3 * 40 * 4
+    # the budget beyond the length reached: no eviction yet, no scratch; nor at prefill
+    assert SnapKVCache.scratch(s, 30, 30) == 0
+    assert SnapKVCache.scratch(replace(s, kv_compress="prefill"), 40, 108) == 0
+
+
+@pytest.mark.parametrize("reference", [None, "kvpress"])
+def test_h2os_prompt_scores_are_the_same_in_chunks(monkeypatch, reference):
+    # the prompt's causal attention summed over the group's query heads and every query
+    # (kvpress: over the T - p queries that saw position p), worked out whole here, against
+    # H2O's chunks of 3 queries (10 = 3 + 3 + 3 + 1) and of one
+    from types import SimpleNamespace
+
+    import torch
+
+    from kvbench.caches.eviction.h2o import H2OCache
+
+    B, Hq, Hkv, T, D = 2, 4, 2, 10, 8
+    gen = torch.Generator().manual_seed(0)
+    q, k = torch.randn(B, Hq, T, D, generator=gen), torch.randn(B, Hkv, T, D, generator=gen)
+    scores = (q @ k.repeat_interleave(Hq // Hkv, dim=1).transpose(-2, -1)) * 0.35
+    causal = torch.ones(T, T, dtype=torch.bool).tril()
+    weights = torch.softmax(scores.masked_fill(~causal, float("-inf")), dim=-1)
+    whole = weights.sum(dim=2).view(B, Hkv, Hq // Hkv, T).sum(dim=2)  # [B, H_kv, T]
+    if reference == "kvpress":
+        whole = whole / torch.arange(T, 0, -1)
+    cache = SimpleNamespace(layer=SimpleNamespace(scale=0.35), reference=reference,
+                            CHUNK_SCORES=H2OCache.CHUNK_SCORES)
+    assert torch.allclose(H2OCache.prompt_scores(cache, q, k, None), whole, atol=1e-6)
+    for rows in (3, 1):
+        cache.CHUNK_SCORES = B * Hq * T * rows
+        assert torch.allclose(H2OCache.prompt_scores(cache, q, k, None), whole, atol=1e-6)
+    # what the preflight counts: a chunk of 3 queries' scores and weights
+    monkeypatch.setattr(H2OCache, "CHUNK_SCORES", B * Hq * T * 3)
+    s = LayerShape(batch=B, prompt_len=T, q_heads=Hq, kv_heads=Hkv, head_dim=D)
+    assert H2OCache.prompt_scoring(s) == 2 * B * Hq * 3 * T * 4
+
+
+@pytest.mark.parametrize("T", [4, 12])  # a prompt of SINKS positions: all in the statistics
+def test_expected_scores_as_the_float64_replay_at_a_models_rope_base(T):
+    # a layer whose RoPE has another base (1e6, as Gemma 3's global layers): the cache's
+    # float32 scores (rotate-half, the statistics turned forward) equal the replay's float64
+    # ones (complex pairs, each key turned back) position by position, past the sinks (a
+    # budget of 4 keeps 2: 4 - the recent 1 - one to evict into)
+    import torch
+
+    from kvbench.caches import IMPLEMENTATIONS
+    from kvbench.caches.eviction.expected import Expectation
+    from kvbench.layers.attention import AttentionLayer
+
+    config = RunConfig(LayerShape(batch=1, prompt_len=12, decode_len=2, hidden=64, q_heads=4,
+                                  kv_heads=2, head_dim=16, kv_budget=4), rope=True)
+    layer = AttentionLayer.from_config(config)
+    D = 16
+    layer.inv_freq = 1e6 ** (-torch.arange(0, D, 2, dtype=torch.float32) / D)
+    cache = IMPLEMENTATIONS["expected"].build(layer, config)
+    gen = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(1, n, T, D, generator=gen) for n in (4, 2, 2))
+    got = cache.prompt_scores(q, k, v)[0]  # [H_kv, T]
+    assert cache.sinks == 2
+    assert torch.isinf(got[:, :cache.sinks]).all() and torch.isfinite(got[:, cache.sinks:]).all()
+    for h in range(2):
+        e = Expectation(q[0, 2 * h:2 * h + 2].double(), k[0, h].double(), layer.scale,
+                        layer.inv_freq.double())
+        want = torch.tensor([e.score(k[0, h, p].double(), v[0, h, p].double())
+                             for p in range(T)], dtype=torch.float64)
+        assert torch.allclose(got[h, cache.sinks:].double(), want[cache.sinks:], atol=2e-4), h
+    # the statistics at the default base differ: the layer's own frequencies were used
+    layer.inv_freq = None
+    assert not torch.allclose(IMPLEMENTATIONS["expected"].build(layer, config).prompt_scores(
+        q, k, v)[0, :, cache.sinks:], got[:, cache.sinks:], atol=1e-3)
+
+
+def test_expecteds_sinks_and_decode_scratch_by_hand():
+    from kvbench.caches.eviction.expected import ExpectedAttentionCache as E
+
+    # the first SINKS = 4 kept, fewer where the budget leaves less beside the recent window
+    # and one slot to evict into: budget 8, recent 1 -> 4; budget 5 -> 3; 2 -> 0
+    assert [E.replay_sinks(b, 1) for b in (8, 6, 5, 3, 2)] == [4, 4, 3, 1, 0]
+    assert E.replay_sinks(8, 5) == 2 and E.replay_sinks(8, 7) == 0
+    # at --kv-compress decode once full: each query head's mean (D), covariance (D x D) and
+    # normalizer, float32: B=2, H_q=8, D=16 -> 2·8·(16 + 256 + 1)·4
+    s = LayerShape(batch=2, prompt_len=100, q_heads=8, kv_heads=2, head_dim=16, kv_budget=40)
+    assert E.scratch(s, 40, 108) == 2 * 8 * (16 + 256 + 1) * 4 == 17_472
+    assert E.scratch(s, 30, 30) == 0 and E.scratch(replace(s, kv_compress="prefill"), 40, 108) == 0
+
+
+def test_snapkvs_pooling_by_hand():
+    # the positions before the window averaged over the 5 around each, zeros beyond them
+    # (kvpress's avg_pool1d, padding 2): [5, 0, 0, 0, 0 | 1, 2, 3] -> [1, 1, 1, 0, 0 | 1, 2, 3]
+    import torch
+
+    from kvbench.caches.eviction.snapkv import pooled
+
+    score = torch.tensor([5.0, 0, 0, 0, 0, 1, 2, 3]).repeat(2, 2, 1)  # [B, H_kv, T]
+    want = torch.tensor([1.0, 1, 1, 0, 0, 1, 2, 3]).repeat(2, 2, 1)
+    assert torch.allclose(pooled(score, 3, 5), want)
+    # a window as long as the prompt (or longer): nothing older to pool
+    assert torch.equal(pooled(score, 8, 5), score) and torch.equal(pooled(score, 9, 5), score)

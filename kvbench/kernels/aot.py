@@ -281,20 +281,20 @@ def anatomy(ttgir: str, ptx: str, sass: str = "", positions: int = 1,
             threads: int = 128) -> dict:
     """How the compiled tile loop moves K/V, read from its PTX (and SASS, GPU IR).
 
-    tiles_in_flight: the tiles whose copies may still be on their way while the loop's
-    first dot runs: the commit groups the wait before it leaves pending (cp.async.wait_group
-    N; at the loop's end, the next iteration's) over the groups one iteration commits (K's
-    and V's copies of one tile); where nothing is copied asynchronously, 1 if the loop's
-    tile loads are for the next iteration, else 0. A loop that waits for every copy (N = 0)
-    has none. issued_early: a global load or copy before the loop's first matrix multiply
-    (shared-memory reads do not count). ptx_loop, sass_loop: instructions in the loop body
-    (SASS: None where unread); loop_local: its local-memory loads and stores (spilled
-    registers read or written each tile; None where unread); barriers: bar.sync in it; load_bytes: bytes its K/V copies
-    and wide (>= 8 B a thread) global loads move an iteration, over `threads` threads;
-    smem_store_bytes: bytes it stores to shared memory (st.shared, not copies);
-    shared_byte_reads: one-byte shared loads; vector_loads, scalar_loads, byte_loads: global
-    load instructions in the whole kernel of >= 8, < 8 and 1 byte a thread; buffer_bytes:
-    one stage of every pipelined buffer; positions: the KV positions an iteration covers."""
+    tiles_in_flight: the tiles whose copies may still be on their way while the loop's first dot
+    runs: the commit groups the wait before it leaves pending (cp.async.wait_group N; at the
+    loop's end, the next iteration's) over the groups one iteration commits (K's and V's copies
+    of one tile); where nothing is copied asynchronously, 1 if the loop's tile loads are for the
+    next iteration, else 0. A loop that waits for every copy (N = 0) has none. issued_early: a
+    global load or copy before the loop's first matrix multiply (shared-memory reads do not
+    count). ptx_loop, sass_loop: instructions in the loop body (SASS: None where unread);
+    loop_local: its local-memory loads and stores (spilled registers read or written each tile;
+    None where unread); barriers: bar.sync in it; load_bytes: bytes its K/V copies and wide (>=
+    8 B a thread) global loads move an iteration, over `threads` threads; smem_store_bytes:
+    bytes it stores to shared memory (st.shared, not copies); shared_byte_reads: one-byte shared
+    loads; vector_loads, scalar_loads, byte_loads: global load instructions in the whole kernel
+    of >= 8, < 8 and 1 byte a thread; buffer_bytes: one stage of every pipelined buffer;
+    positions: the KV positions an iteration covers."""
     body = ptx_loop(ptx)
     stages, buffer_bytes = [], 0
     for buffer in _BUFFER.finditer(ttgir):

@@ -23,22 +23,23 @@ class H2OCache(EvictionCache):
     name = "h2o"
     description = ("token eviction, H2O: keeps --kv-budget positions per KV head (the recent "
                    "ones and the heavy hitters by accumulated attention); lossy")
+    CHUNK_SCORES = 2**23  # the prompt's scores computed at once, at most (32 MiB of float32)
 
     @classmethod
     def prompt_scoring(cls, s) -> int:
         """A chunk of the prompt's queries' scores and their weights, float32."""
         T = s.prompt_len
-        chunk = min(T, max(1, 2**23 // (s.batch * s.q_heads * T)))
+        chunk = min(T, max(1, cls.CHUNK_SCORES // (s.batch * s.q_heads * T)))
         return 2 * s.batch * s.q_heads * chunk * T * 4
 
     def prompt_scores(self, q, k, v) -> torch.Tensor:
         """Each prompt position's attention from every prompt query, summed over the query
         heads of its KV head: [B, H_kv, T] (float32), a chunk of queries at a time, each
-        chunk's scores at most 2**23 elements (32 MiB)."""
+        chunk's scores at most CHUNK_SCORES elements (one query's at least)."""
         B, Hq, T, D = q.shape
         Hkv = k.shape[1]
         G = Hq // Hkv
-        chunk = max(1, 2**23 // (B * Hq * T))
+        chunk = max(1, self.CHUNK_SCORES // (B * Hq * T))
         total = torch.zeros(B, Hkv, T, dtype=torch.float32, device=q.device)
         keys = k.float()
         for a in range(0, T, chunk):
