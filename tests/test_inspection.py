@@ -40,10 +40,11 @@ def fetched_late():
 @pytest.mark.slow
 def test_each_format_keeps_two_tiles_in_flight_without_spilling(rows, fmt):
     r = rows[("triton stage1", fmt)]
-    # one warp a program sits at the register file's edge (255 registers): Triton 3.9 keeps
-    # up to 32 bytes of loop-invariant words in local memory, read once a sequence's piece;
-    # none is read or written in the tile loop
-    assert r.tiles_in_flight >= 2 and r.loop_spill_ops == 0 and r.spills <= 32, r
+    # int8 at one warp sits at the register file's edge: 255 registers on both Triton
+    # versions, none spilled under 3.6 (the lent machine's), 16 bytes under 3.9, none of them
+    # read or written in the tile loop
+    assert r.tiles_in_flight >= 2 and r.loop_spill_ops == 0, r
+    assert r.spills <= (16 if fmt == "int8" else 0), r
     assert r.flight_bytes_sm >= inspection.NEEDED_FLIGHT_BYTES and r.load_ratio == 1.0, r
 
 
@@ -68,8 +69,7 @@ def test_the_4_bit_tile_is_dequantized_in_registers(rows):
 def test_mla_reads_its_latent_once_and_keeps_two_tiles_in_flight(rows):
     for fmt in inspection.MLA_FORMATS:
         r = rows[("triton-mla stage1", fmt)]
-        assert r.tiles_in_flight >= 2 and r.loop_spill_ops == 0 and r.spills <= 32, r
-        assert r.load_ratio == 1.0, r
+        assert r.tiles_in_flight >= 2 and r.spills == 0 and r.load_ratio == 1.0, r
 
 
 def test_the_16_bit_kernels_have_no_shortfall(rows):

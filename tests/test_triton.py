@@ -399,11 +399,10 @@ def test_every_kernel_variant_compiles_for_an_h200():
     assert not failed, failed
     # 16-bit activations spill nothing in the tile loop (float32's dots run without tensor
     # cores and spill registers on an H200 at these tiles: correct, not a speed kvbench
-    # targets). Outside it, a few loop-invariant words may live in local memory, read once a
-    # piece of a sequence (at most 32 B a thread).
+    # targets); outside it, int8's 16 bytes under Triton 3.9, read once a piece.
     sixteen = [(r, a) for r, a in zip(requests, anatomies)
                if r["function"] == "stage1" and r["signature"]["Q"] != "*fp32"]
     spilled = [(r["kernel"], r["constexprs"].get("BITS"), r["constexprs"]["PAGE"],
                 a["spills"], a["loop_local"]) for r, a in sixteen
-               if a["spills"] > 32 or a["loop_local"]]
+               if a["spills"] > 16 or a["loop_local"]]
     assert not spilled, spilled

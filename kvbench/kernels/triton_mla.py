@@ -45,6 +45,97 @@ from kvbench.kernels.triton_decode import (
 BLOCK_H = 16  # query heads per program
 
 
+def _piece_partials(Q, Pool, Table, Acc, M, L, Fp8Scale, qk_scale, hb, b, s, length, first,
+                    end, stride_qb, stride_qh, stride_pn, stride_pt, stride_tb, stride_ab,
+                    stride_ah, stride_as, stride_mb, stride_mh,
+                    H: tl.constexpr, C: tl.constexpr, R: tl.constexpr, BLOCK_H: tl.constexpr,
+                    BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
+                    PAGE: tl.constexpr, DOT_PRECISION: tl.constexpr, WIDEN: tl.constexpr,
+                    FP8: tl.constexpr, STATIC_TILES: tl.constexpr, AHEAD: tl.constexpr,
+                    ONCE: tl.constexpr):
+    """Split s of sequence b for head block hb: the partials of its tiles first .. end - 1
+    (called, not inlined, as triton_decode's `_piece_partials` and for its reason)."""
+    heads = hb * BLOCK_H + tl.arange(0, BLOCK_H)
+    offs_c = tl.arange(0, BLOCK_C)
+    offs_r = tl.arange(0, BLOCK_R)
+    mask_h = heads < H
+    mask_c = offs_c < C
+    mask_r = offs_r < R
+    q_rows = Q + b * stride_qb + heads[:, None] * stride_qh
+    q_c = tl.load(q_rows + offs_c[None, :], mask=mask_h[:, None] & mask_c[None, :], other=0.0)
+    q_r = tl.load(q_rows + C + offs_r[None, :], mask=mask_h[:, None] & mask_r[None, :],
+                  other=0.0)
+    if WIDEN:
+        q_c, q_r = q_c.to(tl.float32), q_r.to(tl.float32)
+
+    m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_C], dtype=tl.float32)
+    # each iteration fetches the next tile's block ids before this tile's loads, so those
+    # depend on a loop-carried id and Triton's pipeliner keeps tiles in flight (as
+    # triton_decode's stage 1)
+    # (AHEAD = False: the ids loaded in the iteration that uses them, the planted fault)
+    block, off, valid = _tile(Table, b, first, tl.where(first < end, length, 0), stride_tb,
+                              BLOCK_N, PAGE)
+    for i in range(STATIC_TILES if STATIC_TILES > 0 else end - first):
+        t = first + i
+        if AHEAD:
+            nblock, noff, nvalid = _tile(Table, b, t + 1, tl.where(t + 1 < end, length, 0),
+                                         stride_tb, BLOCK_N, PAGE)
+        else:
+            block, off, valid = _tile(Table, b, t, tl.where(t < end, length, 0), stride_tb,
+                                      BLOCK_N, PAGE)
+        slot = block * stride_pn + off * stride_pt  # [BLOCK_N]
+        # the latent loaded once, as rows [BLOCK_N, BLOCK_C]: the keys' part of the scores
+        # through its transpose, the values as they are (ONCE = False: loaded again for
+        # the keys as columns, the planted fault of a second read)
+        codes = tl.load(Pool + slot[:, None] + offs_c[None, :],
+                        mask=valid[:, None] & mask_c[None, :], other=0.0)
+        # (fp8 codes converted at each use, so both dots read the one staged tile)
+        cv = codes.to(Q.dtype.element_ty) if FP8 else codes
+        if WIDEN:
+            cv = cv.to(tl.float32)
+        if ONCE:
+            c = tl.trans(codes)  # [BLOCK_C, BLOCK_N]
+            if FP8:
+                c = c.to(Q.dtype.element_ty)
+            if WIDEN:
+                c = c.to(tl.float32)
+        else:
+            c = tl.load(Pool + slot[None, :] + offs_c[:, None],
+                        mask=valid[None, :] & mask_c[:, None], other=0.0)
+            if FP8:
+                c = c.to(Q.dtype.element_ty)
+            if WIDEN:
+                c = c.to(tl.float32)
+        r = tl.load(Pool + slot[None, :] + C + offs_r[:, None],
+                    mask=valid[None, :] & mask_r[:, None], other=0.0)  # [BLOCK_R, BLOCK_N]
+        if FP8:
+            r = r.to(Q.dtype.element_ty)
+        if WIDEN:
+            r = r.to(tl.float32)
+        scores = (tl.dot(q_c, c, input_precision=DOT_PRECISION)
+                  + tl.dot(q_r, r, input_precision=DOT_PRECISION)) * qk_scale
+        scores = tl.where(valid[None, :], scores, float("-inf"))  # [BLOCK_H, BLOCK_N]
+        m_new = tl.maximum(m_i, tl.max(scores, 1))
+        shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp(m_i - shift)
+        p = tl.exp(scores - shift[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(cv.dtype), cv, input_precision=DOT_PRECISION)
+        m_i = m_new
+        if AHEAD:
+            block, off, valid = nblock, noff, nvalid
+    if FP8:
+        acc = acc * tl.load(Fp8Scale)
+
+    out = b * stride_ab + heads[:, None] * stride_ah + s * stride_as + offs_c[None, :]
+    tl.store(Acc + out, acc, mask=mask_h[:, None] & mask_c[None, :])
+    stat = b * stride_mb + heads * stride_mh + s
+    tl.store(M + stat, m_i, mask=mask_h)
+    tl.store(L + stat, l_i, mask=mask_h)
+
+
 def _stage1(Q, Pool, Table, Lengths, Plan, Acc, M, L, Fp8Scale, scale,
             stride_qb, stride_qh, stride_pn, stride_pt, stride_tb,
             stride_ab, stride_ah, stride_as, stride_mb, stride_mh,
@@ -58,12 +149,6 @@ def _stage1(Q, Pool, Table, Lengths, Plan, Acc, M, L, Fp8Scale, scale,
     prog = tl.program_id(0)
     hb = tl.program_id(1)
     programs = tl.num_programs(0)
-    heads = hb * BLOCK_H + tl.arange(0, BLOCK_H)
-    offs_c = tl.arange(0, BLOCK_C)
-    offs_r = tl.arange(0, BLOCK_R)
-    mask_h = heads < H
-    mask_c = offs_c < C
-    mask_r = offs_r < R
     qk_scale = scale
     if FP8:  # the layer's one scale: folded into the softmax scale and the output
         qk_scale = scale * tl.load(Fp8Scale)
@@ -73,82 +158,15 @@ def _stage1(Q, Pool, Table, Lengths, Plan, Acc, M, L, Fp8Scale, scale,
     while start < stop:  # a piece of each sequence the range reads: that split's partials
         length, first, end, s, start = _piece(Lengths, Plan, programs, prog, b, start, stop,
                                               BLOCK_N)
-        q_rows = Q + b * stride_qb + heads[:, None] * stride_qh
-        q_c = tl.load(q_rows + offs_c[None, :], mask=mask_h[:, None] & mask_c[None, :], other=0.0)
-        q_r = tl.load(q_rows + C + offs_r[None, :], mask=mask_h[:, None] & mask_r[None, :],
-                      other=0.0)
-        if WIDEN:
-            q_c, q_r = q_c.to(tl.float32), q_r.to(tl.float32)
-
-        m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
-        l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
-        acc = tl.zeros([BLOCK_H, BLOCK_C], dtype=tl.float32)
-        # each iteration fetches the next tile's block ids before this tile's loads, so those
-        # depend on a loop-carried id and Triton's pipeliner keeps tiles in flight (as
-        # triton_decode's stage 1)
-        # (AHEAD = False: the ids loaded in the iteration that uses them, the planted fault)
-        block, off, valid = _tile(Table, b, first, tl.where(first < end, length, 0), stride_tb,
-                                  BLOCK_N, PAGE)
-        for i in range(STATIC_TILES if STATIC_TILES > 0 else end - first):
-            t = first + i
-            if AHEAD:
-                nblock, noff, nvalid = _tile(Table, b, t + 1, tl.where(t + 1 < end, length, 0),
-                                             stride_tb, BLOCK_N, PAGE)
-            else:
-                block, off, valid = _tile(Table, b, t, tl.where(t < end, length, 0), stride_tb,
-                                          BLOCK_N, PAGE)
-            slot = block * stride_pn + off * stride_pt  # [BLOCK_N]
-            # the latent loaded once, as rows [BLOCK_N, BLOCK_C]: the keys' part of the scores
-            # through its transpose, the values as they are (ONCE = False: loaded again for
-            # the keys as columns, the planted fault of a second read)
-            codes = tl.load(Pool + slot[:, None] + offs_c[None, :],
-                            mask=valid[:, None] & mask_c[None, :], other=0.0)
-            # (fp8 codes converted at each use, so both dots read the one staged tile)
-            cv = codes.to(Q.dtype.element_ty) if FP8 else codes
-            if WIDEN:
-                cv = cv.to(tl.float32)
-            if ONCE:
-                c = tl.trans(codes)  # [BLOCK_C, BLOCK_N]
-                if FP8:
-                    c = c.to(Q.dtype.element_ty)
-                if WIDEN:
-                    c = c.to(tl.float32)
-            else:
-                c = tl.load(Pool + slot[None, :] + offs_c[:, None],
-                            mask=valid[None, :] & mask_c[:, None], other=0.0)
-                if FP8:
-                    c = c.to(Q.dtype.element_ty)
-                if WIDEN:
-                    c = c.to(tl.float32)
-            r = tl.load(Pool + slot[None, :] + C + offs_r[:, None],
-                        mask=valid[None, :] & mask_r[:, None], other=0.0)  # [BLOCK_R, BLOCK_N]
-            if FP8:
-                r = r.to(Q.dtype.element_ty)
-            if WIDEN:
-                r = r.to(tl.float32)
-            scores = (tl.dot(q_c, c, input_precision=DOT_PRECISION)
-                      + tl.dot(q_r, r, input_precision=DOT_PRECISION)) * qk_scale
-            scores = tl.where(valid[None, :], scores, float("-inf"))  # [BLOCK_H, BLOCK_N]
-            m_new = tl.maximum(m_i, tl.max(scores, 1))
-            shift = tl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = tl.exp(m_i - shift)
-            p = tl.exp(scores - shift[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None] + tl.dot(p.to(cv.dtype), cv, input_precision=DOT_PRECISION)
-            m_i = m_new
-            if AHEAD:
-                block, off, valid = nblock, noff, nvalid
-        if FP8:
-            acc = acc * tl.load(Fp8Scale)
-
-        out = b * stride_ab + heads[:, None] * stride_ah + s * stride_as + offs_c[None, :]
-        tl.store(Acc + out, acc, mask=mask_h[:, None] & mask_c[None, :])
-        stat = b * stride_mb + heads * stride_mh + s
-        tl.store(M + stat, m_i, mask=mask_h)
-        tl.store(L + stat, l_i, mask=mask_h)
+        _piece_partials(Q, Pool, Table, Acc, M, L, Fp8Scale, qk_scale, hb, b, s, length, first,
+                        end, stride_qb, stride_qh, stride_pn, stride_pt, stride_tb, stride_ab,
+                        stride_ah, stride_as, stride_mb, stride_mh, H, C, R, BLOCK_H, BLOCK_C,
+                        BLOCK_R, BLOCK_N, PAGE, DOT_PRECISION, WIDEN, FP8, STATIC_TILES, AHEAD,
+                        ONCE)
         b += 1
 
 
+_piece_partials = triton.jit(_piece_partials, noinline=True)
 stage1 = triton.jit(_stage1)
 
 
