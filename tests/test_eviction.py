@@ -272,3 +272,55 @@ def test_snapkvs_pooling_by_hand():
     assert torch.allclose(pooled(score, 3, 5), want)
     # a window as long as the prompt (or longer): nothing older to pool
     assert torch.equal(pooled(score, 8, 5), score) and torch.equal(pooled(score, 9, 5), score)
+
+
+def test_an_eviction_caches_footprint_by_hand():
+    # what the memory plan counts for an evicting cache: B=2, H_q=8, H_kv=2, D=16, prompt 40
+    # + 8 decoded, a budget of 12 slots, float32 on the CPU (SDPA's fused prefill)
+    from kvbench.caches import ImplOptions
+    from kvbench.caches.eviction.h2o import H2OCache
+    from kvbench.caches.eviction.snapkv import SnapKVCache
+    from kvbench.measure import footprint as fp
+
+    s = LayerShape(batch=2, prompt_len=40, decode_len=8, hidden=64, q_heads=8, kv_heads=2,
+                   head_dim=16, kv_budget=12)
+    config = RunConfig(s)
+    f = H2OCache.footprint(config, ImplOptions())
+    # K and V of 12 slots, 2·2·2·12·16 floats = 6,144 B; each slot's position (8 B) and
+    # score (4 B), 2·2·12·12 = 576 B
+    assert f.storage == 6_144 + 576
+    # a step over the 12 slots: grouped attention, the weights summed into the scores (2·2·12
+    # floats, 192 B) and the eviction's mask, scores and index (2·2·12·13 = 624 B)
+    step = fp.grouped_step(s, False, 12) * 4 + 192 + 624
+    assert f.decode == step
+    # the prefill scores the prompt beside it: h2o's chunk of 40 queries, 2·2·8·40·40·4 B
+    scoring = 2 * 2 * 8 * 40 * 40 * 4
+    prefill = 6_720 + fp.fused_prefill(s, False, 4)
+    assert f.prefill == prefill + scoring and f.cached == max(prefill, 6_720 + step) + scoring
+    # bfloat16: a step's weights widened to float32 first, 2·8·4 B a slot
+    bf = H2OCache.footprint(RunConfig(s, "bfloat16"), ImplOptions())
+    assert bf.decode == fp.grouped_step(s, False, 12) * 2 + 2 * 8 * 4 * 12 + 192 + 624
+    # snapkv holds its window's weights too, 2·2·6·12 floats (R = 6, half the budget)
+    snap = SnapKVCache.footprint(config, ImplOptions())
+    assert snap.storage == 6_720 + 2 * 2 * 6 * 12 * 4
+    # the prompt kept whole (--kv-compress prefill at the prompt's 40): 48 slots, no step
+    # evicts and nothing is scored at the prefill
+    whole = replace(s, kv_budget=40, kv_compress="prefill")
+    w = H2OCache.footprint(RunConfig(whole), ImplOptions())
+    assert w.storage == 2 * 2 * 2 * 48 * 16 * 4 + 2 * 2 * 48 * 12
+    assert w.decode == fp.grouped_step(whole, False, 48) * 4 + 2 * 2 * 48 * 4
+    assert w.prefill == w.storage + fp.fused_prefill(whole, False, 4)
+    assert H2OCache.scratch(s, 12, 48) == 0  # (only snapkv and expected keep scratch)
+
+
+def test_what_drops_positions():
+    from kvbench.caches.eviction.h2o import H2OCache
+
+    s = LayerShape(batch=2, prompt_len=40, decode_len=8, q_heads=8, kv_heads=2, head_dim=16)
+    # at decode, a budget under the 48 positions a sequence reaches drops some; at the
+    # prefill, one under the prompt's 40 (the decoded positions are all kept)
+    assert H2OCache.drops(RunConfig(replace(s, kv_budget=44)))
+    assert not H2OCache.drops(RunConfig(replace(s, kv_budget=40, kv_compress="prefill")))
+    assert H2OCache.drops(RunConfig(replace(s, kv_budget=39, kv_compress="prefill")))
+    assert not H2OCache.drops(RunConfig(replace(s, kv_budget=48)))
+    assert not H2OCache.drops(RunConfig(s))

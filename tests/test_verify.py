@@ -547,3 +547,99 @@ def test_knorm_without_a_recent_window_keeps_kvpress_s_positions(recent):
         others = (-norms[:, :23]).topk(5, dim=-1).indices
         assert torch.equal(kept, torch.cat((others, torch.full((2, 1), 23)), -1).sort(-1).values)
     assert (23 in lowest[0].tolist() and 23 in lowest[1].tolist()) is False  # the cases differ
+
+
+def _scripted(prompt: dict, written: dict | None = None, sinks: int = 0):
+    """A scorer whose scores are given: the replay's decisions worked by hand."""
+    class Scripted:
+        name = "scripted"
+
+        @classmethod
+        def replay_sinks(cls, budget, recent):
+            return sinks
+
+        @classmethod
+        def replay_prompt(cls, head):
+            return dict(prompt)
+
+        @classmethod
+        def replay_written(cls, head, t):
+            return (written or {}).get(t, 0.0)
+
+        @classmethod
+        def replay_observe(cls, head, t, held):
+            pass
+
+        @classmethod
+        def replay_refresh(cls, head, held, t):
+            pass
+
+    return Scripted
+
+
+def _judge(scorer, prompt_kept, kept=(), budget=4, recent=1, rtol=1e-4, P=6):
+    from kvbench.caches.eviction.replay import Head, one
+
+    q = torch.zeros(1, P + len(kept), 2, dtype=torch.float64)
+    head = Head(q, q[0], q[0], P, budget, recent, 1.0, None, None, [(q, q[0])])
+    return one(scorer, head, torch.tensor(prompt_kept), [torch.tensor(s) for s in kept], True,
+               rtol)
+
+
+def test_the_replay_follows_a_near_tie_and_no_further():
+    # six prompt positions, a budget of 4, the newest protected: the prompt keeps 5 and the
+    # three highest of the rest, {1, 4, 2} (scores 5, 4, 3); the floor is 3
+    scores = {0: 1.0, 1: 5.0, 2: 3.0, 3: 2.0, 4: 4.0, 5: 0.0}
+    assert _judge(_scripted(scores), [1, 2, 4, 5]) is None
+    assert "the prefill kept [3] where the scripted policy keeps [2]" in _judge(
+        _scripted(scores), [1, 3, 4, 5])
+    # 3 within the tolerance of the floor (rtol 1e-4 of the largest score, 5: 5e-4): the
+    # replay follows the cache; 6e-4 below it, not
+    assert _judge(_scripted({**scores, 3: 3.0 - 4e-4}), [1, 3, 4, 5]) is None
+    assert _judge(_scripted({**scores, 3: 3.0 - 6e-4}), [1, 3, 4, 5]) is not None
+    # scores under 1: the tolerance is rtol itself (1e-4), not rtol times 2
+    small = {p: s / 10 for p, s in scores.items()}
+    assert _judge(_scripted({**small, 3: 0.3 - 0.5e-4}), [1, 3, 4, 5]) is None
+    assert _judge(_scripted({**small, 3: 0.3 - 1.5e-4}), [1, 3, 4, 5]) is not None
+    # at the tolerance's edge exactly (rtol 0.5 of 5: 2.5 below the floor 3 is 0.5): kept
+    assert _judge(_scripted({**scores, 3: 0.5}), [1, 3, 4, 5], rtol=0.5) is None
+    assert _judge(_scripted({**scores, 3: 0.25}), [1, 3, 4, 5], rtol=0.5) is not None
+    # one position short of the budget: wrong however close the scores
+    assert "the prefill kept [] where the scripted policy keeps [2]" in _judge(
+        _scripted(scores), [1, 4, 5, -1])
+
+
+def test_the_replay_refuses_a_prefill_that_drops_a_protected_position():
+    # 3 ties 2 at the floor, so keeping 3 instead of 2 is a near tie; keeping 3 instead of
+    # the newest position 5 (protected: the recent window) is not, whatever its score
+    scores = {0: 1.0, 1: 5.0, 2: 3.0, 3: 3.0, 4: 4.0, 5: 0.0}
+    assert _judge(_scripted(scores), [1, 3, 4, 5]) is None
+    assert "the prefill kept [3] where the scripted policy keeps [5]" in _judge(
+        _scripted(scores), [1, 2, 3, 4])
+    # a budget of the recent window alone (1): only the newest may be kept
+    assert _judge(_scripted(scores), [5], budget=1) is None
+    assert "the prefill kept [4] where the scripted policy keeps [5]" in _judge(
+        _scripted(scores), [4], budget=1)
+    # the sinks too: with 1 sink, position 0 is kept whatever its score
+    assert _judge(_scripted(scores, sinks=1), [0, 1, 4, 5]) is None
+    assert _judge(_scripted(scores, sinks=1), [1, 2, 4, 5]) is not None
+
+
+def test_the_replay_judges_each_eviction_by_hand():
+    # recent 2: the prompt keeps 4, 5 and the two highest of {0..3}: {2, 3}. Step 1 writes 6
+    # and evicts the lowest of {2, 3, 4} (positions at most 6 - 2): 3 (score 2)
+    scores = {0: 0.5, 1: 1.0, 2: 3.0, 3: 2.0, 4: 5.0, 5: 6.0}
+    scorer = _scripted(scores, {6: 7.0})
+    assert _judge(scorer, [2, 3, 4, 5], [[2, 6, 4, 5]], recent=2) is None
+    assert ("step 1: evicted [2] where the scripted policy evicts 3 (score 2 against 3)"
+            in _judge(scorer, [2, 3, 4, 5], [[6, 3, 4, 5]], recent=2))
+    # two evicted (a slot left empty), the first of them the policy's: wrong
+    assert "step 1: evicted [3, 4]" in _judge(scorer, [2, 3, 4, 5], [[2, -1, 6, 5]], recent=2)
+    # within the tolerance of the victim's score (rtol 1e-4 of 5: 5e-4): followed
+    near = _scripted({**scores, 2: 2.0 + 4e-4}, {6: 7.0})
+    assert _judge(near, [2, 3, 4, 5], [[6, 3, 4, 5]], recent=2) is None
+    far = _scripted({**scores, 2: 2.0 + 6e-4}, {6: 7.0})
+    assert _judge(far, [2, 3, 4, 5], [[6, 3, 4, 5]], recent=2) is not None
+    # a protected position evicted (5, within the last 2): its score is no excuse
+    assert "evicted [5]" in _judge(_scripted({**scores, 5: 0.0}, {6: 7.0}), [2, 3, 4, 5],
+                                   [[2, 3, 4, 6]], recent=2)

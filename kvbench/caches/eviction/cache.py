@@ -280,9 +280,6 @@ class EvictionCache(FixedSlots):
         return (s.kv_budget is not None
                 and s.kv_budget < (s.prompt_len if s.kv_compress == "prefill" else max(s.row_lens)))
 
-    def stats(self):
-        return {"kept_slots": self.n_slots}
-
     def consistency(self):
         """Recorded (verify): the positions kept at every step against a float64 replay of
         the policy from the queries and keys the cache saw (kvbench.caches.eviction.replay):

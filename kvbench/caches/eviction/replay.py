@@ -6,7 +6,8 @@ it kept; that cannot tell whether they were the right positions (a cache that ev
 highest-scoring position is exact over what it kept). This replay is a second, plain
 implementation of each policy's choice, driven by the scorer's replay hooks (its file says how
 it scores, in float64, one position at a time); where the cache and the replay part at a near
-tie (their scores within the dtype's rounding), the replay follows the cache.
+tie (their scores within the dtype's rounding), the replay follows the cache, never past a
+position the policy keeps whatever its score (the recent window, the sinks).
 
 The prompt keeps its last `recent` positions, the scorer's sinks and the highest-scoring of
 the rest; while decoding (evicting), the lowest-scoring position outside the last `recent`
@@ -104,7 +105,9 @@ def one(cls, head: Head, prompt_kept, kept, evicting: bool, rtol: float) -> str 
         extra, missing = sorted(got - want), sorted(want - got)
         floor = min((score[p] for p in want - protected), default=0.0)
         tol = rtol * max(1.0, max(abs(v) for v in score.values()))
-        if len(got) != len(want) or any(score[p] < floor - tol for p in extra):
+        # a near tie may swap a scored position, never drop a protected one
+        if (len(got) != len(want) or not protected <= got
+                or any(score[p] < floor - tol for p in extra)):
             return f"the prefill kept {extra} where the {name} policy keeps {missing}"
     S = got
     for j, step in enumerate(kept):
