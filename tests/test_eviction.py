@@ -324,3 +324,13 @@ def test_what_drops_positions():
     assert H2OCache.drops(RunConfig(replace(s, kv_budget=39, kv_compress="prefill")))
     assert not H2OCache.drops(RunConfig(replace(s, kv_budget=48)))
     assert not H2OCache.drops(RunConfig(s))
+
+
+@pytest.mark.parametrize("name", ["h2o", "snapkv"])
+def test_a_reversed_scorer_fails_its_replay_in_bfloat16(name):
+    # bfloat16's tolerance (5e-2 of the largest score) still tells the highest from the lowest
+    config = RunConfig(SHAPE, "bfloat16", rope=True)
+    (check,) = verify(config, {name: reversed_scorer(IMPLEMENTATIONS[name])}).checks
+    assert not check.passed and "policy" in check.message, check.message
+    (check,) = verify(config, {name: IMPLEMENTATIONS[name]}).checks
+    assert check.passed, check.message
