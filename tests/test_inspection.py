@@ -78,7 +78,7 @@ def test_the_16_bit_kernels_have_no_shortfall(rows):
 
 
 def test_each_default_aims_at_no_more_programs_than_an_sm_holds(rows):
-    # the split planner fills waves x SMs programs: at most the compiled kernel's occupancy
+    # the work list fills waves x SMs programs: at most the compiled kernel's occupancy
     # (equal under Triton 3.6, the lent machine's: tuning.DEFAULTS; 3.9 may hold more)
     for (kernel, fmt), r in rows.items():
         if kernel.endswith("stage1"):

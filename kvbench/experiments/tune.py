@@ -3,7 +3,7 @@
 For each K/V format and page size, the kernel alone (stage 1 + stage 2) is timed at two cases
 the targets name: the long shape (B=8, 32,768 positions each, H_q=32, H_kv=8, D=128) and a
 ragged lognormal batch (B=32, mean 2,000, up to 32,768). A configuration is BLOCK_N,
-num_warps, num_stages and the waves of programs the split planner aims at; the search is
+num_warps, num_stages and the waves of programs the work list aims at; the search is
 coordinate descent from the default (each dimension in turn, keeping the best so far), as
 autotuners with a compile per candidate do, so it fits a short loan. Every configuration's
 output is checked against exact attention over the same cache before it is timed: a fast

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 @dataclass(frozen=True)
 class KernelConfig:
     """How a decode kernel is launched: positions per tile, warps and pipeline stages per
-    program, and the programs per SM the split planner aims at."""
+    program, and the programs per SM the work list aims at."""
 
     block_n: int = 64
     num_warps: int = 4
