@@ -311,6 +311,25 @@ def test_an_eviction_caches_footprint_by_hand():
     assert w.decode == fp.grouped_step(whole, False, 48) * 4 + 2 * 2 * 48 * 4
     assert w.prefill == w.storage + fp.fused_prefill(whole, False, 4)
     assert H2OCache.scratch(s, 12, 48) == 0  # (only snapkv and expected keep scratch)
+    # with RoPE, the step's and the prefill's rotation temporaries count as well
+    roped = H2OCache.footprint(RunConfig(s, rope=True), ImplOptions())
+    assert roped.decode == fp.grouped_step(s, True, 12) * 4 + 192 + 624 > f.decode
+    assert roped.prefill == 6_720 + fp.fused_prefill(s, True, 4) + scoring > f.prefill
+
+
+def test_the_replays_rope_frequencies_are_float64():
+    # the replay's own RoPE (base 10,000 unless the layer has its model's): float64, exact
+    # to 1e-16 where float32's would be off by 1e-8 of a radian a position
+    import torch
+
+    from kvbench.caches.eviction.cache import rope_frequencies
+    from kvbench.layers.attention import AttentionLayer
+
+    layer = AttentionLayer.from_config(RunConfig(SHAPE, rope=True))
+    freq = rope_frequencies(layer)
+    assert freq.dtype == torch.float64 and freq.shape == (8,)
+    assert freq[1].item() == 10_000 ** (-2 / 16)
+    assert rope_frequencies(AttentionLayer.from_config(RunConfig(SHAPE))) is None
 
 
 def test_what_drops_positions():
