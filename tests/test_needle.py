@@ -429,3 +429,114 @@ def test_a_window_holds_the_sinks_before_it_and_its_last_positions():
     assert needle.window_share(4, 2, 20, [1]) == 1.0 and needle.window_share(4, 2, 20, [2]) == 0.0
     assert needle.window_share(4, 2, 20, [16]) == 1.0 and needle.window_share(4, 2, 20, [15]) == 0.0
     assert needle.shard_of(None) == (0, 1)  # no --shard: the one shard of one
+
+
+def test_copy_draws_from_the_vocabularys_middle_three_quarters():
+    # 1,000 tokens from randrange(800 // 8, 800 - 800 // 8) = [100, 700): its ends are
+    # reached, nothing beyond them; the key (the answer text) is empty and the depth kept
+    p = build("copy", TOK, 2000, 0.0, random.Random(1), [], vocab=800)
+    assert min(p.ids) == 100 and max(p.ids) == 699
+    assert p.key == "" and p.depth == 0.0 and p.question == 1000
+
+
+def test_multikeys_keys_and_places_as_drawn():
+    # seed 3, three names: keys of five digits, randrange(10_000, 100_000); the others'
+    # places randrange(room + 1), sorted; the asked one at round(0.5 x room)
+    p = build("multikey", TOK, 600, 0.5, random.Random(3), FILL, keys=3)
+    text = TOK.decode(p.ids)
+    assert re.findall(r"The pass key for \w+ is (\d+)", text) == ["58490", "27094", "89157"]
+    assert p.key == "27094" and p.depth == 0.5
+    assert [m.start() for m in re.finditer(" The pass key for ", text)] == [167, 316, 467, 575]
+
+
+def test_a_context_that_just_holds_the_needle_and_question():
+    # room 0: the needle right after the instruction, the question right after it; one
+    # token less is one line naming the tokens needed
+    fits = len(INTRO) + len(NEEDLE) + len(QUESTION)
+    p = passkey(context=fits, depth=0.7)
+    assert TOK.decode(p.ids) == INTRO + NEEDLE + QUESTION and p.depth == 0.7
+    with pytest.raises(KvbenchError, match=rf"--context {fits - 1} is shorter than the "
+                       rf"instruction, needle and question \({fits} tokens\)"):
+        passkey(context=fits - 1)
+
+
+def test_tokens_are_encoded_without_special_tokens():
+    class Strict(Chars):
+        def __call__(self, text, add_special_tokens=True):
+            assert add_special_tokens is False  # a BOS inside the prompt would move the needle
+            return super().__call__(text)
+
+    assert Tokens(Strict()).encode("ab") == [97, 98]
+
+
+def test_a_haystack_file_of_exactly_the_filler_needed(tmp_path):
+    from kvbench.experiments.needle import haystack_ids
+
+    text = tmp_path / "h.txt"
+    text.write_text("x" * 50)
+    assert haystack_ids(TOK, text, 50) == [120] * 50
+    with pytest.raises(KvbenchError, match="has 50 tokens; the longest context needs 51"):
+        haystack_ids(TOK, text, 51)
+
+
+def test_one_trial_is_a_valid_count():
+    assert NeedleOptions(trials=1).trials == 1
+    with pytest.raises(KvbenchError, match="--trials must be a positive integer; got 0"):
+        NeedleOptions(trials=0)
+
+
+def test_needle_refuses_a_results_file_of_another_kind_before_loading(tmp_path, monkeypatch):
+    # the rows would not fit a verify results file: one line, exit 2, the file as it was,
+    # and no model loaded (the plan is never reached)
+    from kvbench import options
+
+    verify = tmp_path / "v.csv"
+    assert runner.invoke(app, ["verify", "--impl", "static", "--csv", str(verify),
+                               "--quiet"]).exit_code == 0
+    before = verify.read_text()
+    monkeypatch.setattr(options, "needle_plan", lambda o: pytest.fail("the model loaded"))
+    result = runner.invoke(app, ["needle", "--csv", str(verify)])
+    assert result.exit_code == 2 and "holds verify results" in result.output
+    assert verify.read_text() == before
+
+
+def test_every_multikey_prompt_is_exactly_its_context():
+    # the other needles' places are drawn from 0..room: a place past the room would put a
+    # filler token too many before the question (seeds 0-19, contexts 300-698)
+    built = 0
+    for seed in range(20):
+        for context in range(300, 700, 2):
+            try:
+                p = build("multikey", TOK, context, 0.5, random.Random(seed), FILL, keys=3)
+            except KvbenchError:  # too short for this seed's names
+                continue
+            built += 1
+            assert len(p.ids) == context, (seed, context)
+    assert built > 3000
+
+
+def test_a_bad_keys_count_names_keys_even_at_one_trial():
+    with pytest.raises(KvbenchError, match="--keys is 2 to .* needles; got 0"):
+        NeedleOptions(task="multikey", trials=1, keys=0)
+
+
+def test_the_budget_check_reads_the_copy_tasks_own_prompt():
+    # copy's prefill is its first copy (10 of 20 tokens): a budget of 10 keeps all of it; 5
+    # drops half, and copy has no key the budget must hold
+    from kvbench.experiments.needle import _refuse_budget
+
+    copy = build("copy", TOK, 20, 0.0, random.Random(1), [], vocab=800)
+    o = SimpleNamespace(task="copy", question_after_compression=False)
+
+    def config(budget):
+        return SimpleNamespace(shape=SimpleNamespace(kv_budget=budget, prompt_len=20))
+
+    with pytest.raises(KvbenchError, match="keeps the whole prompt of 10 tokens"):
+        _refuse_budget(o, config(10), [copy])
+    assert _refuse_budget(o, config(5), [copy]) is None
+    # passkey's key of 6 tokens (" 12345", one a character) needs a budget of 6
+    key = passkey()
+    o.task = "passkey"
+    with pytest.raises(KvbenchError, match="the needle's key is 6 tokens, more than "
+                                           "--kv-budget 5"):
+        _refuse_budget(o, config(5), [key])
