@@ -540,3 +540,22 @@ def test_the_budget_check_reads_the_copy_tasks_own_prompt():
     with pytest.raises(KvbenchError, match="the needle's key is 6 tokens, more than "
                                            "--kv-budget 5"):
         _refuse_budget(o, config(5), [key])
+
+
+def test_the_context_and_its_answer_fit_the_models_positions():
+    # a model of 100 positions: a context of 92 and its 8 answer tokens fit exactly; 93 is
+    # one line before anything runs (shard 1 of 2 holds no cell: nothing else runs)
+    from kvbench.experiments.needle import ANSWER_TOKENS, run
+
+    ref = SimpleNamespace(arch=SimpleNamespace(config={"max_position_embeddings": 100},
+                                               name="tiny"))
+
+    def planned(context):
+        config = SimpleNamespace(shape=SimpleNamespace(prompt_len=context))
+        return ref, [(config, ["static"])], None, []
+
+    o = NeedleOptions(no_csv=True, quiet=True, shard="1/2", depth="0.5")
+    assert ANSWER_TOKENS == 8 and run(o, planned(92)) == []
+    with pytest.raises(KvbenchError, match="--context 93 and its answer are longer than "
+                                           "tiny's 100 positions"):
+        run(o, planned(93))
