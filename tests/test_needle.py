@@ -559,3 +559,11 @@ def test_the_context_and_its_answer_fit_the_models_positions():
     with pytest.raises(KvbenchError, match="--context 93 and its answer are longer than "
                                            "tiny's 100 positions"):
         run(o, planned(93))
+
+
+def test_needles_results_go_to_results_needle_csv_unless_told():
+    from kvbench.experiments.needle import check_output
+    from kvbench.report.results import DEFAULT_DIR
+
+    assert check_output(NeedleOptions()) == DEFAULT_DIR / "needle.csv"
+    assert check_output(NeedleOptions(no_csv=True)) is None
