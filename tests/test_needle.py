@@ -567,3 +567,14 @@ def test_needles_results_go_to_results_needle_csv_unless_told():
 
     assert check_output(NeedleOptions()) == DEFAULT_DIR / "needle.csv"
     assert check_output(NeedleOptions(no_csv=True)) is None
+
+
+def test_an_older_needle_results_file_is_taken(tmp_path):
+    # a file of the first release's needle columns: the rows append to it (new columns
+    # added), not refused as another kind
+    from kvbench.experiments.needle import check_output
+    from kvbench.report.results import NEEDLE_FIRST
+
+    older = tmp_path / "n.csv"
+    older.write_text(",".join(NEEDLE_FIRST) + "\n")
+    assert check_output(NeedleOptions(csv=older)) == older
