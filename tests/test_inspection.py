@@ -315,6 +315,11 @@ def test_spills_are_a_shortfall_where_the_tile_loop_touches_them():
     unread = inspection.shortfalls([replace(r, loop_spill_ops=None)])  # SASS unread
     assert unread == ["triton stage1 fp16 (N16/w1/s4/x7): spills 32 bytes a thread"]
     assert inspection.shortfalls([replace(r, spills=0, loop_spill_ops=None)]) == []
+    # fewer bytes on their way an SM than Little's law asks (20,000): one line
+    assert inspection.shortfalls([replace(r, flight_bytes_sm=12_000)]) == [
+        "triton stage1 fp16 (N16/w1/s4/x7): 12,000 B in flight an SM, below the 20,000 "
+        "Little's law asks"]
+    assert inspection.shortfalls([replace(r, flight_bytes_sm=20_000)]) == []
 
 
 def test_the_loop_figures_per_position_by_hand():
