@@ -353,3 +353,12 @@ def test_a_reversed_scorer_fails_its_replay_in_bfloat16(name):
     assert not check.passed and "policy" in check.message, check.message
     (check,) = verify(config, {name: IMPLEMENTATIONS[name]}).checks
     assert check.passed, check.message
+
+
+def test_snapkv_needs_a_window_of_one_query_at_least():
+    from kvbench.caches.eviction.snapkv import SnapKVCache
+
+    none = RunConfig(replace(SHAPE, kv_recent=0, kv_compress="prefill"))
+    assert "--kv-recent 0 leaves it none" in SnapKVCache.inapplicable(none)
+    assert SnapKVCache.inapplicable(RunConfig(replace(SHAPE, kv_recent=1,
+                                                       kv_compress="prefill"))) is None
