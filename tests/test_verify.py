@@ -643,3 +643,19 @@ def test_the_replay_judges_each_eviction_by_hand():
     # a protected position evicted (5, within the last 2): its score is no excuse
     assert "evicted [5]" in _judge(_scripted({**scores, 5: 0.0}, {6: 7.0}), [2, 3, 4, 5],
                                    [[2, 3, 4, 6]], recent=2)
+
+
+def test_an_evictions_tolerance_by_hand():
+    # the prompt keeps {2, 3, 4, 5} (recent 2); step 1's victim is 3 (the lowest of {2, 3, 4})
+    # but the cache evicts 2. Scores under 1: the tolerance is rtol (1e-4), not twice it
+    small = {0: 0.05, 1: 0.1, 2: 0.2 + 1.5e-4, 3: 0.2, 4: 0.5, 5: 0.6}
+    assert _judge(_scripted(small, {6: 0.7}), [2, 3, 4, 5], [[6, 3, 4, 5]], recent=2) is not None
+    near = {**small, 2: 0.2 + 0.5e-4}
+    assert _judge(_scripted(near, {6: 0.7}), [2, 3, 4, 5], [[6, 3, 4, 5]], recent=2) is None
+    # at the edge exactly (rtol 0.5 of the candidates' largest, 5: 2.5 above 2.0): followed
+    edge = {0: 0.5, 1: 1.0, 2: 4.5, 3: 2.0, 4: 5.0, 5: 6.0}
+    assert _judge(_scripted(edge, {6: 7.0}), [2, 3, 4, 5], [[6, 3, 4, 5]], recent=2,
+                  rtol=0.5) is None
+    over = {**edge, 2: 4.75}
+    assert _judge(_scripted(over, {6: 7.0}), [2, 3, 4, 5], [[6, 3, 4, 5]], recent=2,
+                  rtol=0.5) is not None
