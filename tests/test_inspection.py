@@ -393,6 +393,11 @@ def test_the_long_shapes_requests_as_a_cache_launches_them():
         assert (sig["Q"], sig["K"], sig["Table"], sig["Lengths"]) == (q, k, "*i32", "*i32")
         assert values["stride_tb"] == 2048 and values["stride_kn"] == page, fmt
         assert merge["signature"]["Out"] == q and merge["function"] == "stage2"  # (its output)
+        # the partials as an H200's cache holds them: 7 or 8 programs an SM x 132 SMs over 8
+        # KV heads (115 or 132), and 2,048 tiles of 16 a sequence: 64 splits (the most), each
+        # split's running max and exp-sum a float32 of [8, 32, 64]
+        assert merge["constexprs"]["SPLITS"] == merge["constexprs"]["BLOCK_S"] == 64, fmt
+        assert (merge["values"]["stride_mb"], merge["values"]["stride_mh"]) == (32 * 64, 64)
 
 
 def test_a_request_types_each_argument_and_takes_the_compiled_constexprs():
