@@ -25,8 +25,8 @@ What makes it fast (SGLang's and vLLM's decode kernels, FlashInfer's planner):
   sequence). On the lognormal batch `kvbench tune` times the longest program over the mean
   is 1.00 (1.14-1.18 with a piece of one sequence a program; 1.79 when each sequence's share
   was rounded down).
-- **Graph-safe.** Lengths live on the device and the grid is fixed ((B, H_kv, SPLITS), SPLITS
-  set when the cache is built), so a decode step that launches these kernels can be captured
+- **Graph-safe.** Lengths live on the device and the grid is fixed ((P, H_kv), P programs a
+  KV head set when the cache is built), so a decode step that launches these kernels can be captured
   in a CUDA graph and replayed as the cache grows.
 - **Pages as constexprs.** The page (block) size is a compile-time constant: a tile inside
   one page looks its block up once and loads contiguous rows; a tile of whole pages looks up
@@ -63,9 +63,6 @@ from kvbench.kernels import graphs
 from kvbench.kernels.config import KernelConfig
 
 MAX_SPLITS = 64
-
-
-PLAN_STEPS = tl.constexpr(24)  # the bisection's steps: programs of up to 2^24 tiles
 
 
 def _plan(Lengths, Work, batch, programs, fixed, BLOCK_B: tl.constexpr,
@@ -126,6 +123,12 @@ def _plan(Lengths, Work, batch, programs, fixed, BLOCK_B: tl.constexpr,
     tl.store(Work + p * 4 + 1, end, mask=mine)
     tl.store(Work + p * 4 + 2, seq, mask=mine)
     tl.store(Work + p * 4 + 3, tl.zeros([BLOCK_P], dtype=tl.int32), mask=mine)
+
+
+def _range(Work, p):
+    """Program p's range of the tile stream: (its first tile, its end tile, the first
+    sequence it reads)."""
+    return tl.load(Work + p * 4), tl.load(Work + p * 4 + 1), tl.load(Work + p * 4 + 2)
 
 
 def _piece(Lengths, Work, programs, p, b, start, stop, TILE: tl.constexpr):
@@ -499,9 +502,7 @@ def _stage1(Q, K, V, Table, Lengths, Plan, Acc, M, L, KS, KZ, VS, VZ, scale,
     qk_scale = scale
     if FP8:  # K's scale folded into the softmax scale; V's applied to the output at the end
         qk_scale = scale * tl.load(KS + h)
-    start = tl.load(Plan + prog * 4)  # this program's range of the tile stream (`_plan`)
-    stop = tl.load(Plan + prog * 4 + 1)
-    b = tl.load(Plan + prog * 4 + 2)
+    start, stop, b = _range(Plan, prog)
     while start < stop:  # a piece of each sequence the range reads: that split's partials
         length, first, end, s, start = _piece(Lengths, Plan, programs, prog, b, start, stop,
                                               BLOCK_N)
@@ -568,6 +569,7 @@ def _interpreter_takes_loaded_bounds() -> bool:
 # In the interpreter, loop over a host-given count of tiles (masked) where a run-time bound fails.
 STATIC_LOOP = INTERPRETED and not _interpreter_takes_loaded_bounds()
 _plan = triton.jit(_plan, do_not_specialize=["batch", "programs", "fixed"])
+_range = triton.jit(_range)
 _piece = triton.jit(_piece)
 _tile = triton.jit(_tile)
 _codes = triton.jit(_codes)
@@ -628,9 +630,8 @@ class Launch:
 
     def plan(self, lengths: list[int], units: int) -> list[int]:
         """Each sequence's splits at these lengths (what the kernels do on the device)."""
-        _, sequences = plan_work(lengths, self.programs, self.config.block_n, self.splits,
-                                 self.fixed)
-        return [n for *_, n in sequences]
+        return plan_splits(lengths, units, self.target, self.config.block_n, self.splits,
+                           self.fixed)
 
 
 def static_tiles(longest: int, launch: Launch) -> int:
@@ -746,7 +747,7 @@ def launch_merge(launch: Launch, lengths: torch.Tensor, out: torch.Tensor,
 
 def stage2_args(launch: Launch, lengths: torch.Tensor, out: torch.Tensor, units: int):
     """(grid, arguments, constexprs) of stage 2 (merge's). lengths and units are stage 1's
-    business: stage 2 merges every split stage 1 left an exp-sum in."""
+    business: stage 2 merges the splits the work list gives each sequence."""
     acc, m, l = launch.partials
     B, Hq, D = out.shape
     assert out.stride(2) == 1

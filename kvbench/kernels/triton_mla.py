@@ -35,6 +35,7 @@ from kvbench.kernels import graphs
 from kvbench.kernels.triton_decode import (
     _launch,
     _piece,
+    _range,
     _tile,
     launch_numbers,
     launch_plan,
@@ -152,9 +153,7 @@ def _stage1(Q, Pool, Table, Lengths, Plan, Acc, M, L, Fp8Scale, scale,
     qk_scale = scale
     if FP8:  # the layer's one scale: folded into the softmax scale and the output
         qk_scale = scale * tl.load(Fp8Scale)
-    start = tl.load(Plan + prog * 4)  # this program's range of the tile stream (`_plan`)
-    stop = tl.load(Plan + prog * 4 + 1)
-    b = tl.load(Plan + prog * 4 + 2)
+    start, stop, b = _range(Plan, prog)
     while start < stop:  # a piece of each sequence the range reads: that split's partials
         length, first, end, s, start = _piece(Lengths, Plan, programs, prog, b, start, stop,
                                               BLOCK_N)
