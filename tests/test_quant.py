@@ -74,6 +74,31 @@ def test_store_reads_back_what_it_wrote(name):
     assert (got[:, :, 6:] - 0.5 * k[:, :, :1]).abs().max() < tol
 
 
+@pytest.mark.parametrize("name", ["fp8", "int8", "int4"])
+def test_codes_kept_positions_innermost_read_and_write_as_the_others(name):
+    # V's codes for the Triton kernel: storage [N, H, bytes, page], each block's byte j of its
+    # positions side by side, seen as [N, H, page, bytes] like every other store
+    lead, D = (3, 2, 16), 64
+    plain = QuantizedStore(KvFormat(name, 32), lead, D, "cpu")
+    inner = QuantizedStore(KvFormat(name, 32), lead, D, "cpu", positions_inner=("v",))
+    width = plain.tensors["v_codes"].shape[-1]
+    v = inner.tensors["v_codes"]
+    assert v.shape == plain.tensors["v_codes"].shape == (3, 2, 16, width)
+    assert v.stride() == (2 * width * 16, width * 16, 1, 16)  # position next to position
+    assert inner.tensors["k_codes"].stride() == plain.tensors["k_codes"].stride()
+    assert inner.nbytes == plain.nbytes
+    k, vv = torch.randn(3, 2, 16, D), torch.randn(3, 2, 16, D)
+    for store in (plain, inner):
+        for name_, part in store.encode(k, vv, True).items():
+            store.tensors[name_][:, :, :] = part
+    assert torch.equal(inner.tensors["v_codes"].view(torch.uint8),
+                       plain.tensors["v_codes"].view(torch.uint8))
+    storage = v.transpose(2, 3)  # what the kernel reads: position p of byte j at j·16 + p
+    assert storage.is_contiguous()
+    assert torch.equal(storage[1, 0, 5].view(torch.uint8),
+                       plain.tensors["v_codes"][1, 0, :, 5].view(torch.uint8))
+
+
 # --- verify on quantized caches -------------------------------------------------------------
 
 GQA = LayerShape(batch=2, prompt_len=30, decode_len=4, hidden=64, q_heads=8, kv_heads=2,

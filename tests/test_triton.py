@@ -292,6 +292,106 @@ def test_4_bit_codes_as_even_and_odd_halves_pass_the_exact_check(head_dim, group
     assert result.passed, result.message
 
 
+def _run_ptx(asm: str, inputs: list[int], outputs: int) -> list[int]:
+    """The compiled kernels' conversion PTX run on 32-bit integers: the instructions it uses
+    (mov, prmt, and, or, sub.f16x2 rounding to nearest), operands $0.. outputs then inputs."""
+    import numpy as np
+
+    regs = {f"${i}": 0 for i in range(outputs)}
+    regs |= {f"${outputs + i}": x for i, x in enumerate(inputs)}
+
+    def value(operand: str) -> int:
+        return regs[operand] if operand in regs else int(operand, 0)
+
+    def halves(x: int):
+        return np.array([x & 0xFFFF, x >> 16], dtype=np.uint16).view(np.float16)
+
+    for line in asm.strip("{} ").split(";"):
+        op, _, rest = line.strip().partition(" ")
+        args = [a.strip() for a in rest.split(",")]
+        if not op or op.startswith(".reg"):
+            continue
+        d, *src = args
+        v = [value(a) for a in src]
+        if op == "mov.b32":
+            regs[d] = v[0]
+        elif op == "prmt.b32":
+            pool = v[0] | v[1] << 32
+            regs[d] = sum(((pool >> 8 * ((v[2] >> 4 * j) & 7)) & 0xFF) << 8 * j for j in range(4))
+        elif op == "and.b32":
+            regs[d] = v[0] & v[1]
+        elif op == "or.b32":
+            regs[d] = v[0] | v[1]
+        elif op == "sub.f16x2":
+            bits = (halves(v[0]) - halves(v[1])).view(np.uint16)
+            regs[d] = int(bits[0]) | int(bits[1]) << 16
+        else:
+            raise AssertionError(f"no model of {op}")
+    return [regs[f"${i}"] for i in range(outputs)]
+
+
+def _elements(registers: list[int]) -> list[float]:
+    """Registers of packed halves as Triton reads them: element i in half i % 2 of register
+    i // 2."""
+    import numpy as np
+
+    return [float(np.array([r & 0xFFFF, r >> 16], dtype=np.uint16).view(np.float16)[i])
+            for r in registers for i in range(2)]
+
+
+def test_the_compiled_code_conversions_give_each_code_exactly():
+    # int8: four codes packed in a register (byte i: element i) become four halves equal to
+    # the codes; int4: each byte's low nibble (element 2w) and high nibble (2w + 1)
+    codes = list(range(256))
+    for first in range(0, 256, 4):
+        packed = sum(c << 8 * i for i, c in enumerate(codes[first:first + 4]))
+        out = _run_ptx(triton_decode.BYTES_TO_HALVES.value, [packed], 2)
+        assert _elements(out) == codes[first:first + 4]
+        low_high = _run_ptx(triton_decode.NIBBLES_TO_HALVES.value, [packed], 4)
+        assert _elements(low_high[:2]) == [c & 15 for c in codes[first:first + 4]]
+        assert _elements(low_high[2:]) == [c >> 4 for c in codes[first:first + 4]]
+
+
+def test_the_model_of_the_conversion_ptx_catches_a_wrong_selector():
+    packed = 0x04030201
+    wrong = triton_decode.BYTES_TO_HALVES.value.replace("0x4342", "0x4243")  # bytes 3, 2
+    assert _elements(_run_ptx(wrong, [packed], 2)) == [1, 2, 4, 3]
+    assert _elements(_run_ptx(triton_decode.BYTES_TO_HALVES.value, [packed], 2)) == [1, 2, 3, 4]
+    kept = triton_decode.NIBBLES_TO_HALVES.value.replace("sub.f16x2 $2, $2, y", "mov.b32 $2, $2")
+    assert _elements(_run_ptx(kept, [0xF1], 4)[2:]) == [64 + 15, 64, 0, 0]  # 2^6 left in
+
+
+def test_a_kernel_that_reads_v_as_k_fails_the_exact_check(monkeypatch):
+    # V's codes are kept positions innermost (V_STEP = the page); read with K's layout
+    # (V_STEP = 1) the kernel takes other positions' bytes, and verify must say so
+    real = triton_decode.stage1_args
+
+    def as_k(*args, **kwargs):
+        grid, arguments, constants = real(*args, **kwargs)
+        assert constants["V_STEP"] == 16
+        return grid, arguments, {**constants, "V_STEP": 1}
+
+    monkeypatch.setattr(triton_decode, "stage1_args", as_k)
+    config = RunConfig(shape("gqa", 32), kv_dtype="int8", group_size=16)
+    report = verify(config, {"triton": TritonCache},
+                    ImplOptions(block_size=16, splits=2, kv_dtype="int8", group_size=16))
+    (result,) = report.checks
+    assert not result.passed
+
+
+def test_stage1_refuses_a_v_pool_laid_out_neither_way():
+    import torch
+
+    cache = _filled(TritonCache, shape("gqa", 32), "float32", block_size=16,
+                    kv_dtype="int8", group_size=16)
+    k_pool, v_pool = cache.pools_read()
+    assert v_pool.stride(3) == 16 and v_pool.stride(2) == 1
+    with pytest.raises(AssertionError, match="V's pool"):
+        triton_decode.stage1_args(torch.zeros(2, 8, 32), k_pool, v_pool.transpose(0, 1)
+                                  .contiguous().transpose(0, 1), cache.table, cache.kernel_lens,
+                                  0.1, cache.launch, cache.store)
+
+
 @pytest.mark.parametrize("error", ["out-of-resources", "compilation"])
 def test_a_triton_error_of_any_class_is_a_device_error_naming_the_implementation(error):
     # Triton's CompilationError and OutOfResources derive from Exception, not RuntimeError
@@ -390,10 +490,12 @@ def test_every_kernel_variant_compiles_for_an_h200():
         cache = _filled(TritonMlaCache, mla, dtype, block_size=64, **options)
         cache.launch.config = tuning.default("mla", options.get("kv_dtype"))
         requests += aot.cache_requests(cache, torch.randn(2, 16, 576).to(cache.layer.dtype))
+    from kvbench.kernels import inspection
+
+    if reason := inspection.unavailable():
+        pytest.skip(reason)
     anatomies = aot.anatomies(requests)
     answers = [None if a is None else (a["registers"], a["spills"]) for a in anatomies]
-    if not any(answers):
-        pytest.skip("Triton cannot compile for sm_90 here (no CUDA backend or cuobjdump)")
     failed = [(r["kernel"], r["function"], r["constexprs"]) for r, a in zip(requests, answers)
               if a is None]
     assert not failed, failed

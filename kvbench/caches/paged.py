@@ -41,6 +41,7 @@ class PagedCache(CachedAttention):
     graph_safe = True
     softcaps = True
     sliding = "paged-window"  # a hybrid model's sliding layers: their blocks freed
+    positions_inner: tuple[str, ...] = ()  # quantized codes kept positions innermost
 
     @classmethod
     def footprint(cls, config, options):
@@ -117,7 +118,8 @@ class PagedCache(CachedAttention):
         self.store = None
         if self.options.kv_dtype is not None:
             self.store = QuantizedStore(self.options.kv_format, lead, s.head_dim,
-                                        self.layer.device)
+                                        self.layer.device,
+                                        positions_inner=self.positions_inner)
             return
         # zeros: the gather pads short sequences with masked positions, whose weight of
         # exactly zero must not meet a NaN left in uninitialised memory

@@ -21,6 +21,7 @@ import torch
 
 from kvbench.caches.base import CachedAttention, register
 from kvbench.caches.paged import PagedCache
+from kvbench.kernels.config import POSITIONS_INNER
 from kvbench.measure import footprint as fp
 from kvbench.sizing.capacity import QUANTIZED
 
@@ -81,6 +82,7 @@ class TritonCache(KernelLengths, PagedCache):
     compiles = True  # on CUDA the first launch compiles the kernels
     softcaps = False  # (its kernel's scores are plain)
     kv_dtypes = frozenset(QUANTIZED)  # decoded in registers as each tile is loaded
+    positions_inner = POSITIONS_INNER  # V's codes read along positions, in words
     description = ("paged pool read in place by a Triton split-K decode kernel (GQA through "
                    "tl.dot, log-sum-exp merge); CUDA, and CPU through Triton's interpreter "
                    "(verify only)")

@@ -167,12 +167,24 @@ class QuantizedStore:
     """
 
     def __init__(self, fmt: KvFormat, lead: tuple[int, int, int], head_dim: int, device,
-                 dtype: torch.dtype = torch.float32, kinds: tuple[str, ...] = ("k", "v")):
+                 dtype: torch.dtype = torch.float32, kinds: tuple[str, ...] = ("k", "v"),
+                 positions_inner: tuple[str, ...] = ()):
         """kinds: the vectors stored per position; ("k",) for one (an MLA latent entry,
-        written as k with v None)."""
+        written as k with v None). positions_inner: the kinds whose codes are laid out
+        [*lead[:2], bytes, lead[2]], the positions innermost (a block's bytes j of its
+        positions side by side), and held as that storage's [*lead, bytes] view: every
+        index reads and writes them as the others, and a kernel that contracts over
+        positions (V in attention's weighted sum) reads them along positions."""
         self.fmt, self.head_dim, self.kinds = fmt, head_dim, kinds
         kv_heads = lead[1]
         self.tensors: dict[str, torch.Tensor] = {}
+
+        def codes(width: int, dtype: torch.dtype, kind: str) -> torch.Tensor:
+            if kind in positions_inner:
+                return torch.zeros(*lead[:2], width, lead[2], dtype=dtype,
+                                   device=device).transpose(2, 3)
+            return torch.zeros(*lead, width, dtype=dtype, device=device)
+
         for kv in kinds:
             if fmt.grouped:
                 nbytes = math.ceil(head_dim * fmt.bits / 8)
@@ -180,8 +192,7 @@ class QuantizedStore:
                     meta = (*lead[:2], math.ceil(lead[2] / fmt.group_size), head_dim)
                 else:
                     meta = (*lead, fmt.groups(head_dim))
-                self.tensors[f"{kv}_codes"] = torch.zeros(*lead, nbytes, dtype=torch.uint8,
-                                                          device=device)
+                self.tensors[f"{kv}_codes"] = codes(nbytes, torch.uint8, kv)
                 self.tensors[f"{kv}_scale"] = torch.zeros(meta, dtype=torch.float16,
                                                           device=device)
                 self.tensors[f"{kv}_zero"] = torch.zeros(meta, dtype=torch.float16,
@@ -190,9 +201,7 @@ class QuantizedStore:
                     self.tensors[f"{kv}_residual"] = torch.zeros(
                         *lead[:2], fmt.flush, head_dim, dtype=dtype, device=device)
             else:  # fp8: one scale per KV head, not per position
-                self.tensors[f"{kv}_codes"] = torch.zeros(*lead, head_dim,
-                                                          dtype=torch.float8_e4m3fn,
-                                                          device=device)
+                self.tensors[f"{kv}_codes"] = codes(head_dim, torch.float8_e4m3fn, kv)
                 self.tensors[f"{kv}_scale"] = torch.zeros(kv_heads, dtype=torch.float32,
                                                           device=device)
 

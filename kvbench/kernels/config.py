@@ -26,3 +26,9 @@ class KernelConfig:
 
     def label(self) -> str:
         return f"N{self.block_n}/w{self.num_warps}/s{self.num_stages}/x{self.waves}"
+
+
+# The quantized pools whose codes the GQA kernel reads with the positions innermost: V's, whose
+# weighted sum contracts over positions (kvbench.kernels.triton_decode, V_STEP). The `triton`
+# cache lays them out so, and `kvbench tune --inspect` compiles for them.
+POSITIONS_INNER = ("v",)

@@ -19,7 +19,7 @@ import math
 from dataclasses import asdict, dataclass
 
 from kvbench.errors import KvbenchError
-from kvbench.kernels.config import KernelConfig
+from kvbench.kernels.config import POSITIONS_INNER, KernelConfig
 
 # sm_90 (H100, H200): per multiprocessor
 SM90 = {"registers": 65536, "shared_bytes": 233472, "warps": 64, "programs": 32,
@@ -117,9 +117,10 @@ def _dtype(fmt: str):
     return torch.bfloat16 if fmt == "bf16" else torch.float16
 
 
-def _gqa_requests(fmt: str, config: KernelConfig, ahead: bool) -> list[dict]:
+def _gqa_requests(fmt: str, config: KernelConfig, ahead: bool, inner: bool = True) -> list[dict]:
     """Stage 1 and stage 2 of `triton` at the long shape in format fmt, as a cache launches
-    them (kvbench.kernels.triton_decode.stage1_args), over meta tensors."""
+    them (kvbench.kernels.triton_decode.stage1_args), over meta tensors; inner=False: V's
+    codes laid out as K's (a planted fault)."""
     import torch
 
     from kvbench.formats.kvformat import KvFormat
@@ -138,7 +139,8 @@ def _gqa_requests(fmt: str, config: KernelConfig, ahead: bool) -> list[dict]:
         k_pool = torch.empty(blocks, Hkv, page, D, dtype=dtype, device=meta)
         v_pool = torch.empty_like(k_pool)
     else:
-        store = QuantizedStore(KvFormat(fmt), (blocks, Hkv, page), D, meta, dtype)
+        store = QuantizedStore(KvFormat(fmt), (blocks, Hkv, page), D, meta, dtype,
+                               positions_inner=POSITIONS_INNER if inner else ())
         k_pool, v_pool = store.tensors["k_codes"], store.tensors["v_codes"]
     table = torch.empty(B, T // page, dtype=torch.int32, device=meta)
     lengths = torch.empty(B, dtype=torch.int32, device=meta)
@@ -200,12 +202,15 @@ def configuration(kernel: str, fmt: str) -> KernelConfig:
 
 def inspect(formats=FORMATS, mla_formats=MLA_FORMATS, configs: dict | None = None,
             ahead: bool = True, timeout_s: float = 900,
-            plant_wait: int | None = None, once: bool = True) -> list[Inspection]:
+            plant_wait: int | None = None, once: bool = True,
+            inner: bool = True) -> list[Inspection]:
     """Every kernel of `formats` (and MLA's of `mla_formats`) compiled for sm_90 and read.
     configs: {(kernel, format): KernelConfig} in place of the defaults; ahead=False
     compiles the loops that load each tile's block ids (and scales) in the iteration that
     uses them; plant_wait=N reads the code with every cp.async wait set to N; once=False
-    compiles MLA's loop that loads its latent a second time for the keys (planted faults).
+    compiles MLA's loop that loads its latent a second time for the keys; inner=False the
+    quantized loops over V codes laid out as K's, each position's bytes side by side, which
+    the weighted sum reads a byte at a time (planted faults).
     Raises KvbenchError where Triton cannot compile for sm_90 here."""
     from kvbench.kernels import aot
 
@@ -213,7 +218,7 @@ def inspect(formats=FORMATS, mla_formats=MLA_FORMATS, configs: dict | None = Non
     wanted, requests = [], []
     for fmt in formats:
         config = configs.get(("triton", fmt)) or configuration("triton", fmt)
-        first, second = _gqa_requests(fmt, config, ahead)
+        first, second = _gqa_requests(fmt, config, ahead, inner)
         wanted += [("triton stage1", fmt, config), ("triton stage2", fmt, config)]
         requests += [first, second]
     for fmt in mla_formats:

@@ -221,7 +221,9 @@ def _tile(Table, b, t, length, stride_tb, BLOCK_N: tl.constexpr, PAGE: tl.conste
     if PAGE % BLOCK_N == 0:  # the tile lies in one page: one id, contiguous rows
         block = tl.load(row + (t * BLOCK_N) // PAGE, mask=t * BLOCK_N < length,
                         other=0).to(tl.int64)
-        off = (t * BLOCK_N) % PAGE + offs_n
+        # ((t · BLOCK_N) mod PAGE, written so that the compiler sees a multiple of BLOCK_N:
+        # Triton 3.6 cannot tell, and would not copy V's tile along positions in words)
+        off = (t % (PAGE // BLOCK_N)) * BLOCK_N + offs_n
     elif BLOCK_N % PAGE == 0:  # whole pages: one id per page
         PAGES: tl.constexpr = BLOCK_N // PAGE
         first = t * PAGES + tl.arange(0, PAGES)
@@ -234,19 +236,19 @@ def _tile(Table, b, t, length, stride_tb, BLOCK_N: tl.constexpr, PAGE: tl.conste
     return block, off, valid
 
 
-def _codes(C, slot, dims, mask, BITS: tl.constexpr):
-    """Integer codes at pool offsets slot (broadcast) + element dims, packed 8/BITS to a
-    byte (the lower index in the lower bits), as int32."""
+def _codes(C, slot, dims, mask, BITS: tl.constexpr, STEP: tl.constexpr):
+    """Integer codes at pool offsets slot (broadcast) + byte (element dims) · STEP, packed
+    8/BITS to a byte (the lower index in the lower bits), as int32."""
     per_byte: tl.constexpr = 8 // BITS
-    codes = tl.load(C + slot + dims // per_byte, mask=mask, other=0)
+    codes = tl.load(C + slot + (dims // per_byte) * STEP, mask=mask, other=0)
     return (codes.to(tl.int32) >> ((dims % per_byte) * BITS)) & ((1 << BITS) - 1)
 
 
 def _dequantized(C, S, Z, slot_c, slot_m, offs_d, mask, BITS: tl.constexpr,
-                 GROUP: tl.constexpr):
+                 GROUP: tl.constexpr, STEP: tl.constexpr):
     """[BLOCK_D, BLOCK_N] float32 values of a grouped int pool, element by element (groups
     smaller than tl.dot's 16, or not powers of two): x = q·s + z, as kvbench.formats.quant."""
-    q = _codes(C, slot_c[None, :], offs_d[:, None], mask, BITS)
+    q = _codes(C, slot_c[None, :], offs_d[:, None], mask, BITS, STEP)
     group = (offs_d // GROUP)[:, None]
     s = tl.load(S + slot_m[None, :] + group, mask=mask, other=0.0).to(tl.float32)
     z = tl.load(Z + slot_m[None, :] + group, mask=mask, other=0.0).to(tl.float32)
@@ -260,8 +262,22 @@ def _int_meta(S, Z, slot_m, valid, NG: tl.constexpr):
             tl.load(Z + groups, mask=valid[:, None], other=0.0))
 
 
+def _rows(C, slot, valid, W: tl.constexpr, STEP: tl.constexpr):
+    """[BLOCK_N, W] bytes: each position's W bytes of codes, byte j at slot + j · STEP.
+    STEP = 1: the positions past the length masked. STEP > 1 (positions innermost): every
+    position of the tile's blocks loaded, so that the copy runs along positions in words (a
+    mask that changes from one position to the next would cut it to bytes, which cp.async
+    does not take: the load would not be pipelined). The tile's blocks are real (ids past
+    the length load as block 0) and their codes finite; the positions past the length weigh
+    exactly 0 (their scale and zero point load as 0)."""
+    ptrs = C + slot[:, None] + tl.arange(0, W)[None, :] * STEP
+    if STEP == 1:
+        return tl.load(ptrs, mask=valid[:, None], other=0)
+    return tl.load(ptrs)
+
+
 def _int_rows(C, s, z, slot, valid, BITS: tl.constexpr, GROUP: tl.constexpr,
-              D: tl.constexpr, BLOCK_N: tl.constexpr, MATH: tl.constexpr):
+              D: tl.constexpr, BLOCK_N: tl.constexpr, MATH: tl.constexpr, STEP: tl.constexpr):
     """[BLOCK_N, D] values (in MATH) of a grouped int pool whose D and GROUP are powers of
     two: each position's codes loaded packed, as the D·BITS/8 contiguous bytes they take
     (wide loads, not a byte per element), unpacked in registers (element i of a byte at
@@ -271,8 +287,7 @@ def _int_rows(C, s, z, slot, valid, BITS: tl.constexpr, GROUP: tl.constexpr,
     W: tl.constexpr = D // PER  # bytes a position
     NG: tl.constexpr = D // GROUP
     MASK: tl.constexpr = (1 << BITS) - 1
-    raw = tl.load(C + slot[:, None] + tl.arange(0, W)[None, :], mask=valid[:, None],
-                  other=0)  # [BLOCK_N, W] uint8
+    raw = _rows(C, slot, valid, W, STEP)  # [BLOCK_N, W] uint8
     if PER == 1:
         c = raw  # (converted straight to float: no int32 copy of the tile)
     elif PER == 2:  # [N, W, 2] -> [N, D]: element 2w + i
@@ -285,34 +300,69 @@ def _int_rows(C, s, z, slot, valid, BITS: tl.constexpr, GROUP: tl.constexpr,
                        (BLOCK_N, D))
     s = tl.reshape(tl.broadcast_to(s.to(MATH)[:, :, None], (BLOCK_N, NG, GROUP)), (BLOCK_N, D))
     z = tl.reshape(tl.broadcast_to(z.to(MATH)[:, :, None], (BLOCK_N, NG, GROUP)), (BLOCK_N, D))
-    return c.to(MATH) * s + z
+    return _from_codes(c, MATH) * s + z
+
+
+# The float16 conversions of compiled kernels, in PTX (tests/test_triton.py runs both
+# through a model of their instructions on every byte). Triton hands the asm four codes packed
+# in one 32-bit register (byte i: element i) and takes each result's four halves in two
+# (element i: half i % 2 of register i // 2). prmt.b32 d, a, b, sel: byte j of d is byte
+# (sel >> 4j) & 7 of b:a (0-3 a's, 4-7 b's).
+BYTES_TO_HALVES = tl.constexpr(
+    "{ .reg .b32 e, x; mov.b32 e, 0x64646464; mov.b32 x, 0x64006400; "
+    "prmt.b32 $0, $2, e, 0x4140; prmt.b32 $1, $2, e, 0x4342; "  # 0x64 over each code: 1024 + c
+    "sub.f16x2 $0, $0, x; sub.f16x2 $1, $1, x; }")  # less 1024: c
+NIBBLES_TO_HALVES = tl.constexpr(
+    "{ .reg .b32 e, a, b, x, y; mov.b32 e, 0; mov.b32 x, 0x64006400; "
+    "mov.b32 y, 0x54005400; prmt.b32 a, $4, e, 0x4140; prmt.b32 b, $4, e, 0x4342; "
+    "and.b32 $0, a, 0x000F000F; or.b32 $0, $0, x; "  # low nibble under 2^10: 1024 + c
+    "and.b32 $1, b, 0x000F000F; or.b32 $1, $1, x; "
+    "and.b32 $2, a, 0x00F000F0; or.b32 $2, $2, y; "  # high nibble (bits 4-7) under 2^6: 64 + c
+    "and.b32 $3, b, 0x00F000F0; or.b32 $3, $3, y; "
+    "sub.f16x2 $0, $0, x; sub.f16x2 $1, $1, x; sub.f16x2 $2, $2, y; sub.f16x2 $3, $3, y; }")
 
 
 def _from_codes(c, MATH: tl.constexpr):
     """Integer codes (0-255, uint8) as MATH values. In float16 without a conversion
     instruction: the code in a half's low mantissa bits under exponent 2^10 is 1024 + c
-    exactly, less 1024 (I2F, the converter, is a quarter-rate instruction, one an element)."""
+    exactly, less 1024 (I2F, the converter, is a quarter-rate instruction, one an element).
+    Compiled, two byte permutes place four codes under the exponent (BYTES_TO_HALVES; LLVM
+    makes five instructions and more of the same expression for four)."""
+    if MATH == tl.float16 and COMPILED:
+        return tl.inline_asm_elementwise(BYTES_TO_HALVES, "=r,=r,r", [c.to(tl.uint8)],
+                                         dtype=tl.float16, is_pure=True, pack=4)
     if MATH == tl.float16:
         return (c.to(tl.uint16) | 0x6400).to(tl.float16, bitcast=True) - 1024.0
-    else:
-        return c.to(MATH)
+    return c.to(MATH)
+
+
+def _nibbles(raw, MATH: tl.constexpr):
+    """Bytes of two 4-bit codes (uint8) as MATH values: (each low nibble, each high
+    nibble). Compiled in float16 (NIBBLES_TO_HALVES): each byte to a half (two permutes for
+    four bytes), each nibble put under an exponent by a logic op, the low at 2^10
+    (1024 + c), the high where it lies, four bits up, at 2^6 (64 + c), and the exponents
+    subtracted."""
+    if MATH == tl.float16 and COMPILED:
+        return tl.inline_asm_elementwise(NIBBLES_TO_HALVES, "=r,=r,=r,=r,r", [raw],
+                                         dtype=(tl.float16, tl.float16), is_pure=True, pack=4)
+    return _from_codes(raw & 15, MATH), _from_codes(raw >> 4, MATH)
 
 
 def _int_halves(C, s, z, slot, valid, GROUP: tl.constexpr, D: tl.constexpr,
-                BLOCK_N: tl.constexpr, MATH: tl.constexpr):
+                BLOCK_N: tl.constexpr, MATH: tl.constexpr, STEP: tl.constexpr):
     """A 4-bit tile as two [BLOCK_N, D/2] halves in MATH: the even elements (each byte's low
     nibble) and the odd ones (its high nibble), each x = c·s + z. Kept apart, the halves
     meet q's even and odd elements in two dots: interleaving them into [BLOCK_N, D] would
     take a layout change through shared memory each tile."""
     W: tl.constexpr = D // 2
     NG: tl.constexpr = D // GROUP
-    raw = tl.load(C + slot[:, None] + tl.arange(0, W)[None, :], mask=valid[:, None],
-                  other=0)  # [BLOCK_N, W] uint8, element 2w in the low nibble
+    raw = _rows(C, slot, valid, W, STEP)  # [BLOCK_N, W] uint8, element 2w in the low nibble
     s = tl.reshape(tl.broadcast_to(s.to(MATH)[:, :, None], (BLOCK_N, NG, GROUP // 2)),
                    (BLOCK_N, W))
     z = tl.reshape(tl.broadcast_to(z.to(MATH)[:, :, None], (BLOCK_N, NG, GROUP // 2)),
                    (BLOCK_N, W))
-    return (_from_codes(raw & 15, MATH) * s + z, _from_codes(raw >> 4, MATH) * s + z)
+    low, high = _nibbles(raw, MATH)
+    return low * s + z, high * s + z
 
 
 def _piece_partials(Q, K, V, Table, Acc, M, L, KS, KZ, VS, VZ, qk_scale, h, b, s, length,
@@ -323,7 +373,7 @@ def _piece_partials(Q, K, V, Table, Acc, M, L, KS, KZ, VS, VZ, qk_scale, h, b, s
                     BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr,
                     DOT_PRECISION: tl.constexpr, WIDEN: tl.constexpr, BITS: tl.constexpr,
                     GROUP: tl.constexpr, PACKED: tl.constexpr, FP8: tl.constexpr,
-                    STATIC_TILES: tl.constexpr, AHEAD: tl.constexpr):
+                    STATIC_TILES: tl.constexpr, AHEAD: tl.constexpr, V_STEP: tl.constexpr):
     """Split s of sequence b for KV head h: the partials (running max, exp-sum, exp-weighted
     V sum) of its tiles first .. end - 1, as `_stage1` describes the arguments.
 
@@ -398,6 +448,10 @@ def _piece_partials(Q, K, V, Table, Acc, M, L, KS, KZ, VS, VZ, qk_scale, h, b, s
                 vs, vz = _int_meta(VS, VZ, slot_m, valid, NG)
         slot = block * stride_kn + h * stride_kh + off * stride_kt  # [BLOCK_N]
         slot_m = block * stride_sn + h * stride_sh + off * stride_st  # (element-wise int)
+        # V's element j of a position at vslot + j · V_STEP: 1, or PAGE where its pool keeps
+        # the positions innermost (quantized: the weighted sum contracts over positions, so
+        # tl.dot reads its operand as words along them, not byte by byte)
+        vslot = slot if V_STEP == 1 else block * stride_kn + h * stride_kh + off
         kmask = valid[None, :] & mask_d[:, None]
         if BITS == 0:
             k = tl.load(K + slot[None, :] + offs_d[:, None], mask=kmask, other=0.0)
@@ -407,17 +461,17 @@ def _piece_partials(Q, K, V, Table, Acc, M, L, KS, KZ, VS, VZ, qk_scale, h, b, s
                 k = k.to(tl.float32)
             scores = tl.dot(q, k, input_precision=DOT_PRECISION)  # [BLOCK_G, BLOCK_N]
         elif HALVES:
-            k, k_odd = _int_halves(K, ks, kz, slot, valid, GROUP, D, BLOCK_N, MATH)
+            k, k_odd = _int_halves(K, ks, kz, slot, valid, GROUP, D, BLOCK_N, MATH, 1)
             k = tl.trans(k).to(tl.float32 if WIDEN else dtype)  # [D/2, BLOCK_N]
             k_odd = tl.trans(k_odd).to(tl.float32 if WIDEN else dtype)
             scores = tl.dot(q, k, input_precision=DOT_PRECISION)
             scores = tl.dot(q_odd, k_odd, scores, input_precision=DOT_PRECISION)
         elif PACKED:  # dequantized in registers, then one dot as for the activation dtype
-            k = tl.trans(_int_rows(K, ks, kz, slot, valid, BITS, GROUP, D, BLOCK_N, MATH))
+            k = tl.trans(_int_rows(K, ks, kz, slot, valid, BITS, GROUP, D, BLOCK_N, MATH, 1))
             k = k.to(tl.float32 if WIDEN else dtype)  # [D, BLOCK_N]
             scores = tl.dot(q, k, input_precision=DOT_PRECISION)
         else:
-            k = _dequantized(K, KS, KZ, slot, slot_m, offs_d, kmask, BITS, GROUP).to(dtype)
+            k = _dequantized(K, KS, KZ, slot, slot_m, offs_d, kmask, BITS, GROUP, 1).to(dtype)
             if WIDEN:
                 k = k.to(tl.float32)
             scores = tl.dot(q, k, input_precision=DOT_PRECISION)
@@ -431,27 +485,33 @@ def _piece_partials(Q, K, V, Table, Acc, M, L, KS, KZ, VS, VZ, qk_scale, h, b, s
         acc = acc * alpha[:, None]
         if HALVES:
             acc_odd = acc_odd * alpha[:, None]
-        vmask = valid[:, None] & mask_d[None, :]
+        # (positions innermost: every position of the tile's blocks, as `_rows` says; fp8's
+        # codes past the length are finite, and their weight 0)
+        if V_STEP == 1:
+            vmask = valid[:, None] & mask_d[None, :]
+        else:
+            vmask = tl.broadcast_to(mask_d[None, :], (BLOCK_N, BLOCK_D))
         if BITS == 0:
-            v = tl.load(V + slot[:, None] + offs_d[None, :], mask=vmask, other=0.0)
+            v = tl.load(V + vslot[:, None] + offs_d[None, :] * V_STEP, mask=vmask, other=0.0)
             if FP8:
                 v = v.to(dtype)  # [BLOCK_N, BLOCK_D]
             if WIDEN:
                 v = v.to(tl.float32)
             acc += tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         elif HALVES:
-            v, v_odd = _int_halves(V, vs, vz, slot, valid, GROUP, D, BLOCK_N, MATH)
+            v, v_odd = _int_halves(V, vs, vz, vslot, valid, GROUP, D, BLOCK_N, MATH, V_STEP)
             v = v.to(tl.float32 if WIDEN else dtype)  # [BLOCK_N, D/2]
             v_odd = v_odd.to(tl.float32 if WIDEN else dtype)
             acc += tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
             acc_odd += tl.dot(p.to(v.dtype), v_odd, input_precision=DOT_PRECISION)
         elif PACKED:
-            v = _int_rows(V, vs, vz, slot, valid, BITS, GROUP, D, BLOCK_N, MATH)
+            v = _int_rows(V, vs, vz, vslot, valid, BITS, GROUP, D, BLOCK_N, MATH, V_STEP)
             v = v.to(tl.float32 if WIDEN else dtype)  # [BLOCK_N, D]
             acc += tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         else:
-            v = tl.trans(_dequantized(V, VS, VZ, slot, slot_m, offs_d,
-                                      valid[None, :] & mask_d[:, None], BITS, GROUP).to(dtype))
+            v = tl.trans(_dequantized(V, VS, VZ, vslot, slot_m, offs_d,
+                                      valid[None, :] & mask_d[:, None], BITS, GROUP,
+                                      V_STEP).to(dtype))
             if WIDEN:
                 v = v.to(tl.float32)
             acc += tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
@@ -482,12 +542,15 @@ def _stage1(Q, K, V, Table, Lengths, Plan, Acc, M, L, KS, KZ, VS, VZ, scale,
             BLOCK_N: tl.constexpr, PAGE: tl.constexpr, DOT_PRECISION: tl.constexpr,
             WIDEN: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr,
             PACKED: tl.constexpr, FP8: tl.constexpr,
-            STATIC_TILES: tl.constexpr, AHEAD: tl.constexpr = True):
+            STATIC_TILES: tl.constexpr, AHEAD: tl.constexpr = True, V_STEP: tl.constexpr = 1):
     """BITS = 0: K and V pools in the activation dtype. FP8: float8 e4m3 pools, KS and VS one
     float32 scale per KV head. BITS = 8, 4 or 2: pools of codes with fp16 scale (KS, VS) and
     zero-point (KZ, VZ) pools of strides stride_s*, one per GROUP elements; PACKED: D and
     GROUP are powers of two (D >= 16), so a tile's codes load packed and dequantize as whole rows
-    (`_int_rows`); otherwise element by element (`_dequantized`).
+    (`_int_rows`); otherwise element by element (`_dequantized`). V's pool has K's block and
+    head strides; V_STEP = 1: its positions' elements side by side, as K's; V_STEP = PAGE:
+    the positions innermost (a QuantizedStore's positions_inner), element j of each position
+    of a block PAGE bytes after element j - 1.
 
     STATIC_TILES = 0: the loop runs over the split's tiles, bounds known at run time (compiled
     kernels). STATIC_TILES = N > 0: N tiles from the split's first, those past its end
@@ -506,11 +569,12 @@ def _stage1(Q, K, V, Table, Lengths, Plan, Acc, M, L, KS, KZ, VS, VZ, scale,
     while start < stop:  # a piece of each sequence the range reads: that split's partials
         length, first, end, s, start = _piece(Lengths, Plan, programs, prog, b, start, stop,
                                               BLOCK_N)
-        _piece_partials(Q, K, V, Table, Acc, M, L, KS, KZ, VS, VZ, qk_scale, h, b, s, length,
-                        first, end, stride_qb, stride_qh, stride_kn, stride_kh, stride_kt,
-                        stride_tb, stride_ab, stride_ah, stride_as, stride_mb, stride_mh,
-                        stride_sn, stride_sh, stride_st, G, D, BLOCK_G, BLOCK_D, BLOCK_N, PAGE,
-                        DOT_PRECISION, WIDEN, BITS, GROUP, PACKED, FP8, STATIC_TILES, AHEAD)
+        _piece_partials(Q, K, V, Table, Acc, M, L, KS, KZ, VS, VZ, qk_scale, h, b, s,
+                        length, first, end, stride_qb, stride_qh, stride_kn, stride_kh,
+                        stride_kt, stride_tb, stride_ab, stride_ah, stride_as, stride_mb,
+                        stride_mh, stride_sn, stride_sh, stride_st, G, D, BLOCK_G,
+                        BLOCK_D, BLOCK_N, PAGE, DOT_PRECISION, WIDEN, BITS, GROUP, PACKED,
+                        FP8, STATIC_TILES, AHEAD, V_STEP)
         b += 1
 
 
@@ -541,6 +605,7 @@ def _stage2(Acc, M, L, Out, Plan, programs, stride_ab, stride_ah, stride_as, str
 
 
 INTERPRETED = type(tl.zeros).__name__ == "InterpretedFunction"  # how triton was imported
+COMPILED = tl.constexpr(not INTERPRETED)  # (the kernels' inline PTX: compiled only)
 
 if INTERPRETED:
     # The interpreter checks every int32 add, sub and mul for overflow (a third of its time
@@ -575,9 +640,11 @@ _tile = triton.jit(_tile)
 _codes = triton.jit(_codes)
 _dequantized = triton.jit(_dequantized)
 _int_meta = triton.jit(_int_meta)
+_rows = triton.jit(_rows)
 _int_rows = triton.jit(_int_rows)
 _int_halves = triton.jit(_int_halves)
 _from_codes = triton.jit(_from_codes)
+_nibbles = triton.jit(_nibbles)
 _piece_partials = triton.jit(_piece_partials, noinline=True)
 stage1 = triton.jit(_stage1)
 stage2 = triton.jit(_stage2, do_not_specialize=["programs"])
@@ -707,6 +774,10 @@ def stage1_args(q, k_pool, v_pool, table, lengths, scale, launch: Launch, store=
             group, kz, vz = fmt.group_size, t["k_zero"], t["v_zero"]
     meta = (0, 0, 0) if bits == 0 else (ks.stride(0), ks.stride(1), ks.stride(2))
     assert k_pool.stride(3) == 1 and q.stride(2) == 1 and acc.stride(3) == 1 and m.stride(2) == 1
+    v_step = v_pool.stride(3)  # 1: K's layout; the page: positions innermost (both at 1)
+    inner = (v_pool.stride(2), v_step) == (1, page)
+    assert v_pool.stride()[:2] == k_pool.stride()[:2] and (
+        inner or v_pool.stride() == k_pool.stride()), "V's pool laid out as K's, or positions inner"
     # Triton's interpreter gets tl.dot wrong on bfloat16 tiles (3.9: errors of 1e10), so there
     # they are widened to float32 after loading; compiled kernels multiply bfloat16 natively.
     widen = INTERPRETED and q.dtype == torch.bfloat16
@@ -722,7 +793,7 @@ def stage1_args(q, k_pool, v_pool, table, lengths, scale, launch: Launch, store=
         "G": G, "D": D, "BLOCK_G": pad(G), "BLOCK_D": pad(D), "BLOCK_N": cfg.block_n,
         "PAGE": page, "DOT_PRECISION": precision, "WIDEN": widen, "BITS": bits,
         "GROUP": group, "PACKED": packed, "FP8": fp8,
-        "STATIC_TILES": static_tiles(longest, launch), "AHEAD": True,
+        "STATIC_TILES": static_tiles(longest, launch), "AHEAD": True, "V_STEP": v_step,
         "num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
     return (launch.programs, Hkv), args, constants
 
