@@ -221,9 +221,9 @@ def _tile(Table, b, t, length, stride_tb, BLOCK_N: tl.constexpr, PAGE: tl.conste
     if PAGE % BLOCK_N == 0:  # the tile lies in one page: one id, contiguous rows
         block = tl.load(row + (t * BLOCK_N) // PAGE, mask=t * BLOCK_N < length,
                         other=0).to(tl.int64)
-        # ((t · BLOCK_N) mod PAGE, written so that the compiler sees a multiple of BLOCK_N:
-        # Triton 3.6 cannot tell, and would not copy V's tile along positions in words)
-        off = (t % (PAGE // BLOCK_N)) * BLOCK_N + offs_n
+        # (a multiple of BLOCK_N, said: Triton 3.6 cannot tell, and would not copy V's tile
+        # along positions in words)
+        off = tl.multiple_of((t * BLOCK_N) % PAGE, BLOCK_N) + offs_n
     elif BLOCK_N % PAGE == 0:  # whole pages: one id per page
         PAGES: tl.constexpr = BLOCK_N // PAGE
         first = t * PAGES + tl.arange(0, PAGES)
