@@ -92,7 +92,7 @@ GPU = Mode(False, "cuda", _shape(2, 256, 32, 512, 8, 2, 64), SMALL,
            ("--prompt-len", "1000", "--decode-len", "16"), "512", (),
            # measured on a lent H200 on 2026-11-30 (torch 2.11), plus 15%; tp is a guess
            # tune, graph and the model's graph: guesses (not yet run on a GPU)
-           {"env": 8, "inspect": 30, "tune": 80, "verify": 65, "bench": 35, "targets": 100,
+           {"env": 8, "inspect": 30, "tune": 80, "verify": 65, "bench": 35, "targets": 125,
             "graph": 60,
             "allocation": 8, "memory": 12, "pytest": 92, "ragged": 30, "techniques": 45,
             "context": 26, "tp": 120, "sdpa-backends": 30, "model": 120, "mla": 90,
@@ -190,14 +190,18 @@ def plan(mode: Mode, out: Path, gpus: int) -> list[Step]:
              "memory; the best per K/V format to the tuning table the later steps read)", 110,
              [[*kv, "tune", *mode.tune, *csv("tune.csv")]]),
         Step("targets", 3, "the long shape (B=8 T=32k): triton and sdpa against the copy "
-             "bandwidth; int8, fp8 and int4 triton against fp16; a lognormal ragged batch", 120,
+             "bandwidth; a lognormal ragged batch; int8, fp8 and int4 triton verified at the "
+             "timing case (their codes made halves by inline PTX, which only a GPU runs), "
+             "then timed against fp16", 150,
              [[*kv, "bench", *dev, *mode.rounds, "--dtype", mode.half, "--impl", long_impls,
                *mode.long, "--no-recompute", "--no-prefill", *csv("bench-long.csv")],
+              [*kv, "bench", *dev, *mode.rounds, "--dtype", mode.half, "--impl",
+               long_impls, *ragged_bench, *csv("bench-ragged.csv")],
+              [*kv, "verify", *dev, "--dtype", mode.half, "--impl", "triton", "--kv-dtype",
+               "fp8,int8,int4", *mode.timing, *csv("verify-kv.csv")],
               [*kv, "bench", *dev, *mode.rounds, "--dtype", mode.half, "--kv-dtype",
                "none,int8,fp8,int4", "--impl", "triton", *mode.long, "--no-recompute",
-               "--no-prefill", *csv("bench-kv.csv")],
-              [*kv, "bench", *dev, *mode.rounds, "--dtype", mode.half, "--impl",
-               long_impls, *ragged_bench, *csv("bench-ragged.csv")]],
+               "--no-prefill", *csv("bench-kv.csv")]],
              cuda_only="triton's time means nothing in Triton's interpreter"),
         Step("graph", 3, "captured steps: verify --graph, then bench --graph at the timing "
              "case (each step eager and replayed; compiled, its inductor step captured, "
