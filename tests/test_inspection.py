@@ -458,6 +458,30 @@ def test_a_request_types_each_argument_and_takes_the_compiled_constexprs():
     assert plain["constexprs"] == {"BLOCK_N": 16, "DOT_PRECISION": "tf32"}  # no WIDEN: as is
 
 
+def test_each_kernel_is_read_in_its_formats_default_configuration(rows):
+    # stage 1 and stage 2 of each GQA format, MLA's stage 1, each labelled with the
+    # configuration it was compiled in (tuning.DEFAULTS)
+    assert list(rows) == [(f"triton stage{i}", fmt) for fmt in inspection.FORMATS
+                          for i in (1, 2)] + [("triton-mla stage1", "fp16"),
+                                              ("triton-mla stage1", "fp8")]
+    labels = {"fp16": "N16/w1/s4/x7", "bf16": "N16/w1/s4/x7", "fp8": "N16/w1/s4/x12",
+              "int8": "N16/w1/s4/x10", "int4": "N16/w1/s4/x10"}
+    for (kernel, fmt), r in rows.items():
+        want = labels[fmt] if kernel.startswith("triton stage") else {
+            "fp16": "N16/w4/s4/x3", "fp8": "N32/w8/s4/x1"}[fmt]
+        assert r.config == want, (kernel, fmt, r.config)
+
+
+@pytest.mark.slow
+def test_a_configuration_given_for_mla_is_the_one_compiled():
+    from kvbench.kernels.config import KernelConfig
+
+    _skip_without_compiler()
+    (r,) = inspection.inspect(formats=(), mla_formats=("fp16",),
+                              configs={("triton-mla", "fp16"): KernelConfig(16, 4, 3, 2)})
+    assert r.config == "N16/w4/s3/x2" and r.tiles_in_flight == 1, r  # 3 stages: one ahead
+
+
 @pytest.mark.slow
 def test_the_cli_prints_the_rows_as_json(rows):
     result = CliRunner().invoke(app, ["tune", "--inspect", "--format", "json", "--quiet"])
