@@ -332,6 +332,23 @@ def test_the_replays_rope_frequencies_are_float64():
     assert rope_frequencies(AttentionLayer.from_config(RunConfig(SHAPE))) is None
 
 
+@pytest.mark.parametrize("name", SCORERS)
+def test_a_prompt_within_the_budget_is_scored_when_decode_will_evict(name):
+    # 16 prompt positions under a budget of 20, 10 steps: nothing leaves at the prefill, but
+    # steps 5-10 evict, and the prompt positions' scores (their prefill's share) decide which;
+    # a prefill that skipped the scoring (zeros) fails the replay of h2o, snapkv and knorm
+    config = RunConfig(replace(SHAPE, prompt_len=16, decode_len=10, kv_budget=20), rope=True)
+    (check,) = verify(config, {name: IMPLEMENTATIONS[name]}).checks
+    assert check.passed and check.cache_shape == (2, 2, 20, 16), check.message
+
+
+def test_the_recent_windows_default_is_half_the_budget_at_least_one():
+    from kvbench.caches.eviction.h2o import H2OCache
+
+    assert [H2OCache.default_recent(b) for b in (1, 2, 3, 4, 41)] == [1, 1, 1, 2, 20]
+    assert IMPLEMENTATIONS["expected"].default_recent(41) == 1  # the newest position only
+
+
 def test_what_drops_positions():
     from kvbench.caches.eviction.h2o import H2OCache
 
