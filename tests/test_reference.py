@@ -109,6 +109,20 @@ def test_the_recent_windows_kvpress_keeps():
     assert IMPLEMENTATIONS["snapkv"].default_recent(40, "kvpress") == 40
 
 
+@pytest.mark.parametrize("reference, windows", [
+    (None, {"h2o": 50, "knorm": 1, "expected": 1, "tova": 1, "snapkv": 50}),
+    ("kvpress", {"h2o": 0, "knorm": 0, "expected": 0, "tova": 1, "snapkv": 64})])
+def test_a_cache_keeps_the_recent_window_of_its_reference(reference, windows):
+    # the window a built cache protects, not only the classes' defaults: a budget of 100
+    shape = LayerShape(batch=1, prompt_len=120, decode_len=2, hidden=64, q_heads=4,
+                       kv_heads=2, head_dim=16, kv_budget=100, kv_reference=reference,
+                       kv_compress="prefill")
+    config = RunConfig(shape)
+    layer = AttentionLayer.from_config(config)
+    for name, window in windows.items():
+        assert IMPLEMENTATIONS[name].build(layer, config, ImplOptions()).recent == window, name
+
+
 def test_adas_safeguard_as_kvpress_spends_it():
     # the case of test_heads' safeguard test (2 heads, T = 20, N = 10, R = 2; head 0
     # outscores head 1 everywhere): kvbench's safeguard, int(0.2·10) = 2 positions beyond the
