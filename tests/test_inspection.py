@@ -472,6 +472,21 @@ def test_each_kernel_is_read_in_its_formats_default_configuration(rows):
         assert r.config == want, (kernel, fmt, r.config)
 
 
+def test_the_stage1s_shared_memory_by_hand(rows):
+    # a tile's K and V (2 x 16 positions x 128 x 2 bytes: 8,192 B; fp8's a byte each: 4,096)
+    # in 3 buffers (4 stages), beside q staged once (16 rows x 128 x 2 bytes: 4,096 B)
+    for fmt, tile in (("fp16", 8192), ("bf16", 8192), ("fp8", 4096)):
+        r = rows[("triton stage1", fmt)]
+        assert r.buffer_bytes == tile and r.shared_bytes == 3 * tile + 4096, (fmt, r)
+
+
+def test_every_stage1_row_reports_every_figure(rows):
+    for (kernel, fmt), r in rows.items():
+        if kernel.endswith("stage1"):
+            assert None not in r.row().values(), (kernel, fmt, r.row())
+            assert r.vector_loads + r.scalar_loads > 0, (kernel, fmt)
+
+
 @pytest.mark.slow
 def test_a_configuration_given_for_mla_is_the_one_compiled():
     from kvbench.kernels.config import KernelConfig
