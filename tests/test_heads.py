@@ -219,6 +219,19 @@ def test_adas_bound_is_the_most_blocks_a_split_can_take():
     assert cls.blocks(RunConfig(shape), ImplOptions(block_size=4)) == 7
 
 
+def test_adas_longest_head_follows_the_references_window():
+    # ada, a budget of 7 of 20, 2 heads: kvbench's window of 3 and safeguard of 1 leave a
+    # head at most 2 x 7 - (3 + 1) = 10 positions; kvpress's window is the whole budget
+    # (SnapKVPress's 64, at most N = 7) and its safeguard none: 14 - 7 = 7
+    from dataclasses import replace
+
+    shape = LayerShape(batch=1, prompt_len=20, decode_len=4, hidden=32, q_heads=4, kv_heads=2,
+                       head_dim=8, kv_budget=7, kv_compress="prefill", head_budgets="ada")
+    cls = IMPLEMENTATIONS["snapkv-paged"]
+    assert cls.longest_head(shape, 20) == 10 and cls.longest_head(shape, 24) == 14
+    assert cls.longest_head(replace(shape, kv_reference="kvpress"), 20) == 7
+
+
 def test_snapkv_paged_refuses_eviction_at_every_step():
     r = runner.invoke(app, ["verify", *CLI[:-4], "--impl", "snapkv-paged"])
     assert r.exit_code == 2 and "add --kv-compress prefill" in r.stderr, r.stderr
@@ -470,6 +483,12 @@ def test_snapkv_pageds_footprint_by_hand():
     assert f.decode == 640 * 4 + 2 * 2 * 2 * 16 * (16 * 4 + 8) == 11_776
     assert f.prefill == f.storage + fp.fused_prefill(s, False, 4) + 12_288
     assert f.cached == max(f.prefill - 12_288, f.storage + f.decode) + 12_288
+    # with RoPE: the step's peak is the rotation's (896 elements, above the attention's 448
+    # held + 2 x 128 scores + 128 output), and the prefill's RoPE's fused one
+    rope = cls.footprint(RunConfig(s, rope=True), ImplOptions(block_size=4))
+    assert fp.grouped_step(s, True, 16) == 896
+    assert rope.decode == 896 * 4 + 2 * 2 * 2 * 16 * (16 * 4 + 8) == 12_800
+    assert rope.prefill == rope.storage + fp.fused_prefill(s, True, 4) + 12_288
     # no budget: every position, 36 (960 elements of grouped attention)
     whole = cls.footprint(RunConfig(replace(s, kv_budget=None)), ImplOptions(block_size=4))
     assert whole.decode == 960 * 4 + 2 * 2 * 2 * 36 * (16 * 4 + 8) == 24_576
