@@ -446,12 +446,13 @@ def _piece_partials(Q, K, V, Table, Acc, M, L, KS, KZ, VS, VZ, qk_scale, h, b, s
                 slot_m = block * stride_sn + h * stride_sh + off * stride_st
                 ks, kz = _int_meta(KS, KZ, slot_m, valid, NG)
                 vs, vz = _int_meta(VS, VZ, slot_m, valid, NG)
-        slot = block * stride_kn + h * stride_kh + off * stride_kt  # [BLOCK_N]
+        page_head = block * stride_kn + h * stride_kh  # [BLOCK_N]: K's and V's alike
+        slot = page_head + off * stride_kt
         slot_m = block * stride_sn + h * stride_sh + off * stride_st  # (element-wise int)
         # V's element j of a position at vslot + j · V_STEP: 1, or PAGE where its pool keeps
         # the positions innermost (quantized: the weighted sum contracts over positions, so
         # tl.dot reads its operand as words along them, not byte by byte)
-        vslot = slot if V_STEP == 1 else block * stride_kn + h * stride_kh + off
+        vslot = slot if V_STEP == 1 else page_head + off
         kmask = valid[None, :] & mask_d[:, None]
         if BITS == 0:
             k = tl.load(K + slot[None, :] + offs_d[:, None], mask=kmask, other=0.0)
@@ -714,11 +715,12 @@ def split_partials(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
 
     q [B, H_q, D]; k_pool, v_pool [N_blocks, H_kv, block_size, D]; table [B, blocks] int32
     block ids; lengths [B] the positions each sequence reads (device). Quantized, k_pool and
-    v_pool are the codes of `store` (a kvbench.formats.quant.QuantizedStore over the pool layout),
-    whose scales and zero points the kernel reads beside them: [N_blocks, H_kv, block_size,
-    groups] for the int formats, one scale per KV head for fp8. `longest`: the longest
-    length, for the interpreter's fixed loop only. Returns Triton's compiled kernel (its
-    registers and shared memory; None in the interpreter and under torch.compile, where the
+    v_pool are the codes of `store` (a kvbench.formats.quant.QuantizedStore over the pool
+    layout; V's may keep the positions innermost, `_stage1`'s V_STEP), whose scales and zero
+    points the kernel reads beside them: [N_blocks, H_kv, block_size, groups] for the int
+    formats, one scale per KV head for fp8. `longest`: the longest length, for the
+    interpreter's fixed loop only. Returns Triton's compiled kernel (its registers and
+    shared memory; None in the interpreter and under torch.compile, where the
     launch is the op kvbench::gqa_stage1, a node of the traced graph).
     """
     if torch.compiler.is_compiling():
