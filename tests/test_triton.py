@@ -8,6 +8,8 @@ from kvbench.caches.triton import prepare
 if reason := prepare("cpu"):  # e.g. on a GPU machine, where this process compiles Triton
     pytest.skip(reason, allow_module_level=True)
 
+import triton
+import triton.language as tl
 from broken import (
     BlockOffByOne,
     KernelLengthOfAnother,
@@ -264,7 +266,8 @@ def test_quantized_pools_decoded_in_registers_pass_the_exact_check(kv_dtype, lay
 @pytest.mark.slow
 def test_each_int_format_through_the_packed_rows_passes_the_exact_check(kv_dtype):
     # D = 32 in groups of 16: codes loaded as each position's D·bits/8 bytes and unpacked in
-    # registers (1, 2 or 4 codes a byte), scales broadcast over their groups
+    # registers (1, 2 or 4 codes a byte), scales broadcast over their groups; int8's K read
+    # as 16-bit words, its two lanes apart (`_byte_lanes`)
     import torch
 
     cache = _filled(TritonCache, shape("gqa", 32), "float32", block_size=16,
@@ -282,9 +285,10 @@ def test_each_int_format_through_the_packed_rows_passes_the_exact_check(kv_dtype
                                                     (16, 16, "float16")])
 @pytest.mark.slow
 def test_4_bit_codes_as_even_and_odd_halves_pass_the_exact_check(head_dim, group, dtype):
-    # 4-bit codes two a byte: D >= 32 keeps the even and odd elements apart (two dots, two
+    # 4-bit codes two a byte: D >= 32 keeps V's even and odd elements apart (two dots, two
     # accumulators, float16 made from the code's bits), groups of 2 a half's group of 1;
-    # D = 16 (halves too narrow for tl.dot) interleaves them as before
+    # D = 16 (halves too narrow for tl.dot) interleaves them as before. K: at D = 64 read as
+    # 16-bit words, four lanes of 16 (`_nibble_lanes`); at D = 32 as V, in halves
     config = RunConfig(shape("gqa", head_dim), dtype, kv_dtype="int4", group_size=group)
     report = verify(config, {"triton": TritonCache},
                     ImplOptions(block_size=16, splits=2, kv_dtype="int4", group_size=group))
@@ -294,7 +298,8 @@ def test_4_bit_codes_as_even_and_odd_halves_pass_the_exact_check(head_dim, group
 
 def _run_ptx(asm: str, inputs: list[int], outputs: int) -> list[int]:
     """The compiled kernels' conversion PTX run on 32-bit integers: the instructions it uses
-    (mov, prmt, and, or, sub.f16x2 rounding to nearest), operands $0.. outputs then inputs."""
+    (mov, prmt, shr, and, or, sub.f16x2 rounding to nearest), operands $0.. outputs then
+    inputs."""
     import numpy as np
 
     regs = {f"${i}": 0 for i in range(outputs)}
@@ -318,6 +323,8 @@ def _run_ptx(asm: str, inputs: list[int], outputs: int) -> list[int]:
         elif op == "prmt.b32":
             pool = v[0] | v[1] << 32
             regs[d] = sum(((pool >> 8 * ((v[2] >> 4 * j) & 7)) & 0xFF) << 8 * j for j in range(4))
+        elif op == "shr.b32":
+            regs[d] = v[0] >> v[1]
         elif op == "and.b32":
             regs[d] = v[0] & v[1]
         elif op == "or.b32":
@@ -350,6 +357,64 @@ def test_the_compiled_code_conversions_give_each_code_exactly():
         low_high = _run_ptx(triton_decode.NIBBLES_TO_HALVES.value, [packed], 4)
         assert _elements(low_high[:2]) == [c & 15 for c in codes[first:first + 4]]
         assert _elements(low_high[2:]) == [c >> 4 for c in codes[first:first + 4]]
+
+
+def test_the_compiled_code_conversions_of_k_words_give_each_lane_exactly():
+    # K's codes as 16-bit words, two a register (word i in half i): int8's lanes are each
+    # word's low and high byte, int4's its four nibbles (lane j at bits 4j). Every value in
+    # every place, beside varied neighbours (c, 255 - c, 7c and 13c + 5 are each every byte).
+    for c in range(256):
+        packed = c | (255 - c) << 8 | (7 * c & 255) << 16 | ((13 * c + 5) & 255) << 24
+        words = [packed & 0xFFFF, packed >> 16]
+        out = _run_ptx(triton_decode.WORD_BYTES_TO_HALVES.value, [packed], 2)
+        assert _elements(out[:1]) == [w & 255 for w in words]
+        assert _elements(out[1:]) == [w >> 8 for w in words]
+        lanes = _run_ptx(triton_decode.WORD_NIBBLES_TO_HALVES.value, [packed], 4)
+        for j in range(4):
+            assert _elements(lanes[j:j + 1]) == [w >> 4 * j & 15 for w in words], (hex(packed), j)
+
+
+def test_the_model_of_the_word_conversions_catches_a_wrong_shift_or_selector():
+    packed = 0x87654321  # words 0x4321 and 0x8765: nibbles 1-4 and 5-8
+    good = triton_decode.WORD_NIBBLES_TO_HALVES.value
+    assert _elements(_run_ptx(good, [packed], 4)[2:]) == [3, 7, 4, 8]
+    shifted = good.replace("shr.b32 t, $4, 8", "shr.b32 t, $4, 4")  # lanes 1 and 2 read again
+    assert _elements(_run_ptx(shifted, [packed], 4)[2:]) == [2, 6, 3, 7]
+    wrong = triton_decode.WORD_BYTES_TO_HALVES.value.replace("0x4341", "0x4143")
+    assert _elements(_run_ptx(wrong, [packed], 2)[1:]) == [0x87, 0x43]
+
+
+_BYTE_LANES, _NIBBLE_LANES = triton_decode._byte_lanes, triton_decode._nibble_lanes
+
+
+@triton.jit
+def _byte_lanes_swapped(C, s, z, slot, valid, GROUP: tl.constexpr, D: tl.constexpr,
+                        BLOCK_N: tl.constexpr, MATH: tl.constexpr):
+    low, high = _BYTE_LANES(C, s, z, slot, valid, GROUP, D, BLOCK_N, MATH)
+    return high, low
+
+
+@triton.jit
+def _nibble_lanes_swapped(C, s, z, slot, valid, GROUP: tl.constexpr, D: tl.constexpr,
+                          BLOCK_N: tl.constexpr, MATH: tl.constexpr):
+    a, b, c, d = _NIBBLE_LANES(C, s, z, slot, valid, GROUP, D, BLOCK_N, MATH)
+    return a, c, b, d
+
+
+@pytest.mark.parametrize("kv_dtype, head_dim, helper, swapped", [
+    ("int8", 32, "_byte_lanes", _byte_lanes_swapped),
+    ("int4", 64, "_nibble_lanes", _nibble_lanes_swapped)])
+@pytest.mark.slow
+def test_k_words_with_two_lanes_swapped_fail_the_exact_check(monkeypatch, kv_dtype, head_dim,
+                                                            helper, swapped):
+    # K's int8 and int4 codes are read as 16-bit words, each lane (element j of every word)
+    # its own dot with q's elements j, j + lanes, ...: a lane met with another's q must fail
+    monkeypatch.setattr(triton_decode, helper, swapped)
+    config = RunConfig(shape("gqa", head_dim), kv_dtype=kv_dtype, group_size=16)
+    report = verify(config, {"triton": TritonCache},
+                    ImplOptions(block_size=16, splits=2, kv_dtype=kv_dtype, group_size=16))
+    (result,) = report.checks
+    assert not result.passed
 
 
 def test_the_model_of_the_conversion_ptx_catches_a_wrong_selector():

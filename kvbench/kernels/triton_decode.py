@@ -31,11 +31,14 @@ What makes it fast (SGLang's and vLLM's decode kernels, FlashInfer's planner):
 - **Pages as constexprs.** The page (block) size is a compile-time constant: a tile inside
   one page looks its block up once and loads contiguous rows; a tile of whole pages looks up
   one id per page; other sizes (not a power of two) look each position up.
-- **Quantized pools do less per byte.** fp8: codes converted straight to the activation
+- **Quantized pools decoded in registers.** fp8: codes converted straight to the activation
   dtype, K's per-head scale folded into the softmax scale and V's into the output. int8/4/2
-  in groups of >= 16: each group's scale multiplies the group's partial dot products for K
-  and is folded into the probabilities for V, each scale and zero point loaded once per tile
-  (smaller groups decode element by element, `_dequantized`).
+  (D and the group powers of two): a tile's codes loaded packed, made float16 in registers
+  (byte permutes under a float16 exponent, `_from_codes`), x = c·s + z with each group's
+  scale and zero point (fetched a tile ahead with the block ids), then the dots as for
+  float16. K's int8 and int4 codes are read as 16-bit words, each lane of a word its own dot
+  (`_byte_lanes`); V's are kept positions innermost, so that the weighted sum reads them in
+  words along positions. Other groups decode element by element (`_dequantized`).
 - **Tunable.** BLOCK_N, num_warps, num_stages and the waves are a `KernelConfig`, looked up
   per device, dtype, K/V format, head dim, group and page size in the table `kvbench tune`
   writes (kvbench/kernels/tuning.py).
@@ -320,6 +323,19 @@ NIBBLES_TO_HALVES = tl.constexpr(
     "and.b32 $2, a, 0x00F000F0; or.b32 $2, $2, y; "  # high nibble (bits 4-7) under 2^6: 64 + c
     "and.b32 $3, b, 0x00F000F0; or.b32 $3, $3, y; "
     "sub.f16x2 $0, $0, x; sub.f16x2 $1, $1, x; sub.f16x2 $2, $2, y; sub.f16x2 $3, $3, y; }")
+# K's codes as 16-bit words, two a register (word i in half i), each lane apart (lane j:
+# element j of each word): int8's two bytes, int4's four nibbles
+WORD_BYTES_TO_HALVES = tl.constexpr(
+    "{ .reg .b32 e, x; mov.b32 e, 0x64646464; mov.b32 x, 0x64006400; "
+    "prmt.b32 $0, $2, e, 0x4240; prmt.b32 $1, $2, e, 0x4341; "  # each word's low, high byte
+    "sub.f16x2 $0, $0, x; sub.f16x2 $1, $1, x; }")
+WORD_NIBBLES_TO_HALVES = tl.constexpr(
+    "{ .reg .b32 t, x, y; mov.b32 x, 0x64006400; mov.b32 y, 0x54005400; shr.b32 t, $4, 8; "
+    "and.b32 $0, $4, 0x000F000F; or.b32 $0, $0, x; "  # bits 0-3 of each word under 2^10
+    "and.b32 $1, $4, 0x00F000F0; or.b32 $1, $1, y; "  # bits 4-7 where they lie, under 2^6
+    "and.b32 $2, t, 0x000F000F; or.b32 $2, $2, x; "  # bits 8-11, shifted down 8
+    "and.b32 $3, t, 0x00F000F0; or.b32 $3, $3, y; "  # bits 12-15, shifted down 8
+    "sub.f16x2 $0, $0, x; sub.f16x2 $1, $1, y; sub.f16x2 $2, $2, x; sub.f16x2 $3, $3, y; }")
 
 
 def _from_codes(c, MATH: tl.constexpr):
@@ -365,6 +381,58 @@ def _int_halves(C, s, z, slot, valid, GROUP: tl.constexpr, D: tl.constexpr,
     return low * s + z, high * s + z
 
 
+def _lane_meta(s, z, LANES: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr,
+               BLOCK_N: tl.constexpr, MATH: tl.constexpr):
+    """Scales and zero points [BLOCK_N, groups] broadcast over a lane's D / LANES elements
+    (element w of lane j is element w · LANES + j: group w // (GROUP / LANES))."""
+    NG: tl.constexpr = D // GROUP
+    W: tl.constexpr = D // LANES
+    PER: tl.constexpr = GROUP // LANES
+    return (tl.reshape(tl.broadcast_to(s.to(MATH)[:, :, None], (BLOCK_N, NG, PER)), (BLOCK_N, W)),
+            tl.reshape(tl.broadcast_to(z.to(MATH)[:, :, None], (BLOCK_N, NG, PER)), (BLOCK_N, W)))
+
+
+def _byte_lanes(C, s, z, slot, valid, GROUP: tl.constexpr, D: tl.constexpr,
+                BLOCK_N: tl.constexpr, MATH: tl.constexpr):
+    """An int8 tile read as 16-bit words (D / 2 a position), as its two lanes [BLOCK_N, D/2]
+    in MATH, x = c·s + z: each word's low byte (the even elements) and high byte (the odd).
+    Read as bytes, the codes' dot operand takes four elements a register, and q's must match:
+    q's registers, read from shared memory a tile at a time, are then copied into the dot's
+    operand order (56 moves a tile of 16 in fp16's 432 instructions). Words keep two a
+    register, as float16's operands: q's load straight into place."""
+    W: tl.constexpr = D // 2
+    words = _rows(C.to(tl.pointer_type(tl.uint16)), slot // 2, valid, W, 1)
+    s, z = _lane_meta(s, z, 2, GROUP, D, BLOCK_N, MATH)
+    if MATH == tl.float16 and COMPILED:
+        low, high = tl.inline_asm_elementwise(WORD_BYTES_TO_HALVES, "=r,=r,r", [words],
+                                              dtype=(tl.float16, tl.float16), is_pure=True,
+                                              pack=2)
+    else:
+        low = _from_codes(words & 255, MATH)
+        high = _from_codes(words >> 8, MATH)
+    return low * s + z, high * s + z
+
+
+def _nibble_lanes(C, s, z, slot, valid, GROUP: tl.constexpr, D: tl.constexpr,
+                  BLOCK_N: tl.constexpr, MATH: tl.constexpr):
+    """An int4 tile read as 16-bit words (D / 4 a position), as its four lanes [BLOCK_N,
+    D/4] in MATH, x = c·s + z: lane j the nibbles at bits 4j (elements 4w + j), for the reason
+    `_byte_lanes` gives."""
+    W: tl.constexpr = D // 4
+    words = _rows(C.to(tl.pointer_type(tl.uint16)), slot // 2, valid, W, 1)
+    s, z = _lane_meta(s, z, 4, GROUP, D, BLOCK_N, MATH)
+    if MATH == tl.float16 and COMPILED:
+        a, b, c, d = tl.inline_asm_elementwise(
+            WORD_NIBBLES_TO_HALVES, "=r,=r,=r,=r,r", [words],
+            dtype=(tl.float16, tl.float16, tl.float16, tl.float16), is_pure=True, pack=2)
+    else:
+        a = _from_codes(words & 15, MATH)
+        b = _from_codes((words >> 4) & 15, MATH)
+        c = _from_codes((words >> 8) & 15, MATH)
+        d = _from_codes(words >> 12, MATH)
+    return a * s + z, b * s + z, c * s + z, d * s + z
+
+
 def _piece_partials(Q, K, V, Table, Acc, M, L, KS, KZ, VS, VZ, qk_scale, h, b, s, length,
                     first, end, stride_qb, stride_qh, stride_kn, stride_kh, stride_kt,
                     stride_tb, stride_ab, stride_ah, stride_as, stride_mb, stride_mh,
@@ -390,6 +458,11 @@ def _piece_partials(Q, K, V, Table, Acc, M, L, KS, KZ, VS, VZ, qk_scale, h, b, s
     # 4-bit codes packed two a byte: the even and odd elements apart, each with its own dot
     # and accumulator (`_int_halves`), when each half is wide enough for tl.dot
     HALVES: tl.constexpr = PACKED and BITS == 4 and D >= 32 and GROUP >= 2
+    # K's int8 and int4 codes read as 16-bit words, each of its LANES apart (`_byte_lanes`):
+    # LANES dots, q's elements j, j + LANES, ... in each (when a lane is wide enough for
+    # tl.dot, and a group spans the lanes)
+    LANES: tl.constexpr = ((16 // BITS) if PACKED and (BITS == 8 or BITS == 4)
+                           and D // (16 // BITS) >= 16 and GROUP >= 16 // BITS else 0)
     W: tl.constexpr = D // 2
     NG: tl.constexpr = D // GROUP
     if HALVES:
@@ -399,7 +472,14 @@ def _piece_partials(Q, K, V, Table, Acc, M, L, KS, KZ, VS, VZ, qk_scale, h, b, s
     # for a 16-bit dtype), in float32 where the interpreter widens
     MATH: tl.constexpr = tl.float32 if WIDEN else dtype
     q_ptrs = Q + b * stride_qb + heads[:, None] * stride_qh
-    if HALVES:
+    if LANES > 0:
+        offs_l = tl.arange(0, D // LANES)
+        q = tl.load(q_ptrs + LANES * offs_l[None, :], mask=mask_g[:, None], other=0.0)
+        q_odd = tl.load(q_ptrs + LANES * offs_l[None, :] + 1, mask=mask_g[:, None], other=0.0)
+        if LANES == 4:
+            q_2 = tl.load(q_ptrs + 4 * offs_l[None, :] + 2, mask=mask_g[:, None], other=0.0)
+            q_3 = tl.load(q_ptrs + 4 * offs_l[None, :] + 3, mask=mask_g[:, None], other=0.0)
+    elif HALVES:
         q = tl.load(q_ptrs + 2 * offs_w[None, :], mask=mask_g[:, None], other=0.0)
         q_odd = tl.load(q_ptrs + 2 * offs_w[None, :] + 1, mask=mask_g[:, None], other=0.0)
     else:
@@ -407,8 +487,11 @@ def _piece_partials(Q, K, V, Table, Acc, M, L, KS, KZ, VS, VZ, qk_scale, h, b, s
                     other=0.0)  # [BLOCK_G, BLOCK_D]
     if WIDEN:
         q = q.to(tl.float32)
-        if HALVES:
+        if HALVES or LANES > 0:
             q_odd = q_odd.to(tl.float32)
+        if LANES == 4:
+            q_2 = q_2.to(tl.float32)
+            q_3 = q_3.to(tl.float32)
     m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
     if HALVES:
@@ -461,6 +544,20 @@ def _piece_partials(Q, K, V, Table, Acc, M, L, KS, KZ, VS, VZ, qk_scale, h, b, s
             if WIDEN:
                 k = k.to(tl.float32)
             scores = tl.dot(q, k, input_precision=DOT_PRECISION)  # [BLOCK_G, BLOCK_N]
+        elif LANES == 2:
+            k, k_odd = _byte_lanes(K, ks, kz, slot, valid, GROUP, D, BLOCK_N, MATH)
+            scores = tl.dot(q, tl.trans(k).to(q.dtype), input_precision=DOT_PRECISION)
+            scores = tl.dot(q_odd, tl.trans(k_odd).to(q.dtype), scores,
+                            input_precision=DOT_PRECISION)
+        elif LANES == 4:
+            k, k_1, k_2, k_3 = _nibble_lanes(K, ks, kz, slot, valid, GROUP, D, BLOCK_N, MATH)
+            scores = tl.dot(q, tl.trans(k).to(q.dtype), input_precision=DOT_PRECISION)
+            scores = tl.dot(q_odd, tl.trans(k_1).to(q.dtype), scores,
+                            input_precision=DOT_PRECISION)
+            scores = tl.dot(q_2, tl.trans(k_2).to(q.dtype), scores,
+                            input_precision=DOT_PRECISION)
+            scores = tl.dot(q_3, tl.trans(k_3).to(q.dtype), scores,
+                            input_precision=DOT_PRECISION)
         elif HALVES:
             k, k_odd = _int_halves(K, ks, kz, slot, valid, GROUP, D, BLOCK_N, MATH, 1)
             k = tl.trans(k).to(tl.float32 if WIDEN else dtype)  # [D/2, BLOCK_N]
@@ -644,6 +741,9 @@ _int_meta = triton.jit(_int_meta)
 _rows = triton.jit(_rows)
 _int_rows = triton.jit(_int_rows)
 _int_halves = triton.jit(_int_halves)
+_lane_meta = triton.jit(_lane_meta)
+_byte_lanes = triton.jit(_byte_lanes)
+_nibble_lanes = triton.jit(_nibble_lanes)
 _from_codes = triton.jit(_from_codes)
 _nibbles = triton.jit(_nibbles)
 _piece_partials = triton.jit(_piece_partials, noinline=True)
@@ -776,6 +876,9 @@ def stage1_args(q, k_pool, v_pool, table, lengths, scale, launch: Launch, store=
             group, kz, vz = fmt.group_size, t["k_zero"], t["v_zero"]
     meta = (0, 0, 0) if bits == 0 else (ks.stride(0), ks.stride(1), ks.stride(2))
     assert k_pool.stride(3) == 1 and q.stride(2) == 1 and acc.stride(3) == 1 and m.stride(2) == 1
+    if bits in (8, 4):  # K's codes read as 16-bit words (`_byte_lanes`, `_nibble_lanes`)
+        assert k_pool.data_ptr() % 2 == 0 and not any(x % 2 for x in k_pool.stride()[:3]), \
+            "K's codes in whole 16-bit words"
     v_step = v_pool.stride(3)  # 1: K's layout; the page: positions innermost (both at 1)
     inner = (v_pool.stride(2), v_step) == (1, page)
     assert v_pool.stride()[:2] == k_pool.stride()[:2] and (
