@@ -60,10 +60,12 @@ def test_every_format_reads_its_codes_as_words_at_a_bounded_cost(rows):
     # tile, int4 32, with V laid out as K); the int codes become halves by byte permutes
     # (two for four codes); K's int8 and int4 codes read as 16-bit words, so that q's
     # registers load straight into the dot's operand order (as bytes: int8 1.49 / 1.51, int4
-    # 1.59 / 1.68). Instructions a position over fp16's, Triton 3.9 / 3.6: fp8 1.05 / 1.11,
-    # int8 1.36 / 1.41, int4 1.48 / 1.54 (they were 1.41, 2.07 and 2.07).
+    # 1.59 / 1.68); int4's nibbles put under their exponent by a permute and one mask each
+    # (two constants an instruction made ptxas load a mask again before each use: 1.48 /
+    # 1.54). Instructions a position over fp16's, Triton 3.9 / 3.6: fp8 1.05 / 1.11, int8
+    # 1.36 / 1.41, int4 1.44 / 1.49 (they were 1.41, 2.07 and 2.07).
     fp16 = rows[("triton stage1", "fp16")].sass_per_position
-    for fmt, most in (("fp8", 1.2), ("int8", 1.45), ("int4", 1.56)):
+    for fmt, most in (("fp8", 1.2), ("int8", 1.45), ("int4", 1.5)):
         r = rows[("triton stage1", fmt)]
         assert r.shared_byte_reads == 0, r
         assert r.sass_per_position <= most * fp16, (fmt, r.sass_per_position / fp16)

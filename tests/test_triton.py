@@ -374,12 +374,14 @@ def test_the_compiled_code_conversions_of_k_words_give_each_lane_exactly():
             assert _elements(lanes[j:j + 1]) == [w >> 4 * j & 15 for w in words], (hex(packed), j)
 
 
-def test_the_model_of_the_word_conversions_catches_a_wrong_shift_or_selector():
-    packed = 0x87654321  # words 0x4321 and 0x8765: nibbles 1-4 and 5-8
+def test_the_model_of_the_word_conversions_catches_a_wrong_selector_or_mask():
+    packed = 0x87654321  # words 0x4321 and 0x8765: lanes 1-4 and 5-8
     good = triton_decode.WORD_NIBBLES_TO_HALVES.value
     assert _elements(_run_ptx(good, [packed], 4)[2:]) == [3, 7, 4, 8]
-    shifted = good.replace("shr.b32 t, $4, 8", "shr.b32 t, $4, 4")  # lanes 1 and 2 read again
-    assert _elements(_run_ptx(shifted, [packed], 4)[2:]) == [2, 6, 3, 7]
+    low_byte = good.replace("0x4341", "0x4240")  # lane 2 read from each word's low byte
+    assert _elements(_run_ptx(low_byte, [packed], 4)[2:]) == [1, 5, 4, 8]
+    unmasked = good.replace("and.b32 $3, $3, 0xFFF0FFF0", "and.b32 $3, $3, 0xFFFFFFFF")
+    assert _elements(_run_ptx(unmasked, [packed], 4)[3:]) == [4 + 3 / 16, 8 + 7 / 16]
     wrong = triton_decode.WORD_BYTES_TO_HALVES.value.replace("0x4341", "0x4143")
     assert _elements(_run_ptx(wrong, [packed], 2)[1:]) == [0x87, 0x43]
 

@@ -306,8 +306,8 @@ def _int_rows(C, s, z, slot, valid, BITS: tl.constexpr, GROUP: tl.constexpr,
     return _from_codes(c, MATH) * s + z
 
 
-# The float16 conversions of compiled kernels, in PTX (tests/test_triton.py runs both
-# through a model of their instructions on every byte). Triton hands the asm four codes packed
+# The float16 conversions of compiled kernels, in PTX (tests/test_triton.py runs each
+# through a model of its instructions on every byte). Triton hands the asm four codes packed
 # in one 32-bit register (byte i: element i) and takes each result's four halves in two
 # (element i: half i % 2 of register i // 2). prmt.b32 d, a, b, sel: byte j of d is byte
 # (sel >> 4j) & 7 of b:a (0-3 a's, 4-7 b's).
@@ -315,13 +315,13 @@ BYTES_TO_HALVES = tl.constexpr(
     "{ .reg .b32 e, x; mov.b32 e, 0x64646464; mov.b32 x, 0x64006400; "
     "prmt.b32 $0, $2, e, 0x4140; prmt.b32 $1, $2, e, 0x4342; "  # 0x64 over each code: 1024 + c
     "sub.f16x2 $0, $0, x; sub.f16x2 $1, $1, x; }")  # less 1024: c
+# The nibbles: selectors 4 and 5 pick e's bytes 0x64 (an exponent of 2^10) and 0x54 (2^6).
 NIBBLES_TO_HALVES = tl.constexpr(
-    "{ .reg .b32 e, a, b, x, y; mov.b32 e, 0; mov.b32 x, 0x64006400; "
-    "mov.b32 y, 0x54005400; prmt.b32 a, $4, e, 0x4140; prmt.b32 b, $4, e, 0x4342; "
-    "and.b32 $0, a, 0x000F000F; or.b32 $0, $0, x; "  # low nibble under 2^10: 1024 + c
-    "and.b32 $1, b, 0x000F000F; or.b32 $1, $1, x; "
-    "and.b32 $2, a, 0x00F000F0; or.b32 $2, $2, y; "  # high nibble (bits 4-7) under 2^6: 64 + c
-    "and.b32 $3, b, 0x00F000F0; or.b32 $3, $3, y; "
+    "{ .reg .b32 e, x, y; mov.b32 e, 0x5464; mov.b32 x, 0x64006400; mov.b32 y, 0x54005400; "
+    "prmt.b32 $0, $4, e, 0x4140; and.b32 $0, $0, 0xFF0FFF0F; "  # low nibble, 2^10: 1024 + c
+    "prmt.b32 $1, $4, e, 0x4342; and.b32 $1, $1, 0xFF0FFF0F; "
+    "prmt.b32 $2, $4, e, 0x5150; and.b32 $2, $2, 0xFFF0FFF0; "  # high (bits 4-7), 2^6: 64 + c
+    "prmt.b32 $3, $4, e, 0x5352; and.b32 $3, $3, 0xFFF0FFF0; "
     "sub.f16x2 $0, $0, x; sub.f16x2 $1, $1, x; sub.f16x2 $2, $2, y; sub.f16x2 $3, $3, y; }")
 # K's codes as 16-bit words, two a register (word i in half i), each lane apart (lane j:
 # element j of each word): int8's two bytes, int4's four nibbles
@@ -330,11 +330,11 @@ WORD_BYTES_TO_HALVES = tl.constexpr(
     "prmt.b32 $0, $2, e, 0x4240; prmt.b32 $1, $2, e, 0x4341; "  # each word's low, high byte
     "sub.f16x2 $0, $0, x; sub.f16x2 $1, $1, x; }")
 WORD_NIBBLES_TO_HALVES = tl.constexpr(
-    "{ .reg .b32 t, x, y; mov.b32 x, 0x64006400; mov.b32 y, 0x54005400; shr.b32 t, $4, 8; "
-    "and.b32 $0, $4, 0x000F000F; or.b32 $0, $0, x; "  # bits 0-3 of each word under 2^10
-    "and.b32 $1, $4, 0x00F000F0; or.b32 $1, $1, y; "  # bits 4-7 where they lie, under 2^6
-    "and.b32 $2, t, 0x000F000F; or.b32 $2, $2, x; "  # bits 8-11, shifted down 8
-    "and.b32 $3, t, 0x00F000F0; or.b32 $3, $3, y; "  # bits 12-15, shifted down 8
+    "{ .reg .b32 e, x, y; mov.b32 e, 0x5464; mov.b32 x, 0x64006400; mov.b32 y, 0x54005400; "
+    "prmt.b32 $0, $4, e, 0x4240; and.b32 $0, $0, 0xFF0FFF0F; "  # bits 0-3 of each word, 2^10
+    "prmt.b32 $1, $4, e, 0x5250; and.b32 $1, $1, 0xFFF0FFF0; "  # bits 4-7, 2^6
+    "prmt.b32 $2, $4, e, 0x4341; and.b32 $2, $2, 0xFF0FFF0F; "  # bits 8-11: the high byte's
+    "prmt.b32 $3, $4, e, 0x5351; and.b32 $3, $3, 0xFFF0FFF0; "  # bits 12-15
     "sub.f16x2 $0, $0, x; sub.f16x2 $1, $1, y; sub.f16x2 $2, $2, x; sub.f16x2 $3, $3, y; }")
 
 
@@ -354,10 +354,11 @@ def _from_codes(c, MATH: tl.constexpr):
 
 def _nibbles(raw, MATH: tl.constexpr):
     """Bytes of two 4-bit codes (uint8) as MATH values: (each low nibble, each high
-    nibble). Compiled in float16 (NIBBLES_TO_HALVES): each byte to a half (two permutes for
-    four bytes), each nibble put under an exponent by a logic op, the low at 2^10
-    (1024 + c), the high where it lies, four bits up, at 2^6 (64 + c), and the exponents
-    subtracted."""
+    nibble). Compiled in float16 (NIBBLES_TO_HALVES): a permute puts two bytes in two halves
+    under an exponent's byte and a mask keeps one nibble of each, the low at 2^10 (1024 + c),
+    the high where it lies, four bits up, at 2^6 (64 + c); the exponents are subtracted.
+    (One constant an instruction: a mask and an exponent or-ed in made ptxas load the mask
+    again before each use.)"""
     if MATH == tl.float16 and COMPILED:
         return tl.inline_asm_elementwise(NIBBLES_TO_HALVES, "=r,=r,=r,=r,r", [raw],
                                          dtype=(tl.float16, tl.float16), is_pure=True, pack=4)
