@@ -399,8 +399,8 @@ def _byte_lanes(C, s, z, slot, valid, GROUP: tl.constexpr, D: tl.constexpr,
     in MATH, x = c·s + z: each word's low byte (the even elements) and high byte (the odd).
     Read as bytes, the codes' dot operand takes four elements a register, and q's must match:
     q's registers, read from shared memory a tile at a time, are then copied into the dot's
-    operand order (56 moves a tile of 16 in fp16's 432 instructions). Words keep two a
-    register, as float16's operands: q's load straight into place."""
+    operand order (56 moves in int8's 645 instructions a tile of 16). Words keep two a
+    register, as float16's operands do: q's load straight into place."""
     W: tl.constexpr = D // 2
     words = _rows(C.to(tl.pointer_type(tl.uint16)), slot // 2, valid, W, 1)
     s, z = _lane_meta(s, z, 2, GROUP, D, BLOCK_N, MATH)
@@ -473,23 +473,24 @@ def _piece_partials(Q, K, V, Table, Acc, M, L, KS, KZ, VS, VZ, qk_scale, h, b, s
     # for a 16-bit dtype), in float32 where the interpreter widens
     MATH: tl.constexpr = tl.float32 if WIDEN else dtype
     q_ptrs = Q + b * stride_qb + heads[:, None] * stride_qh
+    # q's elements by lane: q those j = 0 mod LANES (or 2, the halves'), q_1 j = 1, ...
     if LANES > 0:
         offs_l = tl.arange(0, D // LANES)
         q = tl.load(q_ptrs + LANES * offs_l[None, :], mask=mask_g[:, None], other=0.0)
-        q_odd = tl.load(q_ptrs + LANES * offs_l[None, :] + 1, mask=mask_g[:, None], other=0.0)
+        q_1 = tl.load(q_ptrs + LANES * offs_l[None, :] + 1, mask=mask_g[:, None], other=0.0)
         if LANES == 4:
             q_2 = tl.load(q_ptrs + 4 * offs_l[None, :] + 2, mask=mask_g[:, None], other=0.0)
             q_3 = tl.load(q_ptrs + 4 * offs_l[None, :] + 3, mask=mask_g[:, None], other=0.0)
     elif HALVES:
         q = tl.load(q_ptrs + 2 * offs_w[None, :], mask=mask_g[:, None], other=0.0)
-        q_odd = tl.load(q_ptrs + 2 * offs_w[None, :] + 1, mask=mask_g[:, None], other=0.0)
+        q_1 = tl.load(q_ptrs + 2 * offs_w[None, :] + 1, mask=mask_g[:, None], other=0.0)
     else:
         q = tl.load(q_ptrs + offs_d[None, :], mask=mask_g[:, None] & mask_d[None, :],
                     other=0.0)  # [BLOCK_G, BLOCK_D]
     if WIDEN:
         q = q.to(tl.float32)
         if HALVES or LANES > 0:
-            q_odd = q_odd.to(tl.float32)
+            q_1 = q_1.to(tl.float32)
         if LANES == 4:
             q_2 = q_2.to(tl.float32)
             q_3 = q_3.to(tl.float32)
@@ -548,12 +549,12 @@ def _piece_partials(Q, K, V, Table, Acc, M, L, KS, KZ, VS, VZ, qk_scale, h, b, s
         elif LANES == 2:
             k, k_odd = _byte_lanes(K, ks, kz, slot, valid, GROUP, D, BLOCK_N, MATH)
             scores = tl.dot(q, tl.trans(k).to(q.dtype), input_precision=DOT_PRECISION)
-            scores = tl.dot(q_odd, tl.trans(k_odd).to(q.dtype), scores,
+            scores = tl.dot(q_1, tl.trans(k_odd).to(q.dtype), scores,
                             input_precision=DOT_PRECISION)
         elif LANES == 4:
             k, k_1, k_2, k_3 = _nibble_lanes(K, ks, kz, slot, valid, GROUP, D, BLOCK_N, MATH)
             scores = tl.dot(q, tl.trans(k).to(q.dtype), input_precision=DOT_PRECISION)
-            scores = tl.dot(q_odd, tl.trans(k_1).to(q.dtype), scores,
+            scores = tl.dot(q_1, tl.trans(k_1).to(q.dtype), scores,
                             input_precision=DOT_PRECISION)
             scores = tl.dot(q_2, tl.trans(k_2).to(q.dtype), scores,
                             input_precision=DOT_PRECISION)
@@ -564,7 +565,7 @@ def _piece_partials(Q, K, V, Table, Acc, M, L, KS, KZ, VS, VZ, qk_scale, h, b, s
             k = tl.trans(k).to(tl.float32 if WIDEN else dtype)  # [D/2, BLOCK_N]
             k_odd = tl.trans(k_odd).to(tl.float32 if WIDEN else dtype)
             scores = tl.dot(q, k, input_precision=DOT_PRECISION)
-            scores = tl.dot(q_odd, k_odd, scores, input_precision=DOT_PRECISION)
+            scores = tl.dot(q_1, k_odd, scores, input_precision=DOT_PRECISION)
         elif PACKED:  # dequantized in registers, then one dot as for the activation dtype
             k = tl.trans(_int_rows(K, ks, kz, slot, valid, BITS, GROUP, D, BLOCK_N, MATH, 1))
             k = k.to(tl.float32 if WIDEN else dtype)  # [D, BLOCK_N]
