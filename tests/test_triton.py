@@ -542,6 +542,7 @@ def test_every_kernel_variant_compiles_for_an_h200():
         ("bfloat16", 64, {"kv_dtype": "fp8"}),
         ("float16", 12, {"kv_dtype": "int8", "group_size": 64}),
         ("float32", 1, {"kv_dtype": "int4", "group_size": 32}),
+        ("bfloat16", 16, {"kv_dtype": "int4", "group_size": 64}),  # words, in bfloat16
         ("float16", 16, {"kv_dtype": "int2", "group_size": 8}),  # element by element
     ]
     requests = []
