@@ -45,9 +45,14 @@ def test_each_format_keeps_two_tiles_in_flight_without_spilling(rows, fmt):
 
 
 def test_barriers_a_tile_and_the_16_bit_loop_without_a_shared_round_trip(rows):
-    assert rows[("triton stage1", "fp16")].barriers_per_tile <= 3
-    for fmt in ("fp8", "int8", "int4"):
-        assert rows[("triton stage1", fmt)].barriers_per_tile <= 4, fmt
+    # fp16 and fp8: the copies' 2. The int formats: 2 more for their scales' and zero
+    # points' layout change, and 2 for the probabilities made the 8-bit V operand's (four
+    # elements a register, through shared memory). A program is one warp: its barriers wait
+    # for no other warp.
+    for fmt in ("fp16", "fp8"):
+        assert rows[("triton stage1", fmt)].barriers_per_tile <= 3, fmt
+    for fmt in ("int8", "int4"):
+        assert rows[("triton stage1", fmt)].barriers_per_tile <= 6, fmt
     fp16 = rows[("triton stage1", "fp16")]
     assert fp16.smem_store_per_position == 0 and fp16.shared_byte_reads == 0
     int4 = rows[("triton stage1", "int4")]
@@ -62,24 +67,34 @@ def test_every_format_reads_its_codes_as_words_at_a_bounded_cost(rows):
     # registers load straight into the dot's operand order (as bytes: int8 1.49 / 1.51, int4
     # 1.59 / 1.68); int4's nibbles put under their exponent by a permute and one mask each
     # (two constants an instruction made ptxas load a mask again before each use: 1.48 /
-    # 1.54). Instructions a position over fp16's, Triton 3.9 / 3.6: fp8 1.05 / 1.11, int8
-    # 1.36 / 1.41, int4 1.44 / 1.49 (they were 1.41, 2.07 and 2.07).
+    # 1.54). The query heads are the dots' columns (positions their rows): every format's
+    # loop a fifth shorter, fp16's most of all. Instructions a position, Triton 3.9 / 3.6:
+    # fp16 21.8 / 20.7, fp8 21.3 / 19.6, int8 32.6 / 30.4, int4 34.4 / 32.8 (heads as rows:
+    # 27.0 / 26.1, 28.4 / 29.0, 36.8 / 36.6, 38.8 / 38.8; as the issue found them 29.1,
+    # 59.2, 75.0, 66.2 under 3.9).
     fp16 = rows[("triton stage1", "fp16")].sass_per_position
-    for fmt, most in (("fp8", 1.2), ("int8", 1.45), ("int4", 1.5)):
+    assert fp16 <= 23, fp16
+    for fmt, most, ratio in (("fp8", 23, 1.1), ("int8", 34, 1.55), ("int4", 36, 1.65)):
         r = rows[("triton stage1", fmt)]
         assert r.shared_byte_reads == 0, r
-        assert r.sass_per_position <= most * fp16, (fmt, r.sass_per_position / fp16)
+        assert r.sass_per_position <= most, (fmt, r.sass_per_position)
+        assert r.sass_per_position <= ratio * fp16, (fmt, r.sass_per_position / fp16)
 
 
 @pytest.mark.slow
 def test_v_codes_laid_out_as_ks_are_read_a_byte_at_a_time():
-    # the planted fault: V's codes with each position's bytes side by side (K's layout)
+    # the planted fault: V's codes with each position's bytes side by side (K's layout). fp8
+    # reads them from shared memory a byte at a time (64 a tile); int8's and int4's tiles go
+    # through shared memory once more to be laid out for the dot (272 and 264 B a position)
     _skip_without_compiler()
-    planted = [r for r in inspection.inspect(formats=("fp8", "int8"), mla_formats=(),
-                                             inner=False) if r.kernel.endswith("stage1")]
-    assert all(r.shared_byte_reads > 0 for r in planted), planted
-    lines = inspection.shortfalls(planted)
-    assert len([x for x in lines if "one-byte shared-memory reads" in x]) == 2, lines
+    planted = {r.kv_format: r for r in inspection.inspect(
+        formats=("fp8", "int8", "int4"), mla_formats=(), inner=False)
+        if r.kernel.endswith("stage1")}
+    assert planted["fp8"].shared_byte_reads > 0, planted
+    assert all(planted[f].smem_store_per_position > 128 for f in ("int8", "int4")), planted
+    lines = inspection.shortfalls(list(planted.values()))
+    assert len([x for x in lines if "one-byte shared-memory reads" in x]) == 1, lines
+    assert len([x for x in lines if "round trip" in x]) == 2, lines
 
 
 def test_the_4_bit_tile_is_dequantized_in_registers(rows):
@@ -468,8 +483,8 @@ def test_each_kernel_is_read_in_its_formats_default_configuration(rows):
     assert list(rows) == [(f"triton stage{i}", fmt) for fmt in inspection.FORMATS
                           for i in (1, 2)] + [("triton-mla stage1", "fp16"),
                                               ("triton-mla stage1", "fp8")]
-    labels = {"fp16": "N16/w1/s4/x7", "bf16": "N16/w1/s4/x7", "fp8": "N16/w1/s4/x12",
-              "int8": "N16/w1/s4/x10", "int4": "N16/w1/s4/x10"}
+    labels = {"fp16": "N16/w1/s4/x8", "bf16": "N16/w1/s4/x8", "fp8": "N16/w1/s4/x14",
+              "int8": "N16/w1/s4/x12", "int4": "N16/w1/s4/x12"}
     for (kernel, fmt), r in rows.items():
         want = labels[fmt] if kernel.startswith("triton stage") else {
             "fp16": "N16/w4/s4/x3", "fp8": "N32/w8/s4/x1"}[fmt]
@@ -478,10 +493,11 @@ def test_each_kernel_is_read_in_its_formats_default_configuration(rows):
 
 def test_the_stage1s_shared_memory_by_hand(rows):
     # a tile's K and V (2 x 16 positions x 128 x 2 bytes: 8,192 B; fp8's a byte each: 4,096)
-    # in 3 buffers (4 stages), beside q staged once (16 rows x 128 x 2 bytes: 4,096 B)
-    for fmt, tile in (("fp16", 8192), ("bf16", 8192), ("fp8", 4096)):
+    # in 3 buffers (4 stages), beside q staged once (128 x 8 columns x 2 bytes: 2,048 B);
+    # fp8 also stages its probabilities for the 8-bit V operand (16 x 8 x 2 bytes: 256 B)
+    for fmt, tile, more in (("fp16", 8192, 0), ("bf16", 8192, 0), ("fp8", 4096, 256)):
         r = rows[("triton stage1", fmt)]
-        assert r.buffer_bytes == tile and r.shared_bytes == 3 * tile + 4096, (fmt, r)
+        assert r.buffer_bytes == tile and r.shared_bytes == 3 * tile + 2048 + more, (fmt, r)
 
 
 def test_every_stage1_row_reports_every_figure(rows):

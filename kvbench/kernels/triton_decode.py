@@ -5,11 +5,13 @@ attention derive from:
 
 - Stage 1, programs per KV head, each over a range of the batch's tiles (its piece of a
   sequence: a split). For each piece it loads the G = H_q/H_kv query heads that share the KV
-  head once, as a [G, D] tile. It then walks its split of the context in
-  tiles of BLOCK_N positions. Each tile's blocks come from the block table, so K and V are
-  loaded from the pool where they lie, never gathered into a copy. Each K/V tile serves all G
-  queries through `tl.dot` ([G, D] x [D, BLOCK_N]). The split keeps an online softmax: its
-  running max m, exp-sum l and exp-weighted V sum acc.
+  head once, as a [D, G] tile. It then walks its split of the context in tiles of BLOCK_N
+  positions. Each tile's blocks come from the block table, so K and V are loaded from the
+  pool where they lie, never gathered into a copy. Each K/V tile serves all G queries through
+  `tl.dot`, the positions as its rows and the query heads as its columns (scores [BLOCK_N, G]
+  = K [BLOCK_N, D] x q [D, G]; acc [D, G] += V [D, BLOCK_N] x p [BLOCK_N, G]): G, 4 for
+  Llama-3-8B, pads to the mma instruction's 8 columns rather than its 16 rows. The split
+  keeps an online softmax: its running max m, exp-sum l and exp-weighted V sum acc.
 - Stage 2, one program per (sequence, query head). It merges the sequence's splits by
   log-sum-exp: each split is rescaled by exp(m_split - m_max) before the sums are added.
 
@@ -448,9 +450,10 @@ def _piece_partials(Q, K, V, Table, Acc, M, L, KS, KZ, VS, VZ, qk_scale, h, b, s
 
     A function of its own, called, not inlined (noinline): inlined into `_stage1`'s loop over
     pieces, LLVM hoists its loop-invariant addresses and masks out of that loop, and they stay
-    live through the tile loop (fp16 under Triton 3.9: 255 registers, 32 bytes spilled, 28.3
-    instructions a position). Called, it compiles as the kernel of one piece did: 188
-    registers, none spilled, 27.0 instructions a position (168 and 26.1 under 3.6)."""
+    live through the tile loop (fp16 under Triton 3.9: 196 registers, 21.6 instructions a
+    position; with the query heads as the dots' rows it spilled, 255 registers and 32 bytes).
+    Called, it compiles as the kernel of one piece did: 150 registers, none spilled, 21.8
+    instructions a position (168 and 20.7 under 3.6)."""
     offs_g = tl.arange(0, BLOCK_G)
     offs_d = tl.arange(0, BLOCK_D)
     mask_g = offs_g < G
@@ -472,21 +475,26 @@ def _piece_partials(Q, K, V, Table, Acc, M, L, KS, KZ, VS, VZ, qk_scale, h, b, s
     # the int formats' c·s + z in the activation dtype (its registers: half of float32's
     # for a 16-bit dtype), in float32 where the interpreter widens
     MATH: tl.constexpr = tl.float32 if WIDEN else dtype
-    q_ptrs = Q + b * stride_qb + heads[:, None] * stride_qh
+    # Positions are the dots' rows and the query heads their columns: scores [BLOCK_N,
+    # BLOCK_G] = K's tile [BLOCK_N, D] x q [D, BLOCK_G], acc [D, BLOCK_G] += V's tile [D,
+    # BLOCK_N] x p [BLOCK_N, BLOCK_G]. The G query heads (4 for Llama-3-8B) are the mma
+    # instruction's 8 columns, not its 16 rows: half the mma instructions a tile and half the
+    # accumulator's registers of the other way round, whose 16 rows were 12 of padding.
+    q_ptrs = Q + b * stride_qb + heads[None, :] * stride_qh
     # q's elements by lane: q those j = 0 mod LANES (or 2, the halves'), q_1 j = 1, ...
     if LANES > 0:
         offs_l = tl.arange(0, D // LANES)
-        q = tl.load(q_ptrs + LANES * offs_l[None, :], mask=mask_g[:, None], other=0.0)
-        q_1 = tl.load(q_ptrs + LANES * offs_l[None, :] + 1, mask=mask_g[:, None], other=0.0)
+        q = tl.load(q_ptrs + LANES * offs_l[:, None], mask=mask_g[None, :], other=0.0)
+        q_1 = tl.load(q_ptrs + LANES * offs_l[:, None] + 1, mask=mask_g[None, :], other=0.0)
         if LANES == 4:
-            q_2 = tl.load(q_ptrs + 4 * offs_l[None, :] + 2, mask=mask_g[:, None], other=0.0)
-            q_3 = tl.load(q_ptrs + 4 * offs_l[None, :] + 3, mask=mask_g[:, None], other=0.0)
+            q_2 = tl.load(q_ptrs + 4 * offs_l[:, None] + 2, mask=mask_g[None, :], other=0.0)
+            q_3 = tl.load(q_ptrs + 4 * offs_l[:, None] + 3, mask=mask_g[None, :], other=0.0)
     elif HALVES:
-        q = tl.load(q_ptrs + 2 * offs_w[None, :], mask=mask_g[:, None], other=0.0)
-        q_1 = tl.load(q_ptrs + 2 * offs_w[None, :] + 1, mask=mask_g[:, None], other=0.0)
+        q = tl.load(q_ptrs + 2 * offs_w[:, None], mask=mask_g[None, :], other=0.0)
+        q_1 = tl.load(q_ptrs + 2 * offs_w[:, None] + 1, mask=mask_g[None, :], other=0.0)
     else:
-        q = tl.load(q_ptrs + offs_d[None, :], mask=mask_g[:, None] & mask_d[None, :],
-                    other=0.0)  # [BLOCK_G, BLOCK_D]
+        q = tl.load(q_ptrs + offs_d[:, None], mask=mask_g[None, :] & mask_d[:, None],
+                    other=0.0)  # [BLOCK_D, BLOCK_G]
     if WIDEN:
         q = q.to(tl.float32)
         if HALVES or LANES > 0:
@@ -497,10 +505,10 @@ def _piece_partials(Q, K, V, Table, Acc, M, L, KS, KZ, VS, VZ, qk_scale, h, b, s
     m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
     if HALVES:
-        acc = tl.zeros([BLOCK_G, W], dtype=tl.float32)  # the even elements' sums
-        acc_odd = tl.zeros([BLOCK_G, W], dtype=tl.float32)
+        acc = tl.zeros([W, BLOCK_G], dtype=tl.float32)  # the even elements' sums
+        acc_odd = tl.zeros([W, BLOCK_G], dtype=tl.float32)
     else:
-        acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_D, BLOCK_G], dtype=tl.float32)
     # The first tile's block ids here; each iteration fetches the next tile's before this
     # tile's K/V. Loaded in the same iteration, the ids would put the K/V copies behind an
     # indirect load, which Triton's pipeliner gives (num_stages - 1) / 2 stages of latency:
@@ -538,83 +546,74 @@ def _piece_partials(Q, K, V, Table, Acc, M, L, KS, KZ, VS, VZ, qk_scale, h, b, s
         # the positions innermost (quantized: the weighted sum contracts over positions, so
         # tl.dot reads its operand as words along them, not byte by byte)
         vslot = slot if V_STEP == 1 else page_head + off
-        kmask = valid[None, :] & mask_d[:, None]
+        kmask = valid[None, :] & mask_d[:, None]  # [BLOCK_D, BLOCK_N]
         if BITS == 0:
-            k = tl.load(K + slot[None, :] + offs_d[:, None], mask=kmask, other=0.0)
+            k = tl.load(K + slot[:, None] + offs_d[None, :],
+                        mask=valid[:, None] & mask_d[None, :], other=0.0)
             if FP8:
-                k = k.to(dtype)  # [BLOCK_D, BLOCK_N]
+                k = k.to(dtype)  # [BLOCK_N, BLOCK_D]
             if WIDEN:
                 k = k.to(tl.float32)
-            scores = tl.dot(q, k, input_precision=DOT_PRECISION)  # [BLOCK_G, BLOCK_N]
+            scores = tl.dot(k, q, input_precision=DOT_PRECISION)  # [BLOCK_N, BLOCK_G]
         elif LANES == 2:
             k, k_odd = _byte_lanes(K, ks, kz, slot, valid, GROUP, D, BLOCK_N, MATH)
-            scores = tl.dot(q, tl.trans(k).to(q.dtype), input_precision=DOT_PRECISION)
-            scores = tl.dot(q_1, tl.trans(k_odd).to(q.dtype), scores,
-                            input_precision=DOT_PRECISION)
+            scores = tl.dot(k.to(q.dtype), q, input_precision=DOT_PRECISION)
+            scores = tl.dot(k_odd.to(q.dtype), q_1, scores, input_precision=DOT_PRECISION)
         elif LANES == 4:
             k, k_1, k_2, k_3 = _nibble_lanes(K, ks, kz, slot, valid, GROUP, D, BLOCK_N, MATH)
-            scores = tl.dot(q, tl.trans(k).to(q.dtype), input_precision=DOT_PRECISION)
-            scores = tl.dot(q_1, tl.trans(k_1).to(q.dtype), scores,
-                            input_precision=DOT_PRECISION)
-            scores = tl.dot(q_2, tl.trans(k_2).to(q.dtype), scores,
-                            input_precision=DOT_PRECISION)
-            scores = tl.dot(q_3, tl.trans(k_3).to(q.dtype), scores,
-                            input_precision=DOT_PRECISION)
+            scores = tl.dot(k.to(q.dtype), q, input_precision=DOT_PRECISION)
+            scores = tl.dot(k_1.to(q.dtype), q_1, scores, input_precision=DOT_PRECISION)
+            scores = tl.dot(k_2.to(q.dtype), q_2, scores, input_precision=DOT_PRECISION)
+            scores = tl.dot(k_3.to(q.dtype), q_3, scores, input_precision=DOT_PRECISION)
         elif HALVES:
             k, k_odd = _int_halves(K, ks, kz, slot, valid, GROUP, D, BLOCK_N, MATH, 1)
-            k = tl.trans(k).to(tl.float32 if WIDEN else dtype)  # [D/2, BLOCK_N]
-            k_odd = tl.trans(k_odd).to(tl.float32 if WIDEN else dtype)
-            scores = tl.dot(q, k, input_precision=DOT_PRECISION)
-            scores = tl.dot(q_1, k_odd, scores, input_precision=DOT_PRECISION)
+            scores = tl.dot(k.to(q.dtype), q, input_precision=DOT_PRECISION)  # k [N, D/2]
+            scores = tl.dot(k_odd.to(q.dtype), q_1, scores, input_precision=DOT_PRECISION)
         elif PACKED:  # dequantized in registers, then one dot as for the activation dtype
-            k = tl.trans(_int_rows(K, ks, kz, slot, valid, BITS, GROUP, D, BLOCK_N, MATH, 1))
-            k = k.to(tl.float32 if WIDEN else dtype)  # [D, BLOCK_N]
-            scores = tl.dot(q, k, input_precision=DOT_PRECISION)
+            k = _int_rows(K, ks, kz, slot, valid, BITS, GROUP, D, BLOCK_N, MATH, 1)
+            scores = tl.dot(k.to(q.dtype), q, input_precision=DOT_PRECISION)  # k [N, D]
         else:
-            k = _dequantized(K, KS, KZ, slot, slot_m, offs_d, kmask, BITS, GROUP, 1).to(dtype)
-            if WIDEN:
-                k = k.to(tl.float32)
-            scores = tl.dot(q, k, input_precision=DOT_PRECISION)
-        scores = tl.where(valid[None, :], scores * qk_scale, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(scores, 1))
+            k = tl.trans(_dequantized(K, KS, KZ, slot, slot_m, offs_d, kmask, BITS, GROUP,
+                                      1).to(dtype))
+            scores = tl.dot(k.to(q.dtype), q, input_precision=DOT_PRECISION)
+        scores = tl.where(valid[:, None], scores * qk_scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(scores, 0))
         # -inf while nothing is valid yet: shift by 0 then, so exp gives 0 rather than NaN
         shift = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.exp(m_i - shift)
-        p = tl.exp(scores - shift[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None]
+        p = tl.exp(scores - shift[None, :])  # [BLOCK_N, BLOCK_G]
+        l_i = l_i * alpha + tl.sum(p, 0)
+        acc = acc * alpha[None, :]
         if HALVES:
-            acc_odd = acc_odd * alpha[:, None]
+            acc_odd = acc_odd * alpha[None, :]
         # (positions innermost: every position of the tile's blocks, as `_rows` says; fp8's
         # codes past the length are finite, and their weight 0)
         if V_STEP == 1:
-            vmask = valid[:, None] & mask_d[None, :]
+            vmask = valid[None, :] & mask_d[:, None]
         else:
-            vmask = tl.broadcast_to(mask_d[None, :], (BLOCK_N, BLOCK_D))
+            vmask = tl.broadcast_to(mask_d[:, None], (BLOCK_D, BLOCK_N))
         if BITS == 0:
-            v = tl.load(V + vslot[:, None] + offs_d[None, :] * V_STEP, mask=vmask, other=0.0)
+            v = tl.load(V + vslot[None, :] + offs_d[:, None] * V_STEP, mask=vmask, other=0.0)
             if FP8:
-                v = v.to(dtype)  # [BLOCK_N, BLOCK_D]
+                v = v.to(dtype)  # [BLOCK_D, BLOCK_N]
             if WIDEN:
                 v = v.to(tl.float32)
-            acc += tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+            acc += tl.dot(v, p.to(v.dtype), input_precision=DOT_PRECISION)
         elif HALVES:
             v, v_odd = _int_halves(V, vs, vz, vslot, valid, GROUP, D, BLOCK_N, MATH, V_STEP)
-            v = v.to(tl.float32 if WIDEN else dtype)  # [BLOCK_N, D/2]
-            v_odd = v_odd.to(tl.float32 if WIDEN else dtype)
-            acc += tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-            acc_odd += tl.dot(p.to(v.dtype), v_odd, input_precision=DOT_PRECISION)
+            v = tl.trans(v).to(q.dtype)  # [D/2, BLOCK_N]
+            v_odd = tl.trans(v_odd).to(q.dtype)
+            acc += tl.dot(v, p.to(v.dtype), input_precision=DOT_PRECISION)
+            acc_odd += tl.dot(v_odd, p.to(v.dtype), input_precision=DOT_PRECISION)
         elif PACKED:
             v = _int_rows(V, vs, vz, vslot, valid, BITS, GROUP, D, BLOCK_N, MATH, V_STEP)
-            v = v.to(tl.float32 if WIDEN else dtype)  # [BLOCK_N, D]
-            acc += tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+            v = tl.trans(v).to(q.dtype)  # [D, BLOCK_N]
+            acc += tl.dot(v, p.to(v.dtype), input_precision=DOT_PRECISION)
         else:
-            v = tl.trans(_dequantized(V, VS, VZ, vslot, slot_m, offs_d,
-                                      valid[None, :] & mask_d[:, None], BITS, GROUP,
-                                      V_STEP).to(dtype))
-            if WIDEN:
-                v = v.to(tl.float32)
-            acc += tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+            v = _dequantized(V, VS, VZ, vslot, slot_m, offs_d, valid[None, :] & mask_d[:, None],
+                             BITS, GROUP, V_STEP).to(dtype)
+            v = v.to(q.dtype)  # [BLOCK_D, BLOCK_N]
+            acc += tl.dot(v, p.to(v.dtype), input_precision=DOT_PRECISION)
         m_i = m_new
         if AHEAD:
             block, off, valid = nblock, noff, nvalid
@@ -623,12 +622,12 @@ def _piece_partials(Q, K, V, Table, Acc, M, L, KS, KZ, VS, VZ, qk_scale, h, b, s
     if FP8:
         acc = acc * tl.load(VS + h)
 
-    out = b * stride_ab + heads[:, None] * stride_ah + s * stride_as
+    out = b * stride_ab + heads[None, :] * stride_ah + s * stride_as
     if HALVES:
-        tl.store(Acc + out + 2 * offs_w[None, :], acc, mask=mask_g[:, None])
-        tl.store(Acc + out + 2 * offs_w[None, :] + 1, acc_odd, mask=mask_g[:, None])
+        tl.store(Acc + out + 2 * offs_w[:, None], acc, mask=mask_g[None, :])
+        tl.store(Acc + out + 2 * offs_w[:, None] + 1, acc_odd, mask=mask_g[None, :])
     else:
-        tl.store(Acc + out + offs_d[None, :], acc, mask=mask_g[:, None] & mask_d[None, :])
+        tl.store(Acc + out + offs_d[:, None], acc, mask=mask_g[None, :] & mask_d[:, None])
     stat = b * stride_mb + heads * stride_mh + s
     tl.store(M + stat, m_i, mask=mask_g)
     tl.store(L + stat, l_i, mask=mask_g)
@@ -766,6 +765,12 @@ def pad(n: int) -> int:
     return max(16, triton.next_power_of_2(n))
 
 
+def pad_heads(g: int) -> int:
+    """The query heads that share a KV head as stage 1's dot columns: g rounded up to a power
+    of two, at least 8 (the mma instruction's columns)."""
+    return max(8, triton.next_power_of_2(g))
+
+
 @dataclass
 class Launch:
     """What a cache fixes once for its kernels: the partials' splits, the planner's target,
@@ -897,7 +902,7 @@ def stage1_args(q, k_pool, v_pool, table, lengths, scale, launch: Launch, store=
             table.stride(0), acc.stride(0), acc.stride(1), acc.stride(2), m.stride(0),
             m.stride(1), *meta)
     constants = {
-        "G": G, "D": D, "BLOCK_G": pad(G), "BLOCK_D": pad(D), "BLOCK_N": cfg.block_n,
+        "G": G, "D": D, "BLOCK_G": pad_heads(G), "BLOCK_D": pad(D), "BLOCK_N": cfg.block_n,
         "PAGE": page, "DOT_PRECISION": precision, "WIDEN": widen, "BITS": bits,
         "GROUP": group, "PACKED": packed, "FP8": fp8,
         "STATIC_TILES": static_tiles(longest, launch), "AHEAD": True, "V_STEP": v_step,

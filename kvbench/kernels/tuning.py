@@ -29,18 +29,18 @@ DEFAULT = KernelConfig()  # the CPU's (Triton's interpreter has no launch to tun
 # each keeps 2 K/V tiles' copies on their way during the dot (4 stages) with nothing spilled
 # in the tile loop, and its waves are the programs an sm_90 multiprocessor holds at its
 # registers and shared memory under Triton 3.6 (the lent machine's) and at most those under
-# 3.9, so the work list fills whole waves and never more than an SM holds (int8 10 programs
-# at 192 registers under 3.6, 11 under 3.9; int4 11 under 3.6, 10 under 3.9; fp8 12: shared
-# memory's limit). The GQA kernels run one warp a program:
-# with G = 4 query heads padded to tl.dot's 16 rows a tile's scores span the warps of a
-# bigger program, whose row max, row sum and probabilities then cross warps through shared
-# memory behind a barrier each (7 a tile at 4 warps, 2 at one). MLA's 16 heads a program
-# fill its rows: 4 warps.
+# 3.9, so the work list fills whole waves and never more than an SM holds (fp16 8; fp8 14;
+# int8 13 under 3.6, 12 under 3.9; int4 16 under 3.6, 12 under 3.9). The GQA kernels run one
+# warp a program, the query heads that share a KV head as the dots' columns (8, the mma
+# instruction's; `triton_decode._piece_partials`): spread over the warps of a bigger
+# program, a tile's scores would cross warps through shared memory behind a barrier each
+# for their max, sum and probabilities (7 barriers a tile at 4 warps, 2 at one). MLA's 16
+# heads a program fill its rows: 4 warps.
 DEFAULTS = {
-    ("gqa", None): KernelConfig(block_n=16, num_warps=1, num_stages=4, waves=7),
-    ("gqa", "fp8"): KernelConfig(block_n=16, num_warps=1, num_stages=4, waves=12),
-    ("gqa", "int8"): KernelConfig(block_n=16, num_warps=1, num_stages=4, waves=10),
-    ("gqa", "int4"): KernelConfig(block_n=16, num_warps=1, num_stages=4, waves=10),
+    ("gqa", None): KernelConfig(block_n=16, num_warps=1, num_stages=4, waves=8),
+    ("gqa", "fp8"): KernelConfig(block_n=16, num_warps=1, num_stages=4, waves=14),
+    ("gqa", "int8"): KernelConfig(block_n=16, num_warps=1, num_stages=4, waves=12),
+    ("gqa", "int4"): KernelConfig(block_n=16, num_warps=1, num_stages=4, waves=12),
     ("gqa", "int2"): KernelConfig(block_n=64, num_warps=4, num_stages=3, waves=3),
     ("mla", None): KernelConfig(block_n=16, num_warps=4, num_stages=4, waves=3),
     ("mla", "fp8"): KernelConfig(block_n=32, num_warps=8, num_stages=4, waves=1),
