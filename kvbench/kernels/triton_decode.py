@@ -481,14 +481,19 @@ def _piece_partials(Q, K, V, Table, Acc, M, L, KS, KZ, VS, VZ, qk_scale, h, b, s
     # instruction's 8 columns, not its 16 rows: half the mma instructions a tile and half the
     # accumulator's registers of the other way round, whose 16 rows were 12 of padding.
     q_ptrs = Q + b * stride_qb + heads[None, :] * stride_qh
-    # q's elements by lane: q those j = 0 mod LANES (or 2, the halves'), q_1 j = 1, ...
+    # q's elements by lane: q those j = 0 mod LANES (or 2, the halves'), q_1 j = 1, ... For
+    # the lanes, q is loaded whole and split in registers: loaded lane by lane (strided),
+    # Triton 3.9 made each lane's operand anew each tile by shuffles (32 instructions a tile
+    # of int8's 521); split, each is read from shared memory (3.6 does so either way)
     if LANES > 0:
-        offs_l = tl.arange(0, D // LANES)
-        q = tl.load(q_ptrs + LANES * offs_l[:, None], mask=mask_g[None, :], other=0.0)
-        q_1 = tl.load(q_ptrs + LANES * offs_l[:, None] + 1, mask=mask_g[None, :], other=0.0)
-        if LANES == 4:
-            q_2 = tl.load(q_ptrs + 4 * offs_l[:, None] + 2, mask=mask_g[None, :], other=0.0)
-            q_3 = tl.load(q_ptrs + 4 * offs_l[:, None] + 3, mask=mask_g[None, :], other=0.0)
+        q_all = tl.load(q_ptrs + offs_d[:, None], mask=mask_g[None, :], other=0.0)
+        by_lane = tl.permute(tl.reshape(q_all, (D // LANES, LANES, BLOCK_G)), (0, 2, 1))
+        if LANES == 2:
+            q, q_1 = tl.split(by_lane)  # [D/2, BLOCK_G] each
+        else:  # element 4w + j at [w, :, j]: split on j % 2, then on j // 2
+            even, odd = tl.split(tl.reshape(by_lane, (D // 4, BLOCK_G, 2, 2)))
+            q, q_2 = tl.split(even)
+            q_1, q_3 = tl.split(odd)
     elif HALVES:
         q = tl.load(q_ptrs + 2 * offs_w[:, None], mask=mask_g[None, :], other=0.0)
         q_1 = tl.load(q_ptrs + 2 * offs_w[:, None] + 1, mask=mask_g[None, :], other=0.0)
