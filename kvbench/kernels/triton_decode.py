@@ -290,7 +290,6 @@ def _int_rows(C, s, z, slot, valid, BITS: tl.constexpr, GROUP: tl.constexpr,
     groups], from `_int_meta`) broadcast over it."""
     PER: tl.constexpr = 8 // BITS  # codes a byte
     W: tl.constexpr = D // PER  # bytes a position
-    NG: tl.constexpr = D // GROUP
     MASK: tl.constexpr = (1 << BITS) - 1
     raw = _rows(C, slot, valid, W, STEP)  # [BLOCK_N, W] uint8
     if PER == 1:
@@ -303,8 +302,7 @@ def _int_rows(C, s, z, slot, valid, BITS: tl.constexpr, GROUP: tl.constexpr,
         c = tl.reshape(tl.join(tl.join(raw & MASK, (raw >> 2 * BITS) & MASK),
                                tl.join((raw >> BITS) & MASK, (raw >> 3 * BITS) & MASK)),
                        (BLOCK_N, D))
-    s = tl.reshape(tl.broadcast_to(s.to(MATH)[:, :, None], (BLOCK_N, NG, GROUP)), (BLOCK_N, D))
-    z = tl.reshape(tl.broadcast_to(z.to(MATH)[:, :, None], (BLOCK_N, NG, GROUP)), (BLOCK_N, D))
+    s, z = _lane_meta(s, z, 1, GROUP, D, BLOCK_N, MATH)
     return _from_codes(c, MATH) * s + z
 
 
@@ -373,13 +371,8 @@ def _int_halves(C, s, z, slot, valid, GROUP: tl.constexpr, D: tl.constexpr,
     nibble) and the odd ones (its high nibble), each x = c·s + z. Kept apart, the halves
     meet q's even and odd elements in two dots: interleaving them into [BLOCK_N, D] would
     take a layout change through shared memory each tile."""
-    W: tl.constexpr = D // 2
-    NG: tl.constexpr = D // GROUP
-    raw = _rows(C, slot, valid, W, STEP)  # [BLOCK_N, W] uint8, element 2w in the low nibble
-    s = tl.reshape(tl.broadcast_to(s.to(MATH)[:, :, None], (BLOCK_N, NG, GROUP // 2)),
-                   (BLOCK_N, W))
-    z = tl.reshape(tl.broadcast_to(z.to(MATH)[:, :, None], (BLOCK_N, NG, GROUP // 2)),
-                   (BLOCK_N, W))
+    raw = _rows(C, slot, valid, D // 2, STEP)  # [BLOCK_N, D/2] uint8, element 2w low
+    s, z = _lane_meta(s, z, 2, GROUP, D, BLOCK_N, MATH)
     low, high = _nibbles(raw, MATH)
     return low * s + z, high * s + z
 
@@ -387,12 +380,19 @@ def _int_halves(C, s, z, slot, valid, GROUP: tl.constexpr, D: tl.constexpr,
 def _lane_meta(s, z, LANES: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr,
                BLOCK_N: tl.constexpr, MATH: tl.constexpr):
     """Scales and zero points [BLOCK_N, groups] broadcast over a lane's D / LANES elements
-    (element w of lane j is element w · LANES + j: group w // (GROUP / LANES))."""
+    (element w of lane j is element w · LANES + j: group w // (GROUP / LANES)); LANES = 1:
+    over a whole row."""
     NG: tl.constexpr = D // GROUP
     W: tl.constexpr = D // LANES
     PER: tl.constexpr = GROUP // LANES
     return (tl.reshape(tl.broadcast_to(s.to(MATH)[:, :, None], (BLOCK_N, NG, PER)), (BLOCK_N, W)),
             tl.reshape(tl.broadcast_to(z.to(MATH)[:, :, None], (BLOCK_N, NG, PER)), (BLOCK_N, W)))
+
+
+def _words(C, slot, valid, W: tl.constexpr):
+    """[BLOCK_N, W] 16-bit words: each position's codes from byte offset slot (even) as W
+    little-endian words, the positions past the length masked."""
+    return _rows(C.to(tl.pointer_type(tl.uint16)), slot // 2, valid, W, 1)
 
 
 def _byte_lanes(C, s, z, slot, valid, GROUP: tl.constexpr, D: tl.constexpr,
@@ -403,8 +403,7 @@ def _byte_lanes(C, s, z, slot, valid, GROUP: tl.constexpr, D: tl.constexpr,
     q's registers, read from shared memory a tile at a time, are then copied into the dot's
     operand order (56 moves in int8's 645 instructions a tile of 16). Words keep two a
     register, as float16's operands do: q's load straight into place."""
-    W: tl.constexpr = D // 2
-    words = _rows(C.to(tl.pointer_type(tl.uint16)), slot // 2, valid, W, 1)
+    words = _words(C, slot, valid, D // 2)
     s, z = _lane_meta(s, z, 2, GROUP, D, BLOCK_N, MATH)
     if MATH == tl.float16 and COMPILED:
         low, high = tl.inline_asm_elementwise(WORD_BYTES_TO_HALVES, "=r,=r,r", [words],
@@ -421,8 +420,7 @@ def _nibble_lanes(C, s, z, slot, valid, GROUP: tl.constexpr, D: tl.constexpr,
     """An int4 tile read as 16-bit words (D / 4 a position), as its four lanes [BLOCK_N,
     D/4] in MATH, x = c·s + z: lane j the nibbles at bits 4j (elements 4w + j), for the reason
     `_byte_lanes` gives."""
-    W: tl.constexpr = D // 4
-    words = _rows(C.to(tl.pointer_type(tl.uint16)), slot // 2, valid, W, 1)
+    words = _words(C, slot, valid, D // 4)
     s, z = _lane_meta(s, z, 4, GROUP, D, BLOCK_N, MATH)
     if MATH == tl.float16 and COMPILED:
         a, b, c, d = tl.inline_asm_elementwise(
@@ -481,30 +479,26 @@ def _piece_partials(Q, K, V, Table, Acc, M, L, KS, KZ, VS, VZ, qk_scale, h, b, s
     # instruction's 8 columns, not its 16 rows: half the mma instructions a tile and half the
     # accumulator's registers of the other way round, whose 16 rows were 12 of padding.
     q_ptrs = Q + b * stride_qb + heads[None, :] * stride_qh
-    # q's elements by lane: q those j = 0 mod LANES (or 2, the halves'), q_1 j = 1, ... For
-    # the lanes, q is loaded whole and split in registers: loaded lane by lane (strided),
+    # q's elements by lane (K read in LANES lanes, or in the halves): q those j = 0 mod QL,
+    # q_1 j = 1, ... loaded whole and split in registers: loaded lane by lane (strided),
     # Triton 3.9 made each lane's operand anew each tile by shuffles (32 instructions a tile
     # of int8's 521); split, each is read from shared memory (3.6 does so either way)
-    if LANES > 0:
-        q_all = tl.load(q_ptrs + offs_d[:, None], mask=mask_g[None, :], other=0.0)
-        by_lane = tl.permute(tl.reshape(q_all, (D // LANES, LANES, BLOCK_G)), (0, 2, 1))
-        if LANES == 2:
+    QL: tl.constexpr = LANES if LANES > 0 else (2 if HALVES else 1)
+    q = tl.load(q_ptrs + offs_d[:, None], mask=mask_g[None, :] & mask_d[:, None],
+                other=0.0)  # [BLOCK_D, BLOCK_G]
+    if QL > 1:
+        by_lane = tl.permute(tl.reshape(q, (D // QL, QL, BLOCK_G)), (0, 2, 1))
+        if QL == 2:
             q, q_1 = tl.split(by_lane)  # [D/2, BLOCK_G] each
         else:  # element 4w + j at [w, :, j]: split on j % 2, then on j // 2
             even, odd = tl.split(tl.reshape(by_lane, (D // 4, BLOCK_G, 2, 2)))
             q, q_2 = tl.split(even)
             q_1, q_3 = tl.split(odd)
-    elif HALVES:
-        q = tl.load(q_ptrs + 2 * offs_w[:, None], mask=mask_g[None, :], other=0.0)
-        q_1 = tl.load(q_ptrs + 2 * offs_w[:, None] + 1, mask=mask_g[None, :], other=0.0)
-    else:
-        q = tl.load(q_ptrs + offs_d[:, None], mask=mask_g[None, :] & mask_d[:, None],
-                    other=0.0)  # [BLOCK_D, BLOCK_G]
     if WIDEN:
         q = q.to(tl.float32)
-        if HALVES or LANES > 0:
+        if QL > 1:
             q_1 = q_1.to(tl.float32)
-        if LANES == 4:
+        if QL == 4:
             q_2 = q_2.to(tl.float32)
             q_3 = q_3.to(tl.float32)
     m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
@@ -551,7 +545,7 @@ def _piece_partials(Q, K, V, Table, Acc, M, L, KS, KZ, VS, VZ, qk_scale, h, b, s
         # the positions innermost (quantized: the weighted sum contracts over positions, so
         # tl.dot reads its operand as words along them, not byte by byte)
         vslot = slot if V_STEP == 1 else page_head + off
-        kmask = valid[None, :] & mask_d[:, None]  # [BLOCK_D, BLOCK_N]
+        dmask = valid[None, :] & mask_d[:, None]  # [BLOCK_D, BLOCK_N]
         if BITS == 0:
             k = tl.load(K + slot[:, None] + offs_d[None, :],
                         mask=valid[:, None] & mask_d[None, :], other=0.0)
@@ -578,7 +572,7 @@ def _piece_partials(Q, K, V, Table, Acc, M, L, KS, KZ, VS, VZ, qk_scale, h, b, s
             k = _int_rows(K, ks, kz, slot, valid, BITS, GROUP, D, BLOCK_N, MATH, 1)
             scores = tl.dot(k.to(q.dtype), q, input_precision=DOT_PRECISION)  # k [N, D]
         else:
-            k = tl.trans(_dequantized(K, KS, KZ, slot, slot_m, offs_d, kmask, BITS, GROUP,
+            k = tl.trans(_dequantized(K, KS, KZ, slot, slot_m, offs_d, dmask, BITS, GROUP,
                                       1).to(dtype))
             scores = tl.dot(k.to(q.dtype), q, input_precision=DOT_PRECISION)
         scores = tl.where(valid[:, None], scores * qk_scale, float("-inf"))
@@ -594,7 +588,7 @@ def _piece_partials(Q, K, V, Table, Acc, M, L, KS, KZ, VS, VZ, qk_scale, h, b, s
         # (positions innermost: every position of the tile's blocks, as `_rows` says; fp8's
         # codes past the length are finite, and their weight 0)
         if V_STEP == 1:
-            vmask = valid[None, :] & mask_d[:, None]
+            vmask = dmask
         else:
             vmask = tl.broadcast_to(mask_d[:, None], (BLOCK_D, BLOCK_N))
         if BITS == 0:
@@ -615,9 +609,8 @@ def _piece_partials(Q, K, V, Table, Acc, M, L, KS, KZ, VS, VZ, qk_scale, h, b, s
             v = tl.trans(v).to(q.dtype)  # [D, BLOCK_N]
             acc += tl.dot(v, p.to(v.dtype), input_precision=DOT_PRECISION)
         else:
-            v = _dequantized(V, VS, VZ, vslot, slot_m, offs_d, valid[None, :] & mask_d[:, None],
-                             BITS, GROUP, V_STEP).to(dtype)
-            v = v.to(q.dtype)  # [BLOCK_D, BLOCK_N]
+            v = _dequantized(V, VS, VZ, vslot, slot_m, offs_d, dmask, BITS, GROUP,
+                             V_STEP).to(dtype).to(q.dtype)  # [BLOCK_D, BLOCK_N]
             acc += tl.dot(v, p.to(v.dtype), input_precision=DOT_PRECISION)
         m_i = m_new
         if AHEAD:
@@ -748,6 +741,7 @@ _rows = triton.jit(_rows)
 _int_rows = triton.jit(_int_rows)
 _int_halves = triton.jit(_int_halves)
 _lane_meta = triton.jit(_lane_meta)
+_words = triton.jit(_words)
 _byte_lanes = triton.jit(_byte_lanes)
 _nibble_lanes = triton.jit(_nibble_lanes)
 _from_codes = triton.jit(_from_codes)
