@@ -372,6 +372,15 @@ def test_the_compiled_code_conversions_of_k_words_give_each_lane_exactly():
         lanes = _run_ptx(triton_decode.WORD_NIBBLES_TO_HALVES.value, [packed], 4)
         for j in range(4):
             assert _elements(lanes[j:j + 1]) == [w >> 4 * j & 15 for w in words], (hex(packed), j)
+        # for the scores that take the exponents off (K's scales folded): each code plus
+        # its lane's exponent, 1024 (int8's lanes, int4's 0 and 2) or 64 (int4's 1 and 3)
+        out = _run_ptx(triton_decode.WORD_BYTES_BIASED.value, [packed], 2)
+        assert _elements(out) == [1024 + (w & 255) for w in words] + [1024 + (w >> 8)
+                                                                       for w in words]
+        lanes = _run_ptx(triton_decode.WORD_NIBBLES_BIASED.value, [packed], 4)
+        for j in range(4):
+            assert _elements(lanes[j:j + 1]) == [(1024, 64)[j % 2] + (w >> 4 * j & 15)
+                                                 for w in words], (hex(packed), j)
 
 
 def test_the_model_of_the_word_conversions_catches_a_wrong_selector_or_mask():
@@ -415,6 +424,61 @@ def test_k_words_with_two_lanes_swapped_fail_the_exact_check(monkeypatch, kv_dty
     config = RunConfig(shape("gqa", head_dim), kv_dtype=kv_dtype, group_size=16)
     report = verify(config, {"triton": TritonCache},
                     ImplOptions(block_size=16, splits=2, kv_dtype=kv_dtype, group_size=16))
+    (result,) = report.checks
+    assert not result.passed
+
+
+@pytest.mark.parametrize("kv_dtype, group, dtype", [
+    ("int8", 64, "float16"), ("int8", 32, "float32"), ("int4", 64, "float16"),
+    ("int4", 64, "bfloat16")])
+@pytest.mark.slow
+def test_k_scales_folded_into_the_scores_pass_the_exact_check(kv_dtype, group, dtype):
+    # D = 64: each lane's share of a group is a whole dot (int8's two lanes 32 or 16 wide,
+    # int4's four 16), so the scores are s·dot + z·sum(q) by group; in float16 each dot is
+    # taken over the codes under their lanes' exponents and starts from minus their share
+    config = RunConfig(shape("gqa", 64), dtype, kv_dtype=kv_dtype, group_size=group)
+    report = verify(config, {"triton": TritonCache},
+                    ImplOptions(block_size=16, splits=2, kv_dtype=kv_dtype, group_size=group))
+    (result,) = report.checks
+    assert result.passed, result.message
+
+
+_BIASED_BYTES, _BIASED_NIBBLES = triton_decode._biased_bytes, triton_decode._biased_nibbles
+
+
+@triton.jit
+def _biased_bytes_swapped(words, BIAS: tl.constexpr, MATH: tl.constexpr):
+    low, high = _BIASED_BYTES(words, BIAS, MATH)
+    return high, low
+
+
+@triton.jit
+def _nibbles_under_one_exponent(words, BIAS: tl.constexpr, BIAS_HIGH: tl.constexpr,
+                                MATH: tl.constexpr):
+    return _BIASED_NIBBLES(words, BIAS, BIAS, MATH)  # lanes 1 and 3 under lane 0's
+
+
+@triton.jit
+def _groups_reversed(C, slot, valid, NG: tl.constexpr, GW: tl.constexpr):
+    return tl.load((C + slot).to(tl.pointer_type(tl.uint16))[None, :, None]
+                   + ((NG - 1 - tl.arange(0, NG)) * GW)[:, None, None]
+                   + tl.arange(0, GW)[None, None, :], mask=valid[None, :, None], other=0)
+
+
+@pytest.mark.parametrize("kv_dtype, group, dtype, helper, planted", [
+    ("int8", 32, "float32", "_biased_bytes", _biased_bytes_swapped),
+    ("int4", 64, "float16", "_biased_nibbles", _nibbles_under_one_exponent),
+    ("int8", 32, "float32", "_grouped_words", _groups_reversed)])
+@pytest.mark.slow
+def test_folded_k_scales_with_a_planted_fault_fail_the_exact_check(monkeypatch, kv_dtype, group,
+                                                                   dtype, helper, planted):
+    # a lane met with another's q; an exponent the scores do not take off (int4's bits 4-7
+    # under 2^10: 1024 + c where 64 + c is taken off); a group's codes under the other
+    # group's scale and zero point
+    monkeypatch.setattr(triton_decode, helper, planted)
+    config = RunConfig(shape("gqa", 64), dtype, kv_dtype=kv_dtype, group_size=group)
+    report = verify(config, {"triton": TritonCache},
+                    ImplOptions(block_size=16, splits=2, kv_dtype=kv_dtype, group_size=group))
     (result,) = report.checks
     assert not result.passed
 

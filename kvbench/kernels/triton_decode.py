@@ -39,8 +39,11 @@ What makes it fast (SGLang's and vLLM's decode kernels, FlashInfer's planner):
   (byte permutes under a float16 exponent, `_from_codes`), x = c·s + z with each group's
   scale and zero point (fetched a tile ahead with the block ids), then the dots as for
   float16. K's int8 and int4 codes are read as 16-bit words, each lane of a word its own dot
-  (`_byte_lanes`); V's are kept positions innermost, so that the weighted sum reads them in
-  words along positions. Other groups decode element by element (`_dequantized`).
+  (`_byte_lanes`); where a group spans a whole dot in every lane, K's scales and zero points
+  are folded into the scores instead (`_grouped_words`: each group's dot over the codes, then
+  s·dot + z·sum(q) in float32). V's are kept positions innermost, so that the weighted sum
+  reads them in words along positions. Other groups decode element by element
+  (`_dequantized`).
 - **Tunable.** BLOCK_N, num_warps, num_stages and the waves are a `KernelConfig`, looked up
   per device, dtype, K/V format, head dim, group and page size in the table `kvbench tune`
   writes (kvbench/kernels/tuning.py).
@@ -260,11 +263,16 @@ def _dequantized(C, S, Z, slot_c, slot_m, offs_d, mask, BITS: tl.constexpr,
     return q.to(tl.float32) * s + z
 
 
-def _int_meta(S, Z, slot_m, valid, NG: tl.constexpr):
-    """A tile's scales and zero points, [BLOCK_N, NG] each, as stored (fp16)."""
-    groups = slot_m[:, None] + tl.arange(0, NG)[None, :]
-    return (tl.load(S + groups, mask=valid[:, None], other=0.0),
-            tl.load(Z + groups, mask=valid[:, None], other=0.0))
+def _int_meta(S, Z, slot_m, valid, NG: tl.constexpr, BY_GROUP: tl.constexpr):
+    """A tile's scales and zero points, [BLOCK_N, NG] each (BY_GROUP: [NG, BLOCK_N]), as
+    stored (fp16)."""
+    if BY_GROUP:
+        groups = slot_m[None, :] + tl.arange(0, NG)[:, None]
+        live = valid[None, :]
+    else:
+        groups = slot_m[:, None] + tl.arange(0, NG)[None, :]
+        live = valid[:, None]
+    return tl.load(S + groups, mask=live, other=0.0), tl.load(Z + groups, mask=live, other=0.0)
 
 
 def _rows(C, slot, valid, W: tl.constexpr, STEP: tl.constexpr):
@@ -329,6 +337,17 @@ WORD_BYTES_TO_HALVES = tl.constexpr(
     "{ .reg .b32 e, x; mov.b32 e, 0x64646464; mov.b32 x, 0x64006400; "
     "prmt.b32 $0, $2, e, 0x4240; prmt.b32 $1, $2, e, 0x4341; "  # each word's low, high byte
     "sub.f16x2 $0, $0, x; sub.f16x2 $1, $1, x; }")
+# The same without the subtractions: each code plus its lane's exponent (1024, or 64 for
+# int4's bits 4-7 and 12-15), for the dots whose scores take the exponents off (FOLD)
+WORD_BYTES_BIASED = tl.constexpr(
+    "{ .reg .b32 e; mov.b32 e, 0x64646464; "
+    "prmt.b32 $0, $2, e, 0x4240; prmt.b32 $1, $2, e, 0x4341; }")
+WORD_NIBBLES_BIASED = tl.constexpr(
+    "{ .reg .b32 e; mov.b32 e, 0x5464; "
+    "prmt.b32 $0, $4, e, 0x4240; and.b32 $0, $0, 0xFF0FFF0F; "
+    "prmt.b32 $1, $4, e, 0x5250; and.b32 $1, $1, 0xFFF0FFF0; "
+    "prmt.b32 $2, $4, e, 0x4341; and.b32 $2, $2, 0xFF0FFF0F; "
+    "prmt.b32 $3, $4, e, 0x5351; and.b32 $3, $3, 0xFFF0FFF0; }")
 WORD_NIBBLES_TO_HALVES = tl.constexpr(
     "{ .reg .b32 e, x, y; mov.b32 e, 0x5464; mov.b32 x, 0x64006400; mov.b32 y, 0x54005400; "
     "prmt.b32 $0, $4, e, 0x4240; and.b32 $0, $0, 0xFF0FFF0F; "  # bits 0-3 of each word, 2^10
@@ -434,6 +453,34 @@ def _nibble_lanes(C, s, z, slot, valid, GROUP: tl.constexpr, D: tl.constexpr,
     return a * s + z, b * s + z, c * s + z, d * s + z
 
 
+def _grouped_words(C, slot, valid, NG: tl.constexpr, GW: tl.constexpr):
+    """[NG, BLOCK_N, GW] 16-bit words: group g's GW words of each position (from byte offset
+    slot, even), the positions past the length masked."""
+    return tl.load((C + slot).to(tl.pointer_type(tl.uint16))[None, :, None]
+                   + (tl.arange(0, NG) * GW)[:, None, None] + tl.arange(0, GW)[None, None, :],
+                   mask=valid[None, :, None], other=0)
+
+
+def _biased_bytes(words, BIAS: tl.constexpr, MATH: tl.constexpr):
+    """int8 words as their two lanes in MATH (each word's low byte, its high byte), each code
+    plus BIAS (1024 compiled in float16: the codes under the exponent, not taken off)."""
+    if MATH == tl.float16 and COMPILED:
+        return tl.inline_asm_elementwise(WORD_BYTES_BIASED, "=r,=r,r", [words],
+                                         dtype=(tl.float16, tl.float16), is_pure=True, pack=2)
+    return (words & 255).to(MATH) + BIAS, (words >> 8).to(MATH) + BIAS
+
+
+def _biased_nibbles(words, BIAS: tl.constexpr, BIAS_HIGH: tl.constexpr, MATH: tl.constexpr):
+    """int4 words as their four lanes in MATH (the nibbles at bits 0, 4, 8, 12), each code plus
+    BIAS (lanes 0 and 2) or BIAS_HIGH (1 and 3): 1024 and 64 compiled in float16."""
+    if MATH == tl.float16 and COMPILED:
+        return tl.inline_asm_elementwise(
+            WORD_NIBBLES_BIASED, "=r,=r,=r,=r,r", [words],
+            dtype=(tl.float16, tl.float16, tl.float16, tl.float16), is_pure=True, pack=2)
+    return ((words & 15).to(MATH) + BIAS, ((words >> 4) & 15).to(MATH) + BIAS_HIGH,
+            ((words >> 8) & 15).to(MATH) + BIAS, (words >> 12).to(MATH) + BIAS_HIGH)
+
+
 def _piece_partials(Q, K, V, Table, Acc, M, L, KS, KZ, VS, VZ, qk_scale, h, b, s, length,
                     first, end, stride_qb, stride_qh, stride_kn, stride_kh, stride_kt,
                     stride_tb, stride_ab, stride_ah, stride_as, stride_mb, stride_mh,
@@ -473,6 +520,22 @@ def _piece_partials(Q, K, V, Table, Acc, M, L, KS, KZ, VS, VZ, qk_scale, h, b, s
     # the int formats' c·s + z in the activation dtype (its registers: half of float32's
     # for a 16-bit dtype), in float32 where the interpreter widens
     MATH: tl.constexpr = tl.float32 if WIDEN else dtype
+    # K's scales and zero points folded into the scores (FOLD), where each lane's share of a
+    # group is wide enough for tl.dot. A position's score is the sum over its groups g of
+    # s_g·(c_g · q_g) + z_g·sum(q_g): each group's dot is taken over the codes as the word
+    # conversion leaves them, under their lane's exponent (c + 1024, or c + 64 for int4's
+    # nibbles at bits 4 and 12: BIAS, BIAS_HIGH), starting from minus the exponents' share
+    # of q (the mma's accumulator input), and scaled in float32. K's tile takes no
+    # subtraction and no c·s + z (two instructions of every two codes: 64 a tile of 16 at
+    # D = 128), for 4 multiply-adds a score a group. The dots' float32 sums carry the
+    # exponents' 1024·sum(q) until they are taken off: rounded at 2^-24 of it, 2^-14 of
+    # sum(|q|), below the float16 rounding of each element dequantized (2^-11 of it).
+    # In float32 and bfloat16 (whose 8 bits cannot hold 1024 + c) the codes are converted
+    # without an exponent: BIAS 0.
+    FOLD: tl.constexpr = LANES > 0 and GROUP >= 16 * LANES
+    BIASED: tl.constexpr = MATH == tl.float16
+    BIAS: tl.constexpr = 1024.0 * BIASED  # int8's lanes, int4's 0 and 2
+    BIAS_HIGH: tl.constexpr = (64.0 if BITS == 4 else 1024.0) * BIASED  # int4's 1 and 3
     # Positions are the dots' rows and the query heads their columns: scores [BLOCK_N,
     # BLOCK_G] = K's tile [BLOCK_N, D] x q [D, BLOCK_G], acc [D, BLOCK_G] += V's tile [D,
     # BLOCK_N] x p [BLOCK_N, BLOCK_G]. The G query heads (4 for Llama-3-8B) are the mma
@@ -501,6 +564,25 @@ def _piece_partials(Q, K, V, Table, Acc, M, L, KS, KZ, VS, VZ, qk_scale, h, b, s
         if QL == 4:
             q_2 = q_2.to(tl.float32)
             q_3 = q_3.to(tl.float32)
+    if FOLD:  # each lane's q by group [NG, GW, BLOCK_G]; q's sums by group [NG, BLOCK_G]
+        GW: tl.constexpr = GROUP // LANES
+        q = tl.reshape(q, (NG, GW, BLOCK_G))
+        q_1 = tl.reshape(q_1, (NG, GW, BLOCK_G))
+        sums = tl.sum(q.to(tl.float32), 1)
+        sums_1 = tl.sum(q_1.to(tl.float32), 1)
+        if LANES == 4:
+            q_2 = tl.reshape(q_2, (NG, GW, BLOCK_G))
+            q_3 = tl.reshape(q_3, (NG, GW, BLOCK_G))
+            sums_2 = tl.sum(q_2.to(tl.float32), 1)
+            sums_3 = tl.sum(q_3.to(tl.float32), 1)
+            q_sum = sums + sums_1 + sums_2 + sums_3
+            q_bias = BIAS * (sums + sums_2) + BIAS_HIGH * (sums_1 + sums_3)
+        else:
+            q_sum = sums + sums_1
+            q_bias = BIAS * q_sum
+        # the dots start from minus the exponents' share: the first mma's accumulator input,
+        # no instruction a tile
+        unbias = tl.broadcast_to(-q_bias[:, None, :], (NG, BLOCK_N, BLOCK_G))
     m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
     if HALVES:
@@ -520,8 +602,8 @@ def _piece_partials(Q, K, V, Table, Acc, M, L, KS, KZ, VS, VZ, qk_scale, h, b, s
                               BLOCK_N, PAGE)
     if PACKED:
         slot_m = block * stride_sn + h * stride_sh + off * stride_st
-        ks, kz = _int_meta(KS, KZ, slot_m, valid, NG)  # [BLOCK_N, NG] each
-        vs, vz = _int_meta(VS, VZ, slot_m, valid, NG)
+        ks, kz = _int_meta(KS, KZ, slot_m, valid, NG, FOLD)  # [BLOCK_N, NG] ([NG, BLOCK_N])
+        vs, vz = _int_meta(VS, VZ, slot_m, valid, NG, False)
     for i in range(STATIC_TILES if STATIC_TILES > 0 else end - first):
         t = first + i
         if AHEAD:
@@ -529,15 +611,15 @@ def _piece_partials(Q, K, V, Table, Acc, M, L, KS, KZ, VS, VZ, qk_scale, h, b, s
                                          stride_tb, BLOCK_N, PAGE)
             if PACKED:
                 nslot_m = nblock * stride_sn + h * stride_sh + noff * stride_st
-                nks, nkz = _int_meta(KS, KZ, nslot_m, nvalid, NG)
-                nvs, nvz = _int_meta(VS, VZ, nslot_m, nvalid, NG)
+                nks, nkz = _int_meta(KS, KZ, nslot_m, nvalid, NG, FOLD)
+                nvs, nvz = _int_meta(VS, VZ, nslot_m, nvalid, NG, False)
         else:
             block, off, valid = _tile(Table, b, t, tl.where(t < end, length, 0), stride_tb,
                                       BLOCK_N, PAGE)
             if PACKED:
                 slot_m = block * stride_sn + h * stride_sh + off * stride_st
-                ks, kz = _int_meta(KS, KZ, slot_m, valid, NG)
-                vs, vz = _int_meta(VS, VZ, slot_m, valid, NG)
+                ks, kz = _int_meta(KS, KZ, slot_m, valid, NG, FOLD)
+                vs, vz = _int_meta(VS, VZ, slot_m, valid, NG, False)
         page_head = block * stride_kn + h * stride_kh  # [BLOCK_N]: K's and V's alike
         slot = page_head + off * stride_kt
         slot_m = block * stride_sn + h * stride_sh + off * stride_st  # (element-wise int)
@@ -554,6 +636,20 @@ def _piece_partials(Q, K, V, Table, Acc, M, L, KS, KZ, VS, VZ, qk_scale, h, b, s
             if WIDEN:
                 k = k.to(tl.float32)
             scores = tl.dot(k, q, input_precision=DOT_PRECISION)  # [BLOCK_N, BLOCK_G]
+        elif FOLD:
+            words = _grouped_words(K, slot, valid, NG, GW)  # [NG, BLOCK_N, GW]
+            if LANES == 2:
+                k, k_1 = _biased_bytes(words, BIAS, MATH)
+                dots = tl.dot(k.to(q.dtype), q, unbias, input_precision=DOT_PRECISION)
+                dots = tl.dot(k_1.to(q.dtype), q_1, dots, input_precision=DOT_PRECISION)
+            else:
+                k, k_1, k_2, k_3 = _biased_nibbles(words, BIAS, BIAS_HIGH, MATH)
+                dots = tl.dot(k.to(q.dtype), q, unbias, input_precision=DOT_PRECISION)
+                dots = tl.dot(k_1.to(q.dtype), q_1, dots, input_precision=DOT_PRECISION)
+                dots = tl.dot(k_2.to(q.dtype), q_2, dots, input_precision=DOT_PRECISION)
+                dots = tl.dot(k_3.to(q.dtype), q_3, dots, input_precision=DOT_PRECISION)
+            scores = tl.sum(ks.to(tl.float32)[:, :, None] * dots
+                            + kz.to(tl.float32)[:, :, None] * q_sum[:, None, :], 0)
         elif LANES == 2:
             k, k_odd = _byte_lanes(K, ks, kz, slot, valid, GROUP, D, BLOCK_N, MATH)
             scores = tl.dot(k.to(q.dtype), q, input_precision=DOT_PRECISION)
@@ -744,6 +840,9 @@ _lane_meta = triton.jit(_lane_meta)
 _words = triton.jit(_words)
 _byte_lanes = triton.jit(_byte_lanes)
 _nibble_lanes = triton.jit(_nibble_lanes)
+_grouped_words = triton.jit(_grouped_words)
+_biased_bytes = triton.jit(_biased_bytes)
+_biased_nibbles = triton.jit(_biased_nibbles)
 _from_codes = triton.jit(_from_codes)
 _nibbles = triton.jit(_nibbles)
 _piece_partials = triton.jit(_piece_partials, noinline=True)
@@ -905,6 +1004,7 @@ def stage1_args(q, k_pool, v_pool, table, lengths, scale, launch: Launch, store=
         "PAGE": page, "DOT_PRECISION": precision, "WIDEN": widen, "BITS": bits,
         "GROUP": group, "PACKED": packed, "FP8": fp8,
         "STATIC_TILES": static_tiles(longest, launch), "AHEAD": True, "V_STEP": v_step,
+
         "num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
     return (launch.programs, Hkv), args, constants
 

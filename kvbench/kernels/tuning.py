@@ -30,7 +30,7 @@ DEFAULT = KernelConfig()  # the CPU's (Triton's interpreter has no launch to tun
 # in the tile loop, and its waves are the programs an sm_90 multiprocessor holds at its
 # registers and shared memory under Triton 3.6 (the lent machine's) and at most those under
 # 3.9, so the work list fills whole waves and never more than an SM holds (fp16 8, fp8 14,
-# int8 14 and int4 16 under both). The GQA kernels run one
+# int8 12 and int4 15 under 3.6; 14 and 16 under 3.9). The GQA kernels run one
 # warp a program, the query heads that share a KV head as the dots' columns (8, the mma
 # instruction's; `triton_decode._piece_partials`): spread over the warps of a bigger
 # program, a tile's scores would cross warps through shared memory behind a barrier each
@@ -39,8 +39,8 @@ DEFAULT = KernelConfig()  # the CPU's (Triton's interpreter has no launch to tun
 DEFAULTS = {
     ("gqa", None): KernelConfig(block_n=16, num_warps=1, num_stages=4, waves=8),
     ("gqa", "fp8"): KernelConfig(block_n=16, num_warps=1, num_stages=4, waves=14),
-    ("gqa", "int8"): KernelConfig(block_n=16, num_warps=1, num_stages=4, waves=14),
-    ("gqa", "int4"): KernelConfig(block_n=16, num_warps=1, num_stages=4, waves=16),
+    ("gqa", "int8"): KernelConfig(block_n=16, num_warps=1, num_stages=4, waves=12),
+    ("gqa", "int4"): KernelConfig(block_n=16, num_warps=1, num_stages=4, waves=15),
     ("gqa", "int2"): KernelConfig(block_n=64, num_warps=4, num_stages=3, waves=3),
     ("mla", None): KernelConfig(block_n=16, num_warps=4, num_stages=4, waves=3),
     ("mla", "fp8"): KernelConfig(block_n=32, num_warps=8, num_stages=4, waves=1),
