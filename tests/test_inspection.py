@@ -4,7 +4,6 @@
 import json
 import os
 from dataclasses import replace
-from importlib.metadata import version
 
 import pytest
 from typer.testing import CliRunner
@@ -15,7 +14,6 @@ from kvbench.kernels import aot, inspection, tuning
 pytestmark = pytest.mark.xdist_group("inspection")  # one worker compiles (a minute, cached)
 
 TARGETED = ("fp16", "bf16", "fp8", "int8", "int4")  # 2 tiles on their way, no spills
-LENT_TRITON = version("triton").startswith("3.6.")  # the lent machine's (compat-check.sh)
 
 
 def _skip_without_compiler():
@@ -41,12 +39,8 @@ def fetched_late():
 @pytest.mark.parametrize("fmt", TARGETED)
 @pytest.mark.slow
 def test_each_format_keeps_two_tiles_in_flight_without_spilling(rows, fmt):
-    # nothing spilled in the loop; under Triton 3.6 (the lent machine's) nothing at all.
-    # 3.9's ptxas holds int8's stage 1 to 128 registers and keeps two values the loop does
-    # not use on the stack across it (16 B, stored before and loaded after)
     r = rows[("triton stage1", fmt)]
-    assert r.tiles_in_flight >= 2 and r.loop_spill_ops == 0, r
-    assert r.spills == 0 or (not LENT_TRITON and r.spills <= 16), r
+    assert r.tiles_in_flight >= 2 and r.loop_spill_ops == 0 and r.spills == 0, r
     assert r.flight_bytes_sm >= inspection.NEEDED_FLIGHT_BYTES and r.load_ratio == 1.0, r
 
 
@@ -75,14 +69,16 @@ def test_every_format_reads_its_codes_as_words_at_a_bounded_cost(rows):
     # (two constants an instruction made ptxas load a mask again before each use: 1.48 /
     # 1.54). The query heads are the dots' columns (positions their rows): every format's
     # loop a fifth shorter, fp16's most of all. K's int scales and zero points folded into
-    # the scores: no exponent subtracted and no c·s + z on K's tile. Instructions a
-    # position, Triton 3.9 / 3.6: fp16 21.8 / 20.7, fp8 21.3 / 19.6, int8 26.9 / 28.1, int4
-    # 29.9 / 30.8 (K dequantized: int8 31.3 / 30.6, int4 33.2 / 32.8; heads as rows: 27.0 /
+    # the scores, their codes loaded without a mask: no exponent subtracted, no c·s + z and
+    # no compare and select a copy on K's tile (the issue's goals: int8 1.3, int4 1.5, fp8
+    # 1.2 times fp16's). Instructions a
+    # position, Triton 3.9 / 3.6: fp16 21.8 / 20.7, fp8 21.3 / 19.6, int8 26.3 / 26.1, int4
+    # 29.4 / 29.5 (K dequantized: int8 31.3 / 30.6, int4 33.2 / 32.8; heads as rows: 27.0 /
     # 26.1, 28.4 / 29.0, 36.8 / 36.6, 38.8 / 38.8; as the issue found them 29.1, 59.2, 75.0,
     # 66.2 under 3.9).
     fp16 = rows[("triton stage1", "fp16")].sass_per_position
     assert fp16 <= 23, fp16
-    for fmt, most, ratio in (("fp8", 23, 1.1), ("int8", 29, 1.4), ("int4", 32, 1.5)):
+    for fmt, most, ratio in (("fp8", 23, 1.1), ("int8", 27, 1.3), ("int4", 30, 1.5)):
         r = rows[("triton stage1", fmt)]
         assert r.shared_byte_reads == 0, r
         assert r.sass_per_position <= most, (fmt, r.sass_per_position)
@@ -107,9 +103,9 @@ def test_v_codes_laid_out_as_ks_are_read_a_byte_at_a_time():
 
 def test_the_4_bit_tile_is_dequantized_in_registers(rows):
     # its even and odd elements kept apart (two dots, two accumulators): no interleave
-    # through shared memory; what it stores there is its scales' and zero points' 16 B a
-    # position (2 groups of 64, fp16, K's and V's; 24 under Triton 3.9, which makes K's
-    # float32 before their layout change), as int8 does (interleaved: 264 B)
+    # through shared memory; what it stores there is its scales' and zero points' 24 B a
+    # position (2 groups of 64: K's in float32, folded into the scores, V's in fp16), as int8
+    # does (interleaved: 264 B)
     int4, int8 = rows[("triton stage1", "int4")], rows[("triton stage1", "int8")]
     assert int4.smem_store_per_position <= int8.smem_store_per_position <= 24, int4
 

@@ -465,6 +465,36 @@ def _groups_reversed(C, slot, valid, NG: tl.constexpr, GW: tl.constexpr):
                    + tl.arange(0, GW)[None, None, :], mask=valid[None, :, None], other=0)
 
 
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+@pytest.mark.slow
+def test_k_blocks_past_the_length_may_hold_anything(monkeypatch, dtype):
+    # folded, K's codes, scales and zero points are loaded for every position of a tile's
+    # blocks (no mask: the copies stay whole); past the length they may hold anything, NaN
+    # scales too (here every K scale and zero point the cache has not written): the scores
+    # there are masked
+    import torch
+
+    from kvbench.formats import quant
+
+    real, stores = quant.QuantizedStore.__init__, []
+
+    def poisoned(self, *args, **kwargs):
+        real(self, *args, **kwargs)
+        for name in ("k_scale", "k_zero"):
+            self.tensors[name].fill_(float("nan"))
+        self.tensors["k_codes"].fill_(255)
+        stores.append(self)
+
+    monkeypatch.setattr(quant.QuantizedStore, "__init__", poisoned)
+    config = RunConfig(shape("gqa", 64), dtype, kv_dtype="int8", group_size=64)
+    report = verify(config, {"triton": TritonCache},
+                    ImplOptions(block_size=16, splits=2, kv_dtype="int8", group_size=64))
+    (result,) = report.checks
+    assert result.passed, result.message
+    # (the paged pool's blocks past the lengths still hold them)
+    assert any(torch.isnan(x.tensors["k_scale"]).any() for x in stores)
+
+
 @pytest.mark.parametrize("kv_dtype, group, dtype, helper, planted", [
     ("int8", 32, "float32", "_biased_bytes", _biased_bytes_swapped),
     ("int4", 64, "float16", "_biased_nibbles", _nibbles_under_one_exponent),

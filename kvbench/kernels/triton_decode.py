@@ -263,16 +263,19 @@ def _dequantized(C, S, Z, slot_c, slot_m, offs_d, mask, BITS: tl.constexpr,
     return q.to(tl.float32) * s + z
 
 
-def _int_meta(S, Z, slot_m, valid, NG: tl.constexpr, BY_GROUP: tl.constexpr):
-    """A tile's scales and zero points, [BLOCK_N, NG] each (BY_GROUP: [NG, BLOCK_N]), as
-    stored (fp16)."""
-    if BY_GROUP:
-        groups = slot_m[None, :] + tl.arange(0, NG)[:, None]
-        live = valid[None, :]
-    else:
-        groups = slot_m[:, None] + tl.arange(0, NG)[None, :]
-        live = valid[:, None]
-    return tl.load(S + groups, mask=live, other=0.0), tl.load(Z + groups, mask=live, other=0.0)
+def _int_meta(S, Z, slot_m, valid, NG: tl.constexpr):
+    """A tile's scales and zero points, [BLOCK_N, NG] each, as stored (fp16); 0 past the
+    length."""
+    groups = slot_m[:, None] + tl.arange(0, NG)[None, :]
+    return (tl.load(S + groups, mask=valid[:, None], other=0.0),
+            tl.load(Z + groups, mask=valid[:, None], other=0.0))
+
+
+def _group_meta(S, Z, slot_m, NG: tl.constexpr):
+    """K's scales and zero points by group, [NG, BLOCK_N] each, in float32, every position of
+    the tile's blocks loaded (the scores past the length are masked)."""
+    groups = slot_m[None, :] + tl.arange(0, NG)[:, None]
+    return tl.load(S + groups).to(tl.float32), tl.load(Z + groups).to(tl.float32)
 
 
 def _rows(C, slot, valid, W: tl.constexpr, STEP: tl.constexpr):
@@ -455,10 +458,11 @@ def _nibble_lanes(C, s, z, slot, valid, GROUP: tl.constexpr, D: tl.constexpr,
 
 def _grouped_words(C, slot, valid, NG: tl.constexpr, GW: tl.constexpr):
     """[NG, BLOCK_N, GW] 16-bit words: group g's GW words of each position (from byte offset
-    slot, even), the positions past the length masked."""
+    slot, even). Every position of the tile's blocks is loaded (the scores past the length are
+    masked): a mask on each position's copies cost int8's loop 21 instructions a tile under
+    Triton 3.6 (each 16-byte copy's size chosen by a compare and a select)."""
     return tl.load((C + slot).to(tl.pointer_type(tl.uint16))[None, :, None]
-                   + (tl.arange(0, NG) * GW)[:, None, None] + tl.arange(0, GW)[None, None, :],
-                   mask=valid[None, :, None], other=0)
+                   + (tl.arange(0, NG) * GW)[:, None, None] + tl.arange(0, GW)[None, None, :])
 
 
 def _biased_bytes(words, BIAS: tl.constexpr, MATH: tl.constexpr):
@@ -602,8 +606,11 @@ def _piece_partials(Q, K, V, Table, Acc, M, L, KS, KZ, VS, VZ, qk_scale, h, b, s
                               BLOCK_N, PAGE)
     if PACKED:
         slot_m = block * stride_sn + h * stride_sh + off * stride_st
-        ks, kz = _int_meta(KS, KZ, slot_m, valid, NG, FOLD)  # [BLOCK_N, NG] ([NG, BLOCK_N])
-        vs, vz = _int_meta(VS, VZ, slot_m, valid, NG, False)
+        if FOLD:
+            ks, kz = _group_meta(KS, KZ, slot_m, NG)  # [NG, BLOCK_N] each
+        else:
+            ks, kz = _int_meta(KS, KZ, slot_m, valid, NG)  # [BLOCK_N, NG] each
+        vs, vz = _int_meta(VS, VZ, slot_m, valid, NG)
     for i in range(STATIC_TILES if STATIC_TILES > 0 else end - first):
         t = first + i
         if AHEAD:
@@ -611,15 +618,21 @@ def _piece_partials(Q, K, V, Table, Acc, M, L, KS, KZ, VS, VZ, qk_scale, h, b, s
                                          stride_tb, BLOCK_N, PAGE)
             if PACKED:
                 nslot_m = nblock * stride_sn + h * stride_sh + noff * stride_st
-                nks, nkz = _int_meta(KS, KZ, nslot_m, nvalid, NG, FOLD)
-                nvs, nvz = _int_meta(VS, VZ, nslot_m, nvalid, NG, False)
+                if FOLD:
+                    nks, nkz = _group_meta(KS, KZ, nslot_m, NG)
+                else:
+                    nks, nkz = _int_meta(KS, KZ, nslot_m, nvalid, NG)
+                nvs, nvz = _int_meta(VS, VZ, nslot_m, nvalid, NG)
         else:
             block, off, valid = _tile(Table, b, t, tl.where(t < end, length, 0), stride_tb,
                                       BLOCK_N, PAGE)
             if PACKED:
                 slot_m = block * stride_sn + h * stride_sh + off * stride_st
-                ks, kz = _int_meta(KS, KZ, slot_m, valid, NG, FOLD)
-                vs, vz = _int_meta(VS, VZ, slot_m, valid, NG, False)
+                if FOLD:
+                    ks, kz = _group_meta(KS, KZ, slot_m, NG)
+                else:
+                    ks, kz = _int_meta(KS, KZ, slot_m, valid, NG)
+                vs, vz = _int_meta(VS, VZ, slot_m, valid, NG)
         page_head = block * stride_kn + h * stride_kh  # [BLOCK_N]: K's and V's alike
         slot = page_head + off * stride_kt
         slot_m = block * stride_sn + h * stride_sh + off * stride_st  # (element-wise int)
@@ -648,8 +661,7 @@ def _piece_partials(Q, K, V, Table, Acc, M, L, KS, KZ, VS, VZ, qk_scale, h, b, s
                 dots = tl.dot(k_1.to(q.dtype), q_1, dots, input_precision=DOT_PRECISION)
                 dots = tl.dot(k_2.to(q.dtype), q_2, dots, input_precision=DOT_PRECISION)
                 dots = tl.dot(k_3.to(q.dtype), q_3, dots, input_precision=DOT_PRECISION)
-            scores = tl.sum(ks.to(tl.float32)[:, :, None] * dots
-                            + kz.to(tl.float32)[:, :, None] * q_sum[:, None, :], 0)
+            scores = tl.sum(ks[:, :, None] * dots + kz[:, :, None] * q_sum[:, None, :], 0)
         elif LANES == 2:
             k, k_odd = _byte_lanes(K, ks, kz, slot, valid, GROUP, D, BLOCK_N, MATH)
             scores = tl.dot(k.to(q.dtype), q, input_precision=DOT_PRECISION)
@@ -833,6 +845,7 @@ _tile = triton.jit(_tile)
 _codes = triton.jit(_codes)
 _dequantized = triton.jit(_dequantized)
 _int_meta = triton.jit(_int_meta)
+_group_meta = triton.jit(_group_meta)
 _rows = triton.jit(_rows)
 _int_rows = triton.jit(_int_rows)
 _int_halves = triton.jit(_int_halves)
