@@ -459,10 +459,10 @@ def _nibbles_under_one_exponent(words, BIAS: tl.constexpr, BIAS_HIGH: tl.constex
 
 
 @triton.jit
-def _groups_reversed(C, slot, valid, NG: tl.constexpr, GW: tl.constexpr):
+def _groups_reversed(C, slot, NG: tl.constexpr, GW: tl.constexpr):
     return tl.load((C + slot).to(tl.pointer_type(tl.uint16))[None, :, None]
                    + ((NG - 1 - tl.arange(0, NG)) * GW)[:, None, None]
-                   + tl.arange(0, GW)[None, None, :], mask=valid[None, :, None], other=0)
+                   + tl.arange(0, GW)[None, None, :])
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float16"])

@@ -456,7 +456,7 @@ def _nibble_lanes(C, s, z, slot, valid, GROUP: tl.constexpr, D: tl.constexpr,
     return a * s + z, b * s + z, c * s + z, d * s + z
 
 
-def _grouped_words(C, slot, valid, NG: tl.constexpr, GW: tl.constexpr):
+def _grouped_words(C, slot, NG: tl.constexpr, GW: tl.constexpr):
     """[NG, BLOCK_N, GW] 16-bit words: group g's GW words of each position (from byte offset
     slot, even). Every position of the tile's blocks is loaded (the scores past the length are
     masked): a mask on each position's copies cost int8's loop 21 instructions a tile under
@@ -531,9 +531,10 @@ def _piece_partials(Q, K, V, Table, Acc, M, L, KS, KZ, VS, VZ, qk_scale, h, b, s
     # nibbles at bits 4 and 12: BIAS, BIAS_HIGH), starting from minus the exponents' share
     # of q (the mma's accumulator input), and scaled in float32. K's tile takes no
     # subtraction and no c·s + z (two instructions of every two codes: 64 a tile of 16 at
-    # D = 128), for 4 multiply-adds a score a group. The dots' float32 sums carry the
-    # exponents' 1024·sum(q) until they are taken off: rounded at 2^-24 of it, 2^-14 of
-    # sum(|q|), below the float16 rounding of each element dequantized (2^-11 of it).
+    # D = 128), for two multiply-adds a score a group (s·dot, z·sum(q)) and the scales made
+    # float32. The dots' float32 sums carry the exponents' 1024·sum(q) until they are taken
+    # off: rounded at 2^-24 of it, 2^-14 of sum(|q|), below the float16 rounding of each
+    # element dequantized (2^-11 of it).
     # In float32 and bfloat16 (whose 8 bits cannot hold 1024 + c) the codes are converted
     # without an exponent: BIAS 0.
     FOLD: tl.constexpr = LANES > 0 and GROUP >= 16 * LANES
@@ -650,7 +651,7 @@ def _piece_partials(Q, K, V, Table, Acc, M, L, KS, KZ, VS, VZ, qk_scale, h, b, s
                 k = k.to(tl.float32)
             scores = tl.dot(k, q, input_precision=DOT_PRECISION)  # [BLOCK_N, BLOCK_G]
         elif FOLD:
-            words = _grouped_words(K, slot, valid, NG, GW)  # [NG, BLOCK_N, GW]
+            words = _grouped_words(K, slot, NG, GW)  # [NG, BLOCK_N, GW]
             if LANES == 2:
                 k, k_1 = _biased_bytes(words, BIAS, MATH)
                 dots = tl.dot(k.to(q.dtype), q, unbias, input_precision=DOT_PRECISION)
@@ -1017,7 +1018,6 @@ def stage1_args(q, k_pool, v_pool, table, lengths, scale, launch: Launch, store=
         "PAGE": page, "DOT_PRECISION": precision, "WIDEN": widen, "BITS": bits,
         "GROUP": group, "PACKED": packed, "FP8": fp8,
         "STATIC_TILES": static_tiles(longest, launch), "AHEAD": True, "V_STEP": v_step,
-
         "num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
     return (launch.programs, Hkv), args, constants
 
