@@ -399,16 +399,16 @@ _BYTE_LANES, _NIBBLE_LANES = triton_decode._byte_lanes, triton_decode._nibble_la
 
 
 @triton.jit
-def _byte_lanes_swapped(C, s, z, slot, valid, GROUP: tl.constexpr, D: tl.constexpr,
+def _byte_lanes_swapped(C, s, z, slot, GROUP: tl.constexpr, D: tl.constexpr,
                         BLOCK_N: tl.constexpr, MATH: tl.constexpr):
-    low, high = _BYTE_LANES(C, s, z, slot, valid, GROUP, D, BLOCK_N, MATH)
+    low, high = _BYTE_LANES(C, s, z, slot, GROUP, D, BLOCK_N, MATH)
     return high, low
 
 
 @triton.jit
-def _nibble_lanes_swapped(C, s, z, slot, valid, GROUP: tl.constexpr, D: tl.constexpr,
+def _nibble_lanes_swapped(C, s, z, slot, GROUP: tl.constexpr, D: tl.constexpr,
                           BLOCK_N: tl.constexpr, MATH: tl.constexpr):
-    a, b, c, d = _NIBBLE_LANES(C, s, z, slot, valid, GROUP, D, BLOCK_N, MATH)
+    a, b, c, d = _NIBBLE_LANES(C, s, z, slot, GROUP, D, BLOCK_N, MATH)
     return a, c, b, d
 
 

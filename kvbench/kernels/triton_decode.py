@@ -271,28 +271,33 @@ def _int_meta(S, Z, slot_m, valid, NG: tl.constexpr):
             tl.load(Z + groups, mask=valid[:, None], other=0.0))
 
 
-def _group_meta(S, Z, slot_m, NG: tl.constexpr):
-    """K's scales and zero points by group, [NG, BLOCK_N] each, in float32, every position of
-    the tile's blocks loaded (the scores past the length are masked)."""
-    groups = slot_m[None, :] + tl.arange(0, NG)[:, None]
-    return tl.load(S + groups).to(tl.float32), tl.load(Z + groups).to(tl.float32)
+def _k_meta(S, Z, slot_m, valid, NG: tl.constexpr, FOLD: tl.constexpr):
+    """K's scales and zero points: folded into the scores (FOLD), by group [NG, BLOCK_N] in
+    float32, every position of the tile's blocks loaded (the scores past the length are
+    masked; made float32 as they load, Triton 3.6 converts them before their layout change,
+    not after: 2 conversions a tile, not 8); else as `_int_meta`."""
+    if FOLD:
+        groups = slot_m[None, :] + tl.arange(0, NG)[:, None]
+        s = tl.load(S + groups).to(tl.float32)
+        z = tl.load(Z + groups).to(tl.float32)
+    else:
+        s, z = _int_meta(S, Z, slot_m, valid, NG)
+    return s, z
 
 
-def _rows(C, slot, valid, W: tl.constexpr, STEP: tl.constexpr):
+def _rows(C, slot, W: tl.constexpr, STEP: tl.constexpr):
     """[BLOCK_N, W] bytes: each position's W bytes of codes, byte j at slot + j · STEP.
-    STEP = 1: the positions past the length masked. STEP > 1 (positions innermost): every
-    position of the tile's blocks loaded, so that the copy runs along positions in words (a
-    mask that changes from one position to the next would cut it to bytes, which cp.async
-    does not take: the load would not be pipelined). The tile's blocks are real (ids past
-    the length load as block 0) and their codes finite; the positions past the length weigh
-    exactly 0 (their scale and zero point load as 0)."""
-    ptrs = C + slot[:, None] + tl.arange(0, W)[None, :] * STEP
-    if STEP == 1:
-        return tl.load(ptrs, mask=valid[:, None], other=0)
-    return tl.load(ptrs)
+    Every position of the tile's blocks is loaded, past the length too: the blocks are real
+    (ids past the length load as block 0) and every code is a finite value; past the length
+    K's scores are masked and V's values weigh exactly 0 (V's scale and zero point load as
+    0). A mask on each position would cost each copy a compare and a select (int8's loop 21
+    instructions a tile under Triton 3.6) and, positions innermost (STEP > 1), cut the copy
+    along positions to bytes, which cp.async does not take: the load would not be
+    pipelined."""
+    return tl.load(C + slot[:, None] + tl.arange(0, W)[None, :] * STEP)
 
 
-def _int_rows(C, s, z, slot, valid, BITS: tl.constexpr, GROUP: tl.constexpr,
+def _int_rows(C, s, z, slot, BITS: tl.constexpr, GROUP: tl.constexpr,
               D: tl.constexpr, BLOCK_N: tl.constexpr, MATH: tl.constexpr, STEP: tl.constexpr):
     """[BLOCK_N, D] values (in MATH) of a grouped int pool whose D and GROUP are powers of
     two: each position's codes loaded packed, as the D·BITS/8 contiguous bytes they take
@@ -302,7 +307,7 @@ def _int_rows(C, s, z, slot, valid, BITS: tl.constexpr, GROUP: tl.constexpr,
     PER: tl.constexpr = 8 // BITS  # codes a byte
     W: tl.constexpr = D // PER  # bytes a position
     MASK: tl.constexpr = (1 << BITS) - 1
-    raw = _rows(C, slot, valid, W, STEP)  # [BLOCK_N, W] uint8
+    raw = _rows(C, slot, W, STEP)  # [BLOCK_N, W] uint8
     if PER == 1:
         c = raw  # (converted straight to float: no int32 copy of the tile)
     elif PER == 2:  # [N, W, 2] -> [N, D]: element 2w + i
@@ -387,13 +392,13 @@ def _nibbles(raw, MATH: tl.constexpr):
     return _from_codes(raw & 15, MATH), _from_codes(raw >> 4, MATH)
 
 
-def _int_halves(C, s, z, slot, valid, GROUP: tl.constexpr, D: tl.constexpr,
+def _int_halves(C, s, z, slot, GROUP: tl.constexpr, D: tl.constexpr,
                 BLOCK_N: tl.constexpr, MATH: tl.constexpr, STEP: tl.constexpr):
     """A 4-bit tile as two [BLOCK_N, D/2] halves in MATH: the even elements (each byte's low
     nibble) and the odd ones (its high nibble), each x = c·s + z. Kept apart, the halves
     meet q's even and odd elements in two dots: interleaving them into [BLOCK_N, D] would
     take a layout change through shared memory each tile."""
-    raw = _rows(C, slot, valid, D // 2, STEP)  # [BLOCK_N, D/2] uint8, element 2w low
+    raw = _rows(C, slot, D // 2, STEP)  # [BLOCK_N, D/2] uint8, element 2w low
     s, z = _lane_meta(s, z, 2, GROUP, D, BLOCK_N, MATH)
     low, high = _nibbles(raw, MATH)
     return low * s + z, high * s + z
@@ -411,13 +416,13 @@ def _lane_meta(s, z, LANES: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr,
             tl.reshape(tl.broadcast_to(z.to(MATH)[:, :, None], (BLOCK_N, NG, PER)), (BLOCK_N, W)))
 
 
-def _words(C, slot, valid, W: tl.constexpr):
+def _words(C, slot, W: tl.constexpr):
     """[BLOCK_N, W] 16-bit words: each position's codes from byte offset slot (even) as W
-    little-endian words, the positions past the length masked."""
-    return _rows(C.to(tl.pointer_type(tl.uint16)), slot // 2, valid, W, 1)
+    little-endian words (every position of the tile's blocks, as `_rows` says)."""
+    return _rows(C.to(tl.pointer_type(tl.uint16)), slot // 2, W, 1)
 
 
-def _byte_lanes(C, s, z, slot, valid, GROUP: tl.constexpr, D: tl.constexpr,
+def _byte_lanes(C, s, z, slot, GROUP: tl.constexpr, D: tl.constexpr,
                 BLOCK_N: tl.constexpr, MATH: tl.constexpr):
     """An int8 tile read as 16-bit words (D / 2 a position), as its two lanes [BLOCK_N, D/2]
     in MATH, x = c·s + z: each word's low byte (the even elements) and high byte (the odd).
@@ -425,7 +430,7 @@ def _byte_lanes(C, s, z, slot, valid, GROUP: tl.constexpr, D: tl.constexpr,
     q's registers, read from shared memory a tile at a time, are then copied into the dot's
     operand order (56 moves in int8's 645 instructions a tile of 16). Words keep two a
     register, as float16's operands do: q's load straight into place."""
-    words = _words(C, slot, valid, D // 2)
+    words = _words(C, slot, D // 2)
     s, z = _lane_meta(s, z, 2, GROUP, D, BLOCK_N, MATH)
     if MATH == tl.float16 and COMPILED:
         low, high = tl.inline_asm_elementwise(WORD_BYTES_TO_HALVES, "=r,=r,r", [words],
@@ -437,12 +442,12 @@ def _byte_lanes(C, s, z, slot, valid, GROUP: tl.constexpr, D: tl.constexpr,
     return low * s + z, high * s + z
 
 
-def _nibble_lanes(C, s, z, slot, valid, GROUP: tl.constexpr, D: tl.constexpr,
+def _nibble_lanes(C, s, z, slot, GROUP: tl.constexpr, D: tl.constexpr,
                   BLOCK_N: tl.constexpr, MATH: tl.constexpr):
     """An int4 tile read as 16-bit words (D / 4 a position), as its four lanes [BLOCK_N,
     D/4] in MATH, x = c·s + z: lane j the nibbles at bits 4j (elements 4w + j), for the reason
     `_byte_lanes` gives."""
-    words = _words(C, slot, valid, D // 4)
+    words = _words(C, slot, D // 4)
     s, z = _lane_meta(s, z, 4, GROUP, D, BLOCK_N, MATH)
     if MATH == tl.float16 and COMPILED:
         a, b, c, d = tl.inline_asm_elementwise(
@@ -458,9 +463,7 @@ def _nibble_lanes(C, s, z, slot, valid, GROUP: tl.constexpr, D: tl.constexpr,
 
 def _grouped_words(C, slot, NG: tl.constexpr, GW: tl.constexpr):
     """[NG, BLOCK_N, GW] 16-bit words: group g's GW words of each position (from byte offset
-    slot, even). Every position of the tile's blocks is loaded (the scores past the length are
-    masked): a mask on each position's copies cost int8's loop 21 instructions a tile under
-    Triton 3.6 (each 16-byte copy's size chosen by a compare and a select)."""
+    slot, even), every position of the tile's blocks (as `_rows` says)."""
     return tl.load((C + slot).to(tl.pointer_type(tl.uint16))[None, :, None]
                    + (tl.arange(0, NG) * GW)[:, None, None] + tl.arange(0, GW)[None, None, :])
 
@@ -607,10 +610,7 @@ def _piece_partials(Q, K, V, Table, Acc, M, L, KS, KZ, VS, VZ, qk_scale, h, b, s
                               BLOCK_N, PAGE)
     if PACKED:
         slot_m = block * stride_sn + h * stride_sh + off * stride_st
-        if FOLD:
-            ks, kz = _group_meta(KS, KZ, slot_m, NG)  # [NG, BLOCK_N] each
-        else:
-            ks, kz = _int_meta(KS, KZ, slot_m, valid, NG)  # [BLOCK_N, NG] each
+        ks, kz = _k_meta(KS, KZ, slot_m, valid, NG, FOLD)
         vs, vz = _int_meta(VS, VZ, slot_m, valid, NG)
     for i in range(STATIC_TILES if STATIC_TILES > 0 else end - first):
         t = first + i
@@ -619,20 +619,14 @@ def _piece_partials(Q, K, V, Table, Acc, M, L, KS, KZ, VS, VZ, qk_scale, h, b, s
                                          stride_tb, BLOCK_N, PAGE)
             if PACKED:
                 nslot_m = nblock * stride_sn + h * stride_sh + noff * stride_st
-                if FOLD:
-                    nks, nkz = _group_meta(KS, KZ, nslot_m, NG)
-                else:
-                    nks, nkz = _int_meta(KS, KZ, nslot_m, nvalid, NG)
+                nks, nkz = _k_meta(KS, KZ, nslot_m, nvalid, NG, FOLD)
                 nvs, nvz = _int_meta(VS, VZ, nslot_m, nvalid, NG)
         else:
             block, off, valid = _tile(Table, b, t, tl.where(t < end, length, 0), stride_tb,
                                       BLOCK_N, PAGE)
             if PACKED:
                 slot_m = block * stride_sn + h * stride_sh + off * stride_st
-                if FOLD:
-                    ks, kz = _group_meta(KS, KZ, slot_m, NG)
-                else:
-                    ks, kz = _int_meta(KS, KZ, slot_m, valid, NG)
+                ks, kz = _k_meta(KS, KZ, slot_m, valid, NG, FOLD)
                 vs, vz = _int_meta(VS, VZ, slot_m, valid, NG)
         page_head = block * stride_kn + h * stride_kh  # [BLOCK_N]: K's and V's alike
         slot = page_head + off * stride_kt
@@ -664,21 +658,21 @@ def _piece_partials(Q, K, V, Table, Acc, M, L, KS, KZ, VS, VZ, qk_scale, h, b, s
                 dots = tl.dot(k_3.to(q.dtype), q_3, dots, input_precision=DOT_PRECISION)
             scores = tl.sum(ks[:, :, None] * dots + kz[:, :, None] * q_sum[:, None, :], 0)
         elif LANES == 2:
-            k, k_odd = _byte_lanes(K, ks, kz, slot, valid, GROUP, D, BLOCK_N, MATH)
+            k, k_odd = _byte_lanes(K, ks, kz, slot, GROUP, D, BLOCK_N, MATH)
             scores = tl.dot(k.to(q.dtype), q, input_precision=DOT_PRECISION)
             scores = tl.dot(k_odd.to(q.dtype), q_1, scores, input_precision=DOT_PRECISION)
         elif LANES == 4:
-            k, k_1, k_2, k_3 = _nibble_lanes(K, ks, kz, slot, valid, GROUP, D, BLOCK_N, MATH)
+            k, k_1, k_2, k_3 = _nibble_lanes(K, ks, kz, slot, GROUP, D, BLOCK_N, MATH)
             scores = tl.dot(k.to(q.dtype), q, input_precision=DOT_PRECISION)
             scores = tl.dot(k_1.to(q.dtype), q_1, scores, input_precision=DOT_PRECISION)
             scores = tl.dot(k_2.to(q.dtype), q_2, scores, input_precision=DOT_PRECISION)
             scores = tl.dot(k_3.to(q.dtype), q_3, scores, input_precision=DOT_PRECISION)
         elif HALVES:
-            k, k_odd = _int_halves(K, ks, kz, slot, valid, GROUP, D, BLOCK_N, MATH, 1)
+            k, k_odd = _int_halves(K, ks, kz, slot, GROUP, D, BLOCK_N, MATH, 1)
             scores = tl.dot(k.to(q.dtype), q, input_precision=DOT_PRECISION)  # k [N, D/2]
             scores = tl.dot(k_odd.to(q.dtype), q_1, scores, input_precision=DOT_PRECISION)
         elif PACKED:  # dequantized in registers, then one dot as for the activation dtype
-            k = _int_rows(K, ks, kz, slot, valid, BITS, GROUP, D, BLOCK_N, MATH, 1)
+            k = _int_rows(K, ks, kz, slot, BITS, GROUP, D, BLOCK_N, MATH, 1)
             scores = tl.dot(k.to(q.dtype), q, input_precision=DOT_PRECISION)  # k [N, D]
         else:
             k = tl.trans(_dequantized(K, KS, KZ, slot, slot_m, offs_d, dmask, BITS, GROUP,
@@ -708,13 +702,13 @@ def _piece_partials(Q, K, V, Table, Acc, M, L, KS, KZ, VS, VZ, qk_scale, h, b, s
                 v = v.to(tl.float32)
             acc += tl.dot(v, p.to(v.dtype), input_precision=DOT_PRECISION)
         elif HALVES:
-            v, v_odd = _int_halves(V, vs, vz, vslot, valid, GROUP, D, BLOCK_N, MATH, V_STEP)
+            v, v_odd = _int_halves(V, vs, vz, vslot, GROUP, D, BLOCK_N, MATH, V_STEP)
             v = tl.trans(v).to(q.dtype)  # [D/2, BLOCK_N]
             v_odd = tl.trans(v_odd).to(q.dtype)
             acc += tl.dot(v, p.to(v.dtype), input_precision=DOT_PRECISION)
             acc_odd += tl.dot(v_odd, p.to(v.dtype), input_precision=DOT_PRECISION)
         elif PACKED:
-            v = _int_rows(V, vs, vz, vslot, valid, BITS, GROUP, D, BLOCK_N, MATH, V_STEP)
+            v = _int_rows(V, vs, vz, vslot, BITS, GROUP, D, BLOCK_N, MATH, V_STEP)
             v = tl.trans(v).to(q.dtype)  # [D, BLOCK_N]
             acc += tl.dot(v, p.to(v.dtype), input_precision=DOT_PRECISION)
         else:
@@ -846,7 +840,7 @@ _tile = triton.jit(_tile)
 _codes = triton.jit(_codes)
 _dequantized = triton.jit(_dequantized)
 _int_meta = triton.jit(_int_meta)
-_group_meta = triton.jit(_group_meta)
+_k_meta = triton.jit(_k_meta)
 _rows = triton.jit(_rows)
 _int_rows = triton.jit(_int_rows)
 _int_halves = triton.jit(_int_halves)
