@@ -523,17 +523,17 @@ class _KiviFault(StaticCache):
 
 
 class _ScaleOfThePreviousGroup(QuantizedStore):
-    def read(self, name, length, dtype):
+    def read(self, name, length, dtype, positions=None):
         G = self.fmt.group_size
         groups = self.flushed // G
         if name != "k" or groups < 2:
-            return super().read(name, length, dtype)
+            return super().read(name, length, dtype, positions)
         scale = self.tensors["k_scale"]
         wrong = scale.clone()
         wrong[:, :, 1:groups] = scale[:, :, :groups - 1]
         self.tensors["k_scale"] = wrong
         try:
-            return super().read(name, length, dtype)
+            return super().read(name, length, dtype, positions)
         finally:
             self.tensors["k_scale"] = scale
 
@@ -546,13 +546,13 @@ class ChannelScaleFromWrongGroup(_KiviFault):
 
 
 class _NeverFlushes(QuantizedStore):
-    def _append(self, k, v, start):
+    def append(self, k, v, start, place):
         exact = getattr(self, "exact", None)
         self.exact = {n: x if exact is None else torch.cat([exact[n][:, :, :start], x], 2)
                       for n, x in (("k", k), ("v", v))}
         self.length = start + k.shape[2]
 
-    def read(self, name, length, dtype):
+    def read(self, name, length, dtype, positions=None):
         return self.exact[name][:, :, :length].to(dtype)
 
 

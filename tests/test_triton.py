@@ -670,3 +670,106 @@ def test_every_kernel_variant_compiles_for_an_h200():
                 a["spills"], a["loop_local"]) for r, a in sixteen
                if a["spills"] > 16 or a["loop_local"]]
     assert not spilled, spilled
+
+
+# KIVI's layout (--k-quant per-channel, --kv-residual): the pool holds the quantized
+# positions (K per channel under its token group's scales), each sequence's residual the
+# newest ones exact, a second loop of the kernel after the first. 37 + 30 positions cross a
+# flush (and a token group) during decode; tiles of 16 in 3 splits put a split's boundary
+# inside the quantized positions and another in the residual.
+KIVI = [  # kv_dtype, group, k_quant, residual, head_dim, dtype: the path K takes
+    ("int8", 64, "per-channel", 0, 64, "float32"),  # two byte lanes, flush = a group
+    ("int4", 32, "per-channel", 64, 128, "float16"),  # four nibble lanes, two groups a flush
+    ("int4", 16, "per-channel", 32, 32, "bfloat16"),  # element by element, V in halves
+    ("int8", 32, "per-token", 64, 64, "float16"),  # K per token folded, then the residual
+]
+
+
+def kivi_case(kv_dtype, group, k_quant, residual, head_dim, dtype, decode_len=30):
+    config = RunConfig(shape("gqa", head_dim, decode_len=decode_len), dtype, kv_dtype=kv_dtype,
+                       group_size=group, k_quant=k_quant, kv_residual=residual)
+    options = ImplOptions(block_size=16, splits=3, kv_dtype=kv_dtype, group_size=group,
+                          k_quant=k_quant, kv_residual=residual)
+    return config, options
+
+
+@pytest.mark.parametrize("kv_dtype, group, k_quant, residual, head_dim, dtype", KIVI)
+@pytest.mark.slow
+def test_triton_equals_recompute_in_kivis_layout(tiles_of_16, kv_dtype, group, k_quant,
+                                                 residual, head_dim, dtype):
+    from kvbench.caches import PagedCache
+
+    config, options = kivi_case(kv_dtype, group, k_quant, residual, head_dim, dtype)
+    report = verify(config, {"triton": TritonCache, "paged": PagedCache}, options)
+    for result in report.checks:
+        assert result.passed, result.message
+        assert result.lossy and result.max_abs_err > result.fp64_max_abs_err
+
+
+def _planted(monkeypatch, change):
+    """stage1_args with `change(arguments by name, constants)` applied to what it returns."""
+    real = triton_decode.stage1_args
+    names = triton_decode.stage1.arg_names
+
+    def planted(*args, **kwargs):
+        grid, arguments, constants = real(*args, **kwargs)
+        named = dict(zip(names, arguments))
+        constants = dict(constants)
+        change(named, constants)
+        return grid, tuple(named[n] for n in names[:len(arguments)]), constants
+
+    monkeypatch.setattr(triton_decode, "stage1_args", planted)
+
+
+_CHANNELS = triton_decode._channels
+
+
+@triton.jit
+def _channels_of_the_next_lane(S, Z, cslot, J: tl.constexpr, LANES: tl.constexpr,
+                               D: tl.constexpr, MATH: tl.constexpr):
+    return _CHANNELS(S, Z, cslot, (J + 1) % LANES, LANES, D, MATH)
+
+
+def _no_residual(named, constants):
+    constants["FLUSH"] = 0  # every position read from the pool, the residual's as well
+
+
+def _first_group_only(named, constants):
+    named["stride_cg"] = 0  # every tile under token group 0's channel scales
+
+
+@pytest.mark.parametrize("fault", [None, "no residual", "group 0's scales", "lanes' channels"])
+@pytest.mark.slow
+def test_kivi_kernel_faults_fail_the_exact_check(tiles_of_16, monkeypatch, fault):
+    # 37 + 12 positions: 32 quantized in two token groups of 16, then the residual
+    if fault == "lanes' channels":
+        monkeypatch.setattr(triton_decode, "_channels", _channels_of_the_next_lane)
+    elif fault is not None:
+        _planted(monkeypatch, _no_residual if fault == "no residual" else _first_group_only)
+    config, options = kivi_case("int8", 16, "per-channel", 32, 64, "float32", decode_len=12)
+    (result,) = verify(config, {"triton": TritonCache}, options).checks
+    assert result.passed == (fault is None), result.message
+
+
+def test_kivis_tiles_lie_in_one_token_group_and_one_side_of_the_residual():
+    from kvbench.caches.triton import fitted, kivi_tile
+    from kvbench.formats.kvformat import KvFormat
+    from kvbench.kernels.config import KernelConfig
+
+    assert kivi_tile(KvFormat("int4", 64, "per-channel", 0), 64) == 64
+    assert kivi_tile(KvFormat("int4", 32, "per-channel", 128), 64) == 32  # the group
+    assert kivi_tile(KvFormat("int8", 16, "per-token", 48), 64) == 16  # 48 = 3 · 16
+    assert kivi_tile(KvFormat("int8", 32, "per-token", 128), 64) == 64  # K per token
+    assert kivi_tile(KvFormat("int8", 32), 64) == 64  # no KIVI: the tuned tile
+    config = KernelConfig(block_n=64, num_warps=1)
+    assert fitted(config, KvFormat("int4", 32, "per-channel", 0)) == KernelConfig(32, 1)
+    assert fitted(config, KvFormat("int4", 32)) is config
+
+
+def test_kivis_decode_step_is_refused_a_graph():
+    from kvbench.caches import ImplOptions as Options
+
+    config = RunConfig(shape("gqa", 64), kv_dtype="int4", k_quant="per-channel")
+    options = Options(kv_dtype="int4", k_quant="per-channel")
+    assert "quantized on the host" in TritonCache.uncapturable(config, options)
+    assert TritonCache.uncapturable(config, Options(kv_dtype="int4")) is None

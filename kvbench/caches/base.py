@@ -120,6 +120,15 @@ def of_attention(attention: str) -> list[str]:
     return [n for n, c in IMPLEMENTATIONS.items() if c.attention == attention]
 
 
+def kivi_unavailable(config: RunConfig, options: ImplOptions) -> str | None:
+    """Why a cache that stores KIVI's layout cannot run it at this point: the residual
+    flushes every sequence's positions at once."""
+    if config.shape.ragged and options.kv_format.buffered:
+        return ("KIVI's layout on a ragged batch (--k-quant per-channel and --kv-residual "
+                "run on batches of equal lengths)")
+    return None
+
+
 def attention_mismatch(name: str, attention: str) -> str:
     """The line that refuses an implementation of the other attention kind."""
     from kvbench.sizing.config import KINDS

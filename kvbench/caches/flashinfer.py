@@ -27,6 +27,7 @@ WORKSPACE_BYTES = 128 << 20  # FlashInfer's float workspace (its examples' size)
 @register
 class FlashInferCache(PagedCache):
     name = "flashinfer"
+    kivi = False  # (FlashInfer reads the activation dtype)
     compiles = True  # its first plan and run build the kernels
     softcaps = False  # (not passed: kvbench's soft-capping models run elsewhere)
     kv_dtypes = frozenset()  # 16-bit K/V only here

@@ -8,7 +8,12 @@ from collections import deque
 import numpy as np
 import torch
 
-from kvbench.caches.base import CachedAttention, grouped_decode_attention, register
+from kvbench.caches.base import (
+    CachedAttention,
+    grouped_decode_attention,
+    kivi_unavailable,
+    register,
+)
 from kvbench.caches.blocktable import BlockTable
 from kvbench.errors import KvbenchError
 from kvbench.formats.quant import QuantizedStore
@@ -42,6 +47,16 @@ class PagedCache(CachedAttention):
     softcaps = True
     sliding = "paged-window"  # a hybrid model's sliding layers: their blocks freed
     positions_inner: tuple[str, ...] = ()  # quantized codes kept positions innermost
+    # KIVI's layout: codes (and V's scales) in the blocks; K's channel scales by token group
+    # and the residual's exact positions per sequence, beside the pool
+    kivi = True
+
+    @classmethod
+    def unavailable(cls, config, options):
+        if options.kv_format.buffered and config.shape.shared_prefix:
+            return ("KIVI's layout with a shared prefix (a token group's channel scales are "
+                    "each sequence's: drop --shared-prefix)")
+        return kivi_unavailable(config, options) or super().unavailable(config, options)
 
     @classmethod
     def footprint(cls, config, options):
@@ -118,8 +133,9 @@ class PagedCache(CachedAttention):
         self.store = None
         if self.options.kv_dtype is not None:
             self.store = QuantizedStore(self.options.kv_format, lead, s.head_dim,
-                                        self.layer.device,
-                                        positions_inner=self.positions_inner)
+                                        self.layer.device, self.layer.dtype,
+                                        positions_inner=self.positions_inner,
+                                        sequences=(self.batch, self.max_len))
             return
         # zeros: the gather pads short sequences with masked positions, whose weight of
         # exactly zero must not meet a NaN left in uninitialised memory
@@ -254,10 +270,24 @@ class PagedCache(CachedAttention):
         self.block_table.set([i for i, _ in owned], [c for _, c in owned],
                              [self.tables[i][c] for i, c in owned])
 
+    def _put(self, pool: torch.Tensor, start: int, values: torch.Tensor) -> None:
+        """values [B, heads, n, ...] at every sequence's positions start..start+n-1 of
+        `pool`, through the tables (a batch of equal lengths)."""
+        bs = self.options.block_size
+        pos = torch.arange(start, start + values.shape[2], device=values.device)
+        # pool[blocks, :, offsets] has shape [B, n, H_kv, ...]
+        pool[self.table[:, pos // bs], :, pos % bs] = values.transpose(1, 2)
+
     def write(self, k: torch.Tensor, v: torch.Tensor | None = None) -> None:
         """k, v [B, H_kv, n, D] at positions length..length+n-1."""
         n, bs = k.shape[2], self.options.block_size
         self._grow(self.length + n)
+        if self.store is not None and self.store.fmt.buffered:  # KIVI: the store flushes
+            tensors = self.store.tensors
+            self.store.append(k, v, self.length,
+                              lambda name, start, values: self._put(tensors[name], start, values))
+            self._advance(n)
+            return
         real = self.real(n) if self.length == 0 else None
         parts = self.parts(k, v, real)
         if self.prefix and self.length == 0:
@@ -267,11 +297,8 @@ class PagedCache(CachedAttention):
         if (self.prefix or self.forked) and n == 1:  # a step may write into a shared block
             self._own_targets(self.row_lengths())
         if self.deficit is None:
-            pos = torch.arange(self.length, self.length + n, device=k.device)
-            blocks = self.table[:, pos // bs]  # [B, n]
-            offsets = pos % bs  # [n]
-            for pool, values in parts:  # pool[blocks, :, offsets] has shape [B, n, H_kv, ...]
-                pool[blocks, :, offsets] = values.transpose(1, 2)
+            for pool, values in parts:
+                self._put(pool, self.length, values)
         elif self.length == 0:  # the padded prompt: only each sequence's real positions
             rows, pos = real.nonzero(as_tuple=True)  # [N] each
             blocks = self.table[rows, pos // bs]
@@ -317,7 +344,8 @@ class PagedCache(CachedAttention):
         if self.store is None:
             return self._gather(self.k_pool), self._gather(self.v_pool)
         stored = self.store.tensors
-        return tuple(self.store.decode(name, lambda t: self._gather(stored[t]), self.layer.dtype)
+        return tuple(self.store.read(name, self.length, self.layer.dtype,
+                                     lambda t, n: self._gather(stored[t])[:, :, :n])
                      for name in ("k", "v"))
 
     def cache_tensors(self):
@@ -325,7 +353,13 @@ class PagedCache(CachedAttention):
             return list(self.store.tensors.values())
         return self.dense()
 
+    def checkpoint(self):
+        if self.store is not None:
+            self.store.checkpoint()
+
     def rewind(self, length):
+        if self.store is not None:
+            self.store.rewind(length)
         # the released blocks' entries stay in the device table, never read unmasked
         for blocks, deficit in zip(self.tables, self.deficit or (0,) * self.batch):
             keep = math.ceil((length - deficit) / self.options.block_size)

@@ -29,6 +29,7 @@ from kvbench.sizing.capacity import sliding_blocks
 @register
 class PagedWindowCache(PagedCache):
     name = "paged-window"
+    kivi = False  # (its blocks are freed behind the window: K per token, no residual)
     description = ("block pool of a sliding-window layer: blocks that leave the window go back "
                    "to the pool (vLLM's sliding-window manager)")
     requires = "window"

@@ -4,7 +4,12 @@ from __future__ import annotations
 
 import torch
 
-from kvbench.caches.base import CachedAttention, grouped_decode_attention, register
+from kvbench.caches.base import (
+    CachedAttention,
+    grouped_decode_attention,
+    kivi_unavailable,
+    register,
+)
 from kvbench.errors import KvbenchError
 from kvbench.formats.quant import QuantizedStore
 from kvbench.sizing.capacity import QUANTIZED
@@ -130,7 +135,4 @@ class StaticCache(PreallocatedCache):
 
     @classmethod
     def unavailable(cls, config, options):
-        if config.shape.ragged and options.kv_format.buffered:
-            return ("KIVI's layout on a ragged batch (--k-quant per-channel and --kv-residual "
-                    "run on batches of equal lengths)")
-        return super().unavailable(config, options)
+        return kivi_unavailable(config, options) or super().unavailable(config, options)

@@ -89,7 +89,15 @@ class TritonCache(KernelLengths, PagedCache):
 
     @classmethod
     def unavailable(cls, config, options):
-        return prepare(torch.device(config.device).type)
+        fmt = options.kv_format
+        for flag, value in (("--group-size", fmt.group_size if fmt.per_channel else 16),
+                            ("--kv-residual", fmt.flush if fmt.buffered else 16)):
+            if low_bit(value) < 16:  # (a residual of 0 flushes a group: --group-size's)
+                return (f"KIVI's layout reads tiles of 16 positions in one token group and on "
+                        f"one side of the residual: {flag} {value} is no multiple of 16")
+        # (PagedCache's, named: triton-mla borrows this function)
+        return (PagedCache.unavailable.__func__(cls, config, options)
+                or prepare(torch.device(config.device).type))
 
     @classmethod
     def unmeasured(cls, config, command):
@@ -120,10 +128,12 @@ class TritonCache(KernelLengths, PagedCache):
 
     @classmethod
     def kernel_config(cls, config, options):
-        """The launch configuration tuned for this device and case, or the default."""
-        return kernel_config(config.device, config.dtype, options.kv_dtype,
-                             config.shape.head_dim, config.shape.q_heads // config.shape.kv_heads,
-                             options.block_size)
+        """The launch configuration tuned for this device and case, or the default (its
+        tile fitted to KIVI's layout)."""
+        found = kernel_config(config.device, config.dtype, options.kv_dtype,
+                              config.shape.head_dim, config.shape.q_heads // config.shape.kv_heads,
+                              options.block_size)
+        return fitted(found, options.kv_format)
 
     @classmethod
     def step_reads(cls, config, options, length):
@@ -138,9 +148,9 @@ class TritonCache(KernelLengths, PagedCache):
 
         s = layer.shape
         self.kernel, self.units = triton_decode, s.kv_heads
-        config = kernel_config(layer.device, str(layer.dtype).replace("torch.", ""),
-                               self.options.kv_dtype, s.head_dim, s.q_heads // s.kv_heads,
-                               self.options.block_size)
+        config = fitted(kernel_config(layer.device, str(layer.dtype).replace("torch.", ""),
+                                      self.options.kv_dtype, s.head_dim, s.q_heads // s.kv_heads,
+                                      self.options.block_size), self.options.kv_format)
         self.launch = triton_decode.Launch.make(batch, s.q_heads, s.head_dim, max_len,
                                                 self.units, layer.device, config,
                                                 self.options.splits or 0)
@@ -153,6 +163,9 @@ class TritonCache(KernelLengths, PagedCache):
 
     @classmethod
     def uncapturable(cls, config, options):  # any K/V format: the kernel decodes it
+        if options.kv_format.buffered:
+            return ("KIVI's residual is quantized on the host when it fills (--graph captures "
+                    "K per token without a residual)")
         return CachedAttention.uncapturable.__func__(cls, config, options)
 
     def graph_step(self, x_t):
@@ -192,6 +205,28 @@ class TritonCache(KernelLengths, PagedCache):
                                                      self.launch, self.store)
         return "gqa", self.kernel.stage1.arg_names, args, constants, q.shape[-1]
 
+
+
+def low_bit(n: int) -> int:
+    """The largest power of two that divides n."""
+    return n & -n
+
+
+def kivi_tile(fmt, block_n: int) -> int:
+    """The tile KIVI's layout lets a kernel of tile block_n use: one that lies in one token
+    group (K per channel) and one side of the residual (the flush); block_n otherwise."""
+    if not fmt.buffered:
+        return block_n
+    return min(block_n, low_bit(fmt.flush), low_bit(fmt.group_size) if fmt.per_channel
+               else block_n)
+
+
+def fitted(config, fmt):
+    """A launch configuration with its tile fitted to KIVI's layout (`kivi_tile`)."""
+    from dataclasses import replace
+
+    tile = kivi_tile(fmt, config.block_n)
+    return config if tile == config.block_n else replace(config, block_n=tile)
 
 
 def kernel_config(device: str, dtype: str, kv_dtype: str | None, head_dim: int, group: int,

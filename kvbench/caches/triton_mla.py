@@ -25,6 +25,7 @@ from kvbench.measure import footprint as fp
 @register
 class TritonMlaCache(KernelLengths, Absorbed, PagedCache):
     name = "triton-mla"
+    kivi = False  # (a latent has no K channels to scale, and keeps no residual)
     compiles = True  # on CUDA the first launch compiles the kernels
     kv_dtypes = frozenset({"fp8"})  # decoded in registers with the layer's one scale
     techniques = frozenset({"shared_prefix"})

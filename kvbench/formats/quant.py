@@ -168,15 +168,20 @@ class QuantizedStore:
 
     def __init__(self, fmt: KvFormat, lead: tuple[int, int, int], head_dim: int, device,
                  dtype: torch.dtype = torch.float32, kinds: tuple[str, ...] = ("k", "v"),
-                 positions_inner: tuple[str, ...] = ()):
+                 positions_inner: tuple[str, ...] = (),
+                 sequences: tuple[int, int] | None = None):
         """kinds: the vectors stored per position; ("k",) for one (an MLA latent entry,
         written as k with v None). positions_inner: the kinds whose codes are laid out
         [*lead[:2], bytes, lead[2]], the positions innermost (a block's bytes j of its
         positions side by side), and held as that storage's [*lead, bytes] view: every
         index reads and writes them as the others, and a kernel that contracts over
-        positions (V in attention's weighted sum) reads them along positions."""
+        positions (V in attention's weighted sum) reads them along positions.
+        sequences: (B, T_max) where lead is a block pool: KIVI's per-sequence parts (K's
+        channel scales and zero points by token group, the residual) are then kept
+        [B, H_kv, ...] beside the pool, not in its blocks."""
         self.fmt, self.head_dim, self.kinds = fmt, head_dim, kinds
         kv_heads = lead[1]
+        rows, span = sequences or (lead[0], lead[2])  # KIVI's per-sequence parts
         self.tensors: dict[str, torch.Tensor] = {}
 
         def codes(width: int, dtype: torch.dtype, kind: str) -> torch.Tensor:
@@ -189,7 +194,7 @@ class QuantizedStore:
             if fmt.grouped:
                 nbytes = math.ceil(head_dim * fmt.bits / 8)
                 if kv == "k" and fmt.per_channel:  # a scale per channel and token group
-                    meta = (*lead[:2], math.ceil(lead[2] / fmt.group_size), head_dim)
+                    meta = (rows, kv_heads, math.ceil(span / fmt.group_size), head_dim)
                 else:
                     meta = (*lead, fmt.groups(head_dim))
                 self.tensors[f"{kv}_codes"] = codes(nbytes, torch.uint8, kv)
@@ -199,7 +204,7 @@ class QuantizedStore:
                                                          device=device)
                 if fmt.buffered:  # the residual: positions not yet quantized, as computed
                     self.tensors[f"{kv}_residual"] = torch.zeros(
-                        *lead[:2], fmt.flush, head_dim, dtype=dtype, device=device)
+                        rows, kv_heads, fmt.flush, head_dim, dtype=dtype, device=device)
             else:  # fp8: one scale per KV head, not per position
                 self.tensors[f"{kv}_codes"] = codes(head_dim, torch.float8_e4m3fn, kv)
                 self.tensors[f"{kv}_scale"] = torch.zeros(kv_heads, dtype=torch.float32,
@@ -246,14 +251,26 @@ class QuantizedStore:
               real: torch.Tensor | None = None) -> None:
         """Static layout: k, v [B, H_kv, n, D] at positions start..start+n-1."""
         if self.fmt.buffered:
-            return self._append(k, v, start)
+            return self.append(k, v, start, self._place)
         at = slice(start, start + k.shape[2])
         for name, part in self.encode(k, v, start == 0, real).items():
             self.tensors[name][:, :, at] = part
 
-    def _append(self, k: torch.Tensor, v: torch.Tensor, start: int) -> None:
+    def _place(self, name: str, start: int, values: torch.Tensor) -> None:
+        """Static layout: values [B, H_kv, n, ...] of a per-position tensor at positions
+        start..start+n-1."""
+        self.tensors[name][:, :, start:start + values.shape[2]] = values
+
+    def _positions(self, name: str, n: int) -> torch.Tensor:
+        """Static layout: the first n positions of a per-position tensor, [B, H_kv, n, ...]."""
+        return self.tensors[name][:, :, :n]
+
+    def append(self, k: torch.Tensor, v: torch.Tensor, start: int, place) -> None:
         """KIVI's layout: the new positions join the residual; each whole `flush` of waiting
-        positions is quantized into the store and leaves it."""
+        positions is quantized into the store and leaves it. place(name, start, values)
+        puts a per-position tensor's values [B, H_kv, n, ...] at positions start.. (the
+        layout's: `_place` here, a block pool's through its tables); K's channel scales
+        are the sequence's, by token group."""
         F, G, fmt = self.fmt.flush, self.fmt.group_size, self.fmt
         if start < self.flushed:
             raise KvbenchError(f"cannot write position {start}: positions up to "
@@ -265,11 +282,14 @@ class QuantizedStore:
             if done:
                 quantize, _, per = kivi_codec(fmt, name)
                 codes, scale, zero = quantize(pending[:, :, :done], fmt.bits, G)
-                at = slice(self.flushed, self.flushed + done)
-                groups = slice(self.flushed // per, (self.flushed + done) // per)
-                self.tensors[f"{name}_codes"][:, :, at] = codes
-                self.tensors[f"{name}_scale"][:, :, groups] = scale
-                self.tensors[f"{name}_zero"][:, :, groups] = zero
+                place(f"{name}_codes", self.flushed, codes)
+                if per == 1:  # a scale per position: where its codes go
+                    place(f"{name}_scale", self.flushed, scale)
+                    place(f"{name}_zero", self.flushed, zero)
+                else:
+                    groups = slice(self.flushed // per, (self.flushed + done) // per)
+                    self.tensors[f"{name}_scale"][:, :, groups] = scale
+                    self.tensors[f"{name}_zero"][:, :, groups] = zero
             rest = pending[:, :, done:]
             residual[:, :, :rest.shape[2]] = rest
         self.flushed += done
@@ -312,18 +332,22 @@ class QuantizedStore:
         for name, part in self.encode(k, v, False).items():
             self.tensors[name][rows, :, positions] = part[:, :, 0]
 
-    def read(self, name: str, length: int, dtype: torch.dtype) -> torch.Tensor:
-        """Static layout: the first `length` positions of K or V, dequantized."""
+    def read(self, name: str, length: int, dtype: torch.dtype, positions=None) -> torch.Tensor:
+        """The first `length` positions of K or V, dequantized. positions(tensor name, n):
+        a per-position tensor's first n positions [B, H_kv, n, ...] (`_positions` here, the
+        static layout; a block pool's gathered through its tables)."""
+        positions = positions or self._positions
         if not self.fmt.buffered:
-            return self.decode(name, lambda t: self.tensors[t][:, :, :length], dtype)
+            return self.decode(name, lambda t: positions(t, length), dtype)
         fmt, done = self.fmt, self.flushed
         waiting = self.tensors[f"{name}_residual"][:, :, :length - done].to(dtype)
         if not done:
             return waiting
         _, dequantize, per = kivi_codec(fmt, name)
-        entries = done // per
-        read = dequantize(self.tensors[f"{name}_codes"][:, :, :done],
-                          self.tensors[f"{name}_scale"][:, :, :entries],
-                          self.tensors[f"{name}_zero"][:, :, :entries], fmt.bits,
-                          fmt.group_size, self.head_dim, dtype)
+
+        def meta(t: str) -> torch.Tensor:  # per position, or K's per token group
+            return positions(t, done) if per == 1 else self.tensors[t][:, :, :done // per]
+
+        read = dequantize(positions(f"{name}_codes", done), meta(f"{name}_scale"),
+                          meta(f"{name}_zero"), fmt.bits, fmt.group_size, self.head_dim, dtype)
         return torch.cat([read, waiting], dim=2)

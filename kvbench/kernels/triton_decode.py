@@ -432,14 +432,57 @@ def _byte_lanes(C, s, z, slot, GROUP: tl.constexpr, D: tl.constexpr,
     register, as float16's operands do: q's load straight into place."""
     words = _words(C, slot, D // 2)
     s, z = _lane_meta(s, z, 2, GROUP, D, BLOCK_N, MATH)
-    if MATH == tl.float16 and COMPILED:
-        low, high = tl.inline_asm_elementwise(WORD_BYTES_TO_HALVES, "=r,=r,r", [words],
-                                              dtype=(tl.float16, tl.float16), is_pure=True,
-                                              pack=2)
-    else:
-        low = _from_codes(words & 255, MATH)
-        high = _from_codes(words >> 8, MATH)
+    low, high = _word_bytes(words, MATH)
     return low * s + z, high * s + z
+
+
+def _word_bytes(words, MATH: tl.constexpr):
+    """16-bit words of int8 codes as their two lanes of codes in MATH: each word's low byte,
+    its high byte."""
+    if MATH == tl.float16 and COMPILED:
+        return tl.inline_asm_elementwise(WORD_BYTES_TO_HALVES, "=r,=r,r", [words],
+                                         dtype=(tl.float16, tl.float16), is_pure=True, pack=2)
+    return _from_codes(words & 255, MATH), _from_codes(words >> 8, MATH)
+
+
+def _word_nibbles(words, MATH: tl.constexpr):
+    """16-bit words of int4 codes as their four lanes of codes in MATH: the nibbles at bits
+    0, 4, 8 and 12."""
+    if MATH == tl.float16 and COMPILED:
+        return tl.inline_asm_elementwise(
+            WORD_NIBBLES_TO_HALVES, "=r,=r,=r,=r,r", [words],
+            dtype=(tl.float16, tl.float16, tl.float16, tl.float16), is_pure=True, pack=2)
+    return (_from_codes(words & 15, MATH), _from_codes((words >> 4) & 15, MATH),
+            _from_codes((words >> 8) & 15, MATH), _from_codes(words >> 12, MATH))
+
+
+def _channels(S, Z, cslot, J: tl.constexpr, LANES: tl.constexpr, D: tl.constexpr,
+              MATH: tl.constexpr):
+    """K per channel (KIVI): lane J's scales and zero points [1, D / LANES] in MATH, of the
+    token group whose D channels lie at S + cslot and Z + cslot (lane J: channels
+    w · LANES + J)."""
+    at = cslot + tl.arange(0, D // LANES) * LANES + J
+    return tl.load(S + at).to(MATH)[None, :], tl.load(Z + at).to(MATH)[None, :]
+
+
+def _channel_lanes(C, S, Z, slot, cslot, D: tl.constexpr, MATH: tl.constexpr):
+    """K per channel (KIVI), int8: `_byte_lanes`' two lanes, x = c·s + z with the scale and
+    zero point of each element's channel in the tile's token group (one group a tile)."""
+    low, high = _word_bytes(_words(C, slot, D // 2), MATH)
+    s, z = _channels(S, Z, cslot, 0, 2, D, MATH)
+    s_1, z_1 = _channels(S, Z, cslot, 1, 2, D, MATH)
+    return low * s + z, high * s_1 + z_1
+
+
+def _channel_nibbles(C, S, Z, slot, cslot, D: tl.constexpr, MATH: tl.constexpr):
+    """K per channel (KIVI), int4: `_nibble_lanes`' four lanes, each element with its
+    channel's scale and zero point in the tile's token group."""
+    a, b, c, d = _word_nibbles(_words(C, slot, D // 4), MATH)
+    s, z = _channels(S, Z, cslot, 0, 4, D, MATH)
+    s_1, z_1 = _channels(S, Z, cslot, 1, 4, D, MATH)
+    s_2, z_2 = _channels(S, Z, cslot, 2, 4, D, MATH)
+    s_3, z_3 = _channels(S, Z, cslot, 3, 4, D, MATH)
+    return a * s + z, b * s_1 + z_1, c * s_2 + z_2, d * s_3 + z_3
 
 
 def _nibble_lanes(C, s, z, slot, GROUP: tl.constexpr, D: tl.constexpr,
@@ -449,15 +492,7 @@ def _nibble_lanes(C, s, z, slot, GROUP: tl.constexpr, D: tl.constexpr,
     `_byte_lanes` gives."""
     words = _words(C, slot, D // 4)
     s, z = _lane_meta(s, z, 4, GROUP, D, BLOCK_N, MATH)
-    if MATH == tl.float16 and COMPILED:
-        a, b, c, d = tl.inline_asm_elementwise(
-            WORD_NIBBLES_TO_HALVES, "=r,=r,=r,=r,r", [words],
-            dtype=(tl.float16, tl.float16, tl.float16, tl.float16), is_pure=True, pack=2)
-    else:
-        a = _from_codes(words & 15, MATH)
-        b = _from_codes((words >> 4) & 15, MATH)
-        c = _from_codes((words >> 8) & 15, MATH)
-        d = _from_codes(words >> 12, MATH)
+    a, b, c, d = _word_nibbles(words, MATH)
     return a * s + z, b * s + z, c * s + z, d * s + z
 
 
@@ -488,15 +523,29 @@ def _biased_nibbles(words, BIAS: tl.constexpr, BIAS_HIGH: tl.constexpr, MATH: tl
             ((words >> 8) & 15).to(MATH) + BIAS, (words >> 12).to(MATH) + BIAS_HIGH)
 
 
-def _piece_partials(Q, K, V, Table, Acc, M, L, KS, KZ, VS, VZ, qk_scale, h, b, s, length,
-                    first, end, stride_qb, stride_qh, stride_kn, stride_kh, stride_kt,
-                    stride_tb, stride_ab, stride_ah, stride_as, stride_mb, stride_mh,
-                    stride_sn, stride_sh, stride_st,
+def _online(scores, m_i, l_i):
+    """The online softmax's step over a tile's scores [BLOCK_N, BLOCK_G] (-inf where not
+    cached): (the tile's weights p, the factor alpha that rescales the sums so far, the new
+    running max, the new exp-sum)."""
+    m_new = tl.maximum(m_i, tl.max(scores, 0))
+    # -inf while nothing is valid yet: shift by 0 then, so exp gives 0 rather than NaN
+    shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp(m_i - shift)
+    p = tl.exp(scores - shift[None, :])  # [BLOCK_N, BLOCK_G]
+    return p, alpha, m_new, l_i * alpha + tl.sum(p, 0)
+
+
+def _piece_partials(Q, K, V, Table, Acc, M, L, KS, KZ, VS, VZ, KR, VR, qk_scale, h, b, s,
+                    length, first, end, stride_qb, stride_qh, stride_kn, stride_kh,
+                    stride_kt, stride_tb, stride_ab, stride_ah, stride_as, stride_mb,
+                    stride_mh, stride_sn, stride_sh, stride_st, stride_cb, stride_ch,
+                    stride_cg, stride_rb, stride_rh, stride_rt,
                     G: tl.constexpr, D: tl.constexpr, BLOCK_G: tl.constexpr,
                     BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr,
                     DOT_PRECISION: tl.constexpr, WIDEN: tl.constexpr, BITS: tl.constexpr,
                     GROUP: tl.constexpr, PACKED: tl.constexpr, FP8: tl.constexpr,
-                    STATIC_TILES: tl.constexpr, AHEAD: tl.constexpr, V_STEP: tl.constexpr):
+                    STATIC_TILES: tl.constexpr, AHEAD: tl.constexpr, V_STEP: tl.constexpr,
+                    FLUSH: tl.constexpr, K_CHANNELS: tl.constexpr):
     """Split s of sequence b for KV head h: the partials (running max, exp-sum, exp-weighted
     V sum) of its tiles first .. end - 1, as `_stage1` describes the arguments.
 
@@ -518,7 +567,8 @@ def _piece_partials(Q, K, V, Table, Acc, M, L, KS, KZ, VS, VZ, qk_scale, h, b, s
     # LANES dots, q's elements j, j + LANES, ... in each (when a lane is wide enough for
     # tl.dot, and a group spans the lanes)
     LANES: tl.constexpr = ((16 // BITS) if PACKED and (BITS == 8 or BITS == 4)
-                           and D // (16 // BITS) >= 16 and GROUP >= 16 // BITS else 0)
+                           and D // (16 // BITS) >= 16
+                           and (K_CHANNELS or GROUP >= 16 // BITS) else 0)
     W: tl.constexpr = D // 2
     NG: tl.constexpr = D // GROUP
     if HALVES:
@@ -540,7 +590,7 @@ def _piece_partials(Q, K, V, Table, Acc, M, L, KS, KZ, VS, VZ, qk_scale, h, b, s
     # element dequantized (2^-11 of it).
     # In float32 and bfloat16 (whose 8 bits cannot hold 1024 + c) the codes are converted
     # without an exponent: BIAS 0.
-    FOLD: tl.constexpr = LANES > 0 and GROUP >= 16 * LANES
+    FOLD: tl.constexpr = LANES > 0 and GROUP >= 16 * LANES and not K_CHANNELS
     BIASED: tl.constexpr = MATH == tl.float16
     BIAS: tl.constexpr = 1024.0 * BIASED  # int8's lanes, int4's 0 and 2
     BIAS_HIGH: tl.constexpr = (64.0 if BITS == 4 else 1024.0) * BIASED  # int4's 1 and 3
@@ -554,7 +604,8 @@ def _piece_partials(Q, K, V, Table, Acc, M, L, KS, KZ, VS, VZ, qk_scale, h, b, s
     # q_1 j = 1, ... loaded whole and split in registers: loaded lane by lane (strided),
     # Triton 3.9 made each lane's operand anew each tile by shuffles (32 instructions a tile
     # of int8's 521); split, each is read from shared memory (3.6 does so either way)
-    QL: tl.constexpr = LANES if LANES > 0 else (2 if HALVES else 1)
+    # (K per channel reads whole rows where it reads no lanes: q whole)
+    QL: tl.constexpr = LANES if LANES > 0 else (2 if HALVES and not K_CHANNELS else 1)
     q = tl.load(q_ptrs + offs_d[:, None], mask=mask_g[None, :] & mask_d[:, None],
                 other=0.0)  # [BLOCK_D, BLOCK_G]
     if QL > 1:
@@ -593,6 +644,14 @@ def _piece_partials(Q, K, V, Table, Acc, M, L, KS, KZ, VS, VZ, qk_scale, h, b, s
         unbias = tl.broadcast_to(-q_bias[:, None, :], (NG, BLOCK_N, BLOCK_G))
     m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
+    # KIVI's layout (FLUSH > 0): the first length // FLUSH · FLUSH positions are quantized in
+    # the pool, the rest exact in the sequence's residual (KR, VR), a second loop below. The
+    # tiles never straddle the two (BLOCK_N divides FLUSH), nor, K per channel, two token
+    # groups (BLOCK_N divides GROUP): one group's channel scales a tile.
+    if FLUSH > 0:
+        done = length // FLUSH * FLUSH
+        last = end
+        end = tl.minimum(end, done // BLOCK_N)
     if HALVES:
         acc = tl.zeros([W, BLOCK_G], dtype=tl.float32)  # the even elements' sums
         acc_odd = tl.zeros([W, BLOCK_G], dtype=tl.float32)
@@ -610,7 +669,8 @@ def _piece_partials(Q, K, V, Table, Acc, M, L, KS, KZ, VS, VZ, qk_scale, h, b, s
                               BLOCK_N, PAGE)
     if PACKED:
         slot_m = block * stride_sn + h * stride_sh + off * stride_st
-        ks, kz = _k_meta(KS, KZ, slot_m, valid, NG, FOLD)
+        if not K_CHANNELS:
+            ks, kz = _k_meta(KS, KZ, slot_m, valid, NG, FOLD)
         vs, vz = _int_meta(VS, VZ, slot_m, valid, NG)
     for i in range(STATIC_TILES if STATIC_TILES > 0 else end - first):
         t = first + i
@@ -619,14 +679,16 @@ def _piece_partials(Q, K, V, Table, Acc, M, L, KS, KZ, VS, VZ, qk_scale, h, b, s
                                          stride_tb, BLOCK_N, PAGE)
             if PACKED:
                 nslot_m = nblock * stride_sn + h * stride_sh + noff * stride_st
-                nks, nkz = _k_meta(KS, KZ, nslot_m, nvalid, NG, FOLD)
+                if not K_CHANNELS:
+                    nks, nkz = _k_meta(KS, KZ, nslot_m, nvalid, NG, FOLD)
                 nvs, nvz = _int_meta(VS, VZ, nslot_m, nvalid, NG)
         else:
             block, off, valid = _tile(Table, b, t, tl.where(t < end, length, 0), stride_tb,
                                       BLOCK_N, PAGE)
             if PACKED:
                 slot_m = block * stride_sn + h * stride_sh + off * stride_st
-                ks, kz = _k_meta(KS, KZ, slot_m, valid, NG, FOLD)
+                if not K_CHANNELS:
+                    ks, kz = _k_meta(KS, KZ, slot_m, valid, NG, FOLD)
                 vs, vz = _int_meta(VS, VZ, slot_m, valid, NG)
         page_head = block * stride_kn + h * stride_kh  # [BLOCK_N]: K's and V's alike
         slot = page_head + off * stride_kt
@@ -644,6 +706,25 @@ def _piece_partials(Q, K, V, Table, Acc, M, L, KS, KZ, VS, VZ, qk_scale, h, b, s
             if WIDEN:
                 k = k.to(tl.float32)
             scores = tl.dot(k, q, input_precision=DOT_PRECISION)  # [BLOCK_N, BLOCK_G]
+        elif K_CHANNELS:  # the tile's token group: its channels' scales and zero points
+            cslot = b * stride_cb + h * stride_ch + (t * BLOCK_N // GROUP) * stride_cg
+            if LANES == 2:
+                k, k_1 = _channel_lanes(K, KS, KZ, slot, cslot, D, MATH)
+                scores = tl.dot(k.to(q.dtype), q, input_precision=DOT_PRECISION)
+                scores = tl.dot(k_1.to(q.dtype), q_1, scores, input_precision=DOT_PRECISION)
+            elif LANES == 4:
+                k, k_1, k_2, k_3 = _channel_nibbles(K, KS, KZ, slot, cslot, D, MATH)
+                scores = tl.dot(k.to(q.dtype), q, input_precision=DOT_PRECISION)
+                scores = tl.dot(k_1.to(q.dtype), q_1, scores, input_precision=DOT_PRECISION)
+                scores = tl.dot(k_2.to(q.dtype), q_2, scores, input_precision=DOT_PRECISION)
+                scores = tl.dot(k_3.to(q.dtype), q_3, scores, input_precision=DOT_PRECISION)
+            else:  # element by element, as `_dequantized`
+                c = _codes(K, slot[:, None], offs_d[None, :], valid[:, None] & mask_d[None, :],
+                           BITS, 1)
+                cs = tl.load(KS + cslot + offs_d, mask=mask_d, other=0.0).to(tl.float32)
+                cz = tl.load(KZ + cslot + offs_d, mask=mask_d, other=0.0).to(tl.float32)
+                k = (c.to(tl.float32) * cs[None, :] + cz[None, :]).to(dtype)
+                scores = tl.dot(k.to(q.dtype), q, input_precision=DOT_PRECISION)
         elif FOLD:
             words = _grouped_words(K, slot, NG, GW)  # [NG, BLOCK_N, GW]
             if LANES == 2:
@@ -679,12 +760,7 @@ def _piece_partials(Q, K, V, Table, Acc, M, L, KS, KZ, VS, VZ, qk_scale, h, b, s
                                       1).to(dtype))
             scores = tl.dot(k.to(q.dtype), q, input_precision=DOT_PRECISION)
         scores = tl.where(valid[:, None], scores * qk_scale, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(scores, 0))
-        # -inf while nothing is valid yet: shift by 0 then, so exp gives 0 rather than NaN
-        shift = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp(m_i - shift)
-        p = tl.exp(scores - shift[None, :])  # [BLOCK_N, BLOCK_G]
-        l_i = l_i * alpha + tl.sum(p, 0)
+        p, alpha, m_new, l_i = _online(scores, m_i, l_i)
         acc = acc * alpha[None, :]
         if HALVES:
             acc_odd = acc_odd * alpha[None, :]
@@ -719,7 +795,45 @@ def _piece_partials(Q, K, V, Table, Acc, M, L, KS, KZ, VS, VZ, qk_scale, h, b, s
         if AHEAD:
             block, off, valid = nblock, noff, nvalid
             if PACKED:
-                ks, kz, vs, vz = nks, nkz, nvs, nvz
+                vs, vz = nvs, nvz
+                if not K_CHANNELS:
+                    ks, kz = nks, nkz
+    if FLUSH > 0:  # KIVI's residual: positions done .. length - 1, exact, after the others
+        qr = tl.load(q_ptrs + offs_d[:, None], mask=mask_g[None, :] & mask_d[:, None],
+                     other=0.0)  # [BLOCK_D, BLOCK_G], whole
+        if WIDEN:
+            qr = qr.to(tl.float32)
+        rest = tl.maximum(first, done // BLOCK_N)
+        row = b * stride_rb + h * stride_rh
+        for i in range(STATIC_TILES if STATIC_TILES > 0 else last - rest):
+            pos = (rest + i) * BLOCK_N + tl.arange(0, BLOCK_N)
+            exact = pos < tl.where(rest + i < last, length, 0)
+            at = row + (pos - done) * stride_rt  # [BLOCK_N]
+            kr = tl.load(KR + at[:, None] + offs_d[None, :],
+                         mask=exact[:, None] & mask_d[None, :], other=0.0)
+            if WIDEN:
+                kr = kr.to(tl.float32)
+            sr = tl.dot(kr, qr, input_precision=DOT_PRECISION)  # [BLOCK_N, BLOCK_G]
+            sr = tl.where(exact[:, None], sr * qk_scale, float("-inf"))
+            pr, ar, m_i, l_i = _online(sr, m_i, l_i)
+            acc = acc * ar[None, :]
+            if HALVES:  # V's even elements, then its odd ones
+                acc_odd = acc_odd * ar[None, :]
+                vmask = exact[None, :] & (offs_w < W)[:, None]
+                vr = tl.load(VR + at[None, :] + 2 * offs_w[:, None], mask=vmask, other=0.0)
+                vr_odd = tl.load(VR + at[None, :] + 2 * offs_w[:, None] + 1, mask=vmask,
+                                 other=0.0)
+                if WIDEN:
+                    vr = vr.to(tl.float32)
+                    vr_odd = vr_odd.to(tl.float32)
+                acc += tl.dot(vr, pr.to(vr.dtype), input_precision=DOT_PRECISION)
+                acc_odd += tl.dot(vr_odd, pr.to(vr.dtype), input_precision=DOT_PRECISION)
+            else:
+                vr = tl.load(VR + at[None, :] + offs_d[:, None],
+                             mask=exact[None, :] & mask_d[:, None], other=0.0)
+                if WIDEN:
+                    vr = vr.to(tl.float32)
+                acc += tl.dot(vr, pr.to(vr.dtype), input_precision=DOT_PRECISION)  # [D, G]
     if FP8:
         acc = acc * tl.load(VS + h)
 
@@ -734,15 +848,17 @@ def _piece_partials(Q, K, V, Table, Acc, M, L, KS, KZ, VS, VZ, qk_scale, h, b, s
     tl.store(L + stat, l_i, mask=mask_g)
 
 
-def _stage1(Q, K, V, Table, Lengths, Plan, Acc, M, L, KS, KZ, VS, VZ, scale,
+def _stage1(Q, K, V, Table, Lengths, Plan, Acc, M, L, KS, KZ, VS, VZ, KR, VR, scale,
             stride_qb, stride_qh, stride_kn, stride_kh, stride_kt, stride_tb,
             stride_ab, stride_ah, stride_as, stride_mb, stride_mh,
-            stride_sn, stride_sh, stride_st,
+            stride_sn, stride_sh, stride_st, stride_cb, stride_ch, stride_cg,
+            stride_rb, stride_rh, stride_rt,
             G: tl.constexpr, D: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
             BLOCK_N: tl.constexpr, PAGE: tl.constexpr, DOT_PRECISION: tl.constexpr,
             WIDEN: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr,
             PACKED: tl.constexpr, FP8: tl.constexpr,
-            STATIC_TILES: tl.constexpr, AHEAD: tl.constexpr = True, V_STEP: tl.constexpr = 1):
+            STATIC_TILES: tl.constexpr, AHEAD: tl.constexpr = True, V_STEP: tl.constexpr = 1,
+            FLUSH: tl.constexpr = 0, K_CHANNELS: tl.constexpr = False):
     """BITS = 0: K and V pools in the activation dtype. FP8: float8 e4m3 pools, KS and VS one
     float32 scale per KV head. BITS = 8, 4 or 2: pools of codes with fp16 scale (KS, VS) and
     zero-point (KZ, VZ) pools of strides stride_s*, one per GROUP elements; PACKED: D and
@@ -751,6 +867,12 @@ def _stage1(Q, K, V, Table, Lengths, Plan, Acc, M, L, KS, KZ, VS, VZ, scale,
     head strides; V_STEP = 1: its positions' elements side by side, as K's; V_STEP = PAGE:
     the positions innermost (a QuantizedStore's positions_inner), element j of each position
     of a block PAGE bytes after element j - 1.
+
+    KIVI's layout: FLUSH > 0, the first length // FLUSH · FLUSH positions of each sequence
+    are in the pools, the rest in its residual, KR and VR [B, H_kv, FLUSH, D] in the
+    activation dtype (strides stride_r*). K_CHANNELS: K per channel, KS and KZ [B, H_kv,
+    token groups, D] (strides stride_c*) one scale and zero point per channel for each GROUP
+    positions; V's scale pools then have the strides stride_s*.
 
     STATIC_TILES = 0: the loop runs over the split's tiles, bounds known at run time (compiled
     kernels). STATIC_TILES = N > 0: N tiles from the split's first, those past its end
@@ -769,12 +891,13 @@ def _stage1(Q, K, V, Table, Lengths, Plan, Acc, M, L, KS, KZ, VS, VZ, scale,
     while start < stop:  # a piece of each sequence the range reads: that split's partials
         length, first, end, s, start = _piece(Lengths, Plan, programs, prog, b, start, stop,
                                               BLOCK_N)
-        _piece_partials(Q, K, V, Table, Acc, M, L, KS, KZ, VS, VZ, qk_scale, h, b, s,
-                        length, first, end, stride_qb, stride_qh, stride_kn, stride_kh,
+        _piece_partials(Q, K, V, Table, Acc, M, L, KS, KZ, VS, VZ, KR, VR, qk_scale, h, b,
+                        s, length, first, end, stride_qb, stride_qh, stride_kn, stride_kh,
                         stride_kt, stride_tb, stride_ab, stride_ah, stride_as, stride_mb,
-                        stride_mh, stride_sn, stride_sh, stride_st, G, D, BLOCK_G,
+                        stride_mh, stride_sn, stride_sh, stride_st, stride_cb, stride_ch,
+                        stride_cg, stride_rb, stride_rh, stride_rt, G, D, BLOCK_G,
                         BLOCK_D, BLOCK_N, PAGE, DOT_PRECISION, WIDEN, BITS, GROUP, PACKED,
-                        FP8, STATIC_TILES, AHEAD, V_STEP)
+                        FP8, STATIC_TILES, AHEAD, V_STEP, FLUSH, K_CHANNELS)
         b += 1
 
 
@@ -848,6 +971,12 @@ _lane_meta = triton.jit(_lane_meta)
 _words = triton.jit(_words)
 _byte_lanes = triton.jit(_byte_lanes)
 _nibble_lanes = triton.jit(_nibble_lanes)
+_word_bytes = triton.jit(_word_bytes)
+_word_nibbles = triton.jit(_word_nibbles)
+_channels = triton.jit(_channels)
+_channel_lanes = triton.jit(_channel_lanes)
+_channel_nibbles = triton.jit(_channel_nibbles)
+_online = triton.jit(_online)
 _grouped_words = triton.jit(_grouped_words)
 _biased_bytes = triton.jit(_biased_bytes)
 _biased_nibbles = triton.jit(_biased_nibbles)
@@ -938,12 +1067,14 @@ def split_partials(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
     """
     if torch.compiler.is_compiling():
         t = store.tensors if store is not None else {}
-        bits = store.fmt.bits if store is not None and store.fmt.grouped else 0
-        group = store.fmt.group_size if store is not None else 1
+        fmt = store.fmt if store is not None else None
+        bits = fmt.bits if fmt is not None and fmt.grouped else 0
+        group = fmt.group_size if fmt is not None else 1
+        flush = fmt.flush if fmt is not None and fmt.buffered else 0
         gqa_stage1(q, k_pool, v_pool, table, lengths, *launch.partials, launch.work,
-                   t.get("k_scale"),
-                   t.get("k_zero"), t.get("v_scale"), t.get("v_zero"), scale,
-                   *launch_numbers(launch), bits, group, longest)
+                   t.get("k_scale"), t.get("k_zero"), t.get("v_scale"), t.get("v_zero"),
+                   t.get("k_residual"), t.get("v_residual"), scale, *launch_numbers(launch),
+                   bits, group, flush, fmt is not None and fmt.per_channel, longest)
         return None
     return launch_stage1(q, k_pool, v_pool, table, lengths, scale, launch, store, longest)
 
@@ -976,9 +1107,9 @@ def stage1_args(q, k_pool, v_pool, table, lengths, scale, launch: Launch, store=
     G = Hq // Hkv
     acc, m, l = launch.partials
     cfg = launch.config
-    bits, group, fp8 = 0, 1, False
-    ks = kz = k_pool  # unused unless quantized
-    vs = vz = v_pool
+    bits, group, fp8, flush, channels = 0, 1, False, 0, False
+    ks = kz = kr = k_pool  # unused unless quantized, or KIVI's
+    vs = vz = vr = v_pool
     if store is not None:
         t, fmt = store.tensors, store.fmt
         bits, fp8 = fmt.bits, not fmt.grouped
@@ -987,7 +1118,15 @@ def stage1_args(q, k_pool, v_pool, table, lengths, scale, launch: Launch, store=
             bits = 0
         else:
             group, kz, vz = fmt.group_size, t["k_zero"], t["v_zero"]
-    meta = (0, 0, 0) if bits == 0 else (ks.stride(0), ks.stride(1), ks.stride(2))
+            flush, channels = fmt.flush if fmt.buffered else 0, fmt.per_channel
+        if flush:  # KIVI's residual [B, H_kv, FLUSH, D], K's and V's alike
+            kr, vr = t["k_residual"], t["v_residual"]
+            assert kr.stride() == vr.stride() and kr.stride(3) == 1
+            assert flush % cfg.block_n == 0 and not (channels and group % cfg.block_n), \
+                "KIVI's tiles in one token group and one side of the residual"
+    meta = (0, 0, 0) if bits == 0 else (vs.stride(0), vs.stride(1), vs.stride(2))
+    by_group = (ks.stride(0), ks.stride(1), ks.stride(2)) if channels else (0, 0, 0)
+    residual = (kr.stride(0), kr.stride(1), kr.stride(2)) if flush else (0, 0, 0)
     assert k_pool.stride(3) == 1 and q.stride(2) == 1 and acc.stride(3) == 1 and m.stride(2) == 1
     if bits in (8, 4):  # K's codes read as 16-bit words (`_byte_lanes`, `_nibble_lanes`)
         assert k_pool.data_ptr() % 2 == 0 and not any(x % 2 for x in k_pool.stride()[:3]), \
@@ -1003,15 +1142,16 @@ def stage1_args(q, k_pool, v_pool, table, lengths, scale, launch: Launch, store=
     precision = "ieee" if q.dtype == torch.float32 or widen else "tf32"
     # (D a power of two of at least 16: the tile's width is tl.dot's, unpadded)
     packed = bits > 0 and D == pad(D) and group & (group - 1) == 0 and group <= D
-    args = (q, k_pool, v_pool, table, lengths, launch.work, acc, m, l, ks, kz, vs, vz, scale,
-            q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), k_pool.stride(2),
-            table.stride(0), acc.stride(0), acc.stride(1), acc.stride(2), m.stride(0),
-            m.stride(1), *meta)
+    args = (q, k_pool, v_pool, table, lengths, launch.work, acc, m, l, ks, kz, vs, vz, kr, vr,
+            scale, q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1),
+            k_pool.stride(2), table.stride(0), acc.stride(0), acc.stride(1), acc.stride(2),
+            m.stride(0), m.stride(1), *meta, *by_group, *residual)
     constants = {
         "G": G, "D": D, "BLOCK_G": pad_heads(G), "BLOCK_D": pad(D), "BLOCK_N": cfg.block_n,
         "PAGE": page, "DOT_PRECISION": precision, "WIDEN": widen, "BITS": bits,
         "GROUP": group, "PACKED": packed, "FP8": fp8,
         "STATIC_TILES": static_tiles(longest, launch), "AHEAD": True, "V_STEP": v_step,
+        "FLUSH": flush, "K_CHANNELS": channels,
         "num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
     return (launch.programs, Hkv), args, constants
 
@@ -1067,23 +1207,28 @@ def gqa_stage1(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
                table: torch.Tensor, lengths: torch.Tensor, acc: torch.Tensor, m: torch.Tensor,
                l: torch.Tensor, plan: torch.Tensor, k_scale: torch.Tensor | None,
                k_zero: torch.Tensor | None, v_scale: torch.Tensor | None,
-               v_zero: torch.Tensor | None, scale: float, target: int, fixed: int,
+               v_zero: torch.Tensor | None, k_residual: torch.Tensor | None,
+               v_residual: torch.Tensor | None, scale: float, target: int, fixed: int,
                block_n: int, num_warps: int, num_stages: int, waves: int, bits: int,
-               group_size: int, longest: int) -> None:
+               group_size: int, flush: int, per_channel: bool, longest: int) -> None:
     """triton_decode's plan into `plan` and stage 1 into acc, m, l. bits 0 with k_scale:
-    fp8; bits > 0: the int formats (k_zero, v_zero their zero points)."""
+    fp8; bits > 0: the int formats (k_zero, v_zero their zero points); flush > 0: KIVI's
+    residual (k_residual, v_residual), per_channel: K's scales by token group."""
     store = None
     if k_scale is not None:
-        tensors = {"k_scale": k_scale, "v_scale": v_scale, "k_zero": k_zero, "v_zero": v_zero}
+        tensors = {"k_scale": k_scale, "v_scale": v_scale, "k_zero": k_zero, "v_zero": v_zero,
+                   "k_residual": k_residual, "v_residual": v_residual}
         store = SimpleNamespace(tensors=tensors, fmt=SimpleNamespace(
-            bits=bits, grouped=bits > 0, group_size=group_size))
+            bits=bits, grouped=bits > 0, group_size=group_size, flush=flush,
+            buffered=flush > 0, per_channel=per_channel))
     launch = _launch(acc, m, l, target, fixed, block_n, num_warps, num_stages, waves, plan)
     launch_stage1(q, k_pool, v_pool, table, lengths, scale, launch, store, longest)
 
 
 @gqa_stage1.register_fake
-def _(q, k_pool, v_pool, table, lengths, acc, m, l, plan, k_scale, k_zero, v_scale, v_zero, scale,
-      target, fixed, block_n, num_warps, num_stages, waves, bits, group_size, longest):
+def _(q, k_pool, v_pool, table, lengths, acc, m, l, plan, k_scale, k_zero, v_scale, v_zero,
+      k_residual, v_residual, scale, target, fixed, block_n, num_warps, num_stages, waves, bits,
+      group_size, flush, per_channel, longest):
     return None
 
 
