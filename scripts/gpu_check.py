@@ -191,7 +191,8 @@ def plan(mode: Mode, out: Path, gpus: int) -> list[Step]:
              [[*kv, "tune", *mode.tune, *csv("tune.csv")]]),
         Step("targets", 3, "the long shape (B=8 T=32k): triton and sdpa against the copy "
              "bandwidth; a lognormal ragged batch; int8, fp8 and int4 triton verified at the "
-             "timing case (their codes made halves by inline PTX, which only a GPU runs), "
+             "timing case, per token and in KIVI's layout (their codes made halves by inline "
+             "PTX, which only a GPU runs), "
              "then timed against fp16", 150,
              [[*kv, "bench", *dev, *mode.rounds, "--dtype", mode.half, "--impl", long_impls,
                *mode.long, "--no-recompute", "--no-prefill", *csv("bench-long.csv")],
@@ -199,6 +200,9 @@ def plan(mode: Mode, out: Path, gpus: int) -> list[Step]:
                long_impls, *ragged_bench, *csv("bench-ragged.csv")],
               [*kv, "verify", *dev, "--dtype", mode.half, "--impl", "triton", "--kv-dtype",
                "fp8,int8,int4", *mode.timing, *csv("verify-kv.csv")],
+              [*kv, "verify", *dev, "--dtype", mode.half, "--impl", "triton", "--kv-dtype",
+               "int8,int4", "--k-quant", "per-channel", "--group-size", "16",
+               "--kv-residual", "16", *mode.timing, *csv("verify-kv.csv")],  # (2 flushes)
               [*kv, "bench", *dev, *mode.rounds, "--dtype", mode.half, "--kv-dtype",
                "none,int8,fp8,int4", "--impl", "triton", *mode.long, "--no-recompute",
                "--no-prefill", *csv("bench-kv.csv")]],

@@ -76,7 +76,7 @@ def tiles_of_16(monkeypatch):
     from kvbench.caches import triton as triton_cache
     from kvbench.kernels.config import KernelConfig
 
-    monkeypatch.setattr(triton_cache, "kernel_config", lambda *a: KernelConfig(block_n=16))
+    monkeypatch.setattr(triton_cache, "kernel_config", lambda *a, **k: KernelConfig(block_n=16))
     monkeypatch.setattr(triton_decode, "processors", lambda device: 16)
 
 
@@ -752,9 +752,8 @@ def test_kivi_kernel_faults_fail_the_exact_check(tiles_of_16, monkeypatch, fault
 
 
 def test_kivis_tiles_lie_in_one_token_group_and_one_side_of_the_residual():
-    from kvbench.caches.triton import fitted, kivi_tile
     from kvbench.formats.kvformat import KvFormat
-    from kvbench.kernels.config import KernelConfig
+    from kvbench.kernels.config import KernelConfig, fitted, kivi_tile
 
     assert kivi_tile(KvFormat("int4", 64, "per-channel", 0), 64) == 64
     assert kivi_tile(KvFormat("int4", 32, "per-channel", 128), 64) == 32  # the group

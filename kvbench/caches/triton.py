@@ -21,7 +21,7 @@ import torch
 
 from kvbench.caches.base import CachedAttention, register
 from kvbench.caches.paged import PagedCache
-from kvbench.kernels.config import POSITIONS_INNER
+from kvbench.kernels.config import POSITIONS_INNER, fitted, low_bit
 from kvbench.measure import footprint as fp
 from kvbench.sizing.capacity import QUANTIZED
 
@@ -130,10 +130,7 @@ class TritonCache(KernelLengths, PagedCache):
     def kernel_config(cls, config, options):
         """The launch configuration tuned for this device and case, or the default (its
         tile fitted to KIVI's layout)."""
-        found = kernel_config(config.device, config.dtype, options.kv_dtype,
-                              config.shape.head_dim, config.shape.q_heads // config.shape.kv_heads,
-                              options.block_size)
-        return fitted(found, options.kv_format)
+        return launch_config(config.device, config.dtype, config.shape, options)
 
     @classmethod
     def step_reads(cls, config, options, length):
@@ -148,9 +145,8 @@ class TritonCache(KernelLengths, PagedCache):
 
         s = layer.shape
         self.kernel, self.units = triton_decode, s.kv_heads
-        config = fitted(kernel_config(layer.device, str(layer.dtype).replace("torch.", ""),
-                                      self.options.kv_dtype, s.head_dim, s.q_heads // s.kv_heads,
-                                      self.options.block_size), self.options.kv_format)
+        config = launch_config(layer.device, str(layer.dtype).replace("torch.", ""), s,
+                               self.options)
         self.launch = triton_decode.Launch.make(batch, s.q_heads, s.head_dim, max_len,
                                                 self.units, layer.device, config,
                                                 self.options.splits or 0)
@@ -207,36 +203,25 @@ class TritonCache(KernelLengths, PagedCache):
 
 
 
-def low_bit(n: int) -> int:
-    """The largest power of two that divides n."""
-    return n & -n
-
-
-def kivi_tile(fmt, block_n: int) -> int:
-    """The tile KIVI's layout lets a kernel of tile block_n use: one that lies in one token
-    group (K per channel) and one side of the residual (the flush); block_n otherwise."""
-    if not fmt.buffered:
-        return block_n
-    return min(block_n, low_bit(fmt.flush), low_bit(fmt.group_size) if fmt.per_channel
-               else block_n)
-
-
-def fitted(config, fmt):
-    """A launch configuration with its tile fitted to KIVI's layout (`kivi_tile`)."""
-    from dataclasses import replace
-
-    tile = kivi_tile(fmt, config.block_n)
-    return config if tile == config.block_n else replace(config, block_n=tile)
+def launch_config(device, dtype: str, shape, options):
+    """The configuration a `triton` cache launches its kernels in: the tuned or default one
+    for its case (`kernel_config`), its tile fitted to KIVI's layout."""
+    fmt = options.kv_format
+    return fitted(kernel_config(device, dtype, options.kv_dtype, shape.head_dim,
+                                shape.q_heads // shape.kv_heads, options.block_size,
+                                kivi=fmt.buffered), fmt)
 
 
 def kernel_config(device: str, dtype: str, kv_dtype: str | None, head_dim: int, group: int,
-                  page: int, kernel: str = "gqa"):
+                  page: int, kernel: str = "gqa", kivi: bool = False):
     """The tuning table's configuration for this case on this device (CUDA), else the
-    default (the CPU's interpreter has no launch parameters to tune)."""
+    default (the CPU's interpreter has no launch parameters to tune); kivi: KIVI's layout
+    of kv_dtype (its own entries, "int4-kivi")."""
     from kvbench.kernels import tuning
 
     dev = torch.device(device)
     if dev.type != "cuda":
         return tuning.DEFAULT
     name = torch.cuda.get_device_name(dev)
-    return tuning.lookup(name, dtype, kv_dtype, head_dim, group, page, kernel=kernel)[0]
+    key = kv_dtype + tuning.KIVI if kivi and kv_dtype else kv_dtype
+    return tuning.lookup(name, dtype, key, head_dim, group, page, kernel=kernel)[0]

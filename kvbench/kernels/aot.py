@@ -227,11 +227,12 @@ _SASS = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)([^
 
 
 def sass_loop(sass: str) -> list[str]:
-    """The SASS opcodes of the tile loop: the innermost range from a backward branch's
-    target to the branch that holds a matrix multiply (HMMA/HGMMA): the shortest (a loop
-    around the tile loop holds it too)."""
+    """The SASS opcodes of the tile loop: a range from a backward branch's target to the
+    branch that holds a matrix multiply (HMMA/HGMMA) and no other such range (a loop around
+    the tile loop holds it too), the first in the code where several do (KIVI's residual
+    loop follows the quantized one, as ptx_loop takes the first)."""
     code = [(int(m.group(1), 16), m.group(3), m.group(4)) for m in _SASS.finditer(sass)]
-    best: list[str] | None = None
+    loops = []
     for address, op, rest in code:
         if op != "BRA":
             continue
@@ -239,11 +240,15 @@ def sass_loop(sass: str) -> list[str]:
         if target is None:
             continue
         # (a forward branch's range is empty: only a backward one can hold the loop)
-        body = [o for a, o, _ in code if int(target.group(1), 16) <= a <= address]
-        if (any(o.startswith(("HMMA", "HGMMA")) for o in body)
-                and (best is None or len(body) < len(best))):
-            best = body
-    return [o for o in best or [] if o != "NOP"]
+        start = int(target.group(1), 16)
+        if any(o.startswith(("HMMA", "HGMMA")) for a, o, _ in code if start <= a <= address):
+            loops.append((start, address))
+    inner = [(s, e) for s, e in loops
+             if not any((s, e) != (s2, e2) and s <= s2 and e2 <= e for s2, e2 in loops)]
+    if not inner:
+        return []
+    first, last = min(inner)
+    return [o for a, o, _ in code if first <= a <= last and o != "NOP"]
 
 
 _BUFFER = re.compile(r"= ttg\.local_alloc\s*:\s*\(\)\s*->\s*!ttg\.memdesc<(\d+)x([0-9x]+)x"

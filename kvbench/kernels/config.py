@@ -3,7 +3,7 @@ CLI read it anywhere)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 
 @dataclass(frozen=True)
@@ -32,3 +32,23 @@ class KernelConfig:
 # weighted sum contracts over positions (kvbench.kernels.triton_decode, V_STEP). The `triton`
 # cache lays them out so, and `kvbench tune --inspect` compiles for them.
 POSITIONS_INNER = ("v",)
+
+
+def low_bit(n: int) -> int:
+    """The largest power of two that divides n."""
+    return n & -n
+
+
+def kivi_tile(fmt, block_n: int) -> int:
+    """The tile KIVI's layout lets a kernel of tile block_n use: one that lies in one token
+    group (K per channel) and one side of the residual (the flush); block_n otherwise."""
+    if not fmt.buffered:
+        return block_n
+    return min(block_n, low_bit(fmt.flush), low_bit(fmt.group_size) if fmt.per_channel
+               else block_n)
+
+
+def fitted(config: KernelConfig, fmt) -> KernelConfig:
+    """A launch configuration with its tile fitted to KIVI's layout (`kivi_tile`)."""
+    tile = kivi_tile(fmt, config.block_n)
+    return config if tile == config.block_n else replace(config, block_n=tile)

@@ -19,13 +19,16 @@ import math
 from dataclasses import asdict, dataclass
 
 from kvbench.errors import KvbenchError
-from kvbench.kernels.config import POSITIONS_INNER, KernelConfig
+from kvbench.kernels.config import POSITIONS_INNER, KernelConfig, fitted
+from kvbench.kernels.tuning import KIVI
 
 # sm_90 (H100, H200): per multiprocessor
 SM90 = {"registers": 65536, "shared_bytes": 233472, "warps": 64, "programs": 32,
         "reserved_shared": 1024, "register_unit": 256, "multiprocessors": 132}
 
-FORMATS = ("fp16", "bf16", "fp8", "int8", "int4")  # the GQA kernel's, as rows
+# the GQA kernel's, as rows; "-kivi": KIVI's layout of the int format (K per channel in
+# token groups of 64, a residual of 128), its quantized loop read (the residual's follows)
+FORMATS = ("fp16", "bf16", "fp8", "int8", "int4", "int8-kivi", "int4-kivi")
 MLA_FORMATS = ("fp16", "fp8")
 LONG = {"batch": 8, "length": 32768, "q_heads": 32, "kv_heads": 8, "head_dim": 128,
         "page": 16}
@@ -77,7 +80,7 @@ NEEDED_FLIGHT_BYTES = round(H200_BANDWIDTH / SM90["multiprocessors"] * LATENCY_S
 def payload(kernel: str, fmt: str) -> float:
     """The bytes one KV position holds for one program's loop at the long shape: K and V of
     one KV head (2·D at the format's width), or MLA's one latent entry (d_c + d_rope)."""
-    width = {"fp16": 2, "bf16": 2, "fp8": 1, "int8": 1, "int4": 0.5}[fmt]
+    width = {"fp16": 2, "bf16": 2, "fp8": 1, "int8": 1, "int4": 0.5}[fmt.removesuffix(KIVI)]
     if kernel.startswith("triton-mla"):
         return (MLA_LONG["latent"] + MLA_LONG["rope"]) * width
     return 2 * LONG["head_dim"] * width
@@ -123,7 +126,6 @@ def _gqa_requests(fmt: str, config: KernelConfig, ahead: bool, inner: bool = Tru
     codes laid out as K's (a planted fault)."""
     import torch
 
-    from kvbench.formats.kvformat import KvFormat
     from kvbench.formats.quant import QuantizedStore
     from kvbench.kernels import aot
     from kvbench.kernels import triton_decode as kernel
@@ -139,8 +141,9 @@ def _gqa_requests(fmt: str, config: KernelConfig, ahead: bool, inner: bool = Tru
         k_pool = torch.empty(blocks, Hkv, page, D, dtype=dtype, device=meta)
         v_pool = torch.empty_like(k_pool)
     else:
-        store = QuantizedStore(KvFormat(fmt), (blocks, Hkv, page), D, meta, dtype,
-                               positions_inner=POSITIONS_INNER if inner else ())
+        store = QuantizedStore(_layout(fmt), (blocks, Hkv, page), D, meta, dtype,
+                               positions_inner=POSITIONS_INNER if inner else (),
+                               sequences=(B, T))
         k_pool, v_pool = store.tensors["k_codes"], store.tensors["v_codes"]
     table = torch.empty(B, T // page, dtype=torch.int32, device=meta)
     lengths = torch.empty(B, dtype=torch.int32, device=meta)
@@ -196,8 +199,21 @@ def configuration(kernel: str, fmt: str) -> KernelConfig:
     """The configuration a kernel runs in format fmt where no tuning table has an entry."""
     from kvbench.kernels import tuning
 
-    return tuning.default("mla" if kernel == "triton-mla" else "gqa",
-                          None if fmt in ("fp16", "bf16") else fmt)
+    config = tuning.default("mla" if kernel == "triton-mla" else "gqa",
+                            None if fmt in ("fp16", "bf16") else fmt)
+    if fmt.endswith(KIVI):  # the tile the cache fits to KIVI's groups and residual
+        return fitted(config, _layout(fmt))
+    return config
+
+
+def _layout(fmt: str):
+    """A row's quantized format: KIVI's layout for "-kivi" (K per channel in token groups of
+    64, a residual of 128), else the format's own."""
+    from kvbench.formats.kvformat import KvFormat
+
+    if fmt.endswith(KIVI):
+        return KvFormat(fmt.removesuffix(KIVI), 64, "per-channel", 128)
+    return KvFormat(fmt)
 
 
 def inspect(formats=FORMATS, mla_formats=MLA_FORMATS, configs: dict | None = None,

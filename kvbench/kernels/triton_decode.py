@@ -805,7 +805,7 @@ def _piece_partials(Q, K, V, Table, Acc, M, L, KS, KZ, VS, VZ, KR, VR, qk_scale,
             qr = qr.to(tl.float32)
         rest = tl.maximum(first, done // BLOCK_N)
         row = b * stride_rb + h * stride_rh
-        for i in range(STATIC_TILES if STATIC_TILES > 0 else last - rest):
+        for i in tl.range(0, STATIC_TILES if STATIC_TILES > 0 else last - rest, num_stages=1):
             pos = (rest + i) * BLOCK_N + tl.arange(0, BLOCK_N)
             exact = pos < tl.where(rest + i < last, length, 0)
             at = row + (pos - done) * stride_rt  # [BLOCK_N]
@@ -817,23 +817,15 @@ def _piece_partials(Q, K, V, Table, Acc, M, L, KS, KZ, VS, VZ, KR, VR, qk_scale,
             sr = tl.where(exact[:, None], sr * qk_scale, float("-inf"))
             pr, ar, m_i, l_i = _online(sr, m_i, l_i)
             acc = acc * ar[None, :]
-            if HALVES:  # V's even elements, then its odd ones
+            vr = tl.load(VR + at[None, :] + offs_d[:, None],
+                         mask=exact[None, :] & mask_d[:, None], other=0.0)  # [BLOCK_D, N]
+            if WIDEN:
+                vr = vr.to(tl.float32)
+            if HALVES:  # V's even elements, then its odd ones, split in registers
                 acc_odd = acc_odd * ar[None, :]
-                vmask = exact[None, :] & (offs_w < W)[:, None]
-                vr = tl.load(VR + at[None, :] + 2 * offs_w[:, None], mask=vmask, other=0.0)
-                vr_odd = tl.load(VR + at[None, :] + 2 * offs_w[:, None] + 1, mask=vmask,
-                                 other=0.0)
-                if WIDEN:
-                    vr = vr.to(tl.float32)
-                    vr_odd = vr_odd.to(tl.float32)
-                acc += tl.dot(vr, pr.to(vr.dtype), input_precision=DOT_PRECISION)
+                vr, vr_odd = tl.split(tl.permute(tl.reshape(vr, (W, 2, BLOCK_N)), (0, 2, 1)))
                 acc_odd += tl.dot(vr_odd, pr.to(vr.dtype), input_precision=DOT_PRECISION)
-            else:
-                vr = tl.load(VR + at[None, :] + offs_d[:, None],
-                             mask=exact[None, :] & mask_d[:, None], other=0.0)
-                if WIDEN:
-                    vr = vr.to(tl.float32)
-                acc += tl.dot(vr, pr.to(vr.dtype), input_precision=DOT_PRECISION)  # [D, G]
+            acc += tl.dot(vr, pr.to(vr.dtype), input_precision=DOT_PRECISION)  # [D, G]
     if FP8:
         acc = acc * tl.load(VS + h)
 

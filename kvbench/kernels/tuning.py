@@ -23,6 +23,7 @@ from kvbench.kernels.config import KernelConfig
 PACKAGE_TABLE = Path(__file__).with_name("tuned.json")
 TABLE_VAR = "KVBENCH_TUNING_TABLE"  # another table to read and write (gpu-check sets it)
 DEFAULT = KernelConfig()  # the CPU's (Triton's interpreter has no launch to tune)
+KIVI = "-kivi"  # a format's key in KIVI's layout (K per channel or a residual): "int4-kivi"
 
 # The configuration each kernel and K/V format runs on a GPU where the table has none, chosen
 # by reading each candidate's sm_90 code (`kvbench tune --inspect`, tests/test_inspection.py):
@@ -42,6 +43,10 @@ DEFAULTS = {
     ("gqa", "int8"): KernelConfig(block_n=16, num_warps=1, num_stages=4, waves=12),
     ("gqa", "int4"): KernelConfig(block_n=16, num_warps=1, num_stages=4, waves=15),
     ("gqa", "int2"): KernelConfig(block_n=64, num_warps=4, num_stages=3, waves=3),
+    # KIVI's layout (K per channel, the residual's loop after the quantized one): 10 and 12
+    # programs an SM under 3.9 (189 and 168 registers), 12 and 12 under 3.6
+    ("gqa", "int8-kivi"): KernelConfig(block_n=16, num_warps=1, num_stages=4, waves=10),
+    ("gqa", "int4-kivi"): KernelConfig(block_n=16, num_warps=1, num_stages=4, waves=12),
     ("mla", None): KernelConfig(block_n=16, num_warps=4, num_stages=4, waves=3),
     ("mla", "fp8"): KernelConfig(block_n=32, num_warps=8, num_stages=4, waves=1),
 }
@@ -49,8 +54,9 @@ DEFAULTS = {
 
 def default(kernel: str, kv_format: str | None) -> KernelConfig:
     """The configuration of `kernel` ("gqa" or "mla") in a K/V format where no table entry
-    names one."""
-    return DEFAULTS.get((kernel, kv_format), DEFAULTS[(kernel, None)])
+    names one ("int8-kivi": KIVI's layout of int8; where it has none, int8's)."""
+    base = kv_format.removesuffix(KIVI) if kv_format is not None else None
+    return DEFAULTS.get((kernel, kv_format), DEFAULTS.get((kernel, base), DEFAULTS[(kernel, None)]))
 
 
 def table_path() -> Path:
