@@ -283,6 +283,7 @@ class PagedCache(CachedAttention):
         n, bs = k.shape[2], self.options.block_size
         self._grow(self.length + n)
         if self.store is not None and self.store.fmt.buffered:  # KIVI: the store flushes
+            assert v is not None, "KIVI's layout stores K and V"
             tensors = self.store.tensors
             self.store.append(k, v, self.length,
                               lambda name, start, values: self._put(tensors[name], start, values))
@@ -306,6 +307,7 @@ class PagedCache(CachedAttention):
                 pool[blocks, :, pos % bs] = values.transpose(1, 2)[rows, pos]
         elif n == 1:  # each sequence at its own length
             pos = self.lens_dev
+            assert pos is not None  # (a ragged batch keeps its lengths on the device)
             blocks = self.table[self.rows, pos // bs]  # [B]
             for pool, values in parts:
                 pool[blocks, :, pos % bs] = values[:, :, 0]
