@@ -772,3 +772,13 @@ def test_kivis_decode_step_is_refused_a_graph():
     options = Options(kv_dtype="int4", k_quant="per-channel")
     assert "quantized on the host" in TritonCache.uncapturable(config, options)
     assert TritonCache.uncapturable(config, Options(kv_dtype="int4")) is None
+
+
+@pytest.mark.slow
+def test_the_static_tile_loop_equals_recompute_in_kivis_layout(tiles_of_16, monkeypatch):
+    # the interpreter's fixed loop (Triton 3.6 under numpy >= 2.4) walks tiles past a split's
+    # end in both loops: masked, and K's channel scales read from a group the sequence has
+    monkeypatch.setattr(triton_decode, "STATIC_LOOP", True)
+    config, options = kivi_case("int4", 16, "per-channel", 32, 64, "float32", decode_len=12)
+    (result,) = verify(config, {"triton": TritonCache}, options).checks
+    assert result.passed, result.message

@@ -707,7 +707,10 @@ def _piece_partials(Q, K, V, Table, Acc, M, L, KS, KZ, VS, VZ, KR, VR, qk_scale,
                 k = k.to(tl.float32)
             scores = tl.dot(k, q, input_precision=DOT_PRECISION)  # [BLOCK_N, BLOCK_G]
         elif K_CHANNELS:  # the tile's token group: its channels' scales and zero points
-            cslot = b * stride_cb + h * stride_ch + (t * BLOCK_N // GROUP) * stride_cg
+            group = t * BLOCK_N // GROUP
+            if STATIC_TILES > 0:  # (the interpreter's fixed loop: past the end, a real group)
+                group = tl.maximum(tl.minimum(t, end - 1), 0) * BLOCK_N // GROUP
+            cslot = b * stride_cb + h * stride_ch + group * stride_cg
             if LANES == 2:
                 k, k_1 = _channel_lanes(K, KS, KZ, slot, cslot, D, MATH)
                 scores = tl.dot(k.to(q.dtype), q, input_precision=DOT_PRECISION)
