@@ -674,9 +674,9 @@ def test_every_kernel_variant_compiles_for_an_h200():
 
 # KIVI's layout (--k-quant per-channel, --kv-residual): the pool holds the quantized
 # positions (K per channel under its token group's scales), each sequence's residual the
-# newest ones exact, a second loop of the kernel after the first. 37 + 30 positions cross a
-# flush (and a token group) during decode; tiles of 16 in 3 splits put a split's boundary
-# inside the quantized positions and another in the residual.
+# newest ones exact, a second loop of the kernel after the first. 60 + 8 positions cross a
+# flush (and a token group) at 64 during decode; tiles of 16 in 3 splits put a split's
+# boundary inside the quantized positions and another in the residual.
 KIVI = [  # kv_dtype, group, k_quant, residual, head_dim, dtype: the path K takes
     ("int8", 64, "per-channel", 0, 64, "float32"),  # two byte lanes, flush = a group
     ("int4", 32, "per-channel", 64, 128, "float16"),  # four nibble lanes, two groups a flush
@@ -685,8 +685,9 @@ KIVI = [  # kv_dtype, group, k_quant, residual, head_dim, dtype: the path K take
 ]
 
 
-def kivi_case(kv_dtype, group, k_quant, residual, head_dim, dtype, decode_len=30):
-    config = RunConfig(shape("gqa", head_dim, decode_len=decode_len), dtype, kv_dtype=kv_dtype,
+def kivi_case(kv_dtype, group, k_quant, residual, head_dim, dtype, prompt_len=60,
+              decode_len=8):
+    config = RunConfig(shape("gqa", head_dim, prompt_len, decode_len), dtype, kv_dtype=kv_dtype,
                        group_size=group, k_quant=k_quant, kv_residual=residual)
     options = ImplOptions(block_size=16, splits=3, kv_dtype=kv_dtype, group_size=group,
                           k_quant=k_quant, kv_residual=residual)
@@ -746,7 +747,7 @@ def test_kivi_kernel_faults_fail_the_exact_check(tiles_of_16, monkeypatch, fault
         monkeypatch.setattr(triton_decode, "_channels", _channels_of_the_next_lane)
     elif fault is not None:
         _planted(monkeypatch, _no_residual if fault == "no residual" else _first_group_only)
-    config, options = kivi_case("int8", 16, "per-channel", 32, 64, "float32", decode_len=12)
+    config, options = kivi_case("int8", 16, "per-channel", 32, 64, "float32", 37, 12)
     (result,) = verify(config, {"triton": TritonCache}, options).checks
     assert result.passed == (fault is None), result.message
 
@@ -779,6 +780,6 @@ def test_the_static_tile_loop_equals_recompute_in_kivis_layout(tiles_of_16, monk
     # the interpreter's fixed loop (Triton 3.6 under numpy >= 2.4) walks tiles past a split's
     # end in both loops: masked, and K's channel scales read from a group the sequence has
     monkeypatch.setattr(triton_decode, "STATIC_LOOP", True)
-    config, options = kivi_case("int4", 16, "per-channel", 32, 64, "float32", decode_len=12)
+    config, options = kivi_case("int4", 16, "per-channel", 32, 64, "float32", 37, 12)
     (result,) = verify(config, {"triton": TritonCache}, options).checks
     assert result.passed, result.message
