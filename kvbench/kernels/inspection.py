@@ -265,10 +265,10 @@ def shortfalls(rows: list[Inspection]) -> list[str]:
     fewer than 2 tiles on their way during the dot, fewer bytes in flight per SM than
     Little's law asks, spills read or written in the tile loop (or anywhere, where its SASS
     is unread: a few words kept in local memory outside the loop cost a load a sequence's
-    piece, not a tile), int codes loaded a byte at a time, a K/V byte loaded more
-    than once, a tile's round trip through shared memory before its dot, codes read from
-    shared memory a byte at a time, or fewer programs per SM than its configuration's waves
-    (the work list would overfill the SMs). Empty when none."""
+    piece, not a tile), int codes loaded a byte at a time, a K/V byte loaded more than once,
+    a tile's round trip through shared memory before its dot (or its scales' layout change),
+    codes read from shared memory a byte at a time, or fewer programs per SM than its
+    configuration's waves (the work list would overfill the SMs). Empty when none."""
     lines = []
     for r in rows:
         if not r.kernel.endswith("stage1"):
@@ -293,7 +293,8 @@ def shortfalls(rows: list[Inspection]) -> list[str]:
         per = payload(r.kernel, r.kv_format)
         if r.smem_store_per_position is not None and r.smem_store_per_position > per / 4:
             lines.append(f"{name}: stores {r.smem_store_per_position:,.0f} B a position to "
-                         "shared memory (a tile's round trip between its load and its dot)")
+                         "shared memory (a tile's round trip between its load and its dot, "
+                         "or its scales changing layout)")
         if r.shared_byte_reads:
             lines.append(f"{name}: {r.shared_byte_reads} one-byte shared-memory reads a tile "
                          "(codes not read as vectors)")
