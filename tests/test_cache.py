@@ -51,6 +51,32 @@ def test_rewind_then_decode_equals_a_fresh_decode(name):
     assert impl.length == 27
 
 
+@pytest.mark.parametrize("name", ["static", "paged", "triton"])
+@pytest.mark.slow
+def test_kivis_layout_rewinds_past_a_flush_through_its_checkpoint(name):
+    # bench's pattern: the prompt's cache checkpointed, decoded past a flush (at 32: the
+    # residual's exact positions 16-31 quantized), rewound to the prompt, decoded again
+    shape = LayerShape(batch=2, prompt_len=21, decode_len=15, hidden=32, q_heads=4,
+                       kv_heads=2, head_dim=16)
+    config = RunConfig(shape, kv_dtype="int4", group_size=16, k_quant="per-channel",
+                       kv_residual=16)
+    options = ImplOptions(kv_dtype="int4", group_size=16, k_quant="per-channel",
+                          kv_residual=16)
+    cls = runnable(name, config)
+    layer, x = AttentionLayer.from_config(config), make_inputs(config)
+    with torch.no_grad():
+        impl = cls(layer, 2, shape.total_len, options)
+        impl.prefill(x[:, :21])
+        impl.checkpoint()
+        first = [impl.step(x[:, t:t + 1]) for t in range(21, 36)]
+        assert impl.store.flushed == 32
+        impl.rewind(21)
+        assert impl.store.flushed == 16
+        again = [impl.step(x[:, t:t + 1]) for t in range(21, 36)]
+    for a, b in zip(first, again):
+        assert torch.equal(a, b)
+
+
 def test_paged_takes_blocks_as_sequences_grow():
     config = RunConfig(SHAPE)
     layer, x = AttentionLayer.from_config(config), make_inputs(config)

@@ -362,19 +362,23 @@ def test_kivi_bad_input_is_one_line(args, line):
 
 def test_bench_times_kivis_layout_from_the_prompt_and_from_nothing(tmp_path):
     # bench rewinds to 0 before each timed prefill and to the prompt before each timed
-    # decode: both must work once flushes have quantized positions
+    # decode: both must work once flushes have quantized positions, in a static store and
+    # in a block pool
     from typer.testing import CliRunner
 
     from kvbench.cli import app
 
     out = tmp_path / "b.csv"
     r = CliRunner().invoke(app, [
-        "bench", "--device", "cpu", "--impl", "static", "--kv-dtype", "int4", "--group-size",
-        "4", "--k-quant", "per-channel", "--kv-residual", "8", "--batch", "2", "--prompt-len",
-        "13", "--decode-len", "12", "--hidden", "32", "--q-heads", "4", "--kv-heads", "2",
-        "--head-dim", "8", "--rounds", "2", "--warmup", "1", "--csv", str(out)])
+        "bench", "--device", "cpu", "--impl", "static,paged", "--kv-dtype", "int4",
+        "--group-size", "4", "--k-quant", "per-channel", "--kv-residual", "8", "--batch", "2",
+        "--prompt-len", "13", "--decode-len", "12", "--hidden", "32", "--q-heads", "4",
+        "--kv-heads", "2", "--head-dim", "8", "--rounds", "2", "--warmup", "1", "--csv",
+        str(out)])
     assert r.exit_code == 0, r.output
     import pandas as pd
 
-    row = pd.read_csv(out).iloc[0]
-    assert row.k_quant == "per-channel" and row.kv_residual == 8 and row.verified
+    rows = pd.read_csv(out)
+    assert rows.impl.tolist() == ["static", "paged"]  # (paged: the residual beside the pool)
+    for _, row in rows.iterrows():
+        assert row.k_quant == "per-channel" and row.kv_residual == 8 and row.verified
