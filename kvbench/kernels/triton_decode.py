@@ -721,12 +721,9 @@ def _piece_partials(Q, K, V, Table, Acc, M, L, KS, KZ, VS, VZ, KR, VR, qk_scale,
                 scores = tl.dot(k_1.to(q.dtype), q_1, scores, input_precision=DOT_PRECISION)
                 scores = tl.dot(k_2.to(q.dtype), q_2, scores, input_precision=DOT_PRECISION)
                 scores = tl.dot(k_3.to(q.dtype), q_3, scores, input_precision=DOT_PRECISION)
-            else:  # element by element, as `_dequantized`
-                c = _codes(K, slot[:, None], offs_d[None, :], valid[:, None] & mask_d[None, :],
-                           BITS, 1)
-                cs = tl.load(KS + cslot + offs_d, mask=mask_d, other=0.0).to(tl.float32)
-                cz = tl.load(KZ + cslot + offs_d, mask=mask_d, other=0.0).to(tl.float32)
-                k = (c.to(tl.float32) * cs[None, :] + cz[None, :]).to(dtype)
+            else:  # element by element: every position's meta the group's, a channel a group
+                k = tl.trans(_dequantized(K, KS, KZ, slot, tl.zeros_like(slot) + cslot, offs_d,
+                                          dmask, BITS, 1, 1).to(dtype))
                 scores = tl.dot(k.to(q.dtype), q, input_precision=DOT_PRECISION)
         elif FOLD:
             words = _grouped_words(K, slot, NG, GW)  # [NG, BLOCK_N, GW]
